@@ -1,0 +1,1 @@
+"""Serving: the command line, and (later) the engine and the chat REPL."""

@@ -1,0 +1,93 @@
+# fmt: off
+"""Pieces every kernel shares: the masked-logit value, a vectorisable exp for CPUs, and what a target allows.
+
+Kernel factories write each element-wise formula once with these helpers and wrap it in a loop nest per target kind:
+``is_cpu(target)`` picks the CPU nest (rows in parallel, branch-free vectorised words, a scalar tail), otherwise the
+GPU nest (one block per row or a flat grid, ``max_threads(target)`` threads).
+"""
+
+from __future__ import annotations
+
+import tvm
+from tvm import tirx
+from tvm.script import tirx as T
+
+#: Bit pattern of float32 -inf. Masked logits are set to -inf so that their probability is exactly 0; it is written
+#: as a bit cast rather than a literal so that every code generator (WGSL and OpenCL print 7-digit literals, WGSL has
+#: no infinity literal) produces the same value.
+NEG_INF_BITS = 0xFF800000
+
+#: exp(x) underflows to 0 in float32 below this; fast_exp returns exactly 0 there (and for -inf).
+EXP_UNDERFLOW = -87.33654
+
+#: Vector width, in float32 lanes, of the CPU loop nests (one AVX-512 register; LLVM splits it for narrower CPUs).
+CPU_LANES = 16
+
+#: Threads per block for WebGPU/Vulkan unless the device raises its limits.
+WEBGPU_THREADS = 256
+
+#: Threads per block on CUDA, ROCm and Metal.
+GPU_THREADS = 1024
+
+_GPU_KINDS = ("cuda", "rocm", "webgpu", "metal", "vulkan", "opencl")
+
+
+def neg_inf() -> tirx.PrimExpr:
+    """float32 -inf as an expression every backend prints exactly."""
+    return T.reinterpret("float32", T.uint32(NEG_INF_BITS))
+
+
+def is_cpu(target: tvm.target.Target) -> bool:
+    """True for llvm (host CPU) targets, False for GPU kinds."""
+    kind = target.kind.name
+    if kind == "llvm":
+        return True
+    if kind in _GPU_KINDS:
+        return False
+    raise ValueError(f"target kind {kind!r} is not supported; expected llvm or one of {_GPU_KINDS}")
+
+
+def max_threads(target: tvm.target.Target) -> int:
+    """Threads per block the GPU loop nests use on ``target``."""
+    return WEBGPU_THREADS if target.kind.name == "webgpu" else GPU_THREADS
+
+
+# Taylor coefficients of 2**f = exp(f * ln 2) for f in [-0.5, 0.5]; degree 6 keeps the relative error near 1.2e-7.
+_EXP2_COEFFS = (
+    1.0,
+    0.6931471805599453,
+    0.2402265069591007,
+    0.05550410866482158,
+    0.009618129107628477,
+    0.0013333558146428443,
+    0.00015403530393381608,
+)
+_LOG2E = 1.4426950408889634
+
+
+def fast_exp(x: tirx.PrimExpr) -> tirx.PrimExpr:
+    """exp(x) for float32 without a libm call, so that LLVM keeps it in vector registers.
+
+    Equivalent to::
+
+        0.0 if x < EXP_UNDERFLOW else 2**n * poly(f)   # t = x*log2(e), n = round(t), f = t - n
+
+    Exact 0 for -inf and for every x whose exp underflows; relative error about 2e-7 elsewhere (x <= 88).
+    """
+    t = tirx.Var("exp_t", "float32")
+    n = tirx.Var("exp_n", "float32")
+    f = tirx.Var("exp_f", "float32")
+    poly = tirx.const(_EXP2_COEFFS[-1], "float32")
+    for c in reversed(_EXP2_COEFFS[:-1]):
+        poly = poly * f + tirx.const(c, "float32")
+    scale = T.reinterpret("float32", T.shift_left(T.Cast("int32", n) + 127, 23))
+    value = tirx.Let(
+        t, T.max(x, tirx.const(EXP_UNDERFLOW, "float32")) * tirx.const(_LOG2E, "float32"),
+        tirx.Let(n, T.floor(t + tirx.const(0.5, "float32")), tirx.Let(f, t - n, poly * scale)),
+    )
+    return T.Select(x < tirx.const(EXP_UNDERFLOW, "float32"), tirx.const(0.0, "float32"), value)
+
+
+def exp_for(target: tvm.target.Target):
+    """The exp to use in a kernel body for ``target``: fast_exp on CPUs, the hardware exp on GPUs."""
+    return fast_exp if is_cpu(target) else T.exp

@@ -1,0 +1,76 @@
+# fmt: off
+"""apply_penalty_inplace: repetition, frequency and presence penalties over sparse (row, token, count) entries.
+
+Operation, with logits float32 ``[batch, vocab]``, ``num_entries`` duplicate-free entries (pos2seq, token_ids,
+token_cnt: int32 ``[num_entries]``) naming every token that occurs in the prompt or the output of the row's sequence,
+``token_cnt`` = its count in the output only, and penalties float32 ``[batch, 3]`` = (presence, frequency,
+repetition) per row (the vLLM / OpenAI semantics)::
+
+    for i in range(num_entries):
+        r, t, c = pos2seq[i], token_ids[i], token_cnt[i]
+        presence, frequency, repetition = penalties[r]
+        x = logits[r, t]
+        x = x / repetition if x > 0 else x * repetition
+        logits[r, t] = x - (frequency * c + presence * (c > 0))
+"""
+
+from __future__ import annotations
+
+import tvm
+from tvm import tirx
+from tvm.script import tirx as T
+
+from ._common import is_cpu, max_threads
+
+NAME = "apply_penalty_inplace"
+
+
+def _penalised(x: tirx.PrimExpr, cnt: tirx.PrimExpr, presence: tirx.PrimExpr, frequency: tirx.PrimExpr,
+               repetition: tirx.PrimExpr) -> tirx.PrimExpr:
+    """The element formula (repetition first, then frequency and presence)."""
+    repeated = T.Select(x > T.float32(0), x / repetition, x * repetition)
+    return repeated - (frequency * T.Cast("float32", cnt) + T.Select(cnt > 0, presence, T.float32(0)))
+
+
+def _cpu() -> tirx.PrimFunc:
+    @T.prim_func
+    def apply_penalty_inplace(var_logits: T.handle, var_pos2seq: T.handle, var_token_ids: T.handle,
+                              var_token_cnt: T.handle, var_penalties: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        batch, vocab, num_entries = T.int32(), T.int32(), T.int32()
+        logits = T.match_buffer(var_logits, (batch, vocab), "float32")
+        pos2seq = T.match_buffer(var_pos2seq, (num_entries,), "int32")
+        token_ids = T.match_buffer(var_token_ids, (num_entries,), "int32")
+        token_cnt = T.match_buffer(var_token_cnt, (num_entries,), "int32")
+        penalties = T.match_buffer(var_penalties, (batch, 3), "float32")
+        for i in range(num_entries):
+            r: T.let = pos2seq[i]
+            logits[r, token_ids[i]] = _penalised(logits[r, token_ids[i]], token_cnt[i], penalties[r, 0],
+                                                 penalties[r, 1], penalties[r, 2])
+    return apply_penalty_inplace
+
+
+def _gpu(threads: int) -> tirx.PrimFunc:
+    @T.prim_func
+    def apply_penalty_inplace(var_logits: T.handle, var_pos2seq: T.handle, var_token_ids: T.handle,
+                              var_token_cnt: T.handle, var_penalties: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        batch, vocab, num_entries = T.int32(), T.int32(), T.int32()
+        logits = T.match_buffer(var_logits, (batch, vocab), "float32")
+        pos2seq = T.match_buffer(var_pos2seq, (num_entries,), "int32")
+        token_ids = T.match_buffer(var_token_ids, (num_entries,), "int32")
+        token_cnt = T.match_buffer(var_token_cnt, (num_entries,), "int32")
+        penalties = T.match_buffer(var_penalties, (batch, 3), "float32")
+        for bx in T.thread_binding((num_entries + threads - 1) // threads, thread="blockIdx.x"):
+            for tx in T.thread_binding(threads, thread="threadIdx.x"):
+                if bx * threads + tx < num_entries:
+                    i: T.let = bx * threads + tx
+                    r: T.let = pos2seq[i]
+                    logits[r, token_ids[i]] = _penalised(logits[r, token_ids[i]], token_cnt[i], penalties[r, 0],
+                                                         penalties[r, 1], penalties[r, 2])
+    return apply_penalty_inplace
+
+
+def get_apply_penalty_inplace(target: tvm.target.Target) -> tirx.PrimFunc:
+    """The kernel scheduled for ``target``'s kind (see the module docstring for the operation)."""
+    return _cpu() if is_cpu(target) else _gpu(max_threads(target))
