@@ -41,8 +41,9 @@ class TargetSpec:
 
 def host_cpu_name() -> str:
     """LLVM's name for this machine's CPU, or 'generic' where LLVM does not know it."""
-    name = str(tvm.target.codegen.llvm_get_system_cpu())
-    return name if name and tvm.target.codegen.llvm_is_valid_cpu(name, str(tvm.target.codegen.llvm_get_system_triple())) else "generic"
+    codegen = tvm.target.codegen
+    name = str(codegen.llvm_get_system_cpu())
+    return name if name and codegen.llvm_is_valid_cpu(name, str(codegen.llvm_get_system_triple())) else "generic"
 
 
 def resolve_target(kind: str, arch: str | None = None) -> TargetSpec:

@@ -1,0 +1,54 @@
+"""The ``logitproc`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+
+
+def _compile_kernels(args: argparse.Namespace) -> int:
+    from logitproc.compile import build_kernels
+
+    started = time.perf_counter()
+    print(f"building kernels for {args.target}{' ' + args.arch if args.arch else ''} ...", file=sys.stderr)
+    library = build_kernels(args.target, args.arch, cache=not args.no_cache)
+    out = library.export(args.out)
+    print(f"{len(library.kernel_names)} kernels in {time.perf_counter() - started:.1f}s", file=sys.stderr)
+    for filename in library.manifest["files"]:
+        print(out / filename)
+    print(out / "manifest.json")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from logitproc import __version__
+    from logitproc.compile import TARGET_KINDS
+
+    parser = argparse.ArgumentParser(prog="logitproc", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"logitproc {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    compile_kernels = commands.add_parser(
+        "compile-kernels", help="build the kernel library for a target and export it with a manifest"
+    )
+    compile_kernels.add_argument("--target", required=True, choices=TARGET_KINDS)
+    compile_kernels.add_argument("--arch", help="CPU name, sm_NN (cuda) or gfxNNNN (rocm); default per target")
+    compile_kernels.add_argument("--out", required=True, help="directory to write the library into")
+    compile_kernels.add_argument("--no-cache", action="store_true", help="build afresh instead of reusing the cache")
+    compile_kernels.set_defaults(run=_compile_kernels)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except (ValueError, RuntimeError, FileNotFoundError) as err:
+        print(f"logitproc {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
