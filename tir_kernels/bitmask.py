@@ -52,7 +52,7 @@ def _cpu() -> tirx.PrimFunc:
 
 
 def _gpu(threads: int) -> tirx.PrimFunc:
-    # One thread per (masked row, token); blocks along the flattened index.
+    # One block row per masked row (blockIdx.y), threads along the vocabulary: no division per element.
     @T.prim_func
     def apply_bitmask_inplace(var_logits: T.handle, var_row_ids: T.handle, var_bitmask: T.handle):
         T.func_attr({"tirx.noalias": True})
@@ -60,12 +60,12 @@ def _gpu(threads: int) -> tirx.PrimFunc:
         logits = T.match_buffer(var_logits, (batch, vocab), "float32")
         row_ids = T.match_buffer(var_row_ids, (num_rows,), "int32")
         bitmask = T.match_buffer(var_bitmask, (num_rows, num_words), "int32")
-        for bx in T.thread_binding((num_rows * vocab + threads - 1) // threads, thread="blockIdx.x"):
-            for tx in T.thread_binding(threads, thread="threadIdx.x"):
-                if bx * threads + tx < num_rows * vocab:
-                    i: T.let = (bx * threads + tx) // vocab
-                    v: T.let = (bx * threads + tx) % vocab
-                    logits[row_ids[i], v] = _keep_if_allowed(logits[row_ids[i], v], bitmask[i, v // 32], v % 32)
+        for i in T.thread_binding(num_rows, thread="blockIdx.y"):
+            for bx in T.thread_binding((vocab + threads - 1) // threads, thread="blockIdx.x"):
+                for tx in T.thread_binding(threads, thread="threadIdx.x"):
+                    if bx * threads + tx < vocab:
+                        v: T.let = bx * threads + tx
+                        logits[row_ids[i], v] = _keep_if_allowed(logits[row_ids[i], v], bitmask[i, v // 32], v % 32)
     return apply_bitmask_inplace
 
 

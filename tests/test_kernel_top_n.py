@@ -1,0 +1,130 @@
+"""top_n on the CPU against the numpy reference; its GPU variants compile for every GPU target, and run on Vulkan
+(lavapipe) when wgpu and an adapter are present."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import tvm
+from kernel_harness import run_cpu
+from logitproc.compile import resolve_target
+from logitproc.tir_kernels import reference, top_n
+from test_kernel_argmax import logits_with_special_rows
+
+SHAPES = [(1, 1), (99, 1), (7, 31), (99, 31), (99, 33), (5, 200), (7, 128001), (1, 128256), (1, 151936)]
+GPU_TARGETS = [("cuda", "sm_80"), ("cuda", "sm_90"), ("rocm", "gfx942"), ("vulkan", None), ("metal", None)]
+
+
+def widths(vocab: int) -> list[int]:
+    """n = 1, 5, 20 (those <= vocab) and n = vocab for small vocabularies."""
+    return sorted({n for n in (1, 5, 20) if n <= vocab} | ({vocab} if vocab <= 200 else set()))
+
+
+def run_top_n(x: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    batch = x.shape[0]
+    _, values, indices = run_cpu(top_n.NAME, x, np.zeros((batch, n), np.float32), np.full((batch, n), -7, np.int32))
+    return values, indices
+
+
+def assert_matches_reference(values: np.ndarray, indices: np.ndarray, x: np.ndarray, n: int) -> None:
+    ref_values, ref_indices = reference.top_n(x, n)
+    np.testing.assert_array_equal(indices, ref_indices)
+    np.testing.assert_array_equal(values, ref_values)
+
+
+@pytest.mark.parametrize(("batch", "vocab"), SHAPES)
+@pytest.mark.parametrize("ties", [True, False], ids=["ties", "normal"])
+def test_top_n_matches_reference(batch: int, vocab: int, ties: bool) -> None:
+    x = logits_with_special_rows(np.random.default_rng(batch * 5 + vocab), batch, vocab, ties)
+    for n in widths(vocab):
+        assert_matches_reference(*run_top_n(x, n), x, n)
+
+
+@pytest.mark.parametrize(("vocab", "n"), [(1, 1), (33, 20), (128256, 20)])
+def test_row_of_minus_inf_gives_the_first_ids(vocab: int, n: int) -> None:
+    values, indices = run_top_n(np.full((2, vocab), -np.inf, np.float32), n)
+    assert np.all(values == -np.inf)
+    np.testing.assert_array_equal(indices, np.broadcast_to(np.arange(n), (2, n)))
+
+
+@pytest.mark.parametrize("vocab", [33, 200])
+def test_single_finite_value_then_masked_ids_in_order(vocab: int) -> None:
+    """Row r holds one finite value, at index r: it comes first, then the -inf ids in increasing order."""
+    n = min(vocab, 20)
+    x = np.full((vocab, vocab), -np.inf, np.float32)
+    x[np.arange(vocab), np.arange(vocab)] = 2.5
+    values, indices = run_top_n(x, n)
+    np.testing.assert_array_equal(values[:, 0], 2.5)
+    assert np.all(values[:, 1:] == -np.inf)
+    np.testing.assert_array_equal(indices[:, 0], np.arange(vocab))
+    assert_matches_reference(values, indices, x, n)
+
+
+def test_duplicates_across_lanes_chunks_and_tail_come_in_id_order() -> None:
+    vocab = 128001  # 2000 chunks of 64 and a tail of 1
+    positions = [0, 1, 15, 16, 63, 64, 65, 127, 128, 64000, 127999, 128000]
+    x = np.zeros((3, vocab), np.float32)
+    x[0, positions] = 1.0
+    x[1, positions[::2]] = 1.0
+    x[1, positions[1::2]] = -1.0
+    x[2] = -np.inf
+    x[2, positions[::-1][:5]] = 4.0
+    values, indices = run_top_n(x, 20)
+    np.testing.assert_array_equal(indices[0, :12], positions)
+    assert_matches_reference(values, indices, x, 20)
+
+
+def test_full_sort_of_a_small_vocabulary_with_ties_and_masks() -> None:
+    """n = vocab walks the previous pick through every chunk and the tail (vocab 200 = 3 chunks of 64 + 8)."""
+    rng = np.random.default_rng(3)
+    x = rng.integers(-2, 3, size=(6, 200)).astype(np.float32)
+    x[1, rng.random(200) < 0.5] = -np.inf
+    x[2] = -np.inf
+    x[3, ::7] = np.inf
+    assert_matches_reference(*run_top_n(x, 200), x, 200)
+
+
+def test_n_larger_than_vocab_fills_with_minus_inf_and_minus_1() -> None:
+    """A caller error (the runtime rejects it); the kernel still writes only defined values."""
+    x = np.array([[1.0, -np.inf, 3.0], [-np.inf, -np.inf, -np.inf]], np.float32)
+    values, indices = run_top_n(x, 5)
+    np.testing.assert_array_equal(indices, [[2, 0, 1, -1, -1], [0, 1, 2, -1, -1]])
+    np.testing.assert_array_equal(values, np.array([[3, 1, -np.inf, -np.inf, -np.inf], [-np.inf] * 5], np.float32))
+
+
+@pytest.mark.parametrize(("kind", "arch"), GPU_TARGETS)
+def test_gpu_variant_compiles(kind: str, arch: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    if kind == "rocm":
+        from logitproc.compile.device_code import rocm_toolchain_available
+
+        if not rocm_toolchain_available():
+            pytest.skip("ld.lld or the ROCm device libraries are missing")
+    monkeypatch.setenv("CUDA_PATH", os.environ.get("CUDA_PATH", "/usr/local/cuda"))
+    target = resolve_target(kind, arch).tvm_target()
+    func = top_n.get_top_n(target)
+    with tvm.transform.PassContext(config={"tirx.disable_cse_tir": True}):
+        tvm.compile(tvm.IRModule({top_n.NAME: func}), target=target)
+
+
+@pytest.fixture(scope="module")
+def vulkan_kernels():
+    wgsl = pytest.importorskip("logitproc.runtime.wgsl")
+    wgsl.use_lavapipe_if_unset()
+    if wgsl.wgpu is None:
+        pytest.skip("the wgpu package is not installed")
+    adapter = wgsl.request_adapter()
+    if adapter is None:
+        pytest.skip("no Vulkan/WebGPU adapter (install mesa-vulkan-drivers for lavapipe)")
+    target = resolve_target("vulkan").tvm_target()
+    return wgsl.WGSLKernels.from_prim_funcs(wgsl.create_device(adapter), {top_n.NAME: top_n.get_top_n(target)})
+
+
+@pytest.mark.parametrize(("batch", "vocab", "n"), [(7, 1, 1), (99, 33, 33), (11, 257, 20), (6, 128001, 5),
+                                                   (1, 151936, 20)])
+def test_vulkan_matches_reference(vulkan_kernels, batch: int, vocab: int, n: int) -> None:
+    x = logits_with_special_rows(np.random.default_rng(batch + vocab), batch, vocab, ties=True)
+    values, indices = np.zeros((batch, n), np.float32), np.full((batch, n), -7, np.int32)
+    vulkan_kernels(top_n.NAME, x, values, indices)
+    assert_matches_reference(values, indices, x, n)

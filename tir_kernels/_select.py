@@ -1,0 +1,181 @@
+# fmt: off
+"""The (value, index) selection shared by the argmax and top_n kernels.
+
+Entries of a row are ranked by the total order "larger value first, lower index first among equal values"; the best
+entry of a row under that order is what ``reference.argmax`` returns. top_n finds its j-th entry as the best entry
+that ranks strictly after the (j-1)-th one, so both kernels need one operation, written here once::
+
+    best = (-inf, NO_INDEX)                       # the identity: ranks after every real entry
+    for i in range(vocab):
+        v = x[r, i]
+        if (prev is None or ranks_after(v, i, *prev)) and better(v, i, *best):
+            best = (v, i)
+
+``better`` is commutative and associative (it is the maximum of a total order), so lanes, tails and threads may be
+merged in any order. A value of -inf still beats the identity (its index is lower than NO_INDEX), so a row of only
+-inf selects index 0; ``NO_INDEX`` comes out only when nothing is left to select (vocab == 0, or top_n asked for more
+entries than the row has). NaN compares false both ways and is never selected (logits are never NaN).
+
+Two TVMScript macros expand this inside the kernels' loop nests:
+
+- ``row_best_cpu``: CPU_WIDTH (4 x 16) per-lane partials updated branch-free in a vectorised loop that visits the row
+  in chunks from the last to the first (so one ``>=`` compare keeps the lowest index of equal values), with a single
+  compare for top_n's eligibility on every chunk but the one holding the previous pick; then a lane merge and a scalar
+  tail.
+- ``row_best_gpu``: threads striding over the row, then two one-value block all-reduces (the largest value, then the
+  lowest index holding it).
+"""
+
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from ._common import CPU_LANES, neg_inf
+
+#: Index of the identity entry: larger than every token id, so any real entry of equal value beats it.
+NO_INDEX = 2**31 - 1
+
+#: Lanes of the CPU scan: CPU_ACCUMULATORS independent vector registers of CPU_LANES each, so that the compare-select
+#: chains of successive chunks overlap instead of waiting on each other.
+CPU_ACCUMULATORS = 4
+CPU_WIDTH = CPU_LANES * CPU_ACCUMULATORS
+
+#: Bit pattern of float32 +inf (the "previous pick" before the first round of top_n ranks before everything).
+POS_INF_BITS = 0x7F800000
+
+
+def pos_inf() -> tirx.PrimExpr:
+    """float32 +inf as an expression every backend prints exactly."""
+    return T.reinterpret("float32", T.uint32(POS_INF_BITS))
+
+
+def better(v: tirx.PrimExpr, i: tirx.PrimExpr, best_v: tirx.PrimExpr, best_i: tirx.PrimExpr) -> tirx.PrimExpr:
+    """(v, i) ranks before (best_v, best_i): a larger value, or an equal value and a lower index."""
+    return T.Or(v > best_v, T.And(v == best_v, i < best_i))
+
+
+def ranks_after(v: tirx.PrimExpr, i: tirx.PrimExpr, prev_v: tirx.PrimExpr, prev_i: tirx.PrimExpr) -> tirx.PrimExpr:
+    """(v, i) ranks strictly after (prev_v, prev_i): a smaller value, or an equal value and a higher index."""
+    return T.Or(v < prev_v, T.And(v == prev_v, i > prev_i))
+
+
+def _max_reducer() -> tirx.CommReducer:
+    """float32 maximum with identity -inf (for the block reduction of the values)."""
+    return T.comm_reducer(lambda a, b: T.max(a, b), [neg_inf()])
+
+
+def _min_reducer() -> tirx.CommReducer:
+    """int32 minimum with identity NO_INDEX (for the block reduction of the indices)."""
+    return T.comm_reducer(lambda a, b: T.min(a, b), [T.int32(NO_INDEX)])
+
+
+def _eligible(mode: str, v: tirx.PrimExpr, i: tirx.PrimExpr, prev_v: tirx.PrimExpr | None,
+              prev_i: tirx.PrimExpr | None) -> tirx.PrimExpr:
+    """Whether (v, i) may be selected, for a stretch of indices whose position relative to prev_i is known.
+
+    ``all``: no previous pick (argmax). ``before``: every index of the stretch is below prev_i, so ranking after the
+    previous pick means ``v < prev_v``. ``after``: every index is above prev_i, so it means ``v <= prev_v``. ``any``:
+    the stretch may hold prev_i itself: the full ``ranks_after`` rule.
+    """
+    if mode == "all":
+        return T.bool(True)
+    if mode == "before":
+        return v < prev_v
+    if mode == "after":
+        return v <= prev_v
+    return ranks_after(v, i, prev_v, prev_i)
+
+
+@T.macro
+def _scan_chunk_cpu(x: tirx.Buffer, r: tirx.PrimExpr, c: tirx.PrimExpr, mode: str, prev_v: tirx.PrimExpr | None,
+                    prev_i: tirx.PrimExpr | None, lane_v: tirx.Buffer, lane_i: tirx.Buffer, lane_take: tirx.Buffer):
+    """Fold the CPU_WIDTH entries of chunk c of row r into the per-lane partials.
+
+    Chunks are visited from the last to the first, so ``v >= lane_v`` (one compare) leaves each lane holding the lowest
+    index of its largest eligible value, and an eligible -inf still replaces the identity (-inf, NO_INDEX).
+    """
+    for a in T.unroll(CPU_ACCUMULATORS):
+        for lane in T.vectorized(CPU_LANES):
+            lane_take[a * CPU_LANES + lane] = T.Cast("int8", T.And(
+                _eligible(mode, x[r, c * CPU_WIDTH + a * CPU_LANES + lane], c * CPU_WIDTH + a * CPU_LANES + lane,
+                          prev_v, prev_i),
+                x[r, c * CPU_WIDTH + a * CPU_LANES + lane] >= lane_v[a * CPU_LANES + lane]))
+            lane_v[a * CPU_LANES + lane] = T.Select(lane_take[a * CPU_LANES + lane] != T.int8(0),
+                                                    x[r, c * CPU_WIDTH + a * CPU_LANES + lane],
+                                                    lane_v[a * CPU_LANES + lane])
+            lane_i[a * CPU_LANES + lane] = T.Select(lane_take[a * CPU_LANES + lane] != T.int8(0),
+                                                    c * CPU_WIDTH + a * CPU_LANES + lane,
+                                                    lane_i[a * CPU_LANES + lane])
+
+
+@T.macro
+def row_best_cpu(x: tirx.Buffer, r: tirx.PrimExpr, vocab: tirx.PrimExpr, prev_v: tirx.PrimExpr | None,
+                 prev_i: tirx.PrimExpr | None, lane_v: tirx.Buffer, lane_i: tirx.Buffer, lane_take: tirx.Buffer,
+                 best_v: tirx.Buffer, best_i: tirx.Buffer):
+    """best_v[0], best_i[0] = the best entry of x[r, :vocab] (ranking after (prev_v, prev_i) unless those are None).
+
+    lane_v / lane_i / lane_take: local scratch of CPU_WIDTH float32 / int32 / int8 (the per-lane partials and the
+    update mask: a vector boolean can be neither bound with T.let nor stored in a bool buffer in this TVM).
+    Full chunks of CPU_WIDTH entries are scanned backwards with branch-free vector selects; with a previous pick the
+    chunks above and below the one holding prev_i need a single compare for eligibility (see ``_eligible``). The lanes
+    are then merged and the vocab % CPU_WIDTH tail is scanned with the full rules.
+    """
+    for lane in T.vectorized(CPU_WIDTH):
+        lane_v[lane] = neg_inf()
+        lane_i[lane] = NO_INDEX
+    if prev_v is None:
+        for c in range(vocab // CPU_WIDTH):
+            _scan_chunk_cpu(x, r, vocab // CPU_WIDTH - 1 - c, "all", prev_v, prev_i, lane_v, lane_i, lane_take)
+    else:
+        # The chunk holding prev_i (-1 before the first round, vocab // CPU_WIDTH when it lies in the tail).
+        pc: T.let = T.min(T.max(T.floordiv(prev_i, CPU_WIDTH), -1), vocab // CPU_WIDTH)
+        for c in range(vocab // CPU_WIDTH - 1 - pc):
+            _scan_chunk_cpu(x, r, vocab // CPU_WIDTH - 1 - c, "after", prev_v, prev_i, lane_v, lane_i, lane_take)
+        if pc >= 0 and pc < vocab // CPU_WIDTH:
+            _scan_chunk_cpu(x, r, pc, "any", prev_v, prev_i, lane_v, lane_i, lane_take)
+        for c in range(T.max(pc, 0)):
+            _scan_chunk_cpu(x, r, pc - 1 - c, "before", prev_v, prev_i, lane_v, lane_i, lane_take)
+    best_v[0] = neg_inf()
+    best_i[0] = NO_INDEX
+    for lane in range(CPU_WIDTH):
+        if better(lane_v[lane], lane_i[lane], best_v[0], best_i[0]):
+            best_v[0] = lane_v[lane]
+            best_i[0] = lane_i[lane]
+    for t in range(vocab % CPU_WIDTH):
+        if T.And(_eligible("all" if prev_v is None else "any", x[r, vocab // CPU_WIDTH * CPU_WIDTH + t],
+                           vocab // CPU_WIDTH * CPU_WIDTH + t, prev_v, prev_i),
+                 better(x[r, vocab // CPU_WIDTH * CPU_WIDTH + t], vocab // CPU_WIDTH * CPU_WIDTH + t, best_v[0],
+                        best_i[0])):
+            best_v[0] = x[r, vocab // CPU_WIDTH * CPU_WIDTH + t]
+            best_i[0] = vocab // CPU_WIDTH * CPU_WIDTH + t
+
+
+@T.macro
+def row_best_gpu(x: tirx.Buffer, r: tirx.PrimExpr, vocab: tirx.PrimExpr, prev_v: tirx.PrimExpr | None,
+                 prev_i: tirx.PrimExpr | None, tx: tirx.Var, threads: int, part_v: tirx.Buffer, part_i: tirx.Buffer,
+                 best_v: tirx.Buffer, best_i: tirx.Buffer):
+    """best_v[0], best_i[0] = the best entry of x[r, :vocab], in every thread of the block.
+
+    tx: the threadIdx.x variable (``threads`` threads); part_v / part_i: local (1,) scratch for the thread partials;
+    best_v / best_i: local (1,) results, which TVM's lowering replaces by shared memory: read them after the call,
+    never before it in a loop (keep a previous pick in other buffers). Each thread scans indices tx, tx + threads, ...
+    then the block combines the partials with all-reduces (barriers are placed by TVM's lowering, outside any ``if``).
+    """
+    part_v[0] = neg_inf()
+    part_i[0] = NO_INDEX
+    for k in range((vocab + threads - 1) // threads):
+        if k * threads + tx < vocab:
+            if T.And(_eligible("all" if prev_v is None else "any", x[r, k * threads + tx], k * threads + tx, prev_v,
+                               prev_i),
+                     better(x[r, k * threads + tx], k * threads + tx, part_v[0], part_i[0])):
+                part_v[0] = x[r, k * threads + tx]
+                part_i[0] = k * threads + tx
+    # Two one-value all-reduces: the largest value, then the lowest index among the threads holding it. (A two-value
+    # comm_reducer is not safe here: TVM 0.27 lowers its combine as one store per value, in order, and the later
+    # stores read the values already overwritten by the earlier ones.)
+    with T.attr(_max_reducer(), "reduce_scope", T.reinterpret("handle", T.uint64(0))):
+        T.tvm_thread_allreduce(T.uint32(1), part_v[0], True, best_v[0], tx, dtype="void")
+    with T.attr(_min_reducer(), "reduce_scope", T.reinterpret("handle", T.uint64(0))):
+        T.tvm_thread_allreduce(T.uint32(1), T.Select(part_v[0] == best_v[0], part_i[0], NO_INDEX), True, best_i[0],
+                               tx, dtype="void")

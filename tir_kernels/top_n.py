@@ -1,0 +1,102 @@
+# fmt: off
+"""top_n: per row, the n largest values in decreasing order (equal values: lower index first) and their indices.
+
+Operation, with x float32 ``[batch, vocab]``, values float32 ``[batch, n]`` and indices int32 ``[batch, n]``; ``n`` is
+the runtime width of the output buffers (any ``1 <= n <= vocab``, typically 1..20), not a compile-time constant::
+
+    for r in range(batch):
+        prev_v, prev_i = +inf, -1                 # ranks before every entry
+        for j in range(n):
+            best_v, best_i = -inf, NO_INDEX
+            for i in range(vocab):
+                v = x[r, i]
+                ranks_after_prev = v < prev_v or (v == prev_v and i > prev_i)
+                if ranks_after_prev and (v > best_v or (v == best_v and i < best_i)):
+                    best_v, best_i = v, i
+            values[r, j], indices[r, j] = best_v, (best_i if best_i != NO_INDEX else -1)
+            prev_v, prev_i = best_v, best_i
+
+i.e. n rounds of argmax, round j taking the largest (value, -index) pair strictly below the one of round j-1: exact
+for duplicates and -inf (masked) values, equal to ``reference.top_n``. The scan is the one argmax uses (``_select``):
+on CPUs rows in parallel, each round a branch-free vectorised pass over the row (after the first round the row is in
+L2); on GPUs one block per row, each round a strided scan and two block all-reduces.
+
+``n > vocab`` is a caller error (the runtime rejects it); the kernel then fills the slots past ``vocab`` with value
+-inf and index -1 rather than reading out of bounds. NaN is never selected (logits are never NaN).
+"""
+
+from __future__ import annotations
+
+import tvm
+from tvm import tirx
+from tvm.script import tirx as T
+
+from ._common import is_cpu, max_threads
+from ._select import CPU_WIDTH, NO_INDEX, pos_inf, row_best_cpu, row_best_gpu
+
+NAME = "top_n"
+
+
+def _out_index(best_i: tirx.PrimExpr) -> tirx.PrimExpr:
+    """The index written out: -1 where nothing was left to select (only when n > vocab)."""
+    return T.Select(best_i == NO_INDEX, T.int32(-1), best_i)
+
+
+def _cpu() -> tirx.PrimFunc:
+    @T.prim_func
+    def top_n(var_x: T.handle, var_values: T.handle, var_indices: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        batch, vocab, n = T.int32(), T.int32(), T.int32()
+        x = T.match_buffer(var_x, (batch, vocab), "float32")
+        values = T.match_buffer(var_values, (batch, n), "float32")
+        indices = T.match_buffer(var_indices, (batch, n), "int32")
+        for r in T.parallel(batch):
+            lane_v = T.alloc_buffer((CPU_WIDTH,), "float32", scope="local")
+            lane_i = T.alloc_buffer((CPU_WIDTH,), "int32", scope="local")
+            lane_take = T.alloc_buffer((CPU_WIDTH,), "int8", scope="local")
+            best_v = T.alloc_buffer((1,), "float32", scope="local")
+            best_i = T.alloc_buffer((1,), "int32", scope="local")
+            best_v[0] = pos_inf()
+            best_i[0] = -1
+            for j in range(n):
+                prev_v: T.let = best_v[0]
+                prev_i: T.let = best_i[0]
+                row_best_cpu(x, r, vocab, prev_v, prev_i, lane_v, lane_i, lane_take, best_v, best_i)
+                values[r, j] = best_v[0]
+                indices[r, j] = _out_index(best_i[0])
+    return top_n
+
+
+def _gpu(threads: int) -> tirx.PrimFunc:
+    @T.prim_func
+    def top_n(var_x: T.handle, var_values: T.handle, var_indices: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        batch, vocab, n = T.int32(), T.int32(), T.int32()
+        x = T.match_buffer(var_x, (batch, vocab), "float32")
+        values = T.match_buffer(var_values, (batch, n), "float32")
+        indices = T.match_buffer(var_indices, (batch, n), "int32")
+        for r in T.thread_binding(batch, thread="blockIdx.x"):
+            for tx in T.thread_binding(threads, thread="threadIdx.x"):
+                part_v = T.alloc_buffer((1,), "float32", scope="local")
+                part_i = T.alloc_buffer((1,), "int32", scope="local")
+                best_v = T.alloc_buffer((1,), "float32", scope="local")
+                best_i = T.alloc_buffer((1,), "int32", scope="local")
+                prev_v = T.alloc_buffer((1,), "float32", scope="local")
+                prev_i = T.alloc_buffer((1,), "int32", scope="local")
+                prev_v[0] = pos_inf()
+                prev_i[0] = -1
+                for j in range(n):
+                    # Every thread holds the previous pick (the all-reduce result), so all scan the same eligibility.
+                    # (The all-reduce result buffers are rewritten by TVM's lowering: the previous pick lives apart.)
+                    row_best_gpu(x, r, vocab, prev_v[0], prev_i[0], tx, threads, part_v, part_i, best_v, best_i)
+                    prev_v[0] = best_v[0]
+                    prev_i[0] = best_i[0]
+                    if tx == 0:
+                        values[r, j] = best_v[0]
+                        indices[r, j] = _out_index(best_i[0])
+    return top_n
+
+
+def get_top_n(target: tvm.target.Target) -> tirx.PrimFunc:
+    """The kernel scheduled for ``target``'s kind (see the module docstring for the operation)."""
+    return _cpu() if is_cpu(target) else _gpu(max_threads(target))
