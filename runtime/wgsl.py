@@ -93,10 +93,40 @@ def request_adapter(backend: str | None = "Vulkan") -> Any | None:
     Without a Vulkan driver wgpu falls back to other backends (OpenGL on llvmpipe, for one); they are not what this
     module targets, so by default only Vulkan adapters are considered.
     """
-    adapters = [a for a in _require_wgpu().gpu.enumerate_adapters_sync()
-                if backend is None or a.info["backend_type"] == backend]
-    adapters.sort(key=lambda a: _ADAPTER_RANK.get(a.info["adapter_type"], 4))
+    _require_wgpu()
+    if backend == "Vulkan":
+        adapters = vulkan_adapters()
+    else:
+        adapters = [a for a in wgpu.gpu.enumerate_adapters_sync() if backend is None or a.info["backend_type"] == backend]
+        adapters.sort(key=lambda a: _ADAPTER_RANK.get(a.info["adapter_type"], 4))
     return adapters[0] if adapters else None
+
+
+_INSTANCE_CONFIGURED = False
+
+
+def _vulkan_only_instance() -> None:
+    """Create wgpu's instance with the Vulkan backend alone (once, before any adapter request): the other backends
+    are never used here, and probing OpenGL prints errors on machines without a display."""
+    global _INSTANCE_CONFIGURED
+    if _INSTANCE_CONFIGURED:
+        return
+    _INSTANCE_CONFIGURED = True
+    try:
+        from wgpu.backends.wgpu_native.extras import set_instance_extras
+
+        set_instance_extras(backends=["Vulkan"])
+    except (ImportError, RuntimeError):  # an instance exists already, or another wgpu backend: keep its defaults
+        pass
+
+
+def vulkan_adapters() -> list[Any]:
+    """Every Vulkan adapter, real GPUs first; empty when wgpu is not installed."""
+    if wgpu is None:
+        return []
+    _vulkan_only_instance()
+    adapters = [a for a in wgpu.gpu.enumerate_adapters_sync() if a.info["backend_type"] == "Vulkan"]
+    return sorted(adapters, key=lambda a: _ADAPTER_RANK.get(a.info["adapter_type"], 4))
 
 
 def create_device(adapter: Any | None = None) -> Any:

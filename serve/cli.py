@@ -22,6 +22,14 @@ def _compile_kernels(args: argparse.Namespace) -> int:
     return 0
 
 
+def _devices(args: argparse.Namespace) -> int:
+    from logitproc.runtime.device import Device
+
+    for info in Device.available():
+        print(info)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from logitproc import __version__
     from logitproc.compile import TARGET_KINDS
@@ -38,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     compile_kernels.add_argument("--out", required=True, help="directory to write the library into")
     compile_kernels.add_argument("--no-cache", action="store_true", help="build afresh instead of reusing the cache")
     compile_kernels.set_defaults(run=_compile_kernels)
+
+    devices = commands.add_parser("devices", help="list the devices found: backend and limits")
+    devices.set_defaults(run=_devices)
     return parser
 
 

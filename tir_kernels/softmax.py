@@ -1,0 +1,153 @@
+# fmt: off
+"""softmax_with_temperature: per-row softmax of logits / temperature, greedy one-hot at temperature 0.
+
+Operation, with logits float32 ``[batch, vocab]``, temperature float32 ``[batch]`` (>= 0) and probs float32
+``[batch, vocab]`` (written)::
+
+    for r in range(batch):
+        m = max(logits[r])
+        if m == -inf:                                   # every token masked
+            probs[r, :] = 0
+        elif temperature[r] == 0:                       # greedy: one-hot on the argmax, lowest id on ties
+            probs[r, :] = 0
+            probs[r, min(v for v in range(vocab) if logits[r, v] == m)] = 1
+        else:
+            e = exp((logits[r] - m) * (1 / temperature[r]))   # exactly 0 where logits[r, v] == -inf
+            probs[r] = e / sum(e)
+
+A temperature in (0, 1e-38] uses the inverse temperature FLT_MAX instead of overflowing: the row becomes uniform over
+its tied maxima (the limit t -> 0+). Numerically stable for any vocab (the max is subtracted before exp); the sum is
+accumulated in float32 over many partials (CPU: 64 lanes, each adding blocks of 1024 tokens into the row total; GPU:
+one partial per thread, then a tree), within a few 1e-7 of the exact sum at vocab 262144.
+
+CPU: rows in parallel; per row a max pass (reads the row from memory), an exp pass (fast_exp) that writes the exps to
+probs and sums them, and a scale pass over probs (the rows are hot in L2, or L3 where a logits row and a probs row
+together exceed L2). Greedy rows replace the exp and scale passes by a first-index-of-max pass and a one-hot write.
+GPU: one block per row, threads striding over the vocabulary, block allreduces for the max, the sum and (at
+temperature 0) the first index of the max; the exps are recomputed in the final write pass rather than stored and
+reloaded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import tvm
+from tvm import tirx
+from tvm.script import tirx as T
+
+from ._common import is_cpu, max_threads, neg_inf
+from ._reductions import (
+    CPU_WORD,
+    cpu_first_index_of,
+    cpu_row_map,
+    cpu_row_max,
+    cpu_row_sum_exp,
+    gpu_first_index_of,
+    gpu_row_map,
+    gpu_row_max,
+    gpu_row_sum_exp,
+    guarded_exp,
+    inverse_temperature,
+    safe_shift,
+    shifted_exp,
+)
+
+NAME = "softmax_with_temperature"
+
+
+def _one_hot(v: tirx.PrimExpr, hot: tirx.PrimExpr) -> tirx.PrimExpr:
+    """1 at token ``hot``, 0 elsewhere (``hot == vocab`` gives a row of zeros)."""
+    return T.Select(v == hot, T.float32(1), T.float32(0))
+
+
+def _inverse_sum(total: tirx.PrimExpr) -> tirx.PrimExpr:
+    """1 / sum of the exps, or 0 for an empty sum (a row of only -inf), so that the scaled row is zeros, not NaN."""
+    return T.Select(total > T.float32(0), T.float32(1) / total, T.float32(0))
+
+
+# Per-token values for the row maps (callables v -> PrimExpr, built at parse time from the row's scalars).
+
+
+def _zeros() -> Callable[[tirx.PrimExpr], tirx.PrimExpr]:
+    return lambda v: T.float32(0)
+
+
+def _one_hot_at(hot: tirx.PrimExpr) -> Callable[[tirx.PrimExpr], tirx.PrimExpr]:
+    return lambda v: _one_hot(v, hot)
+
+
+def _scaled(buf: tirx.Buffer, r: tirx.PrimExpr, factor: tirx.PrimExpr) -> Callable[[tirx.PrimExpr], tirx.PrimExpr]:
+    return lambda v: buf[r, v] * factor
+
+
+def _probability(logits: tirx.Buffer, r: tirx.PrimExpr, greedy: tirx.PrimExpr, hot: tirx.PrimExpr,
+                 shift: tirx.PrimExpr, scale: tirx.PrimExpr,
+                 inv_sum: tirx.PrimExpr) -> Callable[[tirx.PrimExpr], tirx.PrimExpr]:
+    """The whole formula in one pass (GPU): one-hot when greedy, else the exp recomputed and scaled by 1 / sum."""
+    return lambda v: T.Select(greedy, _one_hot(v, hot), shifted_exp(logits[r, v], shift, scale, guarded_exp) * inv_sum)
+
+
+def _cpu() -> tirx.PrimFunc:
+    @T.prim_func
+    def softmax_with_temperature(var_logits: T.handle, var_temperature: T.handle, var_probs: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        batch, vocab = T.int32(), T.int32()
+        logits = T.match_buffer(var_logits, (batch, vocab), "float32")
+        temperature = T.match_buffer(var_temperature, (batch,), "float32")
+        probs = T.match_buffer(var_probs, (batch, vocab), "float32")
+        for r in T.parallel(batch):
+            lanes = T.alloc_buffer((CPU_WORD,), "float32", scope="global")
+            block = T.alloc_buffer((CPU_WORD,), "float32", scope="global")
+            index_lanes = T.alloc_buffer((CPU_WORD,), "int32", scope="global")
+            index_block = T.alloc_buffer((CPU_WORD,), "int32", scope="global")
+            row_max = T.alloc_buffer((1,), "float32", scope="global")
+            row_sum = T.alloc_buffer((1,), "float32", scope="global")
+            hot = T.alloc_buffer((1,), "int32", scope="global")
+            cpu_row_max(logits, r, vocab, lanes, block, row_max)
+            if row_max[0] == neg_inf():
+                cpu_row_map(probs, r, vocab, _zeros())
+            elif temperature[r] == T.float32(0):
+                cpu_first_index_of(logits, r, vocab, row_max[0], index_lanes, index_block, hot)
+                cpu_row_map(probs, r, vocab, _one_hot_at(hot[0]))
+            else:
+                shift: T.let = row_max[0]
+                scale: T.let = inverse_temperature(temperature[r])
+                cpu_row_sum_exp(logits, r, vocab, shift, scale, probs, lanes, block, row_sum)
+                inv_sum: T.let = _inverse_sum(row_sum[0])
+                cpu_row_map(probs, r, vocab, _scaled(probs, r, inv_sum))
+    return softmax_with_temperature
+
+
+def _gpu(threads: int) -> tirx.PrimFunc:
+    @T.prim_func
+    def softmax_with_temperature(var_logits: T.handle, var_temperature: T.handle, var_probs: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        batch, vocab = T.int32(), T.int32()
+        logits = T.match_buffer(var_logits, (batch, vocab), "float32")
+        temperature = T.match_buffer(var_temperature, (batch,), "float32")
+        probs = T.match_buffer(var_probs, (batch, vocab), "float32")
+        for bx in T.thread_binding(batch, thread="blockIdx.x"):
+            for tx in T.thread_binding(threads, thread="threadIdx.x"):
+                part = T.alloc_buffer((1,), "float32", scope="local")
+                index_part = T.alloc_buffer((1,), "int32", scope="local")
+                row_max = T.alloc_buffer((1,), "float32", scope="local")
+                row_sum = T.alloc_buffer((1,), "float32", scope="local")
+                hot = T.alloc_buffer((1,), "int32", scope="local")
+                gpu_row_max(logits, bx, vocab, tx, threads, part, row_max)
+                shift: T.let = safe_shift(row_max[0])
+                scale: T.let = inverse_temperature(temperature[bx])
+                greedy: T.let = temperature[bx] == T.float32(0)
+                gpu_row_sum_exp(logits, bx, vocab, shift, scale, tx, threads, part, row_sum)
+                # hot: the first max when greedy on a row with a finite max; vocab (no token) otherwise
+                gpu_first_index_of(logits, bx, vocab, row_max[0], greedy and row_max[0] != neg_inf(), tx, threads,
+                                   index_part, hot)
+                inv_sum: T.let = _inverse_sum(row_sum[0])
+                gpu_row_map(probs, bx, vocab, tx, threads,
+                            _probability(logits, bx, greedy, hot[0], shift, scale, inv_sum))
+    return softmax_with_temperature
+
+
+def get_softmax_with_temperature(target: tvm.target.Target) -> tirx.PrimFunc:
+    """The kernel scheduled for ``target``'s kind (see the module docstring for the operation)."""
+    return _cpu() if is_cpu(target) else _gpu(max_threads(target))
