@@ -23,7 +23,6 @@ from typing import Any
 import numpy as np
 import tvm
 import tvm_ffi
-
 from logitproc.compile import KernelLibrary, build_kernels
 
 DEVICE_KINDS = ("cpu", "cuda", "vulkan")

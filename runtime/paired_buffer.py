@@ -33,9 +33,8 @@ class PairedBuffer:
 
     def _check(self, rows: int) -> None:
         if not 0 <= rows <= self.capacity:
-            raise ValueError(
-                f"{self.name}: {rows} rows requested, capacity is {self.capacity} (raise max_num_token or split the batch)"
-            )
+            raise ValueError(f"{self.name}: {rows} rows requested, capacity is {self.capacity} "
+                             "(raise max_num_token or split the batch)")
 
     def host_prefix(self, rows: int) -> np.ndarray:
         """The first ``rows`` rows of the host array, to fill in place."""

@@ -97,7 +97,8 @@ def request_adapter(backend: str | None = "Vulkan") -> Any | None:
     if backend == "Vulkan":
         adapters = vulkan_adapters()
     else:
-        adapters = [a for a in wgpu.gpu.enumerate_adapters_sync() if backend is None or a.info["backend_type"] == backend]
+        adapters = [a for a in wgpu.gpu.enumerate_adapters_sync()
+                    if backend is None or a.info["backend_type"] == backend]
         adapters.sort(key=lambda a: _ADAPTER_RANK.get(a.info["adapter_type"], 4))
     return adapters[0] if adapters else None
 

@@ -134,11 +134,13 @@ def renormalize(probs: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, min_p: 
             # cumulative kept mass up to and including each distinct value
             values = np.unique(order)
             below = np.cumsum(order)[np.searchsorted(order, values, side="right") - 1]
-            dropped = values[below <= budget]
+            # the largest value always stays (top_p = 0 would otherwise drop every value)
+            dropped = values[:-1][below[:-1] <= budget]
             if dropped.size:
                 keep &= p > dropped.max()
         kept = np.where(keep, p, 0.0)
-        out[r] = (kept / kept.sum()).astype(np.float32)
+        if kept.sum() > 0:  # min_p > 1 keeps nothing: zeros, not NaN
+            out[r] = (kept / kept.sum()).astype(np.float32)
     return out
 
 
