@@ -1,9 +1,19 @@
 """logitproc: compiled logit processing and sampling for LLM serving.
 
 Kernels are written once in TVM's TIR (``logitproc.tir_kernels``), compiled for CPU, CUDA, ROCm, Vulkan and Metal
-(``logitproc.compile``), and driven by a lean Python runtime (``logitproc.runtime``).
+(``logitproc.compile``), and driven by a lean Python runtime (``logitproc.runtime``)::
+
+    from logitproc import GenerationConfig, RequestState, LogitProcessor, Sampler
 """
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = ["GenerationConfig", "LogitProcessor", "RequestState", "Sampler", "__version__"]
+
+
+def __getattr__(name: str):  # the runtime (and TVM) load on first use, so `logitproc --help` stays fast
+    if name in __all__:
+        from . import runtime
+
+        return getattr(runtime, name)
+    raise AttributeError(f"module 'logitproc' has no attribute {name!r}")

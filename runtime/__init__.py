@@ -1,6 +1,23 @@
-"""The runtime: devices, paired host/device buffers, and (next) the logit processor and the sampler."""
+"""The runtime: devices, paired host/device buffers, the logit processor and the sampler."""
 
+from .config import GenerationConfig
 from .device import Device, DeviceInfo
+from .logit_processor import LogitProcessor
+from .logits_io import empty_aligned
 from .paired_buffer import PairedBuffer
+from .request_state import DraftTree, RequestState, TokenMaskSource
+from .sampler import Sampler, SampleResult
 
-__all__ = ["Device", "DeviceInfo", "PairedBuffer"]
+__all__ = [
+    "Device",
+    "DeviceInfo",
+    "DraftTree",
+    "GenerationConfig",
+    "LogitProcessor",
+    "PairedBuffer",
+    "RequestState",
+    "SampleResult",
+    "Sampler",
+    "TokenMaskSource",
+    "empty_aligned",
+]

@@ -165,7 +165,8 @@ class TVMDevice(Device):
             if not np.shares_memory(view, host):
                 view[...] = host
             return
-        source = tvm.runtime.from_dlpack(np.ascontiguousarray(host))
+        # A host-side source of a copy needs no particular alignment (TVM's from_dlpack would insist on 64 bytes).
+        source = tvm_ffi.from_dlpack(np.ascontiguousarray(host), require_alignment=0)
         self._set_stream(self.tvm_device.dlpack_device_type(), self.index, self._copy_stream)
         try:
             self._copy_from_to(source, dst)

@@ -6,7 +6,6 @@ import functools
 
 import numpy as np
 import tvm
-
 from logitproc.compile import resolve_target
 from logitproc.tir_kernels import KERNEL_FACTORIES
 

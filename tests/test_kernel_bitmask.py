@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from kernel_harness import run_cpu
-
 from logitproc.tir_kernels import reference
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from kernel_harness import run_cpu
-
 from logitproc.tir_kernels import reference
 
 SHAPES = [(1, 1), (1, 31), (7, 33), (1, 128001), (7, 128256), (1, 151936), (99, 33), (99, 1000)]
@@ -70,6 +69,7 @@ def test_penalty_semantics_by_hand() -> None:
 def test_empty_sparse_lists_leave_logits_alone(kernel: str) -> None:
     logits = np.random.default_rng(0).standard_normal((3, 33)).astype(np.float32)
     empty_i = np.zeros(0, dtype=np.int32)
-    extra = (np.zeros(0, np.float32),) if kernel == "apply_logit_bias_inplace" else (empty_i, np.ones((3, 3), np.float32))
+    bias_args = (np.zeros(0, np.float32),)
+    extra = bias_args if kernel == "apply_logit_bias_inplace" else (empty_i, np.ones((3, 3), np.float32))
     (out, *_) = run_cpu(kernel, logits, empty_i, empty_i, *extra)
     np.testing.assert_array_equal(out, logits)

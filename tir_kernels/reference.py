@@ -174,7 +174,7 @@ def top_n(x: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def log_softmax_gather(logits: np.ndarray, target_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per row: (``log_softmax(logits[r])[target_ids[r]]``, ``logsumexp(logits[r])``); a row of -inf gives -inf, -inf."""
+    """Per row: (``log_softmax(logits[r])[target_ids[r]]``, ``logsumexp(logits[r])``); a row of -inf: -inf, -inf."""
     x = logits.astype(np.float64)
     m = x.max(axis=1, keepdims=True)
     finite = np.isfinite(m)

@@ -1,0 +1,130 @@
+"""GenerationConfig: a request's sampling and processing parameters, validated once at construction.
+
+Ranges follow OpenAI where it defines them (logit bias in [-100, 100], presence/frequency penalties in [-2, 2],
+top_logprobs <= 20); the others are the widest sane ranges. Every error is a ValueError or TypeError naming the
+field, the value and what is allowed. The same object serves the API, the CLI and the REPL.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+LOGPROBS_MODES = ("processed", "raw")
+MAX_TOP_LOGPROBS = 20
+
+
+def _number(name: str, value: Any, *, integer: bool = False) -> float:
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        expected = "an int" if integer else "a number"
+        raise TypeError(f"{name} must be {expected}, got {value!r} ({type(value).__name__})")
+    if not integer and not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    return value
+
+
+def _in_range(name: str, value: float, low: float, high: float, *, low_open: bool = False) -> None:
+    below = value <= low if low_open else value < low
+    if below or value > high:
+        bracket = "(" if low_open else "["
+        raise ValueError(f"{name} must be in {bracket}{low}, {high}], got {value!r}")
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """How one request's next tokens are chosen. Defaults leave the model's distribution untouched.
+
+    temperature        >= 0; 0 = greedy (argmax, lowest id on ties)
+    top_p              (0, 1]; 1 = off
+    top_k              -1 or 0 = off, else keep the k most likely tokens (ties kept)
+    min_p              [0, 1]; 0 = off; keep tokens with prob >= min_p * max prob
+    presence_penalty   [-2, 2]: subtracted once from every token already in the output
+    frequency_penalty  [-2, 2]: subtracted once per occurrence in the output
+    repetition_penalty > 0; 1 = off; divides positive / multiplies negative logits of prompt and output tokens
+    logit_bias         {token_id: bias in [-100, 100]}; token ids are checked against the vocabulary when a
+                       processor first sees the request
+    seed               None, or an int in [0, 2**64): the same seed gives the same tokens whatever the batch
+    logprobs           return the chosen token's log-probability
+    top_logprobs       0..20 most likely alternatives per position (needs logprobs=True)
+    logprobs_mode      "processed" (the distribution sampled from) or "raw" (the model's, before any processing)
+    max_tokens         None or >= 1
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Mapping[int, float] = field(default_factory=dict)
+    seed: int | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0
+    logprobs_mode: str = "processed"
+    max_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        _in_range("temperature", _number("temperature", self.temperature), 0.0, math.inf)
+        _in_range("top_p", _number("top_p", self.top_p), 0.0, 1.0, low_open=True)
+        top_k = _number("top_k", self.top_k, integer=True)
+        if top_k < -1:
+            raise ValueError(f"top_k must be -1 or 0 (off) or >= 1, got {top_k!r}")
+        _in_range("min_p", _number("min_p", self.min_p), 0.0, 1.0)
+        _in_range("presence_penalty", _number("presence_penalty", self.presence_penalty), -2.0, 2.0)
+        _in_range("frequency_penalty", _number("frequency_penalty", self.frequency_penalty), -2.0, 2.0)
+        _in_range("repetition_penalty", _number("repetition_penalty", self.repetition_penalty), 0.0, math.inf,
+                  low_open=True)
+        object.__setattr__(self, "logit_bias", self._checked_bias(self.logit_bias))
+        if self.seed is not None:
+            _in_range("seed", _number("seed", self.seed, integer=True), 0, 2**64 - 1)
+        if not isinstance(self.logprobs, bool):
+            raise TypeError(f"logprobs must be a bool, got {self.logprobs!r}")
+        _in_range("top_logprobs", _number("top_logprobs", self.top_logprobs, integer=True), 0, MAX_TOP_LOGPROBS)
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError(f"top_logprobs={self.top_logprobs} needs logprobs=True")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
+        if self.max_tokens is not None:
+            _in_range("max_tokens", _number("max_tokens", self.max_tokens, integer=True), 1, math.inf)
+
+    @staticmethod
+    def _checked_bias(bias: Any) -> Mapping[int, float]:
+        if bias is None:
+            return MappingProxyType({})
+        if not isinstance(bias, Mapping):
+            raise TypeError(f"logit_bias must be a mapping {{token_id: bias}}, got {type(bias).__name__}")
+        checked: dict[int, float] = {}
+        for key, value in bias.items():
+            # JSON objects (the OpenAI API) carry token ids as strings.
+            token = int(key) if isinstance(key, str) and key.strip().lstrip("-").isdigit() else key
+            _number(f"logit_bias key {key!r}", token, integer=True)
+            if token < 0:
+                raise ValueError(f"logit_bias token id must be >= 0, got {key!r}")
+            _in_range(f"logit_bias[{token}]", _number(f"logit_bias[{token}]", value), -100.0, 100.0)
+            checked[int(token)] = float(value)
+        return MappingProxyType(checked)
+
+    # What each stage needs -------------------------------------------------------------------------------
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def has_filters(self) -> bool:
+        """min-p, top-k or top-p would drop something (always off for greedy requests)."""
+        return not self.greedy and (self.top_p < 1 or self.top_k > 0 or self.min_p > 0)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Reject logit_bias token ids outside ``[0, vocab_size)``; called when a processor first sees the request."""
+        bad = [t for t in self.logit_bias if t >= vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab_size})")

@@ -1,0 +1,191 @@
+"""LogitProcessor: logit bias -> penalties -> masks, in place, then the temperature softmax.
+
+Every step, per stage: fill host arrays (prefixes of paired buffers allocated once at capacity), queue their copies
+on the copy stream, make the compute stream wait for them, launch the kernel. A stage with nothing to do launches
+nothing. The order is fixed here, and masks come last so that nothing is subtracted from a masked (-inf) logit:
+a masked token's probability is exactly 0, and a row with every token masked has all-zero probabilities.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from logitproc.compile import KernelLibrary
+
+from .device import Device
+from .logits_io import LogitsStaging, rows_and_vocab
+from .paired_buffer import PairedBuffer
+from .request_state import DraftTree, RequestState
+from .rows import RowPlan, plan_rows
+
+#: A request's logit_bias may name at most this many tokens.
+MAX_LOGIT_BIAS_ENTRIES = 1024
+
+DraftArg = Sequence[DraftTree | Sequence[int] | None] | None
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return value
+
+
+class LogitProcessor:
+    """Applies each request's logit bias, penalties and token masks to a batch of logits, then the softmax.
+
+    ``max_num_token`` bounds the rows of one call (sequences plus their draft tokens). ``max_penalty_entries``
+    bounds the distinct (row, token) pairs penalised in one call; by default every row may hold the whole vocabulary.
+    """
+
+    def __init__(self, library: KernelLibrary, vocab_size: int, max_num_token: int,
+                 device: str | Device = "cpu", max_penalty_entries: int | None = None) -> None:
+        self.vocab_size = _positive_int("vocab_size", vocab_size)
+        self.max_num_token = _positive_int("max_num_token", max_num_token)
+        self.device = device if isinstance(device, Device) else Device(device)
+        self.kernels = self.device.load(library)
+        cap, dev = self.max_num_token, self.device
+        bias_cap = cap * min(vocab_size, MAX_LOGIT_BIAS_ENTRIES)
+        pen_cap = _positive_int("max_penalty_entries", max_penalty_entries or cap * vocab_size)
+        self._bias = [PairedBuffer(dev, "logit_bias rows", bias_cap, dtype="int32"),
+                      PairedBuffer(dev, "logit_bias tokens", bias_cap, dtype="int32"),
+                      PairedBuffer(dev, "logit_bias values", bias_cap, dtype="float32")]
+        self._penalty = [PairedBuffer(dev, "penalty entries (raise max_penalty_entries)", pen_cap, dtype="int32"),
+                         PairedBuffer(dev, "penalty tokens", pen_cap, dtype="int32"),
+                         PairedBuffer(dev, "penalty counts", pen_cap, dtype="int32")]
+        self._penalty_values = PairedBuffer(dev, "penalty values", cap, (3,), "float32")
+        self.bitmask_words = (vocab_size + 31) // 32
+        self._mask_rows = PairedBuffer(dev, "mask rows", cap, dtype="int32")
+        self._bitmask = PairedBuffer(dev, "bitmask", cap, (self.bitmask_words,), "int32")
+        self._temperature = PairedBuffer(dev, "temperature", cap, dtype="float32")
+        self._logits = LogitsStaging(dev, cap, vocab_size)
+        self._probs = dev.empty((cap, vocab_size), "float32")
+        self._scratch_mask = np.empty(self.bitmask_words, np.int32)
+
+    # ----------------------------------------------------------------------------------------------------------
+    def plan(self, logits: Any, states: Sequence[RequestState], cum_num_token: Any = None,
+             draft_trees: DraftArg = None) -> RowPlan:
+        """Validate one call's arguments; return the row plan."""
+        plan = plan_rows(states, cum_num_token, draft_trees)
+        rows = rows_and_vocab(logits, "logits", self.vocab_size)
+        if rows != plan.num_rows:
+            raise ValueError(f"logits has {rows} rows but the states (and drafts) need {plan.num_rows}")
+        if rows > self.max_num_token:
+            raise ValueError(f"{rows} logits rows exceed max_num_token={self.max_num_token}")
+        for state in states:
+            if state.checked_vocab_size != self.vocab_size:
+                state.config.check_vocab(self.vocab_size)
+                if len(state.config.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+                    raise ValueError(f"logit_bias names {len(state.config.logit_bias)} tokens; at most "
+                                     f"{MAX_LOGIT_BIAS_ENTRIES} are allowed")
+                for path in (state.prompt_token_ids, state.output_token_ids, state.draft_token_ids):
+                    if path and max(path) >= self.vocab_size:
+                        raise ValueError(f"token id {max(path)} is outside the vocabulary [0, {self.vocab_size})")
+                state.checked_vocab_size = self.vocab_size
+        for path in plan.paths:
+            if path and max(path) >= self.vocab_size:
+                raise ValueError(f"draft token id {max(path)} is outside the vocabulary [0, {self.vocab_size})")
+        return plan
+
+    def inplace_update_logits(self, logits: Any, states: Sequence[RequestState], cum_num_token: Any = None,
+                              draft_trees: DraftArg = None) -> RowPlan:
+        """Apply logit bias, then penalties, then every mask to ``logits`` ``[N, V]`` in place.
+
+        ``logits`` is a float32 numpy array or a device array of this processor's device. Row j of a sequence is
+        processed as if its draft ancestors had been appended; every state is left exactly as it was.
+        """
+        plan = self.plan(logits, states, cum_num_token, draft_trees)
+        on_device, write_back = self._logits.to_device(logits)
+        self._apply_logit_bias(on_device, plan)
+        self._apply_penalties(on_device, plan)
+        self._apply_masks(on_device, plan)
+        if write_back is not None:
+            self.device.synchronize()
+            write_back()
+        return plan
+
+    def compute_probs_from_logits(self, logits: Any, states: Sequence[RequestState], cum_num_token: Any = None,
+                                  draft_trees: DraftArg = None) -> Any:
+        """Temperature softmax of each row with its request's temperature (0 = one-hot on the argmax).
+
+        Returns probabilities ``[N, V]`` in the processor's output buffer: a numpy view for numpy input on the CPU
+        (valid until the next call), a numpy copy from other devices, else a device array.
+        """
+        plan = self.plan(logits, states, cum_num_token, draft_trees)
+        on_device, _ = self._logits.to_device(logits)
+        rows = plan.num_rows
+        temperature = self._temperature.host_prefix(rows)
+        temperature[:] = [s.config.temperature for s in plan.states]
+        args = self._temperature.to_device(rows)
+        self.device.wait_for_copies()
+        probs = self.device.prefix(self._probs, rows)
+        self.kernels["softmax_with_temperature"](on_device, args, probs)
+        return self._logits.from_device(probs, logits)
+
+    # ----------------------------------------------------------------------------------------------------------
+    def _apply_logit_bias(self, logits: Any, plan: RowPlan) -> None:
+        rows = [(r, s.config.logit_bias) for r, s in enumerate(plan.states) if s.config.logit_bias]
+        if not rows:
+            return
+        n = sum(len(bias) for _, bias in rows)
+        pos, tok, val = (buf.host_prefix(n) for buf in self._bias)
+        start = 0
+        for r, bias in rows:
+            end = start + len(bias)
+            pos[start:end] = r
+            tok[start:end] = np.fromiter(bias.keys(), np.int32, len(bias))
+            val[start:end] = np.fromiter(bias.values(), np.float32, len(bias))
+            start = end
+        args = [buf.to_device(n) for buf in self._bias]
+        self.device.wait_for_copies()
+        self.kernels["apply_logit_bias_inplace"](logits, *args)
+
+    def _apply_penalties(self, logits: Any, plan: RowPlan) -> None:
+        rows = [r for r, s in enumerate(plan.states) if s.config.has_penalties]
+        if not rows:
+            return
+        entries = [plan.states[r].penalty_entries(plan.paths[r]) for r in rows]
+        n = sum(tokens.size for tokens, _ in entries)
+        if n == 0:
+            return
+        pos, tok, cnt = (buf.host_prefix(n) for buf in self._penalty)
+        values = self._penalty_values.host_prefix(plan.num_rows)
+        start = 0
+        for r, (tokens, counts) in zip(rows, entries, strict=True):
+            end = start + tokens.size
+            pos[start:end] = r
+            tok[start:end] = tokens
+            cnt[start:end] = counts
+            start = end
+            cfg = plan.states[r].config
+            values[r] = (cfg.presence_penalty, cfg.frequency_penalty, cfg.repetition_penalty)
+        args = [buf.to_device(n) for buf in self._penalty]
+        penalties = self._penalty_values.to_device(plan.num_rows)
+        self.device.wait_for_copies()
+        self.kernels["apply_penalty_inplace"](logits, *args, penalties)
+
+    def _apply_masks(self, logits: Any, plan: RowPlan) -> None:
+        masked = 0
+        row_ids = self._mask_rows.host
+        bitmask = self._bitmask.host
+        for r, state in enumerate(plan.states):
+            if not state.mask_sources:
+                continue
+            row = bitmask[masked]
+            row[:] = -1
+            constrained = False
+            for source in state.mask_sources:
+                scratch = self._scratch_mask
+                scratch[:] = -1
+                if source.fill_bitmask(scratch, plan.paths[r]):
+                    np.bitwise_and(row, scratch, out=row)
+                    constrained = True
+            if constrained:
+                row_ids[masked] = r
+                masked += 1
+        if masked == 0:
+            return
+        args = (self._mask_rows.to_device(masked), self._bitmask.to_device(masked))
+        self.device.wait_for_copies()
+        self.kernels["apply_bitmask_inplace"](logits, *args)

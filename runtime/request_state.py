@@ -1,0 +1,149 @@
+"""RequestState: what the processor and sampler remember about one sequence between steps.
+
+Penalty state is incremental: every token a sequence has seen (prompt or output) has one entry in growable arrays
+(``appeared_token_ids``, ``output_counts``) found through a dict, so appending a token is O(1) and the processor
+reads the arrays as they are, without walking the token history.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from .config import GenerationConfig
+
+
+class TokenMaskSource(Protocol):
+    """Something that constrains a sequence's next token (a grammar, a tree, a think budget, ...).
+
+    ``fill_bitmask(row, draft_path)`` writes the allowed tokens for the next position, as if ``draft_path`` had been
+    appended, into ``row`` (int32 ``[ceil(V/32)]``, bit ``v % 32`` of word ``v // 32`` = token v allowed), leaving its
+    own state as it was; it returns False when it does not constrain that position (the row is then ignored).
+    ``accept_token(t)`` advances it after a token is committed.
+    """
+
+    def fill_bitmask(self, row: np.ndarray, draft_path: Sequence[int]) -> bool: ...
+
+    def accept_token(self, token_id: int) -> None: ...
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """Draft tokens of speculative decoding: ``parents[i]`` is the index of token i's parent, -1 for the root.
+
+    A chain d0, d1, ... is ``parents = [-1, 0, 1, ...]``. Parents come before their children.
+    """
+
+    token_ids: tuple[int, ...]
+    parents: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.token_ids) != len(self.parents):
+            raise ValueError(f"draft tree: {len(self.token_ids)} token_ids but {len(self.parents)} parents")
+        for i, p in enumerate(self.parents):
+            if not -1 <= p < i:
+                raise ValueError(f"draft tree: parents[{i}] = {p}, must be -1 or an earlier index in [0, {i})")
+
+    @classmethod
+    def chain(cls, token_ids: Sequence[int]) -> DraftTree:
+        return cls(tuple(int(t) for t in token_ids), tuple(range(-1, len(token_ids) - 1)))
+
+    def path(self, node: int) -> list[int]:
+        """Token ids from the root down to ``node`` (inclusive); node -1 is the root itself (empty path)."""
+        out: list[int] = []
+        while node != -1:
+            out.append(self.token_ids[node])
+            node = self.parents[node]
+        return out[::-1]
+
+
+class RequestState:
+    """One sequence: its prompt, config, committed output, incremental penalty counts and seeded random stream."""
+
+    def __init__(self, prompt_token_ids: Sequence[int], config: GenerationConfig | None = None,
+                 mask_sources: Sequence[TokenMaskSource] = ()) -> None:
+        self.config = config if config is not None else GenerationConfig()
+        if not isinstance(self.config, GenerationConfig):
+            raise TypeError(f"config must be a GenerationConfig, got {type(self.config).__name__}")
+        self.prompt_token_ids = [self._token(t, "prompt_token_ids") for t in prompt_token_ids]
+        self.output_token_ids: list[int] = []
+        self.draft_token_ids: list[int] = []
+        self.mask_sources = list(mask_sources)
+        self.finish_reason: str | None = None
+        self._index: dict[int, int] = {}
+        self._tokens = np.zeros(max(16, len(self.prompt_token_ids)), np.int32)
+        self._counts = np.zeros_like(self._tokens)
+        self._size = 0
+        for token in self.prompt_token_ids:
+            self._entry(token)
+        seed = self.config.seed
+        self.rng = np.random.Generator(np.random.PCG64(seed)) if seed is not None else np.random.default_rng()
+        #: Set by a processor that has checked this request against its vocabulary.
+        self.checked_vocab_size: int | None = None
+
+    @staticmethod
+    def _token(token: Any, field: str) -> int:
+        if isinstance(token, bool) or not isinstance(token, (int, np.integer)) or token < 0:
+            raise ValueError(f"{field}: token ids must be ints >= 0, got {token!r}")
+        return int(token)
+
+    def _entry(self, token: int) -> int:
+        position = self._index.get(token)
+        if position is None:
+            if self._size == self._tokens.size:
+                self._tokens = np.concatenate([self._tokens, np.zeros_like(self._tokens)])
+                self._counts = np.concatenate([self._counts, np.zeros_like(self._counts)])
+            position = self._index[token] = self._size
+            self._tokens[position] = token
+            self._size += 1
+        return position
+
+    def append_token(self, token_id: int) -> None:
+        """Commit a generated token: output counts (O(1)) and every mask source advance."""
+        token = self._token(token_id, "token_id")
+        self.output_token_ids.append(token)
+        self._counts[self._entry(token)] += 1
+        for source in self.mask_sources:
+            source.accept_token(token)
+
+    @property
+    def appeared_token_ids(self) -> np.ndarray:
+        """Distinct tokens of the prompt and the output (a view; do not modify)."""
+        return self._tokens[: self._size]
+
+    @property
+    def output_counts(self) -> np.ndarray:
+        """Occurrences in the output of each of ``appeared_token_ids`` (0 for prompt-only tokens; a view)."""
+        return self._counts[: self._size]
+
+    def output_count(self, token_id: int) -> int:
+        position = self._index.get(token_id)
+        return 0 if position is None else int(self._counts[position])
+
+    def penalty_entries(self, draft_path: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray]:
+        """(token ids, output counts) as if ``draft_path`` had been appended; the state itself is not changed."""
+        if not draft_path:
+            return self.appeared_token_ids, self.output_counts
+        tokens, counts = self.appeared_token_ids.copy(), self.output_counts.copy()
+        extra: dict[int, int] = {}
+        for token in draft_path:
+            position = self._index.get(token)
+            if position is None:
+                extra[token] = extra.get(token, 0) + 1
+            else:
+                counts[position] += 1
+        if extra:
+            tokens = np.concatenate([tokens, np.fromiter(extra, np.int32, len(extra))])
+            counts = np.concatenate([counts, np.fromiter(extra.values(), np.int32, len(extra))])
+        return tokens, counts
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def __repr__(self) -> str:
+        return (f"RequestState(prompt={len(self.prompt_token_ids)} tokens, output={len(self.output_token_ids)} tokens, "
+                f"finish_reason={self.finish_reason!r})")

@@ -1,0 +1,215 @@
+# fmt: off
+"""multinomial_from_uniform: draw one token per row from (unnormalised) probabilities, given a uniform number.
+
+Operation, with probs float32 ``[batch, vocab]`` (non-negative, not necessarily summing to 1), uniform float32
+``[batch]`` in ``[0, 1)``, token int32 ``[batch]`` and chosen_prob float32 ``[batch]`` (the numpy definition is
+``reference.multinomial_from_uniform``)::
+
+    for r in range(batch):
+        p = probs[r]
+        if not any(p > 0):
+            token[r], chosen_prob[r] = -1, 0.0                 # a row of zeros
+            continue
+        target = uniform[r] * sum(p)
+        t = first v with p[v] > 0 and cumsum(p)[v] > target
+        if there is none:                                      # rounding left the cumulative sum short
+            t = last v with p[v] > 0
+        token[r], chosen_prob[r] = t, p[t]
+
+A token of probability 0 is never chosen. Sums are float32 (the reference sums in float64): where ``target`` lies
+within rounding of a cumulative sum, the kernel may pick the neighbouring token of positive probability.
+
+CPU: one pass sums the row in blocks (vectorised, each block reduced in a fixed order) and keeps the block sums;
+the walk over the block sums repeats the exact additions that made the total, so it always stops in a block of
+positive mass when ``uniform < 1``; a scalar scan inside that block finds the token. GPU: each thread sums a
+contiguous segment of the row, an inclusive scan over the segment sums (shared memory) finds the segment holding
+the target, and the thread owning it scans inside its segment.
+"""
+
+from __future__ import annotations
+
+import tvm
+from tvm import tirx
+from tvm.script import tirx as T
+
+from ._common import CPU_LANES, is_cpu, max_threads
+
+NAME = "multinomial_from_uniform"
+
+#: Values per vector step on CPUs (four AVX-512 registers, independent accumulations).
+_CPU_WIDTH = 4 * CPU_LANES
+#: The CPU kernel keeps the sums of at most this many blocks of whole steps (at least 16 steps, 1024 values, each):
+#: few enough that the walk over them is short, small enough that the scalar scan inside one is short.
+_MAX_BLOCKS = 256
+_MIN_BLOCK_STEPS = 16
+
+
+def _cpu() -> tirx.PrimFunc:
+    w = _CPU_WIDTH
+    assert w == 64, "the lane reduction below is written out for 64 lanes"
+
+    @T.macro
+    def fold(lanes, half):
+        for l in T.vectorized(half):
+            lanes[l] = lanes[l] + lanes[l + half]
+
+    @T.prim_func
+    def multinomial_from_uniform(var_probs: T.handle, var_uniform: T.handle, var_token: T.handle,
+                                 var_chosen: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        batch, vocab = T.int32(), T.int32()
+        probs = T.match_buffer(var_probs, (batch, vocab), "float32")
+        uniform = T.match_buffer(var_uniform, (batch,), "float32")
+        token = T.match_buffer(var_token, (batch,), "int32")
+        chosen = T.match_buffer(var_chosen, (batch,), "float32")
+        for r in T.parallel(batch):
+            lanes = T.alloc_buffer((w,), "float32", scope="local")
+            # block sums; the last entry is the scalar tail (vocab % w values)
+            bsum = T.alloc_buffer((_MAX_BLOCKS + 1,), "float32", scope="local")
+            acc = T.alloc_buffer((2,), "float32", scope="local")  # 0: total, then running sum; 1: running sum
+            pos = T.alloc_buffer((3,), "int32", scope="local")  # 0: block (or -1), 1: token (or -1), 2: index
+            nvec: T.let = vocab // w
+            bv: T.let = T.max(_MIN_BLOCK_STEPS, (nvec + _MAX_BLOCKS - 1) // _MAX_BLOCKS)
+            nblk: T.let = (nvec + bv - 1) // bv
+            # pass 1: the block sums and the total, added in block order
+            acc[0] = T.float32(0)
+            for blk in range(nblk):
+                for l in T.vectorized(w):
+                    lanes[l] = T.float32(0)
+                for j in range(T.min(bv, nvec - blk * bv)):
+                    for l in T.vectorized(w):
+                        lanes[l] = lanes[l] + probs[r, (blk * bv + j) * w + l]
+                fold(lanes, 32)
+                fold(lanes, 16)
+                fold(lanes, 8)
+                fold(lanes, 4)
+                fold(lanes, 2)
+                fold(lanes, 1)
+                bsum[blk] = lanes[0]
+                acc[0] = acc[0] + lanes[0]
+            bsum[nblk] = T.float32(0)
+            for t in range(vocab % w):
+                bsum[nblk] = bsum[nblk] + probs[r, nvec * w + t]
+            acc[0] = acc[0] + bsum[nblk]
+            goal: T.let = uniform[r] * acc[0]
+            # the first block whose running sum passes the target (the same additions as the total)
+            acc[1] = T.float32(0)
+            pos[0] = -1
+            pos[2] = 0
+            while pos[0] < 0 and pos[2] <= nblk:
+                if acc[1] + bsum[pos[2]] > goal and bsum[pos[2]] > T.float32(0):
+                    pos[0] = pos[2]
+                else:
+                    acc[1] = acc[1] + bsum[pos[2]]
+                    pos[2] = pos[2] + 1
+            pos[1] = -1
+            if pos[0] >= 0:
+                # scan inside the block: the first positive value passing the target, else its last positive one
+                start: T.let = T.Select(pos[0] == nblk, nvec * w, pos[0] * bv * w)
+                end: T.let = T.Select(pos[0] == nblk, vocab, T.min(pos[0] * bv + bv, nvec) * w)
+                acc[0] = acc[1]
+                pos[2] = -1
+                for i in range(start, end):
+                    if probs[r, i] > T.float32(0):
+                        acc[0] = acc[0] + probs[r, i]
+                        if pos[1] < 0 and acc[0] > goal:
+                            pos[1] = i
+                        pos[2] = i
+                if pos[1] < 0:
+                    pos[1] = pos[2]
+            else:
+                # nothing passed the target: a row of zeros, or rounding (uniform >= 1): the last positive value,
+                # in the last block of positive sum
+                pos[2] = nblk
+                while pos[2] >= 0 and bsum[T.max(pos[2], 0)] <= T.float32(0):
+                    pos[2] = pos[2] - 1
+                if pos[2] >= 0:
+                    start: T.let = T.Select(pos[2] == nblk, nvec * w, pos[2] * bv * w)
+                    end: T.let = T.Select(pos[2] == nblk, vocab, T.min(pos[2] * bv + bv, nvec) * w)
+                    for i in range(start, end):
+                        if probs[r, i] > T.float32(0):
+                            pos[1] = i
+            token[r] = pos[1]
+            chosen[r] = T.Select(pos[1] >= 0, probs[r, T.max(pos[1], 0)], T.float32(0))
+    return multinomial_from_uniform
+
+
+def _gpu(threads: int) -> tirx.PrimFunc:
+    log_threads = threads.bit_length() - 1
+    assert threads == 1 << log_threads, "the scans and reductions need a power-of-two block size"
+
+    @T.prim_func
+    def multinomial_from_uniform(var_probs: T.handle, var_uniform: T.handle, var_token: T.handle,
+                                 var_chosen: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        batch, vocab = T.int32(), T.int32()
+        probs = T.match_buffer(var_probs, (batch, vocab), "float32")
+        uniform = T.match_buffer(var_uniform, (batch,), "float32")
+        token = T.match_buffer(var_token, (batch,), "int32")
+        chosen = T.match_buffer(var_chosen, (batch,), "float32")
+        for r in T.thread_binding(batch, thread="blockIdx.x"):
+            for tx in T.thread_binding(threads, thread="threadIdx.x"):
+                incl = T.alloc_buffer((threads,), "float32", scope="shared")  # inclusive scan of segment sums
+                s_hit = T.alloc_buffer((threads,), "int32", scope="shared")
+                s_last = T.alloc_buffer((threads,), "int32", scope="shared")
+                seg_sum = T.alloc_buffer((1,), "float32", scope="local")
+                part = T.alloc_buffer((1,), "float32", scope="local")
+                last = T.alloc_buffer((1,), "int32", scope="local")  # last positive value of the segment
+                pick = T.alloc_buffer((1,), "int32", scope="local")
+                hit = T.alloc_buffer((2,), "int32", scope="local")  # the segment holding the target, last positive
+                seg: T.let = (vocab + threads - 1) // threads
+                begin: T.let = T.min(tx * seg, vocab)
+                end: T.let = T.min(begin + seg, vocab)
+                seg_sum[0] = T.float32(0)
+                last[0] = -1
+                for i in range(end - begin):
+                    if probs[r, begin + i] > T.float32(0):
+                        seg_sum[0] = seg_sum[0] + probs[r, begin + i]
+                        last[0] = begin + i
+                # inclusive scan (Hillis-Steele) of the segment sums
+                incl[tx] = seg_sum[0]
+                T.tvm_storage_sync("shared")
+                for h in T.unroll(log_threads):
+                    part[0] = incl[tx]
+                    if tx >= T.shift_left(1, h):
+                        part[0] = part[0] + incl[tx - T.shift_left(1, h)]
+                    T.tvm_storage_sync("shared")
+                    incl[tx] = part[0]
+                    T.tvm_storage_sync("shared")
+                goal: T.let = uniform[r] * incl[threads - 1]
+                below: T.let = T.Select(tx > 0, incl[T.max(tx - 1, 0)], T.float32(0))
+                # the segment holding the target: the lowest one whose scan interval contains it
+                s_hit[tx] = T.Select(seg_sum[0] > T.float32(0) and below <= goal and goal < incl[tx], tx,
+                                     threads)
+                s_last[tx] = last[0]
+                T.tvm_storage_sync("shared")
+                for h in T.unroll(log_threads):
+                    if tx < T.shift_right(threads, h + 1):
+                        s_hit[tx] = T.min(s_hit[tx], s_hit[tx + T.shift_right(threads, h + 1)])
+                        s_last[tx] = T.max(s_last[tx], s_last[tx + T.shift_right(threads, h + 1)])
+                    T.tvm_storage_sync("shared")
+                hit[0] = s_hit[0]  # conditions may not read shared memory (TVM's storage-access check)
+                hit[1] = s_last[0]
+                if tx == hit[0]:
+                    # scan inside the segment: the first positive value passing the target, else its last one
+                    part[0] = below
+                    pick[0] = -1
+                    for i in range(end - begin):
+                        if probs[r, begin + i] > T.float32(0):
+                            part[0] = part[0] + probs[r, begin + i]
+                            if pick[0] < 0 and part[0] > goal:
+                                pick[0] = begin + i
+                    if pick[0] < 0:
+                        pick[0] = last[0]
+                    token[r] = pick[0]
+                    chosen[r] = probs[r, pick[0]]
+                elif tx == 0 and hit[0] == threads:
+                    # nothing holds the target: a row of zeros (-1), or rounding: the last positive value
+                    token[r] = hit[1]
+                    chosen[r] = T.Select(hit[1] >= 0, probs[r, T.max(hit[1], 0)], T.float32(0))
+    return multinomial_from_uniform
+
+
+def get_multinomial_from_uniform(target: tvm.target.Target) -> tirx.PrimFunc:
+    """The kernel scheduled for ``target``'s kind (see the module docstring for the operation)."""
+    return _cpu() if is_cpu(target) else _gpu(max_threads(target))

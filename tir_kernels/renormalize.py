@@ -1,0 +1,409 @@
+# fmt: off
+"""renormalize_probs: min-p, top-k and top-p filtering of probabilities, then rescaling of the kept ones.
+
+Operation, with probs float32 ``[batch, vocab]`` (non-negative), top_k int32 ``[batch]``, top_p, min_p float32
+``[batch]`` and out float32 ``[batch, vocab]`` (the numpy definition is ``reference.renormalize``)::
+
+    for r in range(batch):
+        p = probs[r]
+        keep = p > 0                                          # a row of zeros stays zeros
+        if min_p[r] > 0:                                      # 0 = off
+            keep &= p >= float32(min_p[r] * max(p))
+        if 0 < top_k[r] < vocab:                              # <= 0 or >= vocab = off
+            keep &= p >= kth_largest(p[keep], top_k[r])       # ties at the k-th value are kept
+        if top_p[r] < 1:                                      # 1 = off
+            q = p[keep]
+            keep &= p >= max(t in q with sum(q[q >= t]) >= top_p[r] * sum(q))   # ties together
+        out[r] = where(keep, p / sum(p[keep]), 0)
+
+Top-p keeps the smallest set of largest values whose mass reaches ``top_p * mass``, equal values together: the
+threshold is the largest kept value t with ``G(t) = sum(kept p where p >= t) >= top_p * mass``, which in exact
+arithmetic is the reference's "drop values while the ascending cumulative sum is <= (1 - top_p) * mass". The largest
+value always stays (top_p <= 0 keeps exactly the values equal to the maximum). The kernel sums in float32 (the
+reference in float64): a value whose cumulative mass lies within rounding of the budget may go either way.
+
+How, without sorting: every filter leaves a set of the form ``p >= t``. For non-negative float32 values the int32
+bit pattern is monotone in the value, so each threshold is found by bisection over bit patterns ``[lo, hi)`` with
+the invariant ``f(lo) >= goal > f(hi)``, f = count (top-k) or G (top-p). One pass over the row per step counts (or
+sums) the values at or above the midpoint and also finds the nearest data values on both sides of it, so that the
+interval snaps to data values: each step at least halves it (<= 31 steps per filter), and far fewer are needed where
+the values near the threshold are sparse (top-k with a small k, top-p after top-k). Per row: one read pass (max,
+count, sum), the top-k steps, at most one pass for the kept sum, the top-p steps, one scaling pass: <= 65 passes,
+typically 15-25. A row whose filters are all off costs the read pass and the scaling pass.
+
+CPU: each pass is a branch-free vector loop over the row (hot in L2 after the first pass), 64 values a step. The
+first pass also records the maximum of each block of 256 values (up to 1024 blocks); later passes skip the blocks
+whose maximum is below the midpoint, and top-k first bisects over the block maxima (the k-th largest block maximum
+is a lower bound of the k-th largest value), so that its steps only read the < k blocks that can hold the top k.
+GPU: one block per row, threads striding over the row, and each step ends with a block reduction of (count, sum,
+min, max) in shared memory; every thread holds the same bisection state. CUDA, ROCm and Metal bisect in while loops;
+WGSL runs a fixed 31 steps per bisection (idle, without reading the row, once converged) because its uniformity
+analysis only allows barriers in uniform control flow. Sums of subnormal values assume no flush-to-zero (Metal
+flushes: rows whose whole mass is subnormal are not supported there).
+"""
+
+from __future__ import annotations
+
+import tvm
+from tvm import tirx
+from tvm.script import tirx as T
+
+from ._common import CPU_LANES, is_cpu, max_threads
+
+NAME = "renormalize_probs"
+
+_INT_MAX = 2147483647
+_INT_MIN = -2147483647  # not -2**31: WGSL has no literal for it
+#: Values per step of the CPU passes: four AVX-512 registers, so that four accumulations run side by side.
+_CPU_WIDTH = 4 * CPU_LANES
+#: The CPU passes split a row into at most this many blocks of whole steps (at least 4 steps, 256 values, each) and
+#: remember each block's largest value: a pass skips every block whose maximum is below its threshold. Blocks also
+#: bound float32 sums: each block is summed on its own, then added to the row's partial sums.
+_MAX_BLOCKS = 1024
+_MIN_BLOCK_STEPS = 4
+
+
+def _bits(x: tirx.PrimExpr) -> tirx.PrimExpr:
+    """int32 bit pattern of a float32 value (monotone in the value for non-negative floats)."""
+    return T.reinterpret("int32", x)
+
+
+def _cpu() -> tirx.PrimFunc:
+    w = _CPU_WIDTH
+    int_max, int_min = T.int32(_INT_MAX), T.int32(_INT_MIN)
+
+    @T.macro
+    def reduce_lanes(cnt, ssum, mn, mx):
+        for l in range(1, w):
+            cnt[0] = cnt[0] + cnt[l]
+            ssum[0] = ssum[0] + ssum[l]
+            mn[0] = T.min(mn[0], mn[l])
+            mx[0] = T.max(mx[0], mx[l])
+
+    @T.macro
+    def init_lanes(cnt, ssum, mn, mx):
+        for l in T.vectorized(w):
+            cnt[l] = 0
+            ssum[l] = T.float32(0)
+            mn[l] = int_max
+            mx[l] = int_min
+
+    @T.macro
+    def scan(probs, r, vocab, nvec, bv, nblk, bmax, mid, by_sum, cnt, ssum, inner, mn, mx):
+        # One pass over row r, skipping the blocks whose maximum is below mid. With by_sum (a Python bool) ssum[0] =
+        # the sum of the values with bits >= mid, otherwise cnt[0] = their count; mn[0] = their smallest bits;
+        # mx[0] = the largest bits below mid (int_min where none).
+        init_lanes(cnt, ssum, mn, mx)
+        for blk in range(nblk):
+            if bmax[blk] >= mid:
+                for l in T.vectorized(w):
+                    inner[l] = T.float32(0)
+                for j in range(T.min(bv, nvec - blk * bv)):
+                    for l in T.vectorized(w):
+                        x: T.let = probs[r, (blk * bv + j) * w + l]
+                        b: T.let = _bits(x)
+                        if by_sum:
+                            inner[l] = T.Select(b >= mid, inner[l] + x, inner[l])
+                        else:
+                            cnt[l] = T.Select(b >= mid, cnt[l] + 1, cnt[l])
+                        mn[l] = T.Select(b >= mid, T.min(mn[l], b), mn[l])
+                        mx[l] = T.Select(b < mid, T.max(mx[l], b), mx[l])
+                if by_sum:
+                    for l in T.vectorized(w):
+                        ssum[l] = ssum[l] + inner[l]
+            else:
+                mx[0] = T.max(mx[0], bmax[blk])
+        for t in range(vocab % w):
+            x: T.let = probs[r, nvec * w + t]
+            b: T.let = _bits(x)
+            cnt[0] = T.Select(b >= mid, cnt[0] + 1, cnt[0])
+            ssum[0] = T.Select(b >= mid, ssum[0] + x, ssum[0])
+            mn[0] = T.Select(b >= mid, T.min(mn[0], b), mn[0])
+            mx[0] = T.Select(b < mid, T.max(mx[0], b), mx[0])
+        reduce_lanes(cnt, ssum, mn, mx)
+
+    @T.macro
+    def scan_blocks(nblk, bmax, mid, cnt, ssum, mn, mx):
+        # The count pass of scan over the block maxima instead of the values (bmax is padded with int_min).
+        init_lanes(cnt, ssum, mn, mx)
+        for i in range((nblk + w - 1) // w):
+            for l in T.vectorized(w):
+                b: T.let = bmax[i * w + l]
+                cnt[l] = T.Select(b >= mid, cnt[l] + 1, cnt[l])
+                mn[l] = T.Select(b >= mid, T.min(mn[l], b), mn[l])
+                mx[l] = T.Select(b < mid, T.max(mx[l], b), mx[l])
+        reduce_lanes(cnt, ssum, mn, mx)
+
+    @T.prim_func
+    def renormalize_probs(var_probs: T.handle, var_top_k: T.handle, var_top_p: T.handle, var_min_p: T.handle,
+                          var_out: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        batch, vocab = T.int32(), T.int32()
+        probs = T.match_buffer(var_probs, (batch, vocab), "float32")
+        top_k = T.match_buffer(var_top_k, (batch,), "int32")
+        top_p = T.match_buffer(var_top_p, (batch,), "float32")
+        min_p = T.match_buffer(var_min_p, (batch,), "float32")
+        out = T.match_buffer(var_out, (batch, vocab), "float32")
+        for r in T.parallel(batch):
+            cnt = T.alloc_buffer((w,), "int32", scope="local")
+            ssum = T.alloc_buffer((w,), "float32", scope="local")
+            inner = T.alloc_buffer((w,), "float32", scope="local")
+            mn = T.alloc_buffer((w,), "int32", scope="local")
+            mx = T.alloc_buffer((w,), "int32", scope="local")
+            bmax = T.alloc_buffer((_MAX_BLOCKS,), "int32", scope="local")  # largest bits of each block
+            bl = T.alloc_buffer((w,), "int32", scope="local")  # per-lane largest bits of the current block
+            # 0: kept = bits >= st[0]; 1, 2: bisection interval [st[1], st[2]); 3: max bits; 4: ms[0] is the kept sum
+            st = T.alloc_buffer((5,), "int32", scope="local")
+            # 0: sum of the kept values; 1: sum of the values >= st[1] in top-p bisection
+            ms = T.alloc_buffer((2,), "float32", scope="local")
+            nvec: T.let = vocab // w
+            bv: T.let = T.max(_MIN_BLOCK_STEPS, (nvec + _MAX_BLOCKS - 1) // _MAX_BLOCKS)
+            nblk: T.let = (nvec + bv - 1) // bv
+            # pass 1: count, sum and maximum of the positive values; block maxima
+            init_lanes(cnt, ssum, mn, mx)
+            for blk in range(nblk):
+                for l in T.vectorized(w):
+                    inner[l] = T.float32(0)
+                    bl[l] = int_min
+                for j in range(T.min(bv, nvec - blk * bv)):
+                    for l in T.vectorized(w):
+                        x: T.let = probs[r, (blk * bv + j) * w + l]
+                        inner[l] = T.Select(_bits(x) >= 1, inner[l] + x, inner[l])
+                        cnt[l] = T.Select(_bits(x) >= 1, cnt[l] + 1, cnt[l])
+                        bl[l] = T.max(bl[l], _bits(x))
+                for l in T.vectorized(w):
+                    ssum[l] = ssum[l] + inner[l]
+                    mx[l] = T.max(mx[l], bl[l])
+                bmax[blk] = int_min
+                for l in range(w):
+                    bmax[blk] = T.max(bmax[blk], bl[l])
+            for i in range(nblk, (nblk + w - 1) // w * w):
+                bmax[i] = int_min
+            for t in range(vocab % w):
+                x: T.let = probs[r, nvec * w + t]
+                ssum[0] = T.Select(_bits(x) >= 1, ssum[0] + x, ssum[0])
+                cnt[0] = T.Select(_bits(x) >= 1, cnt[0] + 1, cnt[0])
+                mx[0] = T.max(mx[0], _bits(x))
+            reduce_lanes(cnt, ssum, mn, mx)
+            st[0] = 1
+            st[3] = mx[0]
+            st[4] = 1
+            ms[0] = ssum[0]
+            if st[3] >= 1:
+                # min-p: the threshold is the float32 product, as in the reference
+                if min_p[r] > T.float32(0):
+                    st[0] = T.max(1, _bits(min_p[r] * T.reinterpret("float32", st[3])))
+                    st[4] = 0
+                # top-k: the largest t with count(bits >= t) >= k (a data value; ties at it are kept). The k-th
+                # largest block maximum is a lower bound (k blocks hold a value >= it): find it first.
+                k_on: T.let = top_k[r] > 0 and top_k[r] < vocab and (st[4] == 0 or cnt[0] > top_k[r])
+                st[1] = st[0]
+                st[2] = st[1] + 1
+                if k_on:
+                    st[2] = st[3] + 1
+                while st[2] - st[1] > 1:
+                    mid: T.let = st[1] + (st[2] - st[1]) // 2
+                    scan_blocks(nblk, bmax, mid, cnt, ssum, mn, mx)
+                    if cnt[0] >= top_k[r]:
+                        st[1] = mn[0]
+                    else:
+                        st[2] = T.max(mx[0] + 1, st[1] + 1)
+                if k_on:
+                    st[2] = st[3] + 1
+                while st[2] - st[1] > 1:
+                    mid: T.let = st[1] + (st[2] - st[1]) // 2
+                    scan(probs, r, vocab, nvec, bv, nblk, bmax, mid, False, cnt, ssum, inner, mn, mx)
+                    if cnt[0] >= top_k[r]:
+                        st[1] = mn[0]
+                    else:
+                        st[2] = T.max(mx[0] + 1, st[1] + 1)
+                if st[1] > st[0]:
+                    st[0] = st[1]
+                    st[4] = 0
+                # top-p: the largest t with sum(kept values with bits >= t) >= top_p * (kept sum)
+                st[1] = st[0]
+                st[2] = st[3] + 1
+                if top_p[r] >= T.float32(1):
+                    st[2] = st[1] + 1
+                elif st[4] == 0:
+                    scan(probs, r, vocab, nvec, bv, nblk, bmax, st[0], True, cnt, ssum, inner, mn, mx)
+                    ms[0] = ssum[0]
+                    st[4] = 1
+                while st[2] - st[1] > 1:
+                    mid: T.let = st[1] + (st[2] - st[1]) // 2
+                    scan(probs, r, vocab, nvec, bv, nblk, bmax, mid, True, cnt, ssum, inner, mn, mx)
+                    if ssum[0] >= top_p[r] * ms[0]:
+                        st[1] = mn[0]
+                        ms[1] = ssum[0]
+                    else:
+                        st[2] = T.max(mx[0] + 1, st[1] + 1)
+                if st[1] > st[0]:
+                    st[0] = st[1]
+                    ms[0] = ms[1]
+                if st[4] == 0:
+                    scan(probs, r, vocab, nvec, bv, nblk, bmax, st[0], True, cnt, ssum, inner, mn, mx)
+                    ms[0] = ssum[0]
+            else:
+                st[0] = int_max
+                ms[0] = T.float32(1)
+            # last pass: scale the kept values, zero the others
+            lo: T.let = st[0]
+            mass: T.let = ms[0]
+            for j in range(nvec):
+                for l in T.vectorized(w):
+                    x: T.let = probs[r, j * w + l]
+                    out[r, j * w + l] = T.Select(_bits(x) >= lo, x / mass, T.float32(0))
+            for t in range(vocab % w):
+                x: T.let = probs[r, nvec * w + t]
+                out[r, nvec * w + t] = T.Select(_bits(x) >= lo, x / mass, T.float32(0))
+    return renormalize_probs
+
+
+def _gpu(threads: int, uniform_loops: bool) -> tirx.PrimFunc:
+    """One block per row. ``uniform_loops`` (WGSL): bisections run a fixed 31 steps, idle once converged, so that
+    every barrier sits in uniform control flow as WGSL's uniformity analysis demands (Tint enforces it); elsewhere
+    they are while loops that stop as soon as the interval closes."""
+    int_max, int_min = T.int32(_INT_MAX), T.int32(_INT_MIN)
+    log_threads = threads.bit_length() - 1
+    assert threads == 1 << log_threads, "the tree reductions need a power-of-two block size"
+
+    @T.macro
+    def block_reduce(tx, acc_i, acc_f, acc_mn, acc_mx, s_i, s_f, s_mn, s_mx):
+        # Combine every thread's (count, sum, min, max) through shared memory; every thread gets the result in its
+        # acc_*[0]. Ends with a barrier, so the shared arrays can be reused at once.
+        s_i[tx] = acc_i[0]
+        s_f[tx] = acc_f[0]
+        s_mn[tx] = acc_mn[0]
+        s_mx[tx] = acc_mx[0]
+        T.tvm_storage_sync("shared")
+        for step in T.unroll(log_threads):
+            if tx < T.shift_right(threads, step + 1):
+                s_i[tx] = s_i[tx] + s_i[tx + T.shift_right(threads, step + 1)]
+                s_f[tx] = s_f[tx] + s_f[tx + T.shift_right(threads, step + 1)]
+                s_mn[tx] = T.min(s_mn[tx], s_mn[tx + T.shift_right(threads, step + 1)])
+                s_mx[tx] = T.max(s_mx[tx], s_mx[tx + T.shift_right(threads, step + 1)])
+            T.tvm_storage_sync("shared")
+        acc_i[0] = s_i[0]
+        acc_f[0] = s_f[0]
+        acc_mn[0] = s_mn[0]
+        acc_mx[0] = s_mx[0]
+        T.tvm_storage_sync("shared")
+
+    @T.macro
+    def scan(probs, r, vocab, tx, mid, max_all, live, acc_i, acc_f, acc_mn, acc_mx, s_i, s_f, s_mn, s_mx):
+        # Count, sum and smallest bits of the values with bits >= mid, and the largest bits below mid (of all values
+        # with max_all, a Python bool). The row is read only where live; the reduction always runs.
+        acc_i[0] = 0
+        acc_f[0] = T.float32(0)
+        acc_mn[0] = int_max
+        acc_mx[0] = int_min
+        for i in range(T.Select(live, (vocab + threads - 1) // threads, 0)):
+            if i * threads + tx < vocab:
+                x: T.let = probs[r, i * threads + tx]
+                b: T.let = _bits(x)
+                if b >= mid:
+                    acc_i[0] = acc_i[0] + 1
+                    acc_f[0] = acc_f[0] + x
+                    acc_mn[0] = T.min(acc_mn[0], b)
+                if max_all or b < mid:
+                    acc_mx[0] = T.max(acc_mx[0], b)
+        block_reduce(tx, acc_i, acc_f, acc_mn, acc_mx, s_i, s_f, s_mn, s_mx)
+
+    @T.macro
+    def step(probs, r, vocab, tx, by_sum, goal, live, st, ms, acc_i, acc_f, acc_mn, acc_mx, s_i, s_f, s_mn, s_mx):
+        # One bisection step on [st[1], st[2]): f(mid) >= goal moves the low end up to the data value at or above
+        # mid, otherwise the high end down past the data value below it. f = sum (by_sum) or count.
+        scan(probs, r, vocab, tx, st[1] + (st[2] - st[1]) // 2, False, live, acc_i, acc_f, acc_mn, acc_mx,
+             s_i, s_f, s_mn, s_mx)
+        if live:
+            if (by_sum and acc_f[0] >= goal) or (not by_sum and acc_i[0] >= goal):
+                st[1] = acc_mn[0]
+                ms[1] = acc_f[0]
+            else:
+                st[2] = T.max(acc_mx[0] + 1, st[1] + 1)
+
+    @T.macro
+    def bisect(probs, r, vocab, tx, by_sum, goal, st, ms, acc_i, acc_f, acc_mn, acc_mx, s_i, s_f, s_mn, s_mx):
+        if uniform_loops:
+            for it in range(31):  # each step at least halves an interval narrower than 2**31
+                live: T.let = st[2] - st[1] > 1
+                step(probs, r, vocab, tx, by_sum, goal, live, st, ms, acc_i, acc_f, acc_mn, acc_mx,
+                     s_i, s_f, s_mn, s_mx)
+        else:
+            while st[2] - st[1] > 1:
+                step(probs, r, vocab, tx, by_sum, goal, True, st, ms, acc_i, acc_f, acc_mn, acc_mx,
+                     s_i, s_f, s_mn, s_mx)
+
+    @T.prim_func
+    def renormalize_probs(var_probs: T.handle, var_top_k: T.handle, var_top_p: T.handle, var_min_p: T.handle,
+                          var_out: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        batch, vocab = T.int32(), T.int32()
+        probs = T.match_buffer(var_probs, (batch, vocab), "float32")
+        top_k = T.match_buffer(var_top_k, (batch,), "int32")
+        top_p = T.match_buffer(var_top_p, (batch,), "float32")
+        min_p = T.match_buffer(var_min_p, (batch,), "float32")
+        out = T.match_buffer(var_out, (batch, vocab), "float32")
+        for r in T.thread_binding(batch, thread="blockIdx.x"):
+            for tx in T.thread_binding(threads, thread="threadIdx.x"):
+                s_i = T.alloc_buffer((threads,), "int32", scope="shared")
+                s_f = T.alloc_buffer((threads,), "float32", scope="shared")
+                s_mn = T.alloc_buffer((threads,), "int32", scope="shared")
+                s_mx = T.alloc_buffer((threads,), "int32", scope="shared")
+                acc_i = T.alloc_buffer((1,), "int32", scope="local")
+                acc_f = T.alloc_buffer((1,), "float32", scope="local")
+                acc_mn = T.alloc_buffer((1,), "int32", scope="local")
+                acc_mx = T.alloc_buffer((1,), "int32", scope="local")
+                # the same state as the CPU kernel, held identically by every thread of the block
+                st = T.alloc_buffer((5,), "int32", scope="local")
+                ms = T.alloc_buffer((2,), "float32", scope="local")
+                # pass 1: count, sum and maximum of the positive values
+                scan(probs, r, vocab, tx, 1, True, True, acc_i, acc_f, acc_mn, acc_mx, s_i, s_f, s_mn, s_mx)
+                st[3] = acc_mx[0]
+                st[0] = 1
+                st[4] = 1
+                ms[0] = acc_f[0]
+                if min_p[r] > T.float32(0) and st[3] >= 1:
+                    st[0] = T.max(1, _bits(min_p[r] * T.reinterpret("float32", st[3])))
+                    st[4] = 0
+                # top-k (a zero row has st[3] < 1: every bisection below is then empty)
+                st[1] = st[0]
+                st[2] = st[1] + 1
+                if top_k[r] > 0 and top_k[r] < vocab and (st[4] == 0 or acc_i[0] > top_k[r]) and st[3] >= 1:
+                    st[2] = st[3] + 1
+                bisect(probs, r, vocab, tx, False, top_k[r], st, ms, acc_i, acc_f, acc_mn, acc_mx,
+                       s_i, s_f, s_mn, s_mx)
+                if st[1] > st[0]:
+                    st[0] = st[1]
+                    st[4] = 0
+                # the kept sum, where a filter changed the kept set
+                mass_pass: T.let = st[4] == 0 and st[3] >= 1
+                scan(probs, r, vocab, tx, st[0], False, mass_pass, acc_i, acc_f, acc_mn, acc_mx,
+                     s_i, s_f, s_mn, s_mx)
+                if mass_pass:
+                    ms[0] = acc_f[0]
+                # top-p
+                st[1] = st[0]
+                st[2] = st[1] + 1
+                if top_p[r] < T.float32(1) and st[3] >= 1:
+                    st[2] = st[3] + 1
+                bisect(probs, r, vocab, tx, True, top_p[r] * ms[0], st, ms, acc_i, acc_f, acc_mn, acc_mx,
+                       s_i, s_f, s_mn, s_mx)
+                if st[1] > st[0]:
+                    st[0] = st[1]
+                    ms[0] = ms[1]
+                if st[3] < 1:
+                    st[0] = int_max
+                    ms[0] = T.float32(1)
+                lo: T.let = st[0]
+                mass: T.let = ms[0]
+                for i in range((vocab + threads - 1) // threads):
+                    if i * threads + tx < vocab:
+                        x: T.let = probs[r, i * threads + tx]
+                        out[r, i * threads + tx] = T.Select(_bits(x) >= lo, x / mass, T.float32(0))
+    return renormalize_probs
+
+
+def get_renormalize_probs(target: tvm.target.Target) -> tirx.PrimFunc:
+    """The kernel scheduled for ``target``'s kind (see the module docstring for the operation)."""
+    return _cpu() if is_cpu(target) else _gpu(max_threads(target), uniform_loops=target.kind.name == "webgpu")
