@@ -4,6 +4,7 @@ from .config import GenerationConfig
 from .device import Device, DeviceInfo
 from .logit_processor import LogitProcessor
 from .logits_io import empty_aligned
+from .logprobs import compute_logits, compute_logprobs, logits_to_logprobs
 from .paired_buffer import PairedBuffer
 from .request_state import DraftTree, RequestState, TokenMaskSource
 from .sampler import Sampler, SampleResult
@@ -19,5 +20,8 @@ __all__ = [
     "SampleResult",
     "Sampler",
     "TokenMaskSource",
+    "compute_logits",
+    "compute_logprobs",
     "empty_aligned",
+    "logits_to_logprobs",
 ]
