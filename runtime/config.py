@@ -10,8 +10,11 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from types import MappingProxyType
 from typing import Any
+
+import numpy as np
 
 LOGPROBS_MODES = ("processed", "raw")
 MAX_TOP_LOGPROBS = 20
@@ -122,6 +125,12 @@ class GenerationConfig:
     def has_filters(self) -> bool:
         """min-p, top-k or top-p would drop something (always off for greedy requests)."""
         return not self.greedy and (self.top_p < 1 or self.top_k > 0 or self.min_p > 0)
+
+    @cached_property
+    def logit_bias_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """logit_bias as (token ids int32, biases float32), built once per config."""
+        return (np.fromiter(self.logit_bias.keys(), np.int32, len(self.logit_bias)),
+                np.fromiter(self.logit_bias.values(), np.float32, len(self.logit_bias)))
 
     def check_vocab(self, vocab_size: int) -> None:
         """Reject logit_bias token ids outside ``[0, vocab_size)``; called when a processor first sees the request."""

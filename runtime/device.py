@@ -97,6 +97,10 @@ class Device:
         """Queue a copy of ``host`` into the device array ``dst`` (same shape) on the copy stream."""
         raise NotImplementedError
 
+    def copy_rows_to_device(self, host: np.ndarray, dst: Any, lo: int, hi: int) -> None:
+        """Queue a copy of rows ``lo:hi`` of ``host`` into the same rows of the device array ``dst``."""
+        raise NotImplementedError
+
     def wait_for_copies(self) -> None:
         """Make later kernel launches wait for every copy queued so far."""
 
@@ -173,6 +177,11 @@ class TVMDevice(Device):
         finally:
             self._set_stream(self.tvm_device.dlpack_device_type(), self.index, None)
 
+    def copy_rows_to_device(self, host: np.ndarray, dst: tvm.runtime.Tensor, lo: int, hi: int) -> None:
+        row_bytes = host[:1].nbytes if host.shape[0] else 0
+        view = dst._create_view((hi - lo, *dst.shape[1:]), relative_byte_offset=lo * row_bytes)
+        self.copy_to_device(host[lo:hi], view)
+
     def wait_for_copies(self) -> None:
         if self._copy_stream is not None:
             tvm_ffi.get_global_func("runtime.Device_StreamSyncFromTo")(self.tvm_device, self._copy_stream, 0)
@@ -235,6 +244,11 @@ class VulkanDevice(Device):
 
     def copy_to_device(self, host: np.ndarray, dst: Any) -> None:
         dst.write(host)  # ordered before every later submission on the device's one queue
+
+    def copy_rows_to_device(self, host: np.ndarray, dst: Any, lo: int, hi: int) -> None:
+        data = np.ascontiguousarray(host[lo:hi]).view(np.uint8).reshape(-1)
+        if data.size:  # 4-byte elements: offsets and sizes stay multiples of 4 as WebGPU requires
+            self.wgpu_device.queue.write_buffer(dst.buffer, lo * host[:1].nbytes, data)
 
     def load(self, library: KernelLibrary | None = None) -> dict[str, KernelFunction]:
         library = library if library is not None else build_kernels("vulkan")

@@ -17,6 +17,7 @@ from logitproc.compile import KernelLibrary
 from .device import Device
 from .logits_io import LogitsStaging, rows_and_vocab
 from .paired_buffer import PairedBuffer
+from .penalty_layout import PenaltyLayout
 from .request_state import DraftTree, RequestState
 from .rows import RowPlan, plan_rows
 
@@ -51,9 +52,7 @@ class LogitProcessor:
         self._bias = [PairedBuffer(dev, "logit_bias rows", bias_cap, dtype="int32"),
                       PairedBuffer(dev, "logit_bias tokens", bias_cap, dtype="int32"),
                       PairedBuffer(dev, "logit_bias values", bias_cap, dtype="float32")]
-        self._penalty = [PairedBuffer(dev, "penalty entries (raise max_penalty_entries)", pen_cap, dtype="int32"),
-                         PairedBuffer(dev, "penalty tokens", pen_cap, dtype="int32"),
-                         PairedBuffer(dev, "penalty counts", pen_cap, dtype="int32")]
+        self._penalty = PenaltyLayout(dev, pen_cap)
         self._penalty_values = PairedBuffer(dev, "penalty values", cap, (3,), "float32")
         self.bitmask_words = (vocab_size + 31) // 32
         self._mask_rows = PairedBuffer(dev, "mask rows", cap, dtype="int32")
@@ -134,8 +133,7 @@ class LogitProcessor:
         for r, bias in rows:
             end = start + len(bias)
             pos[start:end] = r
-            tok[start:end] = np.fromiter(bias.keys(), np.int32, len(bias))
-            val[start:end] = np.fromiter(bias.values(), np.float32, len(bias))
+            tok[start:end], val[start:end] = plan.states[r].config.logit_bias_arrays
             start = end
         args = [buf.to_device(n) for buf in self._bias]
         self.device.wait_for_copies()
@@ -143,27 +141,16 @@ class LogitProcessor:
 
     def _apply_penalties(self, logits: Any, plan: RowPlan) -> None:
         rows = [r for r, s in enumerate(plan.states) if s.config.has_penalties]
-        if not rows:
+        n = self._penalty.prepare(plan)  # incremental: host work does not grow with sequence length
+        if not rows or n == 0:
             return
-        entries = [plan.states[r].penalty_entries(plan.paths[r]) for r in rows]
-        n = sum(tokens.size for tokens, _ in entries)
-        if n == 0:
-            return
-        pos, tok, cnt = (buf.host_prefix(n) for buf in self._penalty)
         values = self._penalty_values.host_prefix(plan.num_rows)
-        start = 0
-        for r, (tokens, counts) in zip(rows, entries, strict=True):
-            end = start + tokens.size
-            pos[start:end] = r
-            tok[start:end] = tokens
-            cnt[start:end] = counts
-            start = end
+        for r in rows:
             cfg = plan.states[r].config
             values[r] = (cfg.presence_penalty, cfg.frequency_penalty, cfg.repetition_penalty)
-        args = [buf.to_device(n) for buf in self._penalty]
         penalties = self._penalty_values.to_device(plan.num_rows)
         self.device.wait_for_copies()
-        self.kernels["apply_penalty_inplace"](logits, *args, penalties)
+        self.kernels["apply_penalty_inplace"](logits, *self._penalty.device_arrays(n), penalties)
 
     def _apply_masks(self, logits: Any, plan: RowPlan) -> None:
         masked = 0

@@ -49,6 +49,17 @@ class PairedBuffer:
             self.device.copy_to_device(self.host[:rows], view)
         return view
 
+    def device_prefix(self, rows: int) -> Any:
+        """The device view of the first ``rows`` rows, without copying anything."""
+        self._check(rows)
+        return self.device.prefix(self.device_array, rows)
+
+    def copy_rows(self, lo: int, hi: int) -> None:
+        """Queue the copy of host rows ``lo:hi`` to the device (nothing to do where the host array is the device's)."""
+        self._check(hi)
+        if hi > lo and not self._shared:
+            self.device.copy_rows_to_device(self.host, self.device_array, lo, hi)
+
     def upload(self, values: np.ndarray) -> Any:
         """Fill the first ``len(values)`` rows from ``values`` and queue their copy; return the device view."""
         rows = len(values)

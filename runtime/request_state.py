@@ -7,6 +7,7 @@ reads the arrays as they are, without walking the token history.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -77,6 +78,9 @@ class RequestState:
         self._tokens = np.zeros(max(16, len(self.prompt_token_ids)), np.int32)
         self._counts = np.zeros_like(self._tokens)
         self._size = 0
+        #: Entry position touched by each appended output token, in order: consumers that mirror the entries
+        #: (the processor's penalty layout) replay it from where they left off.
+        self.touch_log = array("i")
         for token in self.prompt_token_ids:
             self._entry(token)
         seed = self.config.seed
@@ -105,7 +109,9 @@ class RequestState:
         """Commit a generated token: output counts (O(1)) and every mask source advance."""
         token = self._token(token_id, "token_id")
         self.output_token_ids.append(token)
-        self._counts[self._entry(token)] += 1
+        position = self._entry(token)
+        self._counts[position] += 1
+        self.touch_log.append(position)
         for source in self.mask_sources:
             source.accept_token(token)
 

@@ -41,11 +41,22 @@ def plan_rows(states: Sequence[RequestState], cum_num_token: Sequence[int] | np.
     """Validate the batch description and expand it to one entry per logits row."""
     if not states:
         raise ValueError("states is empty: a step needs at least one request")
+    seen: dict[int, int] = {}
     for i, s in enumerate(states):
         if not isinstance(s, RequestState):
             raise TypeError(f"states[{i}] must be a RequestState, got {type(s).__name__}")
+        if id(s) in seen:
+            raise ValueError(f"states[{seen[id(s)]}] and states[{i}] are the same RequestState; a sequence has one "
+                             "entry per step (its draft tokens add its extra rows)")
+        seen[id(s)] = i
     if draft_trees is not None and len(draft_trees) != len(states):
         raise ValueError(f"draft_trees has {len(draft_trees)} entries for {len(states)} states")
+    if draft_trees is None and not any(s.draft_token_ids for s in states):  # the common decode step: 1 row each
+        expected = tuple(range(len(states) + 1))
+        if cum_num_token is not None and tuple(int(x) for x in cum_num_token) != expected:
+            raise ValueError(f"cum_num_token {list(cum_num_token)} does not match the rows the drafts need "
+                             f"{list(expected)} (1 row per sequence plus 1 per draft token)")
+        return RowPlan(tuple(states), ((),) * len(states), expected)
     drafts = [_draft_of(s, None if draft_trees is None else draft_trees[i]) for i, s in enumerate(states)]
     counts = [1 + (len(d.token_ids) if d else 0) for d in drafts]
     expected = tuple(int(x) for x in np.concatenate([[0], np.cumsum(counts)]))

@@ -73,3 +73,18 @@ def test_empty_sparse_lists_leave_logits_alone(kernel: str) -> None:
     extra = bias_args if kernel == "apply_logit_bias_inplace" else (empty_i, np.ones((3, 3), np.float32))
     (out, *_) = run_cpu(kernel, logits, empty_i, empty_i, *extra)
     np.testing.assert_array_equal(out, logits)
+
+
+def test_penalty_entries_with_a_negative_row_are_padding() -> None:
+    rng = np.random.default_rng(3)
+    logits = rng.standard_normal((3, 77)).astype(np.float32)
+    pos2seq = np.array([0, -1, 2, -1, 1], np.int32)
+    token_ids = np.array([5, 5, 76, 0, 0], np.int32)
+    token_cnt = np.array([1, 9, 0, 9, 2], np.int32)
+    penalties = np.tile(np.array([[1.0, 0.5, 1.5]], np.float32), (3, 1))
+    (out, *_) = run_cpu("apply_penalty_inplace", logits, pos2seq, token_ids, token_cnt, penalties)
+    expected = reference.apply_penalty(logits, pos2seq, token_ids, token_cnt, penalties)
+    np.testing.assert_allclose(out, expected, rtol=1e-6)
+    live = pos2seq >= 0
+    np.testing.assert_allclose(expected, reference.apply_penalty(logits, pos2seq[live], token_ids[live],
+                                                                 token_cnt[live], penalties), rtol=0)

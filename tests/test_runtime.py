@@ -325,19 +325,22 @@ def test_bad_calls_are_clear_errors_and_do_not_touch_other_requests(proc) -> Non
     assert state_snapshot(good) == before
     with pytest.raises(ValueError, match="exceed max_num_token=64"):
         proc.inplace_update_logits(logits_for(65), [make_state(GenerationConfig()) for _ in range(65)])
+    other = make_state(GenerationConfig())
     with pytest.raises(TypeError, match="logits must be float32"):
-        proc.inplace_update_logits(logits.astype(np.float64), [good, good])
+        proc.inplace_update_logits(logits.astype(np.float64), [good, other])
     with pytest.raises(ValueError, match=r"shape \[num_rows, 1003\]"):
-        proc.inplace_update_logits(logits[:, :10].copy(), [good, good])
+        proc.inplace_update_logits(logits[:, :10].copy(), [good, other])
+    with pytest.raises(ValueError, match=r"states\[0\] and states\[1\] are the same RequestState"):
+        proc.inplace_update_logits(logits, [good, good])
     with pytest.raises(ValueError, match="states is empty"):
         proc.inplace_update_logits(logits, [])
     with pytest.raises(ValueError, match="token ids must be ints >= 0"):
         RequestState([1, -2])
     with pytest.raises(ValueError, match="vocab_size must be an int >= 1"):
         LogitProcessor(build_kernels("cpu"), vocab_size=0, max_num_token=1)
-    with pytest.raises(ValueError, match="penalty entries.*capacity is 4"):
+    with pytest.raises(ValueError, match="penalty entries: the batch needs 10 entries, capacity is 4"):
         LogitProcessor(build_kernels("cpu"), vocab_size=V, max_num_token=2, max_penalty_entries=4) \
-            .inplace_update_logits(logits, [good, good])
+            .inplace_update_logits(logits, [good, make_state(GenerationConfig(repetition_penalty=1.2))])
 
 
 def test_penalty_state_is_incremental() -> None:
@@ -387,3 +390,45 @@ def test_property_pipeline_matches_reference_and_samples_allowed_tokens(proc, sa
     result = sampler.sample(probs, states)
     for r, t in enumerate(result.token_ids):
         assert probs[r, t] > 0
+
+
+# ---- the incremental penalty layout ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("capacity", [None, 300])  # 300: segments move and the layout is rebuilt along the way
+def test_incremental_penalties_match_a_fresh_rebuild_as_the_batch_changes(lib, capacity) -> None:
+    """Requests join, leave, change rows and grow over 40 steps; every step equals the numpy pipeline."""
+    proc = LogitProcessor(lib, vocab_size=V, max_num_token=8, max_penalty_entries=capacity)
+    rng = np.random.default_rng(11)
+    pool = [make_state(GenerationConfig(presence_penalty=0.4, frequency_penalty=0.2, repetition_penalty=1.3),
+                       prompt=rng.integers(0, V, 10).tolist(), output=()) for _ in range(6)]
+    pool.append(make_state(GenerationConfig(), output=()))  # no penalties: no entries
+    for step in range(40):
+        batch = [pool[i] for i in rng.permutation(len(pool))[: int(rng.integers(1, 6))]]
+        logits = logits_for(len(batch), seed=step)
+        work = logits.copy()
+        proc.inplace_update_logits(work, batch)
+        for r, state in enumerate(batch):
+            expected, _ = process_row(logits[r], state.config, state.prompt_token_ids, state.output_token_ids)
+            np.testing.assert_allclose(work[r], expected, rtol=1e-6, atol=1e-6, err_msg=f"step {step} row {r}")
+        for state in batch:  # new and repeated tokens
+            state.append_token(int(rng.integers(0, V)) if rng.random() < 0.6 else state.prompt_token_ids[0])
+
+
+def test_incremental_penalties_on_vulkan_match_the_cpu(lib, device_kernels) -> None:
+    if device_kernels["vulkan"] is None:
+        pytest.skip("no vulkan device here")
+    device, _ = device_kernels["vulkan"]
+    vk = LogitProcessor(build_kernels("vulkan"), vocab_size=V, max_num_token=4, device=device,
+                        max_penalty_entries=200)
+    cpu = LogitProcessor(lib, vocab_size=V, max_num_token=4)
+    rng = np.random.default_rng(5)
+    states = [make_state(MIXED_CONFIGS[2], output=()), make_state(MIXED_CONFIGS[3], output=())]
+    for step in range(12):
+        batch = states[::-1] if step % 3 == 0 else states
+        logits = logits_for(len(batch), seed=step)
+        a, b = logits.copy(), logits.copy()
+        vk.inplace_update_logits(a, batch)
+        cpu.inplace_update_logits(b, batch)
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+        for s in states:
+            s.append_token(int(rng.integers(0, V)))

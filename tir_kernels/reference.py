@@ -33,13 +33,16 @@ def apply_penalty(
     """Repetition, then frequency and presence penalties, for each sparse (row, token, output count) entry.
 
     ``penalties[row] = (presence, frequency, repetition)``. Entries list every token that occurs in the prompt or the
-    output of the row's sequence; ``token_cnt`` counts its occurrences in the output only (0 for prompt-only tokens)::
+    output of the row's sequence; ``token_cnt`` counts its occurrences in the output only (0 for prompt-only tokens).
+    Entries with a negative row are padding and skipped::
 
         x = logits[r, t]
         x = x / rep if x > 0 else x * rep
         x -= frequency * cnt + presence * (cnt > 0)
     """
     out = logits.copy()
+    live = pos2seq >= 0
+    pos2seq, token_ids, token_cnt = pos2seq[live], token_ids[live], token_cnt[live]
     rows, toks = pos2seq.astype(np.int64), token_ids.astype(np.int64)
     x = out[rows, toks]
     presence, frequency, repetition = (penalties[rows, j].astype(np.float32) for j in range(3))

@@ -1,0 +1,210 @@
+"""Benchmark one full processing step of the runtime against plain numpy, torch (when installed) and a memcpy.
+
+    python scripts/bench_runtime.py [--batch 1 8 64] [--vocab 32000 128256] [--repeat 9] [--markdown]
+    python scripts/bench_runtime.py --host-overhead [--output-tokens 1000 32000]
+
+One step: logit bias (16 tokens per row), penalties (512 appeared tokens per row), a grammar bitmask on half the
+rows, temperature softmax, top-p 0.9, sampling. All figures of a row come from one run. ``memcpy`` copies the
+float32 [B, V] logits once (the floor of any full pass). ``--host-overhead`` measures the Python/numpy work per step
+(everything but the kernels) with 1k and 32k output tokens per row, to show that it does not grow with length.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+from logitproc import GenerationConfig, LogitProcessor, RequestState, Sampler
+from logitproc.compile import build_kernels
+from logitproc.runtime import empty_aligned
+from logitproc.tir_kernels import reference
+
+try:
+    import torch
+except ImportError:  # optional
+    torch = None
+
+BIAS_PER_ROW = 16
+APPEARED_PER_ROW = 512
+
+
+class FixedMask:
+    """A precomputed bitmask row (stands in for a grammar whose mask is ready)."""
+
+    def __init__(self, allowed_words: np.ndarray) -> None:
+        self.words = allowed_words
+
+    def fill_bitmask(self, row: np.ndarray, draft_path: Sequence[int]) -> bool:
+        np.copyto(row, self.words)
+        return True
+
+    def accept_token(self, token_id: int) -> None:
+        pass
+
+
+def median_us(fn: Callable[[], object], repeat: int) -> float:
+    fn()
+    samples = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples) * 1e6
+
+
+def make_batch(batch: int, vocab: int, output_tokens: int, rng: np.random.Generator) -> list[RequestState]:
+    states = []
+    for r in range(batch):
+        bias = {int(t): 2.0 for t in rng.choice(vocab, BIAS_PER_ROW, replace=False)}
+        cfg = GenerationConfig(temperature=0.7, top_p=0.9, presence_penalty=0.5, frequency_penalty=0.3,
+                               repetition_penalty=1.1, logit_bias=bias, seed=r)
+        mask = [FixedMask(reference.pack_bitmask(rng.random((1, vocab)) < 0.5)[0])] if r % 2 == 0 else []
+        appeared = rng.choice(vocab, APPEARED_PER_ROW, replace=False)
+        state = RequestState(appeared[: APPEARED_PER_ROW // 2].tolist(), cfg, mask_sources=mask)
+        pool = appeared[APPEARED_PER_ROW // 2 :] if output_tokens <= APPEARED_PER_ROW else np.arange(vocab)
+        for t in rng.choice(pool, output_tokens):
+            state.append_token(int(t))
+        states.append(state)
+    return states
+
+
+def numpy_step(logits: np.ndarray, states: list[RequestState], uniform: np.ndarray) -> np.ndarray:
+    """The same step in plain (vectorised) numpy, from the same incremental sparse state."""
+    x = logits.copy()
+    for r, s in enumerate(states):
+        cfg = s.config
+        toks = np.fromiter(cfg.logit_bias, np.int64)
+        x[r, toks] += np.fromiter(cfg.logit_bias.values(), np.float32)
+        tok, cnt = s.appeared_token_ids, s.output_counts
+        v = x[r, tok]
+        v = np.where(v > 0, v / cfg.repetition_penalty, v * cfg.repetition_penalty)
+        x[r, tok] = v - (cfg.frequency_penalty * cnt + cfg.presence_penalty * (cnt > 0))
+        if s.mask_sources:
+            allowed = reference.unpack_bitmask(s.mask_sources[0].words[None, :], x.shape[1])[0]
+            x[r] = np.where(allowed, x[r], -np.inf)
+    z = x / 0.7
+    e = np.exp(z - z.max(axis=1, keepdims=True))
+    p = e / e.sum(axis=1, keepdims=True)
+    order = np.argsort(-p, axis=1)
+    sp = np.take_along_axis(p, order, axis=1)
+    csum = np.cumsum(sp, axis=1)
+    sp[(csum - sp) >= 0.9] = 0
+    target = uniform[:, None] * sp.sum(axis=1, keepdims=True)
+    idx = (np.cumsum(sp, axis=1) <= target).sum(axis=1)
+    return order[np.arange(len(states)), np.minimum(idx, p.shape[1] - 1)]
+
+
+def torch_step(logits: np.ndarray, states: list[RequestState], uniform: np.ndarray) -> object:
+    x = torch.from_numpy(logits.copy())
+    for r, s in enumerate(states):
+        cfg = s.config
+        x[r, torch.tensor(list(cfg.logit_bias))] += 2.0
+        tok = torch.from_numpy(s.appeared_token_ids.astype(np.int64))
+        cnt = torch.from_numpy(s.output_counts.astype(np.float32))
+        v = x[r, tok]
+        v = torch.where(v > 0, v / cfg.repetition_penalty, v * cfg.repetition_penalty)
+        x[r, tok] = v - (cfg.frequency_penalty * cnt + cfg.presence_penalty * (cnt > 0))
+        if s.mask_sources:
+            allowed = torch.from_numpy(reference.unpack_bitmask(s.mask_sources[0].words[None, :], x.shape[1])[0])
+            x[r] = torch.where(allowed, x[r], float("-inf"))
+    p = torch.softmax(x / 0.7, dim=1)
+    sp, order = torch.sort(p, dim=1, descending=True)
+    csum = torch.cumsum(sp, dim=1)
+    sp[(csum - sp) >= 0.9] = 0
+    return order.gather(1, torch.multinomial(sp, 1))
+
+
+def step(proc: LogitProcessor, sampler: Sampler, logits: np.ndarray, states: list[RequestState]) -> np.ndarray:
+    proc.inplace_update_logits(logits, states)
+    probs = sampler.renormalize(proc.compute_probs_from_logits(logits, states), states)
+    return sampler.sample(probs, states).token_ids
+
+
+def bench_steps(args: argparse.Namespace, lib) -> None:
+    rng = np.random.default_rng(0)
+    header = ["B", "V", "ours us", "numpy us", "torch us", "memcpy us", "numpy/ours", "torch/ours", "ours/memcpy"]
+    print("| " + " | ".join(header) + " |" if args.markdown else "".join(f"{h:>13}" for h in header))
+    if args.markdown:
+        print("|" + "---|" * len(header))
+    for vocab in args.vocab:
+        proc = LogitProcessor(lib, vocab, max(args.batch))
+        sampler = Sampler(lib, vocab, max_num_token=max(args.batch))
+        for batch in args.batch:
+            states = make_batch(batch, vocab, 128, rng)
+            base = (rng.standard_normal((batch, vocab)) * 3).astype(np.float32)
+            work = empty_aligned((batch, vocab))
+            copy_dst = np.empty_like(base)
+            uniform = rng.random(batch)
+
+            def ours(work=work, base=base, states=states, proc=proc, sampler=sampler) -> None:
+                np.copyto(work, base)  # fresh logits each step, as a model would produce (counted in ours)
+                step(proc, sampler, work, states)
+
+            memcpy = median_us(lambda base=base, dst=copy_dst: np.copyto(dst, base), args.repeat)
+            ours_us = median_us(ours, args.repeat)
+            numpy_us = median_us(lambda base=base, states=states, u=uniform: numpy_step(base, states, u),
+                                 max(3, args.repeat // 3))
+            torch_us = median_us(lambda base=base, states=states, u=uniform: torch_step(base, states, u),
+                                 args.repeat) if torch else None
+            cells = [batch, vocab, f"{ours_us:.0f}", f"{numpy_us:.0f}", "-" if torch_us is None else f"{torch_us:.0f}",
+                     f"{memcpy:.0f}", f"{numpy_us / ours_us:.1f}x",
+                     "-" if torch_us is None else f"{torch_us / ours_us:.1f}x", f"{ours_us / memcpy:.2f}"]
+            print("| " + " | ".join(map(str, cells)) + " |" if args.markdown else "".join(f"{c:>13}" for c in cells))
+
+
+def bench_host_overhead(args: argparse.Namespace, lib) -> None:
+    """Per-step time outside the kernels, with long outputs: it must stay flat as sequences grow."""
+    rng = np.random.default_rng(1)
+    batch, vocab = max(args.batch), max(args.vocab)
+    proc = LogitProcessor(lib, vocab, batch)
+    sampler = Sampler(lib, vocab, max_num_token=batch)
+    kernel_time = [0.0]
+
+    def timed(fn: Callable[..., None]) -> Callable[..., None]:
+        def call(*a: object) -> None:
+            start = time.perf_counter()
+            fn(*a)
+            kernel_time[0] += time.perf_counter() - start
+        return call
+
+    proc.kernels = {k: timed(f) for k, f in proc.kernels.items()}
+    sampler.kernels = {k: timed(f) for k, f in sampler.kernels.items()}
+    print(f"host overhead per step, B={batch}, V={vocab} (everything but kernel execution):")
+    for output_tokens in args.output_tokens:
+        states = make_batch(batch, vocab, output_tokens, rng)
+        entries = sum(s.appeared_token_ids.size for s in states)
+        logits = empty_aligned((batch, vocab))
+        logits[...] = rng.standard_normal((batch, vocab))
+        totals, kernels = [], []
+        for _ in range(args.repeat):
+            kernel_time[0] = 0.0
+            start = time.perf_counter()
+            step(proc, sampler, logits, states)
+            totals.append(time.perf_counter() - start)
+            kernels.append(kernel_time[0])
+        host = statistics.median(t - k for t, k in zip(totals, kernels, strict=True)) * 1e6
+        print(f"  {output_tokens:>6} output tokens/row ({entries} penalty entries): host {host:.0f} us, "
+              f"kernels {statistics.median(kernels) * 1e6:.0f} us")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--vocab", type=int, nargs="+", default=[32000, 128256])
+    parser.add_argument("--repeat", type=int, default=9)
+    parser.add_argument("--markdown", action="store_true")
+    parser.add_argument("--host-overhead", action="store_true")
+    parser.add_argument("--output-tokens", type=int, nargs="+", default=[1000, 32000])
+    args = parser.parse_args()
+    lib = build_kernels("cpu")
+    if args.host_overhead:
+        bench_host_overhead(args, lib)
+    else:
+        bench_steps(args, lib)
+
+
+if __name__ == "__main__":
+    main()
