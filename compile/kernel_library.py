@@ -35,14 +35,15 @@ from .targets import TargetSpec, resolve_target
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
 _PACKAGE_ROOT = Path(__file__).resolve().parent.parent
-_HASHED_SOURCE_DIRS = ("tir_kernels", "compile")
+#: What a kernel build depends on: every kernel source, and the compiler modules that turn them into artifacts.
+_HASHED_SOURCES = ("tir_kernels/*.py", "compile/kernel_library.py", "compile/targets.py", "compile/device_code.py")
 
 
 def source_hash() -> str:
     """sha256 over the kernel and compiler sources: a change in any of them invalidates cached builds."""
     digest = hashlib.sha256()
-    for folder in _HASHED_SOURCE_DIRS:
-        for path in sorted((_PACKAGE_ROOT / folder).glob("*.py")):
+    for pattern in _HASHED_SOURCES:
+        for path in sorted(_PACKAGE_ROOT.glob(pattern)):
             digest.update(path.name.encode())
             digest.update(path.read_bytes())
     return digest.hexdigest()

@@ -1,0 +1,179 @@
+"""A plain numpy float32 Llama forward pass with a KV cache: the reference the compiled model is checked against.
+
+For a GGUF read by ``logitproc.compile.gguf_model.load_gguf`` (weights ``[out, in]``, float32). Per layer, for the
+tokens ``x`` ``[T, hidden]`` at positions ``p0 .. p0+T-1``::
+
+    h = rmsnorm(x) * attn_norm                        rmsnorm(x) = x / sqrt(mean(x*x, last axis) + eps)
+    q, k, v = h @ Wq.T, h @ Wk.T, h @ Wv.T            [T, n_heads, d], [T, n_kv, d], [T, n_kv, d]
+    q, k = rope(q), rope(k)                            adjacent pairs (2i, 2i+1) rotated by pos * theta^(-2i/d)
+    append k, v to the cache; query head j reads KV head j // (n_heads / n_kv)   (grouped-query attention)
+    x += softmax(q k^T / sqrt(d), causal) v @ Wo.T
+    h = rmsnorm(x) * ffn_norm
+    x += (silu(h @ Wgate.T) * (h @ Wup.T)) @ Wdown.T
+
+then ``logits = (rmsnorm(x[-1]) * output_norm) @ token_embd.T`` (tied output embedding; ``output.weight`` when the
+GGUF has one). RoPE rotates adjacent pairs because the GGUF converter permuted the q/k rows of the Hugging Face
+checkpoint (which rotates the two halves of each head) into GGML's layout. Everything stays float32: the scalars
+taken from the GGUF metadata are Python numbers, which NumPy 2 does not let promote float32 arrays to float64.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from logitproc.compile.gguf_model import GGUFModel
+
+_INITIAL_CACHE = 256
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """``x / sqrt(mean(x^2) + eps) * weight`` over the last axis, float32."""
+    scale = 1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+    return (x * scale) * weight
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    """``x * sigmoid(x)``, written with tanh so that large negative inputs do not overflow exp."""
+    return x * (0.5 + 0.5 * np.tanh(0.5 * x))
+
+
+def rope_tables(positions: np.ndarray, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin ``[T, head_dim // 2]`` (float32) of ``position * theta^(-2i/head_dim)``, computed in float64."""
+    inv_freq = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    angles = positions.astype(np.float64)[:, None] * inv_freq[None, :]
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Rotate the adjacent pairs ``(x[2i], x[2i+1])`` of ``x`` ``[T, heads, d]`` by the angles of ``cos``/``sin``."""
+    even, odd = x[..., 0::2], x[..., 1::2]
+    c, s = cos[:, None, :], sin[:, None, :]
+    out = np.empty_like(x)
+    out[..., 0::2] = even * c - odd * s
+    out[..., 1::2] = even * s + odd * c
+    return out
+
+
+class NumpyLlama:
+    """Greedy-decodable Llama in numpy float32 with a growing KV cache.
+
+    ``prefill(ids)`` starts a new sequence and returns the logits ``[vocab]`` after its last token; ``decode(id)``
+    appends one token; ``extend(ids)`` appends several (chunked prefill); ``reset()`` empties the cache.
+    """
+
+    def __init__(self, model: GGUFModel) -> None:
+        cfg = model.config
+        if cfg.n_heads % cfg.n_kv_heads:
+            raise ValueError(f"{cfg.n_heads} heads are not a multiple of {cfg.n_kv_heads} KV heads")
+        if not model.weights:
+            raise ValueError(f"{model.path.name} was read without weights: use load_gguf(path, load_weights=True)")
+        self.config = cfg
+        w = model.weights
+        self._embed = w["token_embd.weight"]
+        self._output = w.get("output.weight", self._embed)
+        self._output_norm = w["output_norm.weight"]
+        names = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
+        self._layers = [tuple(w[f"blk.{i}.{name}.weight"] for name in names) for i in range(cfg.n_layers)]
+        self._eps = float(cfg.rms_eps)
+        self._scale = 1.0 / float(np.sqrt(cfg.head_dim))
+        self._k_cache = np.zeros((0,), np.float32)
+        self._v_cache = np.zeros((0,), np.float32)
+        self._length = 0
+        self.reset()
+
+    @property
+    def position(self) -> int:
+        """Number of tokens in the KV cache (the position the next token gets)."""
+        return self._length
+
+    def reset(self) -> None:
+        """Forget the sequence (keeps the cache's memory)."""
+        if self._k_cache.ndim != 4:
+            self._allocate(_INITIAL_CACHE)
+        self._length = 0
+
+    def _allocate(self, capacity: int) -> None:
+        cfg = self.config
+        shape = (cfg.n_layers, cfg.n_kv_heads, capacity, cfg.head_dim)
+        k, v = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+        if self._k_cache.ndim == 4 and self._length:
+            k[:, :, : self._length] = self._k_cache[:, :, : self._length]
+            v[:, :, : self._length] = self._v_cache[:, :, : self._length]
+        self._k_cache, self._v_cache = k, v
+
+    def prefill(self, token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        """Start a new sequence with ``token_ids``; the logits ``[vocab]`` (float32) predicting the next token."""
+        self.reset()
+        return self.extend(token_ids)
+
+    def decode(self, token_id: int) -> np.ndarray:
+        """Append one token; the logits ``[vocab]`` predicting the one after it."""
+        return self.extend([int(token_id)])
+
+    def extend(self, token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        """Append ``token_ids`` to the current sequence; the logits ``[vocab]`` after the last of them."""
+        ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+        if ids.size == 0:
+            raise ValueError("no tokens to process")
+        if ids.min() < 0 or ids.max() >= self.config.vocab:
+            raise ValueError(f"token ids must lie in [0, {self.config.vocab})")
+        start, end = self._length, self._length + ids.size
+        if end > self.config.context:
+            raise ValueError(f"sequence of {end} tokens exceeds the model's context of {self.config.context}")
+        capacity = self._k_cache.shape[2]
+        if end > capacity:
+            while capacity < end:
+                capacity *= 2
+            self._allocate(min(capacity, self.config.context))
+        hidden = self._forward(ids, start)
+        self._length = end
+        last = rms_norm(hidden[-1], self._output_norm, self._eps)
+        return self._output @ last
+
+    def _forward(self, ids: np.ndarray, start: int) -> np.ndarray:
+        """Hidden states ``[T, hidden]`` after the last layer; writes the tokens' K and V into the cache."""
+        cfg = self.config
+        n_tok, n_kv, d, rep = ids.size, cfg.n_kv_heads, cfg.head_dim, cfg.n_rep
+        end = start + n_tok
+        cos, sin = rope_tables(np.arange(start, end), d, cfg.rope_theta)
+        # Query t sits at position start + t and sees cached positions 0 .. start + t.
+        causal = np.where(np.arange(end)[None, :] <= np.arange(start, end)[:, None], 0.0, -np.inf).astype(np.float32)
+
+        x = self._embed[ids]
+        for layer, (attn_norm, wq, wk, wv, wo, ffn_norm, w_gate, w_up, w_down) in enumerate(self._layers):
+            h = rms_norm(x, attn_norm, self._eps)
+            q = apply_rope((h @ wq.T).reshape(n_tok, cfg.n_heads, d), cos, sin)
+            k = apply_rope((h @ wk.T).reshape(n_tok, n_kv, d), cos, sin)
+            v = (h @ wv.T).reshape(n_tok, n_kv, d)
+            self._k_cache[layer, :, start:end] = k.transpose(1, 0, 2)
+            self._v_cache[layer, :, start:end] = v.transpose(1, 0, 2)
+            keys = self._k_cache[layer, :, :end]  # [n_kv, S, d]
+            values = self._v_cache[layer, :, :end]
+            # Query head j = g * rep + r uses KV head g: group the queries by KV head.
+            qg = q.reshape(n_tok, n_kv, rep, d).transpose(1, 2, 0, 3)  # [n_kv, rep, T, d]
+            scores = (qg @ keys[:, None].transpose(0, 1, 3, 2)) * self._scale + causal  # [n_kv, rep, T, S]
+            scores -= scores.max(axis=-1, keepdims=True)
+            probs = np.exp(scores)
+            probs /= probs.sum(axis=-1, keepdims=True)
+            attn = (probs @ values[:, None]).transpose(2, 0, 1, 3).reshape(n_tok, cfg.n_heads * d)
+            x = x + attn @ wo.T
+            h = rms_norm(x, ffn_norm, self._eps)
+            x = x + (silu(h @ w_gate.T) * (h @ w_up.T)) @ w_down.T
+        return x
+
+    def generate_greedy(
+        self, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] = ()
+    ) -> list[int]:
+        """Greedy continuation of ``prompt_ids`` (a new sequence): at most ``max_new_tokens``, ending at a stop id
+        (included in the result)."""
+        logits = self.prefill(prompt_ids)
+        out: list[int] = []
+        stops = set(int(s) for s in stop_ids)
+        for step in range(max_new_tokens):
+            token = int(np.argmax(logits))
+            out.append(token)
+            if token in stops or step == max_new_tokens - 1:
+                break
+            logits = self.decode(token)
+        return out
