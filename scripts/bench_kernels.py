@@ -10,14 +10,11 @@ float32 [B, V] logits once: no full pass over the logits can beat it. The ratios
 from __future__ import annotations
 
 import argparse
-import os
-import platform
-import statistics
-import time
 from collections.abc import Callable
 
 import numpy as np
 import tvm
+from bench_common import machine_line, median_us
 from logitproc.compile import build_kernels
 from logitproc.tir_kernels import reference
 
@@ -29,16 +26,6 @@ except ImportError:  # torch is optional
 BIAS_PER_ROW = 16
 PENALTY_PER_ROW = 512
 TOP_N = 5
-
-
-def median_us(fn: Callable[[], object], repeat: int) -> float:
-    fn()
-    samples = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples) * 1e6
 
 
 def make_case(batch: int, vocab: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -191,18 +178,6 @@ def bench_case(lib, batch: int, vocab: int, repeat: int, rng: np.random.Generato
         rows.append({"kernel": name, "B": batch, "V": vocab, "ours": ours_us, "numpy": numpy_us, "torch": torch_us,
                      "memcpy": memcpy})
     return rows
-
-
-def machine_line() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    threads = os.environ.get("TVM_NUM_THREADS", str(os.cpu_count()))
-    return f"{cpu}, {os.cpu_count()} cores, TVM threads {threads}, TVM {tvm.__version__}, numpy {np.__version__}, " \
-           f"torch {torch.__version__ if torch else 'not installed'}"
 
 
 def main() -> None:

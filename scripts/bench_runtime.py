@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
+from bench_common import machine_line, median_us
 from logitproc import GenerationConfig, LogitProcessor, RequestState, Sampler
 from logitproc.compile import build_kernels
 from logitproc.runtime import empty_aligned
@@ -43,16 +44,6 @@ class FixedMask:
 
     def accept_token(self, token_id: int) -> None:
         pass
-
-
-def median_us(fn: Callable[[], object], repeat: int) -> float:
-    fn()
-    samples = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples) * 1e6
 
 
 def make_batch(batch: int, vocab: int, output_tokens: int, rng: np.random.Generator) -> list[RequestState]:
@@ -200,6 +191,7 @@ def main() -> None:
     parser.add_argument("--output-tokens", type=int, nargs="+", default=[1000, 32000])
     args = parser.parse_args()
     lib = build_kernels("cpu")
+    print(f"# machine: {machine_line()}")
     if args.host_overhead:
         bench_host_overhead(args, lib)
     else:
