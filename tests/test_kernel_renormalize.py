@@ -144,6 +144,41 @@ def test_top_p_in_the_dense_bulk(scale: float) -> None:
         assert 1000 < same.sum() < vocab
 
 
+def awkward_rows(rng: np.random.Generator, vocab: int) -> np.ndarray:
+    """Rows that make interpolating the top-p mass a poor guess: clusters, whole exponent range, ramps, power laws."""
+    rows = np.empty((8, vocab), np.float64)
+    rows[0] = 1e-12 * (1 + rng.random(vocab))
+    rows[0, rng.choice(vocab, 100, replace=False)] = 1e-2 * (1 + 1e-3 * rng.random(100))  # two far clusters
+    rows[1] = np.exp2(rng.uniform(-140, 0, vocab))  # spread over the whole exponent range
+    rows[2] = 1e-9 * rng.random(vocab)
+    rows[2, vocab // 3] = 0.999  # one value holds nearly all the mass
+    rows[3] = rng.permutation(vocab) + 1.0  # mass spread evenly over values (a ramp)
+    rows[4] = rng.permutation(np.arange(1, vocab + 1, dtype=np.float64) ** -3.0)  # steep power law
+    rows[5] = np.exp2(rng.uniform(-126, -120, vocab))
+    rows[5, ::7] = np.float32(1e-45) * rng.integers(1, 1000, rows[5, ::7].size)  # subnormals among normals
+    rows[6] = np.exp(rng.standard_normal(vocab) * 8)  # very peaked
+    rows[7] = np.exp(rng.standard_normal(vocab) * 0.3)  # nearly flat
+    return (rows / rows.sum(axis=1, keepdims=True)).astype(np.float32)
+
+
+@pytest.mark.parametrize("want", [0.05, 0.5, 0.9, 0.99])
+def test_top_p_search_on_awkward_rows(want: float) -> None:
+    """top-p (alone and after top-k / min-p) on rows where its interpolated probes land far from the threshold."""
+    rng = np.random.default_rng(int(want * 100))
+    vocab = 32768
+    probs = awkward_rows(rng, vocab)
+    top_k = np.array([0, 0, 0, 5000, 0, 0, 300, 0], np.int32)
+    min_p = np.array([0, 0, 0, 0, 1e-6, 0, 0, 0.5], np.float32)
+    top_p = np.array([safe_top_p(probs[r], int(top_k[r]), float(min_p[r]), want) for r in range(8)], np.float32)
+    check(probs, top_k, top_p, min_p, run_renormalize(probs, top_k, top_p, min_p))
+    zeros = np.zeros(8, np.float32)
+    tiny = np.full(8, 1e-30, np.float32)
+    for p in (zeros, tiny):  # only the maximum (with its ties) reaches a goal of (almost) nothing
+        out = run_renormalize(probs, top_k, p, min_p)
+        check(probs, top_k, p, min_p, out)
+        assert np.all((out > 0) == (probs == probs.max(axis=1, keepdims=True)))
+
+
 def test_all_filters_off_only_rescales() -> None:
     rng = np.random.default_rng(3)
     probs = make_probs(rng, 7, 128256) * np.float32(3.5)  # not normalised
