@@ -14,21 +14,17 @@ MATRIX_DEVICES = ("cpu", "vulkan", "cuda")
 _unavailable: dict[str, str] = {}
 
 
-def _open_device(kind: str):
-    from logitproc.runtime import Device
-
-    try:
-        device = Device(kind)
-        return device, device.load()
-    except (RuntimeError, ImportError) as err:
-        _unavailable[kind] = str(err)
-        return None
-
-
 @pytest.fixture(scope="session")
 def device_kernels():
     """kind -> (Device, kernels) for every matrix device; None where the device is missing (reason recorded)."""
-    return {kind: _open_device(kind) for kind in MATRIX_DEVICES}
+    from kernel_harness import open_device
+
+    opened = {}
+    for kind in MATRIX_DEVICES:
+        opened[kind], reason = open_device(kind)
+        if opened[kind] is None:
+            _unavailable[kind] = reason
+    return opened
 
 
 def pytest_terminal_summary(terminalreporter) -> None:

@@ -1,12 +1,14 @@
-"""Compile single kernels for the CPU and run them on numpy arrays (shared by the kernel tests)."""
+"""Run kernels in tests: single kernels compiled for the CPU, and the whole library on each device (cached)."""
 
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import numpy as np
+import pytest
 import tvm
-from logitproc.compile import resolve_target
+from logitproc.compile import build_kernels, resolve_target
 from logitproc.tir_kernels import KERNEL_FACTORIES
 
 
@@ -23,3 +25,23 @@ def run_cpu(name: str, *arrays: np.ndarray) -> list[np.ndarray]:
     tensors = [tvm.runtime.tensor(np.ascontiguousarray(a), dev) for a in arrays]
     cpu_kernel(name)(*tensors)
     return [t.numpy() for t in tensors]
+
+
+@functools.cache
+def open_device(kind: str) -> tuple[tuple[Any, dict[str, Any]] | None, str]:
+    """((Device, its library's kernels), "") for a device this machine has, else (None, why not). One per process."""
+    from logitproc.runtime import Device
+
+    try:
+        device = Device(kind)
+        return (device, device.load(build_kernels(kind))), ""
+    except (RuntimeError, ImportError) as err:
+        return None, str(err)
+
+
+def vulkan_kernels_or_skip() -> dict[str, Any]:
+    """The library's kernels on Vulkan (lavapipe without a GPU); numpy arguments the kernel writes are written back."""
+    opened, reason = open_device("vulkan")
+    if opened is None:
+        pytest.skip(f"no vulkan device: {reason}")
+    return opened[1]

@@ -3,19 +3,14 @@ compiles for every target kind (and runs on lavapipe when wgpu and Mesa's CPU Vu
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
-import tvm
-from kernel_harness import run_cpu
-from logitproc.compile import resolve_target
+from kernel_harness import run_cpu, vulkan_kernels_or_skip
 from logitproc.tir_kernels import log_softmax, reference, softmax
 
 NAME = log_softmax.NAME
 LARGE_VOCABS = (128001, 128256, 151936)
 RTOL, ATOL = 1e-6, 2e-6
-GPU_TARGETS = [("cuda", "sm_80"), ("cuda", "sm_90"), ("rocm", "gfx942"), ("vulkan", None), ("metal", None)]
 
 
 def run_log_softmax(logits: np.ndarray, target_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -130,40 +125,17 @@ def test_agrees_with_the_softmax_kernel(vocab: int) -> None:
     np.testing.assert_allclose(logprob, np.log(probs[np.arange(6), target_ids]), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize(("kind", "arch"), GPU_TARGETS, ids=[f"{k}-{a}" if a else k for k, a in GPU_TARGETS])
-def test_gpu_variant_compiles(kind: str, arch: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("CUDA_PATH", os.environ.get("CUDA_PATH", "/usr/local/cuda"))
-    monkeypatch.setenv("ROCM_PATH", os.environ.get("ROCM_PATH", "/usr/lib/x86_64-linux-gnu"))
-    target = resolve_target(kind, arch).tvm_target()
-    func = log_softmax.get_log_softmax_gather(target)
-    with tvm.transform.PassContext(config={"tirx.disable_cse_tir": True}):
-        executable = tvm.compile(tvm.IRModule({NAME: func}), target=target)
-    if kind in ("cuda", "vulkan", "metal"):  # text sources; rocm holds a linked code object
-        source = executable.mod.imports[0].inspect_source()
-        assert f"{NAME}_kernel" in source
-        threads = 256 if kind == "vulkan" else 1024
-        assert str(threads) in source
-
 
 def test_gpu_variant_runs_on_lavapipe() -> None:
     """The WGSL variant on Mesa's CPU Vulkan driver, edge cases included (skipped without wgpu / a Vulkan adapter)."""
-    pytest.importorskip("wgpu")
-    from logitproc.runtime import wgsl
-
-    wgsl.use_lavapipe_if_unset()
-    adapter = wgsl.request_adapter()
-    if adapter is None:
-        pytest.skip("no Vulkan adapter (install mesa-vulkan-drivers for lavapipe)")
-    device = wgsl.create_device(adapter)
-    func = log_softmax.get_log_softmax_gather(resolve_target("vulkan").tvm_target())
-    kernels = wgsl.WGSLKernels.from_prim_funcs(device, {NAME: func})
+    kernels = vulkan_kernels_or_skip()
     rng = np.random.default_rng(7)
     for batch, vocab in [(7, 1), (99, 33), (6, 128256)]:
         logits, target_ids = make_case(rng, batch, vocab)
         logits[1::4, rng.random(vocab) < 0.5] = -np.inf
         logits[2] = -np.inf
         logits[3, target_ids[3]] = -np.inf
-        logprob = wgsl.GPUArray.from_numpy(device, np.full(batch, np.nan, np.float32))
-        lse = wgsl.GPUArray.from_numpy(device, np.full(batch, np.nan, np.float32))
-        kernels(NAME, logits, target_ids, logprob, lse)
-        check(logits, target_ids, logprob.numpy(), lse.numpy())
+        logprob = np.full(batch, np.nan, np.float32)
+        lse = np.full(batch, np.nan, np.float32)
+        kernels[NAME](logits, target_ids, logprob, lse)
+        check(logits, target_ids, logprob, lse)

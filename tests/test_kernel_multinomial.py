@@ -9,19 +9,14 @@ of positive probability whose cumulative interval reaches within ``EDGE`` of the
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
-import tvm
-from kernel_harness import run_cpu
-from logitproc.compile import resolve_target
+from kernel_harness import run_cpu, vulkan_kernels_or_skip
 from logitproc.tir_kernels import multinomial, reference
 
 NAME = multinomial.NAME
 EDGE = 1e-5
 ALMOST_ONE = np.nextafter(np.float32(1), np.float32(0))
-GPU_TARGETS = [("cuda", "sm_80"), ("cuda", "sm_90"), ("rocm", "gfx942"), ("vulkan", None), ("metal", None)]
 SHAPES = [(1, 1), (7, 1), (99, 1), (1, 31), (7, 31), (99, 31), (1, 33), (7, 33), (99, 33),
           (1, 128001), (7, 128001), (1, 128256), (7, 128256), (1, 151936), (7, 151936)]
 
@@ -181,37 +176,10 @@ def test_ties_split_evenly_by_position() -> None:
     np.testing.assert_array_equal(token, np.floor(uniform.astype(np.float64) * vocab).astype(np.int32))
 
 
-@pytest.mark.parametrize(("kind", "arch"), GPU_TARGETS, ids=[f"{k}-{a}" if a else k for k, a in GPU_TARGETS])
-def test_gpu_variant_compiles(kind: str, arch: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("CUDA_PATH", os.environ.get("CUDA_PATH", "/usr/local/cuda"))
-    monkeypatch.setenv("ROCM_PATH", os.environ.get("ROCM_PATH", "/usr/lib/x86_64-linux-gnu"))
-    target = resolve_target(kind, arch).tvm_target()
-    func = multinomial.get_multinomial_from_uniform(target)
-    with tvm.transform.PassContext(config={"tirx.disable_cse_tir": True}):
-        executable = tvm.compile(tvm.IRModule({NAME: func}), target=target)
-    if kind in ("cuda", "vulkan", "metal"):  # text sources; rocm holds a linked code object
-        source = executable.mod.imports[0].inspect_source()
-        assert f"{NAME}_kernel" in source
-        assert str(256 if kind == "vulkan" else 1024) in source
-    if kind == "cuda" and os.path.exists(os.path.join(os.environ["CUDA_PATH"], "bin", "nvcc")):
-        from tvm.support import nvcc
-
-        with target:
-            assert nvcc.compile_cuda(source, target_format="cubin", arch=arch)
-
 
 def test_gpu_variant_runs_on_lavapipe() -> None:
     """The WGSL variant on Mesa's CPU Vulkan driver (skipped without wgpu / lavapipe)."""
-    pytest.importorskip("wgpu")
-    from logitproc.runtime import wgsl
-
-    wgsl.use_lavapipe_if_unset()
-    adapter = wgsl.request_adapter()
-    if adapter is None:
-        pytest.skip("no Vulkan adapter (install mesa-vulkan-drivers for lavapipe)")
-    device = wgsl.create_device(adapter)
-    func = multinomial.get_multinomial_from_uniform(resolve_target("vulkan").tvm_target())
-    kernels = wgsl.WGSLKernels.from_prim_funcs(device, {NAME: func})
+    kernels = vulkan_kernels_or_skip()
     rng = np.random.default_rng(19)
     for batch, vocab in [(7, 1), (99, 33), (8, 128256), (3, 151936)]:
         probs = make_probs(rng, batch, vocab)
@@ -220,10 +188,10 @@ def test_gpu_variant_runs_on_lavapipe() -> None:
         uniform = rng.random(batch, dtype=np.float32)
         uniform[0] = 0
         uniform[-1] = ALMOST_ONE
-        token = wgsl.GPUArray.from_numpy(device, np.full(batch, -7, np.int32))
-        chosen = wgsl.GPUArray.from_numpy(device, np.full(batch, np.nan, np.float32))
-        kernels(NAME, probs, uniform, token, chosen)
-        check(probs, uniform, token.numpy(), chosen.numpy())
+        token = np.full(batch, -7, np.int32)
+        chosen = np.full(batch, np.nan, np.float32)
+        kernels[NAME](probs, uniform, token, chosen)
+        check(probs, uniform, token, chosen)
     # the hard rule on the GPU variant: zero-probability tokens, uniforms on every boundary
     base = make_probs(rng, 1, 33, scale=4.0)[0]
     base[::2] = 0
@@ -233,8 +201,8 @@ def test_gpu_variant_runs_on_lavapipe() -> None:
                                                                                      dtype=np.float32)])
     uniform = uniform[uniform < 1]
     probs = np.broadcast_to(base, (uniform.size, 33)).copy()
-    token = wgsl.GPUArray.from_numpy(device, np.full(uniform.size, -7, np.int32))
-    chosen = wgsl.GPUArray.from_numpy(device, np.full(uniform.size, np.nan, np.float32))
-    kernels(NAME, probs, uniform, token, chosen)
-    assert np.all(base[token.numpy()] > 0)
-    check(probs, uniform, token.numpy(), chosen.numpy())
+    token = np.full(uniform.size, -7, np.int32)
+    chosen = np.full(uniform.size, np.nan, np.float32)
+    kernels[NAME](probs, uniform, token, chosen)
+    assert np.all(base[token] > 0)
+    check(probs, uniform, token, chosen)

@@ -3,20 +3,15 @@
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
-import tvm
-from kernel_harness import run_cpu
-from logitproc.compile import resolve_target
+from kernel_harness import run_cpu, vulkan_kernels_or_skip
 from logitproc.tir_kernels import reference, softmax
 
 NAME = softmax.NAME
 TEMPERATURES = (0.0, 1e-4, 0.7, 1.0, 2.0)
 LARGE_VOCABS = (128001, 128256, 151936)
 RTOL, ATOL = 1e-5, 1e-7
-GPU_TARGETS = [("cuda", "sm_80"), ("cuda", "sm_90"), ("rocm", "gfx942"), ("vulkan", None), ("metal", None)]
 
 
 def run_softmax(logits: np.ndarray, temperature: np.ndarray) -> np.ndarray:
@@ -159,33 +154,10 @@ def test_extreme_logits_are_stable() -> None:
     assert probs[2, 2] == 1.0
 
 
-@pytest.mark.parametrize(("kind", "arch"), GPU_TARGETS, ids=[f"{k}-{a}" if a else k for k, a in GPU_TARGETS])
-def test_gpu_variant_compiles(kind: str, arch: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("CUDA_PATH", os.environ.get("CUDA_PATH", "/usr/local/cuda"))
-    monkeypatch.setenv("ROCM_PATH", os.environ.get("ROCM_PATH", "/usr/lib/x86_64-linux-gnu"))
-    target = resolve_target(kind, arch).tvm_target()
-    func = softmax.get_softmax_with_temperature(target)
-    with tvm.transform.PassContext(config={"tirx.disable_cse_tir": True}):
-        executable = tvm.compile(tvm.IRModule({NAME: func}), target=target)
-    if kind in ("cuda", "vulkan", "metal"):  # text sources; rocm holds a linked code object
-        source = executable.mod.imports[0].inspect_source()
-        assert f"{NAME}_kernel" in source
-        threads = 256 if kind == "vulkan" else 1024
-        assert str(threads) in source
-
 
 def test_gpu_variant_runs_on_lavapipe() -> None:
     """The WGSL variant on Mesa's CPU Vulkan driver, every edge case at once (skipped without wgpu / lavapipe)."""
-    pytest.importorskip("wgpu")
-    from logitproc.runtime import wgsl
-
-    wgsl.use_lavapipe_if_unset()
-    adapter = wgsl.request_adapter()
-    if adapter is None:
-        pytest.skip("no Vulkan adapter (install mesa-vulkan-drivers for lavapipe)")
-    device = wgsl.create_device(adapter)
-    func = softmax.get_softmax_with_temperature(resolve_target("vulkan").tvm_target())
-    kernels = wgsl.WGSLKernels.from_prim_funcs(device, {NAME: func})
+    kernels = vulkan_kernels_or_skip()
     rng = np.random.default_rng(7)
     for batch, vocab in [(7, 1), (99, 33), (10, 128256)]:
         logits = make_logits(rng, batch, vocab)
@@ -193,6 +165,6 @@ def test_gpu_variant_runs_on_lavapipe() -> None:
         logits[1::4, rng.random(vocab) < 0.5] = -np.inf
         logits[2] = -np.inf
         logits[3:5, [vocab // 2, vocab - 1]] = logits.max() + 1
-        probs = wgsl.GPUArray.from_numpy(device, np.full_like(logits, np.nan))
-        kernels(NAME, logits, temperature, probs)
-        check_probs(logits, temperature, probs.numpy())
+        probs = np.full_like(logits, np.nan)
+        kernels[NAME](logits, temperature, probs)
+        check_probs(logits, temperature, probs)
