@@ -261,6 +261,24 @@ class VulkanDevice(Device):
         self._wgsl.sync_queue(self.wgpu_device)
 
 
+class PrefixViews:
+    """A device array allocated at capacity, and its views of the first rows, each made once per row count.
+
+    Making a view costs more than some kernels (about 10 us through TVM's FFI); a step asks for the same few.
+    """
+
+    def __init__(self, device: Device, array: Any) -> None:
+        self.device = device
+        self.array = array
+        self._views: dict[int, Any] = {}
+
+    def __call__(self, rows: int) -> Any:
+        view = self._views.get(rows)
+        if view is None:
+            view = self._views[rows] = self.device.prefix(self.array, rows)
+        return view
+
+
 def _cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 from logitproc.compile import KernelLibrary
 
-from .device import Device
+from .device import Device, PrefixViews
 from .logits_io import LogitsStaging, rows_and_vocab
 from .paired_buffer import PairedBuffer
 from .penalty_layout import PenaltyLayout
@@ -59,7 +59,7 @@ class LogitProcessor:
         self._bitmask = PairedBuffer(dev, "bitmask", cap, (self.bitmask_words,), "int32")
         self._temperature = PairedBuffer(dev, "temperature", cap, dtype="float32")
         self._logits = LogitsStaging(dev, cap, vocab_size)
-        self._probs = dev.empty((cap, vocab_size), "float32")
+        self._probs = PrefixViews(dev, dev.empty((cap, vocab_size), "float32"))
         self._scratch_mask = np.empty(self.bitmask_words, np.int32)
 
     # ----------------------------------------------------------------------------------------------------------
@@ -118,7 +118,7 @@ class LogitProcessor:
         temperature[:] = [s.config.temperature for s in plan.states]
         args = self._temperature.to_device(rows)
         self.device.wait_for_copies()
-        probs = self.device.prefix(self._probs, rows)
+        probs = self._probs(rows)
         self.kernels["softmax_with_temperature"](on_device, args, probs)
         return self._logits.from_device(probs, logits)
 

@@ -14,7 +14,7 @@ import numpy as np
 import tvm
 import tvm_ffi
 
-from .device import Device
+from .device import Device, PrefixViews
 
 TVM_ALIGNMENT = 64
 
@@ -44,7 +44,7 @@ class LogitsStaging:
 
     def __init__(self, device: Device, capacity: int, vocab_size: int) -> None:
         self.device = device
-        self.staging = device.empty((capacity, vocab_size), "float32")
+        self.staging = PrefixViews(device, device.empty((capacity, vocab_size), "float32"))
 
     def to_device(self, logits: Any) -> tuple[Any, Callable[[], None] | None]:
         """(device array holding the logits, a function writing device results back into ``logits`` or None)."""
@@ -53,7 +53,7 @@ class LogitsStaging:
         rows = logits.shape[0]
         if self.device.kind == "cpu" and logits.flags.c_contiguous and logits.ctypes.data % TVM_ALIGNMENT == 0:
             return tvm_ffi.from_dlpack(logits, require_alignment=TVM_ALIGNMENT), None
-        view = self.device.prefix(self.staging, rows)
+        view = self.staging(rows)
         host = self.device.host_view(view)
         if host is not None:
             host[...] = logits

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from .device import Device
+from .device import Device, PrefixViews
 
 
 class PairedBuffer:
@@ -26,6 +26,7 @@ class PairedBuffer:
         self.name = name
         self.capacity = capacity
         self.device_array = device.empty((capacity, *row_shape), dtype)
+        self._views = PrefixViews(device, self.device_array)
         shared = device.host_view(self.device_array)
         # Separate host memory only where the device is not the host.
         self.host = shared if shared is not None else np.zeros((capacity, *row_shape), dtype)
@@ -44,7 +45,7 @@ class PairedBuffer:
     def to_device(self, rows: int) -> Any:
         """Queue the copy of the first ``rows`` host rows on the copy stream; return the device view of them."""
         self._check(rows)
-        view = self.device.prefix(self.device_array, rows)
+        view = self._views(rows)
         if rows and not self._shared:
             self.device.copy_to_device(self.host[:rows], view)
         return view
@@ -52,7 +53,7 @@ class PairedBuffer:
     def device_prefix(self, rows: int) -> Any:
         """The device view of the first ``rows`` rows, without copying anything."""
         self._check(rows)
-        return self.device.prefix(self.device_array, rows)
+        return self._views(rows)
 
     def copy_rows(self, lo: int, hi: int) -> None:
         """Queue the copy of host rows ``lo:hi`` to the device (nothing to do where the host array is the device's)."""

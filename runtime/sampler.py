@@ -19,8 +19,7 @@ from typing import Any
 import numpy as np
 from logitproc.compile import KernelLibrary
 
-from .config import MAX_TOP_LOGPROBS
-from .device import Device
+from .device import Device, PrefixViews
 from .logits_io import LogitsStaging, rows_and_vocab
 from .paired_buffer import PairedBuffer
 from .request_state import RequestState
@@ -61,11 +60,11 @@ class Sampler:
         self._top_p = PairedBuffer(dev, "top_p", cap, dtype="float32")
         self._min_p = PairedBuffer(dev, "min_p", cap, dtype="float32")
         self._uniform = PairedBuffer(dev, "uniform", cap, dtype="float32")
-        self._renormalized = dev.empty((cap, vocab_size), "float32")
-        self._tokens = dev.empty((cap,), "int32")
-        self._chosen = dev.empty((cap,), "float32")
-        self._top_values = dev.empty((cap, MAX_TOP_LOGPROBS), "float32")
-        self._top_ids = dev.empty((cap, MAX_TOP_LOGPROBS), "int32")
+        self._renormalized = PrefixViews(dev, dev.empty((cap, vocab_size), "float32"))
+        self._tokens = PrefixViews(dev, dev.empty((cap,), "int32"))
+        self._chosen = PrefixViews(dev, dev.empty((cap,), "float32"))
+        # The top_n kernel takes n from its outputs' width: one pair of buffers per width used, at capacity.
+        self._top_buffers: dict[int, tuple[PrefixViews, PrefixViews]] = {}
         self._probs = LogitsStaging(dev, cap, vocab_size)
 
     def _plan(self, probs: Any, states: Sequence[RequestState], cum_num_token: Any, draft_trees: Any) -> RowPlan:
@@ -98,7 +97,7 @@ class Sampler:
         args = [b.to_device(rows) for b in (self._top_k, self._top_p, self._min_p)]
         on_device, _ = self._probs.to_device(probs)
         self.device.wait_for_copies()
-        out = self.device.prefix(self._renormalized, rows)
+        out = self._renormalized(rows)
         self.kernels["renormalize_probs"](on_device, *args, out)
         return self._probs.from_device(out, probs)
 
@@ -113,8 +112,8 @@ class Sampler:
         u = self._uniform.to_device(rows)
         on_device, _ = self._probs.to_device(probs)
         self.device.wait_for_copies()
-        tokens = self.device.prefix(self._tokens, rows)
-        chosen = self.device.prefix(self._chosen, rows)
+        tokens = self._tokens(rows)
+        chosen = self._chosen(rows)
         self.kernels["multinomial_from_uniform"](on_device, u, tokens, chosen)
         token_ids = self.device.download(tokens).astype(np.int32)
         chosen_p = self.device.download(chosen)
@@ -141,10 +140,10 @@ class Sampler:
         return SampleResult(token_ids, logprobs, top, no_valid)
 
     def _top_n(self, on_device: Any, rows: int, n: int) -> tuple[np.ndarray, np.ndarray]:
-        values = self.device.prefix(self._top_values, rows)
-        ids = self.device.prefix(self._top_ids, rows)
-        if n < MAX_TOP_LOGPROBS:  # the kernel takes n from the output width: use a narrower pair of arrays
-            values, ids = self.device.empty((rows, n), "float32"), self.device.empty((rows, n), "int32")
+        if n not in self._top_buffers:
+            self._top_buffers[n] = (PrefixViews(self.device, self.device.empty((self.max_num_token, n), "float32")),
+                                    PrefixViews(self.device, self.device.empty((self.max_num_token, n), "int32")))
+        values, ids = (views(rows) for views in self._top_buffers[n])
         self.kernels["top_n"](on_device, values, ids)
         return self.device.download(values), self.device.download(ids)
 

@@ -137,8 +137,12 @@ def bench_case(lib, batch: int, vocab: int, repeat: int, rng: np.random.Generato
     dev = tvm.cpu()
     t = {k: tvm.runtime.tensor(v, dev) for k, v in c.items()}
     out_probs = tvm.runtime.tensor(np.empty_like(c["probs"]), dev)
-    i32 = lambda n: tvm.runtime.tensor(np.zeros(n, np.int32), dev)  # noqa: E731
-    f32 = lambda *s: tvm.runtime.tensor(np.zeros(s, np.float32), dev)  # noqa: E731
+    # Outputs allocated once, as the runtime does (paired buffers at capacity).
+    tokens = tvm.runtime.tensor(np.zeros(batch, np.int32), dev)
+    values = tvm.runtime.tensor(np.zeros(batch, np.float32), dev)
+    lse = tvm.runtime.tensor(np.zeros(batch, np.float32), dev)
+    top_values = tvm.runtime.tensor(np.zeros((batch, TOP_N), np.float32), dev)
+    top_ids = tvm.runtime.tensor(np.zeros((batch, TOP_N), np.int32), dev)
     work = c["logits"].copy()
     copy_dst = np.empty_like(c["logits"])
     ours: dict[str, Callable[[], object]] = {
@@ -150,12 +154,10 @@ def bench_case(lib, batch: int, vocab: int, repeat: int, rng: np.random.Generato
         "softmax_with_temperature": lambda: lib["softmax_with_temperature"](t["logits"], t["temperature"], out_probs),
         "renormalize_probs": lambda: lib["renormalize_probs"](
             t["probs"], t["top_k"], t["top_p"], t["min_p"], out_probs),
-        "multinomial_from_uniform": lambda: lib["multinomial_from_uniform"](t["probs"], t["uniform"], i32(batch),
-                                                                            f32(batch)),
-        "argmax": lambda: lib["argmax"](t["logits"], i32(batch), f32(batch)),
-        "top_n": lambda: lib["top_n"](t["logits"], f32(batch, TOP_N), tvm.runtime.tensor(
-            np.zeros((batch, TOP_N), np.int32), dev)),
-        "log_softmax_gather": lambda: lib["log_softmax_gather"](t["logits"], t["targets"], f32(batch), f32(batch)),
+        "multinomial_from_uniform": lambda: lib["multinomial_from_uniform"](t["probs"], t["uniform"], tokens, values),
+        "argmax": lambda: lib["argmax"](t["logits"], tokens, values),
+        "top_n": lambda: lib["top_n"](t["logits"], top_values, top_ids),
+        "log_softmax_gather": lambda: lib["log_softmax_gather"](t["logits"], t["targets"], values, lse),
     }
     plain: dict[str, Callable[[], object]] = {
         "apply_logit_bias_inplace": lambda: np_bias(c, work),
