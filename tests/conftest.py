@@ -27,6 +27,30 @@ def device_kernels():
     return opened
 
 
+@pytest.fixture(scope="session")
+def lib():
+    """The kernel library for this CPU (built once per session into the private cache)."""
+    from logitproc.compile import build_kernels
+
+    return build_kernels("cpu")
+
+
+@pytest.fixture(scope="module")
+def proc(lib, request):
+    """A LogitProcessor over the test module's vocabulary size ``V``."""
+    from logitproc import LogitProcessor
+
+    return LogitProcessor(lib, vocab_size=request.module.V, max_num_token=64)
+
+
+@pytest.fixture(scope="module")
+def sampler(lib, request):
+    """A Sampler over the test module's vocabulary size ``V``."""
+    from logitproc import Sampler
+
+    return Sampler(lib, vocab_size=request.module.V, max_num_token=64)
+
+
 def pytest_terminal_summary(terminalreporter) -> None:
     """No silent skips: say which devices the matrix could not run on, and why."""
     for kind, reason in _unavailable.items():

@@ -18,21 +18,6 @@ from pipeline_reference import process_row
 V = 1003  # not a multiple of 32
 
 
-@pytest.fixture(scope="module")
-def lib():
-    return build_kernels("cpu")
-
-
-@pytest.fixture(scope="module")
-def proc(lib):
-    return LogitProcessor(lib, vocab_size=V, max_num_token=64)
-
-
-@pytest.fixture(scope="module")
-def sampler(lib):
-    return Sampler(lib, vocab_size=V, max_num_token=64)
-
-
 class AllowedSet:
     """A mask source allowing a fixed set of tokens, plus (to test drafts) the tokens after each draft token + 1."""
 

@@ -7,29 +7,13 @@ from collections.abc import Sequence
 
 import numpy as np
 import pytest
-from logitproc import GenerationConfig, LogitProcessor, RequestState, Sampler
-from logitproc.compile import build_kernels
+from logitproc import GenerationConfig, RequestState
 from logitproc.runtime import DraftTree
 from logitproc.runtime.finished_sequences import FinishedSequenceMask
 from logitproc.runtime.think_mode import DONE, THINKING, ThinkBudget
 from logitproc.tir_kernels import reference as ref
 
 V = 40
-
-
-@pytest.fixture(scope="module")
-def lib():
-    return build_kernels("cpu")
-
-
-@pytest.fixture(scope="module")
-def proc(lib):
-    return LogitProcessor(lib, vocab_size=V, max_num_token=64)
-
-
-@pytest.fixture(scope="module")
-def sampler(lib):
-    return Sampler(lib, vocab_size=V, max_num_token=64)
 
 
 class HistoryGrammar:

@@ -13,7 +13,6 @@ from typing import Any
 import numpy as np
 import pytest
 from logitproc import GenerationConfig, LogitProcessor, RequestState, Sampler
-from logitproc.compile import build_kernels
 from logitproc.runtime import DraftTree
 from logitproc.runtime.tree_decode import (
     ENV_VAR,
@@ -27,21 +26,6 @@ from logitproc.tir_kernels import reference as ref
 
 V = 1000
 BIG_V = 129280  # DeepSeek's vocabulary: 4040 bitmask words
-
-
-@pytest.fixture(scope="module")
-def lib():
-    return build_kernels("cpu")
-
-
-@pytest.fixture(scope="module")
-def proc(lib):
-    return LogitProcessor(lib, vocab_size=V, max_num_token=64)
-
-
-@pytest.fixture(scope="module")
-def sampler(lib):
-    return Sampler(lib, vocab_size=V, max_num_token=64)
 
 
 # ---- helpers: random trees and the reference semantics (a plain key lookup, as RTP-LLM does) ----------------------
