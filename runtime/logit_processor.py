@@ -15,11 +15,11 @@ import numpy as np
 from logitproc.compile import KernelLibrary
 
 from .device import Device, PrefixViews
-from .logits_io import LogitsStaging, rows_and_vocab
+from .logits_io import LogitsStaging
 from .paired_buffer import PairedBuffer
 from .penalty_layout import PenaltyLayout
 from .request_state import DraftTree, RequestState
-from .rows import RowPlan, plan_rows
+from .rows import RowPlan, plan_for_array
 
 #: A request's logit_bias may name at most this many tokens.
 MAX_LOGIT_BIAS_ENTRIES = 1024
@@ -66,12 +66,8 @@ class LogitProcessor:
     def plan(self, logits: Any, states: Sequence[RequestState], cum_num_token: Any = None,
              draft_trees: DraftArg = None) -> RowPlan:
         """Validate one call's arguments; return the row plan."""
-        plan = plan_rows(states, cum_num_token, draft_trees)
-        rows = rows_and_vocab(logits, "logits", self.vocab_size)
-        if rows != plan.num_rows:
-            raise ValueError(f"logits has {rows} rows but the states (and drafts) need {plan.num_rows}")
-        if rows > self.max_num_token:
-            raise ValueError(f"{rows} logits rows exceed max_num_token={self.max_num_token}")
+        plan = plan_for_array(logits, "logits", self.vocab_size, self.max_num_token, "",
+                              states, cum_num_token, draft_trees)
         for state in states:
             if state.checked_vocab_size != self.vocab_size:
                 state.config.check_vocab(self.vocab_size)

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
+from .logits_io import rows_and_vocab
 from .request_state import DraftTree, RequestState
 
 
@@ -75,3 +77,15 @@ def plan_rows(states: Sequence[RequestState], cum_num_token: Sequence[int] | np.
                 row_states.append(state)
                 paths.append(tuple(draft.path(node)))
     return RowPlan(tuple(row_states), tuple(paths), expected)
+
+
+def plan_for_array(array: Any, what: str, vocab_size: int, max_rows: int, owner: str,
+                   states: Sequence[RequestState], cum_num_token: Any = None, draft_trees: Any = None) -> RowPlan:
+    """plan_rows, plus the checks that ``array`` is ``[plan.num_rows, vocab_size]`` float32 within capacity."""
+    plan = plan_rows(states, cum_num_token, draft_trees)
+    rows = rows_and_vocab(array, what, vocab_size)
+    if rows != plan.num_rows:
+        raise ValueError(f"{what} has {rows} rows but the states (and drafts) need {plan.num_rows}")
+    if rows > max_rows:
+        raise ValueError(f"{rows} {what} rows exceed {owner}max_num_token={max_rows}")
+    return plan

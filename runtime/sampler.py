@@ -20,10 +20,10 @@ import numpy as np
 from logitproc.compile import KernelLibrary
 
 from .device import Device, PrefixViews
-from .logits_io import LogitsStaging, rows_and_vocab
+from .logits_io import LogitsStaging
 from .paired_buffer import PairedBuffer
 from .request_state import RequestState
-from .rows import RowPlan, plan_rows
+from .rows import RowPlan, plan_for_array
 
 DEFAULT_MAX_ROWS = 256
 
@@ -68,13 +68,8 @@ class Sampler:
         self._probs = LogitsStaging(dev, cap, vocab_size)
 
     def _plan(self, probs: Any, states: Sequence[RequestState], cum_num_token: Any, draft_trees: Any) -> RowPlan:
-        plan = plan_rows(states, cum_num_token, draft_trees)
-        rows = rows_and_vocab(probs, "probs", self.vocab_size)
-        if rows != plan.num_rows:
-            raise ValueError(f"probs has {rows} rows but the states (and drafts) need {plan.num_rows}")
-        if rows > self.max_num_token:
-            raise ValueError(f"{rows} rows exceed the sampler's max_num_token={self.max_num_token}")
-        return plan
+        return plan_for_array(probs, "probs", self.vocab_size, self.max_num_token, "the sampler's ",
+                              states, cum_num_token, draft_trees)
 
     def renormalize(self, probs: Any, states: Sequence[RequestState], cum_num_token: Any = None,
                     draft_trees: Any = None) -> Any:

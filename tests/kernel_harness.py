@@ -11,6 +11,17 @@ import tvm
 from logitproc.compile import build_kernels, resolve_target
 from logitproc.tir_kernels import KERNEL_FACTORIES
 
+#: (batch, vocab) pairs for the probability kernels: vocab 1, not a multiple of 32, and the 128k/152k vocabularies.
+PROB_SHAPES = [(1, 1), (7, 1), (99, 1), (1, 31), (7, 31), (99, 31), (1, 33), (7, 33), (99, 33),
+               (1, 128001), (7, 128001), (1, 128256), (7, 128256), (1, 151936), (7, 151936)]
+
+
+def make_probs(rng: np.random.Generator, batch: int, vocab: int, scale: float = 2.5) -> np.ndarray:
+    """Softmax rows of Gaussian logits (float64 softmax, rounded to float32)."""
+    logits = rng.standard_normal((batch, vocab)) * scale
+    e = np.exp(logits - logits.max(axis=1, keepdims=True))
+    return (e / e.sum(axis=1, keepdims=True)).astype(np.float32)
+
 
 @functools.cache
 def cpu_kernel(name: str) -> tvm.runtime.Module:

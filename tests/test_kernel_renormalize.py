@@ -13,21 +13,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from kernel_harness import run_cpu, vulkan_kernels_or_skip
+from kernel_harness import PROB_SHAPES, make_probs, run_cpu, vulkan_kernels_or_skip
 from logitproc.tir_kernels import reference, renormalize
 
 NAME = renormalize.NAME
 TOP_P_MARGIN = 2e-5
 RTOL = 2e-6
-SHAPES = [(1, 1), (7, 1), (99, 1), (1, 31), (7, 31), (99, 31), (1, 33), (7, 33), (99, 33),
-          (1, 128001), (7, 128001), (1, 128256), (7, 128256), (1, 151936), (7, 151936)]
-
-
-def make_probs(rng: np.random.Generator, batch: int, vocab: int, scale: float = 2.5) -> np.ndarray:
-    """Softmax rows of Gaussian logits (float64 softmax, rounded to float32)."""
-    logits = rng.standard_normal((batch, vocab)) * scale
-    e = np.exp(logits - logits.max(axis=1, keepdims=True))
-    return (e / e.sum(axis=1, keepdims=True)).astype(np.float32)
+SHAPES = PROB_SHAPES
 
 
 def safe_top_p(p: np.ndarray, top_k: int, min_p: float, want: float) -> np.float32:
