@@ -16,8 +16,12 @@ from typing import Any
 
 import numpy as np
 
+from .response_format import ResponseFormat, parse_response_format
+
 LOGPROBS_MODES = ("processed", "raw")
 MAX_TOP_LOGPROBS = 20
+MAX_N = 128
+MAX_STOP_STRINGS = 16
 
 
 def _number(name: str, value: Any, *, integer: bool = False) -> float:
@@ -55,6 +59,17 @@ class GenerationConfig:
     top_logprobs       0..20 most likely alternatives per position (needs logprobs=True)
     logprobs_mode      "processed" (the distribution sampled from) or "raw" (the model's, before any processing)
     max_tokens         None or >= 1
+    n                  1..128 sequences sampled for the request (each keeps its own state)
+    stop               up to 16 non-empty strings; generation stops before the first one in the text (not included)
+    stop_token_ids     extra token ids that end a sequence (included in the output, like EOS)
+    ignore_eos         keep generating past EOS (until max_tokens or a stop)
+    response_format    None, or as in the OpenAI API: {"type": "json_object"}, {"type": "json_schema",
+                       "json_schema": {"name": ..., "schema": {...}}}, and {"type": "regex", "regex": ...} or
+                       {"type": "grammar", "grammar": ..., "syntax": "lark"|"ebnf"} (see response_format.py)
+    max_thinking_tokens None or >= 0: the thinking budget between the think markers (think_begin, think_end);
+                       a grammar from response_format applies only after thinking ends
+    think_begin        text of the marker opening a think block ("<think>")
+    think_end          text of the marker closing it ("</think>")
     """
 
     temperature: float = 1.0
@@ -70,6 +85,14 @@ class GenerationConfig:
     top_logprobs: int = 0
     logprobs_mode: str = "processed"
     max_tokens: int | None = None
+    n: int = 1
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    response_format: Any = None
+    max_thinking_tokens: int | None = None
+    think_begin: str = "<think>"
+    think_end: str = "</think>"
 
     def __post_init__(self) -> None:
         _in_range("temperature", _number("temperature", self.temperature), 0.0, math.inf)
@@ -94,6 +117,39 @@ class GenerationConfig:
             raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
         if self.max_tokens is not None:
             _in_range("max_tokens", _number("max_tokens", self.max_tokens, integer=True), 1, math.inf)
+        _in_range("n", _number("n", self.n, integer=True), 1, MAX_N)
+        object.__setattr__(self, "stop", self._checked_stop(self.stop))
+        ids = (self.stop_token_ids,) if isinstance(self.stop_token_ids, int) else self.stop_token_ids
+        if not isinstance(ids, (list, tuple)):
+            raise TypeError(f"stop_token_ids must be a list of ints, got {type(ids).__name__}")
+        for t in ids:
+            if _number("stop_token_ids entry", t, integer=True) < 0:
+                raise ValueError(f"stop_token_ids entries must be >= 0, got {t!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
+        if not isinstance(self.ignore_eos, bool):
+            raise TypeError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        object.__setattr__(self, "response_format", parse_response_format(self.response_format))
+        if self.max_thinking_tokens is not None:
+            _in_range("max_thinking_tokens", _number("max_thinking_tokens", self.max_thinking_tokens, integer=True),
+                      0, math.inf)
+        for name in ("think_begin", "think_end"):
+            marker = getattr(self, name)
+            if not isinstance(marker, str) or not marker:
+                raise ValueError(f"{name} must be a non-empty string, got {marker!r}")
+
+    @staticmethod
+    def _checked_stop(stop: Any) -> tuple[str, ...]:
+        if stop is None:
+            return ()
+        items = (stop,) if isinstance(stop, str) else stop
+        if not isinstance(items, (list, tuple)):
+            raise TypeError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
+        if len(items) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop holds {len(items)} strings; at most {MAX_STOP_STRINGS} are allowed")
+        for item in items:
+            if not isinstance(item, str) or not item:
+                raise ValueError(f"stop strings must be non-empty strings, got {item!r}")
+        return tuple(items)
 
     @staticmethod
     def _checked_bias(bias: Any) -> Mapping[int, float]:
@@ -131,6 +187,11 @@ class GenerationConfig:
         """logit_bias as (token ids int32, biases float32), built once per config."""
         return (np.fromiter(self.logit_bias.keys(), np.int32, len(self.logit_bias)),
                 np.fromiter(self.logit_bias.values(), np.float32, len(self.logit_bias)))
+
+    @property
+    def grammar(self) -> ResponseFormat | None:
+        """The parsed response_format (None when the output is not constrained)."""
+        return self.response_format
 
     def check_vocab(self, vocab_size: int) -> None:
         """Reject logit_bias token ids outside ``[0, vocab_size)``; called when a processor first sees the request."""
