@@ -1,0 +1,291 @@
+"""``logitproc chat``: an interactive chat with history, streaming answers and slash commands.
+
+Ctrl-C during an answer stops that answer (the REPL stays); Ctrl-C at the prompt asks for a second one (or /exit)
+to quit; Ctrl-D quits. A bad command or value prints one line saying what is wrong, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from collections.abc import Callable
+from dataclasses import fields, replace
+from typing import Any, TextIO
+
+from .cli_options import (
+    add_model_arguments,
+    add_sampling_arguments,
+    config_from_args,
+    json_schema_format,
+    open_engine,
+    read_schema,
+)
+
+PROMPT = ">>> "
+
+# command -> (GenerationConfig field, parser of the value; "off"/"none" sets None where the field allows it)
+NUMERIC_COMMANDS: dict[str, tuple[str, type]] = {
+    "temperature": ("temperature", float),
+    "top_p": ("top_p", float),
+    "top_k": ("top_k", int),
+    "min_p": ("min_p", float),
+    "presence_penalty": ("presence_penalty", float),
+    "frequency_penalty": ("frequency_penalty", float),
+    "repetition_penalty": ("repetition_penalty", float),
+    "seed": ("seed", int),
+    "max_tokens": ("max_tokens", int),
+}
+NULLABLE = {"seed", "max_tokens", "max_thinking_tokens"}
+
+HELP = """\
+Type a message to chat. Commands:
+  /temperature X  /top_p X  /top_k N  /min_p X    sampling (temperature 0 = greedy)
+  /presence_penalty X  /frequency_penalty X  /repetition_penalty X
+  /logit_bias TOKEN_OR_ID=BIAS ...  (or: /logit_bias clear)   bias tokens, e.g. /logit_bias Paris=5 42=-100
+  /seed N|off   /max_tokens N|off
+  /json FILE_OR_INLINE_SCHEMA   constrain answers to a JSON schema (/json alone: any JSON object; /json off)
+  /regex PATTERN                constrain answers to a regular expression (/regex off)
+  /think N|off                  thinking budget between <think> and </think>
+  /stats      prefill and decode tokens/s, share of step time in logit processing
+  /settings   show the current settings        /reset   clear the history
+  /help       this text                        /exit    quit (also Ctrl-D)
+Ctrl-C stops the answer being written; at the prompt, press it twice (or /exit) to quit."""
+
+
+class CommandError(ValueError):
+    """A bad slash command or value; its text is shown to the user as one line."""
+
+
+class ChatSession:
+    """The REPL's state: engine, current GenerationConfig, history; ``handle(line)`` runs one input line."""
+
+    def __init__(self, engine: Any, config: Any, system: str | None = None, out: TextIO = sys.stdout) -> None:
+        self.engine = engine
+        self.config = config
+        self.system = system
+        self.out = out
+        self.history: list[dict[str, str]] = []
+        self.last_output: Any = None
+        self.running = True
+        self._interrupted = False
+        self._commands: dict[str, Callable[[str], None]] = {
+            "logit_bias": self._logit_bias, "json": self._json, "regex": self._regex, "think": self._think,
+            "stats": self._stats, "settings": self._settings, "reset": self._reset, "help": self._help,
+            "exit": self._exit, "quit": self._exit,
+        }  # fmt: skip
+
+    def say(self, text: str) -> None:
+        print(text, file=self.out, flush=True)
+
+    # --------------------------------------------------------------------------------------------- input lines
+    def handle(self, line: str) -> None:
+        """One line of input: a slash command, or a message to answer."""
+        line = line.strip()
+        if not line:
+            return
+        if line.startswith("/"):
+            name, _, arg = line[1:].partition(" ")
+            try:
+                self.command(name.strip(), arg.strip())
+            except (ValueError, TypeError) as err:
+                self.say(f"error: {err}")
+            return
+        self.answer(line)
+
+    def command(self, name: str, arg: str) -> None:
+        if name in NUMERIC_COMMANDS:
+            field, kind = NUMERIC_COMMANDS[name]
+            self._set(field, self._value(name, arg, kind, nullable=field in NULLABLE))
+        elif name in self._commands:
+            self._commands[name](arg)
+        else:
+            raise CommandError(f"unknown command /{name}; /help lists the commands")
+
+    @staticmethod
+    def _value(name: str, arg: str, kind: type, nullable: bool) -> Any:
+        if not arg:
+            raise CommandError(f"/{name} needs a value, e.g. /{name} {'0.7' if kind is float else '42'}")
+        if nullable and arg.lower() in ("off", "none"):
+            return None
+        try:
+            return kind(arg)
+        except ValueError:
+            raise CommandError(f"/{name}: {arg!r} is not {'a number' if kind is float else 'an integer'}") from None
+
+    def _set(self, field: str, value: Any) -> None:
+        self.config = replace(self.config, **{field: value})  # GenerationConfig validates: ValueError naming it
+        self.say(f"{field} = {value}")
+
+    def _logit_bias(self, arg: str) -> None:
+        if not arg:
+            raise CommandError("/logit_bias TOKEN_OR_ID=BIAS ... (or /logit_bias clear)")
+        if arg.lower() in ("clear", "off", "none"):
+            self._set("logit_bias", {})
+            return
+        bias = dict(self.config.logit_bias)
+        for item in arg.split():
+            token, sep, value = item.rpartition("=")
+            if not sep or not token:
+                raise CommandError(f"/logit_bias: {item!r} is not TOKEN_OR_ID=BIAS")
+            try:
+                bias[self._token_id(token)] = float(value)
+            except ValueError:
+                raise CommandError(f"/logit_bias: {value!r} is not a number") from None
+        self._set("logit_bias", bias)
+
+    def _token_id(self, token: str) -> int:
+        if token.isdigit():
+            return int(token)
+        tokenizer = self.engine.model.tokenizer
+        found = tokenizer.token_to_id(token)
+        if found is not None:
+            return int(found)
+        ids = tokenizer.encode(token, add_special_tokens=False).ids
+        if len(ids) != 1:
+            raise CommandError(f"/logit_bias: {token!r} is {len(ids)} tokens {ids}; give one token or its id")
+        return int(ids[0])
+
+    def _json(self, arg: str) -> None:
+        if arg.lower() == "off":
+            self._set("response_format", None)
+        elif not arg:
+            self._set("response_format", {"type": "json_object"})
+        else:
+            self._set("response_format", json_schema_format(read_schema(arg)))
+
+    def _regex(self, arg: str) -> None:
+        if not arg:
+            raise CommandError("/regex PATTERN (or /regex off)")
+        self._set("response_format", None if arg == "off" else {"type": "regex", "regex": arg})
+
+    def _think(self, arg: str) -> None:
+        self._set("max_thinking_tokens", self._value("think", arg, int, nullable=True))
+
+    def _stats(self, arg: str) -> None:
+        self.say(f"engine: {self.engine.stats.summary()}")
+        if self.last_output is not None:
+            st = self.last_output.stats
+            self.say(f"last answer: {st.prompt_tokens} prompt tok at {st.prefill_tokens_per_s:.1f} tok/s, "
+                     f"{st.completion_tokens} tok at {st.decode_tokens_per_s:.1f} tok/s, "
+                     f"logit processing + sampling {100 * st.processing_share:.1f}% of step time, "
+                     f"finish: {self.last_output.finish_reason}")
+
+    def _settings(self, arg: str) -> None:
+        from logitproc.runtime import GenerationConfig
+
+        default = GenerationConfig()
+        changed = [f.name for f in fields(self.config) if getattr(self.config, f.name) != getattr(default, f.name)]
+        for name in changed or ["temperature"]:
+            value = getattr(self.config, name)
+            self.say(f"{name} = {dict(value) if name == 'logit_bias' else value}")
+        self.say(f"history: {len(self.history)} messages; model: {self.engine.model.name}")
+
+    def _reset(self, arg: str) -> None:
+        self.history.clear()
+        self.say("history cleared")
+
+    def _help(self, arg: str) -> None:
+        self.say(HELP)
+
+    def _exit(self, arg: str) -> None:
+        self.running = False
+
+    # --------------------------------------------------------------------------------------------- answers
+    def _messages(self, text: str) -> list[dict[str, str]]:
+        system = [{"role": "system", "content": self.system}] if self.system else []
+        return system + self.history + [{"role": "user", "content": text}]
+
+    def _fitting_messages(self, text: str) -> list[dict[str, str]]:
+        """The conversation, dropping the oldest exchanges while the prompt does not fit in the context."""
+        while True:
+            messages = self._messages(text)
+            room = self.engine.context_length - len(self.engine.tokenize(messages))
+            if room > min(self.config.max_tokens or 64, 64) or not self.history:
+                return messages
+            del self.history[:2]
+
+    def interrupt(self, signum: int = 0, frame: Any = None) -> None:
+        """SIGINT during an answer: stop it after the current step."""
+        self._interrupted = True
+
+    def answer(self, text: str) -> None:
+        """Stream the model's answer to ``text``; Ctrl-C stops it (the partial answer stays in the history)."""
+        engine = self.engine
+        rid = engine.add_request(self._fitting_messages(text), self.config)  # ValueError -> one line (handle)
+        self._interrupted = False
+        previous = signal.signal(signal.SIGINT, self.interrupt)
+        parts: list[str] = []
+        output = None
+        try:
+            while output is None:
+                if self._interrupted:
+                    engine.abort(rid)
+                for delta in engine.step():
+                    if delta.request_id != rid:
+                        continue
+                    if delta.text:
+                        parts.append(delta.text)
+                        self.out.write(delta.text)
+                        self.out.flush()
+                    if delta.output is not None:
+                        output = delta.output
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        self.say(" [stopped]" if output.finish_reason == "abort" else "")
+        if output.finish_reason == "grammar_dead_end":
+            self.say("(the constraint allowed no further token)")
+        self.last_output = output
+        self.history += [{"role": "user", "content": text}, {"role": "assistant", "content": "".join(parts)}]
+
+
+def run_repl(session: ChatSession) -> int:
+    """Read lines until /exit, Ctrl-D or two Ctrl-C in a row at the prompt."""
+    interrupts = 0
+    while session.running:
+        try:
+            line = input(PROMPT)
+        except EOFError:
+            session.say("")
+            break
+        except KeyboardInterrupt:
+            interrupts += 1
+            if interrupts >= 2:
+                session.say("")
+                break
+            session.say("\n(Ctrl-C again or /exit to quit)")
+            continue
+        interrupts = 0
+        try:
+            session.handle(line)
+        except KeyboardInterrupt:  # outside an answer (e.g. while a grammar compiles)
+            session.say("\n[interrupted]")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    """``logitproc chat``."""
+    try:
+        import readline  # noqa: F401  (line editing and history for input())
+    except ImportError:
+        pass
+    config = config_from_args(args)
+    engine = open_engine(args)
+    if args.think is not None:
+        config = replace(config, max_thinking_tokens=args.think)
+    session = ChatSession(engine, config, system=args.system)
+    session.say(f"logitproc chat: {engine.model.name} on {args.target}. /help lists the commands, /exit quits.")
+    return run_repl(session)
+
+
+def add_parser(commands: Any) -> None:
+    """Register ``chat`` on the ``logitproc`` subcommand parsers."""
+    parser = commands.add_parser("chat", help="chat with a model in the terminal (streaming, slash commands)")
+    add_model_arguments(parser)
+    add_sampling_arguments(parser)
+    parser.add_argument("--system", help="system prompt")
+    parser.add_argument("--think", type=int, default=None, help="thinking budget in tokens")
+    parser.set_defaults(run=run)
+
+
+__all__ = ["ChatSession", "add_parser", "run", "run_repl"]

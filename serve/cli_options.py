@@ -1,0 +1,107 @@
+"""Options shared by ``logitproc chat`` and ``logitproc generate``: the model, the target, sampling parameters.
+
+Only argparse and the standard library are imported at module level, so ``logitproc --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+#: ``--model tiny`` opens the small random test model (compile/tiny_model.py): fast, meaningless answers.
+TINY_MODEL = "tiny"
+
+# option name -> (GenerationConfig field, type, help)
+SAMPLING_OPTIONS: dict[str, tuple[str, type, str]] = {
+    "--temperature": ("temperature", float, "0 = greedy"),
+    "--top-p": ("top_p", float, "nucleus sampling mass, (0, 1]"),
+    "--top-k": ("top_k", int, "keep the k most likely tokens (0 = off)"),
+    "--min-p": ("min_p", float, "keep tokens with prob >= min_p * max prob"),
+    "--presence-penalty": ("presence_penalty", float, "[-2, 2]"),
+    "--frequency-penalty": ("frequency_penalty", float, "[-2, 2]"),
+    "--repetition-penalty": ("repetition_penalty", float, "> 0, 1 = off"),
+    "--seed": ("seed", int, "seed of the sampling stream"),
+    "--max-tokens": ("max_tokens", int, "at most this many tokens per answer"),
+}
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="default",
+                        help="'default' (SmolLM2-135M-Instruct, fetched and compiled on first use), a GGUF file or "
+                             "a Hugging Face model folder")
+    parser.add_argument("--target", default="cpu", help="compilation target (default: cpu)")
+    parser.add_argument("--jump-forward", action="store_true",
+                        help="append tokens a grammar forces without a decode step each")
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    for option, (_, kind, text) in SAMPLING_OPTIONS.items():
+        parser.add_argument(option, type=kind, default=None, help=text)
+    parser.add_argument("--json-schema", metavar="FILE_OR_JSON", help="constrain the answer to this JSON schema")
+    parser.add_argument("--regex", help="constrain the answer to match this regular expression")
+    parser.add_argument("--stop", action="append", help="a stop string (may be repeated)")
+
+
+def read_schema(spec: str) -> Any:
+    """A JSON schema from inline JSON text or from a file; ValueError saying what is wrong."""
+    text = spec.strip()
+    if not text.startswith(("{", "[")) and text not in ("true", "false"):
+        path = Path(text).expanduser()
+        if not path.is_file():
+            raise ValueError(f"{spec!r} is neither inline JSON nor a file")
+        text = path.read_text()
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"the schema is not valid JSON: {err}") from None
+
+
+def json_schema_format(schema: Any) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": "schema", "schema": schema}}
+
+
+def config_from_args(args: argparse.Namespace, **defaults: Any) -> Any:
+    """A GenerationConfig from the sampling options (unset ones keep ``defaults`` or the config's defaults)."""
+    from logitproc.runtime import GenerationConfig
+
+    values = dict(defaults)
+    for _, (name, _, _) in SAMPLING_OPTIONS.items():
+        value = getattr(args, name)
+        if value is not None:
+            values[name] = value
+    if args.json_schema and args.regex:
+        raise ValueError("give either --json-schema or --regex, not both")
+    if args.json_schema:
+        values["response_format"] = json_schema_format(read_schema(args.json_schema))
+    elif args.regex:
+        values["response_format"] = {"type": "regex", "regex": args.regex}
+    if args.stop:
+        values["stop"] = tuple(args.stop)
+    return GenerationConfig(**values)
+
+
+def log(message: str) -> None:
+    """Diagnostics go to stderr, so that stdout holds only the answer."""
+    print(message, file=sys.stderr, flush=True)
+
+
+def open_model(spec: str, target: str) -> Any:
+    """Open (fetching and compiling on first use, with visible progress on stderr) the model named by ``spec``."""
+    from logitproc.serve.compiled_model import CompiledModel
+
+    model: Any = spec
+    if spec == TINY_MODEL:
+        from logitproc.compile.tiny_model import make_tiny_model
+
+        model = make_tiny_model(seed=0)
+    return CompiledModel.open(model, target=target, progress=log)
+
+
+def open_engine(args: argparse.Namespace) -> Any:
+    from logitproc.serve.engine import Engine
+
+    model = open_model(args.model, args.target)
+    return Engine(model, max_batch=1, jump_forward=args.jump_forward)

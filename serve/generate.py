@@ -1,0 +1,49 @@
+"""``logitproc generate``: one answer on stdout; fetch/compile progress and statistics on stderr."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from .cli_options import add_model_arguments, add_sampling_arguments, config_from_args, log, open_engine
+
+
+def run(args: argparse.Namespace) -> int:
+    """``logitproc generate``."""
+    config = config_from_args(args)
+    engine = open_engine(args)
+    if args.no_chat_template:
+        if args.system:
+            raise ValueError("--system needs the chat template (drop --no-chat-template)")
+        prompt: Any = args.prompt
+    else:
+        prompt = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": args.prompt}
+        ]
+    output = None
+    for delta in engine.stream(prompt, config):
+        if delta.text:
+            sys.stdout.write(delta.text)
+            sys.stdout.flush()
+        if delta.output is not None:
+            output = delta.output
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    if output is not None:
+        st = output.stats
+        log(f"finish: {output.finish_reason}; {st.prompt_tokens} prompt tokens at {st.prefill_tokens_per_s:.1f} tok/s, "
+            f"{st.completion_tokens} tokens at {st.decode_tokens_per_s:.1f} tok/s, logit processing + sampling "
+            f"{100 * st.processing_share:.1f}% of step time")
+    return 0
+
+
+def add_parser(commands: Any) -> None:
+    """Register ``generate`` on the ``logitproc`` subcommand parsers."""
+    parser = commands.add_parser("generate", help="answer one prompt: the answer on stdout, diagnostics on stderr")
+    parser.add_argument("--prompt", required=True, help="the prompt (a user message unless --no-chat-template)")
+    add_model_arguments(parser)
+    add_sampling_arguments(parser)
+    parser.add_argument("--system", help="system prompt")
+    parser.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
+    parser.set_defaults(run=run)

@@ -1,0 +1,145 @@
+"""What the engine hands back: streamed deltas, finished outputs, and per-request and per-engine statistics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+#: Why a sequence ended. "stop": EOS, one of stop_token_ids, or a stop string; "length": max_tokens or the context
+#: is full; "grammar_dead_end": the constraints allowed no token at all; "abort": the request was cancelled.
+FINISH_REASONS = ("stop", "length", "grammar_dead_end", "abort")
+
+
+def _rate(count: float, seconds: float) -> float:
+    return count / seconds if seconds > 0 else 0.0
+
+
+@dataclass
+class RequestStats:
+    """Usage and timing of one request (shared by its n sequences). Times are seconds of wall clock.
+
+    ``prefill_seconds`` is the time of the model prefill calls that held its prompt (shared with whatever else was
+    prefilled in the same call); ``step_seconds`` and ``processing_seconds`` add up, over the steps the request
+    took part in, the whole step and the logit processing + sampling part of it.
+    """
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    arrival: float = 0.0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    processing_seconds: float = 0.0
+    step_seconds: float = 0.0
+    jump_forward_tokens: int = 0
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return _rate(self.prompt_tokens, self.prefill_seconds)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens generated after the first one, per second from the first token to the end."""
+        if self.first_token_time is None or self.finish_time is None:
+            return 0.0
+        return _rate(max(self.completion_tokens - 1, 0), self.finish_time - self.first_token_time)
+
+    @property
+    def processing_share(self) -> float:
+        """Share of the request's step time spent in logit processing and sampling."""
+        return _rate(self.processing_seconds, self.step_seconds)
+
+    @property
+    def usage(self) -> dict[str, int]:
+        """OpenAI-style usage counts."""
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+
+@dataclass
+class EngineStats:
+    """Totals over the engine's steps since it was made (or since ``reset``)."""
+
+    steps: int = 0
+    prefill_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_tokens: int = 0
+    decode_seconds: float = 0.0
+    processing_seconds: float = 0.0
+    step_seconds: float = 0.0
+    sampled_tokens: int = 0
+    jump_forward_tokens: int = 0
+    jump_forward_steps_saved: int = 0
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return _rate(self.prefill_tokens, self.prefill_seconds)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens fed by decode calls per second of decode calls (the model forward only)."""
+        return _rate(self.decode_tokens, self.decode_seconds)
+
+    @property
+    def processing_share(self) -> float:
+        """Share of step time spent in logit processing + sampling (bias, penalties, masks, softmax, filters,
+        sampling, logprobs)."""
+        return _rate(self.processing_seconds, self.step_seconds)
+
+    def reset(self) -> None:
+        for name, value in EngineStats().__dict__.items():
+            setattr(self, name, value)
+
+    def summary(self) -> str:
+        """One line for people: rates and the share of step time in logit processing."""
+        return (f"prefill {self.prefill_tokens} tok at {self.prefill_tokens_per_s:.1f} tok/s, "
+                f"decode {self.decode_tokens} tok at {self.decode_tokens_per_s:.1f} tok/s, "
+                f"{self.steps} steps, logit processing + sampling {100 * self.processing_share:.1f}% of step time"
+                + (f", jump-forward {self.jump_forward_tokens} tok ({self.jump_forward_steps_saved} steps saved)"
+                   if self.jump_forward_tokens else ""))
+
+
+@dataclass
+class Output:
+    """One finished (or aborted) sequence of a request."""
+
+    request_id: str
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    prompt_token_ids: list[int]
+    stats: RequestStats
+    #: The stop string or stop token id that ended the sequence (None otherwise).
+    stop_reason: str | int | None = None
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+    @property
+    def usage(self) -> dict[str, int]:
+        return self.stats.usage
+
+
+@dataclass
+class Delta:
+    """What one sequence produced in one step.
+
+    ``text`` is UTF-8 safe (never a partial character) and never holds a stop string or what follows it; text that
+    might still become a stop string is held back until it cannot. ``rollback`` output tokens were removed (by
+    jump-forward re-tokenization) before ``token_ids`` were appended. On the sequence's last delta ``finish_reason``
+    is set and ``output`` holds the whole result.
+    """
+
+    request_id: str
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    rollback: int = 0
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    finish_reason: str | None = None
+    output: Output | None = None

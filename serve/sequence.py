@@ -1,0 +1,124 @@
+"""One generated sequence inside the engine: its RequestState, KV bookkeeping, text and finish rules.
+
+The engine keeps every running sequence in one invariant: ``kv_len`` tokens (a prefix of prompt + output) are in
+the model's KV cache and ``feed`` holds the rest, which go in before the next logits are computed: the prompt for a
+new sequence, the last sampled token for a decoding one, more after a jump-forward.
+
+``commit(token)`` applies the finish rules to a token that is already in the state, in this order: EOS or a
+stop token id ("stop", the token kept in ``token_ids`` but not in the text), then the text (UTF-8 safe, through the
+stop strings: "stop" when one appears), then ``max_tokens`` and a full context ("length").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from logitproc.runtime import RequestState
+
+from .detokenizer import IncrementalDetokenizer
+from .outputs import Delta, Output, RequestStats
+from .stop_strings import StopStringFilter
+
+if TYPE_CHECKING:
+    from .detokenizer import Decoder
+
+
+class Request:
+    """A request: its prompt, config, statistics and its n sequences."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], stats: RequestStats) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.stats = stats
+        self.sequences: list[GeneratedSequence] = []
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.sequences)
+
+
+class GeneratedSequence:
+    """One of a request's sequences: state, cache bookkeeping, detokenizer and stop strings."""
+
+    def __init__(self, request: Request, index: int, state: RequestState, tokenizer: Decoder,
+                 eos_token_ids: Sequence[int], context_length: int) -> None:
+        self.request = request
+        self.index = index
+        self.state = state
+        self.seq_id: int | None = None  # the model's sequence id, while it holds one
+        self.in_model = False
+        self.kv_len = 0
+        self.feed: list[int] = list(state.prompt_token_ids) if index == 0 else []
+        self.forked_from: GeneratedSequence | None = None
+        cfg = state.config
+        self._stop_ids = frozenset(cfg.stop_token_ids) | (frozenset() if cfg.ignore_eos else frozenset(eos_token_ids))
+        self._max_tokens = cfg.max_tokens
+        self._context = context_length
+        self.detok = IncrementalDetokenizer(tokenizer)
+        self.stops = StopStringFilter(cfg.stop)
+        self.token_ids: list[int] = []  # reported output (equals state.output_token_ids until a finish trims it)
+        self.text = ""
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.logprobs: list[float] | None = [] if cfg.logprobs else None
+        self.top_logprobs: list[list[tuple[int, float]]] | None = [] if cfg.top_logprobs else None
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    # ----------------------------------------------------------------------------------------------------------
+    def commit(self, token: int, delta: Delta) -> None:
+        """Record ``token`` (already appended to the state) in the output and text; finish if a rule says so."""
+        self.token_ids.append(token)
+        delta.token_ids.append(token)
+        if token in self._stop_ids:
+            self.finish("stop", delta, stop_reason=token)
+            return
+        self._emit(self.stops.feed(self.detok.add_tokens([token])), delta)
+        if self.stops.stopped:
+            self.finish("stop", delta, stop_reason=self.stops.matched)
+        elif self._max_tokens is not None and len(self.token_ids) >= self._max_tokens:
+            self.finish("length", delta)
+        elif len(self.request.prompt_token_ids) + len(self.token_ids) >= self._context:
+            self.finish("length", delta)
+
+    def rollback(self, count: int, delta: Delta) -> None:
+        """Forget the last ``count`` output tokens (jump-forward re-tokenization); emitted text stays."""
+        if count:
+            del self.token_ids[len(self.token_ids) - count :]
+            self.detok.rollback(count)
+            if delta.token_ids:
+                undone = min(count, len(delta.token_ids))
+                del delta.token_ids[len(delta.token_ids) - undone :]
+                count -= undone
+            delta.rollback += count
+
+    def finish(self, reason: str, delta: Delta, stop_reason: str | int | None = None) -> None:
+        """End the sequence: release the text held back (unless a stop string ended it) and build the Output."""
+        if self.finish_reason is not None:
+            return
+        if reason != "stop" or not self.stops.stopped:
+            self._emit(self.stops.feed(self.detok.flush()), delta)
+            if self.stops.stopped:  # the last bytes completed a stop string
+                reason, stop_reason = "stop", self.stops.matched
+            self._emit(self.stops.flush(), delta)
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+        delta.finish_reason = reason
+        delta.output = self.output()
+
+    def _emit(self, text: str, delta: Delta) -> None:
+        if text:
+            self.text += text
+            delta.text += text
+
+    def output(self) -> Output:
+        return Output(
+            request_id=self.request_id, index=self.index, text=self.text, token_ids=list(self.token_ids),
+            finish_reason=self.finish_reason, prompt_token_ids=self.request.prompt_token_ids,
+            stats=self.request.stats, stop_reason=self.stop_reason,
+            logprobs=None if self.logprobs is None else list(self.logprobs),
+            top_logprobs=None if self.top_logprobs is None else list(self.top_logprobs),
+        )
