@@ -85,6 +85,12 @@ class KernelLibrary:
         return TargetSpec(self.manifest["target"]["kind"], self.manifest["target"]["arch"])
 
     @property
+    def module_file(self) -> str:
+        """The loadable module (manifest key ``module_file``): ``kernels.so``, or ``model.so`` for a compiled model,
+        whose one library holds the model and these kernels."""
+        return self.manifest.get("module_file", "kernels.so")
+
+    @property
     def kernel_names(self) -> tuple[str, ...]:
         return tuple(k["name"] for k in self.manifest["kernels"])
 
@@ -117,7 +123,7 @@ class KernelLibrary:
                 "metal": "TVM's Metal runtime exists only on macOS builds; the source is kernels.metal",
             }[kind]
             raise RuntimeError(f"a {kind} kernel library cannot be loaded into TVM's runtime: {reason}")
-        path = self.artifact("kernels.so")
+        path = self.artifact(self.module_file)
         try:
             return tvm.runtime.load_module(str(path))
         except Exception as err:  # TVM raises its own error types; say what is missing
@@ -128,7 +134,8 @@ class KernelLibrary:
     def __getitem__(self, name: str) -> tvm.runtime.Function:
         if name not in self.kernel_names:
             raise KeyError(f"kernel {name!r} is not in this library; it has {self.kernel_names}")
-        return self.runtime_module[name]
+        # query_imports: in a compiled model's library the kernels sit in the VM executable's imported host module.
+        return self.runtime_module.get_function(name, query_imports=True)
 
     def export(self, directory: str | os.PathLike[str]) -> Path:
         """Copy the library (all files and the manifest) into ``directory``; return that path."""

@@ -1,0 +1,190 @@
+"""The model-runner interface the engine drives, with its bookkeeping and input checks written once.
+
+``ModelRunner`` keeps the sequences (id -> length) and validates every call, raising ``ValueError`` naming the
+offending argument; subclasses implement the six ``_``-methods on their own KV cache. Implementations:
+``logitproc.serve.compiled_model.CompiledModel`` (TVM) and ``logitproc.serve.numpy_llama.NumpyRunner`` (reference).
+
+Interface::
+
+    runner.add_sequence(seq_id)                 a new, empty sequence
+    runner.remove_sequence(seq_id)              forget it (its id can be added again)
+    runner.fork_sequence(parent_id, child_id)   child starts as a copy of parent (the KV cache shares the prefix)
+    runner.popn(seq_id, n)                      drop the last n tokens (0 <= n <= length)
+    runner.sequence_length(seq_id)              tokens in the KV cache
+    runner.prefill(seq_ids, token_ids)          append token_ids[i] to seq_ids[i]; logits [len(seq_ids), vocab]
+    runner.decode(seq_ids, token_ids)           append one token to each; logits [len(seq_ids), vocab]
+
+Logits are float32 numpy arrays, row i after the last token appended to ``seq_ids[i]``. A call rejected with
+ValueError leaves every sequence as it was (the checks run before the KV cache is touched).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from logitproc.compile.gguf_model import LlamaConfig, apply_chat_template
+
+
+def _seq_id(value: Any, name: str = "seq_id") -> int:
+    try:
+        seq_id = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an int, got {value!r}") from None
+    if seq_id < 0:
+        raise ValueError(f"{name} must be >= 0, got {seq_id}")
+    return seq_id
+
+
+class ModelRunner:
+    """Sequences, their lengths, and the checks of the runner interface (see the module doc)."""
+
+    def __init__(self, *, config: LlamaConfig, tokenizer: Any, eos_token_ids: Iterable[int], name: str,
+                 max_num_sequences: int, context_length: int, max_total_tokens: int,
+                 chatml: bool, default_system: str | None) -> None:
+        self.config = config
+        self.vocab_size = int(config.vocab)
+        self.tokenizer = tokenizer
+        self.eos_token_ids = tuple(int(i) for i in eos_token_ids)
+        self.name = name
+        self.max_num_sequences = int(max_num_sequences)
+        self.context_length = int(context_length)
+        self.max_total_tokens = int(max_total_tokens)
+        self._chatml = chatml
+        self._default_system = default_system
+        self._lengths: dict[int, int] = {}
+
+    # ---------------------------------------------------------------- chat template
+    def apply_chat_template(self, messages: Iterable[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
+        """The model's ChatML prompt for ``messages`` (dicts with ``role`` and ``content``)."""
+        if not self._chatml:
+            raise ValueError(f"{self.name}: chat template is not ChatML; only ChatML is rendered")
+        return apply_chat_template(messages, add_generation_prompt, default_system=self._default_system)
+
+    # ---------------------------------------------------------------- sequences
+    @property
+    def sequence_ids(self) -> tuple[int, ...]:
+        """Ids of the sequences that exist, in the order they were added."""
+        return tuple(self._lengths)
+
+    def _known(self, value: Any, name: str = "seq_id") -> int:
+        seq_id = _seq_id(value, name)
+        if seq_id not in self._lengths:
+            raise ValueError(f"unknown {name} {seq_id}: add_sequence({seq_id}) first")
+        return seq_id
+
+    def _fresh(self, value: Any, name: str = "seq_id") -> int:
+        seq_id = _seq_id(value, name)
+        if seq_id in self._lengths:
+            raise ValueError(f"{name} {seq_id} already exists")
+        if len(self._lengths) >= self.max_num_sequences:
+            raise ValueError(f"too many sequences: {self.max_num_sequences} exist (max_num_sequences); remove one")
+        return seq_id
+
+    def add_sequence(self, seq_id: int) -> None:
+        """Start the empty sequence ``seq_id``."""
+        seq_id = self._fresh(seq_id)
+        self._add(seq_id)
+        self._lengths[seq_id] = 0
+
+    def remove_sequence(self, seq_id: int) -> None:
+        """Forget ``seq_id`` and free its KV cache."""
+        seq_id = self._known(seq_id)
+        self._remove(seq_id)
+        del self._lengths[seq_id]
+
+    def fork_sequence(self, parent_id: int, child_id: int) -> None:
+        """Start ``child_id`` as a copy of ``parent_id`` (same tokens; the KV cache shares them where it can)."""
+        parent = self._known(parent_id, "parent_id")
+        child = self._fresh(child_id, "child_id")
+        if self._lengths[parent] + sum(self._lengths.values()) > self.max_total_tokens:
+            raise ValueError(f"forking {parent} would exceed the KV cache's {self.max_total_tokens} tokens")
+        self._fork(parent, child)
+        self._lengths[child] = self._lengths[parent]
+
+    def popn(self, seq_id: int, n: int) -> None:
+        """Drop the last ``n`` tokens of ``seq_id`` from the KV cache."""
+        seq_id = self._known(seq_id)
+        n = operator.index(n)
+        if not 0 <= n <= self._lengths[seq_id]:
+            raise ValueError(f"popn: n must lie in [0, {self._lengths[seq_id]}] for sequence {seq_id}, got {n}")
+        if n:
+            self._popn(seq_id, n)
+            self._lengths[seq_id] -= n
+
+    def sequence_length(self, seq_id: int) -> int:
+        """Number of tokens of ``seq_id`` in the KV cache."""
+        return self._lengths[self._known(seq_id)]
+
+    # ---------------------------------------------------------------- forward
+    def _check_batch(self, seq_ids: Sequence[int], counts: Sequence[int]) -> list[int]:
+        ids = [self._known(s) for s in seq_ids]
+        if not ids:
+            raise ValueError("seq_ids is empty")
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"seq_ids must be distinct, got {ids}")
+        for seq_id, count in zip(ids, counts, strict=True):
+            if self._lengths[seq_id] + count > self.context_length:
+                raise ValueError(f"sequence {seq_id}: {self._lengths[seq_id]} + {count} tokens exceed the context "
+                                 f"length {self.context_length}")
+        total = sum(self._lengths.values()) + sum(counts)
+        if total > self.max_total_tokens:
+            raise ValueError(f"{total} tokens in all would exceed the KV cache's {self.max_total_tokens} tokens")
+        return ids
+
+    def _tokens(self, values: Any, name: str) -> np.ndarray:
+        try:
+            array = np.asarray(values)
+        except (TypeError, ValueError):
+            raise ValueError(f"{name} must be a list of token ids") from None
+        if array.ndim != 1 or not (array.size == 0 or np.issubdtype(array.dtype, np.integer)):
+            raise ValueError(f"{name} must be a flat list of int token ids, got {values!r:.80}")
+        if array.size and (array.min() < 0 or array.max() >= self.vocab_size):
+            raise ValueError(f"{name}: token ids must lie in [0, {self.vocab_size}), got {values!r:.80}")
+        return array.astype(np.int32)
+
+    def prefill(self, seq_ids: Sequence[int], token_ids: Sequence[Sequence[int]]) -> np.ndarray:
+        """Append ``token_ids[i]`` (non-empty) to ``seq_ids[i]``; logits ``[len(seq_ids), vocab]`` after each."""
+        if len(seq_ids) != len(token_ids):
+            raise ValueError(f"{len(seq_ids)} seq_ids but {len(token_ids)} token lists")
+        lists = [self._tokens(t, f"token_ids[{i}]") for i, t in enumerate(token_ids)]
+        for i, tokens in enumerate(lists):
+            if tokens.size == 0:
+                raise ValueError(f"token_ids[{i}] is empty")
+        ids = self._check_batch(seq_ids, [t.size for t in lists])
+        logits = self._prefill(ids, lists)
+        for seq_id, tokens in zip(ids, lists, strict=True):
+            self._lengths[seq_id] += tokens.size
+        return logits
+
+    def decode(self, seq_ids: Sequence[int], token_ids: Sequence[int]) -> np.ndarray:
+        """Append ``token_ids[i]`` to ``seq_ids[i]``; logits ``[len(seq_ids), vocab]``."""
+        if len(seq_ids) != len(token_ids):
+            raise ValueError(f"{len(seq_ids)} seq_ids but {len(token_ids)} token ids")
+        tokens = self._tokens(token_ids, "token_ids")
+        ids = self._check_batch(seq_ids, [1] * len(seq_ids))
+        logits = self._decode(ids, tokens)
+        for seq_id in ids:
+            self._lengths[seq_id] += 1
+        return logits
+
+    # ---------------------------------------------------------------- implementation
+    def _add(self, seq_id: int) -> None:
+        raise NotImplementedError
+
+    def _remove(self, seq_id: int) -> None:
+        raise NotImplementedError
+
+    def _fork(self, parent: int, child: int) -> None:
+        raise NotImplementedError
+
+    def _popn(self, seq_id: int, n: int) -> None:
+        raise NotImplementedError
+
+    def _prefill(self, seq_ids: list[int], token_ids: list[np.ndarray]) -> np.ndarray:
+        raise NotImplementedError
+
+    def _decode(self, seq_ids: list[int], token_ids: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
