@@ -16,7 +16,7 @@ import numpy as np
 class FinishedSequenceMask:
     """A TokenMaskSource that allows only ``eos_ids`` once its sequence has finished."""
 
-    __slots__ = ("eos_ids", "_eos", "_words", "_bits", "_finished")
+    __slots__ = ("eos_ids", "_eos", "_words", "_bits", "_finished", "_eos_at", "_accepted")
 
     def __init__(self, eos_ids: Sequence[int] | int) -> None:
         ids = (eos_ids,) if isinstance(eos_ids, (int, np.integer)) and not isinstance(eos_ids, bool) else eos_ids
@@ -34,6 +34,8 @@ class FinishedSequenceMask:
         self._words = np.fromiter(words, np.int64, len(words))
         self._bits = np.fromiter(words.values(), np.uint64, len(words)).astype(np.uint32)
         self._finished = False
+        self._eos_at: int | None = None  # index of the first accepted EOS
+        self._accepted = 0
 
     def finish(self) -> None:
         """Mark the sequence finished (e.g. it hit a stop string or max_tokens while the others go on)."""
@@ -54,8 +56,19 @@ class FinishedSequenceMask:
         return True
 
     def accept_token(self, token_id: int) -> None:
-        if int(token_id) in self._eos:
+        if int(token_id) in self._eos and self._eos_at is None:
+            self._eos_at = self._accepted
             self._finished = True
+        self._accepted += 1
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepted tokens (an EOS among them no longer finishes the sequence)."""
+        if not 0 <= num_tokens <= self._accepted:
+            raise ValueError(f"cannot roll back {num_tokens} tokens: {self._accepted} were accepted")
+        self._accepted -= num_tokens
+        if self._eos_at is not None and self._eos_at >= self._accepted:
+            self._eos_at = None
+            self._finished = False
 
     def __repr__(self) -> str:
         return f"FinishedSequenceMask(eos_ids={list(self.eos_ids)}, finished={self._finished})"

@@ -8,18 +8,20 @@ a masked token's probability is exactly 0, and a row with every token masked has
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 from logitproc.compile import KernelLibrary
 
 from .device import Device, PrefixViews
+from .grammar.source import JumpForward
 from .logits_io import LogitsStaging
+from .mask_filler import MaskFiller, MaskJob
 from .paired_buffer import PairedBuffer
 from .penalty_layout import PenaltyLayout
 from .request_state import DraftTree, RequestState
-from .rows import RowPlan, plan_for_array
+from .rows import RowPlan, plan_for_array, plan_rows
 
 #: A request's logit_bias may name at most this many tokens.
 MAX_LOGIT_BIAS_ENTRIES = 1024
@@ -41,7 +43,8 @@ class LogitProcessor:
     """
 
     def __init__(self, library: KernelLibrary, vocab_size: int, max_num_token: int,
-                 device: str | Device = "cpu", max_penalty_entries: int | None = None) -> None:
+                 device: str | Device = "cpu", max_penalty_entries: int | None = None,
+                 mask_workers: int = 2) -> None:
         self.vocab_size = _positive_int("vocab_size", vocab_size)
         self.max_num_token = _positive_int("max_num_token", max_num_token)
         self.device = device if isinstance(device, Device) else Device(device)
@@ -60,7 +63,11 @@ class LogitProcessor:
         self._temperature = PairedBuffer(dev, "temperature", cap, dtype="float32")
         self._logits = LogitsStaging(dev, cap, vocab_size)
         self._probs = PrefixViews(dev, dev.empty((cap, vocab_size), "float32"))
-        self._scratch_mask = np.empty(self.bitmask_words, np.int32)
+        self._masks = MaskFiller(self._bitmask.host, self._mask_rows.host, mask_workers)
+        self._pending_masks: MaskJob | None = None
+        #: Seconds spent filling masks (summed over workers) and waiting for them, for statistics.
+        self.mask_fill_seconds = 0.0
+        self.mask_wait_seconds = 0.0
 
     # ----------------------------------------------------------------------------------------------------------
     def plan(self, logits: Any, states: Sequence[RequestState], cum_num_token: Any = None,
@@ -83,12 +90,61 @@ class LogitProcessor:
                 raise ValueError(f"draft token id {max(path)} is outside the vocabulary [0, {self.vocab_size})")
         return plan
 
+    def start_masks(self, states: Sequence[RequestState], cum_num_token: Any = None,
+                    draft_trees: DraftArg = None) -> MaskJob:
+        """Start filling the token masks of the next step on worker threads and return at once.
+
+        Masks depend on the states only, not on the logits: call this before running the model, then
+        ``inplace_update_logits`` with the same states (and drafts) uses the filled rows, waiting for them if needed.
+        States must not change in between. A later call with a different batch refills synchronously.
+        """
+        plan = plan_rows(states, cum_num_token, draft_trees)
+        self._finish_pending_masks()
+        self._pending_masks = self._masks.start(plan, asynchronous=True)
+        return self._pending_masks
+
+    def _finish_pending_masks(self) -> MaskJob | None:
+        job, self._pending_masks = self._pending_masks, None
+        if job is not None:
+            waited = time.perf_counter()
+            job.wait()
+            self.mask_wait_seconds += time.perf_counter() - waited
+            self.mask_fill_seconds += job.fill_seconds
+        return job
+
+    def jump_forward(self, state: RequestState) -> JumpForward | None:
+        """Append what the grammar forces next to ``state`` without running the model (design document 003).
+
+        The forced text is re-tokenised with the tail of the output by the real tokenizer; when that changes the
+        last tokens, they are rolled back first (``rollback``), then ``token_ids`` appended. The state (penalty
+        counts and every mask source) is updated; the caller makes its KV cache agree: its first
+        ``state.num_tokens - len(token_ids)`` tokens are unchanged. Returns None when nothing is forced, the
+        sequence has finished, or the request asked for logprobs (a jump has no distribution to report).
+        """
+        if state.config.logprobs or state.finish_reason is not None:
+            return None
+        for source in state.mask_sources:
+            jump = getattr(source, "jump_forward", None)
+            if jump is None:
+                continue
+            found = jump(state.output_token_ids)
+            if found is None:
+                continue
+            if found.token_ids and max(found.token_ids) >= self.vocab_size:
+                raise ValueError(f"jump-forward token {max(found.token_ids)} is outside the vocabulary")
+            state.rollback(found.rollback)
+            for token in found.token_ids:
+                state.append_token(token)
+            return found
+        return None
+
     def inplace_update_logits(self, logits: Any, states: Sequence[RequestState], cum_num_token: Any = None,
                               draft_trees: DraftArg = None) -> RowPlan:
         """Apply logit bias, then penalties, then every mask to ``logits`` ``[N, V]`` in place.
 
         ``logits`` is a float32 numpy array or a device array of this processor's device. Row j of a sequence is
-        processed as if its draft ancestors had been appended; every state is left exactly as it was.
+        processed as if its draft ancestors had been appended; every state is left exactly as it was. Masks
+        started by ``start_masks`` for the same batch are used.
         """
         plan = self.plan(logits, states, cum_num_token, draft_trees)
         on_device, write_back = self._logits.to_device(logits)
@@ -149,24 +205,12 @@ class LogitProcessor:
         self.kernels["apply_penalty_inplace"](logits, *self._penalty.device_arrays(n), penalties)
 
     def _apply_masks(self, logits: Any, plan: RowPlan) -> None:
-        masked = 0
-        row_ids = self._mask_rows.host
-        bitmask = self._bitmask.host
-        for r, state in enumerate(plan.states):
-            if not state.mask_sources:
-                continue
-            row = bitmask[masked]
-            row[:] = -1
-            constrained = False
-            for source in state.mask_sources:
-                scratch = self._scratch_mask
-                scratch[:] = -1
-                if source.fill_bitmask(scratch, plan.paths[r]):
-                    np.bitwise_and(row, scratch, out=row)
-                    constrained = True
-            if constrained:
-                row_ids[masked] = r
-                masked += 1
+        job = self._finish_pending_masks()
+        if job is None or not job.matches(plan):
+            job = self._masks.start(plan, asynchronous=False)
+            job.wait()
+            self.mask_fill_seconds += job.fill_seconds
+        masked = job.count
         if masked == 0:
             return
         args = (self._mask_rows.to_device(masked), self._bitmask.to_device(masked))

@@ -31,6 +31,7 @@ class _Segment:
     synced: int  # entries [0, synced) of the state are in the arrays
     log_pos: int  # touch_log consumed up to here
     row: int
+    epoch: int  # the state's rollback_epoch when mirrored
 
 
 class _Full(Exception):
@@ -73,7 +74,7 @@ class PenaltyLayout:
     def _sync(self, state: RequestState, row: int) -> None:
         size = state.appeared_token_ids.size
         seg = self._segments.get(state)
-        if seg is None or size > seg.capacity:
+        if seg is None or size > seg.capacity or seg.epoch != state.rollback_epoch:
             if seg is not None:
                 self._blank(self._segments.pop(state))
             self._segments[state] = self._allocate(state, row)
@@ -111,7 +112,7 @@ class PenaltyLayout:
         self.tokens.host[start : start + size] = state.appeared_token_ids
         self.counts.host[start : start + size] = state.output_counts
         self._dirty.append((start, start + capacity))
-        return _Segment(start, capacity, size, len(state.touch_log), row)
+        return _Segment(start, capacity, size, len(state.touch_log), row, state.rollback_epoch)
 
     def _blank(self, seg: _Segment) -> None:
         self.rows.host[seg.start : seg.start + seg.capacity] = PADDING_ROW

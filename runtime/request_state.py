@@ -31,6 +31,11 @@ class TokenMaskSource(Protocol):
     def accept_token(self, token_id: int) -> None: ...
 
 
+def can_roll_back(source: TokenMaskSource) -> bool:
+    """Sources with ``rollback(num_tokens)`` support jump-forward re-tokenisation (and draft verification)."""
+    return callable(getattr(source, "rollback", None))
+
+
 @dataclass(frozen=True)
 class DraftTree:
     """Draft tokens of speculative decoding: ``parents[i]`` is the index of token i's parent, -1 for the root.
@@ -81,6 +86,10 @@ class RequestState:
         #: Entry position touched by each appended output token, in order: consumers that mirror the entries
         #: (the processor's penalty layout) replay it from where they left off.
         self.touch_log = array("i")
+        #: Number of entries before each output token was appended (rollback truncates the entries back to it).
+        self._sizes_before = array("i")
+        #: Bumped by every rollback: consumers mirroring the entries rebuild them.
+        self.rollback_epoch = 0
         for token in self.prompt_token_ids:
             self._entry(token)
         seed = self.config.seed
@@ -109,11 +118,37 @@ class RequestState:
         """Commit a generated token: output counts (O(1)) and every mask source advance."""
         token = self._token(token_id, "token_id")
         self.output_token_ids.append(token)
+        self._sizes_before.append(self._size)
         position = self._entry(token)
         self._counts[position] += 1
         self.touch_log.append(position)
         for source in self.mask_sources:
             source.accept_token(token)
+
+    def rollback(self, num_tokens: int) -> None:
+        """Remove the last ``num_tokens`` output tokens: counts, entries first seen in them, and every mask source
+        (which must support ``rollback``) go back to where they were."""
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or not 0 <= num_tokens <= len(
+                self.output_token_ids):
+            raise ValueError(f"rollback: num_tokens must be in [0, {len(self.output_token_ids)}], got {num_tokens!r}")
+        if num_tokens == 0:
+            return
+        stuck = [type(s).__name__ for s in self.mask_sources if not can_roll_back(s)]
+        if stuck:
+            raise ValueError(f"rollback: mask source {stuck[0]} cannot roll back")
+        keep = len(self.output_token_ids) - num_tokens
+        for token in self.output_token_ids[keep:]:
+            self._counts[self._index[token]] -= 1
+        size = self._sizes_before[keep]
+        for token in self._tokens[size : self._size]:
+            del self._index[int(token)]
+        self._counts[size : self._size] = 0
+        self._size = size
+        del self.output_token_ids[keep:]
+        del self._sizes_before[keep:]
+        for source in self.mask_sources:
+            source.rollback(num_tokens)  # type: ignore[attr-defined]
+        self.rollback_epoch += 1
 
     @property
     def appeared_token_ids(self) -> np.ndarray:

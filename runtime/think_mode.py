@@ -92,6 +92,7 @@ class ThinkBudget:
         self._begin = _Matcher(self.begin_ids) if self.begin_ids else None
         self._end = _Matcher(self.end_ids)
         self._state = _State(THINKING if starts_in_thinking else BEFORE, 0, 0)
+        self._history: list[tuple[_State, bool]] = []  # per accepted token: state before it, whether inner took it
 
     # ---- the automaton ------------------------------------------------------------------------------------------
     def _step(self, state: _State, token: int) -> _State:
@@ -141,8 +142,30 @@ class ThinkBudget:
         if self._state.phase == DONE:
             if self.inner is not None:
                 self.inner.accept_token(token_id)
+            self._history.append((self._state, self.inner is not None))
             return
+        self._history.append((self._state, False))
         self._state = self._step(self._state, int(token_id))
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepted tokens (the inner source rolls back the ones it took)."""
+        if not 0 <= num_tokens <= len(self._history):
+            raise ValueError(f"cannot roll back {num_tokens} tokens: {len(self._history)} were accepted")
+        if num_tokens == 0:
+            return
+        undone = self._history[len(self._history) - num_tokens:]
+        inner_count = sum(took for _, took in undone)
+        if inner_count:
+            self.inner.rollback(inner_count)  # type: ignore[union-attr]
+        self._state = undone[0][0]
+        del self._history[len(self._history) - num_tokens:]
+
+    def jump_forward(self, output_token_ids: Sequence[int]) -> Any:
+        """The inner source's jump-forward once thinking has ended (its own output only); None before."""
+        if self._state.phase != DONE or self.inner is None or not hasattr(self.inner, "jump_forward"):
+            return None
+        taken = sum(took for _, took in self._history)
+        return self.inner.jump_forward(list(output_token_ids)[len(output_token_ids) - taken:])
 
     # ---- inspection ---------------------------------------------------------------------------------------------
     @property
@@ -164,6 +187,7 @@ class ThinkBudget:
         other = ThinkBudget.__new__(ThinkBudget)
         other.__dict__.update(self.__dict__)
         other.inner = copy.deepcopy(self.inner, memo)
+        other._history = list(self._history)
         return other
 
     def __repr__(self) -> str:

@@ -360,7 +360,7 @@ class TreeDecodeSource:
     the tree or after the end token only ``end_token_id``.
     """
 
-    __slots__ = ("config", "_node", "_tokens", "_finished")
+    __slots__ = ("config", "_node", "_tokens", "_finished", "_accepted")
 
     def __init__(self, config: TreeDecodeConfig) -> None:
         if not isinstance(config, TreeDecodeConfig):
@@ -369,6 +369,7 @@ class TreeDecodeSource:
         self._node = config._root
         self._tokens: list[int] = []  # generated tokens up to the end token (for `key`)
         self._finished = False
+        self._accepted = 0  # every accepted token, also those after the end token
 
     def fill_bitmask(self, row: np.ndarray, draft_path: Sequence[int]) -> bool:
         node = self.config.walk(self._node, draft_path) if draft_path else self._node
@@ -377,16 +378,29 @@ class TreeDecodeSource:
 
     def accept_token(self, token_id: int) -> None:
         token = int(token_id)
+        self._accepted += 1
         if self._finished:
             return
         self._tokens.append(token)
         self._node = self._node.children.get(token, self.config._end_only)
         self._finished = token == self.config.end_token_id
 
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepted tokens (the path is walked again from the root)."""
+        if not 0 <= num_tokens <= self._accepted:
+            raise ValueError(f"cannot roll back {num_tokens} tokens: {self._accepted} were accepted")
+        keep = self._accepted - num_tokens
+        tokens = self._tokens[:keep]
+        self._node, self._tokens, self._finished, self._accepted = self.config._root, [], False, 0
+        for token in tokens:
+            self.accept_token(token)
+        self._accepted = keep
+
     def fork(self) -> TreeDecodeSource:
         """An independent copy at the same position (for a sequence that splits, e.g. n > 1 after the prompt)."""
         other = TreeDecodeSource(self.config)
         other._node, other._tokens, other._finished = self._node, list(self._tokens), self._finished
+        other._accepted = self._accepted
         return other
 
     def __copy__(self) -> TreeDecodeSource:

@@ -1,0 +1,79 @@
+"""ConstraintFactory: the TokenMaskSources of one sequence, made from its GenerationConfig.
+
+One factory per model (tokenizer, vocabulary size, EOS ids, grammar engine, optional Tree Decode map). For every
+sequence (each sequence of an n > 1 request separately) ``sources_for(config)`` gives:
+
+* the grammar of ``config.response_format``, compiled once per (engine, tokenizer, format) in a shared cache; a
+  format the engine cannot compile raises :class:`GrammarError` (a ValueError) for that request only;
+* with ``config.max_thinking_tokens`` set, a :class:`ThinkBudget` that starts inside the think block (the prompt is
+  opened with ``config.think_begin``: see :meth:`open_think_block`), forces ``config.think_end`` when the budget is
+  spent, and applies the grammar only after thinking ends;
+* the Tree Decode constraint when the factory has a map.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tokenizers import Tokenizer
+
+from .config import GenerationConfig
+from .grammar import GLOBAL_CACHE, CompiledGrammarCache, GrammarSource, TokenizerAdapter, get_backend
+from .request_state import TokenMaskSource
+from .think_mode import ThinkBudget
+from .tree_decode import TreeDecodeConfig, TreeDecodeSource
+
+
+class ConstraintFactory:
+    """Makes each sequence's mask sources for one model."""
+
+    def __init__(self, tokenizer: Tokenizer | TokenizerAdapter, vocab_size: int, eos_token_ids: Sequence[int],
+                 backend: str = "llguidance", tree_decode: TreeDecodeConfig | None = None,
+                 cache: CompiledGrammarCache | None = None) -> None:
+        self.tokenizer = tokenizer if isinstance(tokenizer, TokenizerAdapter) else TokenizerAdapter(
+            tokenizer, vocab_size, eos_token_ids)
+        self.backend_name = backend
+        self._backend = None
+        if backend not in ("llguidance", "xgrammar"):
+            raise ValueError(f"grammar backend must be 'llguidance' or 'xgrammar', got {backend!r}")
+        self.tree_decode = tree_decode
+        self.cache = cache if cache is not None else GLOBAL_CACHE
+
+    @property
+    def backend(self):  # noqa: ANN201 - GrammarBackend, made on first use (llguidance reads the tokenizer in ~1 s)
+        if self._backend is None:
+            self._backend = get_backend(self.backend_name, self.tokenizer)
+        return self._backend
+
+    def grammar_source(self, config: GenerationConfig) -> GrammarSource | None:
+        fmt = config.response_format
+        if fmt is None:
+            return None
+        backend = self.backend
+        compiled = self.cache.get((backend.name, self.tokenizer.fingerprint, fmt.key), lambda: backend.compile(fmt))
+        return GrammarSource(backend.matcher(compiled), self.tokenizer, backend.name)
+
+    def marker_ids(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def sources_for(self, config: GenerationConfig) -> list[TokenMaskSource]:
+        """Fresh mask sources for one sequence of a request with ``config``."""
+        sources: list[TokenMaskSource] = []
+        grammar = self.grammar_source(config)
+        if config.max_thinking_tokens is not None:
+            sources.append(ThinkBudget((), self.marker_ids(config.think_end), config.max_thinking_tokens,
+                                       inner=grammar, starts_in_thinking=True))
+        elif grammar is not None:
+            sources.append(grammar)
+        if self.tree_decode is not None:
+            sources.append(TreeDecodeSource(self.tree_decode))
+        return sources
+
+    def open_think_block(self, prompt_ids: Sequence[int], config: GenerationConfig) -> list[int]:
+        """The prompt, followed by the ids of ``config.think_begin`` when a thinking budget is set and the prompt does
+        not already end with them (generation then starts inside the think block)."""
+        ids = list(prompt_ids)
+        if config.max_thinking_tokens is None:
+            return ids
+        begin = self.marker_ids(config.think_begin)
+        return ids if ids[len(ids) - len(begin):] == begin else ids + begin

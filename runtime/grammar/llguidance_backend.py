@@ -1,0 +1,99 @@
+"""The llguidance engine (default; MIT, no dependencies): Earley parser over a lexer, masks computed on demand.
+
+Compiling a response format gives a pristine ``LLMatcher`` (grammar parsed and checked once); every sequence gets a
+``deep_copy`` of it. A token is validated before it is consumed, because a refused ``consume_token`` leaves an
+llguidance matcher in a permanent error state.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import llguidance
+import numpy as np
+
+from ..response_format import ResponseFormat
+from .backend import GrammarBackend, GrammarError, GrammarMatcher
+from .tokenizer_adapter import TokenizerAdapter
+
+#: JSON layout: any whitespace between tokens, as vLLM's default, but at most this many characters in a row, so that
+#: a sampled output cannot spin in whitespace.
+MAX_JSON_WHITESPACE = 16
+
+
+def json_options() -> dict[str, Any]:
+    return {"whitespace_flexible": True, "whitespace_pattern": f"[\\x20\\x0A\\x0D\\x09]{{0,{MAX_JSON_WHITESPACE}}}"}
+
+
+class LLGuidanceMatcher(GrammarMatcher):
+    __slots__ = ("_m", "_adapter")
+
+    def __init__(self, matcher: llguidance.LLMatcher, adapter: TokenizerAdapter) -> None:
+        self._m = matcher
+        self._adapter = adapter
+
+    def fill_bitmask(self, row: np.ndarray) -> None:
+        self._m.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+        self._adapter.clear_padding(row)
+
+    def accept_token(self, token_id: int) -> bool:
+        if self._m.validate_tokens([int(token_id)]) != 1:
+            return False
+        return bool(self._m.consume_token(int(token_id)))
+
+    def accept_tokens(self, token_ids: list[int]) -> int:
+        ids = [int(t) for t in token_ids]
+        count = self._m.validate_tokens(ids)
+        if count and not self._m.consume_tokens(ids[:count]):
+            raise GrammarError(f"llguidance refused tokens it had validated: {self._m.get_error()}")
+        return count
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens and not self._m.rollback(num_tokens):
+            raise GrammarError(f"llguidance cannot roll back {num_tokens} tokens: {self._m.get_error()}")
+
+    def is_accepting(self) -> bool:
+        return self._m.is_accepting()
+
+    def is_terminated(self) -> bool:
+        return self._m.is_stopped()
+
+    def forced_bytes(self) -> bytes:
+        return bytes(self._m.compute_ff_bytes())
+
+
+class LLGuidanceBackend(GrammarBackend):
+    """llguidance over the adapter's tokenizer (its JSON), the model's vocabulary size and EOS ids."""
+
+    name = "llguidance"
+
+    def __init__(self, tokenizer: TokenizerAdapter) -> None:
+        super().__init__(tokenizer)
+        self.lltokenizer = llguidance.LLTokenizer(tokenizer.json, n_vocab=tokenizer.vocab_size,
+                                                  eos_token=list(tokenizer.eos_token_ids))
+        self._lock = threading.Lock()
+
+    def grammar_text(self, fmt: ResponseFormat) -> str:
+        if fmt.kind in ("json_object", "json_schema"):
+            return llguidance.LLMatcher.grammar_from_json_schema(fmt.text, overrides=json_options())
+        if fmt.kind == "regex":
+            return llguidance.LLMatcher.grammar_from_regex(fmt.text)
+        lark = fmt.text if fmt.syntax == "lark" else llguidance.gbnf_to_lark(fmt.text)
+        return llguidance.LLMatcher.grammar_from_lark(lark)
+
+    def compile(self, response_format: ResponseFormat) -> llguidance.LLMatcher:
+        try:
+            grammar = self.grammar_text(response_format)
+        except Exception as err:  # the converters raise ValueError or their own errors
+            raise GrammarError(f"llguidance cannot read this {response_format.kind}: {err}") from None
+        matcher = llguidance.LLMatcher(self.lltokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise GrammarError(f"llguidance cannot compile this {response_format.kind}: {matcher.get_error()}")
+        return matcher
+
+    def matcher(self, compiled: llguidance.LLMatcher) -> LLGuidanceMatcher:
+        with self._lock:
+            copy = compiled.deep_copy()
+        return LLGuidanceMatcher(copy, self.tokenizer)
+

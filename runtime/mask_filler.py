@@ -1,0 +1,87 @@
+"""Filling the bitmask rows of a batch on worker threads, optionally while the model computes the logits.
+
+Each row whose sequence has mask sources gets a slot in the host bitmask; rows are filled by a small thread pool
+(the grammar engines release the GIL while computing a mask) in contiguous chunks. ``start`` queues a batch and
+returns at once, so the caller can run the model forward meanwhile; the processor waits for the job when it applies
+the masks. A row whose sources all decline to constrain keeps all bits set (applying it changes nothing).
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .rows import RowPlan
+
+#: Rows per worker task: below this, threads cost more than they save.
+MIN_ROWS_PER_TASK = 4
+
+
+@dataclass
+class MaskJob:
+    """One batch's masks: ``row_ids[:count]`` are the logits rows, ``bitmask[:count]`` their words."""
+
+    plan: RowPlan
+    count: int
+    futures: list[Future] = field(default_factory=list)
+    fill_seconds: float = 0.0  # summed over workers
+
+    def wait(self) -> None:
+        for future in self.futures:
+            future.result()
+        self.futures.clear()
+
+    def matches(self, plan: RowPlan) -> bool:
+        return (len(plan.states) == len(self.plan.states)
+                and all(a is b for a, b in zip(plan.states, self.plan.states, strict=True))
+                and plan.paths == self.plan.paths)
+
+
+class MaskFiller:
+    """Fills ``bitmask`` / ``row_ids`` host arrays for a row plan, on ``workers`` threads (0 = in the caller)."""
+
+    def __init__(self, bitmask: np.ndarray, row_ids: np.ndarray, workers: int = 2) -> None:
+        self.bitmask, self.row_ids = bitmask, row_ids
+        self.workers = workers
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="logitproc-mask") if workers > 0 else None
+        self._scratch = [np.empty(bitmask.shape[1], np.int32) for _ in range(max(1, workers))]
+
+    def start(self, plan: RowPlan, asynchronous: bool = True) -> MaskJob:
+        rows = [r for r, state in enumerate(plan.states) if state.mask_sources]
+        self.row_ids[: len(rows)] = rows
+        job = MaskJob(plan, len(rows))
+        if not rows:
+            return job
+        use_pool = self._pool is not None and (asynchronous or len(rows) >= 2 * MIN_ROWS_PER_TASK)
+        if not use_pool:
+            self._fill(job, rows, 0, 0)
+            return job
+        tasks = max(1, min(self.workers, len(rows) // MIN_ROWS_PER_TASK))
+        # Split at sequence boundaries: the rows of one sequence (its draft positions) share mutable sources.
+        starts = [i for i in range(len(rows)) if i == 0 or plan.states[rows[i]] is not plan.states[rows[i - 1]]]
+        cuts = sorted({starts[min(len(starts) - 1, round(k * len(starts) / tasks))] for k in range(tasks)})
+        bounds = [*cuts, len(rows)]
+        assert self._pool is not None
+        job.futures = [self._pool.submit(self._fill, job, rows[lo:hi], lo, w)
+                       for w, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)) if hi > lo]
+        return job
+
+    def _fill(self, job: MaskJob, rows: list[int], first_slot: int, worker: int) -> None:
+        started = time.perf_counter()
+        scratch = self._scratch[worker]
+        for slot, r in enumerate(rows, first_slot):
+            row = self.bitmask[slot]
+            row[:] = -1
+            state = job.plan.states[r]
+            for source in state.mask_sources:
+                scratch[:] = -1
+                if source.fill_bitmask(scratch, job.plan.paths[r]):
+                    np.bitwise_and(row, scratch, out=row)
+        job.fill_seconds += time.perf_counter() - started
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)

