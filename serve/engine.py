@@ -2,7 +2,8 @@
 
 One ``step()``::
 
-    admit waiting requests while sequence slots are free (FIFO; a request needs one slot per sequence)
+    admit waiting requests while sequence slots and KV cache are free (FIFO; one slot per sequence, and
+             n * min(limit, prompt + max_tokens) KV tokens reserved, so that no running sequence is ever preempted)
     prefill: new requests' prompts, and sequences that a jump-forward left with several tokens to feed
     fork:    a request with n > 1 prefills once, then forks its other sequences from the first
     decode:  every other running sequence feeds its last sampled token, all in one batch
@@ -66,6 +67,7 @@ class Engine:
         self.vocab_size = int(model.vocab_size)
         self.context_length = int(model.context_length)
         self.eos_token_ids = tuple(int(t) for t in model.eos_token_ids)
+        self.max_total_tokens = int(getattr(model, "max_total_tokens", self.max_batch * self.context_length))
         self.processor = LogitProcessor(model.kernel_library, self.vocab_size, self.max_batch, device=device)
         self.sampler = Sampler(model.kernel_library, self.vocab_size, device=device, max_num_token=self.max_batch)
         self.stats = EngineStats()
@@ -76,6 +78,7 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self._running: list[GeneratedSequence] = []
         self._free_ids = list(range(self.max_batch - 1, -1, -1))
+        self._reserved = 0  # KV tokens reserved by the admitted requests
         self._ids = itertools.count()
 
     # ---------------------------------------------------------------------------------------------- requests
@@ -118,24 +121,31 @@ class Engine:
         ids = self.tokenize(prompt, chat)
         if not ids:
             raise ValueError("the prompt is empty")
-        if len(ids) >= self.context_length:
-            raise ValueError(f"the prompt has {len(ids)} tokens; the context holds {self.context_length} "
-                             "(prompt and output together)")
         if config.n > self.max_batch:
             raise ValueError(f"n={config.n} sequences do not fit in max_batch={self.max_batch}")
+        # Each sequence may grow to `limit` tokens: the context, or its share of the KV cache when n > 1.
+        limit = min(self.context_length, self.max_total_tokens // config.n)
+        if len(ids) >= limit:
+            raise ValueError(f"the prompt has {len(ids)} tokens; the context holds {limit} per sequence "
+                             "(prompt and output together)")
         config.check_vocab(self.vocab_size)
         for t in config.stop_token_ids:
             if t >= self.vocab_size:
                 raise ValueError(f"stop_token_ids entry {t} is outside the vocabulary [0, {self.vocab_size})")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        request = Request(rid, ids, RequestStats(prompt_tokens=len(ids), arrival=time.perf_counter()))
+        if config.max_thinking_tokens is not None:  # generation starts inside the think block
+            self._mask_sources(config)
+            ids = self._constraints.open_think_block(ids, config)
+        # KV tokens the request may need at most: admitted only when they are free (no preemption needed).
+        reserve = config.n * min(limit, len(ids) + (config.max_tokens or limit))
+        request = Request(rid, ids, RequestStats(prompt_tokens=len(ids), arrival=time.perf_counter()), reserve)
         for index in range(config.n):
             cfg = config
             if config.n > 1 and config.seed is not None:  # each sequence its own stream, reproducibly
                 cfg = replace(config, seed=(config.seed + index) % 2**64)
             state = RequestState(ids, cfg, mask_sources=self._mask_sources(cfg))
             request.sequences.append(GeneratedSequence(request, index, state, self.model.tokenizer,
-                                                       self.eos_token_ids, self.context_length))
+                                                       self.eos_token_ids, limit))
         with self._lock:
             if rid in self._requests or any(r.request_id == rid for r in self._waiting):
                 raise ValueError(f"request id {rid!r} is already in use")
@@ -205,8 +215,10 @@ class Engine:
 
     def _admit(self) -> None:
         with self._lock:
-            while self._waiting and len(self._waiting[0].sequences) <= len(self._free_ids):
+            while self._waiting and len(self._waiting[0].sequences) <= len(self._free_ids) and (
+                    self._reserved + self._waiting[0].reserve <= self.max_total_tokens):
                 request = self._waiting.popleft()
+                self._reserved += request.reserve
                 self._requests[request.request_id] = request
                 for seq in request.sequences:
                     seq.seq_id = self._free_ids.pop()
@@ -271,8 +283,9 @@ class Engine:
             seq.finish("grammar_dead_end", delta)
             return
         token = int(result.token_ids[row])
-        seq.state.append_token(token)
-        seq.feed = [token]
+        if token not in seq.stop_token_ids:  # a stop token ends the sequence: its state is not advanced
+            seq.state.append_token(token)
+            seq.feed = [token]
         stats.completion_tokens += 1
         if seq.logprobs is not None:
             seq.logprobs.append(float(result.logprobs[row]))
@@ -331,6 +344,7 @@ class Engine:
         self._running = keep
         for rid in [rid for rid, r in self._requests.items() if r.finished]:
             request = self._requests.pop(rid)
+            self._reserved -= request.reserve
             if request.stats.finish_time is None:
                 request.stats.finish_time = time.perf_counter()
             for seq in request.sequences:  # a finished request's outputs carry its final statistics

@@ -27,8 +27,9 @@ if TYPE_CHECKING:
 class Request:
     """A request: its prompt, config, statistics and its n sequences."""
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], stats: RequestStats) -> None:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], stats: RequestStats, reserve: int) -> None:
         self.request_id = request_id
+        self.reserve = reserve  # KV cache tokens held for it while it runs
         self.prompt_token_ids = prompt_token_ids
         self.stats = stats
         self.sequences: list[GeneratedSequence] = []
@@ -52,7 +53,8 @@ class GeneratedSequence:
         self.feed: list[int] = list(state.prompt_token_ids) if index == 0 else []
         self.forked_from: GeneratedSequence | None = None
         cfg = state.config
-        self._stop_ids = frozenset(cfg.stop_token_ids) | (frozenset() if cfg.ignore_eos else frozenset(eos_token_ids))
+        #: Tokens that end the sequence (kept in token_ids, not in the text; the state is not advanced by them).
+        self.stop_token_ids = frozenset(cfg.stop_token_ids) | frozenset(() if cfg.ignore_eos else eos_token_ids)
         self._max_tokens = cfg.max_tokens
         self._context = context_length
         self.detok = IncrementalDetokenizer(tokenizer)
@@ -73,7 +75,7 @@ class GeneratedSequence:
         """Record ``token`` (already appended to the state) in the output and text; finish if a rule says so."""
         self.token_ids.append(token)
         delta.token_ids.append(token)
-        if token in self._stop_ids:
+        if token in self.stop_token_ids:
             self.finish("stop", delta, stop_reason=token)
             return
         self._emit(self.stops.feed(self.detok.add_tokens([token])), delta)
