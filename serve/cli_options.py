@@ -13,6 +13,8 @@ from typing import Any
 
 #: ``--model tiny`` opens the small random test model (compile/tiny_model.py): fast, meaningless answers.
 TINY_MODEL = "tiny"
+#: Its context: long enough that an answer takes a few seconds (time to press Ctrl-C in the REPL tests).
+TINY_CONTEXT = 4096
 
 # option name -> (GenerationConfig field, type, help)
 SAMPLING_OPTIONS: dict[str, tuple[str, type, str]] = {
@@ -92,12 +94,15 @@ def open_model(spec: str, target: str) -> Any:
     """Open (fetching and compiling on first use, with visible progress on stderr) the model named by ``spec``."""
     from logitproc.serve.compiled_model import CompiledModel
 
-    model: Any = spec
-    if spec == TINY_MODEL:
-        from logitproc.compile.tiny_model import make_tiny_model
-
-        model = make_tiny_model(seed=0)
+    model: Any = tiny_model() if spec == TINY_MODEL else spec
     return CompiledModel.open(model, target=target, progress=log)
+
+
+def tiny_model() -> Any:
+    """The model ``--model tiny`` names (a GGUFModel in memory; compiled once into the cache)."""
+    from logitproc.compile.tiny_model import make_tiny_model
+
+    return make_tiny_model(seed=0, context=TINY_CONTEXT)
 
 
 def open_engine(args: argparse.Namespace) -> Any:

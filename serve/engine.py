@@ -232,6 +232,9 @@ class Engine:
         live = [s for s in self._running if s.finish_reason is None]
         prefill = [s for s in live if s.forked_from is None and (len(s.feed) > 1 or not s.in_model)]
         decode = [s for s in live if s.in_model and len(s.feed) == 1]
+        order = [r for s in prefill for r in [s, *(c for c in s.request.sequences if c.forked_from is s)]] + decode
+        if any(s.state.mask_sources for s in order):  # grammar masks fill on worker threads during the forward
+            self.processor.start_masks([s.state for s in order])
         blocks: list[np.ndarray] = []
         if prefill:
             for seq in prefill:

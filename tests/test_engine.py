@@ -27,9 +27,9 @@ def byte_token(b: int) -> int:
 
 @pytest.fixture(scope="module")
 def gguf():
-    from logitproc.compile.tiny_model import make_tiny_model
+    from logitproc.serve.cli_options import tiny_model
 
-    return make_tiny_model(seed=0)
+    return tiny_model()  # the model of `logitproc chat --model tiny`: one compile serves both test files
 
 
 @pytest.fixture(scope="module")

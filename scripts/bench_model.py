@@ -1,0 +1,135 @@
+"""Model throughput on the CPU: CompiledModel (TVM) against NumpyLlama (plain numpy), and the share of each decode
+step that the engine spends in logit processing + sampling.
+
+    python scripts/bench_model.py [--model default] [--prompt-tokens 128] [--decode-tokens 64] [--markdown]
+
+1. prefill tokens/s (one prompt of ``--prompt-tokens``) and greedy decode tokens/s (batch 1) of both models;
+2. ``Engine`` decode steps (batch 1, and batch 4 with the same config per request): the model forward, the logit
+   processing + sampling part (bias, penalties, masks, softmax, top-p, sampling), and their share of the step,
+   with a typical config (temperature 0.7, top_p 0.9, repetition penalty 1.1) and with a JSON schema added.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import machine_line  # noqa: E402
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                   "tags": {"type": "array", "items": {"type": "string"}}},
+    "required": ["name", "age", "tags"],
+}
+TEXT = ("The quick brown fox jumps over the lazy dog while the rain in Spain stays mainly in the plain; "
+        "meanwhile a careful engineer measures how fast a small language model reads and writes text. ")
+
+
+def prompt_ids(tokenizer, n: int) -> list[int]:
+    ids: list[int] = []
+    while len(ids) < n:
+        ids += tokenizer.encode(TEXT, add_special_tokens=False).ids
+    return ids[:n]
+
+
+def bench_numpy(gguf, prompt: list[int], decode: int) -> tuple[float, float]:
+    from logitproc.serve.numpy_llama import NumpyLlama
+
+    llama = NumpyLlama(gguf)
+    llama.prefill(prompt[:8])  # warm-up
+    t0 = time.perf_counter()
+    logits = llama.prefill(prompt)
+    prefill_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for _ in range(decode):
+        logits = llama.decode(int(np.argmax(logits)))
+    return len(prompt) / prefill_s, decode / (time.perf_counter() - t0)
+
+
+def bench_compiled(model, prompt: list[int], decode: int) -> tuple[float, float]:
+    model.add_sequence(0)
+    model.prefill([0], [prompt[:8]])  # warm-up
+    model.remove_sequence(0)
+    model.add_sequence(0)
+    t0 = time.perf_counter()
+    logits = model.prefill([0], [prompt])
+    prefill_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for _ in range(decode):
+        logits = model.decode([0], [int(np.argmax(logits[0]))])
+    decode_s = time.perf_counter() - t0
+    model.remove_sequence(0)
+    return len(prompt) / prefill_s, decode / decode_s
+
+
+def bench_engine(model, prompt: list[int], decode: int, batch: int, config) -> dict[str, float]:
+    """Decode steps only (the prefill step is left out): ms per step, ms in processing, and the share."""
+    from logitproc.serve.engine import Engine
+    from logitproc.serve.outputs import EngineStats
+
+    engine = Engine(model, max_batch=batch)
+    engine.generate(prompt[:16], config)  # warm-up (grammar compile, buffers)
+    for i in range(batch):
+        engine.add_request(prompt, config, request_id=f"r{i}")
+    engine.step()  # prefill
+    start = EngineStats(**engine.stats.__dict__)
+    while engine.has_unfinished():
+        engine.step()
+    st = engine.stats
+    steps = st.steps - start.steps
+    step_s = st.step_seconds - start.step_seconds
+    proc_s = st.processing_seconds - start.processing_seconds
+    return {"steps": steps, "step_ms": 1e3 * step_s / steps, "proc_ms": 1e3 * proc_s / steps,
+            "share": proc_s / step_s, "tok_s": batch * steps / step_s}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument("--markdown", action="store_true")
+    args = parser.parse_args()
+
+    from logitproc.compile.gguf_model import load_default_model, load_gguf
+    from logitproc.runtime import GenerationConfig
+    from logitproc.serve.compiled_model import CompiledModel
+
+    model = CompiledModel.open(args.model, progress=lambda m: print(m, file=sys.stderr))
+    gguf = load_default_model() if args.model == "default" else load_gguf(args.model)
+    prompt = prompt_ids(model.tokenizer, args.prompt_tokens)
+    print(machine_line())
+    print(f"model {model.name} ({model.weight_dtype} weights), prompt {len(prompt)} tokens, "
+          f"{args.decode_tokens} decode tokens")
+
+    np_prefill, np_decode = bench_numpy(gguf, prompt, args.decode_tokens)
+    tvm_prefill, tvm_decode = bench_compiled(model, prompt, args.decode_tokens)
+    print("\n| model | prefill tok/s | decode tok/s (batch 1) |\n|---|---|---|")
+    print(f"| NumpyLlama (float32 numpy) | {np_prefill:.0f} | {np_decode:.1f} |")
+    print(f"| CompiledModel (TVM, {model.weight_dtype}) | {tvm_prefill:.0f} | {tvm_decode:.1f} |")
+    print(f"| compiled / numpy | {tvm_prefill / np_prefill:.1f}x | {tvm_decode / np_decode:.1f}x |")
+
+    typical = GenerationConfig(temperature=0.7, top_p=0.9, repetition_penalty=1.1, seed=0,
+                               max_tokens=args.decode_tokens, ignore_eos=True)
+    schema = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
+    configs = {"typical (T 0.7, top_p 0.9, rep 1.1)": typical,
+               "typical + JSON schema": replace(typical, response_format=schema, ignore_eos=False)}
+    print("\n| engine decode step | batch | steps | step ms | logit processing + sampling ms | share | tok/s |")
+    print("|---|---|---|---|---|---|---|")
+    for name, config in configs.items():
+        for batch in (1, 4):
+            r = bench_engine(model, prompt, args.decode_tokens, batch, config)
+            print(f"| {name} | {batch} | {r['steps']} | {r['step_ms']:.1f} | {r['proc_ms']:.2f} | "
+                  f"{100 * r['share']:.1f}% | {r['tok_s']:.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""``logitproc chat`` driven through a pseudo-terminal as a user would (pexpect), and ``logitproc generate``.
+
+The REPL runs on ``--model tiny`` (the random test model, compiled once into the session's private cache, which the
+subprocesses inherit through ``$LOGITPROC_CACHE``); one short session runs on the default SmolLM2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+pexpect = pytest.importorskip("pexpect")
+
+PROMPT = ">>> "
+ANSI = re.compile(r"\x1b\[[0-9;?]*[a-zA-Z]")
+# Byte tokens of the tiny vocabulary (id 3 + byte) for tab, newline, carriage return and space.
+NO_WHITESPACE = " ".join(f"{3 + b}=-100" for b in b"\t\n\r ")
+SCHEMA = {"type": "object", "properties": {"pet": {"enum": ["cat", "dog"]}, "age": {"type": "integer", "minimum": 0,
+                                                                                    "maximum": 99}},
+          "required": ["pet", "age"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def tiny_compiled():
+    """Compile the tiny model in this process first, so that every subprocess finds it in the cache."""
+    from logitproc.serve.cli_options import open_model
+
+    return open_model("tiny", "cpu")
+
+
+def spawn(*args: str, timeout: float = 120):
+    child = pexpect.spawn(sys.executable, ["-m", "logitproc", "chat", *args], env=dict(os.environ),
+                          encoding="utf-8", timeout=timeout, dimensions=(40, 200))
+    child.expect_exact(PROMPT)
+    return child
+
+
+def say(child, line: str) -> str:
+    """Send a line; return what the REPL printed before the next prompt (the echo of the line removed)."""
+    child.sendline(line)
+    child.expect_exact(PROMPT)
+    text = ANSI.sub("", child.before).replace("\r\n", "\n")
+    echoed = text.find(line)
+    return (text[echoed + len(line) :] if echoed != -1 else text).strip("\n")
+
+
+def test_chat_repl_on_the_tiny_model(tiny_compiled) -> None:
+    child = spawn("--model", "tiny", "--temperature", "0", "--max-tokens", "12")
+    try:
+        assert "temperature = 0.5" in say(child, "/temperature 0.5")
+        assert "max_tokens = 16" in say(child, "/max_tokens 16")
+        answer = say(child, "Hello, who are you?")
+        assert answer and "Traceback" not in answer
+        # bad commands and values: one helpful line each, never a traceback
+        assert say(child, "/temperature hot") == "error: /temperature: 'hot' is not a number"
+        assert "top_p must be in (0.0, 1.0]" in say(child, "/top_p 2")
+        assert "unknown command /bogus" in say(child, "/bogus")
+        assert "not valid JSON" in say(child, "/json {nope")
+        settings = say(child, "/settings")
+        assert "temperature = 0.5" in settings and "max_tokens = 16" in settings
+        # constrained to a JSON schema (whitespace biased away: a random model likes it)
+        assert "logit_bias" in say(child, f"/logit_bias {NO_WHITESPACE}")
+        assert "temperature = 0.0" in say(child, "/temperature 0")
+        assert "max_tokens = 60" in say(child, "/max_tokens 60")
+        assert "response_format" in say(child, "/json " + json.dumps(SCHEMA))
+        answer = say(child, "Describe a pet as JSON.")
+        import jsonschema
+
+        jsonschema.validate(json.loads(answer.strip()), SCHEMA)
+        assert "stop" in say(child, "/stats") and "tok/s" in say(child, "/stats")
+        # Ctrl-C during an answer stops it; the REPL stays
+        say(child, "/json off")
+        say(child, "/max_tokens off")
+        say(child, "/logit_bias clear")
+        child.sendline("Tell me a very long story.")
+        child.expect(r"story\.\r\n.")  # the answer has begun
+        child.sendcontrol("c")
+        child.expect_exact("[stopped]")
+        child.expect_exact(PROMPT)
+        assert "finish: abort" in say(child, "/stats")
+        # Ctrl-C at the prompt does not quit
+        child.sendcontrol("c")
+        child.expect_exact("Ctrl-C again")
+        child.expect_exact(PROMPT)
+        assert "history cleared" in say(child, "/reset")
+        assert "/regex PATTERN" in say(child, "/help")
+        child.sendline("/exit")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+    assert child.exitstatus == 0
+
+
+def test_ctrl_d_and_two_ctrl_c_quit(tiny_compiled) -> None:
+    child = spawn("--model", "tiny")
+    child.sendeof()
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+    child = spawn("--model", "tiny")
+    child.sendcontrol("c")
+    child.expect_exact("Ctrl-C again")
+    child.sendcontrol("c")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+
+
+def run_generate(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "logitproc", "generate", *args], capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ))
+
+
+def test_generate_prints_only_the_answer_on_stdout(tiny_compiled) -> None:
+    done = run_generate("--model", "tiny", "--prompt", "hi", "--regex", "(yes|no), [a-z]{3}", "--seed", "1")
+    assert done.returncode == 0, done.stderr
+    assert re.fullmatch(r"(yes|no), [a-z]{3}\n", done.stdout), done.stdout
+    assert "finish: stop" in done.stderr and "tok/s" in done.stderr
+    same = run_generate("--model", "tiny", "--prompt", "hi", "--regex", "(yes|no), [a-z]{3}", "--seed", "1")
+    assert same.stdout == done.stdout
+    bad = run_generate("--model", "tiny", "--prompt", "hi", "--top-p", "3")
+    assert bad.returncode == 2 and bad.stdout == "" and "top_p must be in" in bad.stderr
+
+
+# ---------------------------------------------------------------------------------------------------- SmolLM2
+@pytest.fixture(scope="module")
+def smollm2_compiled():
+    from logitproc.compile.model_fetch import fetch_default_model
+    from logitproc.serve.cli_options import open_model
+
+    fetch_default_model()
+    return open_model("default", "cpu")
+
+
+def test_chat_repl_on_smollm2(smollm2_compiled) -> None:
+    child = spawn("--temperature", "0", "--max-tokens", "40", timeout=60)
+    try:
+        assert "Paris" in say(child, "What is the capital of France?")
+        child.sendline("/exit")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+    assert child.exitstatus == 0
+
+
+def test_generate_on_smollm2(smollm2_compiled) -> None:
+    done = run_generate("--prompt", "What is the capital of France?", "--temperature", "0", "--max-tokens", "40")
+    assert done.returncode == 0 and "Paris" in done.stdout, done.stderr
