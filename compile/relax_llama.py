@@ -30,6 +30,7 @@ memory traffic of float32; float32 for exact comparisons), norms and activations
 # fmt: off
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -45,6 +46,7 @@ from .gguf_model import GGUFModel
 
 _LANES = 16          # float32 lanes of the vectorised reduction (one AVX-512 register, two AVX2 registers)
 _TOKEN_BLOCK = 4     # tokens computed per weight row visit
+_CHUNKS = 64         # parallel chunks of output rows
 
 
 @dataclass(frozen=True)
@@ -82,16 +84,20 @@ class LlamaSpec:
         return asdict(self)
 
 
+@functools.cache
 def linear_kernel(out_features: int, in_features: int, weight_dtype: str) -> tirx.PrimFunc:
     """``y[t, o] = sum_k x[t, k] * float32(w[o, k])`` for ``x`` float32 ``[n, K]``, ``w`` ``[N, K]``, ``y`` ``[n, N]``.
 
-    CPU schedule: one parallel iteration per output row ``o``; tokens in blocks of 4 (four accumulators of 16 lanes,
-    each weight vector loaded once for the four tokens), then the remaining tokens one by one; the ``K % 16`` tail
-    is scalar. The lanes are summed at the end of each row.
+    CPU schedule: the output rows in 64 parallel chunks (the accumulators are allocated once per chunk: a buffer
+    allocated inside a parallel loop is a heap allocation per iteration); per row, the tokens in blocks of 4 (four
+    accumulators of 16 lanes, each weight vector loaded once for the four tokens), then the remaining tokens one by
+    one; the ``K % 16`` tail is scalar; the lanes are summed at the end of each row.
     """
     n_vec = in_features // _LANES
     tail = in_features - n_vec * _LANES
     blk = _TOKEN_BLOCK
+    chunks = min(_CHUNKS, out_features)
+    rows_per_chunk = -(-out_features // chunks)
 
     @T.prim_func(private=True)
     def linear(var_x: T.handle, w: T.Buffer((out_features, in_features), weight_dtype), var_y: T.handle):
@@ -99,40 +105,43 @@ def linear_kernel(out_features: int, in_features: int, weight_dtype: str) -> tir
         n = T.int64()
         x = T.match_buffer(var_x, (n, in_features), "float32")
         y = T.match_buffer(var_y, (n, out_features), "float32")
-        for o in T.parallel(out_features):
+        for chunk in T.parallel(chunks):
             acc = T.alloc_buffer((blk, _LANES), "float32", scope="local")
             total = T.alloc_buffer((blk,), "float32", scope="local")
-            for tb in range(n // blk):
-                for b in range(blk):
-                    for lane in T.vectorized(_LANES):
-                        acc[b, lane] = T.float32(0)
-                for kb in range(n_vec):
-                    for b in range(blk):
+            for row in range(rows_per_chunk):
+                if chunk * rows_per_chunk + row < out_features:
+                    o: T.let = chunk * rows_per_chunk + row
+                    for tb in range(n // blk):
+                        for b in range(blk):
+                            for lane in T.vectorized(_LANES):
+                                acc[b, lane] = T.float32(0)
+                        for kb in range(n_vec):
+                            for b in range(blk):
+                                for lane in T.vectorized(_LANES):
+                                    acc[b, lane] = acc[b, lane] + x[tb * blk + b, kb * _LANES + lane] * T.Cast(
+                                        "float32", w[o, kb * _LANES + lane])
+                        for b in range(blk):
+                            total[b] = T.float32(0)
+                            for lane in range(_LANES):
+                                total[b] = total[b] + acc[b, lane]
+                            for kt in range(tail):
+                                total[b] = total[b] + x[tb * blk + b, n_vec * _LANES + kt] * T.Cast(
+                                    "float32", w[o, n_vec * _LANES + kt])
+                            y[tb * blk + b, o] = total[b]
+                    for t in range(n - n // blk * blk):
                         for lane in T.vectorized(_LANES):
-                            acc[b, lane] = acc[b, lane] + x[tb * blk + b, kb * _LANES + lane] * T.Cast(
-                                "float32", w[o, kb * _LANES + lane])
-                for b in range(blk):
-                    total[b] = T.float32(0)
-                    for lane in range(_LANES):
-                        total[b] = total[b] + acc[b, lane]
-                    for kt in range(tail):
-                        total[b] = total[b] + x[tb * blk + b, n_vec * _LANES + kt] * T.Cast(
-                            "float32", w[o, n_vec * _LANES + kt])
-                    y[tb * blk + b, o] = total[b]
-            for t in range(n - n // blk * blk):
-                for lane in T.vectorized(_LANES):
-                    acc[0, lane] = T.float32(0)
-                for kb in range(n_vec):
-                    for lane in T.vectorized(_LANES):
-                        acc[0, lane] = acc[0, lane] + x[n // blk * blk + t, kb * _LANES + lane] * T.Cast(
-                            "float32", w[o, kb * _LANES + lane])
-                total[0] = T.float32(0)
-                for lane in range(_LANES):
-                    total[0] = total[0] + acc[0, lane]
-                for kt in range(tail):
-                    total[0] = total[0] + x[n // blk * blk + t, n_vec * _LANES + kt] * T.Cast(
-                        "float32", w[o, n_vec * _LANES + kt])
-                y[n // blk * blk + t, o] = total[0]
+                            acc[0, lane] = T.float32(0)
+                        for kb in range(n_vec):
+                            for lane in T.vectorized(_LANES):
+                                acc[0, lane] = acc[0, lane] + x[n // blk * blk + t, kb * _LANES + lane] * T.Cast(
+                                    "float32", w[o, kb * _LANES + lane])
+                        total[0] = T.float32(0)
+                        for lane in range(_LANES):
+                            total[0] = total[0] + acc[0, lane]
+                        for kt in range(tail):
+                            total[0] = total[0] + x[n // blk * blk + t, n_vec * _LANES + kt] * T.Cast(
+                                "float32", w[o, n_vec * _LANES + kt])
+                        y[n // blk * blk + t, o] = total[0]
 
     return linear
 

@@ -22,6 +22,17 @@ def _compile_kernels(args: argparse.Namespace) -> int:
     return 0
 
 
+def _compile_model(args: argparse.Namespace) -> int:
+    from logitproc.compile.model_compile import compile_model
+
+    started = time.perf_counter()
+    out = compile_model(args.model, args.target, args.out, progress=lambda line: print(line, file=sys.stderr),
+                        weight_dtype=args.weight_dtype)
+    print(f"done in {time.perf_counter() - started:.1f}s", file=sys.stderr)
+    print(out)
+    return 0
+
+
 def _devices(args: argparse.Namespace) -> int:
     from logitproc.runtime.device import Device
 
@@ -46,6 +57,16 @@ def build_parser() -> argparse.ArgumentParser:
     compile_kernels.add_argument("--out", required=True, help="directory to write the library into")
     compile_kernels.add_argument("--no-cache", action="store_true", help="build afresh instead of reusing the cache")
     compile_kernels.set_defaults(run=_compile_kernels)
+
+    compile_model = commands.add_parser(
+        "compile", help="compile a model and the logit-processing kernels into one library (cached); print its folder"
+    )
+    compile_model.add_argument("--model", default="default",
+                               help="'default' (SmolLM2-135M-Instruct), a GGUF file or a Hugging Face directory")
+    compile_model.add_argument("--target", default="cpu", choices=("cpu",))
+    compile_model.add_argument("--out", help="also copy the compiled model into this directory")
+    compile_model.add_argument("--weight-dtype", default="float16", choices=("float16", "float32"))
+    compile_model.set_defaults(run=_compile_model)
 
     devices = commands.add_parser("devices", help="list the devices found: backend and limits")
     devices.set_defaults(run=_devices)

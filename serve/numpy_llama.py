@@ -19,10 +19,15 @@ taken from the GGUF metadata are Python numbers, which NumPy 2 does not let prom
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
+from functools import cached_property
+from typing import Any
 
 import numpy as np
-from logitproc.compile.gguf_model import GGUFModel
+from logitproc.compile.gguf_model import GGUFModel, build_tokenizer, load_default_model, load_gguf
+
+from .runner import ModelRunner
 
 _INITIAL_CACHE = 256
 
@@ -75,6 +80,10 @@ class NumpyLlama:
         self._output_norm = w["output_norm.weight"]
         names = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
         self._layers = [tuple(w[f"blk.{i}.{name}.weight"] for name in names) for i in range(cfg.n_layers)]
+        # Optional q/k/v biases (Qwen2-style checkpoints); zeros where absent.
+        self._biases = [
+            tuple(w.get(f"blk.{i}.attn_{p}.bias", np.float32(0)) for p in "qkv") for i in range(cfg.n_layers)
+        ]
         self._eps = float(cfg.rms_eps)
         self._scale = 1.0 / float(np.sqrt(cfg.head_dim))
         self._k_cache = np.zeros((0,), np.float32)
@@ -143,9 +152,10 @@ class NumpyLlama:
         x = self._embed[ids]
         for layer, (attn_norm, wq, wk, wv, wo, ffn_norm, w_gate, w_up, w_down) in enumerate(self._layers):
             h = rms_norm(x, attn_norm, self._eps)
-            q = apply_rope((h @ wq.T).reshape(n_tok, cfg.n_heads, d), cos, sin)
-            k = apply_rope((h @ wk.T).reshape(n_tok, n_kv, d), cos, sin)
-            v = (h @ wv.T).reshape(n_tok, n_kv, d)
+            bq, bk, bv = self._biases[layer]
+            q = apply_rope((h @ wq.T + bq).reshape(n_tok, cfg.n_heads, d), cos, sin)
+            k = apply_rope((h @ wk.T + bk).reshape(n_tok, n_kv, d), cos, sin)
+            v = (h @ wv.T + bv).reshape(n_tok, n_kv, d)
             self._k_cache[layer, :, start:end] = k.transpose(1, 0, 2)
             self._v_cache[layer, :, start:end] = v.transpose(1, 0, 2)
             keys = self._k_cache[layer, :, :end]  # [n_kv, S, d]
@@ -177,3 +187,77 @@ class NumpyLlama:
                 break
             logits = self.decode(token)
         return out
+
+
+class NumpyRunner(ModelRunner):
+    """The runner interface (``logitproc.serve.runner.ModelRunner``) over ``NumpyLlama``: the reference the engine
+    can be tested against. One ``NumpyLlama`` per sequence, all sharing the weights; a fork copies the parent's
+    cache; ``popn`` shortens it. Slow (float32 numpy), exact."""
+
+    def __init__(self, model: GGUFModel, *, max_num_sequences: int = 16, max_total_tokens: int | None = None) -> None:
+        from logitproc.compile.model_compile import eos_token_ids
+
+        try:
+            chatml, default_system = True, model.chat_default_system()
+        except ValueError:
+            chatml, default_system = False, None
+        cfg = model.config
+        max_total = int(max_total_tokens or min(cfg.context, 8192))
+        super().__init__(config=cfg, tokenizer=build_tokenizer(model), eos_token_ids=eos_token_ids(model),
+                         name=cfg.name or model.path.stem, max_num_sequences=max_num_sequences,
+                         context_length=min(cfg.context, max_total), max_total_tokens=max_total, chatml=chatml,
+                         default_system=default_system)
+        self.model = model
+        self._template = NumpyLlama(model)
+        self._llamas: dict[int, NumpyLlama] = {}
+
+    @classmethod
+    def open(cls, model: str | os.PathLike[str] | GGUFModel | None = "default", **kwargs: Any) -> NumpyRunner:
+        """``"default"``/None (SmolLM2), a GGUF file, a Hugging Face directory, or a loaded ``GGUFModel``."""
+        if isinstance(model, GGUFModel):
+            loaded = model
+        elif model is None or model == "default":
+            loaded = load_default_model()
+        elif os.path.isdir(model):
+            from logitproc.compile.hf_model import load_hf_dir
+
+            loaded = load_hf_dir(model)
+        else:
+            loaded = load_gguf(model)
+        return cls(loaded, **kwargs)
+
+    @cached_property
+    def kernel_library(self) -> Any:
+        """The CPU kernel library (built or taken from the cache on first use)."""
+        from logitproc.compile import build_kernels
+
+        return build_kernels("cpu")
+
+    def _new_llama(self) -> NumpyLlama:
+        llama = NumpyLlama.__new__(NumpyLlama)
+        llama.__dict__.update(self._template.__dict__)  # shares the weights; the cache is replaced below
+        llama._k_cache = np.zeros((0,), np.float32)
+        llama._length = 0
+        llama.reset()
+        return llama
+
+    def _add(self, seq_id: int) -> None:
+        self._llamas[seq_id] = self._new_llama()
+
+    def _remove(self, seq_id: int) -> None:
+        del self._llamas[seq_id]
+
+    def _fork(self, parent: int, child: int) -> None:
+        source, llama = self._llamas[parent], self._new_llama()
+        llama._k_cache, llama._v_cache = source._k_cache.copy(), source._v_cache.copy()
+        llama._length = source._length
+        self._llamas[child] = llama
+
+    def _popn(self, seq_id: int, n: int) -> None:
+        self._llamas[seq_id]._length -= n
+
+    def _prefill(self, seq_ids: list[int], token_ids: list[np.ndarray]) -> np.ndarray:
+        return np.stack([self._llamas[s].extend(t) for s, t in zip(seq_ids, token_ids, strict=True)])
+
+    def _decode(self, seq_ids: list[int], token_ids: np.ndarray) -> np.ndarray:
+        return np.stack([self._llamas[s].decode(int(t)) for s, t in zip(seq_ids, token_ids, strict=True)])

@@ -1,0 +1,354 @@
+"""The compiled model (``CompiledModel``) against the numpy reference (``NumpyLlama`` / ``NumpyRunner``).
+
+Tiny random model (fast): float32 weights match numpy within 1e-4, float16 weights within 2e-2 (measured 7e-3);
+prefill 9 == prefill 8 + decode 1; batched == alone; chunked prefill; fork and popn; sequence id reuse; errors;
+build cache reuse; the logit-processing kernels called from the model's own library; a Hugging Face directory
+(safetensors, Qwen2-style q/k/v biases) equals the in-memory model.
+
+SmolLM2-135M-Instruct (the real default model; select with ``-k smollm2``): logits of a chat prompt within 6e-2 of
+``NumpyLlama`` (float16 weights; measured 2.4e-2, logits' standard deviation 3.4) and the greedy answer to "What
+is the capital of France?" names Paris. The GGUF is fetched once per session into the test cache (or
+``$LOGITPROC_TEST_MODEL_CACHE``), as in ``test_model_files.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from logitproc import GenerationConfig, LogitProcessor, RequestState
+from logitproc.compile import model_compile
+from logitproc.compile.gguf_model import GGUFModel, build_tokenizer
+from logitproc.compile.hf_model import load_hf_dir, write_hf_dir
+from logitproc.compile.kernel_library import KernelLibrary
+from logitproc.compile.model_compile import compile_model
+from logitproc.compile.tiny_model import make_tiny_model
+from logitproc.serve.compiled_model import CompiledModel
+from logitproc.serve.numpy_llama import NumpyLlama, NumpyRunner, apply_rope, rope_tables
+
+TOL_F32 = 1e-4
+TOL_F16 = 2e-2
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def tiny() -> GGUFModel:
+    return make_tiny_model()
+
+
+@pytest.fixture(scope="module")
+def m32(tiny: GGUFModel) -> CompiledModel:
+    return CompiledModel.open(tiny, weight_dtype="float32", max_num_sequences=8)
+
+
+@pytest.fixture(scope="module")
+def m16(tiny: GGUFModel) -> CompiledModel:
+    return CompiledModel.open(tiny, max_num_sequences=8)
+
+
+@pytest.fixture(scope="module")
+def prompt(m32: CompiledModel) -> list[int]:
+    return m32.tokenizer.encode(m32.apply_chat_template(QUESTION)).ids
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_sequences(request):
+    """Every test starts and ends with no sequences in the module's models."""
+    yield
+    for name in ("m32", "m16"):
+        if name in request.fixturenames:
+            model = request.getfixturevalue(name)
+            for seq_id in model.sequence_ids:
+                model.remove_sequence(seq_id)
+
+
+def reference(model: GGUFModel, tokens: list[int]) -> np.ndarray:
+    return NumpyLlama(model).prefill(tokens)
+
+
+# ---------------------------------------------------------------- logits against numpy
+
+
+def test_float32_logits_match_numpy(tiny, m32, prompt) -> None:
+    m32.add_sequence(0)
+    logits = m32.prefill([0], [prompt])
+    assert logits.shape == (1, m32.vocab_size) and logits.dtype == np.float32
+    np.testing.assert_allclose(logits[0], reference(tiny, prompt), atol=TOL_F32, rtol=0)
+    assert m32.sequence_length(0) == len(prompt)
+
+
+def test_float16_logits_match_numpy_within_tolerance(tiny, m16, prompt) -> None:
+    m16.add_sequence(3)
+    logits = m16.prefill([3], [prompt])
+    diff = np.abs(logits[0] - reference(tiny, prompt)).max()
+    assert diff < TOL_F16, diff
+    assert logits[0].std() > 0.5  # the tiny model's logits are not flat
+
+
+def test_prefill_9_equals_prefill_8_plus_decode_1(m32, prompt) -> None:
+    m32.add_sequence(0)
+    m32.add_sequence(1)
+    whole = m32.prefill([0], [prompt[:9]])
+    m32.prefill([1], [prompt[:8]])
+    step = m32.decode([1], [prompt[8]])
+    np.testing.assert_allclose(step, whole, atol=1e-5, rtol=0)
+    assert m32.sequence_length(0) == m32.sequence_length(1) == 9
+
+
+def test_batched_prefill_and_decode_equal_each_alone(m32, prompt) -> None:
+    lists = [prompt[:5], prompt[:23], prompt[3:14], prompt[:1]]
+    ids = [10, 11, 12, 13]
+    for s in ids:
+        m32.add_sequence(s)
+    batched = m32.prefill(ids, lists)
+    next_tokens = [int(t) for t in batched.argmax(axis=1)]
+    batched_step = m32.decode(ids[::-1], next_tokens[::-1])[::-1]
+    for s in ids:
+        m32.remove_sequence(s)
+    for i, tokens in enumerate(lists):
+        m32.add_sequence(0)
+        alone = m32.prefill([0], [tokens])
+        np.testing.assert_allclose(batched[i], alone[0], atol=1e-5, rtol=0)
+        np.testing.assert_allclose(batched_step[i], m32.decode([0], [next_tokens[i]])[0], atol=1e-5, rtol=0)
+        m32.remove_sequence(0)
+
+
+def test_chunked_prefill_equals_one_pass(tiny, m32, prompt) -> None:
+    small = CompiledModel(m32.directory, max_num_sequences=4, prefill_chunk_size=8)
+    lists = [prompt[:30], prompt[:3], prompt[5:25]]
+    for s in range(3):
+        small.add_sequence(s)
+    logits = small.prefill([0, 1, 2], lists)
+    for i, tokens in enumerate(lists):
+        np.testing.assert_allclose(logits[i], reference(tiny, tokens), atol=TOL_F32, rtol=0)
+    extended = small.prefill([1], [prompt[3:20]])  # extending an existing sequence across chunks
+    np.testing.assert_allclose(extended[0], reference(tiny, prompt[:20]), atol=TOL_F32, rtol=0)
+
+
+def test_fork_shares_the_prompt_and_popn_drops_tokens(tiny, m32, prompt) -> None:
+    m32.add_sequence(0)
+    m32.prefill([0], [prompt])
+    m32.fork_sequence(0, 1)
+    assert m32.sequence_length(1) == len(prompt)
+    out = m32.decode([0, 1], [5, 77])
+    np.testing.assert_allclose(out[0], reference(tiny, [*prompt, 5]), atol=TOL_F32, rtol=0)
+    np.testing.assert_allclose(out[1], reference(tiny, [*prompt, 77]), atol=TOL_F32, rtol=0)
+    m32.popn(1, 4)  # the forked token and three prompt tokens
+    assert m32.sequence_length(1) == len(prompt) - 3
+    again = m32.prefill([1], [[40, 41]])
+    np.testing.assert_allclose(again[0], reference(tiny, [*prompt[:-3], 40, 41]), atol=TOL_F32, rtol=0)
+    m32.remove_sequence(0)  # the child keeps its (shared) prefix
+    np.testing.assert_allclose(m32.decode([1], [9])[0], reference(tiny, [*prompt[:-3], 40, 41, 9]),
+                               atol=TOL_F32, rtol=0)
+
+
+def test_accept_rollback_accept_gives_identical_logits(m32, prompt) -> None:
+    m32.add_sequence(0)
+    m32.prefill([0], [prompt[:10]])
+    first = m32.prefill([0], [prompt[10:16]])
+    m32.popn(0, 6)
+    second = m32.prefill([0], [prompt[10:16]])
+    np.testing.assert_array_equal(first, second)
+
+
+def test_removed_ids_can_be_added_again(m32, prompt) -> None:
+    m32.add_sequence(4)
+    first = m32.prefill([4], [prompt[:12]])
+    m32.remove_sequence(4)
+    m32.add_sequence(4)
+    assert m32.sequence_length(4) == 0
+    np.testing.assert_array_equal(m32.prefill([4], [prompt[:12]]), first)
+
+
+def test_bad_inputs_raise_clear_errors(m32, prompt) -> None:
+    m32.add_sequence(0)
+    with pytest.raises(ValueError, match="unknown seq_id 5"):
+        m32.prefill([5], [[1, 2]])
+    with pytest.raises(ValueError, match="unknown seq_id 5"):
+        m32.decode([5], [1])
+    with pytest.raises(ValueError, match=r"token ids must lie in \[0, 277\)"):
+        m32.prefill([0], [[1, 277]])
+    with pytest.raises(ValueError, match="must lie in"):
+        m32.decode([0], [-1])
+    with pytest.raises(ValueError, match="is empty"):
+        m32.prefill([0], [[]])
+    with pytest.raises(ValueError, match="distinct"):
+        m32.decode([0, 0], [1, 2])
+    with pytest.raises(ValueError, match="2 seq_ids but 1"):
+        m32.decode([0, 0], [1])
+    with pytest.raises(ValueError, match="already exists"):
+        m32.add_sequence(0)
+    with pytest.raises(ValueError, match="must be >= 0"):
+        m32.add_sequence(-1)
+    with pytest.raises(ValueError, match="popn"):
+        m32.popn(0, 1)
+    with pytest.raises(ValueError, match="unknown parent_id"):
+        m32.fork_sequence(9, 10)
+    with pytest.raises(ValueError, match="exceed the context length 512"):
+        m32.prefill([0], [[1] * 513])
+    assert m32.sequence_length(0) == 0  # nothing was appended by the failed calls
+    small = CompiledModel(m32.directory, max_num_sequences=2, max_total_tokens=32)
+    small.add_sequence(0)
+    small.add_sequence(1)
+    with pytest.raises(ValueError, match="too many sequences"):
+        small.add_sequence(2)
+    with pytest.raises(ValueError, match="too many sequences"):
+        small.fork_sequence(0, 2)
+    small.prefill([0], [prompt[:20]])
+    with pytest.raises(ValueError, match="32 tokens"):
+        small.prefill([1], [prompt[:13]])
+
+
+def test_second_open_reuses_the_cached_build(tiny, m16, monkeypatch) -> None:
+    def no_build(*args, **kwargs):
+        raise AssertionError("the cached build must be reused")
+
+    monkeypatch.setattr(model_compile, "_build_into", no_build)
+    started = time.perf_counter()
+    again = CompiledModel.open(tiny)
+    elapsed = time.perf_counter() - started
+    assert again.directory == m16.directory
+    assert elapsed < 2.0, f"opening a cached tiny model took {elapsed:.2f}s"
+    changed = make_tiny_model(seed=1)
+    assert model_compile.memory_model_hash(changed) != model_compile.memory_model_hash(tiny)
+
+
+def test_exported_directory_opens_as_model_and_kernel_library(m16, tmp_path: Path) -> None:
+    out = compile_model(make_tiny_model(), out=tmp_path / "export")
+    library = KernelLibrary.load(out)
+    assert library.module_file == "model.so" and len(library.kernel_names) == 9
+    assert set(library.prim_funcs()) == set(library.kernel_names)
+    reopened = CompiledModel.open(out)
+    reopened.add_sequence(0)
+    m16.add_sequence(0)
+    np.testing.assert_array_equal(reopened.prefill([0], [[1, 2, 3]]), m16.prefill([0], [[1, 2, 3]]))
+
+
+def test_logit_processing_kernels_run_from_the_model_library(m16, prompt) -> None:
+    m16.add_sequence(0)
+    logits = m16.prefill([0], [prompt])
+    processor = LogitProcessor(m16.kernel_library, m16.vocab_size, 4)
+    states = [RequestState(prompt, GenerationConfig(temperature=0.0))]
+    work = logits.copy()
+    processor.inplace_update_logits(work, states)
+    probs = processor.compute_probs_from_logits(work, states)
+    assert probs[0, int(logits[0].argmax())] == 1.0 and probs[0].sum() == 1.0
+
+
+def test_tokenizer_and_chat_template(m16, tiny) -> None:
+    text = m16.apply_chat_template(QUESTION)
+    assert text == tiny.apply_chat_template(QUESTION)
+    ids = m16.tokenizer.encode(text).ids
+    assert m16.tokenizer.decode(ids, skip_special_tokens=False) == text
+    assert m16.eos_token_ids == (2, 0)
+    assert m16.context_length == 512 and m16.max_num_sequences == 8 and m16.name == tiny.config.name
+
+
+# ---------------------------------------------------------------- the numpy runner
+
+
+def test_numpy_runner_matches_the_compiled_model(tiny, m32, prompt) -> None:
+    runner = NumpyRunner(tiny)
+    for model in (runner, m32):
+        model.add_sequence(0)
+        model.add_sequence(1)
+    a = runner.prefill([0, 1], [prompt, prompt[:7]])
+    b = m32.prefill([0, 1], [prompt, prompt[:7]])
+    np.testing.assert_allclose(a, b, atol=TOL_F32, rtol=0)
+    for model in (runner, m32):
+        model.fork_sequence(0, 2)
+        model.popn(2, 2)
+    a = runner.decode([2, 1, 0], [3, 4, 5])
+    b = m32.decode([2, 1, 0], [3, 4, 5])
+    np.testing.assert_allclose(a, b, atol=TOL_F32, rtol=0)
+    assert runner.sequence_length(2) == len(prompt) - 1
+
+
+# ---------------------------------------------------------------- Hugging Face directories
+
+
+def test_adjacent_pair_layout_gives_the_same_attention_scores_as_half_rotation() -> None:
+    """The loader's q/k permutation turns HF's rotate-half RoPE into the GGUF's adjacent-pair RoPE (same scores)."""
+    rng = np.random.default_rng(0)
+    heads, d, hidden, positions = 2, 8, 16, np.arange(5)
+    w_hf = rng.standard_normal((heads * d, hidden)).astype(np.float32)
+    x = rng.standard_normal((5, hidden)).astype(np.float32)
+    cos, sin = rope_tables(positions, d, 10000.0)
+
+    def rope_half(v: np.ndarray) -> np.ndarray:  # Hugging Face: rotate (v[i], v[i + d/2])
+        a, b = v[..., : d // 2], v[..., d // 2:]
+        c, s = cos[:, None, :], sin[:, None, :]
+        return np.concatenate([a * c - b * s, b * c + a * s], axis=-1)
+
+    hf = rope_half((x @ w_hf.T).reshape(5, heads, d))
+    from logitproc.compile.hf_model import _to_adjacent
+
+    gguf = apply_rope((x @ _to_adjacent(w_hf, heads).T).reshape(5, heads, d), cos, sin)
+    np.testing.assert_allclose(np.einsum("qhd,khd->hqk", hf, hf), np.einsum("qhd,khd->hqk", gguf, gguf), atol=1e-4)
+
+
+def test_hf_directory_equals_the_in_memory_model(tmp_path: Path, prompt) -> None:
+    model = make_tiny_model(seed=3, tied_embeddings=False)
+    rng = np.random.default_rng(7)
+    for i in range(model.config.n_layers):  # Qwen2-style q/k/v biases
+        for name in ("q", "k", "v"):
+            rows = model.weights[f"blk.{i}.attn_{name}.weight"].shape[0]
+            model.weights[f"blk.{i}.attn_{name}.bias"] = (rng.standard_normal(rows) * 0.5).astype(np.float32)
+    directory = write_hf_dir(model, tmp_path / "hf-tiny")
+    assert {p.name for p in directory.iterdir()} >= {"config.json", "model.safetensors", "tokenizer.json"}
+    loaded = load_hf_dir(directory)
+    assert loaded.config.n_layers == model.config.n_layers and not loaded.config.tied_embeddings
+    assert set(loaded.weights) == set(model.weights)
+    for name, array in model.weights.items():
+        np.testing.assert_array_equal(loaded.weights[name], array, err_msg=name)
+    expected = reference(model, prompt)
+    np.testing.assert_allclose(reference(loaded, prompt), expected, atol=1e-6, rtol=0)
+    compiled = CompiledModel.open(directory, weight_dtype="float32")
+    assert compiled.tokenizer.encode("the cat sat").ids == build_tokenizer(model).encode("the cat sat").ids
+    compiled.add_sequence(0)
+    np.testing.assert_allclose(compiled.prefill([0], [prompt])[0], expected, atol=TOL_F32, rtol=0)
+
+
+# ---------------------------------------------------------------- SmolLM2 (the real default model)
+
+
+@pytest.fixture(scope="module")
+def smollm2_path() -> Path:
+    from logitproc.compile.model_fetch import fetch_default_model
+
+    return fetch_default_model(os.environ.get("LOGITPROC_TEST_MODEL_CACHE"))
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_path: Path) -> CompiledModel:
+    return CompiledModel.open(smollm2_path, max_num_sequences=4)
+
+
+def test_smollm2_logits_match_numpy(smollm2, smollm2_path: Path) -> None:
+    from logitproc.compile.gguf_model import load_gguf
+
+    ids = smollm2.tokenizer.encode(smollm2.apply_chat_template(QUESTION)).ids
+    smollm2.add_sequence(0)
+    logits = smollm2.prefill([0], [ids])[0]
+    expected = NumpyLlama(load_gguf(smollm2_path)).prefill(ids)
+    smollm2.remove_sequence(0)
+    assert np.abs(logits - expected).max() < 6e-2
+    assert int(logits.argmax()) == int(expected.argmax())
+
+
+def test_smollm2_greedy_answer_names_paris(smollm2) -> None:
+    ids = smollm2.tokenizer.encode(smollm2.apply_chat_template(QUESTION)).ids
+    smollm2.add_sequence(0)
+    logits = smollm2.prefill([0], [ids])
+    out: list[int] = []
+    for _ in range(12):
+        token = int(logits[0].argmax())
+        if token in smollm2.eos_token_ids:
+            break
+        out.append(token)
+        logits = smollm2.decode([0], [token])
+    smollm2.remove_sequence(0)
+    assert "Paris" in smollm2.tokenizer.decode(out)
