@@ -129,16 +129,21 @@ def test_generate_prints_only_the_answer_on_stdout(tiny_compiled) -> None:
 
 # ---------------------------------------------------------------------------------------------------- SmolLM2
 @pytest.fixture(scope="module")
-def smollm2_compiled():
+def smollm2_args() -> list[str]:
+    """Fetch and compile SmolLM2 in this process; the subprocesses then find it in the cache. With
+    ``$LOGITPROC_TEST_MODEL_CACHE`` set (the GGUF kept between sessions) they get its path, else no --model."""
     from logitproc.compile.model_fetch import fetch_default_model
     from logitproc.serve.cli_options import open_model
 
-    fetch_default_model()
-    return open_model("default", "cpu")
+    kept = os.environ.get("LOGITPROC_TEST_MODEL_CACHE")
+    path = fetch_default_model(kept)
+    args = ["--model", str(path)] if kept else []
+    open_model(args[1] if args else "default", "cpu")
+    return args
 
 
-def test_chat_repl_on_smollm2(smollm2_compiled) -> None:
-    child = spawn("--temperature", "0", "--max-tokens", "40", timeout=60)
+def test_chat_repl_on_smollm2(smollm2_args) -> None:
+    child = spawn(*smollm2_args, "--temperature", "0", "--max-tokens", "40", timeout=60)
     try:
         assert "Paris" in say(child, "What is the capital of France?")
         child.sendline("/exit")
@@ -148,6 +153,7 @@ def test_chat_repl_on_smollm2(smollm2_compiled) -> None:
     assert child.exitstatus == 0
 
 
-def test_generate_on_smollm2(smollm2_compiled) -> None:
-    done = run_generate("--prompt", "What is the capital of France?", "--temperature", "0", "--max-tokens", "40")
+def test_generate_on_smollm2(smollm2_args) -> None:
+    done = run_generate(*smollm2_args, "--prompt", "What is the capital of France?", "--temperature", "0",
+                        "--max-tokens", "40")
     assert done.returncode == 0 and "Paris" in done.stdout, done.stderr
