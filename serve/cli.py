@@ -25,8 +25,11 @@ def _compile_kernels(args: argparse.Namespace) -> int:
 def _compile_model(args: argparse.Namespace) -> int:
     from logitproc.compile.model_compile import compile_model
 
+    from .cli_options import TINY_MODEL, tiny_model
+
     started = time.perf_counter()
-    out = compile_model(args.model, args.target, args.out, progress=lambda line: print(line, file=sys.stderr),
+    model = tiny_model() if args.model == TINY_MODEL else args.model
+    out = compile_model(model, args.target, args.out, progress=lambda line: print(line, file=sys.stderr),
                         weight_dtype=args.weight_dtype)
     print(f"done in {time.perf_counter() - started:.1f}s", file=sys.stderr)
     print(out)
@@ -62,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
         "compile", help="compile a model and the logit-processing kernels into one library (cached); print its folder"
     )
     compile_model.add_argument("--model", default="default",
-                               help="'default' (SmolLM2-135M-Instruct), a GGUF file or a Hugging Face directory")
+                               help="'default' (SmolLM2-135M-Instruct), 'tiny' (random test model), a GGUF file "
+                               "or a Hugging Face directory")
     compile_model.add_argument("--target", default="cpu", choices=("cpu",))
     compile_model.add_argument("--out", help="also copy the compiled model into this directory")
     compile_model.add_argument("--weight-dtype", default="float16", choices=("float16", "float32"))
