@@ -322,15 +322,16 @@ class Engine:
                 self.model.popn(seq.seq_id, 1)
                 seq.kv_len -= 1
                 seq.feed = [(state.prompt_token_ids + state.output_token_ids)[seq.kv_len]]
+            before = len(seq.token_ids)
             seq.rollback(forced.rollback, delta)
-            seq.request.stats.completion_tokens += len(forced.token_ids) - forced.rollback
-            seq.request.stats.jump_forward_tokens += len(forced.token_ids)
-            self.stats.jump_forward_tokens += len(forced.token_ids)
-            self.stats.jump_forward_steps_saved += max(len(forced.token_ids) - forced.rollback, 0)
             for token in forced.token_ids:
                 seq.commit(int(token), delta)
                 if seq.finish_reason is not None:
                     break
+            seq.request.stats.completion_tokens += len(seq.token_ids) - before
+            seq.request.stats.jump_forward_tokens += len(forced.token_ids)
+            self.stats.jump_forward_tokens += len(forced.token_ids)
+            self.stats.jump_forward_steps_saved += max(len(forced.token_ids) - forced.rollback, 0)
 
     def _retire(self, deltas: dict[GeneratedSequence, Delta]) -> None:
         """Free the model slots of finished sequences; forget finished requests."""
@@ -390,10 +391,15 @@ class Engine:
                     if delta.request_id == rid:
                         yield delta
                         done = done or self._request_done(rid)
-        finally:
+        except GeneratorExit:  # the consumer closed the stream: abort now and free the request's slots
             if not done:
                 self.abort(rid)
                 self.step()
+                done = True
+            raise
+        finally:
+            if not done:  # an exception (the request is aborted at the next step)
+                self.abort(rid)
 
     def _request_done(self, rid: str) -> bool:
         with self._lock:

@@ -359,6 +359,34 @@ def test_regex_forces_multibyte_characters_through_the_stream(model) -> None:
 
 
 @needs_grammar
+def test_grammar_requests_join_a_running_batch(model) -> None:
+    regex = GenerationConfig(temperature=0.0, max_tokens=30, response_format={"type": "regex", "regex": "[a-z]{4,9}!"})
+    plain = GenerationConfig(temperature=0.0, max_tokens=30, ignore_eos=True)
+    expected = [alone(model, p, c)[0] for p, c in [(PROMPTS[0], plain), (PROMPTS[1], regex), (PROMPTS[2], regex)]]
+    engine = Engine(model, max_batch=4, jump_forward=True)
+    rids = [engine.add_request(PROMPTS[0], plain)]
+    engine.step()
+    rids.append(engine.add_request(PROMPTS[1], regex))
+    engine.step()
+    rids.append(engine.add_request(PROMPTS[2], regex))
+    seen = run_all(engine)
+    for rid, want in zip(rids, expected, strict=True):
+        assert outputs_of(seen[rid])[0].text == want.text
+    assert expected[1].finish_reason == "stop" and expected[1].text.endswith("!")
+
+
+@needs_grammar
+def test_thinking_budget_forces_the_end_marker(model) -> None:
+    config = GenerationConfig(temperature=1.0, seed=4, max_tokens=40, ignore_eos=True, max_thinking_tokens=5)
+    [out] = alone(model, "think first", config)
+    assert out.prompt_token_ids[-len(model.tokenizer.encode("<think>").ids):] == model.tokenizer.encode(
+        "<think>").ids
+    end = model.tokenizer.encode("</think>").ids
+    starts = [i for i in range(len(out.token_ids)) if out.token_ids[i : i + len(end)] == end]
+    assert starts and starts[0] <= 5, out.token_ids
+
+
+@needs_grammar
 def test_a_schema_the_backend_cannot_compile_fails_alone(model) -> None:
     engine = Engine(model)
     rid = engine.add_request("abc", GenerationConfig(temperature=0.0, max_tokens=4, ignore_eos=True))
