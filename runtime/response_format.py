@@ -90,7 +90,7 @@ def parse_response_format(value: Any) -> ResponseFormat | None:
         return None
     if kind == "json_object":
         _keys("response_format", value, ("type",), ())
-        return ResponseFormat("json_object", json.dumps({"type": "object"}, sort_keys=True))
+        return ResponseFormat("json_object", '{"type":"object"}')
     if kind == "json_schema":
         _keys("response_format", value, ("type", "json_schema"), ())
         spec = value["json_schema"]
@@ -110,7 +110,8 @@ def parse_response_format(value: Any) -> ResponseFormat | None:
         if not isinstance(name, str):
             raise TypeError(f"response_format.json_schema.name must be a string, got {type(name).__name__}")
         try:
-            text = json.dumps(schema, sort_keys=True, separators=(",", ":"), allow_nan=False)
+            # Key order is kept: the engines write properties in the schema's order.
+            text = json.dumps(schema, separators=(",", ":"), allow_nan=False)
         except (TypeError, ValueError) as err:
             raise ValueError(f"response_format.json_schema.schema cannot be written as JSON: {err}") from None
         return ResponseFormat("json_schema", text, name=name)

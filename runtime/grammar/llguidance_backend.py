@@ -27,23 +27,29 @@ def json_options() -> dict[str, Any]:
 
 
 class LLGuidanceMatcher(GrammarMatcher):
-    __slots__ = ("_m", "_adapter")
+    __slots__ = ("_m", "_adapter", "_eos")
 
     def __init__(self, matcher: llguidance.LLMatcher, adapter: TokenizerAdapter) -> None:
         self._m = matcher
         self._adapter = adapter
+        self._eos = frozenset(adapter.eos_token_ids)
 
     def fill_bitmask(self, row: np.ndarray) -> None:
         self._m.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
         self._adapter.clear_padding(row)
 
     def accept_token(self, token_id: int) -> bool:
-        if self._m.validate_tokens([int(token_id)]) != 1:
+        token = int(token_id)
+        if token in self._eos:  # validate_tokens never counts EOS; it is taken exactly where the grammar accepts
+            return self._m.is_accepting() and not self._m.is_error() and bool(self._m.consume_token(token))
+        if self._m.validate_tokens([token]) != 1:
             return False
-        return bool(self._m.consume_token(int(token_id)))
+        return bool(self._m.consume_token(token))
 
     def accept_tokens(self, token_ids: list[int]) -> int:
         ids = [int(t) for t in token_ids]
+        if self._eos.intersection(ids):
+            return super().accept_tokens(ids)
         count = self._m.validate_tokens(ids)
         if count and not self._m.consume_tokens(ids[:count]):
             raise GrammarError(f"llguidance refused tokens it had validated: {self._m.get_error()}")

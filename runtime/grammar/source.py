@@ -99,8 +99,9 @@ class GrammarSource:
         # Do not end on a token that a longer token extends, nor on a special token.
         while new_ids and (tok.extendable[new_ids[-1]] or not tok.token_bytes[new_ids[-1]]):
             new_ids.pop()
-        if not new_ids:
-            return None
+        removed_text = tok.decode_bytes(output_token_ids[len(output_token_ids) - rollback:]) if rollback else b""
+        if len(tok.decode_bytes(new_ids)) <= len(removed_text):
+            return None  # a jump must add text, not only rewrite it
         # The grammar must take the new tokens after the rollback; the state is restored either way.
         removed = list(output_token_ids[len(output_token_ids) - rollback:]) if rollback else []
         self.matcher.rollback(rollback)

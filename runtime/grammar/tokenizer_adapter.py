@@ -1,8 +1,9 @@
 """TokenizerAdapter: what the grammar engines need from a Hugging Face ``tokenizers`` tokenizer and the model.
 
 The model's vocabulary (the width of its logits) may be larger than the tokenizer's: ids from the tokenizer's size up
-to the model's are padding, with no text, and are never allowed by a grammar. Special tokens (``<|im_end|>``, ...) are
-never allowed by a grammar either, except the EOS tokens, which are allowed exactly where the grammar accepts.
+to the model's are padding, with no text, and are never allowed by a grammar. Special tokens (added tokens marked
+special or written like tags, ``<...>``) are never allowed by a grammar either, except the EOS tokens, which are
+allowed exactly where the grammar accepts.
 
 ``token_bytes[i]`` is the text of token i as bytes (b"" for special and padded ids): byte-level BPE vocabularies
 (GPT-2 style, the ``ByteLevel`` decoder: SmolLM2, Llama 3, Qwen2, DeepSeek-V3) and SentencePiece-style ones
@@ -74,7 +75,10 @@ class TokenizerAdapter:
         else:
             raise ValueError(f"tokenizer decoder {kinds or 'none'} is not supported for grammars "
                              "(byte-level BPE or SentencePiece-style vocabularies)")
-        self.special_ids = frozenset(int(t["id"]) for t in spec.get("added_tokens", []) if t.get("special"))
+        # Control tokens for grammars, never allowed as text: added tokens marked special, and added tokens written
+        # like tags, "<...>" (llguidance's rule; xgrammar is given "" for them so that both engines agree).
+        self.special_ids = frozenset(int(t["id"]) for t in spec.get("added_tokens", []) if t.get("special") or (
+            t["content"].startswith("<") and t["content"].endswith(">")))
         #: Raw vocabulary strings by id ("" for ids without a token).
         self.raw_tokens = [""] * vocab_size
         for token, index in tokenizer.get_vocab(with_added_tokens=True).items():

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from ..response_format import ResponseFormat
-from .backend import MAX_ROLLBACK_TOKENS, GrammarBackend, GrammarError, GrammarMatcher
+from .backend import GrammarBackend, GrammarError, GrammarMatcher
 from .llguidance_backend import MAX_JSON_WHITESPACE
 from .tokenizer_adapter import BYTE_LEVEL, TokenizerAdapter
 
@@ -65,8 +65,7 @@ class XGrammarBackend(GrammarBackend):
         eos = set(tokenizer.eos_token_ids)
         vocab = ["" if (i in tokenizer.special_ids and i not in eos) else t for i, t in enumerate(tokenizer.raw_tokens)]
         vocab_type = xgr.VocabType.BYTE_LEVEL if tokenizer.vocab_type == BYTE_LEVEL else xgr.VocabType.BYTE_FALLBACK
-        info = xgr.TokenizerInfo(vocab, vocab_type, vocab_size=tokenizer.vocab_size,
-                                 stop_token_ids=list(tokenizer.eos_token_ids))
+        info = xgr.TokenizerInfo(vocab, vocab_type, vocab_size=tokenizer.vocab_size, stop_token_ids=sorted(eos))
         self.compiler = xgr.GrammarCompiler(info, max_threads=2)
         self._lock = threading.Lock()
 
@@ -85,5 +84,5 @@ class XGrammarBackend(GrammarBackend):
             raise GrammarError(f"xgrammar cannot compile this {fmt.kind}: {err}") from None
 
     def matcher(self, compiled: Any) -> XGrammarMatcher:
-        return XGrammarMatcher(self._xgr.GrammarMatcher(compiled, max_rollback_tokens=MAX_ROLLBACK_TOKENS),
+        return XGrammarMatcher(self._xgr.GrammarMatcher(compiled),
                                self.tokenizer)
