@@ -12,6 +12,7 @@ step that the engine spends in logit processing + sampling.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from dataclasses import replace
@@ -106,14 +107,15 @@ def main() -> int:
     gguf = load_default_model() if args.model == "default" else load_gguf(args.model)
     prompt = prompt_ids(model.tokenizer, args.prompt_tokens)
     print(machine_line())
-    print(f"model {model.name} ({model.weight_dtype} weights), prompt {len(prompt)} tokens, "
+    print(f"load average before the run: {os.getloadavg()[0]:.2f} (other processes share these cores)")
+    print(f"{model!r}, prompt {len(prompt)} tokens, "
           f"{args.decode_tokens} decode tokens")
 
     np_prefill, np_decode = bench_numpy(gguf, prompt, args.decode_tokens)
     tvm_prefill, tvm_decode = bench_compiled(model, prompt, args.decode_tokens)
     print("\n| model | prefill tok/s | decode tok/s (batch 1) |\n|---|---|---|")
     print(f"| NumpyLlama (float32 numpy) | {np_prefill:.0f} | {np_decode:.1f} |")
-    print(f"| CompiledModel (TVM, {model.weight_dtype}) | {tvm_prefill:.0f} | {tvm_decode:.1f} |")
+    print(f"| CompiledModel (TVM) | {tvm_prefill:.0f} | {tvm_decode:.1f} |")
     print(f"| compiled / numpy | {tvm_prefill / np_prefill:.1f}x | {tvm_decode / np_decode:.1f}x |")
 
     typical = GenerationConfig(temperature=0.7, top_p=0.9, repetition_penalty=1.1, seed=0,

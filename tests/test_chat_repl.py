@@ -12,9 +12,9 @@ import re
 import subprocess
 import sys
 
+import jsonschema
+import pexpect
 import pytest
-
-pexpect = pytest.importorskip("pexpect")
 
 PROMPT = ">>> "
 ANSI = re.compile(r"\x1b\[[0-9;?]*[a-zA-Z]")
@@ -69,8 +69,6 @@ def test_chat_repl_on_the_tiny_model(tiny_compiled) -> None:
         assert "max_tokens = 60" in say(child, "/max_tokens 60")
         assert "response_format" in say(child, "/json " + json.dumps(SCHEMA))
         answer = say(child, "Describe a pet as JSON.")
-        import jsonschema
-
         jsonschema.validate(json.loads(answer.strip()), SCHEMA)
         assert "stop" in say(child, "/stats") and "tok/s" in say(child, "/stats")
         # Ctrl-C during an answer stops it; the REPL stays

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 
+import jsonschema
 import numpy as np
 import pytest
 from logitproc.runtime import GenerationConfig
@@ -319,21 +320,8 @@ SCHEMA = {
 }
 
 
-def grammar_ready() -> bool:
-    try:
-        import logitproc.runtime.constraints  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-needs_grammar = pytest.mark.skipif(not grammar_ready(), reason="runtime/constraints.py (grammar) not present yet")
-
-
-@needs_grammar
 @pytest.mark.parametrize("jump_forward", [False, True])
 def test_json_schema_output_validates(model, jump_forward: bool) -> None:
-    jsonschema = pytest.importorskip("jsonschema")
     engine = Engine(model, jump_forward=jump_forward)
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
     # A random model loves the whitespace JSON allows between tokens: bias it away (the mask still decides).
@@ -349,7 +337,6 @@ def test_json_schema_output_validates(model, jump_forward: bool) -> None:
         assert engine.stats.jump_forward_tokens == 0
 
 
-@needs_grammar
 def test_regex_forces_multibyte_characters_through_the_stream(model) -> None:
     pieces, out = streamed(Engine(model), "x", GenerationConfig(temperature=1.0, seed=0, max_tokens=40,
                                                                  response_format={"type": "regex",
@@ -358,7 +345,6 @@ def test_regex_forces_multibyte_characters_through_the_stream(model) -> None:
     assert all(p == "" or set(p) <= set("é€🙂") for p in pieces)
 
 
-@needs_grammar
 def test_grammar_requests_join_a_running_batch(model) -> None:
     regex = GenerationConfig(temperature=0.0, max_tokens=30, response_format={"type": "regex", "regex": "[a-z]{4,9}!"})
     plain = GenerationConfig(temperature=0.0, max_tokens=30, ignore_eos=True)
@@ -375,7 +361,6 @@ def test_grammar_requests_join_a_running_batch(model) -> None:
     assert expected[1].finish_reason == "stop" and expected[1].text.endswith("!")
 
 
-@needs_grammar
 def test_thinking_budget_forces_the_end_marker(model) -> None:
     config = GenerationConfig(temperature=1.0, seed=4, max_tokens=40, ignore_eos=True, max_thinking_tokens=5)
     [out] = alone(model, "think first", config)
@@ -386,7 +371,6 @@ def test_thinking_budget_forces_the_end_marker(model) -> None:
     assert starts and starts[0] <= 5, out.token_ids
 
 
-@needs_grammar
 def test_a_schema_the_backend_cannot_compile_fails_alone(model) -> None:
     engine = Engine(model)
     rid = engine.add_request("abc", GenerationConfig(temperature=0.0, max_tokens=4, ignore_eos=True))
