@@ -123,19 +123,18 @@ class Engine:
             raise ValueError("the prompt is empty")
         if config.n > self.max_batch:
             raise ValueError(f"n={config.n} sequences do not fit in max_batch={self.max_batch}")
+        config.check_vocab(self.vocab_size)
+        for t in config.stop_token_ids:
+            if t >= self.vocab_size:
+                raise ValueError(f"stop_token_ids entry {t} is outside the vocabulary [0, {self.vocab_size})")
+        if config.max_thinking_tokens is not None:  # generation starts inside the think block
+            ids = self._constraint_factory().open_think_block(ids, config)
         # Each sequence may grow to `limit` tokens: the context, or its share of the KV cache when n > 1.
         limit = min(self.context_length, self.max_total_tokens // config.n)
         if len(ids) >= limit:
             raise ValueError(f"the prompt has {len(ids)} tokens; the context holds {limit} per sequence "
                              "(prompt and output together)")
-        config.check_vocab(self.vocab_size)
-        for t in config.stop_token_ids:
-            if t >= self.vocab_size:
-                raise ValueError(f"stop_token_ids entry {t} is outside the vocabulary [0, {self.vocab_size})")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if config.max_thinking_tokens is not None:  # generation starts inside the think block
-            self._mask_sources(config)
-            ids = self._constraints.open_think_block(ids, config)
         # KV tokens the request may need at most: admitted only when they are free (no preemption needed).
         reserve = config.n * min(limit, len(ids) + (config.max_tokens or limit))
         request = Request(rid, ids, RequestStats(prompt_tokens=len(ids), arrival=time.perf_counter()), reserve)
@@ -156,17 +155,20 @@ class Engine:
         """Constraint sources for one sequence (a grammar, a think budget), made fresh per sequence."""
         if config.response_format is None and config.max_thinking_tokens is None:
             return []
+        return list(self._constraint_factory().sources_for(config))
+
+    def _constraint_factory(self) -> Any:
+        """The ConstraintFactory for this model, made on first use (the grammar backend reads the tokenizer)."""
         if self._constraints is None:
-            try:
-                from logitproc.runtime.constraints import ConstraintFactory
-            except ImportError as err:
-                raise ValueError(f"constrained decoding is not available: {err}") from None
+            from logitproc.runtime.constraints import ConstraintFactory
+
             self._constraints = ConstraintFactory(self.model.tokenizer, self.vocab_size, self.eos_token_ids,
                                                   backend=self.grammar_backend)
-        return list(self._constraints.sources_for(config))
+        return self._constraints
 
     def abort(self, request_id: str) -> None:
-        """Cancel a request (safe from another thread or a signal handler); it ends with "abort" at the next step."""
+        """Cancel a request (safe from another thread; not from a signal handler, which should set a flag that the
+        stepping loop turns into ``abort``); it ends with "abort" at the next step."""
         with self._lock:
             self._aborts.add(request_id)
 
