@@ -84,14 +84,14 @@ class ChatSession:
         line = line.strip()
         if not line:
             return
-        if line.startswith("/"):
-            name, _, arg = line[1:].partition(" ")
-            try:
+        try:
+            if line.startswith("/"):
+                name, _, arg = line[1:].partition(" ")
                 self.command(name.strip(), arg.strip())
-            except (ValueError, TypeError) as err:
-                self.say(f"error: {err}")
-            return
-        self.answer(line)
+            else:
+                self.answer(line)
+        except (ValueError, TypeError) as err:  # a bad value, or a request the engine refused: one line
+            self.say(f"error: {' '.join(str(err).split())}")
 
     def command(self, name: str, arg: str) -> None:
         if name in NUMERIC_COMMANDS:

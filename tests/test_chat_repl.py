@@ -67,6 +67,10 @@ def test_chat_repl_on_the_tiny_model(tiny_compiled) -> None:
         assert "logit_bias" in say(child, f"/logit_bias {NO_WHITESPACE}")
         assert "temperature = 0.0" in say(child, "/temperature 0")
         assert "max_tokens = 60" in say(child, "/max_tokens 60")
+        # a schema the grammar backend cannot compile: one error line when asking, the REPL goes on
+        say(child, '/json {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}')
+        failed = say(child, "Describe a pet as JSON.")
+        assert failed.startswith("error: ") and len(failed.splitlines()) == 1 and "Traceback" not in failed
         assert "response_format" in say(child, "/json " + json.dumps(SCHEMA))
         answer = say(child, "Describe a pet as JSON.")
         jsonschema.validate(json.loads(answer.strip()), SCHEMA)
