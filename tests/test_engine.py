@@ -143,6 +143,28 @@ def test_requests_joining_mid_way_get_the_same_tokens_as_alone(model) -> None:
     assert engine.num_running == 0
 
 
+def test_requests_added_from_another_thread_while_stepping(model) -> None:
+    import threading
+
+    config = GenerationConfig(temperature=0.0, max_tokens=12, ignore_eos=True)
+    expected = {p: alone(model, p, config)[0].token_ids for p in PROMPTS}
+    engine = Engine(model, max_batch=2)
+    rids: dict[str, str] = {}
+
+    def add_all() -> None:
+        for prompt in PROMPTS:
+            rids[engine.add_request(prompt, config)] = prompt
+
+    adder = threading.Thread(target=add_all)
+    adder.start()
+    seen: dict[str, list] = {}
+    while adder.is_alive() or engine.has_unfinished():
+        for delta in engine.step():
+            seen.setdefault(delta.request_id, []).append(delta)
+    adder.join()
+    assert {rids[r]: outputs_of(d)[0].token_ids for r, d in seen.items()} == expected
+
+
 def test_n_sequences_with_a_seed_are_reproducible_and_distinct(model) -> None:
     config = GenerationConfig(temperature=1.0, seed=7, n=3, max_tokens=16, ignore_eos=True)
     first = alone(model, "Once upon", config)
