@@ -230,6 +230,9 @@ class ChatSession:
                         self.out.flush()
                     if delta.output is not None:
                         output = delta.output
+        except BaseException:
+            engine.abort(rid)  # never leave it running: the next step frees its slot
+            raise
         finally:
             signal.signal(signal.SIGINT, previous)
         self.say(" [stopped]" if output.finish_reason == "abort" else "")
