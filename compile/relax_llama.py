@@ -21,16 +21,15 @@ Layout: a GGUF's q/k rows are permuted for GGML's adjacent-pair RoPE; ``relax_we
 Hugging Face half-rotation order that the KV cache's RoPE uses, so the model rotates exactly the pairs the numpy
 reference rotates. q, k, v are fused into one projection, gate and up into another.
 
-Matmuls are ``linear`` TIR kernels (``y[t, o] = sum_k x[t, k] * W[o, k]``) written for the CPU: output rows in
-parallel, the reduction vectorised over 16 lanes with float32 accumulation, a block of tokens per weight row so that
-a prefill reads each weight row once per block. Weights are stored as ``weight_dtype`` (float16 by default, half the
-memory traffic of float32; float32 for exact comparisons), norms and activations are float32.
+Matmuls and the embedding lookup are the TIR kernels of ``linear_kernels.py``, one per weight storage format:
+``float32``, ``float16``, or the GGUF's own ``q8_0``/``q4_1`` blocks decoded inside the matmul (``weight_dtype="auto"``
+keeps a GGUF's Q8_0/Q4_1 tensors as they are and stores the others as float16). Norms, activations, the KV cache
+and the accumulation are float32.
 """
 
 # fmt: off
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -40,18 +39,29 @@ import tvm
 from tvm import tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedKVCache
-from tvm.script import tirx as T
 
+from .attention_kernels import replace_prefill_attention
 from .gguf_model import GGUFModel
+from .linear_kernels import QUANTISED, embed_kernel, linear_kernel, param_shapes
 
-_LANES = 16          # float32 lanes of the vectorised reduction (one AVX-512 register, two AVX2 registers)
-_TOKEN_BLOCK = 4     # tokens computed per weight row visit
-_CHUNKS = 64         # parallel chunks of output rows
+#: Raw GGUF blocks of quantised tensors: name -> (GGML type name, uint8 array [rows, bytes per row]).
+RawTensors = dict[str, tuple[str, np.ndarray]]
+
+#: The weight matrices of the model, by kind, and the GGUF tensors each is made of (``{i}``: every layer).
+WEIGHT_KINDS: dict[str, tuple[str, ...]] = {
+    "embed": ("token_embd.weight",),
+    "qkv": ("blk.{i}.attn_q.weight", "blk.{i}.attn_k.weight", "blk.{i}.attn_v.weight"),
+    "o": ("blk.{i}.attn_output.weight",),
+    "gate_up": ("blk.{i}.ffn_gate.weight", "blk.{i}.ffn_up.weight"),
+    "down": ("blk.{i}.ffn_down.weight",),
+    "lm_head": ("output.weight",),
+}
+_GGUF_FORMATS = {"Q8_0": "q8_0", "Q4_1": "q4_1"}
 
 
 @dataclass(frozen=True)
 class LlamaSpec:
-    """What the compiled module depends on: the architecture's sizes, RoPE, and the weights' storage type."""
+    """What the compiled module depends on: the architecture's sizes, RoPE, and each weight kind's storage format."""
 
     n_layers: int
     hidden: int
@@ -64,112 +74,88 @@ class LlamaSpec:
     rms_eps: float
     tied_embeddings: bool
     qkv_bias: bool = False
-    weight_dtype: str = "float16"
+    formats: tuple[tuple[str, str], ...] = ()
+
+    def fmt(self, kind: str) -> str:
+        """Storage format of weight kind ``kind`` (``WEIGHT_KINDS``); the tied output head uses the embedding's."""
+        if kind == "lm_head" and self.tied_embeddings:
+            kind = "embed"
+        return dict(self.formats).get(kind, "float16")
 
     @classmethod
-    def from_model(cls, model: GGUFModel, weight_dtype: str = "float16") -> LlamaSpec:
-        """The spec of a loaded model (``qkv_bias`` when it has ``blk.0.attn_q.bias``)."""
+    def from_model(cls, model: GGUFModel, weight_dtype: str = "auto", raw: RawTensors | None = None) -> LlamaSpec:
+        """The spec of a loaded model. ``weight_dtype``: ``float16`` or ``float32`` for every matrix, or ``auto``:
+        a kind whose GGUF tensors are all Q8_0 (or all Q4_1) and present in ``raw`` keeps that format, the others
+        are float16. ``qkv_bias`` when the model has ``blk.0.attn_q.bias``."""
         cfg = model.config
-        if weight_dtype not in ("float16", "float32"):
-            raise ValueError(f"weight_dtype {weight_dtype!r} is not supported (float16 or float32)")
-        has_bias = "blk.0.attn_q.bias" in model.weights or "blk.0.attn_q.bias" in model.tensor_types
+        if weight_dtype not in ("auto", "float16", "float32"):
+            raise ValueError(f"weight_dtype {weight_dtype!r} is not supported (auto, float16 or float32)")
+        formats = []
+        for kind, patterns in WEIGHT_KINDS.items():
+            if kind == "lm_head" and cfg.tied_embeddings:
+                continue  # the embedding's arrays
+            names = [p.format(i=i) for p in patterns for i in range(cfg.n_layers if "{i}" in p else 1)]
+            fmt = "float16" if weight_dtype == "auto" else weight_dtype
+            if weight_dtype == "auto" and raw is not None and all(n in raw for n in names):
+                kinds = {_GGUF_FORMATS.get(raw[n][0]) for n in names}
+                if len(kinds) == 1 and None not in kinds:
+                    fmt = kinds.pop()
+            formats.append((kind, fmt))
         return cls(
             n_layers=cfg.n_layers, hidden=cfg.hidden, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
             head_dim=cfg.head_dim, ffn=cfg.ffn, vocab=cfg.vocab, rope_theta=float(cfg.rope_theta),
-            rms_eps=float(cfg.rms_eps), tied_embeddings=cfg.tied_embeddings, qkv_bias=has_bias,
-            weight_dtype=weight_dtype,
+            rms_eps=float(cfg.rms_eps), tied_embeddings=cfg.tied_embeddings,
+            qkv_bias="blk.0.attn_q.bias" in model.weights, formats=tuple(formats),
         )
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-@functools.cache
-def linear_kernel(out_features: int, in_features: int, weight_dtype: str) -> tirx.PrimFunc:
-    """``y[t, o] = sum_k x[t, k] * float32(w[o, k])`` for ``x`` float32 ``[n, K]``, ``w`` ``[N, K]``, ``y`` ``[n, N]``.
+class _Weights(nn.Module):
+    """The arrays storing one ``[out, in]`` weight matrix in format ``fmt`` (``linear_kernels.param_shapes``)."""
 
-    CPU schedule: the output rows in 64 parallel chunks (the accumulators are allocated once per chunk: a buffer
-    allocated inside a parallel loop is a heap allocation per iteration); per row, the tokens in blocks of 4 (four
-    accumulators of 16 lanes, each weight vector loaded once for the four tokens), then the remaining tokens one by
-    one; the ``K % 16`` tail is scalar; the lanes are summed at the end of each row.
-    """
-    n_vec = in_features // _LANES
-    tail = in_features - n_vec * _LANES
-    blk = _TOKEN_BLOCK
-    chunks = min(_CHUNKS, out_features)
-    rows_per_chunk = -(-out_features // chunks)
+    def __init__(self, out_features: int, in_features: int, fmt: str) -> None:
+        self.out_features, self.in_features, self.fmt = out_features, in_features, fmt
+        self.suffixes = []
+        for suffix, shape, dtype in param_shapes(out_features, in_features, fmt):
+            setattr(self, suffix, nn.Parameter(shape, dtype))
+            self.suffixes.append(suffix)
 
-    @T.prim_func(private=True)
-    def linear(var_x: T.handle, w: T.Buffer((out_features, in_features), weight_dtype), var_y: T.handle):
-        T.func_attr({"tirx.noalias": True})
-        n = T.int64()
-        x = T.match_buffer(var_x, (n, in_features), "float32")
-        y = T.match_buffer(var_y, (n, out_features), "float32")
-        for chunk in T.parallel(chunks):
-            acc = T.alloc_buffer((blk, _LANES), "float32", scope="local")
-            total = T.alloc_buffer((blk,), "float32", scope="local")
-            for row in range(rows_per_chunk):
-                if chunk * rows_per_chunk + row < out_features:
-                    o: T.let = chunk * rows_per_chunk + row
-                    for tb in range(n // blk):
-                        for b in range(blk):
-                            for lane in T.vectorized(_LANES):
-                                acc[b, lane] = T.float32(0)
-                        for kb in range(n_vec):
-                            for b in range(blk):
-                                for lane in T.vectorized(_LANES):
-                                    acc[b, lane] = acc[b, lane] + x[tb * blk + b, kb * _LANES + lane] * T.Cast(
-                                        "float32", w[o, kb * _LANES + lane])
-                        for b in range(blk):
-                            total[b] = T.float32(0)
-                            for lane in range(_LANES):
-                                total[b] = total[b] + acc[b, lane]
-                            for kt in range(tail):
-                                total[b] = total[b] + x[tb * blk + b, n_vec * _LANES + kt] * T.Cast(
-                                    "float32", w[o, n_vec * _LANES + kt])
-                            y[tb * blk + b, o] = total[b]
-                    for t in range(n - n // blk * blk):
-                        for lane in T.vectorized(_LANES):
-                            acc[0, lane] = T.float32(0)
-                        for kb in range(n_vec):
-                            for lane in T.vectorized(_LANES):
-                                acc[0, lane] = acc[0, lane] + x[n // blk * blk + t, kb * _LANES + lane] * T.Cast(
-                                    "float32", w[o, kb * _LANES + lane])
-                        total[0] = T.float32(0)
-                        for lane in range(_LANES):
-                            total[0] = total[0] + acc[0, lane]
-                        for kt in range(tail):
-                            total[0] = total[0] + x[n // blk * blk + t, n_vec * _LANES + kt] * T.Cast(
-                                "float32", w[o, n_vec * _LANES + kt])
-                        y[n // blk * blk + t, o] = total[0]
+    def arrays(self) -> list[nn.Tensor]:
+        return [getattr(self, suffix) for suffix in self.suffixes]
 
-    return linear
+    def matmul(self, x: nn.Tensor) -> nn.Tensor:
+        """``x[..., in] @ W.T`` -> ``[..., out]`` float32 (leading axes flattened into tokens)."""
+        lead = list(x.shape[:-1])
+        flat = x.reshape(-1, self.in_features) if len(lead) != 1 else x
+        y = nn.op.tensor_ir_op(
+            linear_kernel(self.out_features, self.in_features, self.fmt),
+            f"linear_{self.fmt}_{self.out_features}x{self.in_features}",
+            args=[flat, *self.arrays()],
+            out=nn.Tensor.placeholder([flat.shape[0], self.out_features], "float32"),
+        )
+        return y if len(lead) == 1 else y.reshape(*lead, self.out_features)
 
-
-def _linear(x: nn.Tensor, weight: nn.Tensor, name: str) -> nn.Tensor:
-    """``x[..., K] @ weight[N, K].T`` through ``linear_kernel`` (leading axes flattened into tokens)."""
-    out_features, in_features = (int(d) for d in weight.shape)
-    lead = list(x.shape[:-1])
-    flat = x.reshape(-1, in_features) if len(lead) != 1 else x
-    n = flat.shape[0]
-    y = nn.op.tensor_ir_op(
-        linear_kernel(out_features, in_features, weight.dtype),
-        f"linear_{out_features}x{in_features}_{weight.dtype}",
-        args=[flat, weight],
-        out=nn.Tensor.placeholder([n, out_features], "float32"),
-    )
-    return y if len(lead) == 1 else y.reshape(*lead, out_features)
+    def rows(self, ids: nn.Tensor) -> nn.Tensor:
+        """``W[ids]`` -> ``[n, in]`` float32 (the embedding lookup)."""
+        return nn.op.tensor_ir_op(
+            embed_kernel(self.out_features, self.in_features, self.fmt),
+            f"embed_{self.fmt}_{self.out_features}x{self.in_features}",
+            args=[ids, *self.arrays()],
+            out=nn.Tensor.placeholder([ids.shape[0], self.in_features], "float32"),
+        )
 
 
 class Linear(nn.Module):
-    """A bias-optional projection whose weight ``[out, in]`` is stored as ``dtype``; output float32."""
+    """A bias-optional projection; the weight in ``fmt``, the bias float32, the output float32."""
 
-    def __init__(self, in_features: int, out_features: int, dtype: str, bias: bool = False) -> None:
-        self.weight = nn.Parameter((out_features, in_features), dtype)
+    def __init__(self, in_features: int, out_features: int, fmt: str, bias: bool = False) -> None:
+        self.w = _Weights(out_features, in_features, fmt)
         self.bias = nn.Parameter((out_features,), "float32") if bias else None
 
     def forward(self, x: nn.Tensor) -> nn.Tensor:
-        y = _linear(x, self.weight, "linear")
+        y = self.w.matmul(x)
         return y + self.bias if self.bias is not None else y
 
 
@@ -190,8 +176,8 @@ class Attention(nn.Module):
     def __init__(self, spec: LlamaSpec) -> None:
         self.spec = spec
         qkv_rows = (spec.n_heads + 2 * spec.n_kv_heads) * spec.head_dim
-        self.qkv = Linear(spec.hidden, qkv_rows, spec.weight_dtype, bias=spec.qkv_bias)
-        self.o = Linear(spec.n_heads * spec.head_dim, spec.hidden, spec.weight_dtype)
+        self.qkv = Linear(spec.hidden, qkv_rows, spec.fmt("qkv"), bias=spec.qkv_bias)
+        self.o = Linear(spec.n_heads * spec.head_dim, spec.hidden, spec.fmt("o"))
 
     def forward(self, x: nn.Tensor, kv_cache: PagedKVCache, layer: int) -> nn.Tensor:
         s = self.spec
@@ -206,8 +192,8 @@ class MLP(nn.Module):
 
     def __init__(self, spec: LlamaSpec) -> None:
         self.ffn = spec.ffn
-        self.gate_up = Linear(spec.hidden, 2 * spec.ffn, spec.weight_dtype)
-        self.down = Linear(spec.ffn, spec.hidden, spec.weight_dtype)
+        self.gate_up = Linear(spec.hidden, 2 * spec.ffn, spec.fmt("gate_up"))
+        self.down = Linear(spec.ffn, spec.hidden, spec.fmt("down"))
 
     def forward(self, x: nn.Tensor) -> nn.Tensor:
         gate, up = nn.op.split(self.gate_up(x), 2, axis=-1)
@@ -234,19 +220,19 @@ class LlamaModule(nn.Module):
 
     def __init__(self, spec: LlamaSpec) -> None:
         self.spec = spec
-        self.embed_tokens = nn.Parameter((spec.vocab, spec.hidden), spec.weight_dtype)
+        self.embed_tokens = _Weights(spec.vocab, spec.hidden, spec.fmt("embed"))
         self.layers = nn.ModuleList([Block(spec, i) for i in range(spec.n_layers)])
         self.norm = RMSNorm(spec.hidden, spec.rms_eps)
-        self.lm_head = None if spec.tied_embeddings else Linear(spec.hidden, spec.vocab, spec.weight_dtype)
+        self.lm_head = None if spec.tied_embeddings else Linear(spec.hidden, spec.vocab, spec.fmt("lm_head"))
 
     def embed(self, input_ids: nn.Tensor) -> nn.Tensor:
-        return nn.op.take(self.embed_tokens, input_ids, axis=0).astype("float32")
+        return self.embed_tokens.rows(input_ids)
 
     def _logits(self, hidden: nn.Tensor) -> nn.Tensor:
         hidden = self.norm(hidden)
         if self.lm_head is not None:
             return self.lm_head(hidden)
-        return _linear(hidden, self.embed_tokens, "lm_head")
+        return self.embed_tokens.matmul(hidden)
 
     def _layers(self, x: nn.Tensor, kv_cache: PagedKVCache) -> nn.Tensor:
         for block in self.layers:
@@ -331,40 +317,75 @@ def export_llama(spec: LlamaSpec, target: tvm.target.Target) -> tuple[tvm.IRModu
     module = LlamaModule(spec)
     with target:
         mod, named_params = module.export_tvm(spec=module.export_spec())
+    mod = replace_prefill_attention(mod, spec.n_kv_heads, spec.n_heads, spec.head_dim)
     return mod, [name for name, _ in named_params]
 
 
 def _unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Rows of a GGUF q/k projection (or bias) from GGML's adjacent-pair order back to half-rotation order."""
+    """Rows of a GGUF q/k projection (any per-row data: weights, codes, scales, bias) from GGML's adjacent-pair
+    order back to half-rotation order."""
     head_dim = w.shape[0] // n_heads
     rest = w.shape[1:]
     return w.reshape(n_heads, head_dim // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
 
 
-def relax_weights(model: GGUFModel, spec: LlamaSpec) -> dict[str, np.ndarray]:
-    """The module's parameters by name, from the GGUF-named float32 weights (un-permuted, fused, cast)."""
+def split_blocks(ggml_type: str, data: np.ndarray, in_features: int) -> dict[str, np.ndarray]:
+    """A GGUF Q8_0 / Q4_1 tensor's raw blocks (``[rows, bytes per row]`` uint8) as the kernels' arrays."""
+    rows, blocks = data.shape[0], in_features // 32
+    fmt = _GGUF_FORMATS[ggml_type]
+    size = 34 if fmt == "q8_0" else 20
+    raw = np.ascontiguousarray(data, dtype=np.uint8).reshape(rows, blocks, size)
+
+    def halves(lo: int) -> np.ndarray:
+        return np.ascontiguousarray(raw[:, :, lo: lo + 2]).view(np.float16).reshape(rows, blocks)
+
+    if fmt == "q8_0":
+        return {"codes": np.ascontiguousarray(raw[:, :, 2:]).view(np.int8).reshape(rows, in_features),
+                "scales": halves(0)}
+    return {"codes": np.ascontiguousarray(raw[:, :, 4:]).reshape(rows, in_features // 2), "scales": halves(0),
+            "mins": halves(2)}
+
+
+def relax_weights(model: GGUFModel, spec: LlamaSpec, raw: RawTensors | None = None) -> dict[str, np.ndarray]:
+    """The module's parameters by name from the model's weights: q/k rows un-permuted, q/k/v and gate/up fused,
+    float kinds cast, quantised kinds taken from ``raw`` (the GGUF's blocks, bit for bit)."""
     w = model.weights
-    wd = spec.weight_dtype
+    cfg = model.config
 
-    def cast(a: np.ndarray, dtype: str = wd) -> np.ndarray:
-        return np.ascontiguousarray(a, dtype=dtype)
+    def arrays(kind: str, names: list[str], heads: list[int | None]) -> dict[str, np.ndarray]:
+        fmt = spec.fmt(kind)
+        parts: list[dict[str, np.ndarray]] = []
+        for name, n_heads in zip(names, heads, strict=True):
+            if fmt in QUANTISED:
+                if raw is None or name not in raw:
+                    raise ValueError(f"{kind} is stored as {fmt} but the GGUF blocks of {name} are not given")
+                part = split_blocks(raw[name][0], raw[name][1], w[name].shape[1])
+            else:
+                part = {"weight": w[name].astype(fmt)}
+            if n_heads is not None:
+                part = {k: _unpermute_rope_rows(v, n_heads) for k, v in part.items()}
+            parts.append(part)
+        return {k: np.ascontiguousarray(np.concatenate([p[k] for p in parts])) for k in parts[0]}
 
-    params = {"embed_tokens": cast(w["token_embd.weight"]), "norm.weight": cast(w["output_norm.weight"], "float32")}
+    def put(prefix: str, kind: str, names: list[str], heads: list[int | None] | None = None) -> None:
+        for suffix, array in arrays(kind, names, heads or [None] * len(names)).items():
+            params[f"{prefix}.{suffix}"] = array
+
+    params: dict[str, np.ndarray] = {"norm.weight": w["output_norm.weight"].astype(np.float32)}
+    put("embed_tokens", "embed", ["token_embd.weight"])
     if not spec.tied_embeddings:
-        params["lm_head.weight"] = cast(w["output.weight"])
+        put("lm_head.w", "lm_head", ["output.weight"])
     for i in range(spec.n_layers):
         p = f"blk.{i}."
-        q = _unpermute_rope_rows(w[p + "attn_q.weight"], spec.n_heads)
-        k = _unpermute_rope_rows(w[p + "attn_k.weight"], spec.n_kv_heads)
-        params[f"layers.{i}.attn.qkv.weight"] = cast(np.concatenate([q, k, w[p + "attn_v.weight"]]))
+        put(f"layers.{i}.attn.qkv.w", "qkv", [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"],
+            [cfg.n_heads, cfg.n_kv_heads, None])
         if spec.qkv_bias:
             qb = _unpermute_rope_rows(w[p + "attn_q.bias"], spec.n_heads)
             kb = _unpermute_rope_rows(w[p + "attn_k.bias"], spec.n_kv_heads)
-            params[f"layers.{i}.attn.qkv.bias"] = cast(np.concatenate([qb, kb, w[p + "attn_v.bias"]]), "float32")
-        params[f"layers.{i}.attn.o.weight"] = cast(w[p + "attn_output.weight"])
-        params[f"layers.{i}.attn_norm.weight"] = cast(w[p + "attn_norm.weight"], "float32")
-        params[f"layers.{i}.ffn_norm.weight"] = cast(w[p + "ffn_norm.weight"], "float32")
-        params[f"layers.{i}.mlp.gate_up.weight"] = cast(
-            np.concatenate([w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"]]))
-        params[f"layers.{i}.mlp.down.weight"] = cast(w[p + "ffn_down.weight"])
+            params[f"layers.{i}.attn.qkv.bias"] = np.concatenate([qb, kb, w[p + "attn_v.bias"]]).astype(np.float32)
+        put(f"layers.{i}.attn.o.w", "o", [p + "attn_output.weight"])
+        put(f"layers.{i}.mlp.gate_up.w", "gate_up", [p + "ffn_gate.weight", p + "ffn_up.weight"])
+        put(f"layers.{i}.mlp.down.w", "down", [p + "ffn_down.weight"])
+        params[f"layers.{i}.attn_norm.weight"] = w[p + "attn_norm.weight"].astype(np.float32)
+        params[f"layers.{i}.ffn_norm.weight"] = w[p + "ffn_norm.weight"].astype(np.float32)
     return params

@@ -69,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
                                "or a Hugging Face directory")
     compile_model.add_argument("--target", default="cpu", choices=("cpu",))
     compile_model.add_argument("--out", help="also copy the compiled model into this directory")
-    compile_model.add_argument("--weight-dtype", default="float16", choices=("float16", "float32"))
+    compile_model.add_argument("--weight-dtype", default="auto", choices=("auto", "float16", "float32"),
+                               help="auto: keep a GGUF's Q8_0/Q4_1 blocks (float16 for other tensors)")
     compile_model.set_defaults(run=_compile_model)
 
     devices = commands.add_parser("devices", help="list the devices found: backend and limits")

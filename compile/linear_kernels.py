@@ -1,0 +1,284 @@
+# fmt: off
+"""CPU kernels for the model's matmuls and embedding lookups, for float and GGUF-quantised weight storage.
+
+Every weight matrix ``W`` ``[N, K]`` is stored in one of four formats (``FORMATS``):
+
+* ``float32`` / ``float16``: ``w[N, K]``; ``W = float32(w)``.
+* ``q8_0`` (GGUF Q8_0, kept as the GGUF stores it): ``codes[N, K]`` int8 and ``scales[N, K/32]`` float16;
+  ``W[o, k] = float32(scales[o, k // 32]) * codes[o, k]`` (1.06 bytes a weight).
+* ``q4_1`` (GGUF Q4_1): ``codes[N, K/2]`` uint8, ``scales``/``mins[N, K/32]`` float16; in block ``b`` of 32 weights,
+  byte ``j`` of ``codes[o, 16 b: 16 b + 16]`` holds weight ``32 b + j`` in its low nibble and ``32 b + 16 + j`` in
+  its high nibble; ``W[o, k] = float32(scales[o, b]) * q + float32(mins[o, b])`` (0.63 bytes a weight).
+
+These are exactly the values ``gguf.quants.dequantize`` gives, so the compiled model computes with the GGUF's own
+weights (only the summation order differs from the numpy reference).
+
+``linear_kernel(N, K, fmt)`` computes ``y[t, o] = sum_k x[t, k] * W[o, k]`` for float32 ``x[n, K]``, ``y[n, N]``
+(``n`` dynamic). CPU schedule: the output rows in 64 parallel chunks (a buffer allocated inside a parallel loop is
+a heap allocation per iteration, so the accumulators are allocated once per chunk); per row, tokens in blocks of 4
+(four accumulators of 16 float32 lanes; each weight vector loaded once for the block), then the remaining tokens
+one by one (two accumulators: even and odd steps). Quantised rows are decoded inside the dot products below 4
+tokens (decode), and once per row and tile into a float32 row in L1 from 4 tokens on (prefill); tokens go in tiles
+of 64 so that a tile of ``x`` stays in L2 while the chunk's rows pass over it. Accumulators are summed by
+halving (16 -> 8 -> 4 -> 2 -> 1). For q4_1 the term ``mins * sum(x)`` uses the pair sums ``xp[t, 16 b + j] =
+x[t, 32 b + j] + x[t, 32 b + 16 + j]``, computed first.
+
+``embed_kernel(V, H, fmt)`` gathers rows: ``out[t, :] = W[ids[t], :]`` as float32.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+FORMATS = ("float32", "float16", "q8_0", "q4_1")
+QUANTISED = ("q8_0", "q4_1")
+_LANES = 16          # float32 lanes of an accumulator (one AVX-512 register)
+_TOKEN_BLOCK = 4     # tokens sharing one decode of a weight row
+_CHUNKS = 64         # parallel chunks of output rows
+_TOKEN_TILE = 64     # tokens whose inputs stay in L2 while a chunk's rows pass over them
+_QBLOCK = 32         # weights per quantisation block
+
+
+def check_shape(out_features: int, in_features: int, fmt: str) -> None:
+    """Raise ValueError unless ``fmt`` is known and ``in_features`` divides into its blocks."""
+    if fmt not in FORMATS:
+        raise ValueError(f"weight format {fmt!r} is not supported ({', '.join(FORMATS)})")
+    step = _QBLOCK if fmt in QUANTISED else _LANES
+    if in_features % step:
+        raise ValueError(f"{fmt} weights need in_features divisible by {step}, got {in_features}")
+
+
+def param_shapes(out_features: int, in_features: int, fmt: str) -> list[tuple[str, tuple[int, ...], str]]:
+    """(suffix, shape, dtype) of the arrays that store a ``[out, in]`` weight in ``fmt``."""
+    check_shape(out_features, in_features, fmt)
+    blocks = in_features // _QBLOCK
+    if fmt == "q8_0":
+        return [("codes", (out_features, in_features), "int8"), ("scales", (out_features, blocks), "float16")]
+    if fmt == "q4_1":
+        return [("codes", (out_features, in_features // 2), "uint8"), ("scales", (out_features, blocks), "float16"),
+                ("mins", (out_features, blocks), "float16")]
+    return [("weight", (out_features, in_features), fmt)]
+
+
+@T.macro
+def _halve(acc, b):
+    """acc[b, 0] + acc[b, 1] becomes the sum of the 16 lanes (vector adds of halves)."""
+    for lane in T.vectorized(8):
+        acc[b, lane] = acc[b, lane] + acc[b, lane + 8]
+    for lane in T.vectorized(4):
+        acc[b, lane] = acc[b, lane] + acc[b, lane + 4]
+    for lane in T.vectorized(2):
+        acc[b, lane] = acc[b, lane] + acc[b, lane + 2]
+
+
+@T.macro
+def _blocks(y, first, count, o, steps, acc, term):
+    """y[t, o] for tokens first .. first+count-1 in whole blocks of 4: an accumulator per token, each weight vector
+    loaded once per block."""
+    for tb in range(count // _TOKEN_BLOCK):
+        for b in range(_TOKEN_BLOCK):
+            for lane in T.vectorized(_LANES):
+                acc[b, lane] = T.float32(0)
+        for s in range(steps):
+            for b in range(_TOKEN_BLOCK):
+                for lane in T.vectorized(_LANES):
+                    acc[b, lane] = acc[b, lane] + term(first + tb * _TOKEN_BLOCK + b, o, s, lane)
+        for b in range(_TOKEN_BLOCK):
+            _halve(acc, b)
+            y[first + tb * _TOKEN_BLOCK + b, o] = acc[b, 0] + acc[b, 1]
+
+
+@T.macro
+def _singles(y, first, count, o, steps, acc, term):
+    """y[t, o] for tokens first .. first+count-1 one by one: two accumulators (even and odd steps)."""
+    for t0 in range(count):
+        t: T.let = first + t0
+        for b in range(2):
+            for lane in T.vectorized(_LANES):
+                acc[b, lane] = T.float32(0)
+        for s2 in range(steps // 2):
+            for b in range(2):
+                for lane in T.vectorized(_LANES):
+                    acc[b, lane] = acc[b, lane] + term(t, o, s2 * 2 + b, lane)
+        if steps % 2 == 1:
+            for lane in T.vectorized(_LANES):
+                acc[0, lane] = acc[0, lane] + term(t, o, steps - 1, lane)
+        for lane in T.vectorized(_LANES):
+            acc[0, lane] = acc[0, lane] + acc[1, lane]
+        _halve(acc, 0)
+        y[t, o] = acc[0, 0] + acc[0, 1]
+
+
+@T.macro
+def _tile(y, first, count, o, steps, acc, term):
+    """Tokens first .. first+count-1 of row o: blocks of 4, then the rest one by one."""
+    _blocks(y, first, count, o, steps, acc, term)
+    _singles(y, first + count // _TOKEN_BLOCK * _TOKEN_BLOCK, count % _TOKEN_BLOCK, o, steps, acc, term)
+
+
+@T.macro
+def _rows(y, n, out_features, steps, acc, chunk, rows_per_chunk, term):
+    """y[t, o] = sum over steps s and lanes l of term(t, o, s, l), for the rows o of this chunk (float weights);
+    tokens in tiles of 64 so that a tile of x stays in L2 while the chunk's rows pass over it."""
+    for tile in range((n + _TOKEN_TILE - 1) // _TOKEN_TILE):
+        for row in range(rows_per_chunk):
+            if chunk * rows_per_chunk + row < out_features:
+                o: T.let = chunk * rows_per_chunk + row
+                _tile(y, tile * _TOKEN_TILE, T.min(_TOKEN_TILE, n - tile * _TOKEN_TILE), o, steps, acc, term)
+
+
+@T.macro
+def _quantised_rows(y, x, n, out_features, in_features, blocks, acc, wrow, chunk, rows_per_chunk, term, decode):
+    """As ``_rows`` for quantised weights: below 4 tokens the blocks are decoded inside the dot products; from 4
+    tokens on, a row is decoded once per tile into ``wrow`` (float32, in L1) and the tokens run the float loop."""
+    if n < _TOKEN_BLOCK:
+        for row in range(rows_per_chunk):
+            if chunk * rows_per_chunk + row < out_features:
+                _singles(y, 0, n, chunk * rows_per_chunk + row, blocks, acc, term)
+    else:
+        for tile in range((n + _TOKEN_TILE - 1) // _TOKEN_TILE):
+            for row in range(rows_per_chunk):
+                if chunk * rows_per_chunk + row < out_features:
+                    o: T.let = chunk * rows_per_chunk + row
+                    for s in range(blocks):
+                        for lane in T.vectorized(_LANES):
+                            wrow[s * 32 + lane] = decode(o, s, lane, 0)
+                            wrow[s * 32 + 16 + lane] = decode(o, s, lane, 1)
+                    _tile(y, tile * _TOKEN_TILE, T.min(_TOKEN_TILE, n - tile * _TOKEN_TILE), o,
+                          in_features // _LANES, acc,
+                          lambda t, o_, s, lane: x[t, s * _LANES + lane] * wrow[s * _LANES + lane])
+
+
+def _f32(value: Any) -> Any:
+    return T.Cast("float32", value)
+
+
+def _low(byte: Any) -> Any:
+    return _f32(T.bitwise_and(byte, T.uint8(15)))
+
+
+def _high(byte: Any) -> Any:
+    return _f32(T.shift_right(byte, T.uint8(4)))
+
+
+@functools.cache
+def linear_kernel(out_features: int, in_features: int, fmt: str) -> tirx.PrimFunc:
+    """``y[t, o] = sum_k x[t, k] * W[o, k]``: parameters ``x``, the weight arrays of ``fmt``, ``y`` (module doc)."""
+    check_shape(out_features, in_features, fmt)
+    N, K = out_features, in_features
+    chunks = min(_CHUNKS, N)
+    rows_per_chunk = -(-N // chunks)
+    blocks, half = K // _QBLOCK, K // 2
+
+    if fmt in ("float32", "float16"):
+        def float_term(x, w):
+            return lambda t, o, s, lane: x[t, s * _LANES + lane] * _f32(w[o, s * _LANES + lane])
+
+        @T.prim_func(private=True)
+        def linear(var_x: T.handle, w: T.Buffer((N, K), fmt), var_y: T.handle):
+            T.func_attr({"tirx.noalias": True})
+            n = T.int64()
+            x = T.match_buffer(var_x, (n, K), "float32")
+            y = T.match_buffer(var_y, (n, N), "float32")
+            for chunk in T.parallel(chunks):
+                acc = T.alloc_buffer((_TOKEN_BLOCK, _LANES), "float32", scope="local")
+                _rows(y, n, N, K // _LANES, acc, chunk, rows_per_chunk, float_term(x, w))
+        return linear
+
+    if fmt == "q8_0":
+        def q8_term(x, codes, scales):
+            return lambda t, o, s, lane: _f32(scales[o, s]) * (
+                x[t, s * 32 + lane] * _f32(codes[o, s * 32 + lane])
+                + x[t, s * 32 + 16 + lane] * _f32(codes[o, s * 32 + 16 + lane]))
+
+        @T.prim_func(private=True)
+        def linear_q8_0(var_x: T.handle, codes: T.Buffer((N, K), "int8"), scales: T.Buffer((N, blocks), "float16"),
+                        var_y: T.handle):
+            T.func_attr({"tirx.noalias": True})
+            n = T.int64()
+            x = T.match_buffer(var_x, (n, K), "float32")
+            y = T.match_buffer(var_y, (n, N), "float32")
+            for chunk in T.parallel(chunks):
+                acc = T.alloc_buffer((_TOKEN_BLOCK, _LANES), "float32", scope="local")
+                wrow = T.alloc_buffer((K,), "float32", scope="local")
+                _quantised_rows(y, x, n, N, K, blocks, acc, wrow, chunk, rows_per_chunk, q8_term(x, codes, scales),
+                                lambda o, s, lane, half: _f32(scales[o, s]) * _f32(codes[o, s * 32 + half * 16 + lane]))
+        return linear_q8_0
+
+    def q4_term(x, xp, codes, scales, mins):
+        return lambda t, o, s, lane: _f32(scales[o, s]) * (
+            x[t, s * 32 + lane] * _low(codes[o, s * 16 + lane])
+            + x[t, s * 32 + 16 + lane] * _high(codes[o, s * 16 + lane])) + _f32(mins[o, s]) * xp[t, s * 16 + lane]
+
+    def q4_decode(codes, scales, mins):
+        return lambda o, s, lane, half: _f32(scales[o, s]) * (_high if half else _low)(codes[o, s * 16 + lane]) + _f32(
+            mins[o, s])
+
+    @T.prim_func(private=True)
+    def linear_q4_1(var_x: T.handle, codes: T.Buffer((N, half), "uint8"), scales: T.Buffer((N, blocks), "float16"),
+                    mins: T.Buffer((N, blocks), "float16"), var_y: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        n = T.int64()
+        x = T.match_buffer(var_x, (n, K), "float32")
+        y = T.match_buffer(var_y, (n, N), "float32")
+        xp = T.alloc_buffer((n, half), "float32")
+        for t in range(n):
+            for s in range(blocks):
+                for lane in T.vectorized(16):
+                    xp[t, s * 16 + lane] = x[t, s * 32 + lane] + x[t, s * 32 + 16 + lane]
+        for chunk in T.parallel(chunks):
+            acc = T.alloc_buffer((_TOKEN_BLOCK, _LANES), "float32", scope="local")
+            wrow = T.alloc_buffer((K,), "float32", scope="local")
+            _quantised_rows(y, x, n, N, K, blocks, acc, wrow, chunk, rows_per_chunk,
+                            q4_term(x, xp, codes, scales, mins), q4_decode(codes, scales, mins))
+    return linear_q4_1
+
+
+@functools.cache
+def embed_kernel(vocab: int, hidden: int, fmt: str) -> tirx.PrimFunc:
+    """``out[t, h] = W[ids[t], h]`` (float32) for int32 ``ids[n]``: parameters ``ids``, the weight arrays, ``out``."""
+    check_shape(vocab, hidden, fmt)
+    V, H, blocks = vocab, hidden, hidden // _QBLOCK
+    if fmt in ("float32", "float16"):
+        @T.prim_func(private=True)
+        def embed(var_ids: T.handle, w: T.Buffer((V, H), fmt), var_out: T.handle):
+            T.func_attr({"tirx.noalias": True})
+            n = T.int64()
+            ids = T.match_buffer(var_ids, (n,), "int32")
+            out = T.match_buffer(var_out, (n, H), "float32")
+            for t in range(n):
+                for h in range(H):
+                    out[t, h] = _f32(w[ids[t], h])
+        return embed
+    if fmt == "q8_0":
+        @T.prim_func(private=True)
+        def embed_q8_0(var_ids: T.handle, codes: T.Buffer((V, H), "int8"), scales: T.Buffer((V, blocks), "float16"),
+                       var_out: T.handle):
+            T.func_attr({"tirx.noalias": True})
+            n = T.int64()
+            ids = T.match_buffer(var_ids, (n,), "int32")
+            out = T.match_buffer(var_out, (n, H), "float32")
+            for t in range(n):
+                for h in range(H):
+                    out[t, h] = _f32(scales[ids[t], h // 32]) * _f32(codes[ids[t], h])
+        return embed_q8_0
+
+    @T.prim_func(private=True)
+    def embed_q4_1(var_ids: T.handle, codes: T.Buffer((V, H // 2), "uint8"), scales: T.Buffer((V, blocks), "float16"),
+                   mins: T.Buffer((V, blocks), "float16"), var_out: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        n = T.int64()
+        ids = T.match_buffer(var_ids, (n,), "int32")
+        out = T.match_buffer(var_out, (n, H), "float32")
+        for t in range(n):
+            for s in range(blocks):
+                for j in range(16):
+                    out[t, s * 32 + j] = _f32(scales[ids[t], s]) * _low(codes[ids[t], s * 16 + j]) + _f32(
+                        mins[ids[t], s])
+                    out[t, s * 32 + 16 + j] = _f32(scales[ids[t], s]) * _high(codes[ids[t], s * 16 + j]) + _f32(
+                        mins[ids[t], s])
+    return embed_q4_1
