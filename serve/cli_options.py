@@ -37,6 +37,11 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default="cpu", help="compilation target (default: cpu)")
     parser.add_argument("--jump-forward", action="store_true",
                         help="append tokens a grammar forces without a decode step each")
+    parser.add_argument("--grammar-backend", default="llguidance", choices=("llguidance", "xgrammar"),
+                        help="engine for JSON schemas, regexes and grammars (xgrammar: the optional extra)")
+    parser.add_argument("--tree-decode-config", metavar="FILE", default=None,
+                        help="Tree Decode map (JSON) constraining every answer; relative to the model's directory; "
+                             "default: $TREE_DECODE_CONFIG")
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -106,7 +111,17 @@ def tiny_model() -> Any:
 
 
 def open_engine(args: argparse.Namespace) -> Any:
+    import os
+    from pathlib import Path
+
+    from logitproc.runtime.tree_decode import load_tree_decode_config
     from logitproc.serve.engine import Engine
 
     model = open_model(args.model, args.target)
-    return Engine(model, max_batch=1, jump_forward=args.jump_forward)
+    source = Path(args.model)
+    model_dir = (source if source.is_dir() else source.parent) if source.exists() else model.directory
+    tree = load_tree_decode_config(getattr(args, "tree_decode_config", None), model.vocab_size, os.environ, model_dir)
+    if tree is not None:
+        log("tree decode: map loaded; it constrains every answer")
+    return Engine(model, max_batch=1, jump_forward=args.jump_forward,
+                  grammar_backend=getattr(args, "grammar_backend", "llguidance"), tree_decode=tree)

@@ -57,13 +57,15 @@ class Engine:
     """
 
     def __init__(self, model: Any, max_batch: int = 8, jump_forward: bool = False,
-                 grammar_backend: str = "llguidance", device: str = "cpu") -> None:
+                 grammar_backend: str = "llguidance", device: str = "cpu", tree_decode: Any = None) -> None:
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
         self.model = model
         self.max_batch = min(max_batch, int(getattr(model, "max_num_sequences", max_batch)))
         self.jump_forward = bool(jump_forward)
         self.grammar_backend = grammar_backend
+        #: A TreeDecodeConfig constraining every sequence (``--tree-decode-config``), or None.
+        self.tree_decode = tree_decode
         self.vocab_size = int(model.vocab_size)
         self.context_length = int(model.context_length)
         self.eos_token_ids = tuple(int(t) for t in model.eos_token_ids)
@@ -153,7 +155,7 @@ class Engine:
 
     def _mask_sources(self, config: GenerationConfig) -> list[Any]:
         """Constraint sources for one sequence (a grammar, a think budget), made fresh per sequence."""
-        if config.response_format is None and config.max_thinking_tokens is None:
+        if config.response_format is None and config.max_thinking_tokens is None and self.tree_decode is None:
             return []
         return list(self._constraint_factory().sources_for(config))
 
@@ -163,7 +165,7 @@ class Engine:
             from logitproc.runtime.constraints import ConstraintFactory
 
             self._constraints = ConstraintFactory(self.model.tokenizer, self.vocab_size, self.eos_token_ids,
-                                                  backend=self.grammar_backend)
+                                                  backend=self.grammar_backend, tree_decode=self.tree_decode)
         return self._constraints
 
     def abort(self, request_id: str) -> None:
