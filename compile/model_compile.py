@@ -150,27 +150,38 @@ class _Source:
             digest.update(f"{file.name}:{file_sha256(file)}".encode())
         return digest.hexdigest()
 
-    def load(self) -> tuple[GGUFModel, RawTensors | None]:
-        """The model, and for a GGUF file the raw blocks of its Q8_0/Q4_1 tensors."""
+    def load(self, keep_blocks: bool) -> tuple[GGUFModel, RawTensors | None]:
+        """The model, and for a GGUF file with ``keep_blocks`` the raw blocks of its Q8_0/Q4_1 tensors (those are
+        then not dequantised into ``model.weights``: that is most of a GGUF's loading time)."""
         if self.model is not None:
             return self.model, None
         assert self.path is not None
         if self.kind == "gguf":
-            return load_gguf(self.path), read_quantised_blocks(self.path)
+            model = load_gguf(self.path, load_weights=False)
+            model.weights, raw = read_gguf_tensors(self.path, keep_blocks=keep_blocks)
+            return model, raw
         from .hf_model import load_hf_dir
 
         return load_hf_dir(self.path), None
 
 
-def read_quantised_blocks(path: str | os.PathLike[str]) -> RawTensors:
-    """The raw blocks of a GGUF's Q8_0 and Q4_1 tensors: name -> (type name, uint8 ``[rows, bytes per row]``)."""
+def read_gguf_tensors(path: str | os.PathLike[str], *, keep_blocks: bool) -> tuple[dict[str, np.ndarray], RawTensors]:
+    """A GGUF's tensors: float32 weights by name, and (with ``keep_blocks``) the Q8_0/Q4_1 tensors as raw blocks
+    instead: name -> (type name, uint8 ``[rows, bytes per row]``)."""
     from gguf import GGUFReader
 
+    from .gguf_model import _dequantize
+
     reader = GGUFReader(path)
-    blocks = {t.name: (t.tensor_type.name, np.array(t.data, dtype=np.uint8)) for t in reader.tensors
-              if t.tensor_type.name in ("Q8_0", "Q4_1")}
+    weights: dict[str, np.ndarray] = {}
+    blocks: RawTensors = {}
+    for tensor in reader.tensors:
+        if keep_blocks and tensor.tensor_type.name in ("Q8_0", "Q4_1"):
+            blocks[tensor.name] = (tensor.tensor_type.name, np.array(tensor.data, dtype=np.uint8))
+        else:
+            weights[tensor.name] = _dequantize(tensor)
     del reader
-    return blocks
+    return weights, blocks
 
 
 def _cache_key(model_hash: str, spec: TargetSpec, weight_dtype: str) -> str:
@@ -215,7 +226,7 @@ def _build_into(source: _Source, model_hash: str, spec: TargetSpec, weight_dtype
 
     started = time.perf_counter()
     progress(f"loading {source.name} ({source.kind}) ...")
-    model, raw = source.load()
+    model, raw = source.load(keep_blocks=weight_dtype == "auto")
     llama = LlamaSpec.from_model(model, weight_dtype, raw)
     formats = ", ".join(f"{kind} {fmt}" for kind, fmt in llama.formats)
     progress(f"loaded in {time.perf_counter() - started:.1f}s: {model.config.n_layers} layers, hidden "

@@ -329,11 +329,12 @@ def _unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, head_dim // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
 
 
-def split_blocks(ggml_type: str, data: np.ndarray, in_features: int) -> dict[str, np.ndarray]:
+def split_blocks(ggml_type: str, data: np.ndarray) -> dict[str, np.ndarray]:
     """A GGUF Q8_0 / Q4_1 tensor's raw blocks (``[rows, bytes per row]`` uint8) as the kernels' arrays."""
-    rows, blocks = data.shape[0], in_features // 32
     fmt = _GGUF_FORMATS[ggml_type]
     size = 34 if fmt == "q8_0" else 20
+    rows, blocks = data.shape[0], data.shape[1] // size
+    in_features = blocks * 32
     raw = np.ascontiguousarray(data, dtype=np.uint8).reshape(rows, blocks, size)
 
     def halves(lo: int) -> np.ndarray:
@@ -344,6 +345,14 @@ def split_blocks(ggml_type: str, data: np.ndarray, in_features: int) -> dict[str
                 "scales": halves(0)}
     return {"codes": np.ascontiguousarray(raw[:, :, 4:]).reshape(rows, in_features // 2), "scales": halves(0),
             "mins": halves(2)}
+
+
+def dequantize_blocks(ggml_type: str, data: np.ndarray) -> np.ndarray:
+    """Raw GGUF blocks as float32 ``[rows, in]`` (what ``load_gguf`` gives for the tensor)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    return np.ascontiguousarray(dequantize(data, GGMLQuantizationType[ggml_type]), dtype=np.float32)
 
 
 def relax_weights(model: GGUFModel, spec: LlamaSpec, raw: RawTensors | None = None) -> dict[str, np.ndarray]:
@@ -359,9 +368,13 @@ def relax_weights(model: GGUFModel, spec: LlamaSpec, raw: RawTensors | None = No
             if fmt in QUANTISED:
                 if raw is None or name not in raw:
                     raise ValueError(f"{kind} is stored as {fmt} but the GGUF blocks of {name} are not given")
-                part = split_blocks(raw[name][0], raw[name][1], w[name].shape[1])
-            else:
+                part = split_blocks(*raw[name])
+            elif name in w:
                 part = {"weight": w[name].astype(fmt)}
+            elif raw is not None and name in raw:  # kept as blocks by the loader, needed dense here
+                part = {"weight": dequantize_blocks(*raw[name]).astype(fmt)}
+            else:
+                raise ValueError(f"the model has no weight {name}")
             if n_heads is not None:
                 part = {k: _unpermute_rope_rows(v, n_heads) for k, v in part.items()}
             parts.append(part)
