@@ -4,11 +4,11 @@
 Every weight matrix ``W`` ``[N, K]`` is stored in one of four formats (``FORMATS``):
 
 * ``float32`` / ``float16``: ``w[N, K]``; ``W = float32(w)``.
-* ``q8_0`` (GGUF Q8_0, kept as the GGUF stores it): ``codes[N, K]`` int8 and ``scales[N, K/32]`` float16;
-  ``W[o, k] = float32(scales[o, k // 32]) * codes[o, k]`` (1.06 bytes a weight).
-* ``q4_1`` (GGUF Q4_1): ``codes[N, K/2]`` uint8, ``scales``/``mins[N, K/32]`` float16; in block ``b`` of 32 weights,
-  byte ``j`` of ``codes[o, 16 b: 16 b + 16]`` holds weight ``32 b + j`` in its low nibble and ``32 b + 16 + j`` in
-  its high nibble; ``W[o, k] = float32(scales[o, b]) * q + float32(mins[o, b])`` (0.63 bytes a weight).
+* ``q8_0`` (GGUF Q8_0, kept as the GGUF stores it): ``codes[N, K]`` int8 and ``scales[N, K/32]`` (the GGUF's float16
+  scales widened to float32, exactly); ``W[o, k] = scales[o, k // 32] * codes[o, k]`` (1.13 bytes a weight).
+* ``q4_1`` (GGUF Q4_1): ``codes[N, K/2]`` uint8, ``scales``/``mins[N, K/32]`` (widened likewise); in block ``b``
+  of 32 weights, byte ``j`` of ``codes[o, 16 b: 16 b + 16]`` holds weight ``32 b + j`` in its low nibble and
+  ``32 b + 16 + j`` in its high nibble; ``W[o, k] = scales[o, b] * q + mins[o, b]`` (0.75 bytes a weight).
 
 These are exactly the values ``gguf.quants.dequantize`` gives, so the compiled model computes with the GGUF's own
 weights (only the summation order differs from the numpy reference).
@@ -41,6 +41,7 @@ _TOKEN_BLOCK = 4     # tokens sharing one decode of a weight row
 _CHUNKS = 64         # parallel chunks of output rows
 _TOKEN_TILE = 64     # tokens whose inputs stay in L2 while a chunk's rows pass over them
 _QBLOCK = 32         # weights per quantisation block
+_SCALE = "float32"   # block scales and mins: the GGUF's float16 values widened (exact), no conversion in the loop
 
 
 def check_shape(out_features: int, in_features: int, fmt: str) -> None:
@@ -57,10 +58,10 @@ def param_shapes(out_features: int, in_features: int, fmt: str) -> list[tuple[st
     check_shape(out_features, in_features, fmt)
     blocks = in_features // _QBLOCK
     if fmt == "q8_0":
-        return [("codes", (out_features, in_features), "int8"), ("scales", (out_features, blocks), "float16")]
+        return [("codes", (out_features, in_features), "int8"), ("scales", (out_features, blocks), _SCALE)]
     if fmt == "q4_1":
-        return [("codes", (out_features, in_features // 2), "uint8"), ("scales", (out_features, blocks), "float16"),
-                ("mins", (out_features, blocks), "float16")]
+        return [("codes", (out_features, in_features // 2), "uint8"), ("scales", (out_features, blocks), _SCALE),
+                ("mins", (out_features, blocks), _SCALE)]
     return [("weight", (out_features, in_features), fmt)]
 
 
@@ -196,7 +197,7 @@ def linear_kernel(out_features: int, in_features: int, fmt: str) -> tirx.PrimFun
                 + x[t, s * 32 + 16 + lane] * _f32(codes[o, s * 32 + 16 + lane]))
 
         @T.prim_func(private=True)
-        def linear_q8_0(var_x: T.handle, codes: T.Buffer((N, K), "int8"), scales: T.Buffer((N, blocks), "float16"),
+        def linear_q8_0(var_x: T.handle, codes: T.Buffer((N, K), "int8"), scales: T.Buffer((N, blocks), _SCALE),
                         var_y: T.handle):
             T.func_attr({"tirx.noalias": True})
             n = T.int64()
@@ -219,8 +220,8 @@ def linear_kernel(out_features: int, in_features: int, fmt: str) -> tirx.PrimFun
             mins[o, s])
 
     @T.prim_func(private=True)
-    def linear_q4_1(var_x: T.handle, codes: T.Buffer((N, half), "uint8"), scales: T.Buffer((N, blocks), "float16"),
-                    mins: T.Buffer((N, blocks), "float16"), var_y: T.handle):
+    def linear_q4_1(var_x: T.handle, codes: T.Buffer((N, half), "uint8"), scales: T.Buffer((N, blocks), _SCALE),
+                    mins: T.Buffer((N, blocks), _SCALE), var_y: T.handle):
         T.func_attr({"tirx.noalias": True})
         n = T.int64()
         x = T.match_buffer(var_x, (n, K), "float32")
@@ -256,7 +257,7 @@ def embed_kernel(vocab: int, hidden: int, fmt: str) -> tirx.PrimFunc:
         return embed
     if fmt == "q8_0":
         @T.prim_func(private=True)
-        def embed_q8_0(var_ids: T.handle, codes: T.Buffer((V, H), "int8"), scales: T.Buffer((V, blocks), "float16"),
+        def embed_q8_0(var_ids: T.handle, codes: T.Buffer((V, H), "int8"), scales: T.Buffer((V, blocks), _SCALE),
                        var_out: T.handle):
             T.func_attr({"tirx.noalias": True})
             n = T.int64()
@@ -268,8 +269,8 @@ def embed_kernel(vocab: int, hidden: int, fmt: str) -> tirx.PrimFunc:
         return embed_q8_0
 
     @T.prim_func(private=True)
-    def embed_q4_1(var_ids: T.handle, codes: T.Buffer((V, H // 2), "uint8"), scales: T.Buffer((V, blocks), "float16"),
-                   mins: T.Buffer((V, blocks), "float16"), var_out: T.handle):
+    def embed_q4_1(var_ids: T.handle, codes: T.Buffer((V, H // 2), "uint8"), scales: T.Buffer((V, blocks), _SCALE),
+                   mins: T.Buffer((V, blocks), _SCALE), var_out: T.handle):
         T.func_attr({"tirx.noalias": True})
         n = T.int64()
         ids = T.match_buffer(var_ids, (n,), "int32")
