@@ -24,13 +24,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import material  # noqa: E402
 from bench_common import machine_line  # noqa: E402
 from grammar_driver import allowed_ids, closer_bonus  # noqa: E402
-from tokenizers import Tokenizer  # noqa: E402
-
 from logitproc import GenerationConfig, LogitProcessor, RequestState  # noqa: E402
 from logitproc.compile import build_kernels  # noqa: E402
 from logitproc.runtime.constraints import ConstraintFactory  # noqa: E402
 from logitproc.runtime.grammar import GrammarSource, TokenizerAdapter, get_backend  # noqa: E402
 from logitproc.runtime.response_format import ResponseFormat, parse_response_format  # noqa: E402
+from tokenizers import Tokenizer  # noqa: E402
 
 V, EOS = 129_280, 1
 SCHEMAS = {
@@ -155,14 +154,14 @@ def main() -> None:
         inline = LogitProcessor(library, V, batch, mask_workers=0)
         threaded = LogitProcessor(library, V, batch, mask_workers=2)
 
-        def step_inline() -> None:
+        def step_inline(proc=inline, logits=logits, states=states) -> None:
             time.sleep(forward)
-            inline.inplace_update_logits(logits, states)
+            proc.inplace_update_logits(logits, states)
 
-        def step_overlapped() -> None:
-            threaded.start_masks(states)
+        def step_overlapped(proc=threaded, logits=logits, states=states) -> None:
+            proc.start_masks(states)
             time.sleep(forward)
-            threaded.inplace_update_logits(logits, states)
+            proc.inplace_update_logits(logits, states)
 
         inline.mask_fill_seconds = 0.0
         results = [median_ms(step_inline) - wait_ms, median_ms(step_overlapped) - wait_ms]
