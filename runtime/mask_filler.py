@@ -74,11 +74,16 @@ class MaskFiller:
         scratch = self._scratch[worker]
         for slot, r in enumerate(rows, first_slot):
             row = self.bitmask[slot]
+            sources = job.plan.states[r].mask_sources
+            path = job.plan.paths[r]
             row[:] = -1
-            state = job.plan.states[r]
-            for source in state.mask_sources:
+            if len(sources) == 1:  # the common case: straight into the row, no scratch copy
+                if not sources[0].fill_bitmask(row, path):
+                    row[:] = -1
+                continue
+            for source in sources:
                 scratch[:] = -1
-                if source.fill_bitmask(scratch, job.plan.paths[r]):
+                if source.fill_bitmask(scratch, path):
                     np.bitwise_and(row, scratch, out=row)
         job.fill_seconds += time.perf_counter() - started
 

@@ -93,6 +93,7 @@ class ThinkBudget:
         self._end = _Matcher(self.end_ids)
         self._state = _State(THINKING if starts_in_thinking else BEFORE, 0, 0)
         self._history: list[tuple[_State, bool]] = []  # per accepted token: state before it, whether inner took it
+        self._inner_taken = 0  # tokens the inner source has accepted
 
     # ---- the automaton ------------------------------------------------------------------------------------------
     def _step(self, state: _State, token: int) -> _State:
@@ -142,6 +143,7 @@ class ThinkBudget:
         if self._state.phase == DONE:
             if self.inner is not None:
                 self.inner.accept_token(token_id)
+                self._inner_taken += 1
             self._history.append((self._state, self.inner is not None))
             return
         self._history.append((self._state, False))
@@ -157,6 +159,7 @@ class ThinkBudget:
         inner_count = sum(took for _, took in undone)
         if inner_count:
             self.inner.rollback(inner_count)  # type: ignore[union-attr]
+            self._inner_taken -= inner_count
         self._state = undone[0][0]
         del self._history[len(self._history) - num_tokens:]
 
@@ -164,7 +167,7 @@ class ThinkBudget:
         """The inner source's jump-forward once thinking has ended (its own output only); None before."""
         if self._state.phase != DONE or self.inner is None or not hasattr(self.inner, "jump_forward"):
             return None
-        taken = sum(took for _, took in self._history)
+        taken = self._inner_taken
         return self.inner.jump_forward(list(output_token_ids)[len(output_token_ids) - taken:])
 
     # ---- inspection ---------------------------------------------------------------------------------------------

@@ -120,8 +120,8 @@ def open_engine(args: argparse.Namespace) -> Any:
     model = open_model(args.model, args.target)
     source = Path(args.model)
     model_dir = (source if source.is_dir() else source.parent) if source.exists() else model.directory
-    tree = load_tree_decode_config(getattr(args, "tree_decode_config", None), model.vocab_size, os.environ, model_dir)
+    tree = load_tree_decode_config(args.tree_decode_config, model.vocab_size, os.environ, model_dir)
     if tree is not None:
         log("tree decode: map loaded; it constrains every answer")
     return Engine(model, max_batch=1, jump_forward=args.jump_forward,
-                  grammar_backend=getattr(args, "grammar_backend", "llguidance"), tree_decode=tree)
+                  grammar_backend=args.grammar_backend, tree_decode=tree)

@@ -437,13 +437,9 @@ def test_small_vocabulary_tiny_model(bonus) -> None:
     small_bonus = closer_bonus(small)
     for engine in [e for e in ENGINES if isinstance(e, str)]:
         for seed in range(5):
-            src = source_for(small, engine, ResponseFormat.json_schema(PERSON))
+            src = source(small, engine, ResponseFormat.json_schema(PERSON))
             gen = drive(src, small, np.random.default_rng(seed), small_bonus, jump_forward=seed % 2 == 1)
             assert gen.finished, gen
             # xgrammar lets raw control characters into strings (see AGREEMENT_FORMATS): parse leniently there
             jsonschema.validate(json.loads(gen.text, strict=engine == "llguidance"), PERSON)
 
-
-def source_for(adapter: TokenizerAdapter, engine: str, fmt: ResponseFormat) -> GrammarSource:
-    backend = get_backend(engine, adapter)
-    return GrammarSource(backend.matcher(backend.compile(fmt)), adapter, engine)

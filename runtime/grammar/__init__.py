@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from .backend import MAX_ROLLBACK_TOKENS, GrammarBackend, GrammarError, GrammarMatcher
+from .backend import GrammarBackend, GrammarError, GrammarMatcher
 from .cache import GLOBAL_CACHE, CompiledGrammarCache
 from .source import GrammarSource, JumpForward
 from .tokenizer_adapter import TokenizerAdapter
@@ -33,7 +33,6 @@ def get_backend(name: str, tokenizer: TokenizerAdapter) -> GrammarBackend:
 __all__ = [
     "GLOBAL_CACHE",
     "GRAMMAR_BACKENDS",
-    "MAX_ROLLBACK_TOKENS",
     "CompiledGrammarCache",
     "GrammarBackend",
     "GrammarError",

@@ -18,9 +18,6 @@ import numpy as np
 from ..response_format import ResponseFormat
 from .tokenizer_adapter import TokenizerAdapter
 
-#: Tokens a matcher can roll back (draft tokens plus a jump-forward's re-tokenised tail).
-MAX_ROLLBACK_TOKENS = 64
-
 
 class GrammarError(ValueError):
     """A response format the engine cannot compile, or a token the grammar refuses: an error for one request."""

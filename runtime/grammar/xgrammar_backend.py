@@ -8,7 +8,6 @@ model's EOS ids as stop tokens. JSON uses the same whitespace rule as the llguid
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import numpy as np
@@ -67,7 +66,6 @@ class XGrammarBackend(GrammarBackend):
         vocab_type = xgr.VocabType.BYTE_LEVEL if tokenizer.vocab_type == BYTE_LEVEL else xgr.VocabType.BYTE_FALLBACK
         info = xgr.TokenizerInfo(vocab, vocab_type, vocab_size=tokenizer.vocab_size, stop_token_ids=sorted(eos))
         self.compiler = xgr.GrammarCompiler(info, max_threads=2)
-        self._lock = threading.Lock()
 
     def compile(self, response_format: ResponseFormat) -> Any:
         fmt = response_format
