@@ -3,7 +3,9 @@
 Each row whose sequence has mask sources gets a slot in the host bitmask; rows are filled by a small thread pool
 (the grammar engines release the GIL while computing a mask) in contiguous chunks. ``start`` queues a batch and
 returns at once, so the caller can run the model forward meanwhile; the processor waits for the job when it applies
-the masks. A row whose sources all decline to constrain keeps all bits set (applying it changes nothing).
+the masks. A row whose sources all decline to constrain keeps all bits set (applying it changes nothing). A source
+that raises gets its row cleared (no token allowed) and its message recorded in ``state.constraint_error``; the
+other rows are filled as usual.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -73,19 +76,26 @@ class MaskFiller:
         started = time.perf_counter()
         scratch = self._scratch[worker]
         for slot, r in enumerate(rows, first_slot):
-            row = self.bitmask[slot]
-            sources = job.plan.states[r].mask_sources
-            path = job.plan.paths[r]
-            row[:] = -1
-            if len(sources) == 1:  # the common case: straight into the row, no scratch copy
-                if not sources[0].fill_bitmask(row, path):
-                    row[:] = -1
-                continue
-            for source in sources:
-                scratch[:] = -1
-                if source.fill_bitmask(scratch, path):
-                    np.bitwise_and(row, scratch, out=row)
+            row, state = self.bitmask[slot], job.plan.states[r]
+            try:
+                self._fill_row(row, scratch, state.mask_sources, job.plan.paths[r])
+            except Exception as err:  # one sequence's failing constraint must not stop the batch
+                row[:] = 0
+                if state.constraint_error is None:
+                    state.constraint_error = f"{type(err).__name__}: {err}"
         job.fill_seconds += time.perf_counter() - started
+
+    @staticmethod
+    def _fill_row(row: np.ndarray, scratch: np.ndarray, sources: list[Any], path: tuple[int, ...]) -> None:
+        row[:] = -1
+        if len(sources) == 1:  # the common case: straight into the row, no scratch copy
+            if not sources[0].fill_bitmask(row, path):
+                row[:] = -1
+            return
+        for source in sources:
+            scratch[:] = -1
+            if source.fill_bitmask(scratch, path):
+                np.bitwise_and(row, scratch, out=row)
 
     def close(self) -> None:
         if self._pool is not None:

@@ -238,6 +238,8 @@ class ChatSession:
         self.say(" [stopped]" if output.finish_reason == "abort" else "")
         if output.finish_reason == "grammar_dead_end":
             self.say("(the constraint allowed no further token)")
+        elif output.finish_reason == "error":
+            self.say(f"(the constraint failed: {output.error})")
         self.last_output = output
         self.history += [{"role": "user", "content": text}, {"role": "assistant", "content": "".join(parts)}]
 

@@ -72,8 +72,11 @@ class CompiledModel(ModelRunner):
         with np.load(self.directory / PARAMS_FILE) as stored:
             self._params = [tvm.runtime.tensor(stored[name], self.device) for name in self.manifest["params"]]
         self._embed, self._prefill_fn, self._decode_fn = self._vm["embed"], self._vm["prefill"], self._vm["decode"]
+        # Pages are per sequence: each may leave its last page partly empty, so the cache gets one page per sequence
+        # on top of ``max_total`` tokens (any split of max_total tokens over the sequences then fits).
         self._kv = self._vm["create_paged_kv_cache"](
-            _shape([max_num_sequences]), _shape([max_total]), _shape([self.prefill_chunk_size]),
+            _shape([max_num_sequences]), _shape([max_total + max_num_sequences * _PAGE_SIZE]),
+            _shape([self.prefill_chunk_size]),
             _shape([_PAGE_SIZE]), _shape([0]))
         get = tvm.get_global_func
         self._kv_add = get("vm.builtin.kv_state_add_sequence")

@@ -287,11 +287,16 @@ class Engine:
         if stats.first_token_time is None:
             stats.first_token_time = time.perf_counter()
         if result.no_valid_token[row]:
-            seq.finish("grammar_dead_end", delta)
+            error = seq.state.constraint_error
+            seq.finish("error" if error else "grammar_dead_end", delta, error=error)
             return
         token = int(result.token_ids[row])
         if token not in seq.stop_token_ids:  # a stop token ends the sequence: its state is not advanced
-            seq.state.append_token(token)
+            try:
+                seq.state.append_token(token)
+            except Exception as err:  # a constraint refusing the token ends this sequence, not the step
+                seq.finish("error", delta, error=f"{type(err).__name__}: {err}")
+                return
             seq.feed = [token]
         stats.completion_tokens += 1
         if seq.logprobs is not None:
@@ -311,10 +316,14 @@ class Engine:
         for seq in self._running:
             if seq.finish_reason is not None or not seq.state.mask_sources or len(seq.feed) != 1:
                 continue
-            forced = jump(seq.state)
+            delta = deltas.setdefault(seq, Delta(seq.request_id, seq.index))
+            try:
+                forced = jump(seq.state)
+            except Exception as err:  # this sequence's constraint failed: it ends, the others go on
+                seq.finish("error", delta, error=f"{type(err).__name__}: {err}")
+                continue
             if forced is None or (not forced.rollback and not forced.token_ids):
                 continue
-            delta = deltas.setdefault(seq, Delta(seq.request_id, seq.index))
             state = seq.state
             unchanged = state.num_tokens - len(forced.token_ids)
             if seq.kv_len > unchanged:

@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 #: Why a sequence ended. "stop": EOS, one of stop_token_ids, or a stop string; "length": max_tokens or the context
-#: is full; "grammar_dead_end": the constraints allowed no token at all; "abort": the request was cancelled.
-FINISH_REASONS = ("stop", "length", "grammar_dead_end", "abort")
+#: is full; "grammar_dead_end": the constraints allowed no token at all; "abort": the request was cancelled;
+#: "error": one of its constraints failed at run time (``Output.error`` says how); the other requests go on.
+FINISH_REASONS = ("stop", "length", "grammar_dead_end", "abort", "error")
 
 
 def _rate(count: float, seconds: float) -> float:
@@ -118,6 +119,8 @@ class Output:
     stop_reason: str | int | None = None
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    #: What failed, when ``finish_reason`` is "error".
+    error: str | None = None
 
     @property
     def usage(self) -> dict[str, int]:

@@ -63,6 +63,7 @@ class GeneratedSequence:
         self.text = ""
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
+        self.error: str | None = None  # what failed, for finish_reason "error"
         self.logprobs: list[float] | None = [] if cfg.logprobs else None
         self.top_logprobs: list[list[tuple[int, float]]] | None = [] if cfg.top_logprobs else None
 
@@ -97,10 +98,11 @@ class GeneratedSequence:
                 count -= undone
             delta.rollback += count
 
-    def finish(self, reason: str, delta: Delta, stop_reason: str | int | None = None) -> None:
+    def finish(self, reason: str, delta: Delta, stop_reason: str | int | None = None, error: str | None = None) -> None:
         """End the sequence: release the text held back (unless a stop string ended it) and build the Output."""
         if self.finish_reason is not None:
             return
+        self.error = error
         if reason != "stop" or not self.stops.stopped:
             self._emit(self.stops.feed(self.detok.flush()), delta)
             if self.stops.stopped:  # the last bytes completed a stop string
@@ -120,7 +122,7 @@ class GeneratedSequence:
         return Output(
             request_id=self.request_id, index=self.index, text=self.text, token_ids=list(self.token_ids),
             finish_reason=self.finish_reason, prompt_token_ids=self.request.prompt_token_ids,
-            stats=self.request.stats, stop_reason=self.stop_reason,
+            stats=self.request.stats, stop_reason=self.stop_reason, error=self.error,
             logprobs=None if self.logprobs is None else list(self.logprobs),
             top_logprobs=None if self.top_logprobs is None else list(self.top_logprobs),
         )

@@ -82,3 +82,34 @@ def test_tree_decode_config_flag_is_confined_to_the_model_directory(model, tmp_p
         inside.unlink()
     assert done.returncode == 0, done.stderr
     assert done.stdout == "ok\n" and "tree decode" in done.stderr
+
+
+def _run_until_done(engine: Engine) -> dict[str, object]:
+    outputs = {}
+    while engine.has_unfinished():
+        for delta in engine.step():
+            if delta.output is not None:
+                outputs[delta.request_id] = delta.output
+    return outputs
+
+
+@pytest.mark.parametrize("when", ["mask", "accept"])
+def test_a_grammar_failing_at_run_time_ends_its_request_alone(model, when) -> None:
+    """A grammar matcher that breaks mid-answer (forced here: the real llguidance matcher is fed a token it refuses,
+    past our checks) ends its own request with "error" and the message; the other request's answer is unchanged."""
+    config = GenerationConfig(temperature=0, max_tokens=40, response_format={"type": "json_object"})
+    alone = Engine(model, max_batch=2).generate("Other", config)[0]
+    engine = Engine(model, max_batch=2)
+    broken = engine.add_request("Broken", config)
+    other = engine.add_request("Other", config)
+    engine.step()
+    matcher = engine._requests[broken].sequences[0].state.mask_sources[0].matcher
+    if when == "mask":  # llguidance is now in its error state: filling the next mask fails
+        matcher._m.consume_token(byte_token(1))  # a raw control byte: invalid anywhere in JSON
+    else:  # every token is refused from now on: the sampled token fails to be accepted
+        matcher.accept_token = lambda token: False
+    outputs = _run_until_done(engine)
+    assert outputs[broken].finish_reason == "error"
+    assert outputs[broken].error and ("llguidance" in outputs[broken].error or "not allowed" in outputs[broken].error)
+    assert outputs[other].finish_reason == alone.finish_reason and outputs[other].text == alone.text
+    assert outputs[other].error is None

@@ -136,6 +136,31 @@ def test_a_row_with_every_token_masked_never_yields_nan_or_a_token(proc, sampler
     assert np.isfinite(result.logprobs[0])
 
 
+class FailingSource(AllowedSet):
+    """A mask source whose mask computation fails (an engine bug, a grammar past its limits)."""
+
+    def fill_bitmask(self, row: np.ndarray, draft_path: Sequence[int]) -> bool:
+        raise RuntimeError("grammar engine gave up")
+
+
+@pytest.mark.parametrize("workers_start", [False, True])
+def test_a_failing_mask_source_ends_its_row_alone(proc, sampler, workers_start) -> None:
+    """The failing row allows nothing (no NaN, no token) and records why; the other rows are as without it."""
+    cfgs = [GenerationConfig(seed=1), GenerationConfig(temperature=0.0), GenerationConfig(seed=2)]
+    sources = [[AllowedSet([4, 8, 15])], [FailingSource([])], [AllowedSet([16, 23, 42])]]
+    states = [make_state(c, sources=s) for c, s in zip(cfgs, sources, strict=True)]
+    logits = logits_for(3)
+    if workers_start:
+        proc.start_masks(states)
+    proc.inplace_update_logits(logits, states)
+    result = sampler.sample(sampler.renormalize(proc.compute_probs_from_logits(logits, states), states), states)
+    assert result.no_valid_token.tolist() == [False, True, False]
+    assert states[1].constraint_error == "RuntimeError: grammar engine gave up"
+    assert states[0].constraint_error is None and states[2].constraint_error is None
+    assert result.token_ids[0] in (4, 8, 15) and result.token_ids[2] in (16, 23, 42)
+    assert np.all(np.isneginf(logits[1])) and not np.isnan(logits).any()
+
+
 # ---- drafts -----------------------------------------------------------------------------------------------------
 
 def state_snapshot(state: RequestState) -> tuple:

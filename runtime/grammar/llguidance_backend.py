@@ -35,7 +35,11 @@ class LLGuidanceMatcher(GrammarMatcher):
         self._eos = frozenset(adapter.eos_token_ids)
 
     def fill_bitmask(self, row: np.ndarray) -> None:
+        if self._m.is_error():  # llguidance would allow EOS alone: an error must not pass for a finished answer
+            raise GrammarError(f"llguidance matcher failed: {self._m.get_error()}")
         self._m.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+        if self._m.is_error():
+            raise GrammarError(f"llguidance matcher failed: {self._m.get_error()}")
         self._adapter.clear_padding(row)
 
     def accept_token(self, token_id: int) -> bool:
