@@ -2,8 +2,11 @@
 
 One ``step()``::
 
-    admit waiting requests while sequence slots and KV cache are free (FIFO; one slot per sequence, and
-             n * min(limit, prompt + max_tokens) KV tokens reserved, so that no running sequence is ever preempted)
+    preempt: when the running sequences' next forward would overflow the KV cache, the latest-arrived request is
+             preempted: its KV cache is freed and it goes back to the front of the queue, to be prefilled again
+             (prompt + output so far, its state untouched) when there is room: recomputation, as vLLM does
+    admit waiting requests while sequence slots and KV cache are free (FIFO; a request needs its prompt's tokens
+             for each of its n sequences, plus a margin of one token per running sequence)
     prefill: new requests' prompts, and sequences that a jump-forward left with several tokens to feed
     fork:    a request with n > 1 prefills once, then forks its other sequences from the first
     decode:  every other running sequence feeds its last sampled token, all in one batch
@@ -80,8 +83,8 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self._running: list[GeneratedSequence] = []
         self._free_ids = list(range(self.max_batch - 1, -1, -1))
-        self._reserved = 0  # KV tokens reserved by the admitted requests
         self._ids = itertools.count()
+        self._arrivals = itertools.count()  # arrival order: the latest-arrived request is preempted first
 
     # ---------------------------------------------------------------------------------------------- requests
     def tokenize(self, prompt: Prompt, chat: bool | None = None) -> list[int]:
@@ -137,16 +140,17 @@ class Engine:
             raise ValueError(f"the prompt has {len(ids)} tokens; the context holds {limit} per sequence "
                              "(prompt and output together)")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        # KV tokens the request may need at most: admitted only when they are free (no preemption needed).
-        reserve = config.n * min(limit, len(ids) + (config.max_tokens or limit))
-        request = Request(rid, ids, RequestStats(prompt_tokens=len(ids), arrival=time.perf_counter()), reserve)
+        request = Request(rid, ids, RequestStats(prompt_tokens=len(ids), arrival=time.perf_counter()),
+                          next(self._arrivals))
         for index in range(config.n):
             cfg = config
             if config.n > 1 and config.seed is not None:  # each sequence its own stream, reproducibly
                 cfg = replace(config, seed=(config.seed + index) % 2**64)
             state = RequestState(ids, cfg, mask_sources=self._mask_sources(cfg))
-            request.sequences.append(GeneratedSequence(request, index, state, self.model.tokenizer,
-                                                       self.eos_token_ids, limit))
+            seq = GeneratedSequence(request, index, state, self.model.tokenizer, self.eos_token_ids, limit)
+            if index > 0:  # prefilled once, then forked from the first sequence
+                seq.forked_from = request.sequences[0]
+            request.sequences.append(seq)
         with self._lock:
             if rid in self._requests or any(r.request_id == rid for r in self._waiting):
                 raise ValueError(f"request id {rid!r} is already in use")
@@ -188,6 +192,8 @@ class Engine:
         started = time.perf_counter()
         deltas: dict[GeneratedSequence, Delta] = {}
         self._handle_aborts(deltas)
+        self._retire(deltas)  # aborted sequences leave the KV cache before room is counted
+        self._make_room()
         self._admit()
         step = self._forward()
         processing_s = 0.0
@@ -217,17 +223,55 @@ class Engine:
                     seq.finish("abort", deltas.setdefault(seq, Delta(seq.request_id, seq.index)))
             request.stats.finish_time = time.perf_counter()
 
-    def _admit(self) -> None:
+    def _kv_needed(self) -> int:
+        """KV cache tokens the running sequences hold once the next forward has fed them."""
+        return sum(s.kv_need for s in self._running if s.finish_reason is None)
+
+    def _make_room(self) -> None:
+        """Preempt the latest-arrived running requests until the next forward fits in the KV cache."""
+        while self._kv_needed() > self.max_total_tokens:
+            live = {s.request.request_id: s.request for s in self._running if s.finish_reason is None}
+            if len(live) < 2:  # cannot happen: a request alone always fits (its sequences stop at `limit`)
+                raise RuntimeError(f"one request needs {self._kv_needed()} KV tokens of {self.max_total_tokens}")
+            self._preempt(max(live.values(), key=lambda r: r.arrival_order))
+
+    def _preempt(self, request: Request) -> None:
+        """Free the request's KV cache and slots; it waits at the front of the queue to be prefilled again."""
+        for seq in request.sequences:
+            if seq.finish_reason is not None or seq.seq_id is None:
+                continue  # finished (aborted this step) sequences are freed by _retire
+            if seq.in_model:
+                self.model.remove_sequence(seq.seq_id)
+                seq.in_model = False
+            self._free_ids.append(seq.seq_id)
+            seq.seq_id = None
+            state = seq.state
+            seq.feed, seq.kv_len, seq.forked_from = state.prompt_token_ids + state.output_token_ids, 0, None
+        self._running = [s for s in self._running if s.request is not request or s.finish_reason is not None]
+        del self._requests[request.request_id]
+        request.stats.preemptions += 1
+        self.stats.preemptions += 1
         with self._lock:
-            while self._waiting and len(self._waiting[0].sequences) <= len(self._free_ids) and (
-                    self._reserved + self._waiting[0].reserve <= self.max_total_tokens):
-                request = self._waiting.popleft()
-                self._reserved += request.reserve
+            self._waiting.appendleft(request)
+
+    def _admit(self) -> None:
+        """Admit waiting requests in order while their sequences get slots and their prompts fit in the KV cache
+        with a margin of one token per running sequence (with nothing running, the next request always fits)."""
+        used = self._kv_needed()
+        running = sum(1 for s in self._running if s.finish_reason is None)
+        with self._lock:
+            while self._waiting:
+                request = self._waiting[0]
+                live = [s for s in request.sequences if s.finish_reason is None]
+                need = sum(s.kv_need for s in live)
+                if len(live) > len(self._free_ids) or (
+                        running and used + need + running + len(live) > self.max_total_tokens):
+                    break
+                self._waiting.popleft()
+                used, running = used + need, running + len(live)
                 self._requests[request.request_id] = request
-                for seq in request.sequences:
+                for seq in live:
                     seq.seq_id = self._free_ids.pop()
-                    if seq.index > 0:
-                        seq.forked_from = request.sequences[0]
                     self._running.append(seq)
 
     def _forward(self) -> _StepInfo:
@@ -361,7 +405,6 @@ class Engine:
         self._running = keep
         for rid in [rid for rid, r in self._requests.items() if r.finished]:
             request = self._requests.pop(rid)
-            self._reserved -= request.reserve
             if request.stats.finish_time is None:
                 request.stats.finish_time = time.perf_counter()
             for seq in request.sequences:  # a finished request's outputs carry its final statistics

@@ -33,6 +33,8 @@ class RequestStats:
     processing_seconds: float = 0.0
     step_seconds: float = 0.0
     jump_forward_tokens: int = 0
+    #: Times the request was preempted (its KV cache freed, prompt and output prefilled again later).
+    preemptions: int = 0
 
     @property
     def time_to_first_token(self) -> float | None:
@@ -75,6 +77,7 @@ class EngineStats:
     sampled_tokens: int = 0
     jump_forward_tokens: int = 0
     jump_forward_steps_saved: int = 0
+    preemptions: int = 0
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -101,7 +104,8 @@ class EngineStats:
                 f"decode {self.decode_tokens} tok at {self.decode_tokens_per_s:.1f} tok/s, "
                 f"{self.steps} steps, logit processing + sampling {100 * self.processing_share:.1f}% of step time"
                 + (f", jump-forward {self.jump_forward_tokens} tok ({self.jump_forward_steps_saved} steps saved)"
-                   if self.jump_forward_tokens else ""))
+                   if self.jump_forward_tokens else "")
+                + (f", {self.preemptions} preemptions" if self.preemptions else ""))
 
 
 @dataclass

@@ -27,9 +27,9 @@ if TYPE_CHECKING:
 class Request:
     """A request: its prompt, config, statistics and its n sequences."""
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], stats: RequestStats, reserve: int) -> None:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], stats: RequestStats, arrival_order: int) -> None:
         self.request_id = request_id
-        self.reserve = reserve  # KV cache tokens held for it while it runs
+        self.arrival_order = arrival_order  # the engine preempts the latest-arrived request first
         self.prompt_token_ids = prompt_token_ids
         self.stats = stats
         self.sequences: list[GeneratedSequence] = []
@@ -70,6 +70,13 @@ class GeneratedSequence:
     @property
     def request_id(self) -> str:
         return self.request.request_id
+
+    @property
+    def kv_need(self) -> int:
+        """KV cache tokens this sequence holds once its feed is in (a sequence still to fork: the prompt)."""
+        if self.forked_from is not None:
+            return len(self.request.prompt_token_ids)
+        return self.kv_len + len(self.feed)
 
     # ----------------------------------------------------------------------------------------------------------
     def commit(self, token: int, delta: Delta) -> None:

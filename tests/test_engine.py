@@ -320,6 +320,31 @@ def test_abort_running_waiting_and_closed_streams(model) -> None:
     assert not engine.has_unfinished() and engine.num_running == 0
 
 
+def test_preempted_requests_resume_with_the_same_tokens(gguf) -> None:
+    """A KV cache of 96 tokens, four requests with no max_tokens: the latest is preempted when the cache runs out and
+    later prefilled again; every answer (sampled, penalised, grammar-constrained, n=2) equals the one it gets alone,
+    and its streamed text is its final text (nothing repeated or lost across the preemption)."""
+    from logitproc.serve.compiled_model import CompiledModel
+
+    small = CompiledModel.open(gguf, target="cpu", max_total_tokens=96, max_num_sequences=4)
+    jobs = [(PROMPTS[0], GenerationConfig(temperature=0.0, ignore_eos=True)),
+            (PROMPTS[1], GenerationConfig(temperature=0.9, seed=5, ignore_eos=True, frequency_penalty=0.4)),
+            (PROMPTS[2], GenerationConfig(temperature=0.7, seed=9, n=2, ignore_eos=True)),
+            (PROMPTS[3], GenerationConfig(temperature=0.0, max_tokens=80, response_format={"type": "json_object"}))]
+    expected = [Engine(small, max_batch=4).generate(p, c) for p, c in jobs]
+    engine = Engine(small, max_batch=4)
+    rids = [engine.add_request(p, c) for p, c in jobs]
+    seen = run_all(engine)
+    assert engine.stats.preemptions > 0 and engine.num_running == 0
+    for rid, want in zip(rids, expected, strict=True):
+        got = outputs_of(seen[rid])
+        assert [o.token_ids for o in got.values()] == [o.token_ids for o in want]
+        assert [o.finish_reason for o in got.values()] == [o.finish_reason for o in want]
+        for index, out in got.items():
+            assert "".join(d.text for d in seen[rid] if d.index == index) == out.text
+    assert sum(outputs_of(seen[r])[0].stats.preemptions for r in rids) == engine.stats.preemptions
+
+
 def test_logprobs_and_stats(model) -> None:
     engine = Engine(model)
     config = GenerationConfig(temperature=0.8, seed=2, max_tokens=6, ignore_eos=True, logprobs=True, top_logprobs=3)
