@@ -248,10 +248,10 @@ class Engine:
             state = seq.state
             seq.feed, seq.kv_len, seq.forked_from = state.prompt_token_ids + state.output_token_ids, 0, None
         self._running = [s for s in self._running if s.request is not request or s.finish_reason is not None]
-        del self._requests[request.request_id]
         request.stats.preemptions += 1
         self.stats.preemptions += 1
-        with self._lock:
+        with self._lock:  # never seen as finished from another thread: it moves to the queue in one go
+            del self._requests[request.request_id]
             self._waiting.appendleft(request)
 
     def _admit(self) -> None:
