@@ -52,14 +52,20 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop", action="append", help="a stop string (may be repeated)")
 
 
-def read_schema(spec: str) -> Any:
-    """A JSON schema from inline JSON text or from a file; ValueError saying what is wrong."""
+def read_schema(spec: str, stdin: bool = False) -> Any:
+    """A JSON schema from inline JSON text or from a file (a pipe such as ``<(...)`` works too; with ``stdin``,
+    ``-`` reads standard input); ValueError saying what is wrong."""
     text = spec.strip()
-    if not text.startswith(("{", "[")) and text not in ("true", "false"):
+    if text == "-" and stdin:
+        text = sys.stdin.read()
+    elif not text.startswith(("{", "[")) and text not in ("true", "false"):
         path = Path(text).expanduser()
-        if not path.is_file():
+        if not path.exists() or path.is_dir():
             raise ValueError(f"{spec!r} is neither inline JSON nor a file")
-        text = path.read_text()
+        try:
+            text = path.read_text()
+        except (OSError, UnicodeDecodeError) as err:
+            raise ValueError(f"cannot read the schema file {spec!r}: {err}") from None
     try:
         return json.loads(text)
     except json.JSONDecodeError as err:
@@ -82,7 +88,7 @@ def config_from_args(args: argparse.Namespace, **defaults: Any) -> Any:
     if args.json_schema and args.regex:
         raise ValueError("give either --json-schema or --regex, not both")
     if args.json_schema:
-        values["response_format"] = json_schema_format(read_schema(args.json_schema))
+        values["response_format"] = json_schema_format(read_schema(args.json_schema, stdin=True))
     elif args.regex:
         values["response_format"] = {"type": "regex", "regex": args.regex}
     if args.stop:

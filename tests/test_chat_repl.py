@@ -159,3 +159,27 @@ def test_generate_on_smollm2(smollm2_args) -> None:
     done = run_generate(*smollm2_args, "--prompt", "What is the capital of France?", "--temperature", "0",
                         "--max-tokens", "40")
     assert done.returncode == 0 and "Paris" in done.stdout, done.stderr
+
+
+def test_schema_arguments_inline_file_pipe_and_stdin(tmp_path, monkeypatch) -> None:
+    import io
+
+    from logitproc.serve.cli_options import read_schema
+
+    schema = {"type": "object", "required": ["a"]}
+    (tmp_path / "s.json").write_text(json.dumps(schema))
+    assert read_schema(json.dumps(schema)) == schema
+    assert read_schema(str(tmp_path / "s.json")) == schema
+    r, w = os.pipe()  # what the shell's <(...) passes: a /dev/fd path that is not a regular file
+    os.write(w, json.dumps(schema).encode())
+    os.close(w)
+    try:
+        assert read_schema(f"/dev/fd/{r}") == schema
+    finally:
+        os.close(r)
+    monkeypatch.setattr(sys, "stdin", io.StringIO(json.dumps(schema)))
+    assert read_schema("-", stdin=True) == schema
+    for bad, message in [("-", "neither inline JSON nor a file"), (str(tmp_path), "neither inline JSON nor a file"),
+                         ("{not json", "not valid JSON"), (str(tmp_path / "missing.json"), "neither")]:
+        with pytest.raises(ValueError, match=message):
+            read_schema(bad)
