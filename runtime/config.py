@@ -22,6 +22,7 @@ LOGPROBS_MODES = ("processed", "raw")
 MAX_TOP_LOGPROBS = 20
 MAX_N = 128
 MAX_STOP_STRINGS = 16
+MAX_BAD_WORDS = 64
 
 
 def _number(name: str, value: Any, *, integer: bool = False) -> float:
@@ -59,6 +60,11 @@ class GenerationConfig:
     top_logprobs       0..20 most likely alternatives per position (needs logprobs=True)
     logprobs_mode      "processed" (the distribution sampled from) or "raw" (the model's, before any processing)
     max_tokens         None or >= 1
+    min_tokens         >= 0 (<= max_tokens): EOS (unless ignore_eos) and stop_token_ids are banned, and stop strings
+                       not looked for, until this many tokens are out
+    allowed_token_ids  None, or a non-empty list: only these tokens may be generated
+    bad_words          up to 64 non-empty strings never generated: a word's last token is banned where the output
+                       ends with its other tokens (tokenised as written and with one leading space)
     n                  1..128 sequences sampled for the request (each keeps its own state)
     stop               up to 16 non-empty strings; generation stops before the first one in the text (not included)
     stop_token_ids     extra token ids that end a sequence (included in the output, like EOS)
@@ -85,6 +91,9 @@ class GenerationConfig:
     top_logprobs: int = 0
     logprobs_mode: str = "processed"
     max_tokens: int | None = None
+    min_tokens: int = 0
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[str, ...] = ()
     n: int = 1
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
@@ -117,15 +126,18 @@ class GenerationConfig:
             raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
         if self.max_tokens is not None:
             _in_range("max_tokens", _number("max_tokens", self.max_tokens, integer=True), 1, math.inf)
+        _in_range("min_tokens", _number("min_tokens", self.min_tokens, integer=True), 0,
+                  math.inf if self.max_tokens is None else self.max_tokens)
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", self._checked_ids("allowed_token_ids",
+                                                                            self.allowed_token_ids))
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must name at least one token (None allows every token)")
+        object.__setattr__(self, "bad_words", self._checked_strings("bad_words", self.bad_words, MAX_BAD_WORDS))
         _in_range("n", _number("n", self.n, integer=True), 1, MAX_N)
-        object.__setattr__(self, "stop", self._checked_stop(self.stop))
+        object.__setattr__(self, "stop", self._checked_strings("stop", self.stop, MAX_STOP_STRINGS))
         ids = (self.stop_token_ids,) if isinstance(self.stop_token_ids, int) else self.stop_token_ids
-        if not isinstance(ids, (list, tuple)):
-            raise TypeError(f"stop_token_ids must be a list of ints, got {type(ids).__name__}")
-        for t in ids:
-            if _number("stop_token_ids entry", t, integer=True) < 0:
-                raise ValueError(f"stop_token_ids entries must be >= 0, got {t!r}")
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
+        object.__setattr__(self, "stop_token_ids", self._checked_ids("stop_token_ids", ids))
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         object.__setattr__(self, "response_format", parse_response_format(self.response_format))
@@ -138,18 +150,27 @@ class GenerationConfig:
                 raise ValueError(f"{name} must be a non-empty string, got {marker!r}")
 
     @staticmethod
-    def _checked_stop(stop: Any) -> tuple[str, ...]:
-        if stop is None:
+    def _checked_strings(name: str, value: Any, most: int) -> tuple[str, ...]:
+        if value is None:
             return ()
-        items = (stop,) if isinstance(stop, str) else stop
+        items = (value,) if isinstance(value, str) else value
         if not isinstance(items, (list, tuple)):
-            raise TypeError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
-        if len(items) > MAX_STOP_STRINGS:
-            raise ValueError(f"stop holds {len(items)} strings; at most {MAX_STOP_STRINGS} are allowed")
+            raise TypeError(f"{name} must be a string or a list of strings, got {type(value).__name__}")
+        if len(items) > most:
+            raise ValueError(f"{name} holds {len(items)} strings; at most {most} are allowed")
         for item in items:
             if not isinstance(item, str) or not item:
-                raise ValueError(f"stop strings must be non-empty strings, got {item!r}")
+                raise ValueError(f"{name} entries must be non-empty strings, got {item!r}")
         return tuple(items)
+
+    @staticmethod
+    def _checked_ids(name: str, ids: Any) -> tuple[int, ...]:
+        if not isinstance(ids, (list, tuple)):
+            raise TypeError(f"{name} must be a list of ints, got {type(ids).__name__}")
+        for t in ids:
+            if _number(f"{name} entry", t, integer=True) < 0:
+                raise ValueError(f"{name} entries must be >= 0, got {t!r}")
+        return tuple(int(t) for t in ids)
 
     @staticmethod
     def _checked_bias(bias: Any) -> Mapping[int, float]:
@@ -193,8 +214,16 @@ class GenerationConfig:
         """The parsed response_format (None when the output is not constrained)."""
         return self.response_format
 
+    @property
+    def has_token_rules(self) -> bool:
+        """min_tokens, allowed_token_ids or bad_words is set (they become mask sources)."""
+        return self.min_tokens > 0 or self.allowed_token_ids is not None or bool(self.bad_words)
+
     def check_vocab(self, vocab_size: int) -> None:
-        """Reject logit_bias token ids outside ``[0, vocab_size)``; called when a processor first sees the request."""
-        bad = [t for t in self.logit_bias if t >= vocab_size]
-        if bad:
-            raise ValueError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+        """Reject token ids outside ``[0, vocab_size)`` (logit_bias, allowed_token_ids, stop_token_ids); called when
+        a processor or engine first sees the request."""
+        for name, ids in (("logit_bias", self.logit_bias), ("allowed_token_ids", self.allowed_token_ids or ()),
+                          ("stop_token_ids", self.stop_token_ids)):
+            bad = [t for t in ids if t >= vocab_size]
+            if bad:
+                raise ValueError(f"{name} token id {bad[0]} is outside the vocabulary [0, {vocab_size})")

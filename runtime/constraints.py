@@ -8,7 +8,9 @@ sequence (each sequence of an n > 1 request separately) ``sources_for(config)`` 
 * with ``config.max_thinking_tokens`` set, a :class:`ThinkBudget` that starts inside the think block (the prompt is
   opened with ``config.think_begin``: see :meth:`open_think_block`), forces ``config.think_end`` when the budget is
   spent, and applies the grammar only after thinking ends;
-* the Tree Decode constraint when the factory has a map.
+* the Tree Decode constraint when the factory has a map;
+* the token rules ``allowed_token_ids``, ``bad_words`` and ``min_tokens`` (see ``token_rules.py``); min_tokens bans
+  the factory's EOS ids (unless ``ignore_eos``) and ``stop_token_ids``.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from .grammar import (
 )
 from .request_state import TokenMaskSource
 from .think_mode import ThinkBudget
+from .token_rules import AllowedTokens, BadWords, MinTokens, bad_word_token_ids
 from .tree_decode import TreeDecodeConfig, TreeDecodeSource
 
 
@@ -76,7 +79,21 @@ class ConstraintFactory:
             sources.append(grammar)
         if self.tree_decode is not None:
             sources.append(TreeDecodeSource(self.tree_decode))
+        sources.extend(self.token_rules(config))
         return sources
+
+    def token_rules(self, config: GenerationConfig) -> list[TokenMaskSource]:
+        """The mask sources of ``allowed_token_ids``, ``bad_words`` and ``min_tokens`` (none when they are unset)."""
+        vocab = self.tokenizer.vocab_size
+        rules: list[TokenMaskSource] = []
+        if config.allowed_token_ids is not None:
+            rules.append(AllowedTokens(config.allowed_token_ids, vocab))
+        if config.bad_words:
+            rules.append(BadWords(bad_word_token_ids(config.bad_words, self.tokenizer.encode), vocab))
+        if config.min_tokens:
+            eos = () if config.ignore_eos else self.tokenizer.eos_token_ids
+            rules.append(MinTokens(config.min_tokens, sorted({*eos, *config.stop_token_ids}), vocab))
+        return rules
 
     def open_think_block(self, prompt_ids: Sequence[int], config: GenerationConfig) -> list[int]:
         """The prompt, followed by the ids of ``config.think_begin`` when a thinking budget is set and the prompt does

@@ -35,6 +35,7 @@ NUMERIC_COMMANDS: dict[str, tuple[str, type]] = {
     "repetition_penalty": ("repetition_penalty", float),
     "seed": ("seed", int),
     "max_tokens": ("max_tokens", int),
+    "min_tokens": ("min_tokens", int),
 }
 NULLABLE = {"seed", "max_tokens", "max_thinking_tokens"}
 
@@ -43,7 +44,8 @@ Type a message to chat. Commands:
   /temperature X  /top_p X  /top_k N  /min_p X    sampling (temperature 0 = greedy)
   /presence_penalty X  /frequency_penalty X  /repetition_penalty X
   /logit_bias TOKEN_OR_ID=BIAS ...  (or: /logit_bias clear)   bias tokens, e.g. /logit_bias Paris=5 42=-100
-  /seed N|off   /max_tokens N|off
+  /seed N|off   /max_tokens N|off   /min_tokens N (no EOS or stop before N tokens)
+  /bad_words WORD ...           never write these words (/bad_words clear)
   /json FILE_OR_INLINE_SCHEMA   constrain answers to a JSON schema (/json alone: any JSON object; /json off)
   /regex PATTERN                constrain answers to a regular expression (/regex off)
   /think N|off                  thinking budget between <think> and </think>
@@ -70,7 +72,8 @@ class ChatSession:
         self.running = True
         self._interrupted = False
         self._commands: dict[str, Callable[[str], None]] = {
-            "logit_bias": self._logit_bias, "json": self._json, "regex": self._regex, "think": self._think,
+            "logit_bias": self._logit_bias, "bad_words": self._bad_words, "json": self._json, "regex": self._regex,
+            "think": self._think,
             "stats": self._stats, "settings": self._settings, "reset": self._reset, "help": self._help,
             "exit": self._exit, "quit": self._exit,
         }  # fmt: skip
@@ -133,6 +136,11 @@ class ChatSession:
             except ValueError:
                 raise CommandError(f"/logit_bias: {value!r} is not a number") from None
         self._set("logit_bias", bias)
+
+    def _bad_words(self, arg: str) -> None:
+        if not arg:
+            raise CommandError("/bad_words WORD ... (or /bad_words clear)")
+        self._set("bad_words", () if arg.lower() == "clear" else tuple(arg.split()))
 
     def _token_id(self, token: str) -> int:
         if token.isdigit():

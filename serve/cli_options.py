@@ -27,6 +27,7 @@ SAMPLING_OPTIONS: dict[str, tuple[str, type, str]] = {
     "--repetition-penalty": ("repetition_penalty", float, "> 0, 1 = off"),
     "--seed": ("seed", int, "seed of the sampling stream"),
     "--max-tokens": ("max_tokens", int, "at most this many tokens per answer"),
+    "--min-tokens": ("min_tokens", int, "no EOS, stop token or stop string before this many tokens"),
 }
 
 
@@ -50,6 +51,7 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json-schema", metavar="FILE_OR_JSON", help="constrain the answer to this JSON schema")
     parser.add_argument("--regex", help="constrain the answer to match this regular expression")
     parser.add_argument("--stop", action="append", help="a stop string (may be repeated)")
+    parser.add_argument("--bad-word", action="append", help="a word never to write (may be repeated)")
 
 
 def read_schema(spec: str, stdin: bool = False) -> Any:
@@ -93,6 +95,8 @@ def config_from_args(args: argparse.Namespace, **defaults: Any) -> Any:
         values["response_format"] = {"type": "regex", "regex": args.regex}
     if args.stop:
         values["stop"] = tuple(args.stop)
+    if getattr(args, "bad_word", None):
+        values["bad_words"] = tuple(args.bad_word)
     return GenerationConfig(**values)
 
 

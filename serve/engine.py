@@ -129,9 +129,6 @@ class Engine:
         if config.n > self.max_batch:
             raise ValueError(f"n={config.n} sequences do not fit in max_batch={self.max_batch}")
         config.check_vocab(self.vocab_size)
-        for t in config.stop_token_ids:
-            if t >= self.vocab_size:
-                raise ValueError(f"stop_token_ids entry {t} is outside the vocabulary [0, {self.vocab_size})")
         if config.max_thinking_tokens is not None:  # generation starts inside the think block
             ids = self._constraint_factory().open_think_block(ids, config)
         # Each sequence may grow to `limit` tokens: the context, or its share of the KV cache when n > 1.
@@ -159,7 +156,8 @@ class Engine:
 
     def _mask_sources(self, config: GenerationConfig) -> list[Any]:
         """Constraint sources for one sequence (a grammar, a think budget), made fresh per sequence."""
-        if config.response_format is None and config.max_thinking_tokens is None and self.tree_decode is None:
+        if (config.response_format is None and config.max_thinking_tokens is None and self.tree_decode is None
+                and not config.has_token_rules):
             return []
         return list(self._constraint_factory().sources_for(config))
 

@@ -56,6 +56,7 @@ class GeneratedSequence:
         #: Tokens that end the sequence (kept in token_ids, not in the text; the state is not advanced by them).
         self.stop_token_ids = frozenset(cfg.stop_token_ids) | frozenset(() if cfg.ignore_eos else eos_token_ids)
         self._max_tokens = cfg.max_tokens
+        self._min_tokens = cfg.min_tokens
         self._context = context_length
         self.detok = IncrementalDetokenizer(tokenizer)
         self.stops = StopStringFilter(cfg.stop)
@@ -86,7 +87,9 @@ class GeneratedSequence:
         if token in self.stop_token_ids:
             self.finish("stop", delta, stop_reason=token)
             return
-        self._emit(self.stops.feed(self.detok.add_tokens([token])), delta)
+        text = self.detok.add_tokens([token])
+        # Stop strings count from the text after the first min_tokens tokens (vLLM's rule).
+        self._emit(self.stops.feed(text) if len(self.token_ids) > self._min_tokens else text, delta)
         if self.stops.stopped:
             self.finish("stop", delta, stop_reason=self.stops.matched)
         elif self._max_tokens is not None and len(self.token_ids) >= self._max_tokens:

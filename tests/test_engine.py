@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 
 import jsonschema
 import numpy as np
@@ -441,3 +442,32 @@ def test_smollm2_knows_the_capital_of_france(smollm2) -> None:
     [out] = engine.generate([{"role": "user", "content": "What is the capital of France?"}],
                             GenerationConfig(temperature=0.0, max_tokens=40))
     assert "Paris" in out.text, out.text
+
+
+def test_min_tokens_allowed_token_ids_and_bad_words(model) -> None:
+    eos = model.eos_token_ids[0]
+    # EOS pushed up by +100: without min_tokens the answer is EOS at once; with it, exactly min_tokens tokens first.
+    config = GenerationConfig(temperature=0.0, logit_bias={eos: 100.0}, max_tokens=20)
+    [out] = alone(model, "abc", replace(config, min_tokens=6))
+    assert len(out.token_ids) == 7 and out.token_ids[-1] == eos and out.finish_reason == "stop"
+    assert eos not in out.token_ids[:6]
+    # Stop strings are looked for only after min_tokens tokens (vLLM's rule).
+    letters = [byte_token(b) for b in b"ab"]
+    only_ab = replace(config, logit_bias={}, allowed_token_ids=letters, max_tokens=12, ignore_eos=True)
+    [free] = alone(model, "abc", only_ab)
+    assert set(free.token_ids) <= set(letters) and len(free.token_ids) == 12
+    first = free.text[:2]  # one byte a token here: characters are tokens
+    [at_once] = alone(model, "abc", replace(only_ab, stop=[first]))
+    assert at_once.finish_reason == "stop" and at_once.text == ""
+    [held] = alone(model, "abc", replace(only_ab, stop=[first], min_tokens=4))
+    later = free.text.find(first, 4)
+    assert held.text == (free.text if later < 0 else free.text[:later])
+    assert held.finish_reason == ("length" if later < 0 else "stop")
+    # A bad word never appears, however much the bias pushes its tokens: one token, and two ("xx": no x after x).
+    push = GenerationConfig(temperature=0.0, logit_bias={byte_token(ord("x")): 100.0}, max_tokens=10, ignore_eos=True)
+    [pushed] = alone(model, "abc", push)
+    assert pushed.text == "x" * 10
+    [clean] = alone(model, "abc", replace(push, bad_words=["x"]))
+    assert "x" not in clean.text and len(clean.token_ids) == 10
+    [paired] = alone(model, "abc", replace(push, bad_words=["xx"]))
+    assert "xx" not in paired.text and paired.text.count("x") == 5 and len(paired.token_ids) == 10
