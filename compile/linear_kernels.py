@@ -42,6 +42,10 @@ _CHUNKS = 64         # parallel chunks of output rows
 _TOKEN_TILE = 64     # tokens whose inputs stay in L2 while a chunk's rows pass over them
 _QBLOCK = 32         # weights per quantisation block
 _SCALE = "float32"   # block scales and mins: the GGUF's float16 values widened (exact), no conversion in the loop
+_GEMM_MIN_TOKENS = 8  # from this many tokens on, the register-tiled GEMM (below, the dot-product kernels)
+_GEMM_ROWS = 8       # output rows of a GEMM register tile (a row group)
+_GEMM_VECS = 3       # token vectors (of 16) of the widest register tile: 8 x 3 accumulators of 16 lanes
+_GEMM_TILE = 96      # tokens per tile of the transposed x (6 vectors; K x 96 float32 stays in L2)
 
 
 def check_shape(out_features: int, in_features: int, fmt: str) -> None:
@@ -154,6 +158,85 @@ def _quantised_rows(y, x, n, out_features, in_features, blocks, acc, wrow, chunk
                           lambda t, o_, s, lane: x[t, s * _LANES + lane] * wrow[s * _LANES + lane])
 
 
+# ---------------------------------------------------------------- GEMM (from _GEMM_MIN_TOKENS tokens on)
+
+
+@T.macro
+def _transpose(xt, x, n, in_features, chunks):
+    """xt[tile, k, j] = x[96 tile + j, k] for tokens below n, 0 for the padding up to a whole vector of 16 tokens
+    (xt: [tiles, K, 96] float32); the k range in parallel chunks."""
+    padded: T.let = (n + _LANES - 1) // _LANES * _LANES
+    for chunk in T.parallel(chunks):
+        for k in range(chunk * in_features // chunks, (chunk + 1) * in_features // chunks):
+            for t in range(padded):
+                xt[t // _GEMM_TILE, k, t % _GEMM_TILE] = T.if_then_else(t < n, x[T.min(t, n - 1), k], T.float32(0))
+
+
+@T.macro
+def _micro(y, xt, wd, acc, n, out_features, in_features, o0, tile, t0, vecs):
+    """One register tile: ``acc[r, 16 v + l] = sum_k wd[r, k] * xt[tile, k, t0 + 16 v + l]`` for r < 8, v < vecs
+    (at most 8 x 3 accumulators of 16 lanes, kept in registers; per k one vector load of x per v and one broadcast
+    of wd per r), then ``y[96 tile + t0 + j, o0 + r] = acc[r, j]`` for the tokens and rows that exist."""
+    for r in T.unroll(_GEMM_ROWS):
+        for v in T.unroll(vecs):
+            for lane in T.vectorized(_LANES):
+                acc[r, v * _LANES + lane] = T.float32(0)
+    for k in range(in_features):
+        for r in T.unroll(_GEMM_ROWS):
+            for v in T.unroll(vecs):
+                for lane in T.vectorized(_LANES):
+                    acc[r, v * _LANES + lane] = acc[r, v * _LANES + lane] + wd[r, k] * xt[
+                        tile, k, t0 + v * _LANES + lane]
+    for j in range(T.min(vecs * _LANES, n - tile * _GEMM_TILE - t0)):
+        for r in range(T.min(_GEMM_ROWS, out_features - o0)):
+            y[tile * _GEMM_TILE + t0 + j, o0 + r] = acc[r, j]
+
+
+@T.macro
+def _micros(y, xt, wd, acc, n, out_features, in_features, o0, tile, vectors):
+    """The ``vectors`` token vectors of a tile against one row group, in register tiles of 3 vectors, then 2s (a
+    remainder of 1 becomes 2 + 2 where it can; a lone vector is a tile of 1)."""
+    ones: T.let = T.Select(vectors == 1, 1, 0)
+    twos: T.let = T.Select(vectors % 3 == 2, 1, T.Select(vectors % 3 == 1 and vectors > 1, 2, 0))
+    threes: T.let = (vectors - ones - 2 * twos) // 3
+    for m in range(threes):
+        _micro(y, xt, wd, acc, n, out_features, in_features, o0, tile, m * 48, 3)
+    for m in range(twos):
+        _micro(y, xt, wd, acc, n, out_features, in_features, o0, tile, threes * 48 + m * 32, 2)
+    if ones == 1:
+        _micro(y, xt, wd, acc, n, out_features, in_features, o0, tile, 0, 1)
+
+
+@T.macro
+def _fill(wd, o0, out_features, in_features, elem):
+    """wd[r, 16 c + l] = elem(min(o0 + r, N - 1), c, l) (the decoded weight W[o, 16 c + l]) for r < 8."""
+    for r in range(_GEMM_ROWS):
+        o: T.let = T.min(o0 + r, out_features - 1)
+        for c in range(in_features // _LANES):
+            for lane in T.vectorized(_LANES):
+                wd[r, c * _LANES + lane] = elem(o, c, lane)
+
+
+@T.macro
+def _gemm(y, x, n, out_features, in_features, elem):
+    """``y[t, o] = sum_k x[t, k] * W[o, k]`` as a register-tiled GEMM: x transposed into tiles of 96 tokens
+    (``_transpose``); the output rows in groups of 8, the groups in balanced parallel chunks; per token tile and
+    group, rows o0 .. o0+7 (clamped to the last row) are decoded into ``wd[8, K]`` float32 once (``_fill``), and
+    the tile's token vectors run against it in register tiles (``_micros``)."""
+    tiles: T.let = (n + _GEMM_TILE - 1) // _GEMM_TILE
+    groups: T.let = (out_features + _GEMM_ROWS - 1) // _GEMM_ROWS
+    xt = T.alloc_buffer((tiles, in_features, _GEMM_TILE), "float32")
+    _transpose(xt, x, n, in_features, _CHUNKS)
+    for chunk in T.parallel(T.min(_CHUNKS, groups)):
+        acc = T.alloc_buffer((_GEMM_ROWS, _GEMM_VECS * _LANES), "float32", scope="local")
+        wd = T.alloc_buffer((_GEMM_ROWS, in_features), "float32", scope="local")
+        for tile in range(tiles):
+            for g in range(chunk * groups // T.min(_CHUNKS, groups), (chunk + 1) * groups // T.min(_CHUNKS, groups)):
+                _fill(wd, g * _GEMM_ROWS, out_features, in_features, elem)
+                _micros(y, xt, wd, acc, n, out_features, in_features, g * _GEMM_ROWS, tile,
+                        (T.min(_GEMM_TILE, n - tile * _GEMM_TILE) + _LANES - 1) // _LANES)
+
+
 def _f32(value: Any) -> Any:
     return T.Cast("float32", value)
 
@@ -185,9 +268,12 @@ def linear_kernel(out_features: int, in_features: int, fmt: str) -> tirx.PrimFun
             n = T.int64()
             x = T.match_buffer(var_x, (n, K), "float32")
             y = T.match_buffer(var_y, (n, N), "float32")
-            for chunk in T.parallel(chunks):
-                acc = T.alloc_buffer((_TOKEN_BLOCK, _LANES), "float32", scope="local")
-                _rows(y, n, N, K // _LANES, acc, chunk, rows_per_chunk, float_term(x, w))
+            if n >= _GEMM_MIN_TOKENS:
+                _gemm(y, x, n, N, K, lambda o, c, lane: _f32(w[o, c * _LANES + lane]))
+            else:
+                for chunk in T.parallel(chunks):
+                    acc = T.alloc_buffer((_TOKEN_BLOCK, _LANES), "float32", scope="local")
+                    _rows(y, n, N, K // _LANES, acc, chunk, rows_per_chunk, float_term(x, w))
         return linear
 
     if fmt == "q8_0":
@@ -203,11 +289,15 @@ def linear_kernel(out_features: int, in_features: int, fmt: str) -> tirx.PrimFun
             n = T.int64()
             x = T.match_buffer(var_x, (n, K), "float32")
             y = T.match_buffer(var_y, (n, N), "float32")
-            for chunk in T.parallel(chunks):
-                acc = T.alloc_buffer((_TOKEN_BLOCK, _LANES), "float32", scope="local")
-                wrow = T.alloc_buffer((K,), "float32", scope="local")
-                _quantised_rows(y, x, n, N, K, blocks, acc, wrow, chunk, rows_per_chunk, q8_term(x, codes, scales),
-                                lambda o, s, lane, half: _f32(scales[o, s]) * _f32(codes[o, s * 32 + half * 16 + lane]))
+            if n >= _GEMM_MIN_TOKENS:
+                _gemm(y, x, n, N, K, lambda o, c, lane: scales[o, c // 2] * _f32(codes[o, c * _LANES + lane]))
+            else:
+                for chunk in T.parallel(chunks):
+                    acc = T.alloc_buffer((_TOKEN_BLOCK, _LANES), "float32", scope="local")
+                    wrow = T.alloc_buffer((K,), "float32", scope="local")
+                    _quantised_rows(y, x, n, N, K, blocks, acc, wrow, chunk, rows_per_chunk,
+                                    q8_term(x, codes, scales), lambda o, s, lane, half: _f32(scales[o, s]) * _f32(
+                                        codes[o, s * 32 + half * 16 + lane]))
         return linear_q8_0
 
     def q4_term(x, xp, codes, scales, mins):
@@ -219,6 +309,10 @@ def linear_kernel(out_features: int, in_features: int, fmt: str) -> tirx.PrimFun
         return lambda o, s, lane, half: _f32(scales[o, s]) * (_high if half else _low)(codes[o, s * 16 + lane]) + _f32(
             mins[o, s])
 
+    def q4_elem(codes, scales, mins):  # weight 16 c + lane: nibble c % 2 of byte 16 (c // 2) + lane
+        return lambda o, c, lane: scales[o, c // 2] * _f32(T.bitwise_and(T.shift_right(
+            codes[o, c // 2 * 16 + lane], T.Cast("uint8", c % 2 * 4)), T.uint8(15))) + mins[o, c // 2]
+
     @T.prim_func(private=True)
     def linear_q4_1(var_x: T.handle, codes: T.Buffer((N, half), "uint8"), scales: T.Buffer((N, blocks), _SCALE),
                     mins: T.Buffer((N, blocks), _SCALE), var_y: T.handle):
@@ -226,16 +320,19 @@ def linear_kernel(out_features: int, in_features: int, fmt: str) -> tirx.PrimFun
         n = T.int64()
         x = T.match_buffer(var_x, (n, K), "float32")
         y = T.match_buffer(var_y, (n, N), "float32")
-        xp = T.alloc_buffer((n, half), "float32")
-        for t in range(n):
-            for s in range(blocks):
-                for lane in T.vectorized(16):
-                    xp[t, s * 16 + lane] = x[t, s * 32 + lane] + x[t, s * 32 + 16 + lane]
-        for chunk in T.parallel(chunks):
-            acc = T.alloc_buffer((_TOKEN_BLOCK, _LANES), "float32", scope="local")
-            wrow = T.alloc_buffer((K,), "float32", scope="local")
-            _quantised_rows(y, x, n, N, K, blocks, acc, wrow, chunk, rows_per_chunk,
-                            q4_term(x, xp, codes, scales, mins), q4_decode(codes, scales, mins))
+        if n >= _GEMM_MIN_TOKENS:
+            _gemm(y, x, n, N, K, q4_elem(codes, scales, mins))
+        else:
+            xp = T.alloc_buffer((n, half), "float32")
+            for t in range(n):
+                for s in range(blocks):
+                    for lane in T.vectorized(16):
+                        xp[t, s * 16 + lane] = x[t, s * 32 + lane] + x[t, s * 32 + 16 + lane]
+            for chunk in T.parallel(chunks):
+                acc = T.alloc_buffer((_TOKEN_BLOCK, _LANES), "float32", scope="local")
+                wrow = T.alloc_buffer((K,), "float32", scope="local")
+                _quantised_rows(y, x, n, N, K, blocks, acc, wrow, chunk, rows_per_chunk,
+                                q4_term(x, xp, codes, scales, mins), q4_decode(codes, scales, mins))
     return linear_q4_1
 
 

@@ -19,12 +19,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import tvm
 from logitproc import GenerationConfig, LogitProcessor, RequestState
 from logitproc.compile import model_compile
 from logitproc.compile.gguf_model import GGUFModel, build_tokenizer
 from logitproc.compile.hf_model import load_hf_dir, write_hf_dir
 from logitproc.compile.kernel_library import KernelLibrary
+from logitproc.compile.linear_kernels import FORMATS, linear_kernel, param_shapes
 from logitproc.compile.model_compile import compile_model
+from logitproc.compile.targets import resolve_target
 from logitproc.compile.tiny_model import make_tiny_model
 from logitproc.serve.compiled_model import CompiledModel
 from logitproc.serve.numpy_llama import NumpyLlama, NumpyRunner, apply_rope, rope_tables
@@ -245,6 +248,64 @@ def test_tokenizer_and_chat_template(m16, tiny) -> None:
     assert m16.tokenizer.decode(ids, skip_special_tokens=False) == text
     assert m16.eos_token_ids == (2, 0)
     assert m16.context_length == 512 and m16.max_num_sequences == 8 and m16.name == tiny.config.name
+
+
+# ---------------------------------------------------------------- linear kernels against numpy
+
+#: Per format: SmolLM2's projections in the formats its GGUF stores them in (qkv, o, gate_up, down: Q4_1; the tied
+#: embedding / output head: Q8_0), an N that is not a multiple of the GEMM's 8-row groups, and (float formats) a K
+#: that is not a multiple of 32. Each kernel takes about 2 s to compile.
+LINEAR_SHAPES = {
+    "q4_1": [(960, 576), (576, 576), (3072, 576), (576, 1536), (100, 64)],
+    "q8_0": [(49152, 576), (576, 576), (100, 64)],
+    "float16": [(960, 576), (100, 64), (40, 48)],
+    "float32": [(576, 1536), (100, 64), (40, 48)],
+}
+TOKEN_COUNTS = (1, 3, 4, 5, 7, 8, 17, 64, 65, 96, 97, 130)
+
+
+def random_weights(n_out: int, n_in: int, fmt: str, rng: np.random.Generator) -> tuple[list[np.ndarray], np.ndarray]:
+    """Random arrays storing a weight in ``fmt`` (``param_shapes``) and the float64 matrix they stand for."""
+    arrays = {}
+    for suffix, shape, dtype in param_shapes(n_out, n_in, fmt):
+        if dtype == "int8":
+            arrays[suffix] = rng.integers(-127, 128, shape).astype(np.int8)
+        elif dtype == "uint8":
+            arrays[suffix] = rng.integers(0, 256, shape).astype(np.uint8)
+        else:
+            arrays[suffix] = (rng.standard_normal(shape) * 0.05).astype(dtype)
+    if fmt in ("float32", "float16"):
+        w = arrays["weight"].astype(np.float64)
+    else:
+        scales = np.repeat(arrays["scales"].astype(np.float64), 32, axis=1)
+        if fmt == "q8_0":
+            w = arrays["codes"].astype(np.float64) * scales
+        else:  # byte j of a block's 16: weight j in the low nibble, weight 16 + j in the high one
+            codes = arrays["codes"].reshape(n_out, n_in // 32, 16)
+            q = np.concatenate([codes & 15, codes >> 4], axis=2).reshape(n_out, n_in)
+            w = q * scales + np.repeat(arrays["mins"].astype(np.float64), 32, axis=1)
+    return list(arrays.values()), w
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_linear_kernels_match_numpy_on_awkward_token_counts(fmt: str) -> None:
+    """Both schedules (dot products below 8 tokens, the register-tiled GEMM from 8 on: tails of 1/2/3 vectors,
+    partial vectors, several 96-token tiles, a partial last row group) against float64 numpy."""
+    rng = np.random.default_rng(1)
+    target, dev = resolve_target("cpu").tvm_target(), tvm.cpu()
+    for n_out, n_in in LINEAR_SHAPES[fmt]:
+        kernel = linear_kernel(n_out, n_in, fmt).with_attr("global_symbol", "main")
+        with tvm.transform.PassContext(opt_level=3):
+            run = tvm.compile(tvm.IRModule({"main": kernel}), target=target).mod["main"]
+        arrays, w = random_weights(n_out, n_in, fmt, rng)
+        weights = [tvm.runtime.tensor(a, dev) for a in arrays]
+        for n in TOKEN_COUNTS if n_out < 10000 else (1, 4, 17):
+            x = rng.standard_normal((n, n_in)).astype(np.float32)
+            y = tvm.runtime.tensor(np.full((n, n_out), np.nan, np.float32), dev)
+            run(tvm.runtime.tensor(x, dev), *weights, y)
+            expected = x.astype(np.float64) @ w.T
+            np.testing.assert_allclose(y.numpy(), expected, rtol=0, atol=1e-5 * np.abs(expected).max(),
+                                       err_msg=f"{fmt} {n_out}x{n_in}, {n} tokens")
 
 
 # ---------------------------------------------------------------- the numpy runner
