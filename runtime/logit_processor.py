@@ -12,6 +12,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 from logitproc.compile import KernelLibrary
 
 from .device import Device, PrefixViews
@@ -27,6 +28,17 @@ from .rows import RowPlan, plan_for_array, plan_rows
 MAX_LOGIT_BIAS_ENTRIES = 1024
 
 DraftArg = Sequence[DraftTree | Sequence[int] | None] | None
+
+
+def _all_allow(sources: Sequence[Any], token_ids: Sequence[int], words: int) -> bool:
+    """Every source allows ``token_ids[i]`` after ``token_ids[:i]``, for every i."""
+    row = np.empty(words, np.int32)
+    for i, token in enumerate(token_ids):
+        for source in sources:
+            row[:] = -1
+            if source.fill_bitmask(row, list(token_ids[:i])) and not (int(row[token >> 5]) >> (token & 31)) & 1:
+                return False
+    return True
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -125,7 +137,9 @@ class LogitProcessor:
         last tokens, they are rolled back first (``rollback``), then ``token_ids`` appended. The state (penalty
         counts and every mask source) is updated; the caller makes its KV cache agree: its first
         ``state.num_tokens - len(token_ids)`` tokens are unchanged. Returns None when nothing is forced, the
-        sequence has finished, or the request asked for logprobs (a jump has no distribution to report).
+        sequence has finished, or the request asked for logprobs (a jump has no distribution to report). The jump is
+        also refused (None, state unchanged) when another mask source of the sequence (allowed_token_ids, bad
+        words, a Tree Decode map, ...) would not allow one of its tokens.
         """
         if state.config.logprobs or state.finish_reason is not None:
             return None
@@ -138,7 +152,13 @@ class LogitProcessor:
                 continue
             if found.token_ids and max(found.token_ids) >= self.vocab_size:
                 raise ValueError(f"jump-forward token {max(found.token_ids)} is outside the vocabulary")
+            removed = state.output_token_ids[len(state.output_token_ids) - found.rollback:] if found.rollback else []
             state.rollback(found.rollback)
+            others = [s for s in state.mask_sources if s is not source]
+            if others and not _all_allow(others, found.token_ids, self.bitmask_words):
+                for token in removed:  # put back what the jump rolled back
+                    state.append_token(token)
+                return None
             for token in found.token_ids:
                 state.append_token(token)
             return found

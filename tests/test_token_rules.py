@@ -135,3 +135,22 @@ def test_reference_packing_agrees() -> None:
     expected = np.zeros(V, bool)
     expected[ids] = True
     assert np.array_equal(row, ref.pack_bitmask(expected[None, :])[0])
+
+
+def test_jump_forward_respects_the_other_rules(lib) -> None:
+    """A grammar forcing "abc" jumps over it, unless allowed_token_ids or bad_words forbid one of its tokens."""
+    from logitproc.compile.gguf_model import build_tokenizer
+    from logitproc.compile.tiny_model import make_tiny_model
+
+    tiny = make_tiny_model()
+    factory = ConstraintFactory(build_tokenizer(tiny), V, [tiny.config.eos_id])
+    proc = LogitProcessor(lib, V, 4)
+    regex = {"type": "regex", "regex": "abc[0-9]"}
+    free = RequestState([5], GenerationConfig(response_format=regex),
+                        mask_sources=factory.sources_for(GenerationConfig(response_format=regex)))
+    jumped = proc.jump_forward(free)
+    assert jumped is not None and factory.tokenizer.decode_bytes(free.output_token_ids) == b"abc"
+    for config in (GenerationConfig(response_format=regex, bad_words=["b"]),
+                   GenerationConfig(response_format=regex, allowed_token_ids=jumped.token_ids[:1])):
+        state = RequestState([5], config, mask_sources=factory.sources_for(config))
+        assert proc.jump_forward(state) is None and state.output_token_ids == []
