@@ -90,6 +90,10 @@ def test_chat_repl_on_the_tiny_model(tiny_compiled) -> None:
         child.expect_exact("Ctrl-C again")
         child.expect_exact(PROMPT)
         assert "history cleared" in say(child, "/reset")
+        assert say(child, "/bad_words the a") == "bad_words = ('the', 'a')"
+        assert say(child, "/min_tokens 3") == "min_tokens = 3"
+        assert "min_tokens must be in [0, 2]" in say(child, "/max_tokens 2")
+        assert say(child, "/bad_words clear") == "bad_words = ()"
         assert "/regex PATTERN" in say(child, "/help")
         child.sendline("/exit")
         child.expect(pexpect.EOF)
