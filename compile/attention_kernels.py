@@ -182,20 +182,76 @@ def paged_prefill_kernel(h_kv: int, h_q: int, d: int, dtype: str = "float32") ->
     return attention_prefill_paged
 
 
+def rope_kernel(h_kv: int, h_q: int, d: int, theta: float, dtype: str = "float32") -> tirx.PrimFunc:
+    """RoPE of the fused q/k/v rows: the ``tir_split_rotary`` slot of the KV cache (TVM's computes ``powf`` and
+    ``sincosf`` for every element, serially: 35 ms of a 79-token SmolLM2 prefill). Per token ``s`` (tokens in
+    parallel chunks) at position ``p = position_map[s]``, with ``half = d / 2``::
+
+        f[i] = p / theta ** (2 i / d);  c, n = cos(f), sin(f)             for i < half (once per token)
+        q[s, h, i] = x[h, i] c[i] - x[h, i + half] n[i];  q[s, h, i + half] = x[h, i + half] c[i] + x[h, i] n[i]
+        (k likewise for heads h_q .. h_q + h_kv - 1 of x = qkv[s]; v[s] = the last h_kv heads, copied)
+
+    When ``apply_rope == 0`` q and k are copied unrotated. The frequency is TVM's float32 expression."""
+    half, heads = d // 2, h_q + 2 * h_kv
+
+    @T.macro
+    def rotate(dst, s, h, src_h, qkv, cos, sin, apply_rope):
+        for i in T.vectorized(half):
+            dst[s, h, i] = T.Select(apply_rope > 0, qkv[s, src_h, i] * cos[i] - qkv[s, src_h, i + half] * sin[i],
+                                    qkv[s, src_h, i])
+            dst[s, h, i + half] = T.Select(apply_rope > 0, qkv[s, src_h, i + half] * cos[i] + qkv[s, src_h, i] * sin[
+                i], qkv[s, src_h, i + half])
+
+    @T.prim_func(private=True)
+    def fused_rope(var_qkv: T.handle, var_position_map: T.handle, var_q: T.handle, var_k: T.handle,
+                   var_v: T.handle, apply_rope: T.int64):
+        T.func_attr({"tirx.noalias": True})
+        seq_len, position_map_elem_offset = T.int32(), T.int32()
+        qkv = T.match_buffer(var_qkv, (seq_len, heads, d), dtype)
+        q = T.match_buffer(var_q, (seq_len, h_q, d), dtype)
+        k = T.match_buffer(var_k, (seq_len, h_kv, d), dtype)
+        v = T.match_buffer(var_v, (seq_len, h_kv, d), dtype)
+        position_map = T.match_buffer(var_position_map, (seq_len,), "int32", elem_offset=position_map_elem_offset)
+        for chunk in T.parallel(_CHUNKS):
+            cos = T.alloc_buffer((half,), "float32", scope="local")
+            sin = T.alloc_buffer((half,), "float32", scope="local")
+            for s in range(chunk * seq_len // _CHUNKS, (chunk + 1) * seq_len // _CHUNKS):
+                for i in range(half):
+                    freq: T.let = T.Cast("float32", position_map[s]) / T.pow(
+                        T.float32(theta), T.Cast("float32", i * 2 % d) / T.float32(d))
+                    cos[i] = T.cos(freq)
+                    sin[i] = T.sin(freq)
+                for h in range(h_q):
+                    rotate(q, s, h, h, qkv, cos, sin, apply_rope)
+                for h in range(h_kv):
+                    rotate(k, s, h, h_q + h, qkv, cos, sin, apply_rope)
+                    for j in T.vectorized(d):
+                        v[s, h, j] = qkv[s, h_q + h_kv + h, j]
+
+    return fused_rope
+
+
 #: Names TVM's KV cache gives the CPU prefill kernels these replace (the function names in the exported module).
 RAGGED_NAMES = ("batch_prefill_ragged_kv", "tir_attention_prefill_ragged_cpu")
 PAGED_NAMES = ("batch_prefill_paged_kv_cpu", "tir_attention_prefill_cpu")
+ROPE_NAMES = ("fused_rope", "tir_split_rotary")
 
 
-def replace_prefill_attention(mod: tvm.IRModule, h_kv: int, h_q: int, d: int) -> tvm.IRModule:
-    """``mod`` with the KV cache's CPU prefill attention kernels replaced by these (same names and signatures)."""
+def replace_prefill_attention(mod: tvm.IRModule, h_kv: int, h_q: int, d: int,
+                              rope_theta: float | None = None) -> tvm.IRModule:
+    """``mod`` with the KV cache's CPU prefill attention kernels replaced by these (same names and signatures), and
+    its RoPE kernel too when ``rope_theta`` is given (the cache must use ``RopeMode.NORMAL`` with scale 1)."""
     functions = {gv.name_hint: gv for gv in mod.get_global_vars()}
-    for candidates, factory in ((RAGGED_NAMES, ragged_prefill_kernel), (PAGED_NAMES, paged_prefill_kernel)):
+    replacements = [(RAGGED_NAMES, ragged_prefill_kernel(h_kv, h_q, d)),
+                    (PAGED_NAMES, paged_prefill_kernel(h_kv, h_q, d))]
+    if rope_theta is not None:
+        replacements.append((ROPE_NAMES, rope_kernel(h_kv, h_q, d, rope_theta)))
+    for candidates, new in replacements:
         found = [name for name in candidates if name in functions]
         if not found:
             raise ValueError(f"the module has none of {candidates} to replace (TVM's KV cache changed?)")
         gv = functions[found[0]]
-        old, new = mod[gv], factory(h_kv, h_q, d)
+        old = mod[gv]
         if len(new.params) != len(old.params):
             raise ValueError(f"{gv.name_hint}: {len(old.params)} parameters in TVM's kernel, {len(new.params)} here")
         if old.attrs is not None and "global_symbol" in old.attrs:

@@ -23,7 +23,8 @@ of 64 so that a tile of ``x`` stays in L2 while the chunk's rows pass over it. A
 halving (16 -> 8 -> 4 -> 2 -> 1). For q4_1 the term ``mins * sum(x)`` uses the pair sums ``xp[t, 16 b + j] =
 x[t, 32 b + j] + x[t, 32 b + 16 + j]``, computed first.
 
-``embed_kernel(V, H, fmt)`` gathers rows: ``out[t, :] = W[ids[t], :]`` as float32.
+``embed_kernel(V, H, fmt)`` gathers rows: ``out[t, :] = W[ids[t], :]`` as float32. ``swiglu_kernel(F)`` is the
+MLP's activation on the fused gate/up projection, vectorised (a polynomial exp instead of scalar ``expf`` calls).
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from typing import Any
 
 from tvm import tirx
 from tvm.script import tirx as T
+
+from ..tir_kernels._common import fast_exp
 
 FORMATS = ("float32", "float16", "q8_0", "q4_1")
 QUANTISED = ("q8_0", "q4_1")
@@ -380,3 +383,31 @@ def embed_kernel(vocab: int, hidden: int, fmt: str) -> tirx.PrimFunc:
                     out[t, s * 32 + 16 + j] = _f32(scales[ids[t], s]) * _high(codes[ids[t], s * 16 + j]) + _f32(
                         mins[ids[t], s])
     return embed_q4_1
+
+
+_SILU_CLAMP = 80.0   # exp(-g) is taken at min(-g, 80): silu(g) for g < -80 is 0 to float32 precision anyway
+
+
+@functools.cache
+def swiglu_kernel(ffn: int) -> tirx.PrimFunc:
+    """``out[t, j] = silu(gu[t, j]) * gu[t, ffn + j]`` for float32 ``gu[n, 2 ffn]`` (gate and up fused) and
+    ``out[n, ffn]``, where ``silu(g) = g / (1 + exp(-g))``; tokens in parallel chunks, 16 lanes at a time."""
+    if ffn % _LANES:
+        raise ValueError(f"the MLP width {ffn} is not a multiple of {_LANES}")
+
+    # s_tir: a root block, which Relax's reshape-pattern check asks of one-input kernels
+    @T.prim_func(private=True, s_tir=True)
+    def swiglu(var_gu: T.handle, var_out: T.handle):
+        T.func_attr({"tirx.noalias": True, "op_pattern": 8})  # opaque: not to be fused
+        n = T.int64()
+        gu = T.match_buffer(var_gu, (n, 2 * ffn), "float32")
+        out = T.match_buffer(var_out, (n, ffn), "float32")
+        with T.sblock("root"):
+            for chunk in T.parallel(_CHUNKS):
+                for t in range(chunk * n // _CHUNKS, (chunk + 1) * n // _CHUNKS):
+                    for c in range(ffn // _LANES):
+                        for lane in T.vectorized(_LANES):
+                            g: T.let = gu[t, c * _LANES + lane]
+                            out[t, c * _LANES + lane] = g / (T.float32(1) + fast_exp(
+                                T.min(-g, T.float32(_SILU_CLAMP)))) * gu[t, ffn + c * _LANES + lane]
+    return swiglu

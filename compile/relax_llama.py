@@ -42,7 +42,7 @@ from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedK
 
 from .attention_kernels import replace_prefill_attention
 from .gguf_model import GGUFModel
-from .linear_kernels import QUANTISED, embed_kernel, linear_kernel, param_shapes
+from .linear_kernels import QUANTISED, embed_kernel, linear_kernel, param_shapes, swiglu_kernel
 
 #: Raw GGUF blocks of quantised tensors: name -> (GGML type name, uint8 array [rows, bytes per row]).
 RawTensors = dict[str, tuple[str, np.ndarray]]
@@ -188,7 +188,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: ``(silu(h @ Wgate.T) * (h @ Wup.T)) @ Wdown.T`` with gate and up fused into one projection."""
+    """SwiGLU: ``(silu(h @ Wgate.T) * (h @ Wup.T)) @ Wdown.T`` with gate and up fused into one projection and the
+    activation one kernel (``swiglu_kernel``)."""
 
     def __init__(self, spec: LlamaSpec) -> None:
         self.ffn = spec.ffn
@@ -196,8 +197,12 @@ class MLP(nn.Module):
         self.down = Linear(spec.ffn, spec.hidden, spec.fmt("down"))
 
     def forward(self, x: nn.Tensor) -> nn.Tensor:
-        gate, up = nn.op.split(self.gate_up(x), 2, axis=-1)
-        return self.down(nn.op.silu(gate) * up)
+        gate_up = self.gate_up(x)
+        lead = list(gate_up.shape[:-1])
+        flat = gate_up.reshape(-1, 2 * self.ffn)
+        act = nn.op.tensor_ir_op(swiglu_kernel(self.ffn), f"swiglu_{self.ffn}", args=[flat],
+                                 out=nn.Tensor.placeholder([flat.shape[0], self.ffn], "float32"))
+        return self.down(act.reshape(*lead, self.ffn))
 
 
 class Block(nn.Module):
@@ -317,7 +322,7 @@ def export_llama(spec: LlamaSpec, target: tvm.target.Target) -> tuple[tvm.IRModu
     module = LlamaModule(spec)
     with target:
         mod, named_params = module.export_tvm(spec=module.export_spec())
-    mod = replace_prefill_attention(mod, spec.n_kv_heads, spec.n_heads, spec.head_dim)
+    mod = replace_prefill_attention(mod, spec.n_kv_heads, spec.n_heads, spec.head_dim, spec.rope_theta)
     return mod, [name for name, _ in named_params]
 
 

@@ -22,10 +22,11 @@ import pytest
 import tvm
 from logitproc import GenerationConfig, LogitProcessor, RequestState
 from logitproc.compile import model_compile
+from logitproc.compile.attention_kernels import rope_kernel
 from logitproc.compile.gguf_model import GGUFModel, build_tokenizer
 from logitproc.compile.hf_model import load_hf_dir, write_hf_dir
 from logitproc.compile.kernel_library import KernelLibrary
-from logitproc.compile.linear_kernels import FORMATS, linear_kernel, param_shapes
+from logitproc.compile.linear_kernels import FORMATS, linear_kernel, param_shapes, swiglu_kernel
 from logitproc.compile.model_compile import compile_model
 from logitproc.compile.targets import resolve_target
 from logitproc.compile.tiny_model import make_tiny_model
@@ -306,6 +307,45 @@ def test_linear_kernels_match_numpy_on_awkward_token_counts(fmt: str) -> None:
             expected = x.astype(np.float64) @ w.T
             np.testing.assert_allclose(y.numpy(), expected, rtol=0, atol=1e-5 * np.abs(expected).max(),
                                        err_msg=f"{fmt} {n_out}x{n_in}, {n} tokens")
+
+
+def _cpu_kernel(func):
+    """A standalone TIR kernel compiled for this CPU, as a callable."""
+    with tvm.transform.PassContext(opt_level=3):
+        lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}),
+                          target=resolve_target("cpu").tvm_target())
+    return lib.mod["main"]
+
+
+def test_swiglu_kernel_matches_numpy() -> None:
+    rng = np.random.default_rng(2)
+    run, dev = _cpu_kernel(swiglu_kernel(48)), tvm.cpu()
+    for n in (1, 5, 70):
+        gu = (rng.standard_normal((n, 96)) * 6).astype(np.float32)
+        gu[0, :4] = [-200.0, -90.0, 90.0, 0.0]  # exp's clamp and both tails
+        out = tvm.runtime.tensor(np.full((n, 48), np.nan, np.float32), dev)
+        run(tvm.runtime.tensor(gu, dev), out)
+        g = gu[:, :48].astype(np.float64)
+        np.testing.assert_allclose(out.numpy(), g / (1 + np.exp(-g)) * gu[:, 48:], rtol=1e-6, atol=1e-6)
+
+
+def test_rope_kernel_rotates_halves_like_numpy() -> None:
+    """The KV cache's RoPE slot: q and k heads rotated (pairs i, i + d/2) at each token's position, v copied."""
+    rng = np.random.default_rng(3)
+    h_q, h_kv, d, theta = 4, 2, 16, 10000.0
+    run, dev = _cpu_kernel(rope_kernel(h_kv, h_q, d, theta)), tvm.cpu()
+    for n in (1, 3, 70):
+        qkv = rng.standard_normal((n, h_q + 2 * h_kv, d)).astype(np.float32)
+        positions = rng.integers(0, 500, n).astype(np.int32)
+        outs = [tvm.runtime.tensor(np.full((n, h, d), np.nan, np.float32), dev) for h in (h_q, h_kv, h_kv)]
+        run(tvm.runtime.tensor(qkv, dev), tvm.runtime.tensor(positions, dev), *outs, 1)
+        freq = positions[:, None] / theta ** (np.arange(d // 2) * 2 / d)
+        cos, sin = np.cos(freq)[:, None, :], np.sin(freq)[:, None, :]
+        a, b = qkv[..., : d // 2], qkv[..., d // 2:]
+        rotated = np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
+        expected = (rotated[:, :h_q], rotated[:, h_q:h_q + h_kv], qkv[:, h_q + h_kv:])
+        for out, want in zip(outs, expected, strict=True):
+            np.testing.assert_allclose(out.numpy(), want, rtol=0, atol=2e-4)
 
 
 # ---------------------------------------------------------------- the numpy runner
