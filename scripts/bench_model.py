@@ -1,9 +1,12 @@
 """Model throughput on the CPU: CompiledModel (TVM) against NumpyLlama (plain numpy), and the share of each decode
 step that the engine spends in logit processing + sampling.
 
-    python scripts/bench_model.py [--model default] [--prompt-tokens 128] [--decode-tokens 64] [--markdown]
+    python scripts/bench_model.py [--model default] [--prompt-tokens 128] [--decode-tokens 64] [--rounds 3]
+                                  [--no-engine] [--markdown]
 
-1. prefill tokens/s (one prompt of ``--prompt-tokens``) and greedy decode tokens/s (batch 1) of both models;
+1. prefill tokens/s (one prompt of ``--prompt-tokens``) and greedy decode tokens/s (batch 1) of both models, in
+   ``--rounds`` interleaved rounds (numpy, compiled, numpy, ...; the machine may be shared, so each round's figures
+   are printed and the best is kept); numpy's BLAS threads follow ``OPENBLAS_NUM_THREADS``, TVM's ``TVM_NUM_THREADS``;
 2. ``Engine`` decode steps (batch 1, and batch 4 with the same config per request): the model forward, the logit
    processing + sampling part (bias, penalties, masks, softmax, top-p, sampling), and their share of the step,
    with a typical config (temperature 0.7, top_p 0.9, repetition penalty 1.1) and with a JSON schema added.
@@ -96,6 +99,8 @@ def main() -> int:
     parser.add_argument("--model", default="default")
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--no-engine", action="store_true", help="only the prefill/decode comparison")
     parser.add_argument("--markdown", action="store_true")
     args = parser.parse_args()
 
@@ -111,12 +116,21 @@ def main() -> int:
     print(f"{model!r}, prompt {len(prompt)} tokens, "
           f"{args.decode_tokens} decode tokens")
 
-    np_prefill, np_decode = bench_numpy(gguf, prompt, args.decode_tokens)
-    tvm_prefill, tvm_decode = bench_compiled(model, prompt, args.decode_tokens)
+    rounds = []
+    for r in range(args.rounds):
+        numpy_figures = bench_numpy(gguf, prompt, args.decode_tokens)
+        rounds.append((*numpy_figures, *bench_compiled(model, prompt, args.decode_tokens)))
+        print(f"round {r + 1}: numpy prefill {rounds[-1][0]:.0f} decode {rounds[-1][1]:.1f} | compiled prefill "
+              f"{rounds[-1][2]:.0f} decode {rounds[-1][3]:.1f} tok/s (load {os.getloadavg()[0]:.2f})")
+    np_prefill, np_decode, tvm_prefill, tvm_decode = (max(column) for column in zip(*rounds, strict=True))
+    print(f"\nbest of {args.rounds} rounds; OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', '(unset)')}, "
+          f"TVM_NUM_THREADS={os.environ.get('TVM_NUM_THREADS', '(unset)')}")
     print("\n| model | prefill tok/s | decode tok/s (batch 1) |\n|---|---|---|")
     print(f"| NumpyLlama (float32 numpy) | {np_prefill:.0f} | {np_decode:.1f} |")
     print(f"| CompiledModel (TVM) | {tvm_prefill:.0f} | {tvm_decode:.1f} |")
-    print(f"| compiled / numpy | {tvm_prefill / np_prefill:.1f}x | {tvm_decode / np_decode:.1f}x |")
+    print(f"| compiled / numpy | {tvm_prefill / np_prefill:.2f}x | {tvm_decode / np_decode:.2f}x |")
+    if args.no_engine:
+        return 0
 
     typical = GenerationConfig(temperature=0.7, top_p=0.9, repetition_penalty=1.1, seed=0,
                                max_tokens=args.decode_tokens, ignore_eos=True)
