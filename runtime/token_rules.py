@@ -113,7 +113,8 @@ class BadWords:
     def fill_bitmask(self, row: np.ndarray, draft_path: Sequence[int]) -> bool:
         row[:] = self._always[: row.size]
         if self._words:
-            recent = (self._tail[len(self._tail) - self._longest:] + [int(t) for t in draft_path])[-self._longest:]
+            start = max(0, len(self._tail) - self._longest)
+            recent = (self._tail[start:] + [int(t) for t in draft_path])[-self._longest:]
             bits = row.view(np.uint32)
             for prefix, last in self._words:
                 if len(recent) >= len(prefix) and tuple(recent[len(recent) - len(prefix):]) == prefix:

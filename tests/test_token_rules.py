@@ -55,7 +55,7 @@ def test_min_tokens_bans_stop_ids_until_reached_counting_drafts(vocab: int) -> N
 
 
 def test_bad_words_ban_the_last_token_after_the_others() -> None:
-    words = [[7], [3, 4, 5], [9, 4]]
+    words = [[7], [3, 4, 5], [9, 4], [3, 3, 4, 9]]  # prefixes of 1 to 3 tokens
     source = BadWords(words, V)
 
     def expected(history: list[int]) -> np.ndarray:
@@ -65,6 +65,11 @@ def test_bad_words_ban_the_last_token_after_the_others() -> None:
                 out[w[-1]] = False
         return out
 
+    early = BadWords(words, V)  # fewer tokens out than the longest prefix: the prefix spans output and draft
+    early.accept_token(3)
+    assert not allowed_of(early, V, [3, 4])[9]
+    early.accept_token(3)
+    assert not allowed_of(early, V, [4])[9] and allowed_of(early, V, [5])[9]
     rng = np.random.default_rng(0)
     history: list[int] = []
     for _ in range(300):
