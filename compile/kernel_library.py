@@ -22,6 +22,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,22 @@ def source_hash() -> str:
 def cache_root() -> Path:
     """Where builds are cached: ``$LOGITPROC_CACHE`` or ``~/.cache/logitproc``."""
     return Path(os.environ.get("LOGITPROC_CACHE", Path.home() / ".cache" / "logitproc"))
+
+
+def build_in_cache(final: Path, build: Callable[[Path], object]) -> None:
+    """Run ``build(staging)`` in a fresh directory beside ``final`` and rename it to ``final`` (atomic), so that a
+    reader never sees half a build; when a concurrent builder got there first, its result is kept."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".building-", dir=final.parent))
+    try:
+        build(staging)
+        try:
+            staging.rename(final)
+        except OSError:
+            if not (final / MANIFEST).is_file():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _cache_key(spec: TargetSpec, src_hash: str) -> str:
@@ -240,17 +257,6 @@ def build_kernels(
         out = Path(tempfile.mkdtemp(prefix=f"logitproc-{spec.kind}-"))
         return KernelLibrary(out, _build_into(spec, src_hash, out))
     final = cache_root() / "kernels" / f"{spec.kind}-{spec.arch or 'any'}-{_cache_key(spec, src_hash)}"
-    if (final / MANIFEST).is_file():
-        return KernelLibrary.load(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".building-", dir=final.parent))
-    try:
-        _build_into(spec, src_hash, staging)
-        try:
-            staging.rename(final)  # atomic; a concurrent builder that finished first wins
-        except OSError:
-            if not (final / MANIFEST).is_file():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    if not (final / MANIFEST).is_file():
+        build_in_cache(final, lambda staging: _build_into(spec, src_hash, staging))
     return KernelLibrary.load(final)

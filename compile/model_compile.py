@@ -44,7 +44,7 @@ import tvm
 from logitproc import __version__
 
 from .gguf_model import GGUFModel, build_tokenizer, load_gguf
-from .kernel_library import MANIFEST, MANIFEST_FORMAT, _param_list, cache_root, source_hash
+from .kernel_library import MANIFEST, MANIFEST_FORMAT, _param_list, build_in_cache, cache_root, source_hash
 from .relax_llama import LlamaSpec, RawTensors, export_llama, relax_weights
 from .targets import TargetSpec, resolve_target
 
@@ -322,17 +322,7 @@ def compile_model(
         if (built / MANIFEST).is_file():
             say(f"using the cached build {built}")
         else:
-            built.parent.mkdir(parents=True, exist_ok=True)
-            staging = Path(tempfile.mkdtemp(prefix=".building-", dir=built.parent))
-            try:
-                _build_into(source, model_hash, spec, weight_dtype, staging, say)
-                try:
-                    staging.rename(built)  # atomic; a concurrent builder that finished first wins
-                except OSError:
-                    if not (built / MANIFEST).is_file():
-                        raise
-            finally:
-                shutil.rmtree(staging, ignore_errors=True)
+            build_in_cache(built, lambda staging: _build_into(source, model_hash, spec, weight_dtype, staging, say))
             say(f"cached at {built}")
     if out is None:
         return built

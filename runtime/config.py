@@ -215,9 +215,11 @@ class GenerationConfig:
         return self.response_format
 
     @property
-    def has_token_rules(self) -> bool:
-        """min_tokens, allowed_token_ids or bad_words is set (they become mask sources)."""
-        return self.min_tokens > 0 or self.allowed_token_ids is not None or bool(self.bad_words)
+    def needs_mask_sources(self) -> bool:
+        """A response_format, a thinking budget, min_tokens, allowed_token_ids or bad_words is set: the request's
+        RequestState needs the mask sources of ``ConstraintFactory.sources_for(config)``."""
+        return (self.response_format is not None or self.max_thinking_tokens is not None or self.min_tokens > 0
+                or self.allowed_token_ids is not None or bool(self.bad_words))
 
     def check_vocab(self, vocab_size: int) -> None:
         """Reject token ids outside ``[0, vocab_size)`` (logit_bias, allowed_token_ids, stop_token_ids); called when

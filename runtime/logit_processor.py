@@ -93,9 +93,7 @@ class LogitProcessor:
                 if len(state.config.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
                     raise ValueError(f"logit_bias names {len(state.config.logit_bias)} tokens; at most "
                                      f"{MAX_LOGIT_BIAS_ENTRIES} are allowed")
-                cfg = state.config
-                if not state.mask_sources and (cfg.has_token_rules or cfg.response_format is not None
-                                               or cfg.max_thinking_tokens is not None):
+                if not state.mask_sources and state.config.needs_mask_sources:
                     raise ValueError("the config sets response_format, max_thinking_tokens, min_tokens, "
                                      "allowed_token_ids or bad_words, but the RequestState has no mask sources: make "
                                      "them with ConstraintFactory(tokenizer, vocab_size, eos_ids).sources_for(config)")

@@ -32,14 +32,11 @@ import numpy as np
 def _packed_row(vocab_size: int, ids: Iterable[int], allowed: bool) -> np.ndarray:
     """A bitmask row allowing exactly ``ids`` (``allowed``) or everything but ``ids``; padding bits past the
     vocabulary are left set (the bitmask kernel never reads them)."""
-    words = (vocab_size + 31) // 32
-    row = np.zeros(words, np.uint32) if allowed else np.full(words, 0xFFFFFFFF, np.uint32)
-    for t in ids:
-        if allowed:
-            row[t >> 5] |= np.uint32(1 << (t & 31))
-        else:
-            row[t >> 5] &= np.uint32(~(1 << (t & 31)) & 0xFFFFFFFF)
-    return row.view(np.int32)
+    bits = np.zeros((vocab_size + 31) // 32 * 32, bool)
+    bits[np.fromiter(ids, np.int64)] = True
+    if not allowed:
+        np.logical_not(bits, out=bits)
+    return np.packbits(bits, bitorder="little").view(np.int32)
 
 
 def _check_ids(name: str, ids: Iterable[int], vocab_size: int) -> list[int]:

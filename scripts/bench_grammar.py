@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import material  # noqa: E402
 from bench_common import machine_line  # noqa: E402
-from grammar_driver import allowed_ids, closer_bonus  # noqa: E402
+from grammar_driver import allowed_ids, closer_bonus, drive  # noqa: E402
 from logitproc import GenerationConfig, LogitProcessor, RequestState  # noqa: E402
 from logitproc.compile import build_kernels  # noqa: E402
 from logitproc.runtime.constraints import ConstraintFactory  # noqa: E402
@@ -49,31 +49,10 @@ SCHEMAS = {
 
 def generate(src: GrammarSource, adapter: TokenizerAdapter, rng: np.random.Generator, bonus: np.ndarray,
              jump: bool, mask_times: list[float]) -> tuple[int, int]:
-    """(model steps, tokens) of one random generation; mask fill times appended to ``mask_times``."""
-    row = np.empty((adapter.vocab_size + 31) // 32, np.int32)
-    out: list[int] = []
-    steps = 0
-    while steps < 300:
-        if jump:
-            found = src.jump_forward(out)
-            if found is not None:
-                src.rollback(found.rollback)
-                del out[len(out) - found.rollback:]
-                for t in found.token_ids:
-                    src.accept_token(t)
-                out.extend(found.token_ids)
-        started = time.perf_counter()
-        src.fill_bitmask(row, [])
-        mask_times.append(time.perf_counter() - started)
-        allowed = allowed_ids(row, adapter.vocab_size)
-        scores = rng.gumbel(size=allowed.size) + bonus[allowed] * 0.5 * max(0, steps - 8)
-        token = int(allowed[np.argmax(scores)])
-        steps += 1
-        src.accept_token(token)
-        if token == EOS:
-            break
-        out.append(token)
-    return steps, len(out)
+    """(model steps, tokens) of one random generation (closers favoured from step 9 on); mask fill times appended
+    to ``mask_times``."""
+    gen = drive(src, adapter, rng, bonus, max_steps=300, patience=9, jump_forward=jump, mask_times=mask_times)
+    return gen.model_steps, len(gen.token_ids)
 
 
 def main() -> None:

@@ -156,8 +156,7 @@ class Engine:
 
     def _mask_sources(self, config: GenerationConfig) -> list[Any]:
         """Constraint sources for one sequence (a grammar, a think budget), made fresh per sequence."""
-        if (config.response_format is None and config.max_thinking_tokens is None and self.tree_decode is None
-                and not config.has_token_rules):
+        if not config.needs_mask_sources and self.tree_decode is None:
             return []
         return list(self._constraint_factory().sources_for(config))
 
@@ -358,14 +357,15 @@ class Engine:
         for seq in self._running:
             if seq.finish_reason is not None or not seq.state.mask_sources or len(seq.feed) != 1:
                 continue
-            delta = deltas.setdefault(seq, Delta(seq.request_id, seq.index))
             try:
                 forced = jump(seq.state)
             except Exception as err:  # this sequence's constraint failed: it ends, the others go on
-                seq.finish("error", delta, error=f"{type(err).__name__}: {err}")
+                seq.finish("error", deltas.setdefault(seq, Delta(seq.request_id, seq.index)),
+                           error=f"{type(err).__name__}: {err}")
                 continue
             if forced is None or (not forced.rollback and not forced.token_ids):
                 continue
+            delta = deltas.setdefault(seq, Delta(seq.request_id, seq.index))
             state = seq.state
             unchanged = state.num_tokens - len(forced.token_ids)
             if seq.kv_len > unchanged:
