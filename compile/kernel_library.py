@@ -31,7 +31,7 @@ import tvm
 from logitproc import __version__
 
 from .device_code import capture_rocm_code_objects, compile_cuda, cuda_compiler_available, prepare_rocm_env
-from .targets import TargetSpec, resolve_target
+from .targets import TargetSpec, check_runs_here, resolve_target
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
@@ -72,7 +72,7 @@ def build_in_cache(final: Path, build: Callable[[Path], object]) -> None:
 
 
 def _cache_key(spec: TargetSpec, src_hash: str) -> str:
-    material = json.dumps([MANIFEST_FORMAT, __version__, tvm.__version__, spec.kind, spec.arch, src_hash])
+    material = json.dumps([MANIFEST_FORMAT, __version__, tvm.__version__, spec.kind, spec.arch, *spec.mattr, src_hash])
     return hashlib.sha256(material.encode()).hexdigest()[:16]
 
 
@@ -99,7 +99,8 @@ class KernelLibrary:
 
     @property
     def target(self) -> TargetSpec:
-        return TargetSpec(self.manifest["target"]["kind"], self.manifest["target"]["arch"])
+        target = self.manifest["target"]
+        return TargetSpec(target["kind"], target["arch"], tuple(json.loads(target["tvm"]).get("mattr", ())))
 
     @property
     def module_file(self) -> str:
@@ -176,6 +177,7 @@ class KernelLibrary:
             raise ValueError(
                 f"{manifest_path}: built with TVM {manifest.get('tvm_version')}, this is TVM {tvm.__version__}; rebuild"
             )
+        check_runs_here(manifest["target"], str(path))
         missing = [f for f in manifest["files"] if not (path / f).is_file()]
         if missing:
             raise FileNotFoundError(f"{path}: files named in the manifest are missing: {missing}")

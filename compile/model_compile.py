@@ -56,7 +56,7 @@ PARAMS_FILE = "params.npz"
 TOKENIZER_FILE = "tokenizer.json"
 KERNELS_TIR_FILE = "kernels.tir.py"
 _MODEL_SOURCES = ("compile/model_compile.py", "compile/relax_llama.py", "compile/linear_kernels.py",
-                  "compile/attention_kernels.py")
+                  "compile/attention_kernels.py", "compile/gguf_model.py", "compile/hf_model.py", "compile/targets.py")
 _PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -185,8 +185,8 @@ def read_gguf_tensors(path: str | os.PathLike[str], *, keep_blocks: bool) -> tup
 
 
 def _cache_key(model_hash: str, spec: TargetSpec, weight_dtype: str) -> str:
-    material = json.dumps([MANIFEST_FORMAT, model_hash, spec.kind, spec.arch, weight_dtype, tvm.__version__,
-                           __version__, model_source_hash()])
+    material = json.dumps([MANIFEST_FORMAT, model_hash, spec.kind, spec.arch, *spec.mattr, weight_dtype,
+                           tvm.__version__, __version__, model_source_hash()])
     return hashlib.sha256(material.encode()).hexdigest()[:16]
 
 
