@@ -76,10 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
     devices = commands.add_parser("devices", help="list the devices found: backend and limits")
     devices.set_defaults(run=_devices)
 
-    from . import chat, generate
+    from . import chat, generate, server_cli
 
     chat.add_parser(commands)
     generate.add_parser(commands)
+    server_cli.add_parser(commands)
     return parser
 
 

@@ -1,0 +1,250 @@
+"""EngineLoop: the one thread that loads and owns the Engine; others reach it only through a thread-safe queue.
+
+The thread loads the model (``load()``), then repeats: run the queued commands (add requests, abort, any call on
+the engine), and ``engine.step()`` while anything is unfinished, handing each delta to its request's sink (a
+callable, e.g. one that moves it onto an asyncio queue with ``call_soon_threadsafe``). Commands run between steps,
+so requests join and leave the running batch there. A request refused by the engine (its ValueError / TypeError) is
+refused to its caller only; a step that raises ends the requests then running with a ``RequestFailed`` item, and the
+loop goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from .outputs import Delta
+from .server_metrics import ServerMetrics
+
+log = logging.getLogger("logitproc.serve")
+
+Sink = Callable[[Any], None]
+
+
+class QueueFull(Exception):
+    """The waiting queue holds ``max_queue`` requests already."""
+
+
+class EngineUnavailable(Exception):
+    """The engine is loading, failed to load, or has stopped."""
+
+
+@dataclass
+class RequestFailed:
+    """Put in a sink when the engine failed while the request ran; the request is over."""
+
+    request_id: str
+    message: str
+
+
+@dataclass
+class _Live:
+    """Server-side bookkeeping of one engine request."""
+
+    sink: Sink
+    n: int
+    arrival: float
+    grammar: bool
+    started: bool = False
+    finished: int = 0
+    last_token: dict[int, float] = field(default_factory=dict)
+
+
+class EngineLoop:
+    """Loads the engine on its own thread and steps it; ``submit``/``abort``/``call`` are safe from any thread."""
+
+    LOADING, READY, FAILED, STOPPED = "loading", "ready", "failed", "stopped"
+
+    def __init__(self, load: Callable[[], Any], metrics: ServerMetrics, max_queue: int = 256,
+                 on_failure: Callable[[BaseException], None] | None = None) -> None:
+        self._load = load
+        self.metrics = metrics
+        self.max_queue = max_queue
+        self._on_failure = on_failure
+        self.engine: Any = None
+        self.state = self.LOADING
+        self.error: str | None = None
+        self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._live: dict[str, _Live] = {}
+        self._last_engine_stats = (0, 0)
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+
+    # -------------------------------------------------------------------------------------------- any thread
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Abort what is left, stop stepping and join the thread."""
+        self._commands.put(None)
+        self._thread.join(timeout)
+
+    def call(self, fn: Callable[[Any], Any]) -> Future:
+        """Run ``fn(engine)`` on the loop thread between steps; its result or exception in the Future."""
+        future: Future = Future()
+
+        def command() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            if self.state != self.READY:
+                future.set_exception(EngineUnavailable(f"the engine is {self.state}"))
+                return
+            try:
+                future.set_result(fn(self.engine))
+            except BaseException as err:  # handed to the caller, who decides what it means
+                future.set_exception(err)
+
+        if self.state in (self.FAILED, self.STOPPED):
+            command()  # the thread is gone or going: answer at once
+        else:
+            self._commands.put(command)
+        return future
+
+    def submit(self, prompts: Sequence[Any], config: Any, chat: bool, sink: Sink) -> Future:
+        """Add one engine request per prompt (all or none), all delivering into ``sink``; the Future holds their
+        ids, or QueueFull, or the engine's ValueError / TypeError for a bad request."""
+        def add(engine: Any) -> list[str]:
+            waiting = sum(1 for live in self._live.values() if not live.started)
+            if waiting + len(prompts) > self.max_queue:
+                raise QueueFull(f"the waiting queue is full ({waiting} of {self.max_queue} requests)")
+            ids: list[str] = []
+            try:
+                for prompt in prompts:
+                    ids.append(engine.add_request(prompt, config, chat=chat))
+            except BaseException:
+                for rid in ids:
+                    engine.abort(rid)
+                raise
+            now = time.perf_counter()
+            for rid in ids:
+                self._live[rid] = _Live(sink, config.n, now, config.response_format is not None)
+                if config.response_format is not None:
+                    self.metrics.grammar_requests.inc()
+            self._update_gauges()
+            return ids
+
+        return self.call(add)
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        """Abort requests (finished ones are ignored); they leave the batch at the next step."""
+        def abort(engine: Any) -> None:
+            for rid in request_ids:
+                if rid in self._live:
+                    engine.abort(rid)
+
+        self.call(abort)
+
+    # -------------------------------------------------------------------------------------------- the thread
+    def _run(self) -> None:
+        try:
+            self.engine = self._load()
+        except BaseException as err:  # a model that cannot load: the server reports it and exits
+            self.state, self.error = self.FAILED, f"{type(err).__name__}: {err}"
+            log.error("loading the model failed: %s", self.error)
+            self._fail_commands()
+            if self._on_failure is not None:
+                self._on_failure(err)
+            return
+        self.metrics.kv_capacity.set(getattr(self.engine, "max_total_tokens", 0))
+        self.state = self.READY
+        while True:
+            busy = self.engine.has_unfinished()
+            if not self._run_commands(block=not busy):
+                break
+            if self.engine.has_unfinished():
+                self._step()
+        self._shutdown()
+
+    def _run_commands(self, block: bool) -> bool:
+        """Run queued commands (waiting for one when ``block``); False once stop was asked."""
+        while True:
+            try:
+                command = self._commands.get(block=block)
+            except queue.Empty:
+                return True
+            if command is None:
+                return False
+            command()
+            block = False
+
+    def _fail_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command is not None:
+                command()  # not READY: the caller gets EngineUnavailable
+
+    def _shutdown(self) -> None:
+        for rid in list(self._live):
+            self.engine.abort(rid)
+        while self.engine.has_unfinished():
+            self._step()
+        self.state = self.STOPPED
+        self._fail_commands()
+
+    def _step(self) -> None:
+        try:
+            deltas = self.engine.step()
+        except Exception as err:  # not one request's fault that we can tell: end the running ones, go on
+            log.error("engine step failed:\n%s", traceback.format_exc())
+            for rid, live in list(self._live.items()):
+                self.engine.abort(rid)
+                live.sink(RequestFailed(rid, f"the engine failed: {type(err).__name__}: {err}"))
+                del self._live[rid]
+            self._update_gauges()
+            return
+        now = time.perf_counter()
+        for delta in deltas:
+            self._deliver(delta, now)
+        self._account_engine()
+        self._update_gauges()
+
+    def _deliver(self, delta: Delta, now: float) -> None:
+        live = self._live.get(delta.request_id)
+        if live is None:
+            return
+        m = self.metrics
+        if not live.started:
+            live.started = True
+            if delta.output is None or delta.token_ids:
+                m.ttft.observe(now - live.arrival)
+        if delta.token_ids:
+            m.generation_tokens.inc(len(delta.token_ids))
+            previous = live.last_token.get(delta.index)
+            if previous is not None:
+                m.itl.observe((now - previous) / len(delta.token_ids))
+            live.last_token[delta.index] = now
+        live.sink(delta)
+        if delta.finish_reason is not None:
+            m.finished.labels(delta.finish_reason).inc()
+            if live.grammar and delta.finish_reason in ("grammar_dead_end", "error"):
+                m.grammar_failures.inc()
+            live.finished += 1
+            if live.finished == live.n:
+                if delta.output is not None:
+                    m.prompt_tokens.inc(delta.output.stats.prompt_tokens)
+                del self._live[delta.request_id]
+
+    def _account_engine(self) -> None:
+        stats = self.engine.stats
+        preemptions, jump = stats.preemptions, stats.jump_forward_tokens
+        last_preemptions, last_jump = self._last_engine_stats
+        self.metrics.preemptions.inc(max(preemptions - last_preemptions, 0))
+        self.metrics.jump_forward_tokens.inc(max(jump - last_jump, 0))
+        self._last_engine_stats = (preemptions, jump)
+
+    def _update_gauges(self) -> None:
+        m, model = self.metrics, self.engine.model
+        started = sum(1 for live in self._live.values() if live.started)
+        m.waiting.set(len(self._live) - started)
+        m.running.set(started)
+        m.batch.set(self.engine.num_running)
+        m.kv_tokens.set(sum(model.sequence_length(s) for s in model.sequence_ids))

@@ -1,0 +1,351 @@
+"""The OpenAI-compatible HTTP app (FastAPI): routes, API key, errors in OpenAI's shape, streaming, disconnects.
+
+Routes: ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /health`` (503 while the
+model loads), ``GET /metrics``, ``POST /tokenize``, ``POST /detokenize``. Handlers never touch the engine: they
+submit to the ``EngineLoop`` and read deltas from a per-request asyncio queue. A client that disconnects, streaming
+or not, has its requests aborted at once (their batch slots and KV cache are freed at the next step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .engine_loop import EngineLoop, EngineUnavailable, QueueFull, RequestFailed
+from .openai_protocol import (
+    CHAT_FIELDS,
+    COMPLETION_FIELDS,
+    APIError,
+    ParsedRequest,
+    bad_request,
+    param_of,
+    parse_chat_request,
+    parse_completion_request,
+    parse_messages,
+)
+from .openai_responses import (
+    ResponseHead,
+    chunk,
+    delta_choice,
+    full_response,
+    role_choice,
+    usage_chunk,
+)
+from .outputs import Output
+from .server_metrics import ServerMetrics
+
+log = logging.getLogger("logitproc.serve")
+
+
+@dataclass
+class ServerOptions:
+    """How the app serves: the names the model answers to, the API key, the waiting-queue bound."""
+
+    served_model_name: str | None = None  # default: the model's own name
+    aliases: tuple[str, ...] = ()  # other names accepted in requests (e.g. the --model value)
+    api_key: str | None = None
+    max_queue: int = 256
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+class StatusCounter:
+    """ASGI middleware counting responses by endpoint and status (it only watches ``send``)."""
+
+    def __init__(self, app: Any, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def counted(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.response(scope["path"], message["status"])
+            await send(message)
+
+        await self.app(scope, receive, counted)
+
+
+def _sse(payload: Any) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+async def _until_disconnected(request: Request) -> None:
+    """Returns when the client goes away (after the body was read, the ASGI server's next message is that)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _json_body(request: Request) -> Any:
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise bad_request(f"the request body is not valid JSON: {err}") from None
+
+
+class Server:
+    """The app's state: options, metrics, the engine loop; ``app`` is the FastAPI application."""
+
+    def __init__(self, load: Callable[[], Any], options: ServerOptions,
+                 on_failure: Callable[[BaseException], None] | None = None) -> None:
+        self.options = options
+        self.metrics = ServerMetrics()
+        self.loop = EngineLoop(load, self.metrics, options.max_queue, on_failure)
+        self._token_texts: dict[int, str] = {}
+        self.app = self._make_app()
+
+    # ---------------------------------------------------------------------------------------------- helpers
+    @property
+    def model_name(self) -> str:
+        return self.options.served_model_name or self.loop.engine.model.name
+
+    def _ready(self) -> Any:
+        if self.loop.state != EngineLoop.READY:
+            detail = f": {self.loop.error}" if self.loop.error else ""
+            raise APIError(503, f"the model is {self.loop.state}{detail}", kind="server_error",
+                           code="model_not_ready")
+        return self.loop.engine
+
+    def _check_model(self, name: str | None) -> str:
+        served = self.model_name
+        if name is not None and name not in (served, *self.options.aliases):
+            raise APIError(404, f"The model '{name}' does not exist; this server serves '{served}'", param="model",
+                           code="model_not_found")
+        return served
+
+    def token_text(self, token: int) -> str:
+        text = self._token_texts.get(token)
+        if text is None:
+            text = self.loop.engine.model.tokenizer.decode([token], skip_special_tokens=False)
+            self._token_texts[token] = text
+        return text
+
+    async def _on_loop(self, fn: Callable[[Any], Any]) -> Any:
+        self._ready()
+        try:
+            return await asyncio.wrap_future(self.loop.call(fn))
+        except EngineUnavailable as err:
+            raise APIError(503, str(err), kind="server_error", code="model_not_ready") from None
+
+    async def _submit(self, parsed: ParsedRequest, fields: tuple[str, ...]) -> tuple[list[str], asyncio.Queue]:
+        items: asyncio.Queue = asyncio.Queue()
+        aloop = asyncio.get_running_loop()
+
+        def sink(item: Any) -> None:
+            aloop.call_soon_threadsafe(items.put_nowait, item)
+
+        try:
+            ids = await asyncio.wrap_future(self.loop.submit(parsed.prompts, parsed.config, parsed.chat, sink))
+        except QueueFull as err:
+            raise APIError(429, str(err), kind="rate_limit_error", code="queue_full") from None
+        except EngineUnavailable as err:
+            raise APIError(503, str(err), kind="server_error", code="model_not_ready") from None
+        except (ValueError, TypeError) as err:  # the engine refused the request: the client's input
+            message = " ".join(str(err).split())
+            raise bad_request(message, self._param_for(message, parsed, fields)) from None
+        return ids, items
+
+    @staticmethod
+    def _param_for(message: str, parsed: ParsedRequest, fields: tuple[str, ...]) -> str | None:
+        if message.startswith(("the prompt", "prompt", "chat messages")):
+            return "messages" if parsed.chat else "prompt"
+        if message.startswith("n="):
+            return "n"
+        if parsed.config.response_format is not None and param_of(message, fields) is None:
+            return "response_format"  # the engine could not compile the schema, regex or grammar
+        return param_of(message, fields)
+
+    # ---------------------------------------------------------------------------------------------- generation
+    async def generate(self, request: Request, chat: bool) -> Response:
+        self._ready()
+        body = await _json_body(request)
+        parsed = parse_chat_request(body) if chat else parse_completion_request(body)
+        model = self._check_model(parsed.model)
+        fields = CHAT_FIELDS if chat else COMPLETION_FIELDS
+        echo = [self._prompt_text(p) for p in parsed.prompts for _ in range(parsed.n)] if parsed.echo else []
+        ids, items = await self._submit(parsed, fields)
+        head = ResponseHead(chat, model)
+        choice_of = {rid: p * parsed.n for p, rid in enumerate(ids)}
+        if parsed.stream:
+            return StreamingResponse(self._stream(head, parsed, ids, items, choice_of, echo),
+                                     media_type="text/event-stream; charset=utf-8")
+        collect = asyncio.ensure_future(self._collect(ids, parsed.n, items, choice_of))
+        gone = asyncio.ensure_future(_until_disconnected(request))
+        try:
+            await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not collect.done():  # the client left (or the server is stopping): free the engine's slots now
+                collect.cancel()
+                self.loop.abort(ids)
+        if not collect.done() or collect.cancelled():
+            return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
+        outputs, prompt_tokens = collect.result()
+        return JSONResponse(full_response(head, outputs, self.token_text, prompt_tokens, echo))
+
+    def _prompt_text(self, prompt: Any) -> str:
+        return prompt if isinstance(prompt, str) else self.loop.engine.model.tokenizer.decode(prompt)
+
+    async def _collect(self, ids: list[str], n: int, items: asyncio.Queue,
+                       choice_of: dict[str, int]) -> tuple[list[tuple[int, Output]], int]:
+        """Every sequence's Output (with its choice index) and the prompt tokens of all the requests."""
+        outputs: list[tuple[int, Output]] = []
+        prompt_tokens: dict[str, int] = {}
+        while len(outputs) < len(ids) * n:
+            item = await items.get()
+            if isinstance(item, RequestFailed):
+                self.loop.abort(ids)
+                raise APIError(500, item.message, kind="server_error")
+            if item.output is not None:
+                outputs.append((choice_of[item.request_id] + item.index, item.output))
+                prompt_tokens[item.request_id] = item.output.stats.prompt_tokens
+        return outputs, sum(prompt_tokens.values())
+
+    async def _stream(self, head: ResponseHead, parsed: ParsedRequest, ids: list[str], items: asyncio.Queue,
+                      choice_of: dict[str, int], echo: list[str]) -> AsyncIterator[str]:
+        total = len(ids) * parsed.n
+        finished = completion_tokens = 0
+        prompt_tokens: dict[str, int] = {}
+        offsets: dict[int, int] = {}
+        complete = False
+        try:
+            if head.chat:
+                yield _sse(chunk(head, [role_choice(i) for i in range(total)], parsed.include_usage))
+            while finished < total:
+                item = await items.get()
+                if isinstance(item, RequestFailed):
+                    yield _sse(APIError(500, item.message, kind="server_error").body())
+                    break
+                index = choice_of[item.request_id] + item.index
+                text = item.text
+                if echo and index not in offsets:
+                    text = echo[index] + text
+                offset = offsets.get(index, 0)
+                offsets[index] = offset + len(text)
+                if item.finish_reason is not None:
+                    finished += 1
+                    if item.output is not None:
+                        completion_tokens += len(item.output.token_ids)
+                        prompt_tokens[item.request_id] = item.output.stats.prompt_tokens
+                elif not text and not item.logprobs:
+                    continue
+                choice = delta_choice(head, index, item, self.token_text, text, offset)
+                yield _sse(chunk(head, [choice], parsed.include_usage))
+            if parsed.include_usage:
+                yield _sse(usage_chunk(head, sum(prompt_tokens.values()), completion_tokens))
+            yield "data: [DONE]\n\n"
+            complete = True
+        finally:
+            if not complete:  # the client went away (the response task was cancelled): abort now
+                self.loop.abort(ids)
+
+    # ---------------------------------------------------------------------------------------------- the app
+    def _make_app(self) -> FastAPI:
+        server = self
+
+        @asynccontextmanager
+        async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+            server.loop.start()
+            yield
+            await asyncio.to_thread(server.loop.stop)
+
+        app = FastAPI(title="logitproc", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+        app.add_middleware(StatusCounter, metrics=self.metrics)
+
+        def authorized(request: Request) -> None:
+            key = server.options.api_key
+            if key is None:
+                return
+            given = request.headers.get("authorization", "")
+            scheme, _, token = given.partition(" ")
+            if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), key.encode()):
+                raise APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
+                               code="invalid_api_key")
+
+        guarded = [Depends(authorized)]
+
+        @app.exception_handler(APIError)
+        async def api_error(request: Request, err: APIError) -> JSONResponse:
+            return JSONResponse(err.body(), status_code=err.status)
+
+        @app.exception_handler(StarletteHTTPException)
+        async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
+            error = APIError(err.status_code, str(err.detail), kind="invalid_request_error")
+            return JSONResponse(error.body(), status_code=err.status_code)
+
+        @app.exception_handler(Exception)
+        async def server_error(request: Request, err: Exception) -> JSONResponse:
+            log.exception("unexpected error in %s", request.url.path)
+            error = APIError(500, f"internal error: {type(err).__name__}: {err}", kind="server_error")
+            return JSONResponse(error.body(), status_code=500)
+
+        @app.get("/health")
+        async def health() -> Response:
+            if server.loop.state == EngineLoop.READY:
+                return JSONResponse({"status": "ok"})
+            return JSONResponse({"status": server.loop.state, "error": server.loop.error}, status_code=503)
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            return Response(server.metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+        @app.get("/v1/models", dependencies=guarded)
+        async def models() -> JSONResponse:
+            engine = server._ready()
+            name = server.model_name
+            return JSONResponse({"object": "list", "data": [
+                {"id": name, "object": "model", "created": server.options.created, "owned_by": "logitproc",
+                 "root": name, "max_model_len": engine.context_length}]})
+
+        @app.post("/v1/chat/completions", dependencies=guarded)
+        async def chat_completions(request: Request) -> Response:
+            return await server.generate(request, chat=True)
+
+        @app.post("/v1/completions", dependencies=guarded)
+        async def completions(request: Request) -> Response:
+            return await server.generate(request, chat=False)
+
+        @app.post("/tokenize", dependencies=guarded)
+        async def tokenize(request: Request) -> JSONResponse:
+            engine = server._ready()
+            body = await _json_body(request)
+            if not isinstance(body, dict) or ("prompt" in body) == ("messages" in body):
+                raise bad_request("give either prompt (text or token ids) or messages")
+            server._check_model(body.get("model"))
+            chat = "messages" in body
+            prompt = parse_messages(body["messages"]) if chat else body["prompt"]
+            if not isinstance(prompt, (str, list)):
+                raise bad_request("prompt must be a string or a list of token ids", "prompt")
+            try:
+                tokens = await server._on_loop(lambda e: e.tokenize(prompt, chat=chat))
+            except (ValueError, TypeError) as err:
+                raise bad_request(str(err), "messages" if chat else "prompt") from None
+            return JSONResponse({"count": len(tokens), "max_model_len": engine.context_length, "tokens": tokens})
+
+        @app.post("/detokenize", dependencies=guarded)
+        async def detokenize(request: Request) -> JSONResponse:
+            engine = server._ready()
+            body = await _json_body(request)
+            tokens = body.get("tokens") if isinstance(body, dict) else None
+            if not isinstance(tokens, list) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) and 0 <= t < engine.vocab_size for t in tokens):
+                raise bad_request(f"tokens must be a list of token ids in [0, {engine.vocab_size})", "tokens")
+            server._check_model(body.get("model"))
+            text = await server._on_loop(lambda e: e.model.tokenizer.decode(tokens))
+            return JSONResponse({"prompt": text})
+
+        return app

@@ -1,0 +1,268 @@
+"""OpenAI-compatible request parsing: a chat or completions request body becomes prompts and a GenerationConfig.
+
+Fields follow the OpenAI API (messages / prompt, max_tokens and max_completion_tokens, temperature, top_p, n, seed,
+stop, presence/frequency penalties, logit_bias, logprobs + top_logprobs for chat, logprobs as an int for completions,
+stream, stream_options.include_usage, response_format, user) plus vLLM's extensions under their vLLM names (top_k,
+min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids, bad_words, allowed_token_ids, structured_outputs
+with one of json / regex / choice / grammar / json_object). Unknown fields are ignored with a log line, as vLLM does.
+Everything wrong with a request is an ``APIError`` (status 400) whose message names the field and what is allowed;
+the ranges are GenerationConfig's.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from logitproc.runtime.config import MAX_TOP_LOGPROBS, GenerationConfig
+
+log = logging.getLogger("logitproc.serve")
+
+#: Request fields passed to GenerationConfig under the same name (OpenAI's and vLLM's).
+CONFIG_FIELDS = ("temperature", "top_p", "n", "seed", "stop", "presence_penalty", "frequency_penalty", "logit_bias",
+                 "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "bad_words",
+                 "allowed_token_ids")
+#: Fields read elsewhere, or accepted and without effect here (``user`` is for the client's own tracking).
+COMMON_FIELDS = CONFIG_FIELDS + ("model", "max_tokens", "stream", "stream_options", "response_format",
+                                 "structured_outputs", "user", "logprobs")
+CHAT_FIELDS = COMMON_FIELDS + ("messages", "max_completion_tokens", "top_logprobs")
+COMPLETION_FIELDS = COMMON_FIELDS + ("prompt", "echo", "best_of", "suffix")
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+STRUCTURED_OUTPUT_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, kind: str = "invalid_request_error",
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.kind = kind
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+def param_of(message: str, fields: tuple[str, ...]) -> str | None:
+    """The request field an error message starts with (GenerationConfig's messages name their field first)."""
+    match = re.match(r"[a-z_]+", message)
+    return match.group(0) if match and match.group(0) in fields else None
+
+
+@dataclass
+class ParsedRequest:
+    """What a chat or completions request asks for. ``prompts`` holds one item per prompt: chat messages
+    (a list of {"role", "content"}) for chat, text or token ids for completions."""
+
+    chat: bool
+    model: str | None
+    prompts: list[Any]
+    config: GenerationConfig
+    stream: bool = False
+    include_usage: bool = False
+    echo: bool = False
+
+    @property
+    def n(self) -> int:
+        return self.config.n
+
+
+def _typed(body: Mapping[str, Any], name: str, kinds: type | tuple[type, ...], what: str) -> Any:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) and bool not in (kinds if isinstance(kinds, tuple) else (kinds,)):
+        raise bad_request(f"{name} must be {what}, got {value!r}", name)
+    if not isinstance(value, kinds):
+        raise bad_request(f"{name} must be {what}, got {json.dumps(value)[:80]}", name)
+    return value
+
+
+def _ignore_unknown(body: Mapping[str, Any], known: tuple[str, ...], endpoint: str) -> None:
+    unknown = sorted(k for k in body if k not in known)
+    if unknown:
+        log.info("%s: ignoring unknown field(s) %s", endpoint, ", ".join(unknown))
+
+
+def _message_text(index: int, content: Any) -> str:
+    """A message's content: a string, or a list of text parts ({"type": "text", "text": ...}) joined."""
+    where = f"messages[{index}].content"
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad_request(f"{where}: only text parts ({{'type': 'text', 'text': ...}}) are supported, got "
+                                  f"{json.dumps(part)[:80]}", "messages")
+            texts.append(part["text"])
+        return "".join(texts)
+    if content is None:
+        return ""
+    raise bad_request(f"{where} must be a string or a list of text parts, got {type(content).__name__}", "messages")
+
+
+def parse_messages(value: Any) -> list[dict[str, str]]:
+    """Chat messages as [{"role", "content"}] (developer becomes system); a 400 naming what is wrong."""
+    if not isinstance(value, list) or not value:
+        raise bad_request("messages must be a non-empty list of {role, content} objects", "messages")
+    messages = []
+    for index, message in enumerate(value):
+        if not isinstance(message, Mapping):
+            raise bad_request(f"messages[{index}] must be an object with role and content", "messages")
+        role = message.get("role")
+        if role not in CHAT_ROLES:
+            raise bad_request(f"messages[{index}].role must be one of {list(CHAT_ROLES)}, got {role!r}", "messages")
+        messages.append({"role": "system" if role == "developer" else role,
+                         "content": _message_text(index, message.get("content"))})
+    return messages
+
+
+def parse_prompt(value: Any) -> list[str | list[int]]:
+    """A completions prompt: text, token ids, or a list of either (one request each)."""
+    def ids_ok(items: list[Any]) -> bool:
+        return all(isinstance(t, int) and not isinstance(t, bool) for t in items)
+
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and value:
+        if ids_ok(value):
+            return [list(value)]
+        if all(isinstance(p, str) for p in value):
+            return list(value)
+        if all(isinstance(p, list) and p and ids_ok(p) for p in value):
+            return [list(p) for p in value]
+    raise bad_request("prompt must be a string, a non-empty list of token ids, or a non-empty list of strings or of "
+                      "token-id lists", "prompt")
+
+
+def _choice_grammar(choices: Any) -> dict[str, Any]:
+    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
+        raise bad_request("structured_outputs.choice must be a non-empty list of non-empty strings",
+                          "structured_outputs")
+    alternatives = " | ".join(json.dumps(c) for c in choices)
+    return {"type": "grammar", "grammar": f"start: {alternatives}", "syntax": "lark"}
+
+
+def structured_output_format(value: Any) -> dict[str, Any]:
+    """vLLM's ``structured_outputs`` ({json | regex | choice | grammar | json_object}) as a response_format."""
+    if not isinstance(value, Mapping):
+        raise bad_request("structured_outputs must be an object with one of "
+                          f"{list(STRUCTURED_OUTPUT_KEYS)}", "structured_outputs")
+    given = {k: v for k, v in value.items() if k in STRUCTURED_OUTPUT_KEYS and v not in (None, False)}
+    _ignore_unknown(value, STRUCTURED_OUTPUT_KEYS, "structured_outputs")
+    if len(given) != 1:
+        raise bad_request(f"structured_outputs must set exactly one of {list(STRUCTURED_OUTPUT_KEYS)}, got "
+                          f"{sorted(given) or 'none'}", "structured_outputs")
+    (kind, spec), = given.items()
+    if kind == "json":
+        return {"type": "json_schema", "json_schema": {"name": "schema", "schema": spec}}
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "regex":
+        return {"type": "regex", "regex": spec}
+    if kind == "choice":
+        return _choice_grammar(spec)
+    return {"type": "grammar", "grammar": spec, "syntax": "ebnf" if "::=" in str(spec) else "lark"}
+
+
+def _config(body: Mapping[str, Any], values: dict[str, Any], fields: tuple[str, ...]) -> GenerationConfig:
+    for name in CONFIG_FIELDS:
+        if body.get(name) is not None:
+            values[name] = body[name]
+    response_format = body.get("response_format")
+    if body.get("structured_outputs") is not None:
+        if response_format is not None:
+            raise bad_request("give either response_format or structured_outputs, not both", "structured_outputs")
+        response_format = structured_output_format(body["structured_outputs"])
+    values["response_format"] = response_format
+    try:
+        return GenerationConfig(**values)
+    except (ValueError, TypeError) as err:
+        message = str(err)
+        raise bad_request(message, param_of(message, fields)) from None
+
+
+def _stream_options(body: Mapping[str, Any]) -> tuple[bool, bool]:
+    stream = bool(_typed(body, "stream", bool, "a boolean"))
+    options = _typed(body, "stream_options", dict, "an object like {\"include_usage\": true}") or {}
+    if options and not stream:
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+    include_usage = options.get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise bad_request(f"stream_options.include_usage must be a boolean, got {include_usage!r}", "stream_options")
+    return stream, include_usage
+
+
+def _max_tokens(body: Mapping[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
+    for name in names:  # the first one given wins (max_completion_tokens replaces max_tokens in chat)
+        if body.get(name) is not None:
+            value = body[name]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise bad_request(f"{name} must be an integer >= 1, got {value!r}", name)
+            return {"max_tokens": value}
+    return {}
+
+
+def _body(body: Any) -> Mapping[str, Any]:
+    if not isinstance(body, Mapping):
+        raise bad_request("the request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad_request(f"model must be a string, got {model!r}", "model")
+    _typed(body, "user", str, "a string")
+    return body
+
+
+def parse_chat_request(body: Any) -> ParsedRequest:
+    """A ``/v1/chat/completions`` body; APIError(400) naming the field on anything wrong."""
+    body = _body(body)
+    _ignore_unknown(body, CHAT_FIELDS, "chat.completions")
+    messages = parse_messages(body.get("messages"))
+    stream, include_usage = _stream_options(body)
+    values = _max_tokens(body, ("max_completion_tokens", "max_tokens"))
+    logprobs = _typed(body, "logprobs", bool, "a boolean")
+    top = _typed(body, "top_logprobs", int, f"an integer in [0, {MAX_TOP_LOGPROBS}]")
+    if top is not None and not logprobs:
+        raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
+    values.update(logprobs=bool(logprobs), top_logprobs=top or 0)
+    config = _config(body, values, CHAT_FIELDS)
+    return ParsedRequest(True, body.get("model"), [messages], config, stream, include_usage)
+
+
+def parse_completion_request(body: Any) -> ParsedRequest:
+    """A ``/v1/completions`` body; APIError(400) naming the field on anything wrong."""
+    body = _body(body)
+    _ignore_unknown(body, COMPLETION_FIELDS, "completions")
+    prompts = parse_prompt(body.get("prompt"))
+    stream, include_usage = _stream_options(body)
+    values = _max_tokens(body, ("max_tokens",))
+    values.setdefault("max_tokens", 16)  # OpenAI's default for completions
+    logprobs = _typed(body, "logprobs", int, f"an integer in [0, {MAX_TOP_LOGPROBS}]")
+    if logprobs is not None:
+        if not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+            raise bad_request(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {logprobs}", "logprobs")
+        values.update(logprobs=True, top_logprobs=logprobs)
+    echo = bool(_typed(body, "echo", bool, "a boolean"))
+    if echo and logprobs is not None:
+        raise bad_request("echo together with logprobs is not supported (prompt logprobs are not computed)", "echo")
+    if body.get("suffix"):
+        raise bad_request("suffix is not supported", "suffix")
+    best_of = _typed(body, "best_of", int, "an integer")
+    n = body.get("n", 1)
+    if best_of is not None and best_of != n:
+        raise bad_request(f"best_of must equal n ({n}) here, got {best_of}", "best_of")
+    config = _config(body, values, COMPLETION_FIELDS)
+    return ParsedRequest(False, body.get("model"), prompts, config, stream, include_usage, echo)

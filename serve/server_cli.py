@@ -1,0 +1,108 @@
+"""``logitproc serve``: the OpenAI-compatible HTTP server's command line (options, model loading, uvicorn, SIGTERM).
+
+The socket is bound first, so ``/health`` answers 503 while the model is fetched and compiled (first use) and
+loaded; progress goes to stderr, then the URL. SIGTERM (or Ctrl-C) stops accepting connections, lets running
+requests finish for up to ``--drain-timeout`` seconds, then exits 0. FastAPI and uvicorn load only when the command
+runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from .cli_options import TINY_MODEL, add_model_arguments, log
+
+
+def add_parser(commands: Any) -> None:
+    parser = commands.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
+                                 description=__doc__.split("\n\n")[0])
+    add_model_arguments(parser)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
+    parser.add_argument("--max-batch", type=int, default=16,
+                        help="sequences generated at once (default: %(default)s)")
+    parser.add_argument("--max-queue", type=int, default=256,
+                        help="requests waiting to start before new ones get 429 (default: %(default)s)")
+    parser.add_argument("--api-key", default=os.environ.get("LOGITPROC_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' on /v1, /tokenize, /detokenize "
+                             "(default: $LOGITPROC_API_KEY, else none)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the model's name in the API (default: the model's own name)")
+    parser.add_argument("--drain-timeout", type=float, default=30.0,
+                        help="seconds running requests get to finish after SIGTERM (default: %(default)s)")
+    parser.set_defaults(run=run)
+
+
+def _check(args: argparse.Namespace) -> None:
+    for name, low in (("max_batch", 1), ("max_queue", 1), ("port", 0)):
+        if getattr(args, name) < low:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
+    if args.port > 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    if args.drain_timeout < 0:
+        raise ValueError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
+
+
+def load_engine(args: argparse.Namespace) -> Any:
+    """The Engine over ``--model`` with ``--max-batch`` sequences (compiling the model on first use)."""
+    from logitproc.runtime.tree_decode import load_tree_decode_config
+    from logitproc.serve.compiled_model import CompiledModel
+    from logitproc.serve.engine import Engine
+
+    from .cli_options import tiny_model
+
+    source: Any = tiny_model() if args.model == TINY_MODEL else args.model
+    model = CompiledModel.open(source, target=args.target, progress=log, max_num_sequences=args.max_batch)
+    path = Path(args.model)
+    model_dir = (path if path.is_dir() else path.parent) if path.exists() else model.directory
+    tree = load_tree_decode_config(args.tree_decode_config, model.vocab_size, os.environ, model_dir)
+    if tree is not None:
+        log("tree decode: map loaded; it constrains every answer")
+    return Engine(model, max_batch=args.max_batch, jump_forward=args.jump_forward,
+                  grammar_backend=args.grammar_backend, tree_decode=tree)
+
+
+def run(args: argparse.Namespace) -> int:
+    """``logitproc serve``."""
+    _check(args)
+    import uvicorn
+
+    from .http_server import Server, ServerOptions
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    url = f"http://{args.host}:{args.port}"
+    failure: list[BaseException] = []
+    holder: dict[str, Any] = {}
+
+    def load() -> Any:
+        log(f"listening on {url} (/health answers 503 until the model is loaded)")
+        engine = load_engine(args)
+        name = args.served_model_name or engine.model.name
+        log(f"ready: serving {name!r} at {url}/v1 (max batch {engine.max_batch}, context {engine.context_length})")
+        return engine
+
+    def on_failure(err: BaseException) -> None:
+        failure.append(err)
+        holder["uvicorn"].should_exit = True
+
+    options = ServerOptions(served_model_name=args.served_model_name, aliases=(args.model,), api_key=args.api_key,
+                            max_queue=args.max_queue)
+    server = Server(load, options, on_failure)
+    config = uvicorn.Config(server.app, host=args.host, port=args.port, log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=args.drain_timeout, lifespan="on")
+    holder["uvicorn"] = uvicorn.Server(config)
+    # uvicorn re-raises the signal that stopped it once it has drained; this handler makes SIGTERM end with 0.
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: log("stopped (SIGTERM)"))
+    try:
+        holder["uvicorn"].run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if failure:
+        raise RuntimeError(f"the model did not load: {failure[0]}")
+    return 0
