@@ -16,9 +16,10 @@ import logging
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from logitproc.runtime.config import MAX_TOP_LOGPROBS, GenerationConfig
+if TYPE_CHECKING:  # the runtime (and TVM) load with the model, not before the server listens
+    from logitproc.runtime.config import GenerationConfig
 
 log = logging.getLogger("logitproc.serve")
 
@@ -179,6 +180,8 @@ def structured_output_format(value: Any) -> dict[str, Any]:
 
 
 def _config(body: Mapping[str, Any], values: dict[str, Any], fields: tuple[str, ...]) -> GenerationConfig:
+    from logitproc.runtime.config import GenerationConfig
+
     for name in CONFIG_FIELDS:
         if body.get(name) is not None:
             values[name] = body[name]
@@ -233,6 +236,8 @@ def parse_chat_request(body: Any) -> ParsedRequest:
     messages = parse_messages(body.get("messages"))
     stream, include_usage = _stream_options(body)
     values = _max_tokens(body, ("max_completion_tokens", "max_tokens"))
+    from logitproc.runtime.config import MAX_TOP_LOGPROBS
+
     logprobs = _typed(body, "logprobs", bool, "a boolean")
     top = _typed(body, "top_logprobs", int, f"an integer in [0, {MAX_TOP_LOGPROBS}]")
     if top is not None and not logprobs:
@@ -250,6 +255,8 @@ def parse_completion_request(body: Any) -> ParsedRequest:
     stream, include_usage = _stream_options(body)
     values = _max_tokens(body, ("max_tokens",))
     values.setdefault("max_tokens", 16)  # OpenAI's default for completions
+    from logitproc.runtime.config import MAX_TOP_LOGPROBS
+
     logprobs = _typed(body, "logprobs", int, f"an integer in [0, {MAX_TOP_LOGPROBS}]")
     if logprobs is not None:
         if not 0 <= logprobs <= MAX_TOP_LOGPROBS:
