@@ -148,8 +148,13 @@ class Server:
         def sink(item: Any) -> None:
             aloop.call_soon_threadsafe(items.put_nowait, item)
 
+        submitted = self.loop.submit(parsed.prompts, parsed.config, parsed.chat, sink)
         try:
-            ids = await asyncio.wrap_future(self.loop.submit(parsed.prompts, parsed.config, parsed.chat, sink))
+            ids = await asyncio.wrap_future(submitted)
+        except asyncio.CancelledError:  # the client left while the request was being added: abort it once added
+            submitted.add_done_callback(
+                lambda f: None if f.cancelled() or f.exception() is not None else self.loop.abort(f.result()))
+            raise
         except QueueFull as err:
             raise APIError(429, str(err), kind="rate_limit_error", code="queue_full") from None
         except EngineUnavailable as err:

@@ -21,7 +21,7 @@ from .cli_options import TINY_MODEL, add_model_arguments, log
 
 def add_parser(commands: Any) -> None:
     parser = commands.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
-                                 description=__doc__.split("\n\n")[0])
+                                 description="Serve the model over an OpenAI-compatible HTTP API (docs/server.md).")
     add_model_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")

@@ -81,7 +81,7 @@ class ServerProcess:
 def server() -> Iterator[ServerProcess]:
     proc = ServerProcess("--model", "tiny", "--max-batch", "8", "--max-queue", "16")
     yield proc
-    assert proc.stop() == 0
+    assert proc.stop() == 0  # already stopped by the SIGTERM test when that ran
 
 
 @pytest.fixture(scope="module")
@@ -373,23 +373,6 @@ def test_health_is_503_while_loading_and_after_a_failed_load() -> None:
         assert "nowhere.gguf" in http.post(CHAT, json={"messages": MESSAGES}).json()["error"]["message"]
 
 
-def test_sigterm_lets_running_requests_finish_then_exits_0() -> None:
-    proc = ServerProcess("--model", "tiny", api_key=None)
-    client = openai.OpenAI(base_url=proc.url + "/v1", api_key="none", max_retries=0, timeout=60)
-    try:
-        stream = client.completions.create(model="tiny", prompt="x", max_tokens=400, stream=True,
-                                           extra_body={"ignore_eos": True})
-        first = next(iter(stream))
-        proc.proc.send_signal(signal.SIGTERM)
-        rest = list(stream)
-        assert rest[-1].choices[0].finish_reason == "length"
-        assert len("".join(c.choices[0].text for c in [first, *rest])) > 0
-        assert proc.proc.wait(60) == 0
-        assert "stopped (SIGTERM)" in proc.output()
-    finally:
-        proc.stop()
-
-
 # ---------------------------------------------------------------------------------------------------- SmolLM2
 def test_smollm2_answers_through_the_server() -> None:
     from logitproc.compile.model_fetch import fetch_default_model
@@ -406,3 +389,18 @@ def test_smollm2_answers_through_the_server() -> None:
         assert "Paris" in r.choices[0].message.content
     finally:
         assert proc.stop() == 0
+
+
+# ---------------------------------------------------------------------------------------------------- last
+def test_sigterm_lets_running_requests_finish_then_exits_0(server, client, model_id) -> None:
+    """Runs last in this file: it stops the module's server."""
+    stream = client.completions.create(model=model_id, prompt="x", max_tokens=400, stream=True,
+                                       stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    next(iter(stream))
+    server.proc.send_signal(signal.SIGTERM)
+    rest = list(stream)
+    assert rest[-2].choices[0].finish_reason == "length" and rest[-1].usage.completion_tokens == 400
+    assert server.proc.wait(60) == 0
+    assert "stopped (SIGTERM)" in server.output()
+    with pytest.raises(httpx.TransportError):
+        httpx.get(server.url + "/health", timeout=5)

@@ -1,0 +1,202 @@
+"""Benchmark ``logitproc serve`` against llama.cpp's OpenAI server through the async openai client.
+
+Each server gets the same streamed chat load at concurrency 1, 4 and 16 (``--requests`` requests per level, at most
+``concurrency`` in flight; EOS banned with logit_bias so every answer is ``--max-tokens`` long; greedy). Figures per
+server and level: generated tokens per second over the level's wall time, time to first token (TTFT) and
+inter-token latency (ITL, gaps between streamed chunks) p50 / p99. Levels run interleaved (logitproc, llama.cpp,
+logitproc, ...) for ``--rounds`` rounds; the table holds each figure's median over the rounds.
+
+    python scripts/bench_serve.py                          # SmolLM2 default GGUF; llama.cpp when it is installed
+    python scripts/bench_serve.py --llama-cpp off --max-tokens 64
+
+llama.cpp runs as ``python -m llama_cpp.server`` (``pip install "llama-cpp-python[server]==0.3.36"``) on the same
+GGUF with ``--threads`` threads; logitproc with ``TVM_NUM_THREADS`` set to the same number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import openai
+
+QUESTIONS = ["What is the capital of France?", "Name three colours.", "Why is the sky blue?",
+             "Write a haiku about rain.", "How do bees make honey?", "What is a prime number?",
+             "Describe a cat in one sentence.", "What is the tallest mountain?"]
+#: SmolLM2's end tokens (<|endoftext|>, <|im_end|>): banned so that every answer runs to max_tokens.
+EOS_BIAS = {"0": -100, "2": -100}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Served:
+    """A server child process."""
+
+    name: str
+    url: str
+    proc: subprocess.Popen
+    log: object
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def start(name: str, cmd: list[str], env: dict[str, str], timeout: float = 1800) -> Served:
+    port = free_port()
+    log = tempfile.NamedTemporaryFile("w+", prefix=f"bench-serve-{name}-", suffix=".log", delete=False)
+    proc = subprocess.Popen([*cmd, "--port", str(port)], stdout=log, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited; its log: {log.name}")
+        try:
+            if httpx.get(url + "/v1/models", timeout=5).status_code == 200:
+                print(f"{name}: ready at {url} (log {log.name})", file=sys.stderr)
+                return Served(name, url, proc, log)
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise TimeoutError(f"{name} did not start; its log: {log.name}")
+
+
+@dataclass
+class Level:
+    """One load level's measurements."""
+
+    tokens: int = 0
+    seconds: float = 0.0
+    ttft: list[float] = field(default_factory=list)
+    itl: list[float] = field(default_factory=list)
+
+    @property
+    def tok_per_s(self) -> float:
+        return self.tokens / self.seconds
+
+
+async def one_request(client: openai.AsyncOpenAI, model: str, question: str, max_tokens: int, level: Level) -> None:
+    started = time.perf_counter()
+    last = None
+    stream = await client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": question}], max_tokens=max_tokens, temperature=0,
+        logit_bias=EOS_BIAS, stream=True)
+    async for chunk in stream:
+        if not chunk.choices or not chunk.choices[0].delta.content:
+            continue
+        now = time.perf_counter()
+        if last is None:
+            level.ttft.append(now - started)
+        else:
+            level.itl.append(now - last)
+        last = now
+        level.tokens += 1
+
+
+async def run_level(url: str, concurrency: int, requests: int, max_tokens: int) -> Level:
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
+    model = (await client.models.list()).data[0].id
+    level = Level()
+    gate = asyncio.Semaphore(concurrency)
+
+    async def limited(i: int) -> None:
+        async with gate:
+            await one_request(client, model, QUESTIONS[i % len(QUESTIONS)], max_tokens, level)
+
+    started = time.perf_counter()
+    await asyncio.gather(*(limited(i) for i in range(requests)))
+    level.seconds = time.perf_counter() - started
+    await client.close()
+    return level
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(int(q * len(ordered)), len(ordered) - 1)] if ordered else float("nan")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="default", help="logitproc's --model (default: SmolLM2 default)")
+    parser.add_argument("--gguf", default=None, help="the GGUF file for llama.cpp (default: the default model's)")
+    parser.add_argument("--llama-cpp", choices=("auto", "on", "off"), default="auto")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--requests", type=int, default=0, help="requests per level (default: 2 x concurrency, "
+                                                                "at least 4)")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--max-batch", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+
+    env = dict(os.environ, TVM_NUM_THREADS=str(args.threads))
+    servers = [start("logitproc", [sys.executable, "-m", "logitproc", "serve", "--model", args.model,
+                                   "--max-batch", str(args.max_batch)], env)]
+    try:
+        if args.llama_cpp != "off":
+            try:
+                import llama_cpp.server  # noqa: F401
+            except ImportError:
+                if args.llama_cpp == "on":
+                    raise
+                print("llama.cpp: llama-cpp-python[server] is not installed; skipped", file=sys.stderr)
+            else:
+                gguf = args.gguf
+                if gguf is None:
+                    from logitproc.compile.model_fetch import fetch_default_model
+
+                    gguf = str(fetch_default_model())
+                servers.append(start("llama.cpp", [
+                    sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--n_threads", str(args.threads),
+                    "--n_threads_batch", str(args.threads), "--n_ctx", "8192", "--host", "127.0.0.1"], env))
+        results: dict[tuple[str, int], list[Level]] = {}
+        for concurrency in args.concurrency:
+            requests = args.requests or max(4, 2 * concurrency)
+            for server in servers:  # warm-up
+                asyncio.run(run_level(server.url, concurrency, concurrency, 8))
+            for _ in range(args.rounds):
+                for server in servers:
+                    level = asyncio.run(run_level(server.url, concurrency, requests, args.max_tokens))
+                    results.setdefault((server.name, concurrency), []).append(level)
+                    print(f"{server.name} c={concurrency}: {level.tok_per_s:.1f} tok/s", file=sys.stderr)
+    finally:
+        for server in servers:
+            server.stop()
+
+    from bench_common import machine_line
+
+    print(f"{machine_line()}; load average {os.getloadavg()[0]:.1f}; {args.max_tokens} tokens per answer, "
+          f"greedy, {args.rounds} rounds (median)\n")
+    print("| server | concurrency | generated tok/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) |")
+    print("| --- | --- | --- | --- | --- |")
+    for (name, concurrency), levels in results.items():
+        rate = statistics.median(lv.tok_per_s for lv in levels)
+        ttft = [statistics.median(pct(lv.ttft, q) for lv in levels) * 1e3 for q in (0.5, 0.99)]
+        itl = [statistics.median(pct(lv.itl, q) for lv in levels) * 1e3 for q in (0.5, 0.99)]
+        print(f"| {name} | {concurrency} | {rate:.1f} | {ttft[0]:.0f} / {ttft[1]:.0f} | "
+              f"{itl[0]:.1f} / {itl[1]:.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
