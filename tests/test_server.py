@@ -44,7 +44,8 @@ class ServerProcess:
         cmd = [sys.executable, "-m", "logitproc", "serve", "--port", str(self.port), *args]
         if api_key:
             cmd += ["--api-key", api_key]
-        self.log = open(os.path.join(os.environ["LOGITPROC_CACHE"], f"serve-{self.port}.log"), "w+")
+        self.log_path = os.path.join(os.environ["LOGITPROC_CACHE"], f"serve-{self.port}.log")
+        self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=dict(os.environ))
         self.health_seen: list[tuple[int, dict]] = []
         deadline = time.monotonic() + timeout
@@ -62,9 +63,8 @@ class ServerProcess:
         raise TimeoutError(f"the server did not become ready:\n{self.output()}")
 
     def output(self) -> str:
-        self.log.flush()
-        self.log.seek(0)
-        return self.log.read()
+        with open(self.log_path) as f:
+            return f.read()
 
     def stop(self) -> int:
         if self.proc.poll() is None:
@@ -142,6 +142,11 @@ def test_models_health_and_a_chat_answer(server, client, model_id) -> None:
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
     text = raw(server, "/detokenize", {"tokens": tokens["tokens"]}).json()["prompt"]
     assert "Say something." in text
+    # vLLM's way with unknown fields: ignored, with a log line; max_completion_tokens wins over max_tokens
+    r = raw(server, CHAT, {"messages": MESSAGES, "max_tokens": 9, "max_completion_tokens": 3, "ignore_eos": True,
+                           "frobnicate": 1})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    assert "ignoring unknown field(s) frobnicate" in server.output()
 
 
 def test_stream_equals_non_stream_chat_and_completions(server, client, model_id) -> None:
