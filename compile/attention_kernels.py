@@ -30,6 +30,8 @@ import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
+from .decode_attention import DECODE_NAMES, decode_attention_kernel
+
 _LANES = 16
 _CHUNKS = 64
 PAGE_SIZE = 16
@@ -237,13 +239,15 @@ PAGED_NAMES = ("batch_prefill_paged_kv_cpu", "tir_attention_prefill_cpu")
 ROPE_NAMES = ("fused_rope", "tir_split_rotary")
 
 
-def replace_prefill_attention(mod: tvm.IRModule, h_kv: int, h_q: int, d: int,
+def replace_attention_kernels(mod: tvm.IRModule, h_kv: int, h_q: int, d: int,
                               rope_theta: float | None = None) -> tvm.IRModule:
-    """``mod`` with the KV cache's CPU prefill attention kernels replaced by these (same names and signatures), and
-    its RoPE kernel too when ``rope_theta`` is given (the cache must use ``RopeMode.NORMAL`` with scale 1)."""
+    """``mod`` with the KV cache's CPU attention kernels (prefill, and decode: ``decode_attention.py``) replaced by
+    these (same names and signatures), and its RoPE kernel too when ``rope_theta`` is given (the cache must use
+    ``RopeMode.NORMAL`` with scale 1)."""
     functions = {gv.name_hint: gv for gv in mod.get_global_vars()}
     replacements = [(RAGGED_NAMES, ragged_prefill_kernel(h_kv, h_q, d)),
-                    (PAGED_NAMES, paged_prefill_kernel(h_kv, h_q, d))]
+                    (PAGED_NAMES, paged_prefill_kernel(h_kv, h_q, d)),
+                    (DECODE_NAMES, decode_attention_kernel(h_kv, h_q, d))]
     if rope_theta is not None:
         replacements.append((ROPE_NAMES, rope_kernel(h_kv, h_q, d, rope_theta)))
     for candidates, new in replacements:

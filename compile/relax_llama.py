@@ -40,7 +40,7 @@ from tvm import tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedKVCache
 
-from .attention_kernels import replace_prefill_attention
+from .attention_kernels import replace_attention_kernels
 from .gguf_model import GGUFModel
 from .linear_kernels import QUANTISED, embed_kernel, linear_kernel, param_shapes, swiglu_kernel
 
@@ -322,7 +322,7 @@ def export_llama(spec: LlamaSpec, target: tvm.target.Target) -> tuple[tvm.IRModu
     module = LlamaModule(spec)
     with target:
         mod, named_params = module.export_tvm(spec=module.export_spec())
-    mod = replace_prefill_attention(mod, spec.n_kv_heads, spec.n_heads, spec.head_dim, spec.rope_theta)
+    mod = replace_attention_kernels(mod, spec.n_kv_heads, spec.n_heads, spec.head_dim, spec.rope_theta)
     return mod, [name for name, _ in named_params]
 
 

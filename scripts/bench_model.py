@@ -3,6 +3,7 @@ step that the engine spends in logit processing + sampling.
 
     python scripts/bench_model.py [--model default] [--prompt-tokens 128] [--decode-tokens 64] [--rounds 3]
                                   [--no-engine] [--markdown]
+    python scripts/bench_model.py --llama-cpp [--contexts 64,1024,4096] [--threads 2] [--batch 8]
 
 1. prefill tokens/s (one prompt of ``--prompt-tokens``) and greedy decode tokens/s (batch 1) of both models, in
    ``--rounds`` interleaved rounds (numpy, compiled, numpy, ...; the machine may be shared, so each round's figures
@@ -10,6 +11,10 @@ step that the engine spends in logit processing + sampling.
 2. ``Engine`` decode steps (batch 1, and batch 4 with the same config per request): the model forward, the logit
    processing + sampling part (bias, penalties, masks, softmax, top-p, sampling), and their share of the step,
    with a typical config (temperature 0.7, top_p 0.9, repetition penalty 1.1) and with a JSON schema added.
+
+``--llama-cpp`` instead compares CompiledModel with llama.cpp (llama-cpp-python, the ``bench`` extra) on the same
+GGUF file, same prompt tokens and same thread count, at each of ``--contexts``: prefill and decode tok/s, their
+ratios, decode as a fraction of the memory floor, and ``--batch`` sequences decoded together (``side_by_side.py``).
 """
 
 from __future__ import annotations
@@ -102,17 +107,32 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--no-engine", action="store_true", help="only the prefill/decode comparison")
     parser.add_argument("--markdown", action="store_true")
+    parser.add_argument("--llama-cpp", action="store_true", help="side by side with llama.cpp on the same GGUF")
+    parser.add_argument("--contexts", default="64,1024,4096", help="prompt lengths of the side-by-side mode")
+    parser.add_argument("--threads", type=int, default=2, help="threads of both models in the side-by-side mode")
+    parser.add_argument("--batch", type=int, default=8, help="sequences decoded together in the side-by-side mode")
     args = parser.parse_args()
+    if args.llama_cpp:
+        os.environ["TVM_NUM_THREADS"] = str(args.threads)  # read when TVM's thread pool starts (first kernel)
 
     from logitproc.compile.gguf_model import load_default_model, load_gguf
+    from logitproc.compile.model_fetch import fetch_default_model
     from logitproc.runtime import GenerationConfig
     from logitproc.serve.compiled_model import CompiledModel
 
     model = CompiledModel.open(args.model, progress=lambda m: print(m, file=sys.stderr))
-    gguf = load_default_model() if args.model == "default" else load_gguf(args.model)
-    prompt = prompt_ids(model.tokenizer, args.prompt_tokens)
     print(machine_line())
     print(f"load average before the run: {os.getloadavg()[0]:.2f} (other processes share these cores)")
+    if args.llama_cpp:
+        from side_by_side import side_by_side
+
+        path = fetch_default_model() if args.model == "default" else Path(args.model)
+        side_by_side(model, path, lambda n: prompt_ids(model.tokenizer, n),
+                     [int(c) for c in args.contexts.split(",")], args.decode_tokens, args.rounds, args.threads,
+                     args.batch)
+        return 0
+    gguf = load_default_model() if args.model == "default" else load_gguf(args.model)
+    prompt = prompt_ids(model.tokenizer, args.prompt_tokens)
     print(f"{model!r}, prompt {len(prompt)} tokens, "
           f"{args.decode_tokens} decode tokens")
 

@@ -1,0 +1,183 @@
+"""The KV cache's attention kernels (``compile/decode_attention.py``, ``compile/attention_kernels.py``) against a
+numpy attention on awkward sizes: contexts not a multiple of the page size or of a chunk, one token, partly filled
+pages, several sequences of different lengths (one with no pages), pages scattered over the cache, GQA with 9 query
+heads over 3 KV heads. Outputs and base-2 log-sum-exps are compared, as the cache's merge uses both."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import tvm
+from logitproc.compile.attention_kernels import paged_prefill_kernel, ragged_prefill_kernel
+from logitproc.compile.decode_attention import MIN_PAGES, PAGE_SIZE, SPLITS, decode_attention_kernel
+from logitproc.compile.targets import resolve_target
+
+H_Q, H_KV, D = 9, 3, 64
+SM_SCALE = 1 / math.sqrt(D)
+EMPTY_LSE = -5e4
+DEV = tvm.cpu()
+
+
+def compiled(func):
+    """A standalone TIR kernel compiled for this CPU, as a callable."""
+    with tvm.transform.PassContext(opt_level=3):
+        lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}),
+                          target=resolve_target("cpu").tvm_target())
+    return lib.mod["main"]
+
+
+@pytest.fixture(scope="module")
+def decode():
+    return compiled(decode_attention_kernel(H_KV, H_Q, D))
+
+
+@pytest.fixture(scope="module")
+def paged_prefill():
+    return compiled(paged_prefill_kernel(H_KV, H_Q, D))
+
+
+@pytest.fixture(scope="module")
+def ragged_prefill():
+    return compiled(ragged_prefill_kernel(H_KV, H_Q, D))
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, visible: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Reference: ``q [m, H_Q, D]`` against ``k, v [n, H_KV, D]``, query ``i`` seeing keys ``< visible[i]``; the
+    output and the base-2 log-sum-exp (0 and -5e4 for a query that sees nothing)."""
+    out = np.zeros(q.shape, np.float64)
+    lse = np.full(q.shape[:2], EMPTY_LSE)
+    group = H_Q // H_KV
+    for i, n in enumerate(visible):
+        if n <= 0:
+            continue
+        for h in range(H_Q):
+            s = k[:n, h // group].astype(np.float64) @ q[i, h] * SM_SCALE * math.log2(math.e)
+            w = np.exp2(s - s.max())
+            out[i, h] = w @ v[:n, h // group] / w.sum()
+            lse[i, h] = s.max() + math.log2(w.sum())
+    return out, lse
+
+
+class PagedCache:
+    """Sequences of the given lengths in a cache of scattered pages ``[pages, 2, H_KV, 16, D]``, with the page
+    table arrays the kernels read (unused pages hold garbage, so reading past a sequence shows)."""
+
+    def __init__(self, lengths: list[int], rng: np.random.Generator, spare_pages: int = 5) -> None:
+        counts = [(n + PAGE_SIZE - 1) // PAGE_SIZE for n in lengths]
+        total = sum(counts) + spare_pages
+        self.pages = (rng.standard_normal((total, 2, H_KV, PAGE_SIZE, D)) * 3).astype(np.float32)
+        order = rng.permutation(total).astype(np.int32)
+        self.indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+        self.values = order[: self.indptr[-1]]
+        self.last_len = np.array([n - (c - 1) * PAGE_SIZE if c else 0 for n, c in zip(lengths, counts, strict=True)],
+                                 np.int32)
+        self.lengths = lengths
+
+    def kv(self, b: int) -> tuple[np.ndarray, np.ndarray]:
+        """Keys and values of sequence ``b``, ``[n, H_KV, D]`` each."""
+        ids = self.values[self.indptr[b]: self.indptr[b + 1]]
+        k = self.pages[ids, 0].transpose(0, 2, 1, 3).reshape(-1, H_KV, D)[: self.lengths[b]]
+        v = self.pages[ids, 1].transpose(0, 2, 1, 3).reshape(-1, H_KV, D)[: self.lengths[b]]
+        return k, v
+
+    def args(self) -> list[tvm.runtime.Tensor]:
+        return [tvm.runtime.tensor(a, DEV) for a in (self.pages, self.indptr, self.values, self.last_len)]
+
+
+def tensor(a: np.ndarray) -> tvm.runtime.Tensor:
+    return tvm.runtime.tensor(a, DEV)
+
+
+def check(out, lse, want_out, want_lse) -> None:
+    np.testing.assert_allclose(out.numpy(), want_out, rtol=0, atol=2e-5 * max(1.0, np.abs(want_out).max()))
+    np.testing.assert_allclose(lse.numpy(), want_lse, rtol=1e-5, atol=1e-4)
+
+
+CHUNK = MIN_PAGES * PAGE_SIZE
+DECODE_CASES = {
+    "one token": [1],
+    "one partly filled page": [7],
+    "exactly one page": [PAGE_SIZE],
+    "a page and one token": [PAGE_SIZE + 1],
+    "not a multiple of a chunk": [SPLITS * CHUNK + 5],
+    "long, every chunk used": [SPLITS * CHUNK * 3 + 11],
+    "several lengths and an empty sequence": [33, 1, 0, 250, 16, 1000],
+}
+
+
+@pytest.mark.parametrize("lengths", DECODE_CASES.values(), ids=DECODE_CASES.keys())
+def test_decode_attention_matches_numpy(decode, lengths: list[int]) -> None:
+    rng = np.random.default_rng(len(lengths) * 1000 + sum(lengths))
+    cache = PagedCache(lengths, rng)
+    b = len(lengths)
+    q = rng.standard_normal((b, H_Q, D)).astype(np.float32)
+    out = tensor(np.full((b, H_Q, D), np.nan, np.float32))
+    lse = tensor(np.full((b, H_Q), np.nan, np.float32))
+    zeros = tensor(np.zeros(b, np.int32))
+    decode(tensor(q), *cache.args(), zeros, zeros, out, lse, 0, 1.0, 10000.0, SM_SCALE)
+    want_out = np.zeros((b, H_Q, D))
+    want_lse = np.zeros((b, H_Q))
+    for i, n in enumerate(lengths):
+        k, v = cache.kv(i)
+        want_out[i], want_lse[i] = (x[0] for x in attention(q[i: i + 1], k, v, [n]))
+    check(out, lse, want_out, want_lse)
+
+
+PREFILL_CASES = {
+    "one new token after one cached": ([1], [1]),
+    "new tokens after a partly filled page": ([5], [7]),
+    "several sequences, one without history": ([3, 17, 1], [40, 0, 16]),
+}
+
+
+@pytest.mark.parametrize(("new", "cached"), PREFILL_CASES.values(), ids=PREFILL_CASES.keys())
+def test_paged_prefill_matches_numpy(paged_prefill, new: list[int], cached: list[int]) -> None:
+    """New tokens (not causal: all cached keys come before them) against the cached keys in the pages."""
+    rng = np.random.default_rng(sum(new) + 7 * sum(cached))
+    cache = PagedCache(cached, rng)
+    total = sum(new)
+    q = rng.standard_normal((total, H_Q, D)).astype(np.float32)
+    q_indptr = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
+    out = tensor(np.full((total, H_Q, D), np.nan, np.float32))
+    lse = tensor(np.full((total, H_Q), np.nan, np.float32))
+    pages, indptr, values, last_len = cache.args()
+    paged_prefill(tensor(q), tensor(q_indptr), pages, indptr, values, last_len,
+                  tensor(np.zeros(len(new), np.int32)), tensor(np.zeros(total, np.int32)), out, lse,
+                  0, 0, 1.0, 10000.0, SM_SCALE)
+    want_out, want_lse = np.zeros((total, H_Q, D)), np.zeros((total, H_Q))
+    for b, n in enumerate(new):
+        k, v = cache.kv(b)
+        rows = slice(q_indptr[b], q_indptr[b + 1])
+        want_out[rows], want_lse[rows] = attention(q[rows], k, v, [cached[b]] * n)
+    check(out, lse, want_out, want_lse)
+
+
+RAGGED_CASES = {"one token": [1], "17 tokens": [17], "several sequences": [5, 1, 70, 33]}
+
+
+@pytest.mark.parametrize("new", RAGGED_CASES.values(), ids=RAGGED_CASES.keys())
+def test_ragged_prefill_is_causal_attention(ragged_prefill, new: list[int]) -> None:
+    """New tokens against themselves, causally, each sequence on its own."""
+    rng = np.random.default_rng(sum(new))
+    total = sum(new)
+    q, k, v = (rng.standard_normal((total, h, D)).astype(np.float32) for h in (H_Q, H_KV, H_KV))
+    indptr = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
+    out = tensor(np.full((total, H_Q, D), np.nan, np.float32))
+    lse = tensor(np.full((total, H_Q), np.nan, np.float32))
+    zeros_b, zeros_t = tensor(np.zeros(len(new), np.int32)), tensor(np.zeros(total, np.int32))
+    ragged_prefill(tensor(q), tensor(indptr), tensor(k), tensor(v), tensor(indptr), zeros_t, zeros_b, out, lse,
+                   1, 0, 1.0, 10000.0, SM_SCALE)
+    want_out, want_lse = np.zeros((total, H_Q, D)), np.zeros((total, H_Q))
+    for b, n in enumerate(new):
+        rows = slice(indptr[b], indptr[b + 1])
+        want_out[rows], want_lse[rows] = attention(q[rows], k[rows], v[rows], list(range(1, n + 1)))
+    check(out, lse, want_out, want_lse)
+
+
+def test_decode_kernel_rejects_bad_head_counts() -> None:
+    with pytest.raises(ValueError, match="head size 36 is not a multiple of 8"):
+        decode_attention_kernel(3, 9, 36)
+    with pytest.raises(ValueError, match="query heads 8 are not a multiple of KV heads 3"):
+        decode_attention_kernel(3, 8, 64)
