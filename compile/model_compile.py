@@ -56,7 +56,8 @@ PARAMS_FILE = "params.npz"
 TOKENIZER_FILE = "tokenizer.json"
 KERNELS_TIR_FILE = "kernels.tir.py"
 _MODEL_SOURCES = ("compile/model_compile.py", "compile/relax_llama.py", "compile/linear_kernels.py",
-                  "compile/attention_kernels.py", "compile/decode_attention.py", "compile/gguf_model.py",
+                  "compile/attention_kernels.py", "compile/decode_attention.py", "compile/prefill_attention.py",
+                  "compile/gguf_model.py",
                   "compile/hf_model.py", "compile/targets.py")
 _PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 

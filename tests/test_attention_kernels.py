@@ -1,4 +1,4 @@
-"""The KV cache's attention kernels (``compile/decode_attention.py``, ``compile/attention_kernels.py``) against a
+"""The KV cache's attention kernels (``compile/decode_attention.py``, ``compile/prefill_attention.py``) against a
 numpy attention on awkward sizes: contexts not a multiple of the page size or of a chunk, one token, partly filled
 pages, several sequences of different lengths (one with no pages), pages scattered over the cache, GQA with 9 query
 heads over 3 KV heads. Outputs and base-2 log-sum-exps are compared, as the cache's merge uses both."""
@@ -10,8 +10,8 @@ import math
 import numpy as np
 import pytest
 import tvm
-from logitproc.compile.attention_kernels import paged_prefill_kernel, ragged_prefill_kernel
 from logitproc.compile.decode_attention import MIN_PAGES, PAGE_SIZE, SPLITS, decode_attention_kernel
+from logitproc.compile.prefill_attention import QUERY_BLOCK, paged_prefill_kernel, ragged_prefill_kernel
 from logitproc.compile.targets import resolve_target
 
 H_Q, H_KV, D = 9, 3, 64
@@ -128,7 +128,8 @@ def test_decode_attention_matches_numpy(decode, lengths: list[int]) -> None:
 PREFILL_CASES = {
     "one new token after one cached": ([1], [1]),
     "new tokens after a partly filled page": ([5], [7]),
-    "several sequences, one without history": ([3, 17, 1], [40, 0, 16]),
+    "blocks of new tokens, the last partial": ([2 * QUERY_BLOCK + 3], [100]),
+    "several sequences, one without history, one without new tokens": ([3, 17, 0, 1], [40, 0, 9, 16]),
 }
 
 
@@ -154,7 +155,8 @@ def test_paged_prefill_matches_numpy(paged_prefill, new: list[int], cached: list
     check(out, lse, want_out, want_lse)
 
 
-RAGGED_CASES = {"one token": [1], "17 tokens": [17], "several sequences": [5, 1, 70, 33]}
+RAGGED_CASES = {"one token": [1], "a block and a bit": [QUERY_BLOCK + 1], "several sequences": [5, 1, 70, 33],
+                "long": [300]}
 
 
 @pytest.mark.parametrize("new", RAGGED_CASES.values(), ids=RAGGED_CASES.keys())

@@ -1,0 +1,231 @@
+# fmt: off
+# ruff: noqa: F841, B007, B023  (TVMScript: match_buffer declarations, loop variables, parse-time lambdas)
+"""Tiled (flash-attention style) CPU prefill attention for TVM's paged KV cache: its two prefill slots.
+
+TVM's KV cache computes a prefill in two parts, merged by their log-sum-exps: the new tokens against themselves
+(``tir_attention_prefill_ragged_cpu``) and against the sequence's earlier tokens in the pages
+(``tir_attention_prefill_cpu``). TVM's CPU kernels for both are serial scalar loops. Here the work is split into
+units of ``QUERY_BLOCK`` consecutive query tokens of one sequence and one KV head (all the query heads of its group:
+24 rows with SmolLM2's 9/3 heads), in parallel; a unit walks the keys in tiles of 16 (a page, for the paged part),
+reads each key and value row once for its 24 rows while they are in L1, and keeps an online softmax per row
+(running max, running sum, rescaled accumulator), so nothing grows with the context. Units are ordered so that both
+threads get as many early (short, causal) as late (long) blocks.
+
+Operation, for each query token ``i`` of sequence ``b`` (position ``r = i - q_indptr[b]`` among its
+``qo = q_indptr[b + 1] - q_indptr[b]`` new tokens) and each query head ``h`` (KV head ``h // (h_q // h_kv)``)::
+
+    n = min(kv_len_b - qo + r + 1, kv_len_b) if causal else kv_len_b       # keys visible to this query
+    s[c] = dot(q[i, h], k[c]) * sm_scale * log2(e)   for c < n
+    out[i, h] = sum_c 2^(s[c] - max s) v[c] / sum_c 2^(s[c] - max s)
+    lse[i, h] = max s + log2(sum_c 2^(s[c] - max s))          # base 2, as the cache's merge expects
+
+(out = 0 and lse = -5e4 when ``n <= 0``.) The keys are ``k[kv_indptr[b] + c]`` (ragged) or the sequence's pages
+(paged: ``kv_len_b = (pages - 1) * 16 + length_info[b]``). RoPE has already been applied to q and k (the cache
+uses ``RopeMode.NORMAL``), so the rotary arguments are unused; pages hold 16 tokens, no sliding window.
+"""
+
+from __future__ import annotations
+
+import math
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from ..tir_kernels._common import fast_exp
+
+PAGE_SIZE = 16
+#: Query tokens per unit of work (times the query heads of a KV head: the rows sharing each key tile).
+QUERY_BLOCK = 8
+#: Keys per tile (a page).
+TILE = PAGE_SIZE
+_LANES = 8
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2)
+_EMPTY_LSE = -5e4
+#: The score of a key a query does not see (and the running max before any key): its exponential is exactly 0.
+_NO_SCORE = -1e30
+
+
+@T.macro
+def _reduce(x, r, op, h4, out):
+    """out[0] = op over the 8 lanes x[r, 0:8]."""
+    for lane in T.vectorized(4):
+        h4[lane] = op(x[r, lane], x[r, lane + 4])
+    out[0] = op(op(h4[0], h4[2]), op(h4[1], h4[3]))
+
+
+@T.macro
+def _attend_block(q, i0, rows_q, hk, group, d, limit, n_max, key, value, output, lse, sm_scale, dtype):
+    """Rows (query token i0 + tq, head hk * group + g) for tq < rows_q, each seeing keys c < limit[tq], against
+    keys key(c, j) and values value(c, j) for c < n_max; writes output and lse of those rows."""
+    qs = T.alloc_buffer((QUERY_BLOCK * group, d), "float32")
+    acc = T.alloc_buffer((QUERY_BLOCK * group, d), "float32")
+    s = T.alloc_buffer((QUERY_BLOCK * group, TILE), "float32")
+    run = T.alloc_buffer((3, QUERY_BLOCK * group), "float32")  # running max, running sum, last rescale
+    acc_row = T.alloc_buffer((d,), "float32", scope="local")
+    vec = T.alloc_buffer((QUERY_BLOCK * group, _LANES), "float32", scope="local")
+    h4 = T.alloc_buffer((4,), "float32", scope="local")
+    red = T.alloc_buffer((1,), "float32", scope="local")
+    for r in range(rows_q * group):
+        run[0, r] = T.float32(_NO_SCORE)
+        run[1, r] = T.float32(0)
+        for j in T.vectorized(d):
+            qs[r, j] = T.Cast("float32", q[i0 + r // group, hk * group + r % group, j]) * (
+                sm_scale * T.float32(_LOG2E))
+            acc[r, j] = T.float32(0)
+    for tile in range((n_max + TILE - 1) // TILE):
+        c0: T.let = tile * TILE
+        in_tile: T.let = T.min(TILE, n_max - c0)
+        # scores: each key row read once for all the rows
+        for t in range(in_tile):
+            for r in range(rows_q * group):
+                for lane in T.vectorized(_LANES):
+                    vec[r, lane] = qs[r, lane] * T.Cast("float32", key(c0 + t, lane))
+                for blk in range(1, d // _LANES):
+                    for lane in T.vectorized(_LANES):
+                        vec[r, lane] = vec[r, lane] + qs[r, blk * _LANES + lane] * T.Cast(
+                            "float32", key(c0 + t, blk * _LANES + lane))
+                _reduce(vec, r, T.Add, h4, red)
+                s[r, t] = T.Select(c0 + t < limit[r // group], red[0], T.float32(_NO_SCORE))
+        for t in range(in_tile, TILE):
+            for r in range(rows_q * group):
+                s[r, t] = T.float32(_NO_SCORE)
+        # online softmax per row
+        for r in range(rows_q * group):
+            for lane in T.vectorized(_LANES):
+                vec[r, lane] = T.max(s[r, lane], s[r, lane + _LANES])
+            _reduce(vec, r, T.max, h4, red)
+            new_max: T.let = T.max(run[0, r], red[0])
+            rescale: T.let = fast_exp((run[0, r] - new_max) * T.float32(_LN2))
+            for t in T.vectorized(TILE):
+                s[r, t] = fast_exp((s[r, t] - new_max) * T.float32(_LN2))
+            for lane in T.vectorized(_LANES):
+                vec[r, lane] = s[r, lane] + s[r, lane + _LANES]
+            _reduce(vec, r, T.Add, h4, red)
+            run[0, r] = new_max
+            run[1, r] = run[1, r] * rescale + red[0]
+            run[2, r] = rescale
+        # values: one row's accumulator (d lanes) in registers over the tile
+        for r in range(rows_q * group):
+            for j in T.vectorized(d):
+                acc_row[j] = acc[r, j] * run[2, r]
+            for t in range(in_tile):
+                for j in T.vectorized(d):
+                    acc_row[j] = acc_row[j] + s[r, t] * T.Cast("float32", value(c0 + t, j))
+            for j in T.vectorized(d):
+                acc[r, j] = acc_row[j]
+    for r in range(rows_q * group):
+        if run[1, r] > T.float32(0):
+            for j in T.vectorized(d):
+                output[i0 + r // group, hk * group + r % group, j] = T.Cast(dtype, acc[r, j] / run[1, r])
+            lse[i0 + r // group, hk * group + r % group] = run[0, r] + T.log2(run[1, r])
+        else:
+            for j in T.vectorized(d):
+                output[i0 + r // group, hk * group + r % group, j] = T.Cast(dtype, T.float32(0))
+            lse[i0 + r // group, hk * group + r % group] = T.float32(_EMPTY_LSE)
+
+
+def _check(h_kv: int, h_q: int, d: int) -> int:
+    if d % _LANES:
+        raise ValueError(f"head size {d} is not a multiple of {_LANES}")
+    if h_kv < 1 or h_q % h_kv:
+        raise ValueError(f"query heads {h_q} are not a multiple of KV heads {h_kv}")
+    return h_q // h_kv
+
+
+def ragged_prefill_kernel(h_kv: int, h_q: int, d: int, dtype: str = "float32") -> tirx.PrimFunc:
+    """New tokens against themselves: the ``tir_attention_prefill_ragged_cpu`` slot of the KV cache."""
+    group = _check(h_kv, h_q, d)
+
+    @T.prim_func(private=True)
+    def attention_prefill_ragged(
+        var_q: T.handle, var_q_indptr: T.handle, var_k: T.handle, var_v: T.handle, var_kv_indptr: T.handle,
+        var_q_rope_position: T.handle, var_k_rope_pos_offset: T.handle, var_output: T.handle, var_lse: T.handle,
+        causal: T.int32, rotary_mode: T.int32, rope_scale: T.float32, rope_theta: T.float32, sm_scale: T.float32,
+    ):
+        T.func_attr({"tirx.noalias": True})
+        batch_size, qo_len, kv_len = T.int32(), T.int32(), T.int32()
+        q_indptr_offset, kv_indptr_offset, q_rope_offset, k_rope_offset = T.int32(), T.int32(), T.int32(), T.int32()
+        q = T.match_buffer(var_q, (qo_len, h_q, d), dtype)
+        q_indptr = T.match_buffer(var_q_indptr, (batch_size + 1,), "int32", elem_offset=q_indptr_offset)
+        k = T.match_buffer(var_k, (kv_len, h_kv, d), dtype)
+        v = T.match_buffer(var_v, (kv_len, h_kv, d), dtype)
+        kv_indptr = T.match_buffer(var_kv_indptr, (batch_size + 1,), "int32", elem_offset=kv_indptr_offset)
+        q_rope_position = T.match_buffer(var_q_rope_position, (qo_len,), "int32", elem_offset=q_rope_offset)
+        k_rope_pos_offset = T.match_buffer(var_k_rope_pos_offset, (batch_size,), "int32", elem_offset=k_rope_offset)
+        output = T.match_buffer(var_output, (qo_len, h_q, d), dtype)
+        lse = T.match_buffer(var_lse, (qo_len, h_q), "float32")
+        blocks: T.let = (qo_len + QUERY_BLOCK - 1) // QUERY_BLOCK  # at most, per sequence
+        for unit in T.parallel(batch_size * blocks * h_kv):
+            limit = T.alloc_buffer((QUERY_BLOCK,), "int32", scope="local")
+            b: T.let = unit // (blocks * h_kv)
+            zig: T.let = unit // h_kv % blocks
+            blk: T.let = T.Select(zig % 2 == 0, zig // 2, blocks - 1 - zig // 2)
+            hk: T.let = unit % h_kv
+            qo: T.let = q_indptr[b + 1] - q_indptr[b]
+            kv_b: T.let = kv_indptr[b + 1] - kv_indptr[b]
+            kv0: T.let = kv_indptr[b]
+            if blk * QUERY_BLOCK < qo:
+                rows_q: T.let = T.min(QUERY_BLOCK, qo - blk * QUERY_BLOCK)
+                for tq in range(QUERY_BLOCK):
+                    limit[tq] = T.Select(causal > 0, T.min(kv_b - qo + blk * QUERY_BLOCK + tq + 1, kv_b), kv_b)
+                n_max: T.let = T.Select(causal > 0, T.min(kv_b - qo + blk * QUERY_BLOCK + rows_q, kv_b), kv_b)
+                _attend_block(q, q_indptr[b] + blk * QUERY_BLOCK, rows_q, hk, group, d, limit, n_max,
+                              lambda c, x: k[kv0 + c, hk, x], lambda c, x: v[kv0 + c, hk, x], output, lse,
+                              sm_scale, dtype)
+
+    return attention_prefill_ragged
+
+
+def paged_prefill_kernel(h_kv: int, h_q: int, d: int, dtype: str = "float32") -> tirx.PrimFunc:
+    """New tokens against the cached ones in the pages: the ``tir_attention_prefill_cpu`` slot of the KV cache."""
+    group = _check(h_kv, h_q, d)
+
+    @T.prim_func(private=True)
+    def attention_prefill_paged(
+        var_q: T.handle, var_q_indptr: T.handle, var_pages: T.handle, var_page_indptr: T.handle,
+        var_page_values: T.handle, var_length_info: T.handle, var_k_rope_pos_offset: T.handle,
+        var_q_rope_position: T.handle, var_output: T.handle, var_lse: T.handle,
+        causal: T.int32, rotary_mode: T.int32, rope_scale: T.float32, rope_theta: T.float32, sm_scale: T.float32,
+    ):
+        T.func_attr({"tirx.noalias": True})
+        batch_size, total_len, nnz_pages, max_num_pages = T.int32(), T.int32(), T.int32(), T.int32()
+        q_indptr_offset, page_indptr_offset, page_values_offset = T.int32(), T.int32(), T.int32()
+        k_rope_offset, q_rope_offset, length_info_offset = T.int32(), T.int32(), T.int32()
+        q = T.match_buffer(var_q, (total_len, h_q, d), dtype)
+        q_indptr = T.match_buffer(var_q_indptr, (batch_size + 1,), "int32", elem_offset=q_indptr_offset)
+        pages = T.match_buffer(var_pages, (max_num_pages, 2, h_kv, PAGE_SIZE, d), dtype)
+        page_indptr = T.match_buffer(var_page_indptr, (batch_size + 1,), "int32", elem_offset=page_indptr_offset)
+        page_values = T.match_buffer(var_page_values, (nnz_pages,), "int32", elem_offset=page_values_offset)
+        length_info = T.match_buffer(var_length_info, (batch_size,), "int32", elem_offset=length_info_offset)
+        k_rope_pos_offset = T.match_buffer(var_k_rope_pos_offset, (batch_size,), "int32", elem_offset=k_rope_offset)
+        q_rope_position = T.match_buffer(var_q_rope_position, (total_len,), "int32", elem_offset=q_rope_offset)
+        output = T.match_buffer(var_output, (total_len, h_q, d), dtype)
+        lse = T.match_buffer(var_lse, (total_len, h_q), "float32")
+        blocks: T.let = (total_len + QUERY_BLOCK - 1) // QUERY_BLOCK  # at most, per sequence
+        for unit in T.parallel(batch_size * blocks * h_kv):
+            limit = T.alloc_buffer((QUERY_BLOCK,), "int32", scope="local")
+            b: T.let = unit // (blocks * h_kv)
+            zig: T.let = unit // h_kv % blocks
+            blk: T.let = T.Select(zig % 2 == 0, zig // 2, blocks - 1 - zig // 2)
+            hk: T.let = unit % h_kv
+            qo: T.let = q_indptr[b + 1] - q_indptr[b]
+            first: T.let = page_indptr[b]
+            n_pages: T.let = page_indptr[b + 1] - first
+            kv_b: T.let = T.Select(n_pages > 0, (n_pages - 1) * PAGE_SIZE + length_info[b], 0)
+            if blk * QUERY_BLOCK < qo:
+                rows_q: T.let = T.min(QUERY_BLOCK, qo - blk * QUERY_BLOCK)
+                for tq in range(QUERY_BLOCK):
+                    limit[tq] = T.Select(causal > 0, T.min(kv_b - qo + blk * QUERY_BLOCK + tq + 1, kv_b), kv_b)
+                n_max: T.let = T.Select(causal > 0, T.min(kv_b - qo + blk * QUERY_BLOCK + rows_q, kv_b), kv_b)
+                _attend_block(q, q_indptr[b] + blk * QUERY_BLOCK, rows_q, hk, group, d, limit, n_max,
+                              lambda c, x: pages[page_values[first + c // PAGE_SIZE], 0, hk, c % PAGE_SIZE, x],
+                              lambda c, x: pages[page_values[first + c // PAGE_SIZE], 1, hk, c % PAGE_SIZE, x],
+                              output, lse, sm_scale, dtype)
+
+    return attention_prefill_paged
+
+
+#: Names TVM's KV cache gives the CPU prefill kernels these replace (the function names in the exported module).
+RAGGED_NAMES = ("batch_prefill_ragged_kv", "tir_attention_prefill_ragged_cpu")
+PAGED_NAMES = ("batch_prefill_paged_kv_cpu", "tir_attention_prefill_cpu")
