@@ -6,7 +6,11 @@ Kernels are written once in TVM's TIR (``logitproc.tir_kernels``), compiled for 
     from logitproc import GenerationConfig, RequestState, LogitProcessor, Sampler
 """
 
+from . import torch_guard
+
 __version__ = "0.1.0"
+
+torch_guard.install()  # importing TVM must not import torch (seconds at every start); see torch_guard.py
 
 __all__ = ["GenerationConfig", "LogitProcessor", "RequestState", "Sampler", "__version__"]
 

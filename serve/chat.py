@@ -7,6 +7,9 @@ to quit; Ctrl-D quits. A bad command or value prints one line saying what is wro
 from __future__ import annotations
 
 import argparse
+import json
+import re
+import shlex
 import signal
 import sys
 from collections.abc import Callable
@@ -17,10 +20,12 @@ from .cli_options import (
     add_model_arguments,
     add_sampling_arguments,
     config_from_args,
+    cut_note,
     json_schema_format,
     open_engine,
     read_schema,
 )
+from .model_defaults import ModelDefaults
 
 PROMPT = ">>> "
 
@@ -40,19 +45,39 @@ NUMERIC_COMMANDS: dict[str, tuple[str, type]] = {
 NULLABLE = {"seed", "max_tokens", "max_thinking_tokens"}
 
 HELP = """\
-Type a message to chat. Commands:
+Type a message to chat. Commands (a command without a value shows the current one):
   /temperature X  /top_p X  /top_k N  /min_p X    sampling (temperature 0 = greedy)
   /presence_penalty X  /frequency_penalty X  /repetition_penalty X
   /logit_bias TOKEN_OR_ID=BIAS ...  (or: /logit_bias clear)   bias tokens, e.g. /logit_bias Paris=5 42=-100
   /seed N|off   /max_tokens N|off   /min_tokens N (no EOS or stop before N tokens)
+  /stop TEXT ...                stop strings, quoted when they hold spaces; \\n is a newline (/stop clear)
   /bad_words WORD ...           never write these words (/bad_words clear)
-  /json FILE_OR_INLINE_SCHEMA   constrain answers to a JSON schema (/json alone: any JSON object; /json off)
+  /system TEXT                  the system prompt (/system off)
+  /json FILE_OR_INLINE_SCHEMA   constrain answers to a JSON schema (/json object: any JSON object; /json off)
   /regex PATTERN                constrain answers to a regular expression (/regex off)
   /think N|off                  thinking budget between <think> and </think>
   /stats      prefill and decode tokens/s, share of step time in logit processing
   /settings   show the current settings        /reset   clear the history
   /help       this text                        /exit    quit (also Ctrl-D)
 Ctrl-C stops the answer being written; at the prompt, press it twice (or /exit) to quit."""
+
+
+def unescape(text: str) -> str:
+    """``\\n``, ``\\t`` and ``\\\\`` in a typed value as the characters they name."""
+    return re.sub(r"\\([nt\\])", lambda m: {"n": "\n", "t": "\t"}.get(m.group(1), "\\"), text)
+
+
+def describe(field: str, value: Any) -> str:
+    """A setting as the user would type it: response formats as their JSON, mappings as dicts."""
+    if field == "response_format" and value is not None:
+        if value.kind == "json_schema":
+            return f"JSON schema {json.dumps(value.schema(), separators=(',', ':'))}"
+        if value.kind == "json_object":
+            return "any JSON object"
+        return f"{value.kind} {value.text!r}"
+    if field == "logit_bias":
+        return str(dict(value))
+    return "off" if value is None and field in NULLABLE else repr(value) if isinstance(value, str) else str(value)
 
 
 class CommandError(ValueError):
@@ -62,18 +87,20 @@ class CommandError(ValueError):
 class ChatSession:
     """The REPL's state: engine, current GenerationConfig, history; ``handle(line)`` runs one input line."""
 
-    def __init__(self, engine: Any, config: Any, system: str | None = None, out: TextIO = sys.stdout) -> None:
+    def __init__(self, engine: Any, config: Any, system: str | None = None, out: TextIO = sys.stdout,
+                 defaults: ModelDefaults | None = None) -> None:
         self.engine = engine
         self.config = config
         self.system = system
         self.out = out
+        self.defaults = defaults
         self.history: list[dict[str, str]] = []
         self.last_output: Any = None
         self.running = True
         self._interrupted = False
         self._commands: dict[str, Callable[[str], None]] = {
-            "logit_bias": self._logit_bias, "bad_words": self._bad_words, "json": self._json, "regex": self._regex,
-            "think": self._think,
+            "logit_bias": self._logit_bias, "bad_words": self._bad_words, "stop": self._stop,
+            "system": self._system, "json": self._json, "regex": self._regex, "think": self._think,
             "stats": self._stats, "settings": self._settings, "reset": self._reset, "help": self._help,
             "exit": self._exit, "quit": self._exit,
         }  # fmt: skip
@@ -99,7 +126,10 @@ class ChatSession:
     def command(self, name: str, arg: str) -> None:
         if name in NUMERIC_COMMANDS:
             field, kind = NUMERIC_COMMANDS[name]
-            self._set(field, self._value(name, arg, kind, nullable=field in NULLABLE))
+            if not arg:
+                self._show(field)
+            else:
+                self._set(field, self._value(name, arg, kind, nullable=field in NULLABLE))
         elif name in self._commands:
             self._commands[name](arg)
         else:
@@ -107,8 +137,6 @@ class ChatSession:
 
     @staticmethod
     def _value(name: str, arg: str, kind: type, nullable: bool) -> Any:
-        if not arg:
-            raise CommandError(f"/{name} needs a value, e.g. /{name} {'0.7' if kind is float else '42'}")
         if nullable and arg.lower() in ("off", "none"):
             return None
         try:
@@ -116,13 +144,17 @@ class ChatSession:
         except ValueError:
             raise CommandError(f"/{name}: {arg!r} is not {'a number' if kind is float else 'an integer'}") from None
 
+    def _show(self, field: str) -> None:
+        self.say(f"{field} = {describe(field, getattr(self.config, field))}")
+
     def _set(self, field: str, value: Any) -> None:
         self.config = replace(self.config, **{field: value})  # GenerationConfig validates: ValueError naming it
-        self.say(f"{field} = {value}")
+        self._show(field)
 
     def _logit_bias(self, arg: str) -> None:
         if not arg:
-            raise CommandError("/logit_bias TOKEN_OR_ID=BIAS ... (or /logit_bias clear)")
+            self._show("logit_bias")
+            return
         if arg.lower() in ("clear", "off", "none"):
             self._set("logit_bias", {})
             return
@@ -139,8 +171,30 @@ class ChatSession:
 
     def _bad_words(self, arg: str) -> None:
         if not arg:
-            raise CommandError("/bad_words WORD ... (or /bad_words clear)")
-        self._set("bad_words", () if arg.lower() == "clear" else tuple(arg.split()))
+            self._show("bad_words")
+        else:
+            self._set("bad_words", () if arg.lower() == "clear" else tuple(arg.split()))
+
+    def _stop(self, arg: str) -> None:
+        if not arg:
+            self._show("stop")
+        elif arg.lower() in ("clear", "off", "none"):
+            self._set("stop", ())
+        else:
+            lexer = shlex.shlex(arg, posix=True)
+            lexer.whitespace_split, lexer.escape = True, ""  # quotes group words; backslashes stay for unescape
+            try:
+                words = list(lexer)
+            except ValueError as err:
+                raise CommandError(f"/stop: {err}") from None
+            self._set("stop", tuple(unescape(word) for word in words))
+
+    def _system(self, arg: str) -> None:
+        if arg.lower() in ("off", "none"):
+            self.system = None
+        elif arg:
+            self.system = arg
+        self.say(f"system = {self.system!r}" if self.system else "system = none (the model's default)")
 
     def _token_id(self, token: str) -> int:
         if token.isdigit():
@@ -155,20 +209,26 @@ class ChatSession:
         return int(ids[0])
 
     def _json(self, arg: str) -> None:
-        if arg.lower() == "off":
+        if not arg:
+            self._show("response_format")
+        elif arg.lower() == "off":
             self._set("response_format", None)
-        elif not arg:
+        elif arg.lower() == "object":
             self._set("response_format", {"type": "json_object"})
         else:
             self._set("response_format", json_schema_format(read_schema(arg)))
 
     def _regex(self, arg: str) -> None:
         if not arg:
-            raise CommandError("/regex PATTERN (or /regex off)")
-        self._set("response_format", None if arg == "off" else {"type": "regex", "regex": arg})
+            self._show("response_format")
+        else:
+            self._set("response_format", None if arg == "off" else {"type": "regex", "regex": arg})
 
     def _think(self, arg: str) -> None:
-        self._set("max_thinking_tokens", self._value("think", arg, int, nullable=True))
+        if not arg:
+            self._show("max_thinking_tokens")
+        else:
+            self._set("max_thinking_tokens", self._value("think", arg, int, nullable=True))
 
     def _stats(self, arg: str) -> None:
         self.say(f"engine: {self.engine.stats.summary()}")
@@ -185,8 +245,10 @@ class ChatSession:
         default = GenerationConfig()
         changed = [f.name for f in fields(self.config) if getattr(self.config, f.name) != getattr(default, f.name)]
         for name in changed or ["temperature"]:
-            value = getattr(self.config, name)
-            self.say(f"{name} = {dict(value) if name == 'logit_bias' else value}")
+            self._show(name)
+        if self.defaults is not None:
+            self.say(f"model defaults: {self.defaults.describe()}")
+        self.say(f"system: {self.system!r}" if self.system else "system: none (the model's default)")
         self.say(f"history: {len(self.history)} messages; model: {self.engine.model.name}")
 
     def _reset(self, arg: str) -> None:
@@ -243,7 +305,8 @@ class ChatSession:
             raise
         finally:
             signal.signal(signal.SIGINT, previous)
-        self.say(" [stopped]" if output.finish_reason == "abort" else "")
+        cut = cut_note(output, self.config)
+        self.say(" [stopped]" if output.finish_reason == "abort" else f" [{cut}]" if cut else "")
         if output.finish_reason == "grammar_dead_end":
             self.say("(the constraint allowed no further token)")
         elif output.finish_reason == "error":
@@ -282,22 +345,25 @@ def run(args: argparse.Namespace) -> int:
         import readline  # noqa: F401  (line editing and history for input())
     except ImportError:
         pass
-    config = config_from_args(args)
-    engine = open_engine(args)
+    config_from_args(args)  # bad options fail before the model loads
+    engine, defaults = open_engine(args)
+    config = config_from_args(args, defaults.values)
     if args.think is not None:
         config = replace(config, max_thinking_tokens=args.think)
-    session = ChatSession(engine, config, system=args.system)
+    session = ChatSession(engine, config, system=args.system, defaults=defaults)
     session.say(f"logitproc chat: {engine.model.name} on {args.target}. /help lists the commands, /exit quits.")
     return run_repl(session)
 
 
 def add_parser(commands: Any) -> None:
     """Register ``chat`` on the ``logitproc`` subcommand parsers."""
-    parser = commands.add_parser("chat", help="chat with a model in the terminal (streaming, slash commands)")
+    parser = commands.add_parser("chat", help="chat with a model in the terminal (streaming, slash commands)",
+                                 description="Chat with a model in the terminal: streaming answers, slash commands "
+                                             "(/help lists them), the history kept between turns.")
     add_model_arguments(parser)
     add_sampling_arguments(parser)
-    parser.add_argument("--system", help="system prompt")
-    parser.add_argument("--think", type=int, default=None, help="thinking budget in tokens")
+    parser.add_argument("--system", help="system prompt (default: the model's own, if its template has one)")
+    parser.add_argument("--think", type=int, default=None, help="thinking budget in tokens (default: none)")
     parser.set_defaults(run=run)
 
 

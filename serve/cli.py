@@ -1,11 +1,19 @@
-"""The ``logitproc`` command line."""
+"""The ``logitproc`` command line.
+
+Only the standard library loads before a command runs (``logitproc --help`` is instant); TVM loads when a command
+needs it. Ctrl-C ends any command quietly with status 130, a closed output pipe (``| head -1``) with 141.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Sequence
+
+from .cli_options import TARGET_CHOICES
+from .quiet_stderr import filtered_stderr
 
 
 def _compile_kernels(args: argparse.Namespace) -> int:
@@ -29,8 +37,9 @@ def _compile_model(args: argparse.Namespace) -> int:
 
     started = time.perf_counter()
     model = tiny_model() if args.model == TINY_MODEL else args.model
-    out = compile_model(model, args.target, args.out, progress=lambda line: print(line, file=sys.stderr),
-                        weight_dtype=args.weight_dtype)
+    with filtered_stderr():
+        out = compile_model(model, args.target, args.out, progress=lambda line: print(line, file=sys.stderr),
+                            weight_dtype=args.weight_dtype)
     print(f"done in {time.perf_counter() - started:.1f}s", file=sys.stderr)
     print(out)
     return 0
@@ -39,23 +48,24 @@ def _compile_model(args: argparse.Namespace) -> int:
 def _devices(args: argparse.Namespace) -> int:
     from logitproc.runtime.device import Device
 
-    for info in Device.available():
+    with filtered_stderr():
+        found = Device.available()
+    for info in found:
         print(info)
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     from logitproc import __version__
-    from logitproc.compile import TARGET_KINDS
 
-    parser = argparse.ArgumentParser(prog="logitproc", description=__doc__)
+    parser = argparse.ArgumentParser(prog="logitproc", description=__doc__.split("\n\n")[0])
     parser.add_argument("--version", action="version", version=f"logitproc {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     compile_kernels = commands.add_parser(
         "compile-kernels", help="build the kernel library for a target and export it with a manifest"
     )
-    compile_kernels.add_argument("--target", required=True, choices=TARGET_KINDS)
+    compile_kernels.add_argument("--target", required=True, choices=TARGET_CHOICES)
     compile_kernels.add_argument("--arch", help="CPU name, sm_NN (cuda) or gfxNNNN (rocm); default per target")
     compile_kernels.add_argument("--out", required=True, help="directory to write the library into")
     compile_kernels.add_argument("--no-cache", action="store_true", help="build afresh instead of reusing the cache")
@@ -66,11 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     compile_model.add_argument("--model", default="default",
                                help="'default' (SmolLM2-135M-Instruct), 'tiny' (random test model), a GGUF file "
-                               "or a Hugging Face directory")
-    compile_model.add_argument("--target", default="cpu", choices=("cpu",))
+                               "or a Hugging Face directory (default: %(default)s)")
+    compile_model.add_argument("--target", default="cpu", choices=("cpu",), help="(default: %(default)s)")
     compile_model.add_argument("--out", help="also copy the compiled model into this directory")
     compile_model.add_argument("--weight-dtype", default="auto", choices=("auto", "float16", "float32"),
-                               help="auto: keep a GGUF's Q8_0/Q4_1 blocks (float16 for other tensors)")
+                               help="auto: keep a GGUF's Q8_0/Q4_1 blocks (float16 for other tensors) "
+                                    "(default: %(default)s)")
     compile_model.set_defaults(run=_compile_model)
 
     devices = commands.add_parser("devices", help="list the devices found: backend and limits")
@@ -84,13 +95,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _quiet_broken_pipe() -> int:
+    """stdout's reader has gone (``| head -1``): point stdout at /dev/null so the final flush cannot fail again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return 128 + 13  # as if killed by SIGPIPE, like other command-line tools
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)
         return args.run(args)
     except (ValueError, RuntimeError, FileNotFoundError) as err:
         print(f"logitproc {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return 128 + 2  # SIGINT: quiet, the shell's convention
+    except BrokenPipeError:
+        return _quiet_broken_pipe()
 
 
 if __name__ == "__main__":

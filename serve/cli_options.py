@@ -8,50 +8,61 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from .model_defaults import ModelDefaults
 
 #: ``--model tiny`` opens the small random test model (compile/tiny_model.py): fast, meaningless answers.
 TINY_MODEL = "tiny"
 #: Its context: long enough that an answer takes a few seconds (time to press Ctrl-C in the REPL tests).
 TINY_CONTEXT = 4096
+#: ``logitproc.compile.TARGET_KINDS`` (a test checks they agree): importing it here would load TVM for ``--help``.
+TARGET_CHOICES = ("cpu", "cuda", "rocm", "vulkan", "metal")
 
-# option name -> (GenerationConfig field, type, help)
+# option name -> (GenerationConfig field, type, help with the value that leaves the model's distribution alone)
 SAMPLING_OPTIONS: dict[str, tuple[str, type, str]] = {
-    "--temperature": ("temperature", float, "0 = greedy"),
-    "--top-p": ("top_p", float, "nucleus sampling mass, (0, 1]"),
-    "--top-k": ("top_k", int, "keep the k most likely tokens (0 = off)"),
-    "--min-p": ("min_p", float, "keep tokens with prob >= min_p * max prob"),
-    "--presence-penalty": ("presence_penalty", float, "[-2, 2]"),
-    "--frequency-penalty": ("frequency_penalty", float, "[-2, 2]"),
-    "--repetition-penalty": ("repetition_penalty", float, "> 0, 1 = off"),
-    "--seed": ("seed", int, "seed of the sampling stream"),
-    "--max-tokens": ("max_tokens", int, "at most this many tokens per answer"),
-    "--min-tokens": ("min_tokens", int, "no EOS, stop token or stop string before this many tokens"),
+    "--temperature": ("temperature", float, ">= 0; 0 = greedy (default: the model's, see below)"),
+    "--top-p": ("top_p", float, "nucleus sampling mass, (0, 1]; 1 = off (default: the model's, else 1)"),
+    "--top-k": ("top_k", int, "keep the k most likely tokens; 0 = off (default: the model's, else 0)"),
+    "--min-p": ("min_p", float, "keep tokens with prob >= min_p * max prob; 0 = off (default: the model's, else 0)"),
+    "--presence-penalty": ("presence_penalty", float, "[-2, 2] (default: 0)"),
+    "--frequency-penalty": ("frequency_penalty", float, "[-2, 2] (default: 0)"),
+    "--repetition-penalty": ("repetition_penalty", float, "> 0; 1 = off (default: the model's, see below)"),
+    "--seed": ("seed", int, "seed of the sampling stream (default: none, a fresh stream)"),
+    "--max-tokens": ("max_tokens", int, "at most this many tokens per answer (default: the model's, else 512)"),
+    "--min-tokens": ("min_tokens", int, "no EOS, stop token or stop string before this many tokens (default: 0)"),
 }
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="default",
                         help="'default' (SmolLM2-135M-Instruct, fetched and compiled on first use), a GGUF file or "
-                             "a Hugging Face model folder")
-    parser.add_argument("--target", default="cpu", help="compilation target (default: cpu)")
+                             "a Hugging Face model folder (default: %(default)s)")
+    parser.add_argument("--target", default="cpu", help="compilation target (default: %(default)s)")
     parser.add_argument("--jump-forward", action="store_true",
-                        help="append tokens a grammar forces without a decode step each")
+                        help="append tokens a grammar forces without a decode step each (default: off)")
     parser.add_argument("--grammar-backend", default="llguidance", choices=("llguidance", "xgrammar"),
-                        help="engine for JSON schemas, regexes and grammars (xgrammar: the optional extra)")
+                        help="engine for JSON schemas, regexes and grammars (xgrammar: the optional extra) "
+                             "(default: %(default)s)")
     parser.add_argument("--tree-decode-config", metavar="FILE", default=None,
-                        help="Tree Decode map (JSON) constraining every answer; relative to the model's directory; "
-                             "default: $TREE_DECODE_CONFIG")
+                        help="Tree Decode map (JSON, docs/constrained_decoding.md) constraining every answer: a path "
+                             "as given (absolute or relative to the working directory) (default: "
+                             "$TREE_DECODE_CONFIG, relative to the model's directory and confined to it)")
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    from .model_defaults import help_text
+
+    group = parser.add_argument_group("sampling", help_text())
     for option, (_, kind, text) in SAMPLING_OPTIONS.items():
-        parser.add_argument(option, type=kind, default=None, help=text)
-    parser.add_argument("--json-schema", metavar="FILE_OR_JSON", help="constrain the answer to this JSON schema")
-    parser.add_argument("--regex", help="constrain the answer to match this regular expression")
-    parser.add_argument("--stop", action="append", help="a stop string (may be repeated)")
-    parser.add_argument("--bad-word", action="append", help="a word never to write (may be repeated)")
+        group.add_argument(option, type=kind, default=None, help=text)
+    group.add_argument("--json-schema", metavar="FILE_OR_JSON",
+                       help="constrain the answer to this JSON schema (default: none)")
+    group.add_argument("--regex", help="constrain the answer to match this regular expression (default: none)")
+    group.add_argument("--stop", action="append", help="a stop string (may be repeated) (default: none)")
+    group.add_argument("--bad-word", action="append", help="a word never to write (may be repeated) (default: none)")
 
 
 def read_schema(spec: str, stdin: bool = False) -> Any:
@@ -78,11 +89,11 @@ def json_schema_format(schema: Any) -> dict[str, Any]:
     return {"type": "json_schema", "json_schema": {"name": "schema", "schema": schema}}
 
 
-def config_from_args(args: argparse.Namespace, **defaults: Any) -> Any:
+def config_from_args(args: argparse.Namespace, defaults: Mapping[str, Any] | None = None) -> Any:
     """A GenerationConfig from the sampling options (unset ones keep ``defaults`` or the config's defaults)."""
     from logitproc.runtime import GenerationConfig
 
-    values = dict(defaults)
+    values = dict(defaults or {})
     for _, (name, _, _) in SAMPLING_OPTIONS.items():
         value = getattr(args, name)
         if value is not None:
@@ -109,8 +120,11 @@ def open_model(spec: str, target: str) -> Any:
     """Open (fetching and compiling on first use, with visible progress on stderr) the model named by ``spec``."""
     from logitproc.serve.compiled_model import CompiledModel
 
+    from .quiet_stderr import filtered_stderr
+
     model: Any = tiny_model() if spec == TINY_MODEL else spec
-    return CompiledModel.open(model, target=target, progress=log)
+    with filtered_stderr():
+        return CompiledModel.open(model, target=target, progress=log)
 
 
 def tiny_model() -> Any:
@@ -120,12 +134,14 @@ def tiny_model() -> Any:
     return make_tiny_model(seed=0, context=TINY_CONTEXT)
 
 
-def open_engine(args: argparse.Namespace) -> Any:
+def open_engine(args: argparse.Namespace) -> tuple[Any, ModelDefaults]:
+    """The engine over ``--model`` (one request at a time) and the model's default sampling settings."""
     import os
-    from pathlib import Path
 
     from logitproc.runtime.tree_decode import load_tree_decode_config
     from logitproc.serve.engine import Engine
+
+    from .model_defaults import model_defaults
 
     model = open_model(args.model, args.target)
     source = Path(args.model)
@@ -133,5 +149,16 @@ def open_engine(args: argparse.Namespace) -> Any:
     tree = load_tree_decode_config(args.tree_decode_config, model.vocab_size, os.environ, model_dir)
     if tree is not None:
         log("tree decode: map loaded; it constrains every answer")
-    return Engine(model, max_batch=1, jump_forward=args.jump_forward,
-                  grammar_backend=args.grammar_backend, tree_decode=tree)
+    engine = Engine(model, max_batch=1, jump_forward=args.jump_forward, grammar_backend=args.grammar_backend,
+                    tree_decode=tree)
+    folders = [source] if source.is_dir() else []
+    return engine, model_defaults(model.name, [*folders, Path(model.directory)])
+
+
+def cut_note(output: Any, config: Any) -> str | None:
+    """Why an answer ended early, when it was cut (finish ``length``); None for a complete answer."""
+    if output.finish_reason != "length":
+        return None
+    if config.max_tokens is not None and len(output.token_ids) >= config.max_tokens:
+        return f"cut at max_tokens = {config.max_tokens}"
+    return "cut: the context is full"

@@ -6,13 +6,14 @@ import argparse
 import sys
 from typing import Any
 
-from .cli_options import add_model_arguments, add_sampling_arguments, config_from_args, log, open_engine
+from .cli_options import add_model_arguments, add_sampling_arguments, config_from_args, cut_note, log, open_engine
 
 
 def run(args: argparse.Namespace) -> int:
     """``logitproc generate``."""
-    config = config_from_args(args)
-    engine = open_engine(args)
+    config_from_args(args)  # bad options fail before the model loads
+    engine, defaults = open_engine(args)
+    config = config_from_args(args, defaults.values)
     if args.no_chat_template:
         if args.system:
             raise ValueError("--system needs the chat template (drop --no-chat-template)")
@@ -22,15 +23,20 @@ def run(args: argparse.Namespace) -> int:
             {"role": "user", "content": args.prompt}
         ]
     output = None
-    for delta in engine.stream(prompt, config):
-        if delta.text:
-            sys.stdout.write(delta.text)
-            sys.stdout.flush()
-        if delta.output is not None:
-            output = delta.output
-    sys.stdout.write("\n")
-    sys.stdout.flush()
+    try:
+        for delta in engine.stream(prompt, config):  # leaving the loop early (Ctrl-C, closed pipe) aborts it
+            if delta.text:
+                sys.stdout.write(delta.text)
+                sys.stdout.flush()
+            if delta.output is not None:
+                output = delta.output
+    finally:
+        sys.stdout.write("\n")  # end the (maybe partial) answer's line
+        sys.stdout.flush()
     if output is not None:
+        cut = cut_note(output, config)
+        if cut:
+            log(f"note: the answer was {cut}; raise --max-tokens for a longer one")
         st = output.stats
         log(f"finish: {output.finish_reason}; {st.prompt_tokens} prompt tokens at {st.prefill_tokens_per_s:.1f} tok/s, "
             f"{st.completion_tokens} tokens at {st.decode_tokens_per_s:.1f} tok/s, logit processing + sampling "
@@ -43,10 +49,13 @@ def run(args: argparse.Namespace) -> int:
 
 def add_parser(commands: Any) -> None:
     """Register ``generate`` on the ``logitproc`` subcommand parsers."""
-    parser = commands.add_parser("generate", help="answer one prompt: the answer on stdout, diagnostics on stderr")
+    parser = commands.add_parser("generate", help="answer one prompt: the answer on stdout, diagnostics on stderr",
+                                 description="Answer one prompt: the answer on stdout, progress and statistics on "
+                                             "stderr.")
     parser.add_argument("--prompt", required=True, help="the prompt (a user message unless --no-chat-template)")
     add_model_arguments(parser)
     add_sampling_arguments(parser)
-    parser.add_argument("--system", help="system prompt")
-    parser.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
+    parser.add_argument("--system", help="system prompt (default: the model's own, if its template has one)")
+    parser.add_argument("--no-chat-template", action="store_true",
+                        help="feed the prompt as raw text (default: the model's chat template)")
     parser.set_defaults(run=run)
