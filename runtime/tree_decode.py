@@ -31,9 +31,11 @@ dense table would exceed ``max_mask_bytes`` (default 512 MiB) the rows are store
 of each candidate set, CSR), and ``fill_bitmask`` zeroes the row and scatters those words (still O(1) Python work).
 The load log says which layout was chosen.
 
-Configuration: ``--tree-decode-config FILE`` wins over the ``TREE_DECODE_CONFIG`` environment variable; a relative
-path resolves against the model directory, and a path that leaves the model directory (``..``, a symlink, an
-absolute path elsewhere) is refused (:func:`resolve_tree_decode_config`).
+Configuration: ``--tree-decode-config FILE`` wins over the ``TREE_DECODE_CONFIG`` environment variable. The command
+line's path is the user's own choice, taken as given (absolute, or relative to the working directory). The
+environment variable's path resolves against the model directory, and one that leaves it (``..``, a symlink, an
+absolute path elsewhere) is refused (:func:`resolve_tree_decode_config`): a deployment sets it once for a model.
+docs/constrained_decoding.md has a worked example.
 """
 
 from __future__ import annotations
@@ -111,19 +113,19 @@ def resolve_tree_decode_config(cli_value: str | None, env: Mapping[str, str] | N
     """The tree decode file to load, or None when none is configured.
 
     ``cli_value`` (the ``--tree-decode-config`` argument) wins over ``env["TREE_DECODE_CONFIG"]`` (``env`` defaults
-    to ``os.environ``); an empty value counts as unset. A relative path resolves against ``model_dir``; a path that
-    leaves ``model_dir`` is refused with :class:`TreeDecodeConfigError`. Without a ``model_dir`` the path is taken
-    as given (relative to the working directory).
+    to ``os.environ``); an empty value counts as unset. ``cli_value`` is taken as given (absolute, or relative to
+    the working directory). The environment's value resolves against ``model_dir``, and a path that leaves
+    ``model_dir`` is refused with :class:`TreeDecodeConfigError`; without a ``model_dir`` it is taken as given.
     """
     env = os.environ if env is None else env
     if cli_value:
-        value, origin = cli_value, CLI_FLAG
+        value, origin, base = cli_value, CLI_FLAG, None
     elif env.get(ENV_VAR):
-        value, origin = env[ENV_VAR], ENV_VAR
+        value, origin, base = env[ENV_VAR], ENV_VAR, model_dir
     else:
         return None
     try:
-        return _resolve_path(value, model_dir)
+        return _resolve_path(value, base)
     except TreeDecodeConfigError as err:
         raise TreeDecodeConfigError(f"{origin}: {err}") from None
 

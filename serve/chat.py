@@ -71,7 +71,7 @@ def describe(field: str, value: Any) -> str:
     """A setting as the user would type it: response formats as their JSON, mappings as dicts."""
     if field == "response_format" and value is not None:
         if value.kind == "json_schema":
-            return f"JSON schema {json.dumps(value.schema(), separators=(',', ':'))}"
+            return f"JSON schema {json.dumps(value.schema, separators=(',', ':'))}"
         if value.kind == "json_object":
             return "any JSON object"
         return f"{value.kind} {value.text!r}"

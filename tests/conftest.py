@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 
 import pytest
 
-# Tests build kernel libraries into a private cache, never the user's.
-os.environ.setdefault("LOGITPROC_CACHE", tempfile.mkdtemp(prefix="logitproc-test-cache-"))
+# Tests build kernel libraries and models into a private cache, never the user's (whatever $LOGITPROC_CACHE says).
+os.environ["LOGITPROC_CACHE"] = tempfile.mkdtemp(prefix="logitproc-test-cache-")
 
 MATRIX_DEVICES = ("cpu", "vulkan", "cuda")
 _unavailable: dict[str, str] = {}
@@ -49,6 +50,32 @@ def sampler(lib, request):
     from logitproc import Sampler
 
     return Sampler(lib, vocab_size=request.module.V, max_num_token=64)
+
+
+@pytest.fixture(scope="session")
+def default_model_in_cache():
+    """The default model ("default": SmolLM2), compiled once into the private cache so that subprocesses find it.
+
+    With ``$LOGITPROC_TEST_MODEL_CACHE`` (a cache root that keeps the GGUF between sessions) its verified file is
+    linked into the private cache instead of being downloaded again.
+    """
+    from pathlib import Path
+
+    from logitproc.compile.model_fetch import fetch_default_model, models_dir
+    from logitproc.serve.cli_options import open_model
+
+    kept = os.environ.get("LOGITPROC_TEST_MODEL_CACHE")
+    if kept:
+        source = fetch_default_model(kept)
+        target = models_dir() / source.name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if not target.exists():
+            try:  # a hard link keeps the inode, so the verification sidecar still matches
+                os.link(source, target)
+                os.link(f"{source}.verified.json", f"{target}.verified.json")
+            except OSError:  # another file system: a copy, verified again (hashed) when first used
+                shutil.copyfile(source, target)
+    return open_model("default", "cpu")
 
 
 def pytest_terminal_summary(terminalreporter) -> None:

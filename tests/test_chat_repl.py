@@ -71,7 +71,8 @@ def test_chat_repl_on_the_tiny_model(tiny_compiled) -> None:
         say(child, '/json {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}')
         failed = say(child, "Describe a pet as JSON.")
         assert failed.startswith("error: ") and len(failed.splitlines()) == 1 and "Traceback" not in failed
-        assert "response_format" in say(child, "/json " + json.dumps(SCHEMA))
+        echoed = say(child, "/json " + json.dumps(SCHEMA))
+        assert echoed == "response_format = JSON schema " + json.dumps(SCHEMA, separators=(",", ":"))
         answer = say(child, "Describe a pet as JSON.")
         jsonschema.validate(json.loads(answer.strip()), SCHEMA)
         assert "stop" in say(child, "/stats") and "tok/s" in say(child, "/stats")
@@ -95,6 +96,40 @@ def test_chat_repl_on_the_tiny_model(tiny_compiled) -> None:
         assert "min_tokens must be in [0, 2]" in say(child, "/max_tokens 2")
         assert say(child, "/bad_words clear") == "bad_words = ()"
         assert "/regex PATTERN" in say(child, "/help")
+        child.sendline("/exit")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+    assert child.exitstatus == 0
+
+
+def test_commands_without_a_value_show_it_system_and_stop(tiny_compiled) -> None:
+    child = spawn("--model", "tiny", "--temperature", "0", "--max-tokens", "5")
+    try:
+        assert say(child, "/temperature") == "temperature = 0.0"
+        assert say(child, "/max_tokens") == "max_tokens = 5"
+        assert say(child, "/seed") == "seed = off"
+        assert say(child, "/json") == "response_format = None"
+        assert say(child, "/json object") == "response_format = any JSON object"
+        assert say(child, "/regex") == "response_format = any JSON object"
+        assert say(child, "/regex [a-z]+") == "response_format = regex '[a-z]+'"
+        assert say(child, "/json off") == "response_format = None"
+        assert say(child, "/logit_bias") == "logit_bias = {}"
+        assert say(child, "/bad_words") == "bad_words = ()"
+        assert say(child, "/think") == "max_thinking_tokens = off"
+        # the system prompt: set, shown, cleared
+        assert say(child, "/system") == "system = none (the model's default)"
+        assert say(child, "/system You are terse.") == "system = 'You are terse.'"
+        assert say(child, "/system") == "system = 'You are terse.'"
+        assert "system: 'You are terse.'" in say(child, "/settings")
+        assert say(child, "/system off") == "system = none (the model's default)"
+        # stop strings: quoted ones keep their spaces, \n is a newline
+        assert say(child, "/stop") == "stop = ()"
+        assert say(child, '/stop END "two words" \\n') == "stop = ('END', 'two words', '\\n')"
+        assert say(child, "/stop clear") == "stop = ()"
+        # an answer cut by max_tokens says so
+        assert say(child, "Tell me a long story.").endswith("[cut at max_tokens = 5]")
+        assert "model defaults: " in say(child, "/settings")
         child.sendline("/exit")
         child.expect(pexpect.EOF)
     finally:

@@ -341,11 +341,9 @@ def model_dir(tmp_path) -> Path:
 
 @pytest.mark.parametrize("value", ["../outside.json", "sub/../../outside.json", "link_out.json",
                                    "dir_out/outside.json", "ABS_OUTSIDE", "/etc/passwd", "../model/../outside.json"])
-def test_paths_that_leave_the_model_directory_are_refused(model_dir, value) -> None:
+def test_environment_paths_that_leave_the_model_directory_are_refused(model_dir, value) -> None:
     if value == "ABS_OUTSIDE":
         value = str(model_dir.parent / "outside.json")
-    with pytest.raises(TreeDecodeConfigError, match="outside the model directory"):
-        resolve_tree_decode_config(value, {}, model_dir)
     with pytest.raises(TreeDecodeConfigError, match="outside the model directory"):
         TreeDecodeConfig.load(value, V, model_dir=model_dir)
     with pytest.raises(TreeDecodeConfigError, match=f"{ENV_VAR}: .*outside the model directory"):
@@ -355,22 +353,38 @@ def test_paths_that_leave_the_model_directory_are_refused(model_dir, value) -> N
 @pytest.mark.parametrize("value, name", [("tree.json", "tree.json"), ("sub/other.json", "other.json"),
                                          ("sub/../tree.json", "tree.json"), ("link_in.json", "tree.json"),
                                          ("ABS_INSIDE", "tree.json")])
-def test_paths_inside_the_model_directory_resolve(model_dir, value, name) -> None:
+def test_environment_paths_inside_the_model_directory_resolve(model_dir, value, name) -> None:
     if value == "ABS_INSIDE":
         value = str(model_dir / "tree.json")
-    path = resolve_tree_decode_config(value, {}, model_dir)
+    path = resolve_tree_decode_config(None, {ENV_VAR: value}, model_dir)
     assert path is not None and path.name == name and path.is_relative_to(model_dir.resolve())
 
 
+def test_the_command_line_path_is_the_users_own(model_dir, tmp_path, monkeypatch) -> None:
+    """Absolute, or relative to the working directory; anywhere, the model directory plays no part."""
+    outside = (tmp_path / "outside.json").resolve()
+    assert resolve_tree_decode_config(str(outside), {}, model_dir) == outside
+    monkeypatch.chdir(tmp_path)
+    assert resolve_tree_decode_config("outside.json", {}, model_dir) == outside
+    assert resolve_tree_decode_config("model/../outside.json", {}, model_dir) == outside
+    assert resolve_tree_decode_config("model/link_out.json", {}, model_dir) == outside
+    assert load_tree_decode_config("outside.json", V, {}, model_dir).num_prefixes == 2
+    with pytest.raises(TreeDecodeConfigError, match="--tree-decode-config: .*'tree.json': no such file"):
+        resolve_tree_decode_config("tree.json", {}, model_dir)  # not looked for in the model directory
+
+
 def test_missing_files_and_directories(model_dir, tmp_path) -> None:
-    with pytest.raises(TreeDecodeConfigError, match="--tree-decode-config: .*no such file in the model directory"):
-        resolve_tree_decode_config("nope.json", {}, model_dir)
+    with pytest.raises(TreeDecodeConfigError, match=f"{ENV_VAR}: .*no such file in the model directory"):
+        resolve_tree_decode_config(None, {ENV_VAR: "nope.json"}, model_dir)
+    with pytest.raises(TreeDecodeConfigError, match="--tree-decode-config: .*no such file"):
+        resolve_tree_decode_config(str(model_dir / "nope.json"), {}, model_dir)
     with pytest.raises(TreeDecodeConfigError, match="model directory .* does not exist"):
-        resolve_tree_decode_config("tree.json", {}, tmp_path / "no_model")
+        resolve_tree_decode_config(None, {ENV_VAR: "tree.json"}, tmp_path / "no_model")
 
 
-def test_the_cli_value_wins_over_the_environment(model_dir) -> None:
+def test_the_cli_value_wins_over_the_environment(model_dir, monkeypatch) -> None:
     env = {ENV_VAR: "sub/other.json"}
+    monkeypatch.chdir(model_dir)
     assert resolve_tree_decode_config("tree.json", env, model_dir).name == "tree.json"
     assert resolve_tree_decode_config(None, env, model_dir).name == "other.json"
     assert resolve_tree_decode_config("", env, model_dir).name == "other.json"  # an empty flag counts as unset
