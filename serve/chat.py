@@ -351,7 +351,8 @@ def run(args: argparse.Namespace) -> int:
     if args.think is not None:
         config = replace(config, max_thinking_tokens=args.think)
     session = ChatSession(engine, config, system=args.system, defaults=defaults)
-    session.say(f"logitproc chat: {engine.model.name} on {args.target}. /help lists the commands, /exit quits.")
+    session.say(f"logitproc chat: {engine.model.name} on {args.target}; model defaults: {defaults.describe()}. "
+                "/help lists the commands, /settings shows them, /exit quits.")
     return run_repl(session)
 
 

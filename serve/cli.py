@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
                                help="'default' (SmolLM2-135M-Instruct), 'tiny' (random test model), a GGUF file "
                                "or a Hugging Face directory (default: %(default)s)")
     compile_model.add_argument("--target", default="cpu", choices=("cpu",), help="(default: %(default)s)")
-    compile_model.add_argument("--out", help="also copy the compiled model into this directory")
+    compile_model.add_argument("--out", help="also copy the compiled model into this directory (default: none)")
     compile_model.add_argument("--weight-dtype", default="auto", choices=("auto", "float16", "float32"),
                                help="auto: keep a GGUF's Q8_0/Q4_1 blocks (float16 for other tensors) "
                                     "(default: %(default)s)")
