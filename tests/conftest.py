@@ -59,8 +59,6 @@ def default_model_in_cache():
     With ``$LOGITPROC_TEST_MODEL_CACHE`` (a cache root that keeps the GGUF between sessions) its verified file is
     linked into the private cache instead of being downloaded again.
     """
-    from pathlib import Path
-
     from logitproc.compile.model_fetch import fetch_default_model, models_dir
     from logitproc.serve.cli_options import open_model
 
