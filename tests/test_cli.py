@@ -14,13 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-from logitproc.serve.model_defaults import (
-    DEFAULT_MAX_TOKENS,
-    FALLBACK,
-    PER_MODEL,
-    model_defaults,
-)
+from logitproc.serve import model_defaults as defaults
 
 
 def python(*code_or_args: str, **kwargs) -> subprocess.CompletedProcess[str]:
@@ -53,7 +47,7 @@ def test_help_loads_no_tvm_and_shows_every_default() -> None:
             if not entry.startswith(("-h, --help", "--prompt")):
                 assert "default" in entry, f"{command}: no default in {entry!r}"
         if command != "compile":
-            assert f"--max-tokens defaults to {DEFAULT_MAX_TOKENS}" in " ".join(text.split())
+            assert f"--max-tokens defaults to {defaults.DEFAULT_MAX_TOKENS}" in " ".join(text.split())
 
 
 def test_target_choices_are_the_compilers() -> None:
@@ -148,22 +142,23 @@ def test_ctrl_c_while_the_command_starts_is_quiet(tiny_compiled, delay: float) -
 def test_model_defaults_come_from_the_generation_config_then_the_table(tmp_path: Path) -> None:
     (tmp_path / "generation_config.json").write_text(json.dumps(
         {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "max_new_tokens": 100, "eos_token_id": 2}))
-    found = model_defaults("Some-Model", [tmp_path])
+    found = defaults.model_defaults("Some-Model", [tmp_path])
     assert found.values == {"temperature": 0.6, "top_p": 0.95, "max_tokens": 100}
     assert "generation_config.json" in found.source
     only_ids = tmp_path / "ids"
     only_ids.mkdir()
     (only_ids / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
-    smol = model_defaults("SmolLM2-135M-Instruct.Q4_1", [only_ids])
-    assert smol.values == {**PER_MODEL["smollm2-135m-instruct"], "max_tokens": DEFAULT_MAX_TOKENS}
-    assert model_defaults("other model", []).values == {**FALLBACK, "max_tokens": DEFAULT_MAX_TOKENS}
+    smol = defaults.model_defaults("SmolLM2-135M-Instruct.Q4_1", [only_ids])
+    assert smol.values == {**defaults.PER_MODEL["smollm2-135m-instruct"], "max_tokens": defaults.DEFAULT_MAX_TOKENS}
+    fallback = defaults.model_defaults("other model", [])
+    assert fallback.values == {**defaults.FALLBACK, "max_tokens": defaults.DEFAULT_MAX_TOKENS}
 
 
 def test_the_defaults_make_a_valid_generation_config() -> None:
     from logitproc.runtime import GenerationConfig
 
-    for values in [*PER_MODEL.values(), FALLBACK]:
-        GenerationConfig(**values, max_tokens=DEFAULT_MAX_TOKENS)
+    for values in [*defaults.PER_MODEL.values(), defaults.FALLBACK]:
+        GenerationConfig(**values, max_tokens=defaults.DEFAULT_MAX_TOKENS)
 
 
 def test_options_given_win_over_the_model_defaults(tiny_compiled) -> None:
