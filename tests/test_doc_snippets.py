@@ -46,9 +46,8 @@ def blocks(path: Path) -> list[Block]:
     text = path.read_text()
     found = []
     for match in FENCE.finditer(text):
-        language, *flags = match.group(1).split()
-        found.append(Block(path, text.count("\n", 0, match.start()) + 1, language if match.group(1) else "",
-                           frozenset(flags), match.group(2)))
+        language, *flags = match.group(1).split() or [""]
+        found.append(Block(path, text.count("\n", 0, match.start()) + 1, language, frozenset(flags), match.group(2)))
     return found
 
 
@@ -168,9 +167,12 @@ def test_bash_blocks_marked_run_succeed(block: Block, workdir: Path, default_mod
 
 
 # ---------------------------------------------------------------------------------------------------- json
-@pytest.mark.parametrize("block", [b for b in ALL_BLOCKS if b.language == "json"], ids=lambda b: b.where)
-def test_json_blocks_parse(block: Block) -> None:
-    json.loads(block.code)
+def test_json_blocks_and_example_files_parse() -> None:
+    for block in ALL_BLOCKS:
+        if block.language == "json":
+            json.loads(block.code)
+    for path in (ROOT / "docs" / "examples").glob("*.json"):
+        json.loads(path.read_text())
 
 
 def test_the_examples_folder_holds_what_the_docs_name() -> None:
