@@ -1,5 +1,5 @@
 """The engine with the constraints issue 5 adds, on the compiled tiny model: Tree Decode maps (engine option and
-`--tree-decode-config`), the xgrammar backend, and JSON from both engines validating against the schema."""
+`TREE_DECODE_CONFIG`), the xgrammar backend, and JSON from both engines validating against the schema."""
 
 from __future__ import annotations
 
@@ -64,20 +64,21 @@ def test_json_schema_answers_validate_with_either_engine(model, backend) -> None
         jsonschema.validate(json.loads(out.text, strict=backend == "llguidance"), SCHEMA)
 
 
-def test_tree_decode_config_flag_is_confined_to_the_model_directory(model, tmp_path) -> None:
+def test_tree_decode_environment_variable_is_confined_to_the_model_directory(model, tmp_path) -> None:
+    """``TREE_DECODE_CONFIG`` (a deployment's setting) names a file in the model's directory; the command line's
+    ``--tree-decode-config`` may name any file (tests/test_cli.py)."""
     outside = tmp_path / "tree.json"
     outside.write_text(json.dumps(tree_map(model, [b"ok"])))
-    done = subprocess.run([sys.executable, "-m", "logitproc", "generate", "--model", "tiny", "--prompt", "hi",
-                           "--tree-decode-config", str(outside)], capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ))
+    generate = [sys.executable, "-m", "logitproc", "generate", "--model", "tiny", "--prompt", "hi"]
+    done = subprocess.run(generate, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, TREE_DECODE_CONFIG=str(outside)))
     assert done.returncode == 2 and done.stdout == ""
-    assert "outside the model directory" in done.stderr
+    assert "TREE_DECODE_CONFIG" in done.stderr and "outside the model directory" in done.stderr
     inside = model.directory / "tree-test.json"
     inside.write_text(json.dumps(tree_map(model, [b"ok"])))
     try:
-        done = subprocess.run([sys.executable, "-m", "logitproc", "generate", "--model", "tiny", "--prompt", "hi",
-                               "--tree-decode-config", "tree-test.json"], capture_output=True, text=True,
-                              timeout=300, env=dict(os.environ))
+        done = subprocess.run(generate, capture_output=True, text=True, timeout=300,
+                              env=dict(os.environ, TREE_DECODE_CONFIG="tree-test.json"))
     finally:
         inside.unlink()
     assert done.returncode == 0, done.stderr
