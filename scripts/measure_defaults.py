@@ -33,7 +33,8 @@ QUESTIONS: list[tuple[str, str]] = [
     ("What is the freezing point of water in degrees Celsius?", r"\b(0|zero)\b"),
 ]
 # The README's example: a JSON object with one string field.
-SCHEMA = {"type": "object", "properties": {"colour": {"type": "string"}}}
+SCHEMA = {"type": "object", "properties": {"colour": {"type": "string"}}, "required": ["colour"],
+          "additionalProperties": False}
 SCHEMA_PROMPT = "Name a colour."
 
 # name -> GenerationConfig values (seeds are added for sampled settings)
@@ -127,7 +128,11 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3, help="seeds per sampled setting")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--only", help="measure only the settings whose name contains this text")
     args = parser.parse_args()
+    if args.only:
+        for name in [name for name in SETTINGS if args.only not in name]:
+            del SETTINGS[name]
     started = time.perf_counter()
     scores = run(args.model, args.seeds, args.max_tokens, args.batch)
     print(table(scores))
