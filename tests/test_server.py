@@ -338,6 +338,10 @@ def test_16_concurrent_streams_match_one_at_a_time(server, model_id) -> None:
 
 
 def test_metrics_parse_and_count(server) -> None:
+    assert raw(server, CHAT, {"messages": MESSAGES, "max_tokens": 2}).status_code == 200
+    assert raw(server, CHAT, {"messages": MESSAGES, "top_k": -5}).status_code == 400
+    assert raw(server, CHAT, {"messages": MESSAGES, "max_tokens": 2, "response_format": {"type": "json_object"}}
+               ).status_code == 200
     m = metrics(server)
     assert m['logitproc_http_responses_total{endpoint="/v1/chat/completions",status="200"}'] >= 1
     assert m['logitproc_http_responses_total{endpoint="/v1/chat/completions",status="400"}'] >= 1
