@@ -3,8 +3,10 @@
 Each server gets the same streamed chat load at concurrency 1, 4 and 16 (``--requests`` requests per level, at most
 ``concurrency`` in flight; EOS banned with logit_bias so every answer is ``--max-tokens`` long; greedy). Figures per
 server and level: generated tokens per second over the level's wall time, time to first token (TTFT) and
-inter-token latency (ITL, gaps between streamed chunks) p50 / p99. Levels run interleaved (logitproc, llama.cpp,
-logitproc, ...) for ``--rounds`` rounds; the table holds each figure's median over the rounds.
+inter-token latency (ITL, gaps between streamed chunks) p50 / p99. Tokens are counted as streamed chunks with text
+(one token each, but for a character split over tokens); answers with fewer are reported on stderr. Levels run
+interleaved (logitproc, llama.cpp, logitproc, ...) for ``--rounds`` rounds; the table holds each figure's median
+over the rounds.
 
     python scripts/bench_serve.py                          # SmolLM2 default GGUF; llama.cpp when it is installed
     python scripts/bench_serve.py --llama-cpp off --max-tokens 64
@@ -87,6 +89,7 @@ class Level:
 
     tokens: int = 0
     seconds: float = 0.0
+    short: int = 0  # answers with fewer streamed chunks than max_tokens
     ttft: list[float] = field(default_factory=list)
     itl: list[float] = field(default_factory=list)
 
@@ -98,6 +101,7 @@ class Level:
 async def one_request(client: openai.AsyncOpenAI, model: str, question: str, max_tokens: int, level: Level) -> None:
     started = time.perf_counter()
     last = None
+    count = 0
     stream = await client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": question}], max_tokens=max_tokens, temperature=0,
         logit_bias=EOS_BIAS, stream=True)
@@ -111,6 +115,8 @@ async def one_request(client: openai.AsyncOpenAI, model: str, question: str, max
             level.itl.append(now - last)
         last = now
         level.tokens += 1
+        count += 1
+    level.short += count < max_tokens
 
 
 async def run_level(url: str, concurrency: int, requests: int, max_tokens: int) -> Level:
@@ -149,7 +155,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
 
-    env = dict(os.environ, TVM_NUM_THREADS=str(args.threads))
+    os.environ["TVM_NUM_THREADS"] = str(args.threads)  # the servers' (and the machine line's) thread count
+    env = dict(os.environ)
     servers = [start("logitproc", [sys.executable, "-m", "logitproc", "serve", "--model", args.model,
                                    "--max-batch", str(args.max_batch)], env)]
     try:
@@ -168,7 +175,8 @@ def main() -> int:
                     gguf = str(fetch_default_model())
                 servers.append(start("llama.cpp", [
                     sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--n_threads", str(args.threads),
-                    "--n_threads_batch", str(args.threads), "--n_ctx", "8192", "--host", "127.0.0.1"], env))
+                    "--n_threads_batch", str(args.threads), "--n_ctx", "8192", "--host", "127.0.0.1",
+                    "--interrupt_requests", "False"], env))  # queue concurrent requests instead of cutting them
         results: dict[tuple[str, int], list[Level]] = {}
         for concurrency in args.concurrency:
             requests = args.requests or max(4, 2 * concurrency)
@@ -178,7 +186,8 @@ def main() -> int:
                 for server in servers:
                     level = asyncio.run(run_level(server.url, concurrency, requests, args.max_tokens))
                     results.setdefault((server.name, concurrency), []).append(level)
-                    print(f"{server.name} c={concurrency}: {level.tok_per_s:.1f} tok/s", file=sys.stderr)
+                    print(f"{server.name} c={concurrency}: {level.tok_per_s:.1f} tok/s"
+                          + (f", {level.short} answers cut short" if level.short else ""), file=sys.stderr)
     finally:
         for server in servers:
             server.stop()
