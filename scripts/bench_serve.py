@@ -11,8 +11,9 @@ over the rounds.
     python scripts/bench_serve.py                          # SmolLM2 default GGUF; llama.cpp when it is installed
     python scripts/bench_serve.py --llama-cpp off --max-tokens 64
 
-llama.cpp runs as ``python -m llama_cpp.server`` (``pip install "llama-cpp-python[server]==0.3.36"``) on the same
-GGUF with ``--threads`` threads; logitproc with ``TVM_NUM_THREADS`` set to the same number.
+llama.cpp runs as ``python -m llama_cpp.server`` (llama-cpp-python[server], the ``bench`` extra:
+``pip install -e ".[bench]"``) on the same GGUF with ``--threads`` threads; logitproc with ``TVM_NUM_THREADS`` set to
+the same number.
 """
 
 from __future__ import annotations
