@@ -56,6 +56,8 @@ class ServerOptions:
     aliases: tuple[str, ...] = ()  # other names accepted in requests (e.g. the --model value)
     api_key: str | None = None
     max_queue: int = 256
+    #: GenerationConfig values for the fields a request leaves unset (the model's defaults; set by the loader).
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -178,7 +180,8 @@ class Server:
     async def generate(self, request: Request, chat: bool) -> Response:
         self._ready()
         body = await _json_body(request)
-        parsed = parse_chat_request(body) if chat else parse_completion_request(body)
+        defaults = self.options.sampling_defaults
+        parsed = parse_chat_request(body, defaults) if chat else parse_completion_request(body, defaults)
         model = self._check_model(parsed.model)
         fields = CHAT_FIELDS if chat else COMPLETION_FIELDS
         echo = [self._prompt_text(p) for p in parsed.prompts for _ in range(parsed.n)] if parsed.echo else []

@@ -6,7 +6,8 @@ stream, stream_options.include_usage, response_format, user) plus vLLM's extensi
 min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids, bad_words, allowed_token_ids, structured_outputs
 with one of json / regex / choice / grammar / json_object). Unknown fields are ignored with a log line, as vLLM does.
 Everything wrong with a request is an ``APIError`` (status 400) whose message names the field and what is allowed;
-the ranges are GenerationConfig's.
+the ranges are GenerationConfig's. Fields a request leaves unset take the model's sampling defaults (as vLLM applies
+a model's generation config), else GenerationConfig's.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import logging
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the runtime (and TVM) load with the model, not before the server listens
@@ -179,9 +181,11 @@ def structured_output_format(value: Any) -> dict[str, Any]:
     return {"type": "grammar", "grammar": spec, "syntax": "ebnf" if "::=" in str(spec) else "lark"}
 
 
-def _config(body: Mapping[str, Any], values: dict[str, Any], fields: tuple[str, ...]) -> GenerationConfig:
+def _config(body: Mapping[str, Any], values: dict[str, Any], fields: tuple[str, ...],
+            defaults: Mapping[str, Any]) -> GenerationConfig:
     from logitproc.runtime.config import GenerationConfig
 
+    values = {**defaults, **values}
     for name in CONFIG_FIELDS:
         if body.get(name) is not None:
             values[name] = body[name]
@@ -229,8 +233,9 @@ def _body(body: Any) -> Mapping[str, Any]:
     return body
 
 
-def parse_chat_request(body: Any) -> ParsedRequest:
-    """A ``/v1/chat/completions`` body; APIError(400) naming the field on anything wrong."""
+def parse_chat_request(body: Any, defaults: Mapping[str, Any] = MappingProxyType({})) -> ParsedRequest:
+    """A ``/v1/chat/completions`` body; APIError(400) naming the field on anything wrong. ``defaults``
+    (GenerationConfig values: the model's sampling defaults) fill the fields the request leaves unset."""
     body = _body(body)
     _ignore_unknown(body, CHAT_FIELDS, "chat.completions")
     messages = parse_messages(body.get("messages"))
@@ -243,12 +248,13 @@ def parse_chat_request(body: Any) -> ParsedRequest:
     if top is not None and not logprobs:
         raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
     values.update(logprobs=bool(logprobs), top_logprobs=top or 0)
-    config = _config(body, values, CHAT_FIELDS)
+    config = _config(body, values, CHAT_FIELDS, defaults)
     return ParsedRequest(True, body.get("model"), [messages], config, stream, include_usage)
 
 
-def parse_completion_request(body: Any) -> ParsedRequest:
-    """A ``/v1/completions`` body; APIError(400) naming the field on anything wrong."""
+def parse_completion_request(body: Any, defaults: Mapping[str, Any] = MappingProxyType({})) -> ParsedRequest:
+    """A ``/v1/completions`` body; APIError(400) naming the field on anything wrong; ``defaults`` as for chat
+    (but max_tokens defaults to 16, as OpenAI's)."""
     body = _body(body)
     _ignore_unknown(body, COMPLETION_FIELDS, "completions")
     prompts = parse_prompt(body.get("prompt"))
@@ -271,5 +277,5 @@ def parse_completion_request(body: Any) -> ParsedRequest:
     n = body.get("n", 1)
     if best_of is not None and best_of != n:
         raise bad_request(f"best_of must equal n ({n}) here, got {best_of}", "best_of")
-    config = _config(body, values, COMPLETION_FIELDS)
+    config = _config(body, values, COMPLETION_FIELDS, defaults)
     return ParsedRequest(False, body.get("model"), prompts, config, stream, include_usage, echo)

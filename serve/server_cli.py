@@ -68,6 +68,14 @@ def load_engine(args: argparse.Namespace) -> Any:
                   grammar_backend=args.grammar_backend, tree_decode=tree)
 
 
+def sampling_defaults(args: argparse.Namespace, model: Any) -> Any:
+    """The model's default sampling settings (ModelDefaults), as ``chat`` and ``generate`` use them."""
+    from .model_defaults import model_defaults
+
+    source = Path(args.model)
+    return model_defaults(model.name, [*([source] if source.is_dir() else []), Path(model.directory)])
+
+
 def run(args: argparse.Namespace) -> int:
     """``logitproc serve``."""
     _check(args)
@@ -83,7 +91,10 @@ def run(args: argparse.Namespace) -> int:
     def load() -> Any:
         log(f"listening on {url} (/health answers 503 until the model is loaded)")
         engine = load_engine(args)
+        defaults = sampling_defaults(args, engine.model)
+        options.sampling_defaults = dict(defaults.values)
         name = args.served_model_name or engine.model.name
+        log(f"unset request fields take: {defaults.describe()}")
         log(f"ready: serving {name!r} at {url}/v1 (max batch {engine.max_batch}, context {engine.context_length})")
         return engine
 

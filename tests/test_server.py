@@ -142,6 +142,11 @@ def test_models_health_and_a_chat_answer(server, client, model_id) -> None:
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
     text = raw(server, "/detokenize", {"tokens": tokens["tokens"]}).json()["prompt"]
     assert "Say something." in text
+    # unset fields take the model's defaults (the tiny model gets the measured fallback: greedy, repetition 1.05)
+    again = client.chat.completions.create(model=model_id, messages=MESSAGES, max_tokens=12,
+                                           extra_body={"repetition_penalty": 1.05})
+    assert again.choices[0].message.content == r.choices[0].message.content
+    assert "unset request fields take: temperature 0.0, repetition_penalty 1.05" in server.output()
     # vLLM's way with unknown fields: ignored, with a log line; max_completion_tokens wins over max_tokens
     r = raw(server, CHAT, {"messages": MESSAGES, "max_tokens": 9, "max_completion_tokens": 3, "ignore_eos": True,
                            "frobnicate": 1})
