@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 import tvm
 from logitproc import __version__
+from logitproc.quiet_stderr import filtered_stderr
 
 from .gguf_model import GGUFModel, build_tokenizer, load_gguf
 from .kernel_library import MANIFEST, MANIFEST_FORMAT, _param_list, build_in_cache, cache_root, source_hash
@@ -243,7 +244,7 @@ def _build_into(source: _Source, model_hash: str, spec: TargetSpec, weight_dtype
     progress(f"exported the Relax module and added {len(kernels)} logit-processing kernels "
              f"({time.perf_counter() - step:.1f}s); compiling for {target} ...")
     step = time.perf_counter()
-    with tvm.transform.PassContext(opt_level=3):
+    with tvm.transform.PassContext(opt_level=3), filtered_stderr():  # TVM's harmless 'Fast mode' warning
         executable = tvm.compile(mod, target=target)
     executable.export_library(str(out / MODULE_FILE))
     progress(f"compiled and exported {MODULE_FILE} in {time.perf_counter() - step:.1f}s")

@@ -12,8 +12,8 @@ import sys
 import time
 from collections.abc import Sequence
 
+from ..quiet_stderr import filtered_stderr
 from .cli_options import TARGET_CHOICES
-from .quiet_stderr import filtered_stderr
 
 
 def _compile_kernels(args: argparse.Namespace) -> int:
@@ -37,9 +37,8 @@ def _compile_model(args: argparse.Namespace) -> int:
 
     started = time.perf_counter()
     model = tiny_model() if args.model == TINY_MODEL else args.model
-    with filtered_stderr():
-        out = compile_model(model, args.target, args.out, progress=lambda line: print(line, file=sys.stderr),
-                            weight_dtype=args.weight_dtype)
+    out = compile_model(model, args.target, args.out, progress=lambda line: print(line, file=sys.stderr),
+                        weight_dtype=args.weight_dtype)
     print(f"done in {time.perf_counter() - started:.1f}s", file=sys.stderr)
     print(out)
     return 0

@@ -120,11 +120,8 @@ def open_model(spec: str, target: str) -> Any:
     """Open (fetching and compiling on first use, with visible progress on stderr) the model named by ``spec``."""
     from logitproc.serve.compiled_model import CompiledModel
 
-    from .quiet_stderr import filtered_stderr
-
     model: Any = tiny_model() if spec == TINY_MODEL else spec
-    with filtered_stderr():
-        return CompiledModel.open(model, target=target, progress=log)
+    return CompiledModel.open(model, target=target, progress=log)
 
 
 def tiny_model() -> Any:

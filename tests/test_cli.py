@@ -72,7 +72,7 @@ def test_the_runtime_imports_without_torch_and_torch_still_imports_after() -> No
 def test_harmless_native_messages_are_filtered_and_the_rest_passes() -> None:
     code = """
 import os, sys
-from logitproc.serve.quiet_stderr import filtered_stderr
+from logitproc.quiet_stderr import filtered_stderr
 with filtered_stderr():
     os.write(2, b"[03:46:04] /project/include/tvm/topi/transform.h:1261: Warning: Fast mode segfaults when there "
                 b"are out-of-bounds indices. Make sure input indices are in bound\\n")

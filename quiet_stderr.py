@@ -1,12 +1,12 @@
 """Drop known harmless messages that native libraries print on the process's stderr (file descriptor 2).
 
 - TVM's ``transform.h:...: Warning: Fast mode segfaults when there are out-of-bounds indices``, printed at every
-  model compile: the embedding lookup is a ``take`` in fast mode, which does not check its indices. The engine checks
-  every token id against the vocabulary before it reaches the model (``Engine.add_request``), so the lookup never
-  sees an out-of-range index.
+  model compile (``compile/model_compile.py`` filters it around ``tvm.compile``): the embedding lookup is a ``take``
+  in fast mode, which does not check its indices. The engine checks every token id against the vocabulary before it
+  reaches the model (``Engine.add_request``), so the lookup never sees an out-of-range index.
 - Mesa's ``error: XDG_RUNTIME_DIR is invalid or not set in the environment.``, printed by the lavapipe Vulkan driver
-  each time it probes for a Wayland display while Vulkan devices are listed; nothing is displayed, so nothing is
-  missing.
+  each time it probes for a Wayland display while Vulkan devices are listed (``logitproc devices`` filters it);
+  nothing is displayed, so nothing is missing.
 
 Native code writes to the descriptor directly, so ``sys.stderr`` cannot catch it: :func:`filtered_stderr` points
 descriptor 2 at a pipe for the duration of a block and copies every other line to the real stderr as it arrives.
