@@ -87,6 +87,14 @@ print("after", file=sys.stderr)
     assert done.stderr == "a real problem\nprogress line\nno newline at the endafter\n"
 
 
+def test_a_model_compile_prints_progress_and_no_engine_warning(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "logitproc", "compile", "--model", "tiny"], capture_output=True,
+                          text=True, timeout=900, env=dict(os.environ, LOGITPROC_CACHE=str(tmp_path)))  # a fresh build
+    assert done.returncode == 0, done.stderr
+    assert "compiled and exported" in done.stderr
+    assert "Warning" not in done.stderr and "segfaults" not in done.stderr, done.stderr
+
+
 def test_devices_prints_no_driver_noise() -> None:
     done = logitproc("devices")
     assert done.returncode == 0 and "cpu:0" in done.stdout
