@@ -44,6 +44,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ..tir_kernels._common import fast_exp
+from .integer_matvec import block_dot, integer_matvec
 
 FORMATS = ("float32", "float16", "q8_0", "q4_1")
 QUANTISED = ("q8_0", "q4_1")
@@ -261,13 +262,18 @@ def _high(byte: Any) -> Any:
 
 
 @functools.cache
-def linear_kernel(out_features: int, in_features: int, fmt: str) -> tirx.PrimFunc:
-    """``y[t, o] = sum_k x[t, k] * W[o, k]``: parameters ``x``, the weight arrays of ``fmt``, ``y`` (module doc)."""
+def linear_kernel(out_features: int, in_features: int, fmt: str, int8_dot: bool = False,
+                  xbits: int = 16) -> tirx.PrimFunc:
+    """``y[t, o] = sum_k x[t, k] * W[o, k]``: parameters ``x``, the weight arrays of ``fmt``, ``y`` (module doc).
+    ``int8_dot``: below ``_GEMM_MIN_TOKENS`` tokens, quantised formats use ``integer_matvec``'s integer dot products
+    (AVX2) with x quantised to ``xbits``-bit blocks (16: logits within about 1e-3 of float; 8: GGML's Q8 blocks,
+    no faster here and about 0.7 off) instead of float dot products."""
     check_shape(out_features, in_features, fmt)
     N, K = out_features, in_features
     chunks = min(_CHUNKS, N)
     rows_per_chunk = -(-N // chunks)
     blocks, half = K // _QBLOCK, K // 2
+    xtype, qmax = f"int{xbits}", 2 ** (xbits - 1) - 1
 
     if fmt in ("float32", "float16"):
         def float_term(x, w):
@@ -302,6 +308,9 @@ def linear_kernel(out_features: int, in_features: int, fmt: str) -> tirx.PrimFun
             y = T.match_buffer(var_y, (n, N), "float32")
             if n >= _GEMM_MIN_TOKENS:
                 _gemm(y, x, n, N, K, lambda o, c, lane: scales[o, c // 2] * _f32(codes[o, c * _LANES + lane]))
+            elif int8_dot:
+                integer_matvec(y, x, n, N, K, scales, codes, block_dot(fmt, xbits),
+                               lambda o, b, t, xs: T.float32(0), xtype, qmax)
             else:
                 for chunk in T.parallel(chunks):
                     acc = T.alloc_buffer((_TOKEN_BLOCK, _LANES), "float32", scope="local")
@@ -333,6 +342,9 @@ def linear_kernel(out_features: int, in_features: int, fmt: str) -> tirx.PrimFun
         y = T.match_buffer(var_y, (n, N), "float32")
         if n >= _GEMM_MIN_TOKENS:
             _gemm(y, x, n, N, K, q4_elem(codes, scales, mins))
+        elif int8_dot:
+            integer_matvec(y, x, n, N, K, scales, codes, block_dot(fmt, xbits),
+                           lambda o, b, t, xs: mins[o, b] * xs[t, b], xtype, qmax)
         else:
             xp = T.alloc_buffer((n, half), "float32")
             for t in range(n):

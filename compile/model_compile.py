@@ -17,8 +17,9 @@ The manifest has the same ``format``, ``kernels`` and ``files`` keys as a kernel
 model's own library.
 
 Cache: ``cache_root()/models/<name>-<key>`` where the key hashes the model (the SHA-256 of the GGUF or of each
-HF file, or of the weights and vocabulary of an in-memory model), the target, the weight storage type, the TVM and
-logitproc versions, and the sources the build depends on (this module, ``relax_llama.py``, and the kernel sources).
+HF file, or of the weights and vocabulary of an in-memory model), the target (CPU name and the features turned off),
+the weight storage type, the TVM and logitproc versions, and the sources the build depends on (every module of
+``compile/`` and the kernel sources).
 A file's SHA-256 is computed once and kept in ``cache_root()/hashes/`` keyed by its path, size and mtime, so a
 later call does not read 100 MB again. Builds go to a staging directory renamed into place (atomic).
 
@@ -35,7 +36,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -46,8 +47,10 @@ from logitproc.quiet_stderr import filtered_stderr
 
 from .gguf_model import GGUFModel, build_tokenizer, load_gguf
 from .kernel_library import MANIFEST, MANIFEST_FORMAT, _param_list, build_in_cache, cache_root, source_hash
-from .relax_llama import LlamaSpec, RawTensors, export_llama, relax_weights
-from .targets import TargetSpec, resolve_target
+from .integer_matvec import has_int8_dot
+from .llama_weights import read_gguf_tensors, relax_weights
+from .relax_llama import LlamaSpec, RawTensors, export_llama
+from .targets import TargetSpec, build_features, resolve_target
 
 ModelSource = str | os.PathLike[str] | GGUFModel | None
 Progress = Callable[[str], None]
@@ -56,11 +59,7 @@ MODULE_FILE = "model.so"
 PARAMS_FILE = "params.npz"
 TOKENIZER_FILE = "tokenizer.json"
 KERNELS_TIR_FILE = "kernels.tir.py"
-_MODEL_SOURCES = ("compile/model_compile.py", "compile/relax_llama.py", "compile/linear_kernels.py",
-                  "compile/attention_kernels.py", "compile/decode_attention.py", "compile/prefill_attention.py",
-                  "compile/gguf_model.py",
-                  "compile/hf_model.py", "compile/targets.py")
-_PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+_COMPILER_DIR = Path(__file__).resolve().parent
 
 
 def _silent(_: str) -> None:
@@ -68,10 +67,12 @@ def _silent(_: str) -> None:
 
 
 def model_source_hash() -> str:
-    """sha256 over the model compiler's sources and the kernel sources (``kernel_library.source_hash``)."""
+    """sha256 over every source of the model compiler (``compile/*.py``: model, weight loading, kernels, targets)
+    and the logit-processing kernel sources (``kernel_library.source_hash``)."""
     digest = hashlib.sha256(source_hash().encode())
-    for name in _MODEL_SOURCES:
-        digest.update((_PACKAGE_ROOT / name).read_bytes())
+    for path in sorted(_COMPILER_DIR.glob("*.py")):
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
     return digest.hexdigest()
 
 
@@ -168,25 +169,6 @@ class _Source:
         return load_hf_dir(self.path), None
 
 
-def read_gguf_tensors(path: str | os.PathLike[str], *, keep_blocks: bool) -> tuple[dict[str, np.ndarray], RawTensors]:
-    """A GGUF's tensors: float32 weights by name, and (with ``keep_blocks``) the Q8_0/Q4_1 tensors as raw blocks
-    instead: name -> (type name, uint8 ``[rows, bytes per row]``)."""
-    from gguf import GGUFReader
-
-    from .gguf_model import _dequantize
-
-    reader = GGUFReader(path)
-    weights: dict[str, np.ndarray] = {}
-    blocks: RawTensors = {}
-    for tensor in reader.tensors:
-        if keep_blocks and tensor.tensor_type.name in ("Q8_0", "Q4_1"):
-            blocks[tensor.name] = (tensor.tensor_type.name, np.array(tensor.data, dtype=np.uint8))
-        else:
-            weights[tensor.name] = _dequantize(tensor)
-    del reader
-    return weights, blocks
-
-
 def _cache_key(model_hash: str, spec: TargetSpec, weight_dtype: str) -> str:
     material = json.dumps([MANIFEST_FORMAT, model_hash, spec.kind, spec.arch, *spec.mattr, weight_dtype,
                            tvm.__version__, __version__, model_source_hash()])
@@ -230,11 +212,12 @@ def _build_into(source: _Source, model_hash: str, spec: TargetSpec, weight_dtype
     started = time.perf_counter()
     progress(f"loading {source.name} ({source.kind}) ...")
     model, raw = source.load(keep_blocks=weight_dtype == "auto")
-    llama = LlamaSpec.from_model(model, weight_dtype, raw)
+    target = spec.tvm_target()
+    llama = replace(LlamaSpec.from_model(model, weight_dtype, raw), int8_dot=has_int8_dot(build_features(target)))
     formats = ", ".join(f"{kind} {fmt}" for kind, fmt in llama.formats)
     progress(f"loaded in {time.perf_counter() - started:.1f}s: {model.config.n_layers} layers, hidden "
-             f"{model.config.hidden}, vocab {model.config.vocab}; weights: {formats}")
-    target = spec.tvm_target()
+             f"{model.config.hidden}, vocab {model.config.vocab}; weights: {formats}"
+             f"{'; integer-dot decode matvecs' if llama.int8_dot else ''}")
 
     step = time.perf_counter()
     mod, param_names = export_llama(llama, target)

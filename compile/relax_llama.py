@@ -17,9 +17,10 @@ Per layer (as ``serve/numpy_llama.py``)::
     h = rmsnorm(x) * ffn_norm;   g, u = split(h @ Wgate_up.T)
     x += (silu(g) * u) @ Wdown.T
 
-Layout: a GGUF's q/k rows are permuted for GGML's adjacent-pair RoPE; ``relax_weights`` un-permutes them into the
-Hugging Face half-rotation order that the KV cache's RoPE uses, so the model rotates exactly the pairs the numpy
-reference rotates. q, k, v are fused into one projection, gate and up into another.
+Layout: a GGUF's q/k rows are permuted for GGML's adjacent-pair RoPE; ``llama_weights.relax_weights`` (the weight
+loader, a module of its own) un-permutes them into the Hugging Face half-rotation order that the KV cache's RoPE
+uses, so the model rotates exactly the pairs the numpy reference rotates. q, k, v are fused into one projection,
+gate and up into another.
 
 Matmuls and the embedding lookup are the TIR kernels of ``linear_kernels.py``, one per weight storage format:
 ``float32``, ``float16``, or the GGUF's own ``q8_0``/``q4_1`` blocks decoded inside the matmul (``weight_dtype="auto"``
@@ -42,7 +43,7 @@ from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedK
 
 from .attention_kernels import replace_attention_kernels
 from .gguf_model import GGUFModel
-from .linear_kernels import QUANTISED, embed_kernel, linear_kernel, param_shapes, swiglu_kernel
+from .linear_kernels import embed_kernel, linear_kernel, param_shapes, swiglu_kernel
 
 #: Raw GGUF blocks of quantised tensors: name -> (GGML type name, uint8 array [rows, bytes per row]).
 RawTensors = dict[str, tuple[str, np.ndarray]]
@@ -56,7 +57,8 @@ WEIGHT_KINDS: dict[str, tuple[str, ...]] = {
     "down": ("blk.{i}.ffn_down.weight",),
     "lm_head": ("output.weight",),
 }
-_GGUF_FORMATS = {"Q8_0": "q8_0", "Q4_1": "q4_1"}
+#: GGML types kept as their blocks, and the weight format each becomes
+GGUF_FORMATS = {"Q8_0": "q8_0", "Q4_1": "q4_1"}
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,8 @@ class LlamaSpec:
     tied_embeddings: bool
     qkv_bias: bool = False
     formats: tuple[tuple[str, str], ...] = ()
+    #: decode matvecs of quantised weights by integer dot products (``integer_matvec``: the target has AVX2)
+    int8_dot: bool = False
 
     def fmt(self, kind: str) -> str:
         """Storage format of weight kind ``kind`` (``WEIGHT_KINDS``); the tied output head uses the embedding's."""
@@ -97,7 +101,7 @@ class LlamaSpec:
             names = [p.format(i=i) for p in patterns for i in range(cfg.n_layers if "{i}" in p else 1)]
             fmt = "float16" if weight_dtype == "auto" else weight_dtype
             if weight_dtype == "auto" and raw is not None and all(n in raw for n in names):
-                kinds = {_GGUF_FORMATS.get(raw[n][0]) for n in names}
+                kinds = {GGUF_FORMATS.get(raw[n][0]) for n in names}
                 if len(kinds) == 1 and None not in kinds:
                     fmt = kinds.pop()
             formats.append((kind, fmt))
@@ -115,8 +119,8 @@ class LlamaSpec:
 class _Weights(nn.Module):
     """The arrays storing one ``[out, in]`` weight matrix in format ``fmt`` (``linear_kernels.param_shapes``)."""
 
-    def __init__(self, out_features: int, in_features: int, fmt: str) -> None:
-        self.out_features, self.in_features, self.fmt = out_features, in_features, fmt
+    def __init__(self, out_features: int, in_features: int, fmt: str, int8_dot: bool = False) -> None:
+        self.out_features, self.in_features, self.fmt, self.int8_dot = out_features, in_features, fmt, int8_dot
         self.suffixes = []
         for suffix, shape, dtype in param_shapes(out_features, in_features, fmt):
             setattr(self, suffix, nn.Parameter(shape, dtype))
@@ -130,7 +134,7 @@ class _Weights(nn.Module):
         lead = list(x.shape[:-1])
         flat = x.reshape(-1, self.in_features) if len(lead) != 1 else x
         y = nn.op.tensor_ir_op(
-            linear_kernel(self.out_features, self.in_features, self.fmt),
+            linear_kernel(self.out_features, self.in_features, self.fmt, self.int8_dot),
             f"linear_{self.fmt}_{self.out_features}x{self.in_features}",
             args=[flat, *self.arrays()],
             out=nn.Tensor.placeholder([flat.shape[0], self.out_features], "float32"),
@@ -150,8 +154,9 @@ class _Weights(nn.Module):
 class Linear(nn.Module):
     """A bias-optional projection; the weight in ``fmt``, the bias float32, the output float32."""
 
-    def __init__(self, in_features: int, out_features: int, fmt: str, bias: bool = False) -> None:
-        self.w = _Weights(out_features, in_features, fmt)
+    def __init__(self, in_features: int, out_features: int, fmt: str, bias: bool = False,
+                 int8_dot: bool = False) -> None:
+        self.w = _Weights(out_features, in_features, fmt, int8_dot)
         self.bias = nn.Parameter((out_features,), "float32") if bias else None
 
     def forward(self, x: nn.Tensor) -> nn.Tensor:
@@ -176,15 +181,15 @@ class Attention(nn.Module):
     def __init__(self, spec: LlamaSpec) -> None:
         self.spec = spec
         qkv_rows = (spec.n_heads + 2 * spec.n_kv_heads) * spec.head_dim
-        self.qkv = Linear(spec.hidden, qkv_rows, spec.fmt("qkv"), bias=spec.qkv_bias)
-        self.o = Linear(spec.n_heads * spec.head_dim, spec.hidden, spec.fmt("o"))
+        self.qkv = Linear(spec.hidden, qkv_rows, spec.fmt("qkv"), bias=spec.qkv_bias, int8_dot=spec.int8_dot)
+        self.o = Linear(spec.n_heads * spec.head_dim, spec.hidden, spec.fmt("o"), int8_dot=spec.int8_dot)
 
-    def forward(self, x: nn.Tensor, kv_cache: PagedKVCache, layer: int) -> nn.Tensor:
+    def forward(self, x: nn.Tensor, kv_cache: PagedKVCache, layer: int, b: Any, t: Any) -> nn.Tensor:
+        """``x[b t, hidden]`` (the tokens of ``b`` sequences of ``t`` each, flat) -> ``[b t, hidden]``."""
         s = self.spec
-        b, t, _ = x.shape
         qkv = self.qkv(x).reshape(b, t, s.n_heads + 2 * s.n_kv_heads, s.head_dim)
         out = kv_cache.attention_with_fused_qkv(layer, qkv, s.n_heads, sm_scale=1.0 / math.sqrt(s.head_dim))
-        return self.o(out.reshape(b, t, s.n_heads * s.head_dim))
+        return self.o(out.reshape(x.shape[0], s.n_heads * s.head_dim))
 
 
 class MLP(nn.Module):
@@ -193,16 +198,15 @@ class MLP(nn.Module):
 
     def __init__(self, spec: LlamaSpec) -> None:
         self.ffn = spec.ffn
-        self.gate_up = Linear(spec.hidden, 2 * spec.ffn, spec.fmt("gate_up"))
-        self.down = Linear(spec.ffn, spec.hidden, spec.fmt("down"))
+        self.gate_up = Linear(spec.hidden, 2 * spec.ffn, spec.fmt("gate_up"), int8_dot=spec.int8_dot)
+        self.down = Linear(spec.ffn, spec.hidden, spec.fmt("down"), int8_dot=spec.int8_dot)
 
     def forward(self, x: nn.Tensor) -> nn.Tensor:
+        """``x[tokens, hidden]`` -> ``[tokens, hidden]``."""
         gate_up = self.gate_up(x)
-        lead = list(gate_up.shape[:-1])
-        flat = gate_up.reshape(-1, 2 * self.ffn)
-        act = nn.op.tensor_ir_op(swiglu_kernel(self.ffn), f"swiglu_{self.ffn}", args=[flat],
-                                 out=nn.Tensor.placeholder([flat.shape[0], self.ffn], "float32"))
-        return self.down(act.reshape(*lead, self.ffn))
+        act = nn.op.tensor_ir_op(swiglu_kernel(self.ffn), f"swiglu_{self.ffn}", args=[gate_up],
+                                 out=nn.Tensor.placeholder([gate_up.shape[0], self.ffn], "float32"))
+        return self.down(act)
 
 
 class Block(nn.Module):
@@ -215,8 +219,9 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(spec.hidden, spec.rms_eps)
         self.mlp = MLP(spec)
 
-    def forward(self, x: nn.Tensor, kv_cache: PagedKVCache) -> nn.Tensor:
-        x = x + self.attn(self.attn_norm(x), kv_cache, self.layer)
+    def forward(self, x: nn.Tensor, kv_cache: PagedKVCache, b: Any, t: Any) -> nn.Tensor:
+        """The residual stream ``x[b t, hidden]`` (flat: no reshapes between the kernels) after this layer."""
+        x = x + self.attn(self.attn_norm(x), kv_cache, self.layer, b, t)
         return x + self.mlp(self.ffn_norm(x))
 
 
@@ -225,10 +230,11 @@ class LlamaModule(nn.Module):
 
     def __init__(self, spec: LlamaSpec) -> None:
         self.spec = spec
-        self.embed_tokens = _Weights(spec.vocab, spec.hidden, spec.fmt("embed"))
+        self.embed_tokens = _Weights(spec.vocab, spec.hidden, spec.fmt("embed"), spec.int8_dot)
         self.layers = nn.ModuleList([Block(spec, i) for i in range(spec.n_layers)])
         self.norm = RMSNorm(spec.hidden, spec.rms_eps)
-        self.lm_head = None if spec.tied_embeddings else Linear(spec.hidden, spec.vocab, spec.fmt("lm_head"))
+        self.lm_head = None if spec.tied_embeddings else Linear(spec.hidden, spec.vocab, spec.fmt("lm_head"),
+                                                                int8_dot=spec.int8_dot)
 
     def embed(self, input_ids: nn.Tensor) -> nn.Tensor:
         return self.embed_tokens.rows(input_ids)
@@ -239,21 +245,17 @@ class LlamaModule(nn.Module):
             return self.lm_head(hidden)
         return self.embed_tokens.matmul(hidden)
 
-    def _layers(self, x: nn.Tensor, kv_cache: PagedKVCache) -> nn.Tensor:
+    def _layers(self, x: nn.Tensor, kv_cache: PagedKVCache, b: Any, t: Any) -> nn.Tensor:
         for block in self.layers:
-            x = block(x, kv_cache)
+            x = block(x, kv_cache, b, t)
         return x
 
     def prefill(self, input_ids: nn.Tensor, logit_positions: nn.Tensor, kv_cache: PagedKVCache) -> nn.Tensor:
-        n = input_ids.shape[0]
-        x = self._layers(self.embed(input_ids).reshape(1, n, self.spec.hidden), kv_cache)
-        last = nn.op.take(x.reshape(n, self.spec.hidden), logit_positions, axis=0)
-        return self._logits(last)
+        x = self._layers(self.embed(input_ids), kv_cache, 1, input_ids.shape[0])
+        return self._logits(nn.op.take(x, logit_positions, axis=0))
 
     def decode(self, input_ids: nn.Tensor, kv_cache: PagedKVCache) -> nn.Tensor:
-        b = input_ids.shape[0]
-        x = self._layers(self.embed(input_ids).reshape(b, 1, self.spec.hidden), kv_cache)
-        return self._logits(x.reshape(b, self.spec.hidden))
+        return self._logits(self._layers(self.embed(input_ids), kv_cache, input_ids.shape[0], 1))
 
     def create_paged_kv_cache(
         self,
@@ -324,86 +326,3 @@ def export_llama(spec: LlamaSpec, target: tvm.target.Target) -> tuple[tvm.IRModu
         mod, named_params = module.export_tvm(spec=module.export_spec())
     mod = replace_attention_kernels(mod, spec.n_kv_heads, spec.n_heads, spec.head_dim, spec.rope_theta)
     return mod, [name for name, _ in named_params]
-
-
-def _unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Rows of a GGUF q/k projection (any per-row data: weights, codes, scales, bias) from GGML's adjacent-pair
-    order back to half-rotation order."""
-    head_dim = w.shape[0] // n_heads
-    rest = w.shape[1:]
-    return w.reshape(n_heads, head_dim // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
-
-
-def split_blocks(ggml_type: str, data: np.ndarray) -> dict[str, np.ndarray]:
-    """A GGUF Q8_0 / Q4_1 tensor's raw blocks (``[rows, bytes per row]`` uint8) as the kernels' arrays."""
-    fmt = _GGUF_FORMATS[ggml_type]
-    size = 34 if fmt == "q8_0" else 20
-    rows, blocks = data.shape[0], data.shape[1] // size
-    in_features = blocks * 32
-    raw = np.ascontiguousarray(data, dtype=np.uint8).reshape(rows, blocks, size)
-
-    def halves(lo: int) -> np.ndarray:  # float16 scales and mins, widened to float32 (exact)
-        return np.ascontiguousarray(raw[:, :, lo: lo + 2]).view(np.float16).reshape(rows, blocks).astype(np.float32)
-
-    if fmt == "q8_0":
-        return {"codes": np.ascontiguousarray(raw[:, :, 2:]).view(np.int8).reshape(rows, in_features),
-                "scales": halves(0)}
-    return {"codes": np.ascontiguousarray(raw[:, :, 4:]).reshape(rows, in_features // 2), "scales": halves(0),
-            "mins": halves(2)}
-
-
-def dequantize_blocks(ggml_type: str, data: np.ndarray) -> np.ndarray:
-    """Raw GGUF blocks as float32 ``[rows, in]`` (what ``load_gguf`` gives for the tensor)."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
-
-    return np.ascontiguousarray(dequantize(data, GGMLQuantizationType[ggml_type]), dtype=np.float32)
-
-
-def relax_weights(model: GGUFModel, spec: LlamaSpec, raw: RawTensors | None = None) -> dict[str, np.ndarray]:
-    """The module's parameters by name from the model's weights: q/k rows un-permuted, q/k/v and gate/up fused,
-    float kinds cast, quantised kinds taken from ``raw`` (the GGUF's blocks, bit for bit)."""
-    w = model.weights
-    cfg = model.config
-
-    def arrays(kind: str, names: list[str], heads: list[int | None]) -> dict[str, np.ndarray]:
-        fmt = spec.fmt(kind)
-        parts: list[dict[str, np.ndarray]] = []
-        for name, n_heads in zip(names, heads, strict=True):
-            if fmt in QUANTISED:
-                if raw is None or name not in raw:
-                    raise ValueError(f"{kind} is stored as {fmt} but the GGUF blocks of {name} are not given")
-                part = split_blocks(*raw[name])
-            elif name in w:
-                part = {"weight": w[name].astype(fmt)}
-            elif raw is not None and name in raw:  # kept as blocks by the loader, needed dense here
-                part = {"weight": dequantize_blocks(*raw[name]).astype(fmt)}
-            else:
-                raise ValueError(f"the model has no weight {name}")
-            if n_heads is not None:
-                part = {k: _unpermute_rope_rows(v, n_heads) for k, v in part.items()}
-            parts.append(part)
-        return {k: np.ascontiguousarray(np.concatenate([p[k] for p in parts])) for k in parts[0]}
-
-    def put(prefix: str, kind: str, names: list[str], heads: list[int | None] | None = None) -> None:
-        for suffix, array in arrays(kind, names, heads or [None] * len(names)).items():
-            params[f"{prefix}.{suffix}"] = array
-
-    params: dict[str, np.ndarray] = {"norm.weight": w["output_norm.weight"].astype(np.float32)}
-    put("embed_tokens", "embed", ["token_embd.weight"])
-    if not spec.tied_embeddings:
-        put("lm_head.w", "lm_head", ["output.weight"])
-    for i in range(spec.n_layers):
-        p = f"blk.{i}."
-        put(f"layers.{i}.attn.qkv.w", "qkv", [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"],
-            [cfg.n_heads, cfg.n_kv_heads, None])
-        if spec.qkv_bias:
-            qb = _unpermute_rope_rows(w[p + "attn_q.bias"], spec.n_heads)
-            kb = _unpermute_rope_rows(w[p + "attn_k.bias"], spec.n_kv_heads)
-            params[f"layers.{i}.attn.qkv.bias"] = np.concatenate([qb, kb, w[p + "attn_v.bias"]]).astype(np.float32)
-        put(f"layers.{i}.attn.o.w", "o", [p + "attn_output.weight"])
-        put(f"layers.{i}.mlp.gate_up.w", "gate_up", [p + "ffn_gate.weight", p + "ffn_up.weight"])
-        put(f"layers.{i}.mlp.down.w", "down", [p + "ffn_down.weight"])
-        params[f"layers.{i}.attn_norm.weight"] = w[p + "attn_norm.weight"].astype(np.float32)
-        params[f"layers.{i}.ffn_norm.weight"] = w[p + "ffn_norm.weight"].astype(np.float32)
-    return params

@@ -1,0 +1,116 @@
+# fmt: off
+"""The weight loader of the compiled Llama: a GGUF's (or a loaded model's) tensors as the parameters of
+``relax_llama.LlamaModule``, by name (q/k rows un-permuted, q/k/v and gate/up fused, quantised blocks split).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from .gguf_model import GGUFModel
+from .linear_kernels import QUANTISED
+from .relax_llama import GGUF_FORMATS, LlamaSpec, RawTensors
+
+
+def read_gguf_tensors(path: str | os.PathLike[str], *, keep_blocks: bool) -> tuple[dict[str, np.ndarray], RawTensors]:
+    """A GGUF's tensors: float32 weights by name, and (with ``keep_blocks``) the Q8_0/Q4_1 tensors as raw blocks
+    instead: name -> (type name, uint8 ``[rows, bytes per row]``)."""
+    from gguf import GGUFReader
+
+    from .gguf_model import _dequantize
+
+    reader = GGUFReader(path)
+    weights: dict[str, np.ndarray] = {}
+    blocks: RawTensors = {}
+    for tensor in reader.tensors:
+        if keep_blocks and tensor.tensor_type.name in ("Q8_0", "Q4_1"):
+            blocks[tensor.name] = (tensor.tensor_type.name, np.array(tensor.data, dtype=np.uint8))
+        else:
+            weights[tensor.name] = _dequantize(tensor)
+    del reader
+    return weights, blocks
+
+
+def _unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Rows of a GGUF q/k projection (any per-row data: weights, codes, scales, bias) from GGML's adjacent-pair
+    order back to half-rotation order."""
+    head_dim = w.shape[0] // n_heads
+    rest = w.shape[1:]
+    return w.reshape(n_heads, head_dim // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
+
+
+def split_blocks(ggml_type: str, data: np.ndarray) -> dict[str, np.ndarray]:
+    """A GGUF Q8_0 / Q4_1 tensor's raw blocks (``[rows, bytes per row]`` uint8) as the kernels' arrays."""
+    fmt = GGUF_FORMATS[ggml_type]
+    size = 34 if fmt == "q8_0" else 20
+    rows, blocks = data.shape[0], data.shape[1] // size
+    in_features = blocks * 32
+    raw = np.ascontiguousarray(data, dtype=np.uint8).reshape(rows, blocks, size)
+
+    def halves(lo: int) -> np.ndarray:  # float16 scales and mins, widened to float32 (exact)
+        return np.ascontiguousarray(raw[:, :, lo: lo + 2]).view(np.float16).reshape(rows, blocks).astype(np.float32)
+
+    if fmt == "q8_0":
+        return {"codes": np.ascontiguousarray(raw[:, :, 2:]).view(np.int8).reshape(rows, in_features),
+                "scales": halves(0)}
+    return {"codes": np.ascontiguousarray(raw[:, :, 4:]).reshape(rows, in_features // 2), "scales": halves(0),
+            "mins": halves(2)}
+
+
+def dequantize_blocks(ggml_type: str, data: np.ndarray) -> np.ndarray:
+    """Raw GGUF blocks as float32 ``[rows, in]`` (what ``load_gguf`` gives for the tensor)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    return np.ascontiguousarray(dequantize(data, GGMLQuantizationType[ggml_type]), dtype=np.float32)
+
+
+def relax_weights(model: GGUFModel, spec: LlamaSpec, raw: RawTensors | None = None) -> dict[str, np.ndarray]:
+    """The module's parameters by name from the model's weights: q/k rows un-permuted, q/k/v and gate/up fused,
+    float kinds cast, quantised kinds taken from ``raw`` (the GGUF's blocks, bit for bit)."""
+    w = model.weights
+    cfg = model.config
+
+    def arrays(kind: str, names: list[str], heads: list[int | None]) -> dict[str, np.ndarray]:
+        fmt = spec.fmt(kind)
+        parts: list[dict[str, np.ndarray]] = []
+        for name, n_heads in zip(names, heads, strict=True):
+            if fmt in QUANTISED:
+                if raw is None or name not in raw:
+                    raise ValueError(f"{kind} is stored as {fmt} but the GGUF blocks of {name} are not given")
+                part = split_blocks(*raw[name])
+            elif name in w:
+                part = {"weight": w[name].astype(fmt)}
+            elif raw is not None and name in raw:  # kept as blocks by the loader, needed dense here
+                part = {"weight": dequantize_blocks(*raw[name]).astype(fmt)}
+            else:
+                raise ValueError(f"the model has no weight {name}")
+            if n_heads is not None:
+                part = {k: _unpermute_rope_rows(v, n_heads) for k, v in part.items()}
+            parts.append(part)
+        return {k: np.ascontiguousarray(np.concatenate([p[k] for p in parts])) for k in parts[0]}
+
+    def put(prefix: str, kind: str, names: list[str], heads: list[int | None] | None = None) -> None:
+        for suffix, array in arrays(kind, names, heads or [None] * len(names)).items():
+            params[f"{prefix}.{suffix}"] = array
+
+    params: dict[str, np.ndarray] = {"norm.weight": w["output_norm.weight"].astype(np.float32)}
+    put("embed_tokens", "embed", ["token_embd.weight"])
+    if not spec.tied_embeddings:
+        put("lm_head.w", "lm_head", ["output.weight"])
+    for i in range(spec.n_layers):
+        p = f"blk.{i}."
+        put(f"layers.{i}.attn.qkv.w", "qkv", [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"],
+            [cfg.n_heads, cfg.n_kv_heads, None])
+        if spec.qkv_bias:
+            qb = _unpermute_rope_rows(w[p + "attn_q.bias"], spec.n_heads)
+            kb = _unpermute_rope_rows(w[p + "attn_k.bias"], spec.n_kv_heads)
+            params[f"layers.{i}.attn.qkv.bias"] = np.concatenate([qb, kb, w[p + "attn_v.bias"]]).astype(np.float32)
+        put(f"layers.{i}.attn.o.w", "o", [p + "attn_output.weight"])
+        put(f"layers.{i}.mlp.gate_up.w", "gate_up", [p + "ffn_gate.weight", p + "ffn_up.weight"])
+        put(f"layers.{i}.mlp.down.w", "down", [p + "ffn_down.weight"])
+        params[f"layers.{i}.attn_norm.weight"] = w[p + "attn_norm.weight"].astype(np.float32)
+        params[f"layers.{i}.ffn_norm.weight"] = w[p + "ffn_norm.weight"].astype(np.float32)
+    return params
