@@ -55,6 +55,7 @@ _TOKEN_TILE = 64     # tokens whose inputs stay in L2 while a chunk's rows pass 
 _QBLOCK = 32         # weights per quantisation block
 _SCALE = "float32"   # block scales and mins: the GGUF's float16 values widened (exact), no conversion in the loop
 _GEMM_MIN_TOKENS = 8  # from this many tokens on, the register-tiled GEMM (below, the dot-product kernels)
+_INT_GEMM_MIN_TOKENS = 16  # the same with the integer-dot kernels (they stay faster up to batch 8 and beyond)
 _GEMM_ROWS = 8       # output rows of a GEMM register tile (a row group)
 _GEMM_VECS = 3       # token vectors (of 16) of the widest register tile: 8 x 3 accumulators of 16 lanes
 _GEMM_TILE = 96      # tokens per tile of the transposed x (6 vectors; K x 96 float32 stays in L2)
@@ -265,7 +266,7 @@ def _high(byte: Any) -> Any:
 def linear_kernel(out_features: int, in_features: int, fmt: str, int8_dot: bool = False,
                   xbits: int = 16) -> tirx.PrimFunc:
     """``y[t, o] = sum_k x[t, k] * W[o, k]``: parameters ``x``, the weight arrays of ``fmt``, ``y`` (module doc).
-    ``int8_dot``: below ``_GEMM_MIN_TOKENS`` tokens, quantised formats use ``integer_matvec``'s integer dot products
+    ``int8_dot``: below ``_INT_GEMM_MIN_TOKENS`` tokens, quantised formats use ``integer_matvec``'s integer dot products
     (AVX2) with x quantised to ``xbits``-bit blocks (16: logits within about 1e-3 of float; 8: GGML's Q8 blocks,
     no faster here and about 0.7 off) instead of float dot products."""
     check_shape(out_features, in_features, fmt)
@@ -274,6 +275,7 @@ def linear_kernel(out_features: int, in_features: int, fmt: str, int8_dot: bool 
     rows_per_chunk = -(-N // chunks)
     blocks, half = K // _QBLOCK, K // 2
     xtype, qmax = f"int{xbits}", 2 ** (xbits - 1) - 1
+    gemm_from = _INT_GEMM_MIN_TOKENS if int8_dot else _GEMM_MIN_TOKENS
 
     if fmt in ("float32", "float16"):
         def float_term(x, w):
@@ -306,7 +308,7 @@ def linear_kernel(out_features: int, in_features: int, fmt: str, int8_dot: bool 
             n = T.int64()
             x = T.match_buffer(var_x, (n, K), "float32")
             y = T.match_buffer(var_y, (n, N), "float32")
-            if n >= _GEMM_MIN_TOKENS:
+            if n >= gemm_from:
                 _gemm(y, x, n, N, K, lambda o, c, lane: scales[o, c // 2] * _f32(codes[o, c * _LANES + lane]))
             elif int8_dot:
                 integer_matvec(y, x, n, N, K, scales, codes, block_dot(fmt, xbits),
@@ -340,7 +342,7 @@ def linear_kernel(out_features: int, in_features: int, fmt: str, int8_dot: bool 
         n = T.int64()
         x = T.match_buffer(var_x, (n, K), "float32")
         y = T.match_buffer(var_y, (n, N), "float32")
-        if n >= _GEMM_MIN_TOKENS:
+        if n >= gemm_from:
             _gemm(y, x, n, N, K, q4_elem(codes, scales, mins))
         elif int8_dot:
             integer_matvec(y, x, n, N, K, scales, codes, block_dot(fmt, xbits),

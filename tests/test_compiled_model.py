@@ -5,9 +5,11 @@ prefill 9 == prefill 8 + decode 1; batched == alone; chunked prefill; fork and p
 build cache reuse; the logit-processing kernels called from the model's own library; a Hugging Face directory
 (safetensors, Qwen2-style q/k/v biases) equals the in-memory model.
 
-SmolLM2-135M-Instruct (the real default model; select with ``-k smollm2``): logits of a chat prompt within 1e-3 of
-``NumpyLlama`` (the GGUF's own Q4_1/Q8_0 blocks decoded in the matmuls; measured 1.1e-4, logits' standard
-deviation 3.4) and the greedy answer to "What is the capital of France?" names Paris. The GGUF is fetched once per
+SmolLM2-135M-Instruct (the real default model; select with ``-k smollm2``): logits of a chat prompt within 1e-2 of
+``NumpyLlama`` (the GGUF's own Q4_1/Q8_0 blocks in the matmuls; on an AVX2 CPU the output head of the last token and
+every decode matvec quantise the activations to 16-bit blocks: measured 1e-3 after the prompt, 2-3.4e-3 over 12
+greedy decode steps, logits' standard deviation 3.4), the same greedy tokens, and the greedy answer to "What is the
+capital of France?" names Paris. The GGUF is fetched once per
 session into the test cache (or ``$LOGITPROC_TEST_MODEL_CACHE``), as in ``test_model_files.py``.
 """
 
@@ -35,6 +37,7 @@ from logitproc.serve.numpy_llama import NumpyLlama, NumpyRunner, apply_rope, rop
 
 TOL_F32 = 1e-4
 TOL_F16 = 2e-2
+TOL_AUTO = 1e-2  # SmolLM2's Q4_1/Q8_0 blocks, 16-bit activation blocks in the integer-dot matvecs (module doc)
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
@@ -437,8 +440,25 @@ def test_smollm2_logits_match_numpy(smollm2, smollm2_path: Path) -> None:
     expected = NumpyLlama(load_gguf(smollm2_path)).prefill(ids)
     smollm2.remove_sequence(0)
     assert smollm2.weight_formats["qkv"] == "q4_1" and smollm2.weight_formats["embed"] == "q8_0"
-    assert np.abs(logits - expected).max() < 1e-3
+    assert np.abs(logits - expected).max() < TOL_AUTO
     assert int(logits.argmax()) == int(expected.argmax())
+
+
+def test_smollm2_decode_logits_match_numpy(smollm2, smollm2_path: Path) -> None:
+    from logitproc.compile.gguf_model import load_gguf
+
+    ids = smollm2.tokenizer.encode(smollm2.apply_chat_template(QUESTION)).ids
+    reference = NumpyLlama(load_gguf(smollm2_path))
+    expected = reference.prefill(ids)
+    smollm2.add_sequence(0)
+    smollm2.prefill([0], [ids])
+    for _ in range(6):
+        token = int(expected.argmax())
+        logits = smollm2.decode([0], [token])[0]
+        expected = reference.decode(token)
+        assert np.abs(logits - expected).max() < TOL_AUTO
+        assert int(logits.argmax()) == int(expected.argmax())
+    smollm2.remove_sequence(0)
 
 
 def test_smollm2_greedy_answer_names_paris(smollm2) -> None:
