@@ -1,0 +1,69 @@
+"""Where one decode step of a CompiledModel goes: each packed function the VM calls (kernels, KV-cache builtins, VM
+builtins), timed with the VM's instrument, as calls per step and milliseconds per step (median call x calls).
+
+Used by ``scripts/bench_model.py --profile``.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+
+import numpy as np
+import tvm
+from tvm import relax
+
+
+def _shape(values: list[int]) -> tvm.runtime.ShapeTuple:
+    return tvm.runtime.ShapeTuple(values)
+
+
+def profile_decode(model, prompt: list[int], steps: int = 8) -> tuple[float, list[tuple[str, int, float]]]:
+    """(ms of a plain decode step, [(function, calls per step, ms per step)] sorted by time) for batch 1 after
+    ``prompt``, on a VM of its own over the model's library and weights."""
+    vm = relax.VirtualMachine(model.kernel_library.runtime_module, model.device)
+    kv = vm["create_paged_kv_cache"](_shape([1]), _shape([len(prompt) + 64 + steps * 2]), _shape([len(prompt)]),
+                                     _shape([16]), _shape([0]))
+    get = tvm.get_global_func
+    get("vm.builtin.kv_state_add_sequence")(kv, 0)
+    begin, end = get("vm.builtin.kv_state_begin_forward"), get("vm.builtin.kv_state_end_forward")
+    begin(kv, _shape([0]), _shape([len(prompt)]))
+    vm["prefill"](tvm.runtime.tensor(np.array(prompt, np.int32)),
+                  tvm.runtime.tensor(np.array([len(prompt) - 1], np.int32)), kv, model._params)
+    end(kv)
+    ids = tvm.runtime.tensor(np.array([prompt[-1]], np.int32))
+
+    def step() -> None:
+        begin(kv, _shape([0]), _shape([1]))
+        vm["decode"](ids, kv, model._params)
+        end(kv)
+
+    step()
+    started = time.perf_counter()
+    for _ in range(steps):
+        step()
+    plain_ms = (time.perf_counter() - started) / steps * 1e3
+
+    times: dict[str, list[float]] = collections.defaultdict(list)
+    stack: list[float] = []
+
+    def instrument(func, name, before, ret, *args) -> None:
+        if before:
+            stack.append(time.perf_counter())
+        else:
+            times[str(name)].append(time.perf_counter() - stack.pop())
+
+    vm.set_instrument(instrument)
+    for _ in range(steps):
+        step()
+    rows = [(name, len(ts) // steps, float(np.median(ts)) * len(ts) / steps * 1e3) for name, ts in times.items()]
+    return plain_ms, sorted(rows, key=lambda row: -row[2])
+
+
+def print_profile(model, prompt: list[int]) -> None:
+    plain_ms, rows = profile_decode(model, prompt)
+    print(f"\none decode step after {len(prompt)} tokens: {plain_ms:.2f} ms plain; by packed function "
+          "(VM instrument, median call x calls per step):\n\n| function | calls | ms per step |\n|---|---|---|")
+    for name, calls, ms in rows:
+        print(f"| {name} | {calls} | {ms:.3f} |")
+    print(f"| sum | | {sum(row[2] for row in rows):.2f} |")
