@@ -46,8 +46,8 @@ from logitproc import __version__
 from logitproc.quiet_stderr import filtered_stderr
 
 from .gguf_model import GGUFModel, build_tokenizer, load_gguf
-from .kernel_library import MANIFEST, MANIFEST_FORMAT, _param_list, build_in_cache, cache_root, source_hash
 from .integer_matvec import has_int8_dot
+from .kernel_library import MANIFEST, MANIFEST_FORMAT, _param_list, build_in_cache, cache_root, source_hash
 from .llama_weights import read_gguf_tensors, relax_weights
 from .relax_llama import LlamaSpec, RawTensors, export_llama
 from .targets import TargetSpec, build_features, resolve_target

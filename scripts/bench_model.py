@@ -4,6 +4,7 @@ step that the engine spends in logit processing + sampling.
     python scripts/bench_model.py [--model default] [--prompt-tokens 128] [--decode-tokens 64] [--rounds 3]
                                   [--no-engine] [--markdown]
     python scripts/bench_model.py --llama-cpp [--contexts 64,1024,4096] [--threads 2] [--batch 8]
+    python scripts/bench_model.py --profile [--prompt-tokens 128]
 
 1. prefill tokens/s (one prompt of ``--prompt-tokens``) and greedy decode tokens/s (batch 1) of both models, in
    ``--rounds`` interleaved rounds (numpy, compiled, numpy, ...; the machine may be shared, so each round's figures
@@ -15,6 +16,7 @@ step that the engine spends in logit processing + sampling.
 ``--llama-cpp`` instead compares CompiledModel with llama.cpp (llama-cpp-python, the ``bench`` extra) on the same
 GGUF file, same prompt tokens and same thread count, at each of ``--contexts``: prefill and decode tok/s, their
 ratios, decode as a fraction of the memory floor, and ``--batch`` sequences decoded together (``side_by_side.py``).
+``--profile`` instead times each packed function of one decode step (``decode_profile.py``).
 """
 
 from __future__ import annotations
@@ -111,6 +113,7 @@ def main() -> int:
     parser.add_argument("--contexts", default="64,1024,4096", help="prompt lengths of the side-by-side mode")
     parser.add_argument("--threads", type=int, default=2, help="threads of both models in the side-by-side mode")
     parser.add_argument("--batch", type=int, default=8, help="sequences decoded together in the side-by-side mode")
+    parser.add_argument("--profile", action="store_true", help="only where one decode step goes (decode_profile.py)")
     args = parser.parse_args()
     if args.llama_cpp:
         os.environ["TVM_NUM_THREADS"] = str(args.threads)  # read when TVM's thread pool starts (first kernel)
@@ -130,6 +133,11 @@ def main() -> int:
         side_by_side(model, path, lambda n: prompt_ids(model.tokenizer, n),
                      [int(c) for c in args.contexts.split(",")], args.decode_tokens, args.rounds, args.threads,
                      args.batch)
+        return 0
+    if args.profile:
+        from decode_profile import print_profile
+
+        print_profile(model, prompt_ids(model.tokenizer, args.prompt_tokens))
         return 0
     gguf = load_default_model() if args.model == "default" else load_gguf(args.model)
     prompt = prompt_ids(model.tokenizer, args.prompt_tokens)
