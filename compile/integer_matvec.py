@@ -118,7 +118,7 @@ def quantise_activations(x, xq, xd, xs, n, in_features, amax, qmax):
 def _accumulate(acc, low, u, codes, o, b, xq, xd, t, scales, block, min_term):
     """Accumulator ``u`` (of 4) += block ``b``'s 8 partial sums times both scales; its scalar += the min term."""
     acc[T.ramp(u * _LANES, 1, _LANES)] = acc[T.ramp(u * _LANES, 1, _LANES)] + block(codes, o, b, xq, t) * T.broadcast(
-        scales[o, b] * xd[t, b], _LANES)
+        T.Cast("float32", scales[o, b]) * xd[t, b], _LANES)
     low[u] = low[u] + min_term(o, b, t)
 
 

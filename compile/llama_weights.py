@@ -49,8 +49,8 @@ def split_blocks(ggml_type: str, data: np.ndarray) -> dict[str, np.ndarray]:
     in_features = blocks * 32
     raw = np.ascontiguousarray(data, dtype=np.uint8).reshape(rows, blocks, size)
 
-    def halves(lo: int) -> np.ndarray:  # float16 scales and mins, widened to float32 (exact)
-        return np.ascontiguousarray(raw[:, :, lo: lo + 2]).view(np.float16).reshape(rows, blocks).astype(np.float32)
+    def halves(lo: int) -> np.ndarray:  # the float16 scales and mins
+        return np.ascontiguousarray(raw[:, :, lo: lo + 2]).view(np.float16).reshape(rows, blocks)
 
     if fmt == "q8_0":
         return {"codes": np.ascontiguousarray(raw[:, :, 2:]).view(np.int8).reshape(rows, in_features),

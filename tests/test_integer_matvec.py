@@ -32,12 +32,12 @@ def quantise(x: np.ndarray, qmax: int) -> tuple[np.ndarray, np.ndarray]:
 def weights(fmt: str, n_out: int, n_in: int, rng: np.random.Generator):
     """(arrays in the kernel's layout, integer codes [N, blocks, 32], scales, mins or None)."""
     blocks = n_in // 32
-    scales = (rng.uniform(0.001, 0.02, (n_out, blocks))).astype(np.float32)
+    scales = (rng.uniform(0.001, 0.02, (n_out, blocks))).astype(np.float16)
     if fmt == "q8_0":
         codes = rng.integers(-128, 128, (n_out, n_in)).astype(np.int8)
         return [codes, scales], codes.reshape(n_out, blocks, 32).astype(np.float64), scales, None
     packed = rng.integers(0, 256, (n_out, n_in // 2)).astype(np.uint8).reshape(n_out, blocks, 16)
-    mins = rng.uniform(-0.15, 0.0, (n_out, blocks)).astype(np.float32)
+    mins = rng.uniform(-0.15, 0.0, (n_out, blocks)).astype(np.float16)
     q = np.concatenate([packed & 15, packed >> 4], axis=2).astype(np.float64)
     return [packed.reshape(n_out, -1), scales, mins], q, scales, mins
 
@@ -51,7 +51,7 @@ def test_integer_matvec_matches_the_emulated_quantisation(fmt: str, xbits: int) 
         with tvm.transform.PassContext(opt_level=3):
             run = tvm.compile(tvm.IRModule({"main": kernel}), target=TARGET).mod["main"]
         arrays, q_w, scales, mins = weights(fmt, n_out, n_in, rng)
-        dense = q_w * scales[:, :, None] + (0 if mins is None else mins[:, :, None])
+        dense = q_w * scales[:, :, None].astype(np.float64) + (0 if mins is None else mins[:, :, None].astype(np.float64))
         dense = dense.reshape(n_out, n_in)
         device_arrays = [tvm.runtime.tensor(a) for a in arrays]
         for n in TOKENS:
@@ -59,9 +59,9 @@ def test_integer_matvec_matches_the_emulated_quantisation(fmt: str, xbits: int) 
             x[0, :32] = 0  # an all-zero block: scale 0, codes 0
             q_x, d_x = quantise(x, 2 ** (xbits - 1) - 1)
             dots = np.einsum("obj,tbj->tob", q_w, q_x)
-            expected = (dots * scales[None] * d_x[:, None, :]).sum(axis=2)
+            expected = (dots * scales[None].astype(np.float64) * d_x[:, None, :]).sum(axis=2)
             if mins is not None:
-                expected += (mins[None] * (d_x * q_x.sum(axis=2))[:, None, :]).sum(axis=2)
+                expected += (mins[None].astype(np.float64) * (d_x * q_x.sum(axis=2))[:, None, :]).sum(axis=2)
             y = tvm.runtime.tensor(np.full((n, n_out), np.nan, np.float32))
             run(tvm.runtime.tensor(x), *device_arrays, y)
             scale = np.abs(expected).max()
