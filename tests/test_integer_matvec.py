@@ -51,8 +51,8 @@ def test_integer_matvec_matches_the_emulated_quantisation(fmt: str, xbits: int) 
         with tvm.transform.PassContext(opt_level=3):
             run = tvm.compile(tvm.IRModule({"main": kernel}), target=TARGET).mod["main"]
         arrays, q_w, scales, mins = weights(fmt, n_out, n_in, rng)
-        dense = q_w * scales[:, :, None].astype(np.float64) + (0 if mins is None else mins[:, :, None].astype(np.float64))
-        dense = dense.reshape(n_out, n_in)
+        offset = 0 if mins is None else mins[:, :, None].astype(np.float64)
+        dense = (q_w * scales[:, :, None].astype(np.float64) + offset).reshape(n_out, n_in)
         device_arrays = [tvm.runtime.tensor(a) for a in arrays]
         for n in TOKENS:
             x = rng.standard_normal((n, n_in)).astype(np.float32)
