@@ -6,7 +6,8 @@ from .logit_processor import LogitProcessor
 from .logits_io import empty_aligned
 from .logprobs import compute_logits, compute_logprobs, logits_to_logprobs
 from .paired_buffer import PairedBuffer
-from .request_state import DraftTree, RequestState, TokenMaskSource
+from .mask_source import JumpForward, TokenMaskSource
+from .request_state import DraftTree, RequestState
 from .sampler import Sampler, SampleResult
 
 __all__ = [
@@ -14,6 +15,7 @@ __all__ = [
     "DeviceInfo",
     "DraftTree",
     "GenerationConfig",
+    "JumpForward",
     "LogitProcessor",
     "PairedBuffer",
     "RequestState",

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from .response_format import ResponseFormat, parse_response_format
+from .response_format import parse_response_format
 
 LOGPROBS_MODES = ("processed", "raw")
 MAX_TOP_LOGPROBS = 20
@@ -208,11 +208,6 @@ class GenerationConfig:
         """logit_bias as (token ids int32, biases float32), built once per config."""
         return (np.fromiter(self.logit_bias.keys(), np.int32, len(self.logit_bias)),
                 np.fromiter(self.logit_bias.values(), np.float32, len(self.logit_bias)))
-
-    @property
-    def grammar(self) -> ResponseFormat | None:
-        """The parsed response_format (None when the output is not constrained)."""
-        return self.response_format
 
     @property
     def needs_mask_sources(self) -> bool:

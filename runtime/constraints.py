@@ -29,7 +29,7 @@ from .grammar import (
     TokenizerAdapter,
     get_backend,
 )
-from .request_state import TokenMaskSource
+from .mask_source import TokenMaskSource
 from .think_mode import ThinkBudget
 from .token_rules import AllowedTokens, BadWords, MinTokens, bad_word_token_ids
 from .tree_decode import TreeDecodeConfig, TreeDecodeSource

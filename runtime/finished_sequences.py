@@ -12,8 +12,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from .mask_source import NeverForces
 
-class FinishedSequenceMask:
+
+class FinishedSequenceMask(NeverForces):
     """A TokenMaskSource that allows only ``eos_ids`` once its sequence has finished."""
 
     __slots__ = ("eos_ids", "_eos", "_words", "_bits", "_finished", "_eos_at", "_accepted")

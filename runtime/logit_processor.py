@@ -16,9 +16,9 @@ import numpy as np
 from logitproc.compile import KernelLibrary
 
 from .device import Device, PrefixViews
-from .grammar.source import JumpForward
 from .logits_io import LogitsStaging
 from .mask_filler import MaskFiller, MaskJob
+from .mask_source import JumpForward, TokenMaskSource
 from .paired_buffer import PairedBuffer
 from .penalty_layout import PenaltyLayout
 from .request_state import DraftTree, RequestState
@@ -30,7 +30,7 @@ MAX_LOGIT_BIAS_ENTRIES = 1024
 DraftArg = Sequence[DraftTree | Sequence[int] | None] | None
 
 
-def _all_allow(sources: Sequence[Any], token_ids: Sequence[int], words: int) -> bool:
+def _all_allow(sources: Sequence[TokenMaskSource], token_ids: Sequence[int], words: int) -> bool:
     """Every source allows ``token_ids[i]`` after ``token_ids[:i]``, for every i."""
     row = np.empty(words, np.int32)
     for i, token in enumerate(token_ids):
@@ -134,18 +134,15 @@ class LogitProcessor:
         The forced text is re-tokenised with the tail of the output by the real tokenizer; when that changes the
         last tokens, they are rolled back first (``rollback``), then ``token_ids`` appended. The state (penalty
         counts and every mask source) is updated; the caller makes its KV cache agree: its first
-        ``state.num_tokens - len(token_ids)`` tokens are unchanged. Returns None when nothing is forced, the
-        sequence has finished, or the request asked for logprobs (a jump has no distribution to report). The jump is
+        ``state.num_tokens - len(token_ids)`` tokens are unchanged. Returns None when nothing is forced or the
+        request asked for logprobs (a jump has no distribution to report). The jump is
         also refused (None, state unchanged) when another mask source of the sequence (allowed_token_ids, bad
         words, a Tree Decode map, ...) would not allow one of its tokens.
         """
-        if state.config.logprobs or state.finish_reason is not None:
+        if state.config.logprobs:
             return None
         for source in state.mask_sources:
-            jump = getattr(source, "jump_forward", None)
-            if jump is None:
-                continue
-            found = jump(state.output_token_ids)
+            found = source.jump_forward(state.output_token_ids)
             if found is None:
                 continue
             if found.token_ids and max(found.token_ids) >= self.vocab_size:

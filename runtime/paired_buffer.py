@@ -61,11 +61,5 @@ class PairedBuffer:
         if hi > lo and not self._shared:
             self.device.copy_rows_to_device(self.host, self.device_array, lo, hi)
 
-    def upload(self, values: np.ndarray) -> Any:
-        """Fill the first ``len(values)`` rows from ``values`` and queue their copy; return the device view."""
-        rows = len(values)
-        self.host_prefix(rows)[...] = values
-        return self.to_device(rows)
-
     def __repr__(self) -> str:
         return f"PairedBuffer({self.name!r}, capacity={self.capacity}, shape={self.host.shape}, {self.device!r})"

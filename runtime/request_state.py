@@ -10,30 +10,12 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from .config import GenerationConfig
-
-
-class TokenMaskSource(Protocol):
-    """Something that constrains a sequence's next token (a grammar, a tree, a think budget, ...).
-
-    ``fill_bitmask(row, draft_path)`` writes the allowed tokens for the next position, as if ``draft_path`` had been
-    appended, into ``row`` (int32 ``[ceil(V/32)]``, bit ``v % 32`` of word ``v // 32`` = token v allowed), leaving its
-    own state as it was; it returns False when it does not constrain that position (the row is then ignored).
-    ``accept_token(t)`` advances it after a token is committed.
-    """
-
-    def fill_bitmask(self, row: np.ndarray, draft_path: Sequence[int]) -> bool: ...
-
-    def accept_token(self, token_id: int) -> None: ...
-
-
-def can_roll_back(source: TokenMaskSource) -> bool:
-    """Sources with ``rollback(num_tokens)`` support jump-forward re-tokenisation (and draft verification)."""
-    return callable(getattr(source, "rollback", None))
+from .mask_source import TokenMaskSource
 
 
 @dataclass(frozen=True)
@@ -78,7 +60,6 @@ class RequestState:
         self.output_token_ids: list[int] = []
         self.draft_token_ids: list[int] = []
         self.mask_sources = list(mask_sources)
-        self.finish_reason: str | None = None
         self._index: dict[int, int] = {}
         self._tokens = np.zeros(max(16, len(self.prompt_token_ids)), np.int32)
         self._counts = np.zeros_like(self._tokens)
@@ -131,15 +112,12 @@ class RequestState:
 
     def rollback(self, num_tokens: int) -> None:
         """Remove the last ``num_tokens`` output tokens: counts, entries first seen in them, and every mask source
-        (which must support ``rollback``) go back to where they were."""
+        go back to where they were."""
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or not 0 <= num_tokens <= len(
                 self.output_token_ids):
             raise ValueError(f"rollback: num_tokens must be in [0, {len(self.output_token_ids)}], got {num_tokens!r}")
         if num_tokens == 0:
             return
-        stuck = [type(s).__name__ for s in self.mask_sources if not can_roll_back(s)]
-        if stuck:
-            raise ValueError(f"rollback: mask source {stuck[0]} cannot roll back")
         keep = len(self.output_token_ids) - num_tokens
         for token in self.output_token_ids[keep:]:
             self._counts[self._index[token]] -= 1
@@ -151,7 +129,7 @@ class RequestState:
         del self.output_token_ids[keep:]
         del self._sizes_before[keep:]
         for source in self.mask_sources:
-            source.rollback(num_tokens)  # type: ignore[attr-defined]
+            source.rollback(num_tokens)
         self.rollback_epoch += 1
 
     @property
@@ -163,10 +141,6 @@ class RequestState:
     def output_counts(self) -> np.ndarray:
         """Occurrences in the output of each of ``appeared_token_ids`` (0 for prompt-only tokens; a view)."""
         return self._counts[: self._size]
-
-    def output_count(self, token_id: int) -> int:
-        position = self._index.get(token_id)
-        return 0 if position is None else int(self._counts[position])
 
     def penalty_entries(self, draft_path: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray]:
         """(token ids, output counts) as if ``draft_path`` had been appended; the state itself is not changed."""
@@ -190,5 +164,4 @@ class RequestState:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     def __repr__(self) -> str:
-        return (f"RequestState(prompt={len(self.prompt_token_ids)} tokens, output={len(self.output_token_ids)} tokens, "
-                f"finish_reason={self.finish_reason!r})")
+        return (f"RequestState(prompt={len(self.prompt_token_ids)} tokens, output={len(self.output_token_ids)} tokens)")

@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .request_state import TokenMaskSource
+from .mask_source import JumpForward, TokenMaskSource
 
 BEFORE, THINKING, DONE = "before", "thinking", "done"
 
@@ -163,9 +163,9 @@ class ThinkBudget:
         self._state = undone[0][0]
         del self._history[len(self._history) - num_tokens:]
 
-    def jump_forward(self, output_token_ids: Sequence[int]) -> Any:
+    def jump_forward(self, output_token_ids: Sequence[int]) -> JumpForward | None:
         """The inner source's jump-forward once thinking has ended (its own output only); None before."""
-        if self._state.phase != DONE or self.inner is None or not hasattr(self.inner, "jump_forward"):
+        if self._state.phase != DONE or self.inner is None:
             return None
         taken = self._inner_taken
         return self.inner.jump_forward(list(output_token_ids)[len(output_token_ids) - taken:])

@@ -28,6 +28,8 @@ from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
+from .mask_source import NeverForces
+
 
 def _packed_row(vocab_size: int, ids: Iterable[int], allowed: bool) -> np.ndarray:
     """A bitmask row allowing exactly ``ids`` (``allowed``) or everything but ``ids``; padding bits past the
@@ -47,7 +49,7 @@ def _check_ids(name: str, ids: Iterable[int], vocab_size: int) -> list[int]:
     return checked
 
 
-class AllowedTokens:
+class AllowedTokens(NeverForces):
     """Allows only ``token_ids`` at every position (vLLM's ``allowed_token_ids``)."""
 
     __slots__ = ("_row",)
@@ -69,7 +71,7 @@ class AllowedTokens:
         pass
 
 
-class MinTokens:
+class MinTokens(NeverForces):
     """Bans ``stop_ids`` until ``min_tokens`` tokens have been generated (vLLM's ``min_tokens``)."""
 
     __slots__ = ("min_tokens", "_row", "_accepted")
@@ -94,7 +96,7 @@ class MinTokens:
         self._accepted -= num_tokens
 
 
-class BadWords:
+class BadWords(NeverForces):
     """Bans the last token of each bad word where the output ends with the word's other tokens."""
 
     __slots__ = ("_always", "_words", "_tail", "_longest")

@@ -50,6 +50,8 @@ from typing import Any
 
 import numpy as np
 
+from .mask_source import NeverForces
+
 logger = logging.getLogger("logitproc.tree_decode")
 
 ENV_VAR = "TREE_DECODE_CONFIG"
@@ -355,7 +357,7 @@ def _parse_candidates(key: str, candidates: Any, vocab_size: int, where: str) ->
 
 # ---- one sequence -----------------------------------------------------------------------------------------------
 
-class TreeDecodeSource:
+class TreeDecodeSource(NeverForces):
     """The tree constraint of one sequence (a TokenMaskSource). Each sequence of an n > 1 request has its own.
 
     It always constrains (``fill_bitmask`` returns True): inside the tree the candidates of the current prefix, off

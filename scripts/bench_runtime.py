@@ -21,6 +21,7 @@ from bench_common import machine_line, median_us
 from logitproc import GenerationConfig, LogitProcessor, RequestState, Sampler
 from logitproc.compile import build_kernels
 from logitproc.runtime import empty_aligned
+from logitproc.runtime.mask_source import NeverForces
 from logitproc.tir_kernels import reference
 
 try:
@@ -32,7 +33,7 @@ BIAS_PER_ROW = 16
 APPEARED_PER_ROW = 512
 
 
-class FixedMask:
+class FixedMask(NeverForces):
     """A precomputed bitmask row (stands in for a grammar whose mask is ready)."""
 
     def __init__(self, allowed_words: np.ndarray) -> None:
@@ -43,6 +44,9 @@ class FixedMask:
         return True
 
     def accept_token(self, token_id: int) -> None:
+        pass
+
+    def rollback(self, num_tokens: int) -> None:
         pass
 
 

@@ -351,14 +351,11 @@ class Engine:
 
     def _jump_forward(self, deltas: dict[GeneratedSequence, Delta]) -> None:
         """Append the tokens the constraints force; make the KV cache agree with the re-tokenized state."""
-        jump = getattr(self.processor, "jump_forward", None)
-        if jump is None:
-            return
         for seq in self._running:
             if seq.finish_reason is not None or not seq.state.mask_sources or len(seq.feed) != 1:
                 continue
             try:
-                forced = jump(seq.state)
+                forced = self.processor.jump_forward(seq.state)
             except Exception as err:  # this sequence's constraint failed: it ends, the others go on
                 seq.finish("error", deltas.setdefault(seq, Delta(seq.request_id, seq.index)),
                            error=f"{type(err).__name__}: {err}")

@@ -262,6 +262,12 @@ class _BanAfter:
     def accept_token(self, token_id: int) -> None:
         self.left -= 1
 
+    def rollback(self, num_tokens: int) -> None:
+        self.left += num_tokens
+
+    def jump_forward(self, output_token_ids) -> None:
+        return None
+
 
 def test_a_row_with_every_token_masked_finishes_with_grammar_dead_end(model, monkeypatch) -> None:
     engine = Engine(model)

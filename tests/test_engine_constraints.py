@@ -108,7 +108,7 @@ def test_a_grammar_failing_at_run_time_ends_its_request_alone(model, when) -> No
     if when == "mask":  # llguidance is now in its error state: filling the next mask fails
         matcher._m.consume_token(byte_token(1))  # a raw control byte: invalid anywhere in JSON
     else:  # every token is refused from now on: the sampled token fails to be accepted
-        matcher.accept_token = lambda token: False
+        matcher.try_accept_token = lambda token: False
     outputs = _run_until_done(engine)
     assert outputs[broken].finish_reason == "error"
     assert outputs[broken].error and ("llguidance" in outputs[broken].error or "not allowed" in outputs[broken].error)

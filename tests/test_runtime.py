@@ -39,6 +39,12 @@ class AllowedSet:
     def accept_token(self, token_id: int) -> None:
         self.accepted.append(token_id)
 
+    def rollback(self, num_tokens: int) -> None:
+        del self.accepted[len(self.accepted) - num_tokens:]
+
+    def jump_forward(self, output_token_ids: Sequence[int]) -> None:
+        return None
+
 
 def logits_for(rows: int, seed: int = 0) -> np.ndarray:
     return (np.random.default_rng(seed).standard_normal((rows, V)) * 3).astype(np.float32)

@@ -36,6 +36,12 @@ class HistoryGrammar:
     def accept_token(self, token_id: int) -> None:
         self.accepted.append(int(token_id))
 
+    def rollback(self, num_tokens: int) -> None:
+        del self.accepted[len(self.accepted) - num_tokens:]
+
+    def jump_forward(self, output_token_ids: Sequence[int]) -> None:
+        return None
+
 
 def ends_with(seq: Sequence[int], suffix: Sequence[int]) -> bool:
     return len(seq) >= len(suffix) and list(seq[len(seq) - len(suffix):]) == list(suffix)

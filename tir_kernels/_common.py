@@ -88,6 +88,3 @@ def fast_exp(x: tirx.PrimExpr) -> tirx.PrimExpr:
     return T.Select(x < tirx.const(EXP_UNDERFLOW, "float32"), tirx.const(0.0, "float32"), value)
 
 
-def exp_for(target: tvm.target.Target):
-    """The exp to use in a kernel body for ``target``: fast_exp on CPUs, the hardware exp on GPUs."""
-    return fast_exp if is_cpu(target) else T.exp

@@ -27,11 +27,11 @@ class GrammarMatcher(ABC):
     """The grammar state of one sequence."""
 
     @abstractmethod
-    def fill_bitmask(self, row: np.ndarray) -> None:
+    def fill_next_token_bitmask(self, row: np.ndarray) -> None:
         """Write the allowed next tokens into ``row`` (int32 ``[ceil(V/32)]``)."""
 
     @abstractmethod
-    def accept_token(self, token_id: int) -> bool:
+    def try_accept_token(self, token_id: int) -> bool:
         """Consume one token; False (state unchanged) when the grammar does not allow it."""
 
     @abstractmethod
@@ -50,10 +50,10 @@ class GrammarMatcher(ABC):
     def forced_bytes(self) -> bytes:
         """The bytes every continuation starts with (b"" when the next byte is not determined)."""
 
-    def accept_tokens(self, token_ids: Sequence[int]) -> int:
+    def try_accept_tokens(self, token_ids: Sequence[int]) -> int:
         """Consume tokens in order until one is refused; the number consumed."""
         for count, token in enumerate(token_ids):
-            if not self.accept_token(token):
+            if not self.try_accept_token(token):
                 return count
         return len(token_ids)
 

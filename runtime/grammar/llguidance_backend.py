@@ -34,7 +34,7 @@ class LLGuidanceMatcher(GrammarMatcher):
         self._adapter = adapter
         self._eos = frozenset(adapter.eos_token_ids)
 
-    def fill_bitmask(self, row: np.ndarray) -> None:
+    def fill_next_token_bitmask(self, row: np.ndarray) -> None:
         if self._m.is_error():  # llguidance would allow EOS alone: an error must not pass for a finished answer
             raise GrammarError(f"llguidance matcher failed: {self._m.get_error()}")
         self._m.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
@@ -42,7 +42,7 @@ class LLGuidanceMatcher(GrammarMatcher):
             raise GrammarError(f"llguidance matcher failed: {self._m.get_error()}")
         self._adapter.clear_padding(row)
 
-    def accept_token(self, token_id: int) -> bool:
+    def try_accept_token(self, token_id: int) -> bool:
         token = int(token_id)
         if token in self._eos:  # validate_tokens never counts EOS; it is taken exactly where the grammar accepts
             return self._m.is_accepting() and not self._m.is_error() and bool(self._m.consume_token(token))
@@ -50,10 +50,10 @@ class LLGuidanceMatcher(GrammarMatcher):
             return False
         return bool(self._m.consume_token(token))
 
-    def accept_tokens(self, token_ids: list[int]) -> int:
+    def try_accept_tokens(self, token_ids: list[int]) -> int:
         ids = [int(t) for t in token_ids]
         if self._eos.intersection(ids):
-            return super().accept_tokens(ids)
+            return super().try_accept_tokens(ids)
         count = self._m.validate_tokens(ids)
         if count and not self._m.consume_tokens(ids[:count]):
             raise GrammarError(f"llguidance refused tokens it had validated: {self._m.get_error()}")

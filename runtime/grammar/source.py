@@ -16,23 +16,15 @@ does not decode to exactly the same bytes or the grammar would not accept the ne
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
+from ..mask_source import JumpForward
 from .backend import GrammarError, GrammarMatcher
 from .tokenizer_adapter import TokenizerAdapter
 
 #: Output tokens re-tokenised together with the forced text.
 RETOKENIZE_TOKENS = 4
-
-
-@dataclass(frozen=True)
-class JumpForward:
-    """Make the output agree with a jump: drop its last ``rollback`` tokens, then append ``token_ids``."""
-
-    rollback: int
-    token_ids: list[int]
 
 
 class GrammarSource:
@@ -47,20 +39,20 @@ class GrammarSource:
     # ---- TokenMaskSource -----------------------------------------------------------------------------------------
     def fill_bitmask(self, row: np.ndarray, draft_path: Sequence[int]) -> bool:
         if not draft_path:
-            self.matcher.fill_bitmask(row)
+            self.matcher.fill_next_token_bitmask(row)
             return True
-        taken = self.matcher.accept_tokens(list(draft_path))
+        taken = self.matcher.try_accept_tokens(list(draft_path))
         try:
             if taken < len(draft_path):
                 row.fill(0)
             else:
-                self.matcher.fill_bitmask(row)
+                self.matcher.fill_next_token_bitmask(row)
         finally:
             self.matcher.rollback(taken)
         return True
 
     def accept_token(self, token_id: int) -> None:
-        if not self.matcher.accept_token(token_id):
+        if not self.matcher.try_accept_token(token_id):
             raise GrammarError(f"token {token_id} ({self.tokenizer.token_bytes[token_id]!r}) is not allowed by the "
                                f"grammar at output token {self.accepted}")
         self.accepted += 1
@@ -105,9 +97,9 @@ class GrammarSource:
         # The grammar must take the new tokens after the rollback; the state is restored either way.
         removed = list(output_token_ids[len(output_token_ids) - rollback:]) if rollback else []
         self.matcher.rollback(rollback)
-        taken = self.matcher.accept_tokens(new_ids)
+        taken = self.matcher.try_accept_tokens(new_ids)
         self.matcher.rollback(taken)
-        if self.matcher.accept_tokens(removed) != len(removed):
+        if self.matcher.try_accept_tokens(removed) != len(removed):
             raise GrammarError("grammar state could not be restored after a jump-forward check")
         if taken == 0:
             return None

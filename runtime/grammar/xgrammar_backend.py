@@ -34,11 +34,11 @@ class XGrammarMatcher(GrammarMatcher):
         self._m = matcher
         self._adapter = adapter
 
-    def fill_bitmask(self, row: np.ndarray) -> None:
+    def fill_next_token_bitmask(self, row: np.ndarray) -> None:
         self._m.fill_next_token_bitmask(row[None, :])
         self._adapter.clear_padding(row)
 
-    def accept_token(self, token_id: int) -> bool:
+    def try_accept_token(self, token_id: int) -> bool:
         return bool(self._m.accept_token(int(token_id)))
 
     def rollback(self, num_tokens: int) -> None:
