@@ -1,4 +1,4 @@
-"""A Llama-family GGUF read into plain Python: config, float32 weights, the tokenizer and the chat template.
+"""A Llama-family GGUF read into plain Python: config, float32 weights, the tokenizer and chat template metadata.
 
 ``load_gguf(path)`` reads the file with PyPI ``gguf`` (``GGUFReader``), turns the metadata into a ``LlamaConfig``
 (numpy scalars are cast to Python numbers: under NumPy 2 a float32 numpy scalar would silently promote float32
@@ -12,16 +12,14 @@ of each head, not the two halves as in the Hugging Face checkpoint.
 byte-level BPE, digits split individually first (the ``smollm`` pre-tokenizer), the control tokens added as special
 tokens, no BOS added (``tokenizer.ggml.add_bos_token`` is false for SmolLM2).
 
-``apply_chat_template(messages)`` renders ChatML in plain Python, without jinja: the model's template
-(``tokenizer.chat_template``) is ChatML with a default system prompt inserted when the first message is not a system
-message; ``GGUFModel.apply_chat_template`` takes that default prompt from the model's own template text.
+``GGUFModel.chat_default_system()`` reads the default system prompt from the model's ChatML template
+(``tokenizer.chat_template``); rendering messages with it is the server's job (``logitproc.serve.chat_template``).
 """
 
 from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,7 +27,6 @@ from typing import Any
 import numpy as np
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
-SMOLLM2_DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 
@@ -97,33 +94,6 @@ class GGUFModel:
             raise ValueError(f"{self.path.name}: chat template is not ChatML; only ChatML is rendered without jinja")
         found = re.search(re.escape(IM_START) + r"system\n(.*?)" + re.escape(IM_END), template, flags=re.S)
         return found.group(1) if found else None
-
-    def apply_chat_template(self, messages: Iterable[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
-        """This model's ChatML prompt for ``messages`` (dicts with ``role`` and ``content``)."""
-        return apply_chat_template(messages, add_generation_prompt, default_system=self.chat_default_system())
-
-
-def apply_chat_template(
-    messages: Iterable[Mapping[str, str]],
-    add_generation_prompt: bool = True,
-    *,
-    default_system: str | None = SMOLLM2_DEFAULT_SYSTEM,
-) -> str:
-    """Render ChatML the way SmolLM2's template does, in plain Python (no jinja).
-
-    Each message becomes ``<|im_start|>{role}\\n{content}<|im_end|>\\n``; when the first message is not a system
-    message, ``default_system`` (unless None) is inserted before it as one; ``add_generation_prompt`` appends
-    ``<|im_start|>assistant\\n``.
-    """
-    parts: list[str] = []
-    for index, message in enumerate(messages):
-        role, content = message["role"], message["content"]
-        if index == 0 and role != "system" and default_system is not None:
-            parts.append(f"{IM_START}system\n{default_system}{IM_END}\n")
-        parts.append(f"{IM_START}{role}\n{content}{IM_END}\n")
-    if add_generation_prompt:
-        parts.append(f"{IM_START}assistant\n")
-    return "".join(parts)
 
 
 def _to_python(value: Any) -> Any:

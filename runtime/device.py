@@ -11,7 +11,8 @@ Copy ordering, per backend:
   for them (an event, not a host sync) before the next launch;
 - vulkan: WebGPU has one queue; ``queue.write_buffer`` is ordered before every later submission, so a kernel submitted
   after a copy sees it.
-ROCm and Metal code builds (``logitproc.compile``), but TVM's wheel cannot load it: asking for those devices says so.
+ROCm and Metal code builds (``logitproc.compile``; building is always an explicit call there, never a side effect
+of ``load``), but TVM's wheel cannot load it: asking for those devices says so.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from typing import Any
 import numpy as np
 import tvm
 import tvm_ffi
-from logitproc.compile import KernelLibrary, build_kernels
+
+from .kernel_library import KernelLibrary
 
 DEVICE_KINDS = ("cpu", "cuda", "vulkan")
 _UNLOADABLE = {
@@ -104,8 +106,8 @@ class Device:
     def wait_for_copies(self) -> None:
         """Make later kernel launches wait for every copy queued so far."""
 
-    def load(self, library: KernelLibrary | None = None) -> dict[str, KernelFunction]:
-        """The library's kernels as callables taking device arrays (builds this device's library when None)."""
+    def load(self, library: KernelLibrary) -> dict[str, KernelFunction]:
+        """The library's kernels as callables taking device arrays (a library built for this device's kind)."""
         raise NotImplementedError
 
     def synchronize(self) -> None:
@@ -186,8 +188,7 @@ class TVMDevice(Device):
         if self._copy_stream is not None:
             tvm_ffi.get_global_func("runtime.Device_StreamSyncFromTo")(self.tvm_device, self._copy_stream, 0)
 
-    def load(self, library: KernelLibrary | None = None) -> dict[str, KernelFunction]:
-        library = library if library is not None else build_kernels(self.kind)
+    def load(self, library: KernelLibrary) -> dict[str, KernelFunction]:
         if library.target.kind != self.kind:
             raise ValueError(f"a {library.target.kind} kernel library cannot run on {self!r}")
         return {name: library[name] for name in library.kernel_names}
@@ -250,8 +251,7 @@ class VulkanDevice(Device):
         if data.size:  # 4-byte elements: offsets and sizes stay multiples of 4 as WebGPU requires
             self.wgpu_device.queue.write_buffer(dst.buffer, lo * host[:1].nbytes, data)
 
-    def load(self, library: KernelLibrary | None = None) -> dict[str, KernelFunction]:
-        library = library if library is not None else build_kernels("vulkan")
+    def load(self, library: KernelLibrary) -> dict[str, KernelFunction]:
         if library.target.kind != "vulkan":
             raise ValueError(f"a {library.target.kind} kernel library cannot run on {self!r}")
         kernels = self._wgsl.WGSLKernels.from_prim_funcs(self.wgpu_device, library.prim_funcs())

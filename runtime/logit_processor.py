@@ -13,21 +13,24 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from logitproc.compile import KernelLibrary
+from logitproc.tir_kernels import bitmask, logit_bias, penalty, softmax
 
+from .batch import Batch, DraftArg
 from .device import Device, PrefixViews
+from .kernel_library import KernelLibrary, require_kernels
 from .logits_io import LogitsStaging
 from .mask_filler import MaskFiller, MaskJob
 from .mask_source import JumpForward, TokenMaskSource
 from .paired_buffer import PairedBuffer
 from .penalty_layout import PenaltyLayout
-from .request_state import DraftTree, RequestState
-from .rows import RowPlan, plan_for_array, plan_rows
+from .request_state import RequestState
 
 #: A request's logit_bias may name at most this many tokens.
 MAX_LOGIT_BIAS_ENTRIES = 1024
 
-DraftArg = Sequence[DraftTree | Sequence[int] | None] | None
+BatchArg = Batch | Sequence[RequestState]
+#: The kernels this processor launches (names from each kernel module's NAME).
+KERNELS = (logit_bias.NAME, penalty.NAME, bitmask.NAME, softmax.NAME)
 
 
 def _all_allow(sources: Sequence[TokenMaskSource], token_ids: Sequence[int], words: int) -> bool:
@@ -61,6 +64,7 @@ class LogitProcessor:
         self.max_num_token = _positive_int("max_num_token", max_num_token)
         self.device = device if isinstance(device, Device) else Device(device)
         self.kernels = self.device.load(library)
+        require_kernels(self.kernels, "LogitProcessor", KERNELS)
         cap, dev = self.max_num_token, self.device
         bias_cap = cap * min(vocab_size, MAX_LOGIT_BIAS_ENTRIES)
         pen_cap = _positive_int("max_penalty_entries", max_penalty_entries or cap * vocab_size)
@@ -77,46 +81,66 @@ class LogitProcessor:
         self._probs = PrefixViews(dev, dev.empty((cap, vocab_size), "float32"))
         self._masks = MaskFiller(self._bitmask.host, self._mask_rows.host, mask_workers)
         self._pending_masks: MaskJob | None = None
+        self._last_batch: Batch | None = None
         #: Seconds spent filling masks (summed over workers) and waiting for them, for statistics.
         self.mask_fill_seconds = 0.0
         self.mask_wait_seconds = 0.0
 
     # ----------------------------------------------------------------------------------------------------------
-    def plan(self, logits: Any, states: Sequence[RequestState], cum_num_token: Any = None,
-             draft_trees: DraftArg = None) -> RowPlan:
-        """Validate one call's arguments; return the row plan."""
-        plan = plan_for_array(logits, "logits", self.vocab_size, self.max_num_token, "",
-                              states, cum_num_token, draft_trees)
-        for state in states:
-            if state.checked_vocab_size != self.vocab_size:
-                state.config.check_vocab(self.vocab_size)
-                if len(state.config.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
-                    raise ValueError(f"logit_bias names {len(state.config.logit_bias)} tokens; at most "
-                                     f"{MAX_LOGIT_BIAS_ENTRIES} are allowed")
-                if not state.mask_sources and state.config.needs_mask_sources:
-                    raise ValueError("the config sets response_format, max_thinking_tokens, min_tokens, "
-                                     "allowed_token_ids or bad_words, but the RequestState has no mask sources: make "
-                                     "them with ConstraintFactory(tokenizer, vocab_size, eos_ids).sources_for(config)")
-                for path in (state.prompt_token_ids, state.output_token_ids, state.draft_token_ids):
-                    if path and max(path) >= self.vocab_size:
-                        raise ValueError(f"token id {max(path)} is outside the vocabulary [0, {self.vocab_size})")
-                state.checked_vocab_size = self.vocab_size
-        for path in plan.paths:
+    def batch(self, states: Sequence[RequestState], cum_num_token: Any = None, draft_trees: DraftArg = None) -> Batch:
+        """Validate one step's sequences (and drafts) once: the Batch every stage of the step takes.
+
+        The batch records what changed since the previous one made here (``batch.update``); sequences that joined
+        are checked against the vocabulary, those that left release their penalty entries.
+        """
+        batch = Batch(states, cum_num_token, draft_trees, previous=self._last_batch, made_by=self)
+        if batch.num_rows > self.max_num_token:
+            raise ValueError(f"{batch.num_rows} rows exceed max_num_token={self.max_num_token}")
+        for state in batch.update.joined:
+            self._check_joined(state)
+        for path in batch.paths:
             if path and max(path) >= self.vocab_size:
                 raise ValueError(f"draft token id {max(path)} is outside the vocabulary [0, {self.vocab_size})")
-        return plan
+        self._penalty.forget(batch.update.left)
+        self._last_batch = batch
+        return batch
 
-    def start_masks(self, states: Sequence[RequestState], cum_num_token: Any = None,
-                    draft_trees: DraftArg = None) -> MaskJob:
+    def _check_joined(self, state: RequestState) -> None:
+        state.config.check_vocab(self.vocab_size)
+        if len(state.config.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(f"logit_bias names {len(state.config.logit_bias)} tokens; at most "
+                             f"{MAX_LOGIT_BIAS_ENTRIES} are allowed")
+        if not state.mask_sources and state.config.needs_mask_sources:
+            raise ValueError("the config sets response_format, max_thinking_tokens, min_tokens, "
+                             "allowed_token_ids or bad_words, but the RequestState has no mask sources: make "
+                             "them with ConstraintFactory(tokenizer, vocab_size, eos_ids).sources_for(config)")
+        for path in (state.prompt_token_ids, state.output_token_ids, state.draft_token_ids):
+            if path and max(path) >= self.vocab_size:
+                raise ValueError(f"token id {max(path)} is outside the vocabulary [0, {self.vocab_size})")
+
+    def _batch_for(self, logits: Any, states: BatchArg, cum_num_token: Any, draft_trees: DraftArg) -> Batch:
+        if isinstance(states, Batch):
+            if states.made_by is not self:
+                raise ValueError("the Batch was made by another LogitProcessor: make it with this one's batch()")
+            if cum_num_token is not None or draft_trees is not None:
+                raise ValueError("cum_num_token and draft_trees belong to batch(): a Batch already has its rows")
+            batch = states
+        else:
+            batch = self.batch(states, cum_num_token, draft_trees)
+        if logits is not None:
+            batch.check_array(logits, "logits", self.vocab_size, self.max_num_token, "")
+        return batch
+
+    def start_masks(self, states: BatchArg, cum_num_token: Any = None, draft_trees: DraftArg = None) -> MaskJob:
         """Start filling the token masks of the next step on worker threads and return at once.
 
         Masks depend on the states only, not on the logits: call this before running the model, then
-        ``inplace_update_logits`` with the same states (and drafts) uses the filled rows, waiting for them if needed.
-        States must not change in between. A later call with a different batch refills synchronously.
+        ``inplace_update_logits`` with the same batch (or the same states and drafts) uses the filled rows, waiting
+        for them if needed. States must not change in between. A later call with other rows refills synchronously.
         """
-        plan = plan_rows(states, cum_num_token, draft_trees)
+        batch = self._batch_for(None, states, cum_num_token, draft_trees)
         self._finish_pending_masks()
-        self._pending_masks = self._masks.start(plan, asynchronous=True)
+        self._pending_masks = self._masks.start(batch, asynchronous=True)
         return self._pending_masks
 
     def _finish_pending_masks(self) -> MaskJob | None:
@@ -129,7 +153,7 @@ class LogitProcessor:
         return job
 
     def jump_forward(self, state: RequestState) -> JumpForward | None:
-        """Append what the grammar forces next to ``state`` without running the model (design document 003).
+        """Append what the grammar forces next to ``state`` without running the model (jump-forward).
 
         The forced text is re-tokenised with the tail of the output by the real tokenizer; when that changes the
         last tokens, they are rolled back first (``rollback``), then ``token_ids`` appended. The state (penalty
@@ -159,81 +183,92 @@ class LogitProcessor:
             return found
         return None
 
-    def inplace_update_logits(self, logits: Any, states: Sequence[RequestState], cum_num_token: Any = None,
-                              draft_trees: DraftArg = None) -> RowPlan:
-        """Apply logit bias, then penalties, then every mask to ``logits`` ``[N, V]`` in place.
+    def inplace_update_logits(self, logits: Any, states: BatchArg, cum_num_token: Any = None,
+                              draft_trees: DraftArg = None) -> Batch:
+        """Apply logit bias, then penalties, then every mask to ``logits`` ``[N, V]`` in place; return the batch.
 
-        ``logits`` is a float32 numpy array or a device array of this processor's device. Row j of a sequence is
-        processed as if its draft ancestors had been appended; every state is left exactly as it was. Masks
-        started by ``start_masks`` for the same batch are used.
+        ``states`` is this step's Batch (``batch()``), or its states (and ``cum_num_token`` / ``draft_trees``), from
+        which a Batch is made. ``logits`` is a float32 numpy array or a device array of this processor's device.
+        Row j of a sequence is processed as if its draft ancestors had been appended; every state is left exactly as
+        it was. Masks started by ``start_masks`` for the same rows are used; the returned batch's ``mask_errors``
+        says which rows' mask sources failed (those rows allow no token).
         """
-        plan = self.plan(logits, states, cum_num_token, draft_trees)
+        batch = self._batch_for(logits, states, cum_num_token, draft_trees)
         on_device, write_back = self._logits.to_device(logits)
-        self._apply_logit_bias(on_device, plan)
-        self._apply_penalties(on_device, plan)
-        self._apply_masks(on_device, plan)
+        batch.remember_on_device(logits, on_device)
+        if batch.any_bias:
+            self._apply_logit_bias(on_device, batch)
+        if batch.any_penalties:
+            self._apply_penalties(on_device, batch)
+        self._apply_masks(on_device, batch)
         if write_back is not None:
             self.device.synchronize()
             write_back()
-        return plan
+        return batch
 
-    def compute_probs_from_logits(self, logits: Any, states: Sequence[RequestState], cum_num_token: Any = None,
+    def compute_probs_from_logits(self, logits: Any, states: BatchArg, cum_num_token: Any = None,
                                   draft_trees: DraftArg = None) -> Any:
         """Temperature softmax of each row with its request's temperature (0 = one-hot on the argmax).
 
         Returns probabilities ``[N, V]`` in the processor's output buffer: a numpy view for numpy input on the CPU
-        (valid until the next call), a numpy copy from other devices, else a device array.
+        (valid until the next call), a numpy copy from other devices, else a device array. With this step's Batch,
+        logits already on the device (``inplace_update_logits``) are not copied again.
         """
-        plan = self.plan(logits, states, cum_num_token, draft_trees)
-        on_device, _ = self._logits.to_device(logits)
-        rows = plan.num_rows
+        batch = self._batch_for(logits, states, cum_num_token, draft_trees)
+        on_device = batch.on_device(logits)
+        if on_device is None:
+            on_device, _ = self._logits.to_device(logits)
+        rows = batch.num_rows
         temperature = self._temperature.host_prefix(rows)
-        temperature[:] = [s.config.temperature for s in plan.states]
+        temperature[:] = [s.config.temperature for s in batch.row_states]
         args = self._temperature.to_device(rows)
         self.device.wait_for_copies()
         probs = self._probs(rows)
-        self.kernels["softmax_with_temperature"](on_device, args, probs)
-        return self._logits.from_device(probs, logits)
+        self.kernels[softmax.NAME](on_device, args, probs)
+        out = self._logits.from_device(probs, logits)
+        batch.remember_on_device(out, probs)
+        return out
 
     # ----------------------------------------------------------------------------------------------------------
-    def _apply_logit_bias(self, logits: Any, plan: RowPlan) -> None:
-        rows = [(r, s.config.logit_bias) for r, s in enumerate(plan.states) if s.config.logit_bias]
-        if not rows:
-            return
+    def _apply_logit_bias(self, logits: Any, batch: Batch) -> None:
+        rows = [(r, s.config.logit_bias) for r, s in enumerate(batch.row_states) if s.config.logit_bias]
         n = sum(len(bias) for _, bias in rows)
         pos, tok, val = (buf.host_prefix(n) for buf in self._bias)
         start = 0
         for r, bias in rows:
             end = start + len(bias)
             pos[start:end] = r
-            tok[start:end], val[start:end] = plan.states[r].config.logit_bias_arrays
+            tok[start:end], val[start:end] = batch.row_states[r].config.logit_bias_arrays
             start = end
         args = [buf.to_device(n) for buf in self._bias]
         self.device.wait_for_copies()
-        self.kernels["apply_logit_bias_inplace"](logits, *args)
+        self.kernels[logit_bias.NAME](logits, *args)
 
-    def _apply_penalties(self, logits: Any, plan: RowPlan) -> None:
-        rows = [r for r, s in enumerate(plan.states) if s.config.has_penalties]
-        n = self._penalty.prepare(plan)  # incremental: host work does not grow with sequence length
-        if not rows or n == 0:
+    def _apply_penalties(self, logits: Any, batch: Batch) -> None:
+        n = self._penalty.prepare(batch)  # incremental: host work does not grow with sequence length
+        if n == 0:
             return
-        values = self._penalty_values.host_prefix(plan.num_rows)
-        for r in rows:
-            cfg = plan.states[r].config
-            values[r] = (cfg.presence_penalty, cfg.frequency_penalty, cfg.repetition_penalty)
-        penalties = self._penalty_values.to_device(plan.num_rows)
+        values = self._penalty_values.host_prefix(batch.num_rows)
+        for r, state in enumerate(batch.row_states):
+            cfg = state.config
+            if cfg.has_penalties:
+                values[r] = (cfg.presence_penalty, cfg.frequency_penalty, cfg.repetition_penalty)
+        penalties = self._penalty_values.to_device(batch.num_rows)
         self.device.wait_for_copies()
-        self.kernels["apply_penalty_inplace"](logits, *self._penalty.device_arrays(n), penalties)
+        self.kernels[penalty.NAME](logits, *self._penalty.device_arrays(n), penalties)
 
-    def _apply_masks(self, logits: Any, plan: RowPlan) -> None:
+    def _apply_masks(self, logits: Any, batch: Batch) -> None:
         job = self._finish_pending_masks()
-        if job is None or not job.matches(plan):
-            job = self._masks.start(plan, asynchronous=False)
+        if job is None or not job.matches(batch):
+            if not batch.any_masks:
+                return
+            job = self._masks.start(batch, asynchronous=False)
             job.wait()
             self.mask_fill_seconds += job.fill_seconds
+        batch.mask_job = job
         masked = job.count
         if masked == 0:
             return
         args = (self._mask_rows.to_device(masked), self._bitmask.to_device(masked))
         self.device.wait_for_copies()
-        self.kernels["apply_bitmask_inplace"](logits, *args)
+        self.kernels[bitmask.NAME](logits, *args)

@@ -18,26 +18,26 @@ Conventions (all three functions):
 - ``lm_head`` is the output embedding ``[V, H]``, one row per token: ``logits = hidden @ lm_head.T``.
 - ``target_ids`` may have any integer dtype (bool and floating dtypes are a TypeError); every id must lie in
   ``[0, V)``, else a ValueError names the first one outside.
-- The log-softmax and the gather run in the compiled kernel ``log_softmax_gather`` of logitproc's CPU kernel library
-  (``logitproc.compile.build_kernels("cpu")``, loaded once per process). It computes ``(logits[t] - max) - log(sum(exp(
-  logits - max)))``, so logits offset by 1e4 keep full float32 precision; a target whose logit is -inf, or a row of
-  only -inf, gives -inf.
+- The log-softmax and the gather run in the compiled kernel ``log_softmax_gather`` of a CPU kernel library passed as
+  ``library`` (``logitproc.compile.build_kernels("cpu")``: building is the caller's explicit call). It computes
+  ``(logits[t] - max) - log(sum(exp(logits - max)))``, so logits offset by 1e4 keep full float32 precision; a target
+  whose logit is -inf, or a row of only -inf, gives -inf.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import tvm
-from logitproc.compile import KernelLibrary, build_kernels
+from logitproc.tir_kernels import log_softmax
+
+from .kernel_library import KernelLibrary
 
 __all__ = ["compute_logits", "compute_logprobs", "logits_to_logprobs"]
 
-KERNEL_NAME = "log_softmax_gather"
 # TVM's from_dlpack (zero copy) only accepts data aligned to 64 bytes; buffers of this module are allocated so.
 _ALIGNMENT = 64
 # The kernel's shapes are int32 variables: one call covers fewer than 2**31 logits (rows * V).
@@ -46,16 +46,15 @@ _MAX_KERNEL_ELEMENTS = 2**31 - 1
 _COPY_BLOCK_BYTES = 64 << 20
 
 
-@functools.cache
-def _kernel_library() -> KernelLibrary:
-    """The CPU kernel library, built (or loaded from the on-disk cache) once per process."""
-    return build_kernels("cpu")
-
-
-@functools.cache
-def _gather_kernel() -> Callable[..., None]:
+def _gather_kernel(library: KernelLibrary) -> Callable[..., None]:
     """``log_softmax_gather(logits [n, V] f32, target_ids [n] i32, logprob [n] f32, logsumexp [n] f32)``."""
-    return _kernel_library()[KERNEL_NAME]
+    if not isinstance(library, KernelLibrary):
+        raise TypeError(f"library must be a KernelLibrary (logitproc.compile.build_kernels('cpu')), "
+                        f"got {type(library).__name__}")
+    if library.target.kind != "cpu":
+        raise ValueError(f"library must be built for the cpu (numpy arrays are read in place), got "
+                         f"{library.target.kind}")
+    return library[log_softmax.NAME]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -137,7 +136,8 @@ class _GatherBuffers:
     The TVM views of the full-size buffers are made once and reused for every full chunk.
     """
 
-    def __init__(self, rows: int, vocab: int, logits: np.ndarray | None = None) -> None:
+    def __init__(self, kernel: Callable[..., None], rows: int, vocab: int, logits: np.ndarray | None = None) -> None:
+        self.kernel = kernel
         self.logits = _aligned_empty((rows, vocab), np.float32) if logits is None else logits
         self.ids = _aligned_empty((rows,), np.int32)
         self.logprob = _aligned_empty((rows,), np.float32)
@@ -152,7 +152,7 @@ class _GatherBuffers:
     def run(self, n: int, ids: np.ndarray, out: np.ndarray) -> None:
         """Log-softmax-gather the first ``n`` rows of ``self.logits`` at ``ids``; write the logprobs to ``out``."""
         self.ids[:n] = ids
-        _gather_kernel()(*(self._full if n == self.rows else self._views(n)))
+        self.kernel(*(self._full if n == self.rows else self._views(n)))
         out[...] = self.logprob[:n]
 
 
@@ -185,7 +185,8 @@ def compute_logits(hidden: np.ndarray, lm_head: np.ndarray) -> np.ndarray:
 
 
 def compute_logprobs(
-    hidden: np.ndarray, lm_head: np.ndarray, target_ids: np.ndarray, chunk_size: int = 1024
+    hidden: np.ndarray, lm_head: np.ndarray, target_ids: np.ndarray, chunk_size: int = 1024, *,
+    library: KernelLibrary,
 ) -> np.ndarray:
     """Log-probabilities of target tokens under the logits of ``hidden``, without materialising all the logits.
 
@@ -204,6 +205,7 @@ def compute_logprobs(
         lm_head: float32 ``[V, H]``, the output embedding (one row per token).
         target_ids: integers of the leading shape of ``hidden`` (``[B, T]`` or ``[N]``), each in ``[0, V)``.
         chunk_size: rows per chunk, >= 1.
+        library: a CPU kernel library (its ``log_softmax_gather`` kernel).
 
     Returns:
         float32 ``[B, T]`` or ``[N]``: ``log_softmax(hidden @ lm_head.T)`` at the target ids.
@@ -225,6 +227,7 @@ def compute_logprobs(
     leading = hidden.shape[:-1]
     vocab = lm_head.shape[0]
     ids = _check_targets(target_ids, leading, vocab, "hidden").reshape(-1)
+    kernel = _gather_kernel(library)
 
     rows = hidden.reshape(-1, hidden.shape[-1])  # a copy only for a non-contiguous [B, T, H] view: N*H, not N*V
     n_rows = rows.shape[0]
@@ -234,7 +237,7 @@ def compute_logprobs(
     if not (lm_head.flags.c_contiguous or lm_head.flags.f_contiguous):
         lm_head = np.ascontiguousarray(lm_head)  # once, rather than inside every chunk's matmul
     weight_t = lm_head.T  # [H, V], a view
-    buffers = _GatherBuffers(min(int(chunk_size), n_rows, _max_kernel_rows(vocab)), vocab)
+    buffers = _GatherBuffers(kernel, min(int(chunk_size), n_rows, _max_kernel_rows(vocab)), vocab)
     for start in range(0, n_rows, buffers.rows):
         stop = min(start + buffers.rows, n_rows)
         n = stop - start
@@ -243,7 +246,7 @@ def compute_logprobs(
     return out.reshape(leading)
 
 
-def logits_to_logprobs(logits: np.ndarray, target_ids: np.ndarray) -> np.ndarray:
+def logits_to_logprobs(logits: np.ndarray, target_ids: np.ndarray, *, library: KernelLibrary) -> np.ndarray:
     """Log-probabilities of target tokens under given logits.
 
     For each row ``r`` of ``logits`` viewed as ``[N, V]``::
@@ -257,6 +260,7 @@ def logits_to_logprobs(logits: np.ndarray, target_ids: np.ndarray) -> np.ndarray
     Args:
         logits: float32 ``[..., V]`` (e.g. ``[B, 1, V]`` at decode, ``[N, V]``, or ``[V]``).
         target_ids: integers of shape ``logits.shape[:-1]``, each in ``[0, V)``.
+        library: a CPU kernel library (its ``log_softmax_gather`` kernel).
 
     Returns:
         float32 of shape ``logits.shape[:-1]``.
@@ -271,17 +275,18 @@ def logits_to_logprobs(logits: np.ndarray, target_ids: np.ndarray) -> np.ndarray
     leading = logits.shape[:-1]
     vocab = logits.shape[-1]
     ids = _check_targets(target_ids, leading, vocab, "logits").reshape(-1)
+    kernel = _gather_kernel(library)
     n_rows = ids.size
     out = np.empty(n_rows, np.float32)
     if n_rows == 0:
         return out.reshape(leading)
     rows = logits.reshape(n_rows, vocab)  # a view, unless logits is a non-contiguous view
     if _zero_copy_ok(rows) and n_rows <= _max_kernel_rows(vocab):
-        _GatherBuffers(n_rows, vocab, logits=rows).run(n_rows, ids, out)
+        _GatherBuffers(kernel, n_rows, vocab, logits=rows).run(n_rows, ids, out)
         return out.reshape(leading)
     # Copy block by block into one aligned buffer (bounded memory, and within the kernel's int32 sizes).
     block_rows = max(1, min(n_rows, _max_kernel_rows(vocab), _COPY_BLOCK_BYTES // (4 * vocab)))
-    buffers = _GatherBuffers(block_rows, vocab)
+    buffers = _GatherBuffers(kernel, block_rows, vocab)
     for start in range(0, n_rows, block_rows):
         stop = min(start + block_rows, n_rows)
         buffers.logits[: stop - start] = rows[start:stop]

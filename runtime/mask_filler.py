@@ -4,8 +4,8 @@ Each row whose sequence has mask sources gets a slot in the host bitmask; rows a
 (the grammar engines release the GIL while computing a mask) in contiguous chunks. ``start`` queues a batch and
 returns at once, so the caller can run the model forward meanwhile; the processor waits for the job when it applies
 the masks. A row whose sources all decline to constrain keeps all bits set (applying it changes nothing). A source
-that raises gets its row cleared (no token allowed) and its message recorded in ``state.constraint_error``; the
-other rows are filled as usual.
+that raises gets its row cleared (no token allowed) and its message recorded on the job (``MaskJob.errors``, by
+row); the other rows are filled as usual.
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
-from .rows import RowPlan
+from .batch import Batch
+from .mask_source import TokenMaskSource
 
 #: Rows per worker task: below this, threads cost more than they save.
 MIN_ROWS_PER_TASK = 4
@@ -27,24 +27,24 @@ MIN_ROWS_PER_TASK = 4
 class MaskJob:
     """One batch's masks: ``row_ids[:count]`` are the logits rows, ``bitmask[:count]`` their words."""
 
-    plan: RowPlan
+    batch: Batch
     count: int
     futures: list[Future] = field(default_factory=list)
     fill_seconds: float = 0.0  # summed over workers
+    #: Row -> what the row's failing mask source raised (``"TypeName: message"``); the row allows no token.
+    errors: dict[int, str] = field(default_factory=dict)
 
     def wait(self) -> None:
         for future in self.futures:
             future.result()
         self.futures.clear()
 
-    def matches(self, plan: RowPlan) -> bool:
-        return (len(plan.states) == len(self.plan.states)
-                and all(a is b for a, b in zip(plan.states, self.plan.states, strict=True))
-                and plan.paths == self.plan.paths)
+    def matches(self, batch: Batch) -> bool:
+        return batch is self.batch or batch.same_rows(self.batch)
 
 
 class MaskFiller:
-    """Fills ``bitmask`` / ``row_ids`` host arrays for a row plan, on ``workers`` threads (0 = in the caller)."""
+    """Fills ``bitmask`` / ``row_ids`` host arrays for a batch, on ``workers`` threads (0 = in the caller)."""
 
     def __init__(self, bitmask: np.ndarray, row_ids: np.ndarray, workers: int = 2) -> None:
         self.bitmask, self.row_ids = bitmask, row_ids
@@ -52,10 +52,10 @@ class MaskFiller:
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="logitproc-mask") if workers > 0 else None
         self._scratch = [np.empty(bitmask.shape[1], np.int32) for _ in range(max(1, workers))]
 
-    def start(self, plan: RowPlan, asynchronous: bool = True) -> MaskJob:
-        rows = [r for r, state in enumerate(plan.states) if state.mask_sources]
+    def start(self, batch: Batch, asynchronous: bool = True) -> MaskJob:
+        rows = [r for r, state in enumerate(batch.row_states) if state.mask_sources] if batch.any_masks else []
         self.row_ids[: len(rows)] = rows
-        job = MaskJob(plan, len(rows))
+        job = MaskJob(batch, len(rows))
         if not rows:
             return job
         use_pool = self._pool is not None and (asynchronous or len(rows) >= 2 * MIN_ROWS_PER_TASK)
@@ -64,7 +64,8 @@ class MaskFiller:
             return job
         tasks = max(1, min(self.workers, len(rows) // MIN_ROWS_PER_TASK))
         # Split at sequence boundaries: the rows of one sequence (its draft positions) share mutable sources.
-        starts = [i for i in range(len(rows)) if i == 0 or plan.states[rows[i]] is not plan.states[rows[i - 1]]]
+        owner = batch.row_sequence
+        starts = [i for i in range(len(rows)) if i == 0 or owner[rows[i]] != owner[rows[i - 1]]]
         cuts = sorted({starts[min(len(starts) - 1, round(k * len(starts) / tasks))] for k in range(tasks)})
         bounds = [*cuts, len(rows)]
         assert self._pool is not None
@@ -76,17 +77,16 @@ class MaskFiller:
         started = time.perf_counter()
         scratch = self._scratch[worker]
         for slot, r in enumerate(rows, first_slot):
-            row, state = self.bitmask[slot], job.plan.states[r]
+            row = self.bitmask[slot]
             try:
-                self._fill_row(row, scratch, state.mask_sources, job.plan.paths[r])
+                self._fill_row(row, scratch, job.batch.row_states[r].mask_sources, job.batch.paths[r])
             except Exception as err:  # one sequence's failing constraint must not stop the batch
                 row[:] = 0
-                if state.constraint_error is None:
-                    state.constraint_error = f"{type(err).__name__}: {err}"
+                job.errors[r] = f"{type(err).__name__}: {err}"
         job.fill_seconds += time.perf_counter() - started
 
     @staticmethod
-    def _fill_row(row: np.ndarray, scratch: np.ndarray, sources: list[Any], path: tuple[int, ...]) -> None:
+    def _fill_row(row: np.ndarray, scratch: np.ndarray, sources: list[TokenMaskSource], path: tuple[int, ...]) -> None:
         row[:] = -1
         if len(sources) == 1:  # the common case: straight into the row, no scratch copy
             if not sources[0].fill_bitmask(row, path):

@@ -3,7 +3,8 @@
 Each sequence with penalties owns a segment of the (row, token, output count) arrays, sized with slack. A step
 writes only what changed since the last one: entries for tokens seen for the first time, counts that the new
 output tokens bumped (replayed from ``RequestState.touch_log``), and the row index if the sequence moved to another
-row. Slack and the segments of sequences that left are padding (row -1, which the kernel skips). Only the written
+row. The segments of the sequences a batch says have left (``BatchUpdate.left``, through ``forget``) become padding
+as soon as the batch is made. Slack and those segments are padding (row -1, which the kernel skips). Only the written
 ranges are copied to the device. A segment that fills up moves to the end with twice the room; when the arrays are
 full the layout is rebuilt from the current batch. Rows with draft tokens get temporary entries after the
 persistent ones, rebuilt every step (they need the counts as if the draft path were appended).
@@ -11,14 +12,15 @@ persistent ones, rebuilt every step (they need the counts as if the draft path w
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from .batch import Batch
 from .device import Device
 from .paired_buffer import PairedBuffer
 from .request_state import RequestState
-from .rows import RowPlan
 
 PADDING_ROW = -1
 MIN_SEGMENT = 64
@@ -50,17 +52,22 @@ class PenaltyLayout:
         self._end = 0
         self._dirty: list[tuple[int, int]] = []
 
-    def prepare(self, plan: RowPlan) -> int:
-        """Bring the arrays up to date for ``plan``; return how many entries the kernel must cover (0 = none)."""
-        current = {s: r for r, s in enumerate(plan.states) if s.config.has_penalties and not plan.paths[r]}
-        for state in [s for s in self._segments if s not in current]:
-            self._blank(self._segments.pop(state))
+    def forget(self, states: Sequence[RequestState]) -> None:
+        """The sequences left the batch: their segments become padding."""
+        for state in states:
+            seg = self._segments.pop(state, None)
+            if seg is not None:
+                self._blank(seg)
+
+    def prepare(self, batch: Batch) -> int:
+        """Bring the arrays up to date for ``batch``; return how many entries the kernel must cover (0 = none)."""
+        current = {s: batch.first_row[s] for s in batch.states if s.config.has_penalties}
         try:
             for state, row in current.items():
                 self._sync(state, row)
         except _Full:
             self._rebuild(current)
-        end = self._with_drafts(plan)
+        end = self._with_drafts(batch)
         for lo, hi in self._coalesced():
             for buf in (self.rows, self.tokens, self.counts):
                 buf.copy_rows(lo, hi)
@@ -130,12 +137,12 @@ class PenaltyLayout:
                 raise ValueError(f"penalty entries: the batch needs {needed} entries, capacity is {self.capacity} "
                                  "(raise max_penalty_entries)") from None
 
-    def _with_drafts(self, plan: RowPlan) -> int:
+    def _with_drafts(self, batch: Batch) -> int:
         end = self._end
-        for r, state in enumerate(plan.states):
-            if not plan.paths[r] or not state.config.has_penalties:
+        for r, state in enumerate(batch.row_states):
+            if not batch.paths[r] or not state.config.has_penalties:
                 continue
-            tokens, counts = state.penalty_entries(plan.paths[r])
+            tokens, counts = state.penalty_entries(batch.paths[r])
             if end + tokens.size > self.capacity:
                 raise ValueError(f"penalty entries: draft rows need {end + tokens.size} entries, capacity is "
                                  f"{self.capacity} (raise max_penalty_entries)")

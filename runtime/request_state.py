@@ -75,12 +75,6 @@ class RequestState:
             self._entry(token)
         seed = self.config.seed
         self.rng = np.random.Generator(np.random.PCG64(seed)) if seed is not None else np.random.default_rng()
-        #: Set by a processor that has checked this request against its vocabulary.
-        self.checked_vocab_size: int | None = None
-        #: Why a mask source of this sequence failed while filling its mask (the message of what it raised); the
-        #: processor then allows no token in its rows, so sampling reports ``no_valid_token`` for it and the
-        #: sequence ends, while the other rows of the batch go on.
-        self.constraint_error: str | None = None
 
     @staticmethod
     def _token(token: Any, field: str) -> int:

@@ -7,7 +7,8 @@ masked has all-zero probabilities: it samples token -1 and is flagged in ``Sampl
 
 Logprobs are "processed" (of the distribution sampled from, after every stage) or "raw" (the model's own log-softmax
 before any processing), as each request's ``GenerationConfig.logprobs_mode`` says. Raw logprobs need the logits
-before processing: pass ``raw_logits`` (a numpy copy of those rows, or of the whole batch).
+before processing: pass ``raw_logits`` (a numpy copy of the whole batch); they are computed by the
+``log_softmax_gather`` and ``top_n`` kernels, the one way logprobs are computed in this package.
 """
 
 from __future__ import annotations
@@ -17,15 +18,19 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from logitproc.compile import KernelLibrary
+from logitproc.tir_kernels import log_softmax, multinomial, renormalize, top_n
 
+from .batch import Batch, DraftArg
 from .device import Device, PrefixViews
+from .kernel_library import KernelLibrary, require_kernels
 from .logits_io import LogitsStaging
 from .paired_buffer import PairedBuffer
 from .request_state import RequestState
-from .rows import RowPlan, plan_for_array
 
 DEFAULT_MAX_ROWS = 256
+#: The kernels this sampler launches (names from each kernel module's NAME).
+KERNELS = (renormalize.NAME, multinomial.NAME, top_n.NAME, log_softmax.NAME)
+BatchArg = Batch | Sequence[RequestState]
 
 
 @dataclass
@@ -45,8 +50,8 @@ class SampleResult:
 class Sampler:
     """Renormalises and samples batches of probabilities with per-request parameters."""
 
-    def __init__(self, library: KernelLibrary, vocab_size: int, device: str | Device = "cpu",
-                 max_num_token: int = DEFAULT_MAX_ROWS) -> None:
+    def __init__(self, library: KernelLibrary, vocab_size: int, max_num_token: int = DEFAULT_MAX_ROWS,
+                 device: str | Device = "cpu") -> None:
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
             raise ValueError(f"vocab_size must be an int >= 1, got {vocab_size!r}")
         if isinstance(max_num_token, bool) or not isinstance(max_num_token, int) or max_num_token < 1:
@@ -55,6 +60,7 @@ class Sampler:
         self.max_num_token = max_num_token
         self.device = device if isinstance(device, Device) else Device(device)
         self.kernels = self.device.load(library)
+        require_kernels(self.kernels, "Sampler", KERNELS)
         cap, dev = max_num_token, self.device
         self._top_k = PairedBuffer(dev, "top_k", cap, dtype="int32")
         self._top_p = PairedBuffer(dev, "top_p", cap, dtype="float32")
@@ -63,74 +69,96 @@ class Sampler:
         self._renormalized = PrefixViews(dev, dev.empty((cap, vocab_size), "float32"))
         self._tokens = PrefixViews(dev, dev.empty((cap,), "int32"))
         self._chosen = PrefixViews(dev, dev.empty((cap,), "float32"))
+        self._logsumexp = PrefixViews(dev, dev.empty((cap,), "float32"))
+        self._gather_ids = PairedBuffer(dev, "raw logprob ids", cap, dtype="int32")
+        self._raw: LogitsStaging | None = None
         # The top_n kernel takes n from its outputs' width: one pair of buffers per width used, at capacity.
         self._top_buffers: dict[int, tuple[PrefixViews, PrefixViews]] = {}
         self._probs = LogitsStaging(dev, cap, vocab_size)
 
-    def _plan(self, probs: Any, states: Sequence[RequestState], cum_num_token: Any, draft_trees: Any) -> RowPlan:
-        return plan_for_array(probs, "probs", self.vocab_size, self.max_num_token, "the sampler's ",
-                              states, cum_num_token, draft_trees)
+    def _batch_for(self, probs: Any, states: BatchArg, cum_num_token: Any, draft_trees: DraftArg) -> Batch:
+        if isinstance(states, Batch):
+            if cum_num_token is not None or draft_trees is not None:
+                raise ValueError("cum_num_token and draft_trees belong to the Batch: it already has its rows")
+            batch = states
+        else:
+            batch = Batch(states, cum_num_token, draft_trees)
+        batch.check_array(probs, "probs", self.vocab_size, self.max_num_token, "the sampler's ")
+        return batch
 
-    def renormalize(self, probs: Any, states: Sequence[RequestState], cum_num_token: Any = None,
-                    draft_trees: Any = None) -> Any:
+    def _on_device(self, probs: Any, batch: Batch) -> Any:
+        on_device = batch.on_device(probs)
+        if on_device is None:
+            on_device, _ = self._probs.to_device(probs)
+            batch.remember_on_device(probs, on_device)
+        return on_device
+
+    def renormalize(self, probs: Any, states: BatchArg, cum_num_token: Any = None, draft_trees: DraftArg = None) -> Any:
         """min-p, then top-k, then top-p of each row with its request's values; the kept tokens rescaled to sum 1.
 
-        Returns ``probs`` itself when no row filters anything (nothing is launched), else the sampler's buffer
-        (numpy for numpy input, valid until the next call).
+        ``states`` is the step's Batch (``LogitProcessor.batch``) or its states (and drafts). Returns ``probs``
+        itself when no row filters anything (nothing is launched), else the sampler's buffer (numpy for numpy input,
+        valid until the next call).
         """
-        plan = self._plan(probs, states, cum_num_token, draft_trees)
-        if not any(s.config.has_filters for s in plan.states):
+        batch = self._batch_for(probs, states, cum_num_token, draft_trees)
+        if not batch.any_filters:
             return probs
-        rows = plan.num_rows
+        rows = batch.num_rows
         top_k, top_p, min_p = (b.host_prefix(rows) for b in (self._top_k, self._top_p, self._min_p))
-        for r, state in enumerate(plan.states):
+        for r, state in enumerate(batch.row_states):
             cfg = state.config
             on = cfg.has_filters
             top_k[r] = cfg.top_k if on and cfg.top_k > 0 else 0
             top_p[r] = cfg.top_p if on else 1.0
             min_p[r] = cfg.min_p if on else 0.0
         args = [b.to_device(rows) for b in (self._top_k, self._top_p, self._min_p)]
-        on_device, _ = self._probs.to_device(probs)
+        on_device = self._on_device(probs, batch)
         self.device.wait_for_copies()
         out = self._renormalized(rows)
-        self.kernels["renormalize_probs"](on_device, *args, out)
-        return self._probs.from_device(out, probs)
+        self.kernels[renormalize.NAME](on_device, *args, out)
+        result = self._probs.from_device(out, probs)
+        batch.remember_on_device(result, out)
+        return result
 
-    def sample(self, probs: Any, states: Sequence[RequestState], cum_num_token: Any = None,
-               draft_trees: Any = None, raw_logits: np.ndarray | None = None) -> SampleResult:
+    def sample(self, probs: Any, states: BatchArg, cum_num_token: Any = None, draft_trees: DraftArg = None,
+               raw_logits: np.ndarray | None = None) -> SampleResult:
         """Draw one token per row from ``probs`` ``[N, V]`` (after ``renormalize``), with logprobs as requested."""
-        plan = self._plan(probs, states, cum_num_token, draft_trees)
-        rows = plan.num_rows
+        batch = self._batch_for(probs, states, cum_num_token, draft_trees)
+        rows = batch.num_rows
         uniform = self._uniform.host_prefix(rows)
-        for r, state in enumerate(plan.states):
-            uniform[r] = 0.0 if state.config.greedy else state.rng.random(dtype=np.float32)
+        if batch.all_greedy:
+            uniform[:] = 0.0
+        else:
+            for r, state in enumerate(batch.row_states):
+                uniform[r] = 0.0 if state.config.greedy else state.rng.random(dtype=np.float32)
         u = self._uniform.to_device(rows)
-        on_device, _ = self._probs.to_device(probs)
+        on_device = self._on_device(probs, batch)
         self.device.wait_for_copies()
         tokens = self._tokens(rows)
         chosen = self._chosen(rows)
-        self.kernels["multinomial_from_uniform"](on_device, u, tokens, chosen)
+        self.kernels[multinomial.NAME](on_device, u, tokens, chosen)
         token_ids = self.device.download(tokens).astype(np.int32)
         chosen_p = self.device.download(chosen)
         no_valid = token_ids < 0
         logprobs = np.full(rows, np.nan, np.float32)
         top: list[list[tuple[int, float]] | None] = [None] * rows
-        wanted = [(r, s.config.logprobs_mode) for r, s in enumerate(plan.states) if s.config.logprobs]
+        wanted = [(r, s.config.logprobs_mode) for r, s in enumerate(batch.row_states)
+                  if s.config.logprobs] if batch.any_logprobs else []
         processed = [r for r, mode in wanted if mode == "processed"]
         raw = [r for r, mode in wanted if mode == "raw"]
         if processed:
             with np.errstate(divide="ignore"):
                 logprobs[processed] = np.log(chosen_p[processed])
-            n = max(plan.states[r].config.top_logprobs for r in processed)
+            n = max(batch.row_states[r].config.top_logprobs for r in processed)
             if n:
                 values, ids = self._top_n(on_device, rows, n)
                 with np.errstate(divide="ignore"):
                     logs = np.log(values)
                 for r in processed:
-                    k = plan.states[r].config.top_logprobs
+                    k = batch.row_states[r].config.top_logprobs
                     top[r] = [(int(ids[r, j]), float(logs[r, j])) for j in range(k)] if k else None
         if raw:
-            self._raw_logprobs(raw, plan, token_ids, raw_logits, logprobs, top)
+            self._raw_logprobs(raw, batch, token_ids, raw_logits, logprobs, top)
         logprobs[no_valid] = np.nan
         return SampleResult(token_ids, logprobs, top, no_valid)
 
@@ -139,24 +167,35 @@ class Sampler:
             self._top_buffers[n] = (PrefixViews(self.device, self.device.empty((self.max_num_token, n), "float32")),
                                     PrefixViews(self.device, self.device.empty((self.max_num_token, n), "int32")))
         values, ids = (views(rows) for views in self._top_buffers[n])
-        self.kernels["top_n"](on_device, values, ids)
+        self.kernels[top_n.NAME](on_device, values, ids)
         return self.device.download(values), self.device.download(ids)
 
-    def _raw_logprobs(self, raw_rows: list[int], plan: RowPlan, token_ids: np.ndarray, raw_logits: Any,
+    def _raw_logprobs(self, raw_rows: list[int], batch: Batch, token_ids: np.ndarray, raw_logits: Any,
                       logprobs: np.ndarray, top: list[list[tuple[int, float]] | None]) -> None:
+        """Raw logprobs through the same kernels as the processed ones: ``log_softmax_gather`` of the raw logits at the
+        sampled tokens (and their log-sum-exp), ``top_n`` of the raw logits minus that log-sum-exp."""
         if raw_logits is None:
             raise ValueError("logprobs_mode='raw' needs raw_logits: a copy of the logits before inplace_update_logits")
         raw = np.asarray(raw_logits, dtype=np.float32)
-        if raw.shape != (plan.num_rows, self.vocab_size):
-            raise ValueError(f"raw_logits must have shape [{plan.num_rows}, {self.vocab_size}], got {list(raw.shape)}")
-        sub = raw[raw_rows].astype(np.float64)
-        m = sub.max(axis=1, keepdims=True)
-        lse = np.log(np.exp(sub - m).sum(axis=1, keepdims=True)) + m
-        log_softmax = sub - lse
-        for i, r in enumerate(raw_rows):
+        rows = batch.num_rows
+        if raw.shape != (rows, self.vocab_size):
+            raise ValueError(f"raw_logits must have shape [{rows}, {self.vocab_size}], got {list(raw.shape)}")
+        if self._raw is None:  # [capacity, V] more memory only for batches that ask for raw logprobs
+            self._raw = LogitsStaging(self.device, self.max_num_token, self.vocab_size)
+        on_device, _ = self._raw.to_device(raw)
+        self._gather_ids.host_prefix(rows)[:] = np.maximum(token_ids, 0)
+        ids = self._gather_ids.to_device(rows)
+        self.device.wait_for_copies()
+        chosen, lse = self._chosen(rows), self._logsumexp(rows)
+        self.kernels[log_softmax.NAME](on_device, ids, chosen, lse)
+        gathered, logsumexp = self.device.download(chosen), self.device.download(lse)
+        for r in raw_rows:
             if token_ids[r] >= 0:
-                logprobs[r] = log_softmax[i, token_ids[r]]
-            k = plan.states[r].config.top_logprobs
-            if k:
-                best = np.lexsort((np.arange(self.vocab_size), -log_softmax[i]))[:k]
-                top[r] = [(int(t), float(log_softmax[i, t])) for t in best]
+                logprobs[r] = gathered[r]
+        n = max(batch.row_states[r].config.top_logprobs for r in raw_rows)
+        if n:
+            values, top_ids = self._top_n(on_device, rows, n)
+            for r in raw_rows:
+                k = batch.row_states[r].config.top_logprobs
+                if k:
+                    top[r] = [(int(top_ids[r, j]), float(values[r, j] - logsumexp[r])) for j in range(k)]

@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from functools import cached_property
 from typing import Any
 
 import numpy as np
 from logitproc.compile.gguf_model import GGUFModel, build_tokenizer, load_default_model, load_gguf
+from logitproc.runtime.kernel_library import KernelLibrary
 
 from .runner import ModelRunner
 
@@ -194,7 +194,8 @@ class NumpyRunner(ModelRunner):
     can be tested against. One ``NumpyLlama`` per sequence, all sharing the weights; a fork copies the parent's
     cache; ``popn`` shortens it. Slow (float32 numpy), exact."""
 
-    def __init__(self, model: GGUFModel, *, max_num_sequences: int = 16, max_total_tokens: int | None = None) -> None:
+    def __init__(self, model: GGUFModel, *, kernel_library: KernelLibrary, max_num_sequences: int = 16,
+                 max_total_tokens: int | None = None) -> None:
         from logitproc.compile.model_compile import eos_token_ids
 
         try:
@@ -208,11 +209,14 @@ class NumpyRunner(ModelRunner):
                          context_length=min(cfg.context, max_total), max_total_tokens=max_total, chatml=chatml,
                          default_system=default_system)
         self.model = model
+        #: The CPU kernel library the engine's processor and sampler use (``logitproc.compile.build_kernels("cpu")``).
+        self.kernel_library = kernel_library
         self._template = NumpyLlama(model)
         self._llamas: dict[int, NumpyLlama] = {}
 
     @classmethod
-    def open(cls, model: str | os.PathLike[str] | GGUFModel | None = "default", **kwargs: Any) -> NumpyRunner:
+    def open(cls, model: str | os.PathLike[str] | GGUFModel | None = "default", *, kernel_library: KernelLibrary,
+             **kwargs: Any) -> NumpyRunner:
         """``"default"``/None (SmolLM2), a GGUF file, a Hugging Face directory, or a loaded ``GGUFModel``."""
         if isinstance(model, GGUFModel):
             loaded = model
@@ -224,14 +228,7 @@ class NumpyRunner(ModelRunner):
             loaded = load_hf_dir(model)
         else:
             loaded = load_gguf(model)
-        return cls(loaded, **kwargs)
-
-    @cached_property
-    def kernel_library(self) -> Any:
-        """The CPU kernel library (built or taken from the cache on first use)."""
-        from logitproc.compile import build_kernels
-
-        return build_kernels("cpu")
+        return cls(loaded, kernel_library=kernel_library, **kwargs)
 
     def _new_llama(self) -> NumpyLlama:
         llama = NumpyLlama.__new__(NumpyLlama)

@@ -1,7 +1,8 @@
-"""The model-runner interface the engine drives, with its bookkeeping and input checks written once.
+"""The model-runner interface the engine drives (``Runner``), with its bookkeeping and input checks written once.
 
-``ModelRunner`` keeps the sequences (id -> length) and validates every call, raising ``ValueError`` naming the
-offending argument; subclasses implement the six ``_``-methods on their own KV cache. Implementations:
+``Runner`` is the typed Protocol: everything the engine uses of a model, and nothing else. ``ModelRunner`` keeps
+the sequences (id -> length) and validates every call, raising ``ValueError`` naming the offending argument;
+subclasses implement the six ``_``-methods on their own KV cache. Implementations:
 ``logitproc.serve.compiled_model.CompiledModel`` (TVM) and ``logitproc.serve.numpy_llama.NumpyRunner`` (reference).
 
 Interface::
@@ -22,10 +23,43 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
-from logitproc.compile.gguf_model import LlamaConfig, apply_chat_template
+from logitproc.compile.gguf_model import LlamaConfig
+from logitproc.runtime.kernel_library import KernelLibrary
+
+from .chat_template import apply_chat_template
+
+
+class Runner(Protocol):
+    """What the engine needs of a model: its sizes, tokenizer, chat rendering and kernels, and the KV cache calls."""
+
+    name: str
+    vocab_size: int
+    context_length: int
+    max_num_sequences: int
+    max_total_tokens: int
+    eos_token_ids: tuple[int, ...]
+    #: A Hugging Face ``tokenizers.Tokenizer`` (encode, decode, token_to_id).
+    tokenizer: Any
+    #: The kernel library the engine's processor and sampler load (CPU).
+    kernel_library: KernelLibrary
+
+    def apply_chat_template(self, messages: Iterable[Mapping[str, str]],
+                            add_generation_prompt: bool = True) -> str: ...
+
+    def add_sequence(self, seq_id: int) -> None: ...
+
+    def remove_sequence(self, seq_id: int) -> None: ...
+
+    def fork_sequence(self, parent_id: int, child_id: int) -> None: ...
+
+    def popn(self, seq_id: int, n: int) -> None: ...
+
+    def prefill(self, seq_ids: Sequence[int], token_ids: Sequence[Sequence[int]]) -> np.ndarray: ...
+
+    def decode(self, seq_ids: Sequence[int], token_ids: Sequence[int]) -> np.ndarray: ...
 
 
 def _seq_id(value: Any, name: str = "seq_id") -> int:
@@ -39,7 +73,10 @@ def _seq_id(value: Any, name: str = "seq_id") -> int:
 
 
 class ModelRunner:
-    """Sequences, their lengths, and the checks of the runner interface (see the module doc)."""
+    """Sequences, their lengths, and the checks of the runner interface (see the module doc); subclasses set
+    ``kernel_library``."""
+
+    kernel_library: KernelLibrary
 
     def __init__(self, *, config: LlamaConfig, tokenizer: Any, eos_token_ids: Iterable[int], name: str,
                  max_num_sequences: int, context_length: int, max_total_tokens: int,

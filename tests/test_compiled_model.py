@@ -354,8 +354,8 @@ def test_rope_kernel_rotates_halves_like_numpy() -> None:
 # ---------------------------------------------------------------- the numpy runner
 
 
-def test_numpy_runner_matches_the_compiled_model(tiny, m32, prompt) -> None:
-    runner = NumpyRunner(tiny)
+def test_numpy_runner_matches_the_compiled_model(tiny, m32, prompt, lib) -> None:
+    runner = NumpyRunner(tiny, kernel_library=lib)
     for model in (runner, m32):
         model.add_sequence(0)
         model.add_sequence(1)

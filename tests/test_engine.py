@@ -415,14 +415,22 @@ def test_grammar_requests_join_a_running_batch(model) -> None:
     assert expected[1].finish_reason == "stop" and expected[1].text.endswith("!")
 
 
+def test_a_thinking_budget_needs_a_model_with_a_thinking_mode(model) -> None:
+    """The tiny model has no <think> token: a budget is refused at add_request rather than answered with nothing."""
+    engine = Engine(model)
+    with pytest.raises(ValueError, match=r"max_thinking_tokens=5: .* has no thinking mode \(think_begin='<think>'"):
+        engine.add_request("think first", GenerationConfig(max_thinking_tokens=5))
+    assert not engine.has_unfinished()
+
+
 def test_thinking_budget_forces_the_end_marker(model) -> None:
-    config = GenerationConfig(temperature=1.0, seed=4, max_tokens=40, ignore_eos=True, max_thinking_tokens=5)
+    """Markers the vocabulary has as tokens of their own (the tiny model's ChatML tokens stand in for <think>)."""
+    config = GenerationConfig(temperature=1.0, seed=4, max_tokens=40, ignore_eos=True, max_thinking_tokens=5,
+                              think_begin="<|im_start|>", think_end="<|im_end|>")
     [out] = alone(model, "think first", config)
-    assert out.prompt_token_ids[-len(model.tokenizer.encode("<think>").ids):] == model.tokenizer.encode(
-        "<think>").ids
-    end = model.tokenizer.encode("</think>").ids
-    starts = [i for i in range(len(out.token_ids)) if out.token_ids[i : i + len(end)] == end]
-    assert starts and starts[0] <= 5, out.token_ids
+    begin, end = (model.tokenizer.token_to_id(m) for m in ("<|im_start|>", "<|im_end|>"))
+    assert out.prompt_token_ids[-1] == begin  # generation starts inside the think block
+    assert end in out.token_ids[:6], out.token_ids  # at most 5 thinking tokens, then the end marker
 
 
 def test_a_schema_the_backend_cannot_compile_fails_alone(model) -> None:

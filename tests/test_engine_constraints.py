@@ -104,7 +104,7 @@ def test_a_grammar_failing_at_run_time_ends_its_request_alone(model, when) -> No
     broken = engine.add_request("Broken", config)
     other = engine.add_request("Other", config)
     engine.step()
-    matcher = engine._requests[broken].sequences[0].state.mask_sources[0].matcher
+    matcher = engine.scheduler.requests[broken].sequences[0].state.mask_sources[0].matcher
     if when == "mask":  # llguidance is now in its error state: filling the next mask fails
         matcher._m.consume_token(byte_token(1))  # a raw control byte: invalid anywhere in JSON
     else:  # every token is refused from now on: the sampled token fails to be accepted

@@ -50,86 +50,98 @@ CHUNK_CASES = [
 
 
 @pytest.mark.parametrize(("vocab", "rows", "chunk_size"), CHUNK_CASES)
-def test_compute_logprobs_matches_reference(vocab: int, rows: int, chunk_size: int) -> None:
+def test_compute_logprobs_matches_reference(lib, vocab: int, rows: int, chunk_size: int) -> None:
     hidden, lm_head, targets = make_case(vocab * 7 + rows, (rows,), 24, vocab)
-    got = lp.compute_logprobs(hidden, lm_head, targets, chunk_size=chunk_size)
+    got = lp.compute_logprobs(hidden, lm_head, targets, chunk_size=chunk_size, library=lib)
     assert got.dtype == np.float32 and got.shape == (rows,)
     np.testing.assert_allclose(got, reference_from_hidden(hidden, lm_head, targets), rtol=RTOL, atol=ATOL)
     if vocab == 1:
         assert np.all(got == 0.0)  # the only token has probability 1
 
 
-def test_three_dimensional_input_and_views() -> None:
+def test_three_dimensional_input_and_views(lib) -> None:
     """[B, T, H] gives [B, T]; a non-contiguous hidden view, Fortran-ordered lm_head and other int dtypes agree."""
     hidden, lm_head, targets = make_case(1, (3, 5), 16, 33)
     want = reference_from_hidden(hidden, lm_head, targets)
-    got = lp.compute_logprobs(hidden, lm_head, targets, chunk_size=4)
+    got = lp.compute_logprobs(hidden, lm_head, targets, chunk_size=4, library=lib)
     assert got.shape == (3, 5) and got.dtype == np.float32
     np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
-    flat = lp.compute_logprobs(hidden.reshape(15, 16), lm_head, targets.reshape(15), chunk_size=4)
+    flat = lp.compute_logprobs(hidden.reshape(15, 16), lm_head, targets.reshape(15), chunk_size=4, library=lib)
     np.testing.assert_array_equal(flat.reshape(3, 5), got)
 
     hidden_view = np.ascontiguousarray(hidden.transpose(1, 0, 2)).transpose(1, 0, 2)  # [B, T, H], not C-contiguous
     assert not hidden_view.flags.c_contiguous
     for ids in (targets.astype(np.int32), targets.astype(np.uint8), targets.tolist()):
-        got2 = lp.compute_logprobs(hidden_view, np.asfortranarray(lm_head), ids, chunk_size=6)
+        got2 = lp.compute_logprobs(hidden_view, np.asfortranarray(lm_head), ids, chunk_size=6, library=lib)
         np.testing.assert_allclose(got2, want, rtol=RTOL, atol=ATOL)
     strided_head = np.repeat(lm_head, 2, axis=1)[:, ::2]  # neither C- nor F-contiguous
-    np.testing.assert_allclose(lp.compute_logprobs(hidden, strided_head, targets), want, rtol=RTOL, atol=ATOL)
+    got3 = lp.compute_logprobs(hidden, strided_head, targets, library=lib)
+    np.testing.assert_allclose(got3, want, rtol=RTOL, atol=ATOL)
 
 
-def test_inputs_are_not_modified_and_empty_inputs() -> None:
+def test_inputs_are_not_modified_and_empty_inputs(lib) -> None:
     hidden, lm_head, targets = make_case(2, (9,), 8, 40)
     copies = hidden.copy(), lm_head.copy(), targets.copy()
-    lp.compute_logprobs(hidden, lm_head, targets, chunk_size=4)
+    lp.compute_logprobs(hidden, lm_head, targets, chunk_size=4, library=lib)
     for before, after in zip(copies, (hidden, lm_head, targets), strict=True):
         np.testing.assert_array_equal(before, after)
-    assert lp.compute_logprobs(hidden[:0], lm_head, targets[:0]).shape == (0,)
-    assert lp.compute_logprobs(np.zeros((2, 0, 8), np.float32), lm_head, np.zeros((2, 0), int)).shape == (2, 0)
-    assert lp.logits_to_logprobs(np.zeros((0, 5), np.float32), np.zeros(0, np.int32)).shape == (0,)
+    assert lp.compute_logprobs(hidden[:0], lm_head, targets[:0], library=lib).shape == (0,)
+    empty = lp.compute_logprobs(np.zeros((2, 0, 8), np.float32), lm_head, np.zeros((2, 0), int), library=lib)
+    assert empty.shape == (2, 0)
+    assert lp.logits_to_logprobs(np.zeros((0, 5), np.float32), np.zeros(0, np.int32), library=lib).shape == (0,)
 
 
-def test_chunks_run_through_the_kernel_with_bounded_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_chunks_run_through_the_kernel_with_bounded_rows(lib, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every chunk is one call of the compiled kernel on at most chunk_size rows of logits."""
-    kernel = lp._gather_kernel()
+    kernel = lp._gather_kernel(lib)
     seen: list[tuple[int, ...]] = []
 
     def counting_kernel(logits, *rest) -> None:
         seen.append(tuple(logits.shape))
         kernel(logits, *rest)
 
-    monkeypatch.setattr(lp, "_gather_kernel", lambda: counting_kernel)
+    monkeypatch.setattr(lp, "_gather_kernel", lambda library: counting_kernel)
     hidden, lm_head, targets = make_case(3, (100,), 8, 50)
-    got = lp.compute_logprobs(hidden, lm_head, targets, chunk_size=32)
+    got = lp.compute_logprobs(hidden, lm_head, targets, chunk_size=32, library=lib)
     assert seen == [(32, 50), (32, 50), (32, 50), (4, 50)]
     np.testing.assert_allclose(got, reference_from_hidden(hidden, lm_head, targets), rtol=RTOL, atol=ATOL)
-    assert lp._kernel_library.cache_info().currsize == 1  # one library per process
 
 
-def test_kernel_calls_stay_within_int32_sizes_and_copy_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_kernel_calls_stay_within_int32_sizes_and_copy_blocks(lib, monkeypatch: pytest.MonkeyPatch) -> None:
     """The caps on one kernel call (rows * V < 2**31) and on the copy block, made small enough to exercise here."""
-    kernel = lp._gather_kernel()
+    kernel = lp._gather_kernel(lib)
     seen: list[int] = []
 
     def counting_kernel(logits, *rest) -> None:
         seen.append(logits.shape[0])
         kernel(logits, *rest)
 
-    monkeypatch.setattr(lp, "_gather_kernel", lambda: counting_kernel)
+    monkeypatch.setattr(lp, "_gather_kernel", lambda library: counting_kernel)
     monkeypatch.setattr(lp, "_MAX_KERNEL_ELEMENTS", 33 * 5 + 2)  # at most 5 rows of 33 logits per call
     hidden, lm_head, targets = make_case(10, (12,), 8, 33)
-    got = lp.compute_logprobs(hidden, lm_head, targets, chunk_size=1024)
+    got = lp.compute_logprobs(hidden, lm_head, targets, chunk_size=1024, library=lib)
     assert seen == [5, 5, 2]
     np.testing.assert_allclose(got, reference_from_hidden(hidden, lm_head, targets), rtol=RTOL, atol=ATOL)
 
     seen.clear()
     logits = lp.compute_logits(hidden, lm_head)
-    np.testing.assert_allclose(lp.logits_to_logprobs(logits, targets), got, rtol=RTOL, atol=ATOL)  # in place, capped
+    in_place = lp.logits_to_logprobs(logits, targets, library=lib)  # in place, capped
+    np.testing.assert_allclose(in_place, got, rtol=RTOL, atol=ATOL)
     assert seen == [5, 5, 2]
     seen.clear()
     monkeypatch.setattr(lp, "_COPY_BLOCK_BYTES", 33 * 4 * 3)  # copies of 3 rows
-    np.testing.assert_allclose(lp.logits_to_logprobs(np.asfortranarray(logits), targets), got, rtol=RTOL, atol=ATOL)
+    copied = lp.logits_to_logprobs(np.asfortranarray(logits), targets, library=lib)
+    np.testing.assert_allclose(copied, got, rtol=RTOL, atol=ATOL)
     assert seen == [3, 3, 3, 3]
+
+
+def test_a_library_is_required(lib) -> None:
+    """The kernel library is an explicit argument: nothing is compiled behind the caller's back."""
+    logits, ids = np.zeros((2, 5), np.float32), np.zeros(2, np.int32)
+    with pytest.raises(TypeError, match="library must be a KernelLibrary"):
+        lp.logits_to_logprobs(logits, ids, library=None)
+    with pytest.raises(TypeError, match="library"):
+        lp.logits_to_logprobs(logits, ids)  # type: ignore[call-arg]
 
 
 def test_compute_logits() -> None:
@@ -141,16 +153,17 @@ def test_compute_logits() -> None:
         np.testing.assert_allclose(got, h.astype(np.float64) @ lm_head.astype(np.float64).T, rtol=1e-5, atol=1e-5)
 
 
-def test_logits_to_logprobs_shapes_and_layouts() -> None:
+def test_logits_to_logprobs_shapes_and_layouts(lib) -> None:
     """[V], [N, V], [B, T, V]; misaligned, non-contiguous and read-only logits are read correctly, never modified."""
     rng = np.random.default_rng(5)
     logits = (rng.standard_normal((2, 3, 33)) * 3).astype(np.float32)
     targets = rng.integers(0, 33, (2, 3))
     want = reference_logprobs(logits, targets)
-    got = lp.logits_to_logprobs(logits, targets)
+    got = lp.logits_to_logprobs(logits, targets, library=lib)
     assert got.shape == (2, 3) and got.dtype == np.float32
     np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
-    np.testing.assert_allclose(lp.logits_to_logprobs(logits[1, 2], targets[1, 2]), want[1, 2], rtol=RTOL, atol=ATOL)
+    one_row = lp.logits_to_logprobs(logits[1, 2], targets[1, 2], library=lib)
+    np.testing.assert_allclose(one_row, want[1, 2], rtol=RTOL, atol=ATOL)
 
     padded = np.zeros(logits.size + 1, np.float32)
     misaligned = padded[1:].reshape(logits.shape)  # data 4 bytes past an allocation: not 64-byte aligned
@@ -160,23 +173,23 @@ def test_logits_to_logprobs_shapes_and_layouts() -> None:
     transposed = np.ascontiguousarray(logits.transpose(1, 0, 2)).transpose(1, 0, 2)
     for variant in (misaligned, readonly, transposed, np.asfortranarray(logits)):
         before = variant.copy()
-        np.testing.assert_allclose(lp.logits_to_logprobs(variant, targets), want, rtol=RTOL, atol=ATOL)
+        np.testing.assert_allclose(lp.logits_to_logprobs(variant, targets, library=lib), want, rtol=RTOL, atol=ATOL)
         np.testing.assert_array_equal(variant, before)
 
 
-def test_logits_to_logprobs_large_vocab_and_masked_tokens() -> None:
+def test_logits_to_logprobs_large_vocab_and_masked_tokens(lib) -> None:
     rng = np.random.default_rng(6)
     logits = (rng.standard_normal((4, 128001)) * 3).astype(np.float32)
     targets = rng.integers(0, 128001, 4)
     logits[1, targets[1]] = -np.inf  # a masked target
     logits[2] = -np.inf  # every token masked
     logits[3, ::2] = -np.inf
-    got = lp.logits_to_logprobs(logits, targets)
+    got = lp.logits_to_logprobs(logits, targets, library=lib)
     assert got[1] == -np.inf and got[2] == -np.inf
     np.testing.assert_allclose(got, reference_logprobs(logits, targets), rtol=RTOL, atol=ATOL)
 
 
-def test_huge_logits_keep_full_precision() -> None:
+def test_huge_logits_keep_full_precision(lib) -> None:
     """Rows offset by +-1e4: the logprob is computed as (logit - max) - log_sum, without cancelling two values of 1e4.
 
     Hidden states and weights are multiples of 1/32 and small, so the float32 matmul is exact and the float64
@@ -194,9 +207,9 @@ def test_huge_logits_keep_full_precision() -> None:
     np.testing.assert_array_equal(logits, hidden.astype(np.float64) @ lm_head.astype(np.float64).T)  # exact
     want = reference_logprobs(logits, targets)
     for chunk_size in (1, 4, 1024):
-        got = lp.compute_logprobs(hidden, lm_head, targets, chunk_size=chunk_size)
+        got = lp.compute_logprobs(hidden, lm_head, targets, chunk_size=chunk_size, library=lib)
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=2e-5)
-    np.testing.assert_allclose(lp.logits_to_logprobs(logits, targets), want, rtol=1e-6, atol=2e-5)
+    np.testing.assert_allclose(lp.logits_to_logprobs(logits, targets, library=lib), want, rtol=1e-6, atol=2e-5)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -231,12 +244,12 @@ BAD_COMPUTE_LOGPROBS = [
 
 
 @pytest.mark.parametrize(("hidden", "lm_head", "target_ids", "chunk_size", "error", "pattern"), BAD_COMPUTE_LOGPROBS)
-def test_compute_logprobs_rejects_bad_inputs(hidden, lm_head, target_ids, chunk_size, error, pattern) -> None:
+def test_compute_logprobs_rejects_bad_inputs(lib, hidden, lm_head, target_ids, chunk_size, error, pattern) -> None:
     with pytest.raises(error, match=pattern):
-        lp.compute_logprobs(hidden, lm_head, target_ids, chunk_size=chunk_size)
+        lp.compute_logprobs(hidden, lm_head, target_ids, chunk_size=chunk_size, library=lib)
 
 
-def test_compute_logits_and_logits_to_logprobs_reject_bad_inputs() -> None:
+def test_compute_logits_and_logits_to_logprobs_reject_bad_inputs(lib) -> None:
     with pytest.raises(ValueError, match=r"hidden must have shape \[\.\.\., H\] \(rank >= 1\)"):
         lp.compute_logits(np.ones((), np.float32), _HEAD)
     with pytest.raises(TypeError, match=r"hidden must be a numpy.ndarray of float32, got a numpy scalar"):
@@ -247,32 +260,32 @@ def test_compute_logits_and_logits_to_logprobs_reject_bad_inputs() -> None:
         lp.compute_logits(np.zeros((2, H)), _HEAD)
     logits = np.zeros((4, V), np.float32)
     with pytest.raises(TypeError, match=r"logits must have dtype float32, got float64"):
-        lp.logits_to_logprobs(logits.astype(np.float64), _IDS)
+        lp.logits_to_logprobs(logits.astype(np.float64), _IDS, library=lib)
     with pytest.raises(ValueError, match=r"logits must have shape \[\.\.\., V\]"):
-        lp.logits_to_logprobs(np.zeros((), np.float32), 0)
+        lp.logits_to_logprobs(np.zeros((), np.float32), 0, library=lib)
     with pytest.raises(ValueError, match=r"target_ids has shape \(4, 1\), expected \(4,\) .*of logits"):
-        lp.logits_to_logprobs(logits, _IDS[:, None])
+        lp.logits_to_logprobs(logits, _IDS[:, None], library=lib)
     with pytest.raises(ValueError, match=r"target_ids\[3\] = 33 is outside the vocabulary \[0, 33\)"):
-        lp.logits_to_logprobs(logits, np.array([0, 1, 2, 33]))
+        lp.logits_to_logprobs(logits, np.array([0, 1, 2, 33]), library=lib)
     with pytest.raises(TypeError, match=r"target_ids must have an integer dtype, got float64"):
-        lp.logits_to_logprobs(logits, [0.0, 1.0, 2.0, 3.0])
+        lp.logits_to_logprobs(logits, [0.0, 1.0, 2.0, 3.0], library=lib)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Memory
 
 
-def test_chunked_peak_memory_is_far_below_full_logits() -> None:
+def test_chunked_peak_memory_is_far_below_full_logits(lib) -> None:
     """N=4096 rows, V=32000, H=64, chunk 256: the chunked path peaks near one chunk of logits (256*V*4 = 33 MB), far
     below the N*V*4 = 524 MB of the full logits, which the naive computation does allocate (tracemalloc sees numpy)."""
     rows, hidden_size, vocab, chunk = 4096, 64, 32000, 256
     hidden, lm_head, targets = make_case(8, (rows,), hidden_size, vocab)
     full_bytes = rows * vocab * 4
-    lp.compute_logprobs(hidden[:1], lm_head, targets[:1])  # load the kernel library outside the measurement
+    lp.compute_logprobs(hidden[:1], lm_head, targets[:1], library=lib)  # load the kernel outside the measurement
 
     tracemalloc.start()
     try:
-        got = lp.compute_logprobs(hidden, lm_head, targets, chunk_size=chunk)
+        got = lp.compute_logprobs(hidden, lm_head, targets, chunk_size=chunk, library=lib)
         _, chunked_peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from logitproc.compile import model_fetch
-from logitproc.compile.gguf_model import GGUFModel, apply_chat_template, build_tokenizer, load_gguf
+from logitproc.compile.gguf_model import GGUFModel, build_tokenizer, load_gguf
 from logitproc.compile.model_fetch import (
     EXPECTED_SHA256,
     ChecksumMismatchError,
@@ -25,6 +25,7 @@ from logitproc.compile.model_fetch import (
     fetch_default_model,
     sha256_file,
 )
+from logitproc.serve.chat_template import ChatTemplate, apply_chat_template
 from logitproc.serve.numpy_llama import NumpyLlama
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -166,7 +167,7 @@ def test_tokenizer_round_trips(tokenizer, text: str) -> None:
 
 
 def test_tokenizer_round_trips_the_chat_template(model: GGUFModel, tokenizer) -> None:
-    prompt = model.apply_chat_template(QUESTION + [{"role": "assistant", "content": "Paris."}], False)
+    prompt = ChatTemplate.for_model(model).render(QUESTION + [{"role": "assistant", "content": "Paris."}], False)
     ids = tokenizer.encode(prompt).ids
     assert tokenizer.decode(ids, skip_special_tokens=False) == prompt
     assert ids.count(1) == 3 and ids.count(2) == 3  # <|im_start|> / <|im_end|> as single special tokens
@@ -211,7 +212,7 @@ def test_chat_template_matches_the_gguf_jinja_template(
     expected = env.from_string(model.config.chat_template).render(
         messages=messages, add_generation_prompt=add_generation_prompt
     )
-    assert model.apply_chat_template(messages, add_generation_prompt) == expected
+    assert ChatTemplate.for_model(model).render(messages, add_generation_prompt) == expected
     assert apply_chat_template(messages, add_generation_prompt) == expected
 
 
@@ -219,7 +220,7 @@ def test_chat_template_matches_the_gguf_jinja_template(
 
 
 def test_greedy_answer_names_paris(model: GGUFModel, tokenizer, llama: NumpyLlama) -> None:
-    prompt_ids = tokenizer.encode(model.apply_chat_template(QUESTION)).ids
+    prompt_ids = tokenizer.encode(ChatTemplate.for_model(model).render(QUESTION)).ids
     answer_ids = llama.generate_greedy(prompt_ids, max_new_tokens=16, stop_ids=[model.config.eos_id])
     answer = tokenizer.decode(answer_ids, skip_special_tokens=True)
     assert "Paris" in answer, answer
@@ -227,7 +228,7 @@ def test_greedy_answer_names_paris(model: GGUFModel, tokenizer, llama: NumpyLlam
 
 
 def test_prefill_equals_prefill_plus_decode(model: GGUFModel, tokenizer, llama: NumpyLlama) -> None:
-    ids = tokenizer.encode(model.apply_chat_template(QUESTION)).ids
+    ids = tokenizer.encode(ChatTemplate.for_model(model).render(QUESTION)).ids
     full = llama.prefill(ids)
     assert full.shape == (model.config.vocab,) and full.dtype == np.float32
     llama.prefill(ids[:-1])

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from logitproc import GenerationConfig, LogitProcessor, RequestState, Sampler
 from logitproc.compile import build_kernels
-from logitproc.runtime import DraftTree, empty_aligned
+from logitproc.runtime import BatchUpdate, DraftTree, empty_aligned
 from logitproc.tir_kernels import reference as ref
 from pipeline_reference import process_row
 
@@ -112,6 +112,47 @@ def test_unaligned_and_aligned_numpy_inputs_agree(proc) -> None:
     assert not np.array_equal(aligned, base)
 
 
+# ---- the step's Batch -------------------------------------------------------------------------------------------
+
+def test_a_batch_says_which_sequences_joined_left_and_moved(lib) -> None:
+    proc = LogitProcessor(lib, vocab_size=V, max_num_token=8)
+    a, b, c = (make_state(GenerationConfig()) for _ in range(3))
+    first = proc.batch([a, b])
+    assert (first.update.joined, first.update.left, first.update.moved) == ((a, b), (), ())
+    second = proc.batch([b, c])
+    assert (second.update.joined, second.update.left, second.update.moved) == ((c,), (a,), ((b, 0),))
+    assert proc.batch([b, c]).update == BatchUpdate()
+
+
+def test_penalties_follow_their_sequence_when_rows_change_and_sequences_leave(lib) -> None:
+    proc = LogitProcessor(lib, vocab_size=V, max_num_token=8)
+    penalised = make_state(GenerationConfig(presence_penalty=2.0), prompt=(1,), output=(7,))
+    plain = make_state(GenerationConfig(), prompt=(1,), output=(7,))
+    logits = logits_for(2)
+    for order in ([penalised, plain], [plain, penalised], [plain]):
+        work = logits[: len(order)].copy()
+        proc.inplace_update_logits(work, order)
+        for r, state in enumerate(order):
+            shift = 2.0 if state is penalised else 0.0
+            assert work[r, 7] == pytest.approx(logits[r, 7] - shift)  # 7 is in the output: presence penalty
+
+
+def test_one_batch_serves_every_stage_of_a_step(lib, proc, sampler) -> None:
+    """The processor's batch goes to every stage; the processor refuses a batch another processor made."""
+    states = [make_state(MIXED_CONFIGS[i]) for i in range(3)]
+    logits = logits_for(3)
+    batch = proc.batch(states)
+    proc.inplace_update_logits(logits, batch)
+    probs = sampler.renormalize(proc.compute_probs_from_logits(logits, batch), batch)
+    result = sampler.sample(probs, batch)
+    assert result.token_ids.shape == (3,) and not result.no_valid_token.any()
+    other = LogitProcessor(lib, vocab_size=V, max_num_token=4)
+    with pytest.raises(ValueError, match="made by another LogitProcessor"):
+        other.inplace_update_logits(logits, batch)
+    with pytest.raises(ValueError, match="rows"):
+        proc.inplace_update_logits(logits[:2], batch)
+
+
 # ---- masks -----------------------------------------------------------------------------------------------------
 
 def test_masked_tokens_are_never_sampled_and_have_probability_zero(proc, sampler) -> None:
@@ -158,11 +199,10 @@ def test_a_failing_mask_source_ends_its_row_alone(proc, sampler, workers_start) 
     logits = logits_for(3)
     if workers_start:
         proc.start_masks(states)
-    proc.inplace_update_logits(logits, states)
-    result = sampler.sample(sampler.renormalize(proc.compute_probs_from_logits(logits, states), states), states)
+    batch = proc.inplace_update_logits(logits, states)
+    result = sampler.sample(sampler.renormalize(proc.compute_probs_from_logits(logits, batch), batch), batch)
     assert result.no_valid_token.tolist() == [False, True, False]
-    assert states[1].constraint_error == "RuntimeError: grammar engine gave up"
-    assert states[0].constraint_error is None and states[2].constraint_error is None
+    assert batch.mask_errors == {1: "RuntimeError: grammar engine gave up"}  # the error travels on the step's job
     assert result.token_ids[0] in (4, 8, 15) and result.token_ids[2] in (16, 23, 42)
     assert np.all(np.isneginf(logits[1])) and not np.isnan(logits).any()
 
@@ -186,16 +226,16 @@ def test_processing_with_drafts_equals_each_prefix_alone_and_restores_state(proc
     logits = logits_for(rows, seed=4)
     work = logits.copy()
     cum = [0, rows // 2, rows]
-    plan = proc.inplace_update_logits(work, states, cum_num_token=cum, draft_trees=[tree, tree])
+    batch = proc.inplace_update_logits(work, states, cum_num_token=cum, draft_trees=[tree, tree])
     probs = proc.compute_probs_from_logits(work, states, cum, [tree, tree]).copy()
     assert [state_snapshot(s) for s in states] == before
     for r in range(rows):
-        state = plan.states[r]
-        alone = make_state(state.config, state.prompt_token_ids, state.output_token_ids + list(plan.paths[r]),
+        state = batch.row_states[r]
+        alone = make_state(state.config, state.prompt_token_ids, state.output_token_ids + list(batch.paths[r]),
                            sources=[AllowedSet(range(0, V, 2))])
         source = state.mask_sources[0]
         single = logits[r : r + 1].copy()
-        alone.mask_sources[0].allowed = source.allowed_after(plan.paths[r])
+        alone.mask_sources[0].allowed = source.allowed_after(batch.paths[r])
         proc.inplace_update_logits(single, [alone])
         np.testing.assert_allclose(work[r], single[0], rtol=1e-6, atol=1e-6)
         np.testing.assert_allclose(probs[r], proc.compute_probs_from_logits(single, [alone])[0], rtol=1e-6,
@@ -207,8 +247,8 @@ def test_a_chain_on_the_state_is_used_when_no_drafts_are_passed(proc) -> None:
     state.draft_token_ids = [50, 50]
     logits = logits_for(3)
     work = logits.copy()
-    plan = proc.inplace_update_logits(work, [state])
-    assert plan.paths == ((), (50,), (50, 50))
+    batch = proc.inplace_update_logits(work, [state])
+    assert batch.paths == ((), (50,), (50, 50))
     assert work[1, 50] == pytest.approx(logits[1, 50] - 1.0) and work[2, 50] == pytest.approx(logits[2, 50] - 2.0)
 
 

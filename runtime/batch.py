@@ -1,0 +1,151 @@
+"""Batch: one step's rows, validated once and handed to every stage of the processor and the sampler.
+
+Without drafts a sequence has one row. With a draft tree of k nodes (a chain is a tree) it has k + 1 rows: row 0
+predicts the token after the committed ones, row 1 + m the token after the path from the root to node m. Rows of
+sequence i are ``cum_num_token[i]:cum_num_token[i + 1]``.
+
+A batch also says what changed since the batch before it (``BatchUpdate``: the sequences that joined, left, or moved
+to another first row), carries the mask job applied to its logits (filled on worker threads; a failing source's
+message travels on the job, per row: ``mask_errors``), the fast-path flags every stage checks (``any_bias``,
+``any_penalties``, ``any_masks``, ``any_filters``, ``all_greedy``, ``any_logprobs``), and the device arrays of the
+step's logits and probabilities, so that a numpy array is copied to the device once however many stages read it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .logits_io import rows_and_vocab
+from .request_state import DraftTree, RequestState
+
+if TYPE_CHECKING:
+    from .mask_filler import MaskJob
+
+DraftArg = Sequence[DraftTree | Sequence[int] | None] | None
+
+
+@dataclass(frozen=True)
+class BatchUpdate:
+    """Sequences that joined since the previous batch, left it, or start at another row (with their new row)."""
+
+    joined: tuple[RequestState, ...] = ()
+    left: tuple[RequestState, ...] = ()
+    moved: tuple[tuple[RequestState, int], ...] = ()
+
+
+def _draft_of(state: RequestState, tree: DraftTree | Sequence[int] | None) -> DraftTree | None:
+    if tree is None:
+        return DraftTree.chain(state.draft_token_ids) if state.draft_token_ids else None
+    if isinstance(tree, DraftTree):
+        return tree
+    return DraftTree.chain(tree)
+
+
+def _validated_states(states: Sequence[RequestState]) -> tuple[RequestState, ...]:
+    if not states:
+        raise ValueError("states is empty: a step needs at least one request")
+    seen: dict[int, int] = {}
+    for i, s in enumerate(states):
+        if not isinstance(s, RequestState):
+            raise TypeError(f"states[{i}] must be a RequestState, got {type(s).__name__}")
+        if id(s) in seen:
+            raise ValueError(f"states[{seen[id(s)]}] and states[{i}] are the same RequestState; a sequence has one "
+                             "entry per step (its draft tokens add its extra rows)")
+        seen[id(s)] = i
+    return tuple(states)
+
+
+def _check_cum(cum_num_token: Any, expected: tuple[int, ...]) -> None:
+    if cum_num_token is not None and tuple(int(x) for x in cum_num_token) != expected:
+        raise ValueError(f"cum_num_token {list(cum_num_token)} does not match the rows the drafts need "
+                         f"{list(expected)} (1 row per sequence plus 1 per draft token)")
+
+
+class Batch:
+    """One step: per row its sequence and draft path; per sequence its first row; what changed since the last step."""
+
+    def __init__(self, states: Sequence[RequestState], cum_num_token: Any = None, draft_trees: DraftArg = None,
+                 previous: Batch | None = None, made_by: object = None) -> None:
+        #: The processor that made this batch (it keeps the caches the batch's update applies to), or None.
+        self.made_by = made_by
+        self.states = _validated_states(states)
+        if draft_trees is not None and len(draft_trees) != len(self.states):
+            raise ValueError(f"draft_trees has {len(draft_trees)} entries for {len(self.states)} states")
+        if draft_trees is None and not any(s.draft_token_ids for s in self.states):  # decode: 1 row each
+            self.cum_num_token = tuple(range(len(self.states) + 1))
+            _check_cum(cum_num_token, self.cum_num_token)
+            self.row_states = self.states
+            self.paths: tuple[tuple[int, ...], ...] = ((),) * len(self.states)
+            self.row_sequence = tuple(range(len(self.states)))
+        else:
+            drafts = [_draft_of(s, None if draft_trees is None else draft_trees[i]) for i, s in enumerate(self.states)]
+            counts = [1 + (len(d.token_ids) if d else 0) for d in drafts]
+            self.cum_num_token = tuple(int(x) for x in np.concatenate([[0], np.cumsum(counts)]))
+            _check_cum(cum_num_token, self.cum_num_token)
+            row_states, paths, owner = [], [], []
+            for i, (state, draft) in enumerate(zip(self.states, drafts, strict=True)):
+                nodes = range(len(draft.token_ids)) if draft is not None else range(0)
+                row_states += [state] * (1 + len(nodes))
+                owner += [i] * (1 + len(nodes))
+                paths += [(), *(tuple(draft.path(n)) for n in nodes)]  # type: ignore[union-attr]
+            self.row_states, self.paths, self.row_sequence = tuple(row_states), tuple(paths), tuple(owner)
+        self.first_row = {s: self.cum_num_token[i] for i, s in enumerate(self.states)}
+        self.update = self._diff(previous)
+        configs = [s.config for s in self.states]
+        self.any_bias = any(c.logit_bias for c in configs)
+        self.any_penalties = any(c.has_penalties for c in configs)
+        self.any_filters = any(c.has_filters for c in configs)
+        self.any_masks = any(s.mask_sources for s in self.states)
+        self.all_greedy = all(c.greedy for c in configs)
+        self.any_logprobs = any(c.logprobs for c in configs)
+        self.any_raw_logprobs = any(c.logprobs and c.logprobs_mode == "raw" for c in configs)
+        #: The mask job whose rows were applied to this step's logits (set by the processor).
+        self.mask_job: MaskJob | None = None
+        self._on_device: list[tuple[Any, Any]] = []
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.row_states)
+
+    def _diff(self, previous: Batch | None) -> BatchUpdate:
+        before = previous.first_row if previous is not None else {}
+        joined = tuple(s for s in self.states if s not in before)
+        left = tuple(s for s in before if s not in self.first_row)
+        moved = tuple((s, row) for s, row in self.first_row.items() if s in before and before[s] != row)
+        return BatchUpdate(joined, left, moved)
+
+    def same_rows(self, other: Batch) -> bool:
+        """Both batches have the same sequences (the same objects, in order) and the same draft paths."""
+        return self.states == other.states and self.paths == other.paths
+
+    def check_array(self, array: Any, what: str, vocab_size: int, max_rows: int, owner: str) -> None:
+        """``array`` is ``[num_rows, vocab_size]`` float32 (numpy or device) within ``max_rows``."""
+        rows = rows_and_vocab(array, what, vocab_size)
+        if rows != self.num_rows:
+            raise ValueError(f"{what} has {rows} rows but the states (and drafts) need {self.num_rows}")
+        if rows > max_rows:
+            raise ValueError(f"{rows} {what} rows exceed {owner}max_num_token={max_rows}")
+
+    # ---- the step's arrays on the device ------------------------------------------------------------------------
+    def remember_on_device(self, host: Any, device_array: Any) -> None:
+        """Record that ``device_array`` holds ``host``'s values (so later stages of this step do not copy again)."""
+        self._on_device.append((host, device_array))
+
+    def on_device(self, host: Any) -> Any | None:
+        """The device array recorded for ``host`` in this step, or None."""
+        for known, device_array in self._on_device:
+            if known is host:
+                return device_array
+        return None
+
+    @property
+    def mask_errors(self) -> dict[int, str]:
+        """Row -> why a mask source of that row's sequence failed (its mask then allows no token)."""
+        return {} if self.mask_job is None else self.mask_job.errors
+
+    def __repr__(self) -> str:
+        return f"Batch({len(self.states)} sequences, {self.num_rows} rows, {self.update})"

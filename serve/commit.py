@@ -1,0 +1,85 @@
+"""Committing a step's sampled tokens to their sequences, and jump-forward: what the constraints force, appended.
+
+``commit_row`` appends a row's token to its sequence's state (a stop token ends the sequence without advancing the
+state), records its logprobs, and applies the finish rules (``GeneratedSequence.commit``). A row with no valid token
+finishes with "grammar_dead_end", or "error" with the message of the mask source that failed.
+
+``jump_forward`` (``Engine(jump_forward=True)``) appends the tokens the constraints force without a decode step
+each, and makes the model's KV cache agree with the re-tokenised state: tokens the jump replaced are popped, and
+what is not yet in the cache becomes the sequence's feed for the next forward.
+"""
+
+from __future__ import annotations
+
+import time
+
+from logitproc.runtime import LogitProcessor, SampleResult
+
+from .outputs import Delta, EngineStats
+from .runner import Runner
+from .scheduler import Deltas, delta_of
+from .sequence import GeneratedSequence
+
+
+def commit_row(seq: GeneratedSequence, result: SampleResult, row: int, delta: Delta, error: str | None) -> None:
+    """Commit row ``row`` of ``result`` to ``seq``; ``error`` is why the row's mask failed, if it did."""
+    stats = seq.request.stats
+    if stats.first_token_time is None:
+        stats.first_token_time = time.perf_counter()
+    if result.no_valid_token[row]:
+        seq.finish("error" if error else "grammar_dead_end", delta, error=error)
+        return
+    token = int(result.token_ids[row])
+    if token not in seq.stop_token_ids:  # a stop token ends the sequence: its state is not advanced
+        try:
+            seq.state.append_token(token)
+        except Exception as err:  # a constraint refusing the token ends this sequence, not the step
+            seq.finish("error", delta, error=f"{type(err).__name__}: {err}")
+            return
+        seq.feed = [token]
+    stats.completion_tokens += 1
+    if seq.logprobs is not None:
+        seq.logprobs.append(float(result.logprobs[row]))
+        delta.logprobs = (delta.logprobs or []) + [float(result.logprobs[row])]
+    if seq.top_logprobs is not None:
+        top = result.top_logprobs[row] or []
+        seq.top_logprobs.append(top)
+        delta.top_logprobs = (delta.top_logprobs or []) + [top]
+    seq.commit(token, delta)
+
+
+def jump_forward(model: Runner, processor: LogitProcessor, running: list[GeneratedSequence], deltas: Deltas,
+                 stats: EngineStats) -> None:
+    """Append the tokens the constraints force; make the KV cache agree with the re-tokenized state."""
+    for seq in running:
+        if seq.finish_reason is not None or not seq.state.mask_sources or len(seq.feed) != 1:
+            continue
+        try:
+            forced = processor.jump_forward(seq.state)
+        except Exception as err:  # this sequence's constraint failed: it ends, the others go on
+            seq.finish("error", delta_of(deltas, seq), error=f"{type(err).__name__}: {err}")
+            continue
+        if forced is None or (not forced.rollback and not forced.token_ids):
+            continue
+        delta = delta_of(deltas, seq)
+        state = seq.state
+        unchanged = state.num_tokens - len(forced.token_ids)
+        if seq.kv_len > unchanged:
+            model.popn(seq.seq_id, seq.kv_len - unchanged)
+            seq.kv_len = unchanged
+        prompt_len = len(state.prompt_token_ids)
+        seq.feed = list(state.output_token_ids[seq.kv_len - prompt_len :])
+        if not seq.feed:  # rolled back to a point already in the cache: feed its last token again
+            model.popn(seq.seq_id, 1)
+            seq.kv_len -= 1
+            seq.feed = [(state.prompt_token_ids + state.output_token_ids)[seq.kv_len]]
+        before = len(seq.token_ids)
+        seq.rollback(forced.rollback, delta)
+        for token in forced.token_ids:
+            seq.commit(int(token), delta)
+            if seq.finish_reason is not None:
+                break
+        seq.request.stats.completion_tokens += len(seq.token_ids) - before
+        seq.request.stats.jump_forward_tokens += len(forced.token_ids)
+        stats.jump_forward_tokens += len(forced.token_ids)
+        stats.jump_forward_steps_saved += max(len(forced.token_ids) - forced.rollback, 0)

@@ -1,0 +1,85 @@
+"""The model runner call of one step: prefill (with forks) then decode, giving the rows to sample and their logits.
+
+Rows are in this order: each prefilled sequence followed by the sequences forked from it (a request with n > 1
+prefills once), then every decoding sequence. The step's ``Batch`` is made from those rows before the model runs,
+and sequences with mask sources start filling their masks on worker threads while the model computes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+from logitproc.runtime import LogitProcessor, empty_aligned
+from logitproc.runtime.batch import Batch
+
+from .runner import Runner
+from .sequence import GeneratedSequence
+
+
+@dataclass
+class ModelStep:
+    """What one step's forward pass did: the rows to sample (in order), their Batch and logits, the timings."""
+
+    rows: list[GeneratedSequence] = field(default_factory=list)
+    batch: Batch | None = None
+    logits: np.ndarray | None = None
+    started: set[str] = field(default_factory=set)  # requests prefilled for the first time
+    prefill_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_tokens: int = 0
+    decode_seconds: float = 0.0
+
+
+def run_model(model: Runner, processor: LogitProcessor, live: list[GeneratedSequence]) -> ModelStep:
+    """Feed every live sequence's pending tokens through the model; return the step's rows and logits."""
+    step = ModelStep()
+    prefill = [s for s in live if s.forked_from is None and (len(s.feed) > 1 or not s.in_model)]
+    decode = [s for s in live if s.in_model and len(s.feed) == 1]
+    order = [r for s in prefill for r in [s, *(c for c in s.request.sequences if c.forked_from is s)]] + decode
+    if not order:
+        return step
+    step.batch = processor.batch([s.state for s in order])
+    if step.batch.any_masks:  # grammar masks fill on worker threads during the forward
+        processor.start_masks(step.batch)
+    blocks: list[np.ndarray] = []
+    if prefill:
+        blocks += _prefill(model, prefill, step)
+    if decode:
+        t0 = time.perf_counter()
+        out = np.asarray(model.decode([s.seq_id for s in decode], [s.feed[0] for s in decode]))
+        step.decode_seconds = time.perf_counter() - t0
+        step.decode_tokens = len(decode)
+        for seq in decode:
+            seq.kv_len += 1
+            seq.feed = []
+        step.rows.extend(decode)
+        blocks.append(out)
+    step.logits = empty_aligned((len(step.rows), processor.vocab_size))
+    np.concatenate(blocks, axis=0, out=step.logits)
+    return step
+
+
+def _prefill(model: Runner, prefill: list[GeneratedSequence], step: ModelStep) -> list[np.ndarray]:
+    for seq in prefill:
+        if not seq.in_model:
+            model.add_sequence(seq.seq_id)
+            seq.in_model = True
+            step.started.add(seq.request_id)
+    t0 = time.perf_counter()
+    out = np.asarray(model.prefill([s.seq_id for s in prefill], [s.feed for s in prefill]))
+    step.prefill_seconds = time.perf_counter() - t0
+    blocks = []
+    for i, seq in enumerate(prefill):
+        step.prefill_tokens += len(seq.feed)
+        seq.kv_len += len(seq.feed)
+        seq.feed = []
+        step.rows.append(seq)
+        blocks.append(out[i : i + 1])
+        for child in [c for c in seq.request.sequences if c.forked_from is seq]:
+            model.fork_sequence(seq.seq_id, child.seq_id)
+            child.in_model, child.kv_len, child.forked_from = True, seq.kv_len, None
+            step.rows.append(child)
+            blocks.append(out[i : i + 1])
+    return blocks

@@ -1,0 +1,21 @@
+"""The processing step on one step's Batch: logit processor then sampler, once over every row of the batch.
+
+``inplace_update_logits`` (bias -> penalties -> masks) -> ``compute_probs_from_logits`` (temperature softmax) ->
+``Sampler.renormalize`` (min-p, top-k, top-p) -> ``Sampler.sample``; each row with its own request's config
+(temperature 0 is greedy). Raw logprobs, when a row asks for them, read a copy of the logits taken first.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from logitproc.runtime import LogitProcessor, Sampler, SampleResult
+from logitproc.runtime.batch import Batch
+
+
+def process(processor: LogitProcessor, sampler: Sampler, batch: Batch, logits: np.ndarray) -> SampleResult:
+    """One token per row of ``batch`` from ``logits`` (modified in place); failed masks are in ``batch.mask_errors``."""
+    raw = logits.copy() if batch.any_raw_logprobs else None
+    processor.inplace_update_logits(logits, batch)
+    probs = processor.compute_probs_from_logits(logits, batch)
+    probs = sampler.renormalize(probs, batch)
+    return sampler.sample(probs, batch, raw_logits=raw)

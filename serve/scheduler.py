@@ -1,0 +1,151 @@
+"""Scheduling: which requests run, admitted in order while sequence slots and KV cache are free, preempted when not.
+
+Requests wait in a FIFO queue. ``admit`` moves them to running while their sequences get model slots and their
+prompts fit in the KV cache with a margin of one token per running sequence (with nothing running, the next request
+always fits). ``make_room`` preempts the latest-arrived running request while the running sequences' next forward
+would overflow the KV cache: its KV cache and slots are freed and it goes back to the front of the queue, to be
+prefilled again (prompt + output so far, its state untouched) when there is room: recomputation, as vLLM does.
+``retire`` frees the slots of finished sequences and forgets finished requests. Everything that other threads may
+call (``add``, ``abort``, ``has_unfinished``, ``is_done``) takes the lock.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+from .outputs import Delta, EngineStats
+from .runner import Runner
+from .sequence import GeneratedSequence, Request
+
+Deltas = dict[GeneratedSequence, Delta]
+
+
+def delta_of(deltas: Deltas, seq: GeneratedSequence) -> Delta:
+    """The step's delta of ``seq`` (made on first use)."""
+    return deltas.setdefault(seq, Delta(seq.request_id, seq.index))
+
+
+class Scheduler:
+    """The waiting queue, the running sequences, their model slots and the KV cache budget."""
+
+    def __init__(self, model: Runner, max_batch: int, max_total_tokens: int, stats: EngineStats) -> None:
+        self.model = model
+        self.max_total_tokens = max_total_tokens
+        self.stats = stats
+        self.lock = threading.Lock()
+        self.waiting: deque[Request] = deque()
+        self.requests: dict[str, Request] = {}  # admitted, not yet finished
+        self.running: list[GeneratedSequence] = []
+        self._aborts: set[str] = set()
+        self._free_ids = list(range(max_batch - 1, -1, -1))
+
+    # ---- from any thread ---------------------------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        with self.lock:
+            rid = request.request_id
+            if rid in self.requests or any(r.request_id == rid for r in self.waiting):
+                raise ValueError(f"request id {rid!r} is already in use")
+            self.waiting.append(request)
+
+    def abort(self, request_id: str) -> None:
+        with self.lock:
+            self._aborts.add(request_id)
+
+    def has_unfinished(self) -> bool:
+        with self.lock:
+            return bool(self.waiting or self.running or self._aborts)
+
+    def is_done(self, request_id: str) -> bool:
+        with self.lock:
+            return request_id not in self.requests and all(r.request_id != request_id for r in self.waiting)
+
+    # ---- from the stepping thread ------------------------------------------------------------------------------
+    def live(self) -> list[GeneratedSequence]:
+        """The running sequences that have not finished."""
+        return [s for s in self.running if s.finish_reason is None]
+
+    def handle_aborts(self, deltas: Deltas) -> None:
+        """End every sequence of the aborted requests (waiting or running) with "abort"."""
+        with self.lock:
+            aborts, self._aborts = self._aborts, set()
+            waiting = [r for r in self.waiting if r.request_id in aborts]
+            for r in waiting:
+                self.waiting.remove(r)
+        for request in waiting + [self.requests[a] for a in aborts if a in self.requests]:
+            for seq in request.sequences:
+                if seq.finish_reason is None:
+                    seq.finish("abort", delta_of(deltas, seq))
+            request.stats.finish_time = time.perf_counter()
+
+    def kv_needed(self) -> int:
+        """KV cache tokens the running sequences hold once the next forward has fed them."""
+        return sum(s.kv_need for s in self.live())
+
+    def make_room(self) -> None:
+        """Preempt the latest-arrived running requests until the next forward fits in the KV cache."""
+        while self.kv_needed() > self.max_total_tokens:
+            live = {s.request.request_id: s.request for s in self.live()}
+            if len(live) < 2:  # cannot happen: a request alone always fits (its sequences stop at `limit`)
+                raise RuntimeError(f"one request needs {self.kv_needed()} KV tokens of {self.max_total_tokens}")
+            self._preempt(max(live.values(), key=lambda r: r.arrival_order))
+
+    def _preempt(self, request: Request) -> None:
+        """Free the request's KV cache and slots; it waits at the front of the queue to be prefilled again."""
+        for seq in request.sequences:
+            if seq.finish_reason is not None or seq.seq_id is None:
+                continue  # finished (aborted this step) sequences are freed by retire
+            self._free(seq)
+            state = seq.state
+            seq.feed, seq.kv_len, seq.forked_from = state.prompt_token_ids + state.output_token_ids, 0, None
+        self.running = [s for s in self.running if s.request is not request or s.finish_reason is not None]
+        request.stats.preemptions += 1
+        self.stats.preemptions += 1
+        with self.lock:  # never seen as finished from another thread: it moves to the queue in one go
+            del self.requests[request.request_id]
+            self.waiting.appendleft(request)
+
+    def admit(self) -> None:
+        """Admit waiting requests in order while their sequences get slots and their prompts fit in the KV cache
+        with a margin of one token per running sequence (with nothing running, the next request always fits)."""
+        used = self.kv_needed()
+        running = len(self.live())
+        with self.lock:
+            while self.waiting:
+                request = self.waiting[0]
+                live = [s for s in request.sequences if s.finish_reason is None]
+                need = sum(s.kv_need for s in live)
+                if len(live) > len(self._free_ids) or (
+                        running and used + need + running + len(live) > self.max_total_tokens):
+                    break
+                self.waiting.popleft()
+                used, running = used + need, running + len(live)
+                self.requests[request.request_id] = request
+                for seq in live:
+                    seq.seq_id = self._free_ids.pop()
+                    self.running.append(seq)
+
+    def retire(self, deltas: Deltas) -> None:
+        """Free the model slots of finished sequences; forget finished requests."""
+        keep = []
+        for seq in self.running:
+            if seq.finish_reason is None:
+                keep.append(seq)
+            else:
+                self._free(seq)
+        self.running = keep
+        for rid in [rid for rid, r in self.requests.items() if r.finished]:
+            request = self.requests.pop(rid)
+            if request.stats.finish_time is None:
+                request.stats.finish_time = time.perf_counter()
+            for seq in request.sequences:  # a finished request's outputs carry its final statistics
+                if seq in deltas and deltas[seq].output is not None:
+                    deltas[seq].output = seq.output()
+
+    def _free(self, seq: GeneratedSequence) -> None:
+        if seq.in_model:
+            self.model.remove_sequence(seq.seq_id)
+            seq.in_model = False
+        self._free_ids.append(seq.seq_id)
+        seq.seq_id = None
