@@ -32,7 +32,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import tempfile
 import time
 from collections.abc import Callable
@@ -42,12 +41,11 @@ from typing import Any
 
 import numpy as np
 import tvm
-from logitproc import __version__
 from logitproc.quiet_stderr import filtered_stderr
 
 from .gguf_model import GGUFModel, build_tokenizer, load_gguf
 from .integer_matvec import has_int8_dot
-from .kernel_library import MANIFEST, MANIFEST_FORMAT, _param_list, build_in_cache, cache_root, source_hash
+from .kernel_library import MANIFEST, KernelLibrary, build_in_cache, cache_key, cache_root, source_hash, write_manifest
 from .llama_weights import read_gguf_tensors, relax_weights
 from .relax_llama import LlamaSpec, RawTensors, export_llama
 from .targets import TargetSpec, build_features, resolve_target
@@ -170,9 +168,7 @@ class _Source:
 
 
 def _cache_key(model_hash: str, spec: TargetSpec, weight_dtype: str) -> str:
-    material = json.dumps([MANIFEST_FORMAT, model_hash, spec.kind, spec.arch, *spec.mattr, weight_dtype,
-                           tvm.__version__, __version__, model_source_hash()])
-    return hashlib.sha256(material.encode()).hexdigest()[:16]
+    return cache_key(spec, model_hash, weight_dtype, model_source_hash())
 
 
 def _slug(name: str) -> str:
@@ -244,14 +240,10 @@ def _build_into(source: _Source, model_hash: str, spec: TargetSpec, weight_dtype
     size = sum(a.nbytes for a in weights.values()) / 1e6
     progress(f"wrote weights ({size:.0f} MB) and tokenizer in {time.perf_counter() - step:.1f}s")
 
-    manifest = {
-        "format": MANIFEST_FORMAT,
-        "kind": "model",
-        "logitproc_version": __version__,
-        "tvm_version": tvm.__version__,
-        "target": {"kind": spec.kind, "arch": spec.arch, "tvm": str(target)},
-        "source_hash": model_source_hash(),
-        "model": {
+    return write_manifest(
+        out, spec, target, model_source_hash(), kernels, [MODULE_FILE, KERNELS_TIR_FILE, PARAMS_FILE, TOKENIZER_FILE],
+        kind="model",
+        model={
             "name": source.name,
             "source": source.kind,
             "path": str(source.path) if source.path else None,
@@ -262,14 +254,10 @@ def _build_into(source: _Source, model_hash: str, spec: TargetSpec, weight_dtype
             "chatml": chatml,
             "default_system": default_system,
         },
-        "params": param_names,
-        "module_file": MODULE_FILE,
-        "kernels": [{"name": name, "params": _param_list(func)} for name, func in kernels.items()],
-        "files": [MODULE_FILE, KERNELS_TIR_FILE, PARAMS_FILE, TOKENIZER_FILE],
-        "build_seconds": round(time.perf_counter() - started, 2),
-    }
-    (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
-    return manifest
+        params=param_names,
+        module_file=MODULE_FILE,
+        build_seconds=round(time.perf_counter() - started, 2),
+    )
 
 
 def compile_model(
@@ -312,10 +300,6 @@ def compile_model(
             say(f"cached at {built}")
     if out is None:
         return built
-    dest = Path(out)
-    dest.mkdir(parents=True, exist_ok=True)
-    manifest = json.loads((built / MANIFEST).read_text())
-    for filename in [*manifest["files"], MANIFEST]:
-        shutil.copy2(built / filename, dest / filename)
+    dest = KernelLibrary(built, json.loads((built / MANIFEST).read_text())).export(out)
     say(f"exported to {dest}")
     return dest
