@@ -37,6 +37,10 @@ class BatchUpdate:
     moved: tuple[tuple[RequestState, int], ...] = ()
 
 
+#: The update of a batch with the same sequences at the same rows as the one before it.
+NO_CHANGE = BatchUpdate()
+
+
 def _draft_of(state: RequestState, tree: DraftTree | Sequence[int] | None) -> DraftTree | None:
     if tree is None:
         return DraftTree.chain(state.draft_token_ids) if state.draft_token_ids else None
@@ -93,16 +97,21 @@ class Batch:
                 owner += [i] * (1 + len(nodes))
                 paths += [(), *(tuple(draft.path(n)) for n in nodes)]  # type: ignore[union-attr]
             self.row_states, self.paths, self.row_sequence = tuple(row_states), tuple(paths), tuple(owner)
-        self.first_row = {s: self.cum_num_token[i] for i, s in enumerate(self.states)}
+        self.first_row = dict(zip(self.states, self.cum_num_token, strict=False))
         self.update = self._diff(previous)
-        configs = [s.config for s in self.states]
-        self.any_bias = any(c.logit_bias for c in configs)
-        self.any_penalties = any(c.has_penalties for c in configs)
-        self.any_filters = any(c.has_filters for c in configs)
-        self.any_masks = any(s.mask_sources for s in self.states)
-        self.all_greedy = all(c.greedy for c in configs)
-        self.any_logprobs = any(c.logprobs for c in configs)
-        self.any_raw_logprobs = any(c.logprobs and c.logprobs_mode == "raw" for c in configs)
+        self.any_bias = self.any_penalties = self.any_filters = self.any_masks = False
+        self.any_logprobs = self.any_raw_logprobs = False
+        self.all_greedy = True
+        for state in self.states:  # one pass: these flags are read by every stage of the step
+            c = state.config
+            self.any_bias = self.any_bias or bool(c.logit_bias)
+            self.any_penalties = self.any_penalties or c.has_penalties
+            self.any_filters = self.any_filters or c.has_filters
+            self.any_masks = self.any_masks or bool(state.mask_sources)
+            self.all_greedy = self.all_greedy and c.greedy
+            if c.logprobs:
+                self.any_logprobs = True
+                self.any_raw_logprobs = self.any_raw_logprobs or c.logprobs_mode == "raw"
         #: The mask job whose rows were applied to this step's logits (set by the processor).
         self.mask_job: MaskJob | None = None
         self._on_device: list[tuple[Any, Any]] = []
@@ -112,7 +121,11 @@ class Batch:
         return len(self.row_states)
 
     def _diff(self, previous: Batch | None) -> BatchUpdate:
-        before = previous.first_row if previous is not None else {}
+        if previous is None:
+            return BatchUpdate(joined=self.states)
+        if previous.states == self.states and previous.cum_num_token == self.cum_num_token:
+            return NO_CHANGE
+        before = previous.first_row
         joined = tuple(s for s in self.states if s not in before)
         left = tuple(s for s in before if s not in self.first_row)
         moved = tuple((s, row) for s, row in self.first_row.items() if s in before and before[s] != row)

@@ -113,9 +113,10 @@ def torch_step(logits: np.ndarray, states: list[RequestState], uniform: np.ndarr
 
 
 def step(proc: LogitProcessor, sampler: Sampler, logits: np.ndarray, states: list[RequestState]) -> np.ndarray:
-    proc.inplace_update_logits(logits, states)
-    probs = sampler.renormalize(proc.compute_probs_from_logits(logits, states), states)
-    return sampler.sample(probs, states).token_ids
+    batch = proc.batch(states)  # the step's rows, worked out once and handed to every stage (as the engine does)
+    proc.inplace_update_logits(logits, batch)
+    probs = sampler.renormalize(proc.compute_probs_from_logits(logits, batch), batch)
+    return sampler.sample(probs, batch).token_ids
 
 
 def bench_steps(args: argparse.Namespace, lib) -> None:
