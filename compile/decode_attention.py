@@ -7,7 +7,7 @@ per query head (three times per KV head with SmolLM2's 9/3 heads): at 3072 token
 decode step. Here each sequence's pages are split into ``SPLITS`` page-aligned chunks per KV head
 (flash-decoding): the (sequence, KV head, chunk) units run in parallel, each streams its keys and values once for
 all the query heads of its group and keeps an online softmax (running max, running sum, rescaled accumulator)
-page by page; a second parallel pass merges the chunks of each (sequence, query head) by their maxima.
+page by page; a short serial pass merges the chunks of each (sequence, query head) by their maxima.
 
 Operation, for each sequence ``b`` (``n`` keys: ``(pages - 1) * page_size + length_info[b]``, 0 when it has no
 pages; key ``c`` at ``pages[page_values[page_indptr[b] + c // 16], 0 or 1, kv_head, c % 16]``) and query head
@@ -158,7 +158,7 @@ def decode_attention_kernel(h_kv: int, h_q: int, d: int, dtype: str = "float32")
                 part_sum[unit, g] = run[1, g]
                 for j in T.vectorized(d):
                     part_acc[unit, g, j] = acc[g, j]
-        for bh in T.parallel(batch_size * h_q):
+        for bh in range(batch_size * h_q):  # serial: a few microseconds, one fork-join less per layer
             total = T.alloc_buffer((d,), "float32", scope="local")
             stats = T.alloc_buffer((2,), "float32", scope="local")  # max over the chunks, weighted sum
             b: T.let = bh // h_q
