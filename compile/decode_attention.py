@@ -35,6 +35,8 @@ PAGE_SIZE = 16
 SPLITS = 8
 #: Fewest pages in a chunk (short contexts stay in one or two chunks).
 MIN_PAGES = 2
+#: Up to this many pages in the whole batch the units run on one thread (tens of microseconds at most).
+SERIAL_PAGES = 16
 #: Vector lanes of the loops (one AVX2 register; LLVM lowers wider ones with shuffles through scalar registers).
 _LANES = 8
 _LOG2E = math.log2(math.e)
@@ -63,6 +65,80 @@ def decode_attention_kernel(h_kv: int, h_q: int, d: int, dtype: str = "float32")
     group = h_q // h_kv
     blocks = d // _LANES
 
+    @T.macro
+    def chunk(unit, q, pages, page_indptr, page_values, length_info, part_acc, part_max, part_sum, sm_scale):
+        """Unit ``unit`` = (sequence, KV head, chunk): its online softmax over its pages, into part_*."""
+        qs = T.alloc_buffer((group, d), "float32", scope="local")
+        acc = T.alloc_buffer((group, d), "float32", scope="local")
+        s = T.alloc_buffer((group, PAGE_SIZE), "float32", scope="local")
+        vec = T.alloc_buffer((group, _LANES), "float32", scope="local")  # dot products, then V rows
+        h4 = T.alloc_buffer((4,), "float32", scope="local")
+        red = T.alloc_buffer((1,), "float32", scope="local")
+        run = T.alloc_buffer((3, group), "float32", scope="local")  # running max, running sum, last rescale
+        b: T.let = unit // (h_kv * SPLITS)
+        hk: T.let = unit // SPLITS % h_kv
+        first: T.let = page_indptr[b]
+        n_pages: T.let = page_indptr[b + 1] - first
+        n: T.let = T.Select(n_pages > 0, (n_pages - 1) * PAGE_SIZE + length_info[b], 0)
+        per: T.let = T.max((n_pages + SPLITS - 1) // SPLITS, MIN_PAGES)
+        p_begin: T.let = unit % SPLITS * per
+        p_end: T.let = T.min(p_begin + per, n_pages)
+        for g in range(group):
+            run[0, g] = T.float32(_NO_SCORE)
+            run[1, g] = T.float32(0)
+            for j in T.vectorized(d):
+                qs[g, j] = T.Cast("float32", q[b, hk * group + g, j]) * (sm_scale * T.float32(_LOG2E))
+                acc[g, j] = T.float32(0)
+        for p in range(p_begin, p_end):
+            page: T.let = page_values[first + p]
+            valid: T.let = T.min(PAGE_SIZE, n - p * PAGE_SIZE)
+            # scores of the page's keys for the group's query heads (each key row read once)
+            for t in range(PAGE_SIZE):
+                for g in range(group):
+                    for lane in T.vectorized(_LANES):
+                        vec[g, lane] = qs[g, lane] * T.Cast("float32", pages[page, 0, hk, t, lane])
+                for blk in range(1, blocks):
+                    for g in range(group):
+                        for lane in T.vectorized(_LANES):
+                            vec[g, lane] = vec[g, lane] + qs[g, blk * _LANES + lane] * T.Cast(
+                                "float32", pages[page, 0, hk, t, blk * _LANES + lane])
+                for g in range(group):
+                    _reduce(vec, g, T.Add, h4, red)
+                    s[g, t] = T.Select(t < valid, red[0], T.float32(_NO_SCORE))
+            # online softmax: new running max, rescale of what came before, this page's weights
+            for g in range(group):
+                for lane in T.vectorized(_LANES):
+                    vec[g, lane] = T.max(s[g, lane], s[g, lane + _LANES])
+                _reduce(vec, g, T.max, h4, red)
+                new_max: T.let = T.max(run[0, g], red[0])
+                rescale: T.let = fast_exp((run[0, g] - new_max) * T.float32(_LN2))
+                for t in T.vectorized(PAGE_SIZE):
+                    s[g, t] = fast_exp((s[g, t] - new_max) * T.float32(_LN2))
+                for lane in T.vectorized(_LANES):
+                    vec[g, lane] = s[g, lane] + s[g, lane + _LANES]
+                _reduce(vec, g, T.Add, h4, red)
+                run[0, g] = new_max
+                run[1, g] = run[1, g] * rescale + red[0]
+                run[2, g] = rescale
+            # values: each accumulator block kept in registers over the page's rows
+            for blk in range(blocks):
+                for g in range(group):
+                    for lane in T.vectorized(_LANES):
+                        vec[g, lane] = acc[g, blk * _LANES + lane] * run[2, g]
+                for t in range(valid):
+                    for g in range(group):
+                        for lane in T.vectorized(_LANES):
+                            vec[g, lane] = vec[g, lane] + s[g, t] * T.Cast(
+                                "float32", pages[page, 1, hk, t, blk * _LANES + lane])
+                for g in range(group):
+                    for lane in T.vectorized(_LANES):
+                        acc[g, blk * _LANES + lane] = vec[g, lane]
+        for g in range(group):
+            part_max[unit, g] = run[0, g]
+            part_sum[unit, g] = run[1, g]
+            for j in T.vectorized(d):
+                part_acc[unit, g, j] = acc[g, j]
+
     @T.prim_func(private=True)
     def batch_decode_paged_kv(
         var_q: T.handle, var_pages: T.handle, var_page_indptr: T.handle, var_page_values: T.handle,
@@ -87,77 +163,14 @@ def decode_attention_kernel(h_kv: int, h_q: int, d: int, dtype: str = "float32")
         part_acc = T.alloc_buffer((batch_size * h_kv * SPLITS, group, d), "float32")
         part_max = T.alloc_buffer((batch_size * h_kv * SPLITS, group), "float32")
         part_sum = T.alloc_buffer((batch_size * h_kv * SPLITS, group), "float32")
-        for unit in T.parallel(batch_size * h_kv * SPLITS):
-            qs = T.alloc_buffer((group, d), "float32", scope="local")
-            acc = T.alloc_buffer((group, d), "float32", scope="local")
-            s = T.alloc_buffer((group, PAGE_SIZE), "float32", scope="local")
-            vec = T.alloc_buffer((group, _LANES), "float32", scope="local")  # dot products, then V rows
-            h4 = T.alloc_buffer((4,), "float32", scope="local")
-            red = T.alloc_buffer((1,), "float32", scope="local")
-            run = T.alloc_buffer((3, group), "float32", scope="local")  # running max, running sum, last rescale
-            b: T.let = unit // (h_kv * SPLITS)
-            hk: T.let = unit // SPLITS % h_kv
-            first: T.let = page_indptr[b]
-            n_pages: T.let = page_indptr[b + 1] - first
-            n: T.let = T.Select(n_pages > 0, (n_pages - 1) * PAGE_SIZE + length_info[b], 0)
-            per: T.let = T.max((n_pages + SPLITS - 1) // SPLITS, MIN_PAGES)
-            p_begin: T.let = unit % SPLITS * per
-            p_end: T.let = T.min(p_begin + per, n_pages)
-            for g in range(group):
-                run[0, g] = T.float32(_NO_SCORE)
-                run[1, g] = T.float32(0)
-                for j in T.vectorized(d):
-                    qs[g, j] = T.Cast("float32", q[b, hk * group + g, j]) * (sm_scale * T.float32(_LOG2E))
-                    acc[g, j] = T.float32(0)
-            for p in range(p_begin, p_end):
-                page: T.let = page_values[first + p]
-                valid: T.let = T.min(PAGE_SIZE, n - p * PAGE_SIZE)
-                # scores of the page's keys for the group's query heads (each key row read once)
-                for t in range(PAGE_SIZE):
-                    for g in range(group):
-                        for lane in T.vectorized(_LANES):
-                            vec[g, lane] = qs[g, lane] * T.Cast("float32", pages[page, 0, hk, t, lane])
-                    for blk in range(1, blocks):
-                        for g in range(group):
-                            for lane in T.vectorized(_LANES):
-                                vec[g, lane] = vec[g, lane] + qs[g, blk * _LANES + lane] * T.Cast(
-                                    "float32", pages[page, 0, hk, t, blk * _LANES + lane])
-                    for g in range(group):
-                        _reduce(vec, g, T.Add, h4, red)
-                        s[g, t] = T.Select(t < valid, red[0], T.float32(_NO_SCORE))
-                # online softmax: new running max, rescale of what came before, this page's weights
-                for g in range(group):
-                    for lane in T.vectorized(_LANES):
-                        vec[g, lane] = T.max(s[g, lane], s[g, lane + _LANES])
-                    _reduce(vec, g, T.max, h4, red)
-                    new_max: T.let = T.max(run[0, g], red[0])
-                    rescale: T.let = fast_exp((run[0, g] - new_max) * T.float32(_LN2))
-                    for t in T.vectorized(PAGE_SIZE):
-                        s[g, t] = fast_exp((s[g, t] - new_max) * T.float32(_LN2))
-                    for lane in T.vectorized(_LANES):
-                        vec[g, lane] = s[g, lane] + s[g, lane + _LANES]
-                    _reduce(vec, g, T.Add, h4, red)
-                    run[0, g] = new_max
-                    run[1, g] = run[1, g] * rescale + red[0]
-                    run[2, g] = rescale
-                # values: each accumulator block kept in registers over the page's rows
-                for blk in range(blocks):
-                    for g in range(group):
-                        for lane in T.vectorized(_LANES):
-                            vec[g, lane] = acc[g, blk * _LANES + lane] * run[2, g]
-                    for t in range(valid):
-                        for g in range(group):
-                            for lane in T.vectorized(_LANES):
-                                vec[g, lane] = vec[g, lane] + s[g, t] * T.Cast(
-                                    "float32", pages[page, 1, hk, t, blk * _LANES + lane])
-                    for g in range(group):
-                        for lane in T.vectorized(_LANES):
-                            acc[g, blk * _LANES + lane] = vec[g, lane]
-            for g in range(group):
-                part_max[unit, g] = run[0, g]
-                part_sum[unit, g] = run[1, g]
-                for j in T.vectorized(d):
-                    part_acc[unit, g, j] = acc[g, j]
+        if nnz_pages <= SERIAL_PAGES:  # little work: no fork-join (which costs a time slice on a busy machine)
+            for unit in range(batch_size * h_kv * SPLITS):
+                chunk(unit, q, pages, page_indptr, page_values, length_info, part_acc, part_max, part_sum,
+                      sm_scale)
+        else:
+            for unit in T.parallel(batch_size * h_kv * SPLITS):
+                chunk(unit, q, pages, page_indptr, page_values, length_info, part_acc, part_max, part_sum,
+                      sm_scale)
         for bh in range(batch_size * h_q):  # serial: a few microseconds, one fork-join less per layer
             total = T.alloc_buffer((d,), "float32", scope="local")
             stats = T.alloc_buffer((2,), "float32", scope="local")  # max over the chunks, weighted sum

@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 import tvm
-from logitproc.compile.decode_attention import MIN_PAGES, PAGE_SIZE, SPLITS, decode_attention_kernel
+from logitproc.compile.decode_attention import MIN_PAGES, PAGE_SIZE, SERIAL_PAGES, SPLITS, decode_attention_kernel
 from logitproc.compile.prefill_attention import QUERY_BLOCK, paged_prefill_kernel, ragged_prefill_kernel
 from logitproc.compile.targets import resolve_target
 
@@ -96,10 +96,13 @@ def check(out, lse, want_out, want_lse) -> None:
 
 
 CHUNK = MIN_PAGES * PAGE_SIZE
+#: Up to SERIAL_PAGES pages in all the kernel runs on one thread, beyond on both: cases on both sides.
 DECODE_CASES = {
     "one token": [1],
     "one partly filled page": [7],
     "exactly one page": [PAGE_SIZE],
+    "the most pages run serially": [SERIAL_PAGES * PAGE_SIZE],
+    "one token more than that": [SERIAL_PAGES * PAGE_SIZE + 1],
     "a page and one token": [PAGE_SIZE + 1],
     "not a multiple of a chunk": [SPLITS * CHUNK + 5],
     "long, every chunk used": [SPLITS * CHUNK * 3 + 11],
