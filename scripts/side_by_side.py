@@ -70,6 +70,7 @@ class LlamaCppRunner:
             import llama_cpp
         except ImportError as error:  # pragma: no cover - the optional `bench` extra
             raise SystemExit("the side-by-side mode needs llama-cpp-python: pip install -e '.[bench]'") from error
+        self._llama_cpp = llama_cpp
         self.version = llama_cpp.__version__
         self.system_info = llama_cpp.llama_print_system_info().decode()
         self.llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
@@ -77,7 +78,9 @@ class LlamaCppRunner:
         self._vocab = self.llm.n_vocab()
 
     def _logits(self) -> np.ndarray:
-        return np.ctypeslib.as_array(self.llm._ctx.get_logits(), shape=(self._vocab,)).copy()
+        """The last evaluated token's logits (llama.cpp's C API; ``Llama.eval`` keeps them only with logits_all)."""
+        pointer = self._llama_cpp.llama_get_logits_ith(self.llm.ctx, -1)
+        return np.ctypeslib.as_array(pointer, shape=(self._vocab,)).copy()
 
     def prefill(self, tokens: Sequence[int]) -> np.ndarray:
         self.llm.reset()
