@@ -38,17 +38,17 @@ MIN_PAGES = 2
 #: Up to this many pages in the whole batch the units run on one thread (tens of microseconds at most).
 SERIAL_PAGES = 16
 #: Vector lanes of the loops (one AVX2 register; LLVM lowers wider ones with shuffles through scalar registers).
-_LANES = 8
-_LOG2E = math.log2(math.e)
-_LN2 = math.log(2)
-_EMPTY_LSE = -5e4
+LANES = 8
+LOG2E = math.log2(math.e)
+LN2 = math.log(2)
+EMPTY_LSE = -5e4
 #: The score of a key slot past the end of a page (and the running max before any key): far below any real score,
 #: its exponential underflows to exactly 0, and it stays finite (no inf - inf).
-_NO_SCORE = -1e30
+NO_SCORE = -1e30
 
 
 @T.macro
-def _reduce(x, g, op, h4, out):
+def reduce_lanes(x, g, op, h4, out):
     """out[0] = op over the 8 lanes x[g, 0:8]: one 4-lane step, then scalars."""
     for lane in T.vectorized(4):
         h4[lane] = op(x[g, lane], x[g, lane + 4])
@@ -58,12 +58,12 @@ def _reduce(x, g, op, h4, out):
 def decode_attention_kernel(h_kv: int, h_q: int, d: int, dtype: str = "float32") -> tirx.PrimFunc:
     """The decode attention kernel for ``h_q`` query heads over ``h_kv`` KV heads of size ``d`` (see the module
     doc): TVM's ``batch_decode_paged_kv`` signature, pages ``[max_pages, 2, h_kv, 16, d]`` of ``dtype``."""
-    if d % _LANES:
-        raise ValueError(f"head size {d} is not a multiple of {_LANES}")
+    if d % LANES:
+        raise ValueError(f"head size {d} is not a multiple of {LANES}")
     if h_kv < 1 or h_q % h_kv:
         raise ValueError(f"query heads {h_q} are not a multiple of KV heads {h_kv}")
     group = h_q // h_kv
-    blocks = d // _LANES
+    blocks = d // LANES
 
     @T.macro
     def chunk(unit, q, pages, page_indptr, page_values, length_info, part_acc, part_max, part_sum, sm_scale):
@@ -71,7 +71,7 @@ def decode_attention_kernel(h_kv: int, h_q: int, d: int, dtype: str = "float32")
         qs = T.alloc_buffer((group, d), "float32", scope="local")
         acc = T.alloc_buffer((group, d), "float32", scope="local")
         s = T.alloc_buffer((group, PAGE_SIZE), "float32", scope="local")
-        vec = T.alloc_buffer((group, _LANES), "float32", scope="local")  # dot products, then V rows
+        vec = T.alloc_buffer((group, LANES), "float32", scope="local")  # dot products, then V rows
         h4 = T.alloc_buffer((4,), "float32", scope="local")
         red = T.alloc_buffer((1,), "float32", scope="local")
         run = T.alloc_buffer((3, group), "float32", scope="local")  # running max, running sum, last rescale
@@ -84,10 +84,10 @@ def decode_attention_kernel(h_kv: int, h_q: int, d: int, dtype: str = "float32")
         p_begin: T.let = unit % SPLITS * per
         p_end: T.let = T.min(p_begin + per, n_pages)
         for g in range(group):
-            run[0, g] = T.float32(_NO_SCORE)
+            run[0, g] = T.float32(NO_SCORE)
             run[1, g] = T.float32(0)
             for j in T.vectorized(d):
-                qs[g, j] = T.Cast("float32", q[b, hk * group + g, j]) * (sm_scale * T.float32(_LOG2E))
+                qs[g, j] = T.Cast("float32", q[b, hk * group + g, j]) * (sm_scale * T.float32(LOG2E))
                 acc[g, j] = T.float32(0)
         for p in range(p_begin, p_end):
             page: T.let = page_values[first + p]
@@ -95,44 +95,44 @@ def decode_attention_kernel(h_kv: int, h_q: int, d: int, dtype: str = "float32")
             # scores of the page's keys for the group's query heads (each key row read once)
             for t in range(PAGE_SIZE):
                 for g in range(group):
-                    for lane in T.vectorized(_LANES):
+                    for lane in T.vectorized(LANES):
                         vec[g, lane] = qs[g, lane] * T.Cast("float32", pages[page, 0, hk, t, lane])
                 for blk in range(1, blocks):
                     for g in range(group):
-                        for lane in T.vectorized(_LANES):
-                            vec[g, lane] = vec[g, lane] + qs[g, blk * _LANES + lane] * T.Cast(
-                                "float32", pages[page, 0, hk, t, blk * _LANES + lane])
+                        for lane in T.vectorized(LANES):
+                            vec[g, lane] = vec[g, lane] + qs[g, blk * LANES + lane] * T.Cast(
+                                "float32", pages[page, 0, hk, t, blk * LANES + lane])
                 for g in range(group):
-                    _reduce(vec, g, T.Add, h4, red)
-                    s[g, t] = T.Select(t < valid, red[0], T.float32(_NO_SCORE))
+                    reduce_lanes(vec, g, T.Add, h4, red)
+                    s[g, t] = T.Select(t < valid, red[0], T.float32(NO_SCORE))
             # online softmax: new running max, rescale of what came before, this page's weights
             for g in range(group):
-                for lane in T.vectorized(_LANES):
-                    vec[g, lane] = T.max(s[g, lane], s[g, lane + _LANES])
-                _reduce(vec, g, T.max, h4, red)
+                for lane in T.vectorized(LANES):
+                    vec[g, lane] = T.max(s[g, lane], s[g, lane + LANES])
+                reduce_lanes(vec, g, T.max, h4, red)
                 new_max: T.let = T.max(run[0, g], red[0])
-                rescale: T.let = fast_exp((run[0, g] - new_max) * T.float32(_LN2))
+                rescale: T.let = fast_exp((run[0, g] - new_max) * T.float32(LN2))
                 for t in T.vectorized(PAGE_SIZE):
-                    s[g, t] = fast_exp((s[g, t] - new_max) * T.float32(_LN2))
-                for lane in T.vectorized(_LANES):
-                    vec[g, lane] = s[g, lane] + s[g, lane + _LANES]
-                _reduce(vec, g, T.Add, h4, red)
+                    s[g, t] = fast_exp((s[g, t] - new_max) * T.float32(LN2))
+                for lane in T.vectorized(LANES):
+                    vec[g, lane] = s[g, lane] + s[g, lane + LANES]
+                reduce_lanes(vec, g, T.Add, h4, red)
                 run[0, g] = new_max
                 run[1, g] = run[1, g] * rescale + red[0]
                 run[2, g] = rescale
             # values: each accumulator block kept in registers over the page's rows
             for blk in range(blocks):
                 for g in range(group):
-                    for lane in T.vectorized(_LANES):
-                        vec[g, lane] = acc[g, blk * _LANES + lane] * run[2, g]
+                    for lane in T.vectorized(LANES):
+                        vec[g, lane] = acc[g, blk * LANES + lane] * run[2, g]
                 for t in range(valid):
                     for g in range(group):
-                        for lane in T.vectorized(_LANES):
+                        for lane in T.vectorized(LANES):
                             vec[g, lane] = vec[g, lane] + s[g, t] * T.Cast(
-                                "float32", pages[page, 1, hk, t, blk * _LANES + lane])
+                                "float32", pages[page, 1, hk, t, blk * LANES + lane])
                 for g in range(group):
-                    for lane in T.vectorized(_LANES):
-                        acc[g, blk * _LANES + lane] = vec[g, lane]
+                    for lane in T.vectorized(LANES):
+                        acc[g, blk * LANES + lane] = vec[g, lane]
         for g in range(group):
             part_max[unit, g] = run[0, g]
             part_sum[unit, g] = run[1, g]
@@ -177,14 +177,14 @@ def decode_attention_kernel(h_kv: int, h_q: int, d: int, dtype: str = "float32")
             b: T.let = bh // h_q
             g: T.let = bh % h_q % group
             base: T.let = (b * h_kv + bh % h_q // group) * SPLITS
-            stats[0] = T.float32(_NO_SCORE)
+            stats[0] = T.float32(NO_SCORE)
             stats[1] = T.float32(0)
             for sp in range(SPLITS):
                 stats[0] = T.max(stats[0], part_max[base + sp, g])
             for j in T.vectorized(d):
                 total[j] = T.float32(0)
             for sp in range(SPLITS):
-                weight: T.let = fast_exp((part_max[base + sp, g] - stats[0]) * T.float32(_LN2))
+                weight: T.let = fast_exp((part_max[base + sp, g] - stats[0]) * T.float32(LN2))
                 stats[1] = stats[1] + weight * part_sum[base + sp, g]
                 for j in T.vectorized(d):
                     total[j] = total[j] + weight * part_acc[base + sp, g, j]
@@ -195,7 +195,7 @@ def decode_attention_kernel(h_kv: int, h_q: int, d: int, dtype: str = "float32")
             else:
                 for j in T.vectorized(d):
                     output[b, bh % h_q, j] = T.Cast(dtype, T.float32(0))
-                lse[b, bh % h_q] = T.float32(_EMPTY_LSE)
+                lse[b, bh % h_q] = T.float32(EMPTY_LSE)
 
     return batch_decode_paged_kv
 

@@ -26,32 +26,16 @@ uses ``RopeMode.NORMAL``), so the rotary arguments are unused; pages hold 16 tok
 
 from __future__ import annotations
 
-import math
-
 from tvm import tirx
 from tvm.script import tirx as T
 
 from ..tir_kernels._common import fast_exp
+from .decode_attention import EMPTY_LSE, LANES, LN2, LOG2E, NO_SCORE, PAGE_SIZE, reduce_lanes
 
-PAGE_SIZE = 16
 #: Query tokens per unit of work (times the query heads of a KV head: the rows sharing each key tile).
 QUERY_BLOCK = 8
 #: Keys per tile (a page).
 TILE = PAGE_SIZE
-_LANES = 8
-_LOG2E = math.log2(math.e)
-_LN2 = math.log(2)
-_EMPTY_LSE = -5e4
-#: The score of a key a query does not see (and the running max before any key): its exponential is exactly 0.
-_NO_SCORE = -1e30
-
-
-@T.macro
-def _reduce(x, r, op, h4, out):
-    """out[0] = op over the 8 lanes x[r, 0:8]."""
-    for lane in T.vectorized(4):
-        h4[lane] = op(x[r, lane], x[r, lane + 4])
-    out[0] = op(op(h4[0], h4[2]), op(h4[1], h4[3]))
 
 
 @T.macro
@@ -63,15 +47,15 @@ def _attend_block(q, i0, rows_q, hk, group, d, limit, n_max, key, value, output,
     s = T.alloc_buffer((QUERY_BLOCK * group, TILE), "float32")
     run = T.alloc_buffer((3, QUERY_BLOCK * group), "float32")  # running max, running sum, last rescale
     acc_row = T.alloc_buffer((d,), "float32", scope="local")
-    vec = T.alloc_buffer((QUERY_BLOCK * group, _LANES), "float32", scope="local")
+    vec = T.alloc_buffer((QUERY_BLOCK * group, LANES), "float32", scope="local")
     h4 = T.alloc_buffer((4,), "float32", scope="local")
     red = T.alloc_buffer((1,), "float32", scope="local")
     for r in range(rows_q * group):
-        run[0, r] = T.float32(_NO_SCORE)
+        run[0, r] = T.float32(NO_SCORE)
         run[1, r] = T.float32(0)
         for j in T.vectorized(d):
             qs[r, j] = T.Cast("float32", q[i0 + r // group, hk * group + r % group, j]) * (
-                sm_scale * T.float32(_LOG2E))
+                sm_scale * T.float32(LOG2E))
             acc[r, j] = T.float32(0)
     for tile in range((n_max + TILE - 1) // TILE):
         c0: T.let = tile * TILE
@@ -79,29 +63,29 @@ def _attend_block(q, i0, rows_q, hk, group, d, limit, n_max, key, value, output,
         # scores: each key row read once for all the rows
         for t in range(in_tile):
             for r in range(rows_q * group):
-                for lane in T.vectorized(_LANES):
+                for lane in T.vectorized(LANES):
                     vec[r, lane] = qs[r, lane] * T.Cast("float32", key(c0 + t, lane))
-                for blk in range(1, d // _LANES):
-                    for lane in T.vectorized(_LANES):
-                        vec[r, lane] = vec[r, lane] + qs[r, blk * _LANES + lane] * T.Cast(
-                            "float32", key(c0 + t, blk * _LANES + lane))
-                _reduce(vec, r, T.Add, h4, red)
-                s[r, t] = T.Select(c0 + t < limit[r // group], red[0], T.float32(_NO_SCORE))
+                for blk in range(1, d // LANES):
+                    for lane in T.vectorized(LANES):
+                        vec[r, lane] = vec[r, lane] + qs[r, blk * LANES + lane] * T.Cast(
+                            "float32", key(c0 + t, blk * LANES + lane))
+                reduce_lanes(vec, r, T.Add, h4, red)
+                s[r, t] = T.Select(c0 + t < limit[r // group], red[0], T.float32(NO_SCORE))
         for t in range(in_tile, TILE):
             for r in range(rows_q * group):
-                s[r, t] = T.float32(_NO_SCORE)
+                s[r, t] = T.float32(NO_SCORE)
         # online softmax per row
         for r in range(rows_q * group):
-            for lane in T.vectorized(_LANES):
-                vec[r, lane] = T.max(s[r, lane], s[r, lane + _LANES])
-            _reduce(vec, r, T.max, h4, red)
+            for lane in T.vectorized(LANES):
+                vec[r, lane] = T.max(s[r, lane], s[r, lane + LANES])
+            reduce_lanes(vec, r, T.max, h4, red)
             new_max: T.let = T.max(run[0, r], red[0])
-            rescale: T.let = fast_exp((run[0, r] - new_max) * T.float32(_LN2))
+            rescale: T.let = fast_exp((run[0, r] - new_max) * T.float32(LN2))
             for t in T.vectorized(TILE):
-                s[r, t] = fast_exp((s[r, t] - new_max) * T.float32(_LN2))
-            for lane in T.vectorized(_LANES):
-                vec[r, lane] = s[r, lane] + s[r, lane + _LANES]
-            _reduce(vec, r, T.Add, h4, red)
+                s[r, t] = fast_exp((s[r, t] - new_max) * T.float32(LN2))
+            for lane in T.vectorized(LANES):
+                vec[r, lane] = s[r, lane] + s[r, lane + LANES]
+            reduce_lanes(vec, r, T.Add, h4, red)
             run[0, r] = new_max
             run[1, r] = run[1, r] * rescale + red[0]
             run[2, r] = rescale
@@ -122,12 +106,12 @@ def _attend_block(q, i0, rows_q, hk, group, d, limit, n_max, key, value, output,
         else:
             for j in T.vectorized(d):
                 output[i0 + r // group, hk * group + r % group, j] = T.Cast(dtype, T.float32(0))
-            lse[i0 + r // group, hk * group + r % group] = T.float32(_EMPTY_LSE)
+            lse[i0 + r // group, hk * group + r % group] = T.float32(EMPTY_LSE)
 
 
 def _check(h_kv: int, h_q: int, d: int) -> int:
-    if d % _LANES:
-        raise ValueError(f"head size {d} is not a multiple of {_LANES}")
+    if d % LANES:
+        raise ValueError(f"head size {d} is not a multiple of {LANES}")
     if h_kv < 1 or h_q % h_kv:
         raise ValueError(f"query heads {h_q} are not a multiple of KV heads {h_kv}")
     return h_q // h_kv
