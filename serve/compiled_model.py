@@ -9,8 +9,9 @@
     processor = LogitProcessor(model.kernel_library, model.vocab_size, 64)  # kernels from the same library
 
 The interface and its checks are ``logitproc.serve.runner.ModelRunner``'s; the sequences live in TVM's paged KV
-cache (``vm.builtin.kv_state_*``): a fork shares the parent's pages, ``popn`` drops tokens from the end. Prompts
-longer than ``prefill_chunk_size`` tokens in all are processed in several forward passes of at most that many.
+cache (``vm.builtin.kv_state_*``): a fork shares the parent's pages (up to any position), ``popn`` drops tokens
+from the end. Prompts longer than ``prefill_chunk_size`` tokens in all are processed in several forward passes of
+at most that many.
 
 Accuracy against ``NumpyLlama`` (float32 weights, dequantised from the GGUF): with ``weight_dtype="auto"`` (the
 default) a GGUF's Q4_1/Q8_0 matrices are kept in their blocks and decoded inside the matmuls, so the model computes
@@ -120,8 +121,8 @@ class CompiledModel(ModelRunner):
     def _remove(self, seq_id: int) -> None:
         self._kv_remove(self._kv, seq_id)
 
-    def _fork(self, parent: int, child: int) -> None:
-        self._kv_fork(self._kv, parent, child, -1)
+    def _fork(self, parent: int, child: int, length: int) -> None:
+        self._kv_fork(self._kv, parent, child, length)
 
     def _popn(self, seq_id: int, n: int) -> None:
         self._kv_popn(self._kv, seq_id, n)

@@ -244,10 +244,10 @@ class NumpyRunner(ModelRunner):
     def _remove(self, seq_id: int) -> None:
         del self._llamas[seq_id]
 
-    def _fork(self, parent: int, child: int) -> None:
+    def _fork(self, parent: int, child: int, length: int) -> None:
         source, llama = self._llamas[parent], self._new_llama()
         llama._k_cache, llama._v_cache = source._k_cache.copy(), source._v_cache.copy()
-        llama._length = source._length
+        llama._length = length
         self._llamas[child] = llama
 
     def _popn(self, seq_id: int, n: int) -> None:

@@ -9,7 +9,9 @@ Interface::
 
     runner.add_sequence(seq_id)                 a new, empty sequence
     runner.remove_sequence(seq_id)              forget it (its id can be added again)
-    runner.fork_sequence(parent_id, child_id)   child starts as a copy of parent (the KV cache shares the prefix)
+    runner.fork_sequence(parent_id, child_id, length=None)
+                                                child starts as a copy of the parent's first ``length`` tokens
+                                                (all by default; the KV cache shares them)
     runner.popn(seq_id, n)                      drop the last n tokens (0 <= n <= length)
     runner.sequence_length(seq_id)              tokens in the KV cache
     runner.prefill(seq_ids, token_ids)          append token_ids[i] to seq_ids[i]; logits [len(seq_ids), vocab]
@@ -53,7 +55,7 @@ class Runner(Protocol):
 
     def remove_sequence(self, seq_id: int) -> None: ...
 
-    def fork_sequence(self, parent_id: int, child_id: int) -> None: ...
+    def fork_sequence(self, parent_id: int, child_id: int, length: int | None = None) -> None: ...
 
     def popn(self, seq_id: int, n: int) -> None: ...
 
@@ -132,14 +134,24 @@ class ModelRunner:
         self._remove(seq_id)
         del self._lengths[seq_id]
 
-    def fork_sequence(self, parent_id: int, child_id: int) -> None:
-        """Start ``child_id`` as a copy of ``parent_id`` (same tokens; the KV cache shares them where it can)."""
+    def fork_sequence(self, parent_id: int, child_id: int, length: int | None = None) -> None:
+        """Start ``child_id`` as a copy of the first ``length`` tokens of ``parent_id`` (all of them by default;
+        the KV cache shares them where it can)."""
         parent = self._known(parent_id, "parent_id")
         child = self._fresh(child_id, "child_id")
-        if self._lengths[parent] + sum(self._lengths.values()) > self.max_total_tokens:
+        size = self._lengths[parent]
+        if length is not None:
+            try:
+                length = operator.index(length)
+            except TypeError:
+                raise ValueError(f"length must be an int, got {length!r}") from None
+            if not 0 <= length <= size:
+                raise ValueError(f"fork length must lie in [0, {size}] for sequence {parent}, got {length}")
+            size = length
+        if size + sum(self._lengths.values()) > self.max_total_tokens:
             raise ValueError(f"forking {parent} would exceed the KV cache's {self.max_total_tokens} tokens")
-        self._fork(parent, child)
-        self._lengths[child] = self._lengths[parent]
+        self._fork(parent, child, size)
+        self._lengths[child] = size
 
     def popn(self, seq_id: int, n: int) -> None:
         """Drop the last ``n`` tokens of ``seq_id`` from the KV cache."""
@@ -214,7 +226,7 @@ class ModelRunner:
     def _remove(self, seq_id: int) -> None:
         raise NotImplementedError
 
-    def _fork(self, parent: int, child: int) -> None:
+    def _fork(self, parent: int, child: int, length: int) -> None:
         raise NotImplementedError
 
     def _popn(self, seq_id: int, n: int) -> None:
