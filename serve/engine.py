@@ -4,12 +4,14 @@ One ``step()``, module by module::
 
     scheduler.py   aborts end their sequences; the latest-arrived requests are preempted while the next forward
                    would overflow the KV cache; waiting requests are admitted while slots and KV cache are free
-    model_step.py  the step's Batch is made (its masks start filling on worker threads), then the model runs:
+    model_step.py  the step's Batch is made (its masks start filling on worker threads), then the model runs
+                   (a new sequence forks the prefix cache entry sharing the longest prefix, if any):
                    prefill (new prompts, forks of n > 1 requests, feeds left by a jump-forward), then decode
     processing.py  LogitProcessor -> Sampler on the Batch, once over every row
     commit.py      each row's token is committed (state, text deltas, finish rules); with ``jump_forward`` the
                    tokens the constraints force are appended without a decode step each
-    scheduler.py   finished sequences free their slots;  step_stats.py  the step's statistics
+    scheduler.py   finished sequences free their slots (or keep their KV cache as prefix cache entries);
+    step_stats.py  the step's statistics
 
 Requests join (``add_request``) and leave (finish or ``abort``) between steps; everything about a bad request is
 checked in ``add_request`` (a ValueError there), so it never disturbs the others.
@@ -30,6 +32,7 @@ from logitproc.runtime.tree_decode import TreeDecodeConfig
 from .commit import commit_row, jump_forward
 from .model_step import run_model
 from .outputs import Delta, EngineStats, Output, RequestStats
+from .prefix_cache import PrefixCache
 from .processing import process
 from .runner import Runner
 from .scheduler import Deltas, Scheduler, delta_of
@@ -45,12 +48,16 @@ class Engine:
     ``max_batch`` bounds the sequences running at once (and the rows of one processing call);
     ``jump_forward`` appends the tokens that grammar constraints force without a decode step each;
     ``grammar_backend`` names the constraint backend used for ``response_format`` and thinking budgets;
-    ``tree_decode`` constrains every sequence to a Tree Decode map. Logit processing runs on the CPU, with the
+    ``tree_decode`` constrains every sequence to a Tree Decode map; ``prefix_cache`` keeps finished sequences' KV
+    cache so that a prompt sharing a prefix with one (a conversation's earlier turns, a system prompt) prefills only
+    the rest (``RequestStats.cached_tokens``; entries are evicted LRU when the KV cache or the model's sequence slots
+    run short). An engine owns its model's KV cache: making one frees the sequences an earlier engine left there. Logit processing runs on the CPU, with the
     kernels of the model's own library.
     """
 
     def __init__(self, model: Runner, max_batch: int = 8, jump_forward: bool = False,
-                 grammar_backend: str = "llguidance", tree_decode: TreeDecodeConfig | None = None) -> None:
+                 grammar_backend: str = "llguidance", tree_decode: TreeDecodeConfig | None = None,
+                 prefix_cache: bool = True) -> None:
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
         self.model = model
@@ -66,7 +73,8 @@ class Engine:
         self.processor = LogitProcessor(model.kernel_library, self.vocab_size, self.max_batch)
         self.sampler = Sampler(model.kernel_library, self.vocab_size, self.max_batch)
         self.stats = EngineStats()
-        self.scheduler = Scheduler(model, self.max_batch, self.max_total_tokens, self.stats)
+        cache = PrefixCache(self.max_total_tokens, int(model.max_num_sequences)) if prefix_cache else None
+        self.scheduler = Scheduler(model, self.max_batch, self.max_total_tokens, self.stats, cache)
         self._constraints: ConstraintFactory | None = None
         self._ids = itertools.count()
         self._arrivals = itertools.count()  # arrival order: the latest-arrived request is preempted first
@@ -168,6 +176,10 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def clear_prefix_cache(self) -> None:
+        """Free the KV cache kept for prefix reuse (call between steps, from the stepping thread)."""
+        self.scheduler.clear_prefix_cache()
+
     @property
     def num_running(self) -> int:
         return len(self.scheduler.running)
@@ -182,7 +194,7 @@ class Engine:
         scheduler.retire(deltas)  # aborted sequences leave the KV cache before room is counted
         scheduler.make_room()
         scheduler.admit()
-        step = run_model(self.model, self.processor, scheduler.live())
+        step = run_model(self.model, self.processor, scheduler.live(), scheduler.place)
         processing_s = 0.0
         if step.batch is not None and step.logits is not None:
             t0 = time.perf_counter()

@@ -8,6 +8,7 @@ and sequences with mask sources start filling their masks on worker threads whil
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,8 +33,10 @@ class ModelStep:
     decode_seconds: float = 0.0
 
 
-def run_model(model: Runner, processor: LogitProcessor, live: list[GeneratedSequence]) -> ModelStep:
-    """Feed every live sequence's pending tokens through the model; return the step's rows and logits."""
+def run_model(model: Runner, processor: LogitProcessor, live: list[GeneratedSequence],
+              place: Callable[[GeneratedSequence], None]) -> ModelStep:
+    """Feed every live sequence's pending tokens through the model; return the step's rows and logits.
+    ``place(seq)`` starts a sequence that is not in the model yet (empty, or forked from the prefix cache)."""
     step = ModelStep()
     prefill = [s for s in live if s.forked_from is None and (len(s.feed) > 1 or not s.in_model)]
     decode = [s for s in live if s.in_model and len(s.feed) == 1]
@@ -45,7 +48,7 @@ def run_model(model: Runner, processor: LogitProcessor, live: list[GeneratedSequ
         processor.start_masks(step.batch)
     blocks: list[np.ndarray] = []
     if prefill:
-        blocks += _prefill(model, prefill, step)
+        blocks += _prefill(model, prefill, step, place)
     if decode:
         t0 = time.perf_counter()
         out = np.asarray(model.decode([s.seq_id for s in decode], [s.feed[0] for s in decode]))
@@ -61,11 +64,11 @@ def run_model(model: Runner, processor: LogitProcessor, live: list[GeneratedSequ
     return step
 
 
-def _prefill(model: Runner, prefill: list[GeneratedSequence], step: ModelStep) -> list[np.ndarray]:
+def _prefill(model: Runner, prefill: list[GeneratedSequence], step: ModelStep,
+             place: Callable[[GeneratedSequence], None]) -> list[np.ndarray]:
     for seq in prefill:
         if not seq.in_model:
-            model.add_sequence(seq.seq_id)
-            seq.in_model = True
+            place(seq)
             step.started.add(seq.request_id)
     t0 = time.perf_counter()
     out = np.asarray(model.prefill([s.seq_id for s in prefill], [s.feed for s in prefill]))

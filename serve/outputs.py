@@ -35,6 +35,8 @@ class RequestStats:
     jump_forward_tokens: int = 0
     #: Times the request was preempted (its KV cache freed, prompt and output prefilled again later).
     preemptions: int = 0
+    #: Prompt tokens whose KV cache came from the prefix cache instead of a prefill.
+    cached_tokens: int = 0
 
     @property
     def time_to_first_token(self) -> float | None:
@@ -78,6 +80,8 @@ class EngineStats:
     jump_forward_tokens: int = 0
     jump_forward_steps_saved: int = 0
     preemptions: int = 0
+    #: Tokens whose KV cache was forked from the prefix cache instead of prefilled.
+    cached_tokens: int = 0
 
     @property
     def prefill_tokens_per_s(self) -> float:

@@ -7,6 +7,11 @@ would overflow the KV cache: its KV cache and slots are freed and it goes back t
 prefilled again (prompt + output so far, its state untouched) when there is room: recomputation, as vLLM does.
 ``retire`` frees the slots of finished sequences and forgets finished requests. Everything that other threads may
 call (``add``, ``abort``, ``has_unfinished``, ``is_done``) takes the lock.
+
+With a ``PrefixCache``, a finished sequence keeps its KV cache and model slot as a cache entry, and ``place`` starts a
+new sequence as a fork of the entry that shares the longest prefix with its tokens, so only the rest is prefilled
+(a conversation's earlier turns, a shared system prompt). Entries count against the KV budget and the model's
+sequence slots; when either runs short, entries are evicted least recently used before anything is preempted.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import time
 from collections import deque
 
 from .outputs import Delta, EngineStats
+from .prefix_cache import PrefixCache
 from .runner import Runner
 from .sequence import GeneratedSequence, Request
 
@@ -30,16 +36,23 @@ def delta_of(deltas: Deltas, seq: GeneratedSequence) -> Delta:
 class Scheduler:
     """The waiting queue, the running sequences, their model slots and the KV cache budget."""
 
-    def __init__(self, model: Runner, max_batch: int, max_total_tokens: int, stats: EngineStats) -> None:
+    def __init__(self, model: Runner, max_batch: int, max_total_tokens: int, stats: EngineStats,
+                 prefix_cache: PrefixCache | None = None) -> None:
         self.model = model
+        self.max_batch = max_batch
         self.max_total_tokens = max_total_tokens
         self.stats = stats
+        self.prefix_cache = prefix_cache
         self.lock = threading.Lock()
         self.waiting: deque[Request] = deque()
         self.requests: dict[str, Request] = {}  # admitted, not yet finished
         self.running: list[GeneratedSequence] = []
         self._aborts: set[str] = set()
-        self._free_ids = list(range(max_batch - 1, -1, -1))
+        for seq_id in model.sequence_ids:  # the engine owns the model's KV cache: what an earlier engine left goes
+            model.remove_sequence(seq_id)
+        # Model sequence slots: running sequences take at most max_batch of them, prefix cache entries the rest.
+        slots = max(max_batch, int(model.max_num_sequences)) if prefix_cache is not None else max_batch
+        self._free_ids = list(range(slots - 1, -1, -1))
 
     # ---- from any thread ---------------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -83,8 +96,16 @@ class Scheduler:
         """KV cache tokens the running sequences hold once the next forward has fed them."""
         return sum(s.kv_need for s in self.live())
 
+    @property
+    def cached_tokens(self) -> int:
+        """KV cache tokens held by prefix cache entries."""
+        return self.prefix_cache.num_tokens if self.prefix_cache is not None else 0
+
     def make_room(self) -> None:
-        """Preempt the latest-arrived running requests until the next forward fits in the KV cache."""
+        """Evict prefix cache entries, then preempt the latest-arrived running requests, until the next forward fits
+        in the KV cache."""
+        while self.cached_tokens and self.kv_needed() + self.cached_tokens > self.max_total_tokens:
+            self._evict()
         while self.kv_needed() > self.max_total_tokens:
             live = {s.request.request_id: s.request for s in self.live()}
             if len(live) < 2:  # cannot happen: a request alone always fits (its sequences stop at `limit`)
@@ -116,6 +137,11 @@ class Scheduler:
                 request = self.waiting[0]
                 live = [s for s in request.sequences if s.finish_reason is None]
                 need = sum(s.kv_need for s in live)
+                if running + len(live) > self.max_batch:
+                    break
+                while self.cached_tokens and (len(live) > len(self._free_ids) or (
+                        used + self.cached_tokens + need + running + len(live) > self.max_total_tokens)):
+                    self._evict()  # cache entries make way for requests
                 if len(live) > len(self._free_ids) or (
                         running and used + need + running + len(live) > self.max_total_tokens):
                     break
@@ -126,13 +152,30 @@ class Scheduler:
                     seq.seq_id = self._free_ids.pop()
                     self.running.append(seq)
 
+    def place(self, seq: GeneratedSequence) -> None:
+        """Start ``seq`` in the model: as a fork of the prefix cache entry sharing the longest prefix with its feed
+        (at least one token is left to prefill, for the logits), or empty."""
+        match = None
+        if self.prefix_cache is not None and len(seq.feed) > 1:
+            match = self.prefix_cache.match(seq.feed, limit=len(seq.feed) - 1)
+        if match is None:
+            self.model.add_sequence(seq.seq_id)
+        else:
+            self.model.fork_sequence(match.seq_id, seq.seq_id, match.length)
+            seq.kv_len, seq.feed = match.length, seq.feed[match.length:]
+            seq.request.stats.cached_tokens = max(seq.request.stats.cached_tokens,
+                                                  min(match.length, len(seq.request.prompt_token_ids)))
+            self.stats.cached_tokens += match.length
+        seq.in_model = True
+
     def retire(self, deltas: Deltas) -> None:
-        """Free the model slots of finished sequences; forget finished requests."""
+        """Free the model slots of finished sequences (or keep them in the prefix cache); forget finished
+        requests."""
         keep = []
         for seq in self.running:
             if seq.finish_reason is None:
                 keep.append(seq)
-            else:
+            elif not self._cache(seq):
                 self._free(seq)
         self.running = keep
         for rid in [rid for rid, r in self.requests.items() if r.finished]:
@@ -149,3 +192,29 @@ class Scheduler:
             seq.in_model = False
         self._free_ids.append(seq.seq_id)
         seq.seq_id = None
+
+    def _cache(self, seq: GeneratedSequence) -> bool:
+        """Hand a finished sequence's model slot to the prefix cache; False when it has nothing to keep."""
+        if self.prefix_cache is None or not seq.in_model or not seq.kv_len:
+            return False
+        tokens = seq.state.prompt_token_ids + seq.state.output_token_ids
+        if len(tokens) < seq.kv_len:  # the cache would not hold what the tokens say: never share it
+            return False
+        for seq_id in self.prefix_cache.insert(seq.seq_id, tokens[: seq.kv_len]):
+            self._release(seq_id)
+        seq.in_model, seq.seq_id = False, None
+        return True
+
+    def _evict(self) -> None:
+        """Free the least recently used prefix cache entry."""
+        self._release(self.prefix_cache.evict())
+
+    def _release(self, seq_id: int) -> None:
+        self.model.remove_sequence(seq_id)
+        self._free_ids.append(seq_id)
+
+    def clear_prefix_cache(self) -> None:
+        """Free every prefix cache entry."""
+        if self.prefix_cache is not None:
+            for seq_id in self.prefix_cache.clear():
+                self._release(seq_id)
