@@ -51,8 +51,8 @@ class Engine:
     ``tree_decode`` constrains every sequence to a Tree Decode map; ``prefix_cache`` keeps finished sequences' KV
     cache so that a prompt sharing a prefix with one (a conversation's earlier turns, a system prompt) prefills only
     the rest (``RequestStats.cached_tokens``; entries are evicted LRU when the KV cache or the model's sequence slots
-    run short). An engine owns its model's KV cache: making one frees the sequences an earlier engine left there. Logit processing runs on the CPU, with the
-    kernels of the model's own library.
+    run short). An engine owns its model's KV cache: making one frees the sequences an earlier engine left there.
+    Logit processing runs on the CPU, with the kernels of the model's own library.
     """
 
     def __init__(self, model: Runner, max_batch: int = 8, jump_forward: bool = False,
@@ -175,6 +175,16 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    @property
+    def kv_tokens(self) -> int:
+        """KV cache tokens held by running sequences."""
+        return sum(self.model.sequence_length(s.seq_id) for s in self.scheduler.running if s.in_model)
+
+    @property
+    def prefix_cache_tokens(self) -> int:
+        """KV cache tokens kept for prefix reuse (freed LRU when running sequences need the room)."""
+        return self.scheduler.cached_tokens
 
     def clear_prefix_cache(self) -> None:
         """Free the KV cache kept for prefix reuse (call between steps, from the stepping thread)."""

@@ -231,6 +231,7 @@ class EngineLoop:
             if live.finished == live.n:
                 if delta.output is not None:
                     m.prompt_tokens.inc(delta.output.stats.prompt_tokens)
+                    m.cached_prompt_tokens.inc(delta.output.stats.cached_tokens)
                 del self._live[delta.request_id]
 
     def _account_engine(self) -> None:
@@ -242,9 +243,10 @@ class EngineLoop:
         self._last_engine_stats = (preemptions, jump)
 
     def _update_gauges(self) -> None:
-        m, model = self.metrics, self.engine.model
+        m = self.metrics
         started = sum(1 for live in self._live.values() if live.started)
         m.waiting.set(len(self._live) - started)
         m.running.set(started)
         m.batch.set(self.engine.num_running)
-        m.kv_tokens.set(sum(model.sequence_length(s) for s in model.sequence_ids))
+        m.kv_tokens.set(self.engine.kv_tokens)
+        m.prefix_cache_tokens.set(self.engine.prefix_cache_tokens)

@@ -42,7 +42,12 @@ class ServerMetrics:
         self.waiting = Gauge(p + "requests_waiting", "Requests accepted, not started yet", registry=registry)
         self.running = Gauge(p + "requests_running", "Requests generating", registry=registry)
         self.batch = Gauge(p + "batch_sequences", "Sequences in the running batch", registry=registry)
-        self.kv_tokens = Gauge(p + "kv_cache_tokens", "KV cache tokens held by sequences", registry=registry)
+        self.kv_tokens = Gauge(p + "kv_cache_tokens", "KV cache tokens held by running sequences", registry=registry)
+        self.prefix_cache_tokens = Gauge(p + "prefix_cache_tokens", "KV cache tokens kept for prefix reuse",
+                                         registry=registry)
+        self.cached_prompt_tokens = Counter(p + "cached_prompt_tokens",
+                                            "Prompt tokens forked from the prefix cache instead of prefilled",
+                                            registry=registry)
         self.kv_capacity = Gauge(p + "kv_cache_capacity_tokens", "KV cache capacity in tokens", registry=registry)
         self.ttft = Histogram(p + "time_to_first_token_seconds", "From arrival to the first generated token",
                               buckets=_TTFT_BUCKETS, registry=registry)
