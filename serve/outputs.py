@@ -44,7 +44,8 @@ class RequestStats:
 
     @property
     def prefill_tokens_per_s(self) -> float:
-        return _rate(self.prompt_tokens, self.prefill_seconds)
+        """Prompt tokens prefilled (those from the prefix cache are not) per second of the prefill call."""
+        return _rate(self.prompt_tokens - self.cached_tokens, self.prefill_seconds)
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -109,7 +110,8 @@ class EngineStats:
                 f"{self.steps} steps, logit processing + sampling {100 * self.processing_share:.1f}% of step time"
                 + (f", jump-forward {self.jump_forward_tokens} tok ({self.jump_forward_steps_saved} steps saved)"
                    if self.jump_forward_tokens else "")
-                + (f", {self.preemptions} preemptions" if self.preemptions else ""))
+                + (f", {self.preemptions} preemptions" if self.preemptions else "")
+                + (f", {self.cached_tokens} tok from the prefix cache" if self.cached_tokens else ""))
 
 
 @dataclass
