@@ -234,7 +234,8 @@ class ChatSession:
         self.say(f"engine: {self.engine.stats.summary()}")
         if self.last_output is not None:
             st = self.last_output.stats
-            self.say(f"last answer: {st.prompt_tokens} prompt tok at {st.prefill_tokens_per_s:.1f} tok/s, "
+            self.say(f"last answer: {st.prompt_tokens} prompt tok ({st.cached_tokens} from the prefix cache) at "
+                     f"{st.prefill_tokens_per_s:.1f} tok/s, "
                      f"{st.completion_tokens} tok at {st.decode_tokens_per_s:.1f} tok/s, "
                      f"logit processing + sampling {100 * st.processing_share:.1f}% of step time, "
                      f"finish: {self.last_output.finish_reason}")

@@ -185,8 +185,15 @@ def smollm2_args() -> list[str]:
 
 def test_chat_repl_on_smollm2(smollm2_args) -> None:
     child = spawn(*smollm2_args, "--temperature", "0", "--max-tokens", "40", timeout=60)
+    usage = re.compile(r"last answer: (\d+) prompt tok \((\d+) from the prefix cache\)")
     try:
         assert "Paris" in say(child, "What is the capital of France?")
+        first_prompt, first_cached = map(int, usage.search(say(child, "/stats")).groups())
+        assert first_cached == 0
+        assert say(child, "And of Italy?")
+        second_prompt, second_cached = map(int, usage.search(say(child, "/stats")).groups())
+        # the second turn repeats the first (prompt and answer): only the new message is prefilled
+        assert first_prompt < second_cached < second_prompt
         child.sendline("/exit")
         child.expect(pexpect.EOF)
     finally:
