@@ -142,7 +142,9 @@ def test_ctrl_c_while_the_command_starts_is_quiet(tiny_compiled, delay: float) -
     time.sleep(delay)
     child.send_signal(signal.SIGINT)
     _, err = child.communicate(timeout=120)
-    assert child.returncode in (0, 130)  # 0 when it had already answered
+    # 0 when it had already answered; -SIGINT when the signal came while the interpreter was exiting (a shell
+    # shows both 130 and a SIGINT death as $? = 130)
+    assert child.returncode in (0, 130, -signal.SIGINT)
     assert b"Traceback" not in err, err.decode()
 
 
