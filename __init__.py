@@ -6,11 +6,14 @@ Kernels are written once in TVM's TIR (``logitproc.tir_kernels``), compiled for 
     from logitproc import GenerationConfig, RequestState, LogitProcessor, Sampler
 """
 
-from . import torch_guard
-
 __version__ = "0.1.0"
 
-torch_guard.install()  # importing TVM must not import torch (seconds at every start); see torch_guard.py
+# Importing TVM must not import torch (seconds at every start); see torch_guard.py. Only as the package: pytest's
+# collection of a checkout also imports this file alone, as a plain module, where a relative import has no parent.
+if __package__:
+    from . import torch_guard
+
+    torch_guard.install()
 
 __all__ = ["GenerationConfig", "LogitProcessor", "RequestState", "Sampler", "__version__"]
 
