@@ -42,7 +42,7 @@ from .openai_responses import (
     role_choice,
     usage_chunk,
 )
-from .outputs import Output
+from .outputs import Output, RequestStats
 from .server_metrics import ServerMetrics
 
 log = logging.getLogger("logitproc.serve")
@@ -79,6 +79,11 @@ class StatusCounter:
             await send(message)
 
         await self.app(scope, receive, counted)
+
+
+def _prompt_usage(stats: dict[str, RequestStats]) -> tuple[int, int]:
+    """Prompt tokens of the requests, and how many of them came from the prefix cache."""
+    return sum(st.prompt_tokens for st in stats.values()), sum(st.cached_tokens for st in stats.values())
 
 
 def _sse(payload: Any) -> str:
@@ -202,17 +207,18 @@ class Server:
                 self.loop.abort(ids)
         if not collect.done() or collect.cancelled():
             return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
-        outputs, prompt_tokens = collect.result()
-        return JSONResponse(full_response(head, outputs, self.token_text, prompt_tokens, echo))
+        outputs, prompt_tokens, cached_tokens = collect.result()
+        return JSONResponse(full_response(head, outputs, self.token_text, prompt_tokens, echo, cached_tokens))
 
     def _prompt_text(self, prompt: Any) -> str:
         return prompt if isinstance(prompt, str) else self.loop.engine.model.tokenizer.decode(prompt)
 
     async def _collect(self, ids: list[str], n: int, items: asyncio.Queue,
-                       choice_of: dict[str, int]) -> tuple[list[tuple[int, Output]], int]:
-        """Every sequence's Output (with its choice index) and the prompt tokens of all the requests."""
+                       choice_of: dict[str, int]) -> tuple[list[tuple[int, Output]], int, int]:
+        """Every sequence's Output (with its choice index), and the prompt tokens of all the requests and how many
+        of them came from the prefix cache."""
         outputs: list[tuple[int, Output]] = []
-        prompt_tokens: dict[str, int] = {}
+        prompt_stats: dict[str, RequestStats] = {}
         while len(outputs) < len(ids) * n:
             item = await items.get()
             if isinstance(item, RequestFailed):
@@ -220,14 +226,14 @@ class Server:
                 raise APIError(500, item.message, kind="server_error")
             if item.output is not None:
                 outputs.append((choice_of[item.request_id] + item.index, item.output))
-                prompt_tokens[item.request_id] = item.output.stats.prompt_tokens
-        return outputs, sum(prompt_tokens.values())
+                prompt_stats[item.request_id] = item.output.stats
+        return outputs, *_prompt_usage(prompt_stats)
 
     async def _stream(self, head: ResponseHead, parsed: ParsedRequest, ids: list[str], items: asyncio.Queue,
                       choice_of: dict[str, int], echo: list[str]) -> AsyncIterator[str]:
         total = len(ids) * parsed.n
         finished = completion_tokens = 0
-        prompt_tokens: dict[str, int] = {}
+        prompt_stats: dict[str, RequestStats] = {}
         offsets: dict[int, int] = {}
         complete = False
         try:
@@ -248,13 +254,14 @@ class Server:
                     finished += 1
                     if item.output is not None:
                         completion_tokens += len(item.output.token_ids)
-                        prompt_tokens[item.request_id] = item.output.stats.prompt_tokens
+                        prompt_stats[item.request_id] = item.output.stats
                 elif not text and not item.logprobs:
                     continue
                 choice = delta_choice(head, index, item, self.token_text, text, offset)
                 yield _sse(chunk(head, [choice], parsed.include_usage))
             if parsed.include_usage:
-                yield _sse(usage_chunk(head, sum(prompt_tokens.values()), completion_tokens))
+                prompt_tokens, cached_tokens = _prompt_usage(prompt_stats)
+                yield _sse(usage_chunk(head, prompt_tokens, completion_tokens, cached_tokens))
             yield "data: [DONE]\n\n"
             complete = True
         finally:

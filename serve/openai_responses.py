@@ -23,9 +23,12 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object; ``prompt_tokens_details.cached_tokens`` counts the prompt tokens whose KV cache came
+    from the prefix cache."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 #: What a log-probability of -inf (a token the processing ruled out) is written as: JSON has no infinity.
@@ -86,7 +89,7 @@ class ResponseHead:
 
 
 def full_response(head: ResponseHead, outputs: Sequence[tuple[int, Output]], token_text: TokenText,
-                  prompt_tokens: int, echo_texts: Sequence[str] = ()) -> dict[str, Any]:
+                  prompt_tokens: int, echo_texts: Sequence[str] = (), cached_tokens: int = 0) -> dict[str, Any]:
     """The whole (non-streamed) response: ``outputs`` are (choice index, finished Output)."""
     choices = []
     for index, out in sorted(outputs, key=lambda item: item[0]):
@@ -103,7 +106,8 @@ def full_response(head: ResponseHead, outputs: Sequence[tuple[int, Output]], tok
         choices.append(choice)
     completion_tokens = sum(len(out.token_ids) for _, out in outputs)
     body = head.body("chat.completion" if head.chat else "text_completion")
-    body.update(choices=choices, usage=usage(prompt_tokens, completion_tokens), system_fingerprint=None)
+    body.update(choices=choices, usage=usage(prompt_tokens, completion_tokens, cached_tokens),
+                system_fingerprint=None)
     return body
 
 
@@ -138,8 +142,9 @@ def delta_choice(head: ResponseHead, index: int, delta: Delta, token_text: Token
     return choice
 
 
-def usage_chunk(head: ResponseHead, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+def usage_chunk(head: ResponseHead, prompt_tokens: int, completion_tokens: int,
+                cached_tokens: int = 0) -> dict[str, Any]:
     """The last chunk of a stream with ``stream_options.include_usage``: no choices, the usage."""
     body = head.body("chat.completion.chunk" if head.chat else "text_completion")
-    body.update(choices=[], usage=usage(prompt_tokens, completion_tokens))
+    body.update(choices=[], usage=usage(prompt_tokens, completion_tokens, cached_tokens))
     return body

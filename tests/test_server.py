@@ -162,7 +162,11 @@ def test_stream_equals_non_stream_chat_and_completions(server, client, model_id)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
-    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == whole.usage.model_dump()
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (
+        whole.usage.prompt_tokens, whole.usage.completion_tokens, whole.usage.total_tokens)
+    # the same prompt again: all of it but its last token comes from the prefix cache
+    assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens - 1
     assert all(c.usage is None for c in chunks[:-1])
 
     text = client.completions.create(prompt="Once upon", **args)
