@@ -55,6 +55,26 @@ def reduce_lanes(x, g, op, h4, out):
     out[0] = op(op(h4[0], h4[2]), op(h4[1], h4[3]))
 
 
+@T.macro
+def fold_scores(s, vec, run, row, h4, red):
+    """Online softmax over one tile of scores ``s[row, 0:16]`` (log2 units, 16 = 2 x LANES): the running max
+    ``run[0, row]`` and sum ``run[1, row]`` take the tile in, the scores become their weights, and ``run[2, row]``
+    is the factor that rescales what was accumulated before the tile."""
+    for lane in T.vectorized(LANES):
+        vec[row, lane] = T.max(s[row, lane], s[row, lane + LANES])
+    reduce_lanes(vec, row, T.max, h4, red)
+    new_max: T.let = T.max(run[0, row], red[0])
+    rescale: T.let = fast_exp((run[0, row] - new_max) * T.float32(LN2))
+    for t in T.vectorized(2 * LANES):
+        s[row, t] = fast_exp((s[row, t] - new_max) * T.float32(LN2))
+    for lane in T.vectorized(LANES):
+        vec[row, lane] = s[row, lane] + s[row, lane + LANES]
+    reduce_lanes(vec, row, T.Add, h4, red)
+    run[0, row] = new_max
+    run[1, row] = run[1, row] * rescale + red[0]
+    run[2, row] = rescale
+
+
 def decode_attention_kernel(h_kv: int, h_q: int, d: int, dtype: str = "float32") -> tirx.PrimFunc:
     """The decode attention kernel for ``h_q`` query heads over ``h_kv`` KV heads of size ``d`` (see the module
     doc): TVM's ``batch_decode_paged_kv`` signature, pages ``[max_pages, 2, h_kv, 16, d]`` of ``dtype``."""
@@ -107,19 +127,7 @@ def decode_attention_kernel(h_kv: int, h_q: int, d: int, dtype: str = "float32")
                     s[g, t] = T.Select(t < valid, red[0], T.float32(NO_SCORE))
             # online softmax: new running max, rescale of what came before, this page's weights
             for g in range(group):
-                for lane in T.vectorized(LANES):
-                    vec[g, lane] = T.max(s[g, lane], s[g, lane + LANES])
-                reduce_lanes(vec, g, T.max, h4, red)
-                new_max: T.let = T.max(run[0, g], red[0])
-                rescale: T.let = fast_exp((run[0, g] - new_max) * T.float32(LN2))
-                for t in T.vectorized(PAGE_SIZE):
-                    s[g, t] = fast_exp((s[g, t] - new_max) * T.float32(LN2))
-                for lane in T.vectorized(LANES):
-                    vec[g, lane] = s[g, lane] + s[g, lane + LANES]
-                reduce_lanes(vec, g, T.Add, h4, red)
-                run[0, g] = new_max
-                run[1, g] = run[1, g] * rescale + red[0]
-                run[2, g] = rescale
+                fold_scores(s, vec, run, g, h4, red)
             # values: each accumulator block kept in registers over the page's rows
             for blk in range(blocks):
                 for g in range(group):

@@ -29,8 +29,7 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ..tir_kernels._common import fast_exp
-from .decode_attention import EMPTY_LSE, LANES, LN2, LOG2E, NO_SCORE, PAGE_SIZE, reduce_lanes
+from .decode_attention import EMPTY_LSE, LANES, LOG2E, NO_SCORE, PAGE_SIZE, fold_scores, reduce_lanes
 
 #: Query tokens per unit of work (times the query heads of a KV head: the rows sharing each key tile).
 QUERY_BLOCK = 8
@@ -76,19 +75,7 @@ def _attend_block(q, i0, rows_q, hk, group, d, limit, n_max, key, value, output,
                 s[r, t] = T.float32(NO_SCORE)
         # online softmax per row
         for r in range(rows_q * group):
-            for lane in T.vectorized(LANES):
-                vec[r, lane] = T.max(s[r, lane], s[r, lane + LANES])
-            reduce_lanes(vec, r, T.max, h4, red)
-            new_max: T.let = T.max(run[0, r], red[0])
-            rescale: T.let = fast_exp((run[0, r] - new_max) * T.float32(LN2))
-            for t in T.vectorized(TILE):
-                s[r, t] = fast_exp((s[r, t] - new_max) * T.float32(LN2))
-            for lane in T.vectorized(LANES):
-                vec[r, lane] = s[r, lane] + s[r, lane + LANES]
-            reduce_lanes(vec, r, T.Add, h4, red)
-            run[0, r] = new_max
-            run[1, r] = run[1, r] * rescale + red[0]
-            run[2, r] = rescale
+            fold_scores(s, vec, run, r, h4, red)
         # values: one row's accumulator (d lanes) in registers over the tile
         for r in range(rows_q * group):
             for j in T.vectorized(d):
