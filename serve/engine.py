@@ -104,18 +104,25 @@ class Engine:
         return ids
 
     def add_request(self, prompt: Prompt, config: GenerationConfig | None = None, *, chat: bool | None = None,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, jump_forward: bool | None = None) -> str:
         """Queue a request; it starts at the next ``step()``. Returns its id.
 
         ``prompt`` is text, token ids, or chat messages (``[{"role": ..., "content": ...}]``, rendered with the
         model's chat template; ``chat=True`` wraps a text prompt as one user message). Raises ValueError (or
         TypeError) for anything wrong with the request: empty prompt, token ids outside the vocabulary, a prompt
         that leaves no room in the context, more sequences than ``max_batch``, logit_bias ids outside the
-        vocabulary, a schema/regex/grammar the constraint backend cannot compile.
+        vocabulary, a schema/regex/grammar the constraint backend cannot compile. ``jump_forward`` turns the
+        engine's jump-forward off for this request (False), or asks for it (True: an error if the engine was
+        created without it); None follows the engine.
         """
         config = GenerationConfig() if config is None else config
         if not isinstance(config, GenerationConfig):
             raise TypeError(f"config must be a GenerationConfig, got {type(config).__name__}")
+        if jump_forward is not None and not isinstance(jump_forward, bool):
+            raise TypeError(f"jump_forward must be a boolean or None, got {jump_forward!r}")
+        if jump_forward and not self.jump_forward:
+            raise ValueError("jump_forward=True needs an engine created with jump_forward=True "
+                             "(logitproc serve --jump-forward)")
         ids = self.tokenize(prompt, chat)
         if not ids:
             raise ValueError("the prompt is empty")
@@ -133,6 +140,7 @@ class Engine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         request = Request(rid, ids, RequestStats(prompt_tokens=len(ids), arrival=time.perf_counter()),
                           next(self._arrivals))
+        request.jump_forward = self.jump_forward if jump_forward is None else jump_forward
         for index in range(config.n):
             cfg = config
             if config.n > 1 and config.seed is not None:  # each sequence its own stream, reproducibly

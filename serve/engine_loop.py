@@ -106,7 +106,8 @@ class EngineLoop:
             self._commands.put(command)
         return future
 
-    def submit(self, prompts: Sequence[Any], config: Any, chat: bool, sink: Sink) -> Future:
+    def submit(self, prompts: Sequence[Any], config: Any, chat: bool, sink: Sink,
+               jump_forward: bool | None = None) -> Future:
         """Add one engine request per prompt (all or none), all delivering into ``sink``; the Future holds their
         ids, or QueueFull, or the engine's ValueError / TypeError for a bad request."""
         def add(engine: Any) -> list[str]:
@@ -116,7 +117,7 @@ class EngineLoop:
             ids: list[str] = []
             try:
                 for prompt in prompts:
-                    ids.append(engine.add_request(prompt, config, chat=chat))
+                    ids.append(engine.add_request(prompt, config, chat=chat, jump_forward=jump_forward))
             except BaseException:
                 for rid in ids:
                     engine.abort(rid)

@@ -1,9 +1,11 @@
 """The OpenAI-compatible HTTP app (FastAPI): routes, API key, errors in OpenAI's shape, streaming, disconnects.
 
 Routes: ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /health`` (503 while the
-model loads), ``GET /metrics``, ``POST /tokenize``, ``POST /detokenize``. Handlers never touch the engine: they
-submit to the ``EngineLoop`` and read deltas from a per-request asyncio queue. A client that disconnects, streaming
-or not, has its requests aborted at once (their batch slots and KV cache are freed at the next step).
+model loads), ``GET /metrics``, ``POST /tokenize``, ``POST /detokenize``, ``GET /props`` (the model, its defaults and
+the server's features, for the page), and the chat page: ``GET /`` and its ``/static/`` files. Handlers never touch
+the engine: they submit to the ``EngineLoop`` and read deltas from a per-request asyncio queue. A client that
+disconnects, streaming or not, has its requests aborted at once (their batch slots and KV cache are freed at the next
+step).
 """
 
 from __future__ import annotations
@@ -44,6 +46,11 @@ from .openai_responses import (
 )
 from .outputs import Output, RequestStats
 from .server_metrics import ServerMetrics
+from .web_page import FILES, read
+
+#: The page runs only its own script and style: nothing an answer contains can run even if it reached the DOM.
+PAGE_POLICY = ("default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self' data:; "
+               "base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
 
 log = logging.getLogger("logitproc.serve")
 
@@ -155,7 +162,7 @@ class Server:
         def sink(item: Any) -> None:
             aloop.call_soon_threadsafe(items.put_nowait, item)
 
-        submitted = self.loop.submit(parsed.prompts, parsed.config, parsed.chat, sink)
+        submitted = self.loop.submit(parsed.prompts, parsed.config, parsed.chat, sink, parsed.jump_forward)
         try:
             ids = await asyncio.wrap_future(submitted)
         except asyncio.CancelledError:  # the client left while the request was being added: abort it once added
@@ -177,6 +184,8 @@ class Server:
             return "messages" if parsed.chat else "prompt"
         if message.startswith("n="):
             return "n"
+        if message.startswith("jump_forward"):
+            return "jump_forward"
         if parsed.config.response_format is not None and param_of(message, fields) is None:
             return "response_format"  # the engine could not compile the schema, regex or grammar
         return param_of(message, fields)
@@ -313,6 +322,33 @@ class Server:
             if server.loop.state == EngineLoop.READY:
                 return JSONResponse({"status": "ok"})
             return JSONResponse({"status": server.loop.state, "error": server.loop.error}, status_code=503)
+
+        def page_file(name: str) -> Response:
+            if name not in FILES:
+                raise APIError(404, f"no such file: /static/{name}", code="not_found")
+            return Response(read(name), media_type=FILES[name],
+                            headers={"Cache-Control": "no-cache", "Content-Security-Policy": PAGE_POLICY,
+                                     "X-Content-Type-Options": "nosniff"})
+
+        # The page holds no secret (its API calls carry the key the user types): served without the key.
+        @app.api_route("/", methods=["GET", "HEAD"])
+        async def page() -> Response:
+            return page_file("index.html")
+
+        @app.get("/static/{name}")
+        async def static(name: str) -> Response:
+            return page_file(name)
+
+        @app.get("/props", dependencies=guarded)
+        async def props() -> JSONResponse:
+            engine = server._ready()
+            from logitproc.runtime.config import MAX_TOP_LOGPROBS
+
+            return JSONResponse({
+                "model": server.model_name, "max_model_len": engine.context_length,
+                "default_generation_settings": dict(server.options.sampling_defaults),
+                "max_top_logprobs": MAX_TOP_LOGPROBS,
+                "features": {"jump_forward": bool(engine.jump_forward)}})
 
         @app.get("/metrics")
         async def metrics() -> Response:

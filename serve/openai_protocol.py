@@ -4,7 +4,8 @@ Fields follow the OpenAI API (messages / prompt, max_tokens and max_completion_t
 stop, presence/frequency penalties, logit_bias, logprobs + top_logprobs for chat, logprobs as an int for completions,
 stream, stream_options.include_usage, response_format, user) plus vLLM's extensions under their vLLM names (top_k,
 min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids, bad_words, allowed_token_ids, structured_outputs
-with one of json / regex / choice / grammar / json_object). Unknown fields are ignored with a log line, as vLLM does.
+with one of json / regex / choice / grammar / json_object), and ``jump_forward`` (a boolean: this request with or
+without the server's ``--jump-forward``). Unknown fields are ignored with a log line, as vLLM does.
 Everything wrong with a request is an ``APIError`` (status 400) whose message names the field and what is allowed;
 the ranges are GenerationConfig's. Fields a request leaves unset take the model's sampling defaults (as vLLM applies
 a model's generation config), else GenerationConfig's.
@@ -31,7 +32,7 @@ CONFIG_FIELDS = ("temperature", "top_p", "n", "seed", "stop", "presence_penalty"
                  "allowed_token_ids")
 #: Fields read elsewhere, or accepted and without effect here (``user`` is for the client's own tracking).
 COMMON_FIELDS = CONFIG_FIELDS + ("model", "max_tokens", "stream", "stream_options", "response_format",
-                                 "structured_outputs", "user", "logprobs")
+                                 "structured_outputs", "user", "logprobs", "jump_forward")
 CHAT_FIELDS = COMMON_FIELDS + ("messages", "max_completion_tokens", "top_logprobs")
 COMPLETION_FIELDS = COMMON_FIELDS + ("prompt", "echo", "best_of", "suffix")
 CHAT_ROLES = ("system", "developer", "user", "assistant")
@@ -76,6 +77,7 @@ class ParsedRequest:
     stream: bool = False
     include_usage: bool = False
     echo: bool = False
+    jump_forward: bool | None = None  # None: as the server was started
 
     @property
     def n(self) -> int:
@@ -249,7 +251,8 @@ def parse_chat_request(body: Any, defaults: Mapping[str, Any] = MappingProxyType
         raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
     values.update(logprobs=bool(logprobs), top_logprobs=top or 0)
     config = _config(body, values, CHAT_FIELDS, defaults)
-    return ParsedRequest(True, body.get("model"), [messages], config, stream, include_usage)
+    return ParsedRequest(True, body.get("model"), [messages], config, stream, include_usage,
+                         jump_forward=_typed(body, "jump_forward", bool, "a boolean"))
 
 
 def parse_completion_request(body: Any, defaults: Mapping[str, Any] = MappingProxyType({})) -> ParsedRequest:
@@ -278,4 +281,5 @@ def parse_completion_request(body: Any, defaults: Mapping[str, Any] = MappingPro
     if best_of is not None and best_of != n:
         raise bad_request(f"best_of must equal n ({n}) here, got {best_of}", "best_of")
     config = _config(body, values, COMPLETION_FIELDS, defaults)
-    return ParsedRequest(False, body.get("model"), prompts, config, stream, include_usage, echo)
+    return ParsedRequest(False, body.get("model"), prompts, config, stream, include_usage, echo,
+                         jump_forward=_typed(body, "jump_forward", bool, "a boolean"))

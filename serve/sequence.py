@@ -33,6 +33,7 @@ class Request:
         self.prompt_token_ids = prompt_token_ids
         self.stats = stats
         self.sequences: list[GeneratedSequence] = []
+        self.jump_forward = False  # append the tokens its constraints force without a decode step each
 
     @property
     def finished(self) -> bool:

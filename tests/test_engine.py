@@ -391,6 +391,23 @@ def test_json_schema_output_validates(model, jump_forward: bool) -> None:
         assert engine.stats.jump_forward_tokens == 0
 
 
+def test_jump_forward_is_chosen_per_request(model) -> None:
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
+    config = GenerationConfig(temperature=0.8, seed=1, max_tokens=120, response_format=fmt,
+                              logit_bias={byte_token(b): -100.0 for b in b" \t\r\n"})
+    engine = Engine(model, max_batch=2, jump_forward=True)
+    on, off = engine.add_request("person:", config), engine.add_request("person:", config, jump_forward=False)
+    seen = run_all(engine)
+    [out_on], [out_off] = outputs_of(seen[on]).values(), outputs_of(seen[off]).values()
+    assert out_on.stats.jump_forward_tokens > 0 and out_off.stats.jump_forward_tokens == 0
+    for out in (out_on, out_off):
+        jsonschema.validate(json.loads(out.text), SCHEMA)
+    with pytest.raises(ValueError, match="jump_forward=True needs an engine created with jump_forward=True"):
+        Engine(model).add_request("x", config, jump_forward=True)
+    with pytest.raises(TypeError, match="jump_forward must be a boolean"):
+        engine.add_request("x", config, jump_forward="yes")
+
+
 def test_regex_forces_multibyte_characters_through_the_stream(model) -> None:
     pieces, out = streamed(Engine(model), "x", GenerationConfig(temperature=1.0, seed=0, max_tokens=40,
                                                                  response_format={"type": "regex",
