@@ -14,14 +14,25 @@ One ``step()``, module by module::
     step_stats.py  the step's statistics
 
 Requests join (``add_request``) and leave (finish or ``abort``) between steps; everything about a bad request is
-checked in ``add_request`` (a ValueError there), so it never disturbs the others.
+checked in ``add_request`` (a ValueError there). Whatever still fails inside a step (a constraint, the runner, the
+detokenizer) ends only the requests it concerns, with finish reason "error": when the step's batch fails, its state
+is put back, each request is run alone, and those that fail alone end (``Output.error`` says why).
+
+Threads: every method may be called from any number of threads. One step runs at a time (``step`` waits for a step
+running on another thread); ``stream`` and ``generate`` have no stepping thread of their own: whichever waiting
+caller finds no step running runs the next one, and each step's deltas go to the stream of their request, so every
+caller sees exactly its own deltas. ``step()`` returns the deltas of the requests added with ``add_request``,
+including those of steps that a ``stream``/``generate`` caller ran in the meantime.
 """
 
 from __future__ import annotations
 
 import itertools
+import threading
 import time
+from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import replace
 
 import numpy as np
@@ -30,7 +41,7 @@ from logitproc.runtime.constraints import ConstraintFactory
 from logitproc.runtime.tree_decode import TreeDecodeConfig
 
 from .commit import commit_row, jump_forward
-from .model_step import run_model
+from .model_step import ModelStep, run_model
 from .outputs import Delta, EngineStats, Output, RequestStats
 from .prefix_cache import PrefixCache
 from .processing import process
@@ -78,10 +89,22 @@ class Engine:
         self._constraints: ConstraintFactory | None = None
         self._ids = itertools.count()
         self._arrivals = itertools.count()  # arrival order: the latest-arrived request is preempted first
+        self._add_lock = threading.Lock()  # add_request: ids, arrival order, the constraint factory
+        # Stepping, under self._turn: one step at a time; each step's deltas routed to the stream of their request
+        # (None: a closed stream, its deltas dropped), the others kept for the next step() call.
+        self._turn = threading.Condition()
+        self._stepping = False
+        self._inboxes: dict[str, deque[Delta] | None] = {}
+        self._unclaimed: list[Delta] = []
 
     # ---------------------------------------------------------------------------------------------- requests
     def tokenize(self, prompt: Prompt, chat: bool | None = None) -> list[int]:
         """Token ids of a prompt: text, token ids, or chat messages (rendered with the model's chat template)."""
+        if isinstance(prompt, (bytes, bytearray, memoryview, Mapping)) or not isinstance(prompt, (str, Sequence,
+                                                                                                np.ndarray)):
+            raise TypeError(f"prompt must be text (str), token ids (a list of ints) or chat messages (a list of "
+                            f"{{'role': ..., 'content': ...}} dicts), got {type(prompt).__name__}"
+                            + (" (decode bytes to str first)" if isinstance(prompt, (bytes, bytearray)) else ""))
         if isinstance(prompt, str):
             if chat:
                 prompt = [{"role": "user", "content": prompt}]
@@ -115,6 +138,11 @@ class Engine:
         engine's jump-forward off for this request (False), or asks for it (True: an error if the engine was
         created without it); None follows the engine.
         """
+        return self._add(prompt, config, chat, request_id, jump_forward, watch=False)
+
+    def _add(self, prompt: Prompt, config: GenerationConfig | None, chat: bool | None, request_id: str | None,
+             jump_forward: bool | None, watch: bool) -> str:
+        """``add_request``; ``watch``: deltas go to the request's inbox (``stream``), not to ``step()``."""
         config = GenerationConfig() if config is None else config
         if not isinstance(config, GenerationConfig):
             raise TypeError(f"config must be a GenerationConfig, got {type(config).__name__}")
@@ -137,9 +165,12 @@ class Engine:
         if len(ids) >= limit:
             raise ValueError(f"the prompt has {len(ids)} tokens; the context holds {limit} per sequence "
                              "(prompt and output together)")
-        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        request = Request(rid, ids, RequestStats(prompt_tokens=len(ids), arrival=time.perf_counter()),
-                          next(self._arrivals))
+        if request_id is not None and not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
+        with self._add_lock:
+            rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+            arrival = next(self._arrivals)
+        request = Request(rid, ids, RequestStats(prompt_tokens=len(ids), arrival=time.perf_counter()), arrival)
         request.jump_forward = self.jump_forward if jump_forward is None else jump_forward
         for index in range(config.n):
             cfg = config
@@ -150,7 +181,12 @@ class Engine:
             if index > 0:  # prefilled once, then forked from the first sequence
                 seq.forked_from = request.sequences[0]
             request.sequences.append(seq)
-        self.scheduler.add(request)
+        if watch:
+            with self._turn:
+                self.scheduler.add(request)  # under the turn lock: no step sees it before its inbox exists
+                self._inboxes[rid] = deque()
+        else:
+            self.scheduler.add(request)
         return rid
 
     def _check_thinking_mode(self, config: GenerationConfig) -> None:
@@ -171,10 +207,11 @@ class Engine:
 
     def _constraint_factory(self) -> ConstraintFactory:
         """The ConstraintFactory for this model, made on first use (the grammar backend reads the tokenizer)."""
-        if self._constraints is None:
-            self._constraints = ConstraintFactory(self.model.tokenizer, self.vocab_size, self.eos_token_ids,
-                                                  backend=self.grammar_backend, tree_decode=self.tree_decode)
-        return self._constraints
+        with self._add_lock:
+            if self._constraints is None:
+                self._constraints = ConstraintFactory(self.model.tokenizer, self.vocab_size, self.eos_token_ids,
+                                                      backend=self.grammar_backend, tree_decode=self.tree_decode)
+            return self._constraints
 
     def abort(self, request_id: str) -> None:
         """Cancel a request (safe from another thread; not from a signal handler, which should set a flag that the
@@ -186,8 +223,9 @@ class Engine:
 
     @property
     def kv_tokens(self) -> int:
-        """KV cache tokens held by running sequences."""
-        return sum(self.model.sequence_length(s.seq_id) for s in self.scheduler.running if s.in_model)
+        """KV cache tokens held by running sequences (waits for a running step)."""
+        with self._between_steps():
+            return sum(self.model.sequence_length(s.seq_id) for s in self.scheduler.running if s.in_model)
 
     @property
     def prefix_cache_tokens(self) -> int:
@@ -195,8 +233,9 @@ class Engine:
         return self.scheduler.cached_tokens
 
     def clear_prefix_cache(self) -> None:
-        """Free the KV cache kept for prefix reuse (call between steps, from the stepping thread)."""
-        self.scheduler.clear_prefix_cache()
+        """Free the KV cache kept for prefix reuse (waits for a running step)."""
+        with self._between_steps():
+            self.scheduler.clear_prefix_cache()
 
     @property
     def num_running(self) -> int:
@@ -204,7 +243,54 @@ class Engine:
 
     # ---------------------------------------------------------------------------------------------- stepping
     def step(self) -> list[Delta]:
-        """Admit, prefill, decode, process and sample once; return each sequence's delta for this step."""
+        """Admit, prefill, decode, process and sample once; return the deltas of the requests added with
+        ``add_request`` (this step's, after those of steps that ``stream``/``generate`` callers ran since the last
+        ``step()``). Waits while another thread runs a step."""
+        self._take_turn()
+        self._run_step()
+        with self._turn:
+            deltas, self._unclaimed = self._unclaimed, []
+        return deltas
+
+    def _take_turn(self) -> None:
+        """Wait until no step runs, then hold the turn (the caller runs ``_run_step`` or ``_give_turn``)."""
+        with self._turn:
+            while self._stepping:
+                self._turn.wait()
+            self._stepping = True
+
+    def _give_turn(self) -> None:
+        with self._turn:
+            self._stepping = False
+            self._turn.notify_all()
+
+    @contextmanager
+    def _between_steps(self) -> Iterator[None]:
+        self._take_turn()
+        try:
+            yield
+        finally:
+            self._give_turn()
+
+    def _run_step(self) -> None:
+        """Run one step (the caller holds the turn), route its deltas and hand the turn on (even on an exception)."""
+        try:
+            deltas = self._step()
+        except BaseException:
+            self._give_turn()
+            raise
+        with self._turn:  # routed before the turn is free: a waiting stream sees its deltas or a step running
+            for delta in deltas:
+                inbox = self._inboxes.get(delta.request_id, self._unclaimed)
+                if inbox is not None:
+                    inbox.append(delta)
+            for rid in [rid for rid, inbox in self._inboxes.items() if inbox is None]:
+                if self.scheduler.is_done(rid):  # a closed stream's request has ended: forget it
+                    del self._inboxes[rid]
+            self._stepping = False
+            self._turn.notify_all()
+
+    def _step(self) -> list[Delta]:
         started = time.perf_counter()
         deltas: Deltas = {}
         scheduler = self.scheduler
@@ -212,46 +298,117 @@ class Engine:
         scheduler.retire(deltas)  # aborted sequences leave the KV cache before room is counted
         scheduler.make_room()
         scheduler.admit()
-        step = run_model(self.model, self.processor, scheduler.live(), scheduler.place)
-        processing_s = 0.0
-        if step.batch is not None and step.logits is not None:
-            t0 = time.perf_counter()
-            result = process(self.processor, self.sampler, step.batch, step.logits)
-            processing_s = time.perf_counter() - t0
-            errors = step.batch.mask_errors
-            for r, seq in enumerate(step.rows):
-                commit_row(seq, result, r, delta_of(deltas, seq), errors.get(r))
+        step, processing_s = self._forward_isolated(scheduler.live(), deltas)
         if self.jump_forward:
             jump_forward(self.model, self.processor, scheduler.running, deltas, self.stats)
         scheduler.retire(deltas)
         account_step(self.stats, step, processing_s, time.perf_counter() - started)
         return [d for d in deltas.values() if d.text or d.token_ids or d.rollback or d.finish_reason]
 
+    def _forward_isolated(self, live: list[GeneratedSequence], deltas: Deltas) -> tuple[ModelStep, float]:
+        """``_forward`` over every live sequence; when that fails, the sequences are put back as they were and each
+        request runs alone: those that fail alone end with "error", the others go on."""
+        kept = [_Placement(seq) for seq in live]
+        step = ModelStep()
+        try:
+            return self._forward(live, deltas, step)
+        except Exception:
+            self._undo(step, kept)
+        total, processing_s = ModelStep(), 0.0
+        requests: dict[int, list[_Placement]] = {}
+        for placement in kept:
+            requests.setdefault(id(placement.seq.request), []).append(placement)
+        for group in requests.values():
+            step = ModelStep()
+            try:
+                alone, seconds = self._forward([p.seq for p in group], deltas, step)
+            except Exception as err:
+                message = f"{type(err).__name__}: {err}"
+                try:
+                    self._undo(step, group)
+                except Exception as undo_err:  # the runner is broken for these: they end all the same
+                    message += f" (and undoing the step failed: {type(undo_err).__name__}: {undo_err})"
+                for p in group:
+                    p.seq.fail(delta_of(deltas, p.seq), message)
+                continue
+            total.add(alone)
+            processing_s += seconds
+        return total, processing_s
+
+    def _forward(self, live: list[GeneratedSequence], deltas: Deltas, step: ModelStep) -> tuple[ModelStep, float]:
+        """Run the model over ``live``, process and sample, commit each row (a row whose commit fails ends its
+        sequence with "error"). An exception leaves the sequences' tokens uncommitted."""
+        run_model(self.model, self.processor, live, self.scheduler.place, step)
+        if step.batch is None or step.logits is None:
+            return step, 0.0
+        t0 = time.perf_counter()
+        result = process(self.processor, self.sampler, step.batch, step.logits)
+        processing_s = time.perf_counter() - t0
+        errors = step.batch.mask_errors
+        for r, seq in enumerate(step.rows):
+            delta = delta_of(deltas, seq)
+            try:
+                commit_row(seq, result, r, delta, errors.get(r))
+            except Exception as err:  # e.g. the detokenizer: this sequence ends, the other rows are committed
+                seq.fail(delta, f"{type(err).__name__}: {err}")
+        return step, processing_s
+
+    def _undo(self, step: ModelStep, kept: list[_Placement]) -> None:
+        """Put the sequences back as they were before a failed ``_forward`` (its masks finished first)."""
+        if step.masks is not None:
+            step.masks.wait()
+        for placement in kept:
+            placement.restore(self.model)
+
     # ---------------------------------------------------------------------------------------------- convenience
     def stream(self, prompt: Prompt, config: GenerationConfig | None = None, *,
                chat: bool | None = None) -> Iterator[Delta]:
-        """Add one request and drive the engine until it finishes, yielding its deltas as they come.
+        """Add one request and yield its deltas as they come, stepping the engine while no other caller does.
 
-        Closing the iterator early (``break``, an exception, Ctrl-C in the consumer) aborts the request. Other
-        requests in the engine advance too, but their deltas are not seen here.
+        Any number of streams may run at once, on one thread (interleaved) or many: each sees all of its own
+        deltas and only those. Closing the iterator early (``break``, an exception, Ctrl-C in the consumer) aborts
+        the request.
         """
-        rid = self.add_request(prompt, config, chat=chat)
-        done = False
+        config = GenerationConfig() if config is None else config
+        rid = self._add(prompt, config, chat, None, None, watch=True)
+        inbox = self._inboxes[rid]
+        assert inbox is not None
+        finished = 0
         try:
-            while not done:
-                for delta in self.step():
-                    if delta.request_id == rid:
-                        yield delta
-                        done = done or self.scheduler.is_done(rid)
-        except GeneratorExit:  # the consumer closed the stream: abort now and free the request's slots
-            if not done:
-                self.abort(rid)
-                self.step()
-                done = True
-            raise
+            while finished < config.n:
+                for delta in self._wait_for(rid, inbox):
+                    finished += delta.finish_reason is not None
+                    yield delta
         finally:
-            if not done:  # an exception (the request is aborted at the next step)
+            with self._turn:
+                self._inboxes[rid] = None  # deltas still to come are dropped
+            if finished < config.n:  # closed early or failed: abort, and free its slots now if nobody is stepping
                 self.abort(rid)
+                with self._turn:
+                    idle = not self._stepping
+                    if idle:
+                        self._stepping = True
+                if idle:
+                    self._run_step()
+            with self._turn:
+                if self.scheduler.is_done(rid):
+                    self._inboxes.pop(rid, None)
+
+    def _wait_for(self, rid: str, inbox: deque[Delta]) -> list[Delta]:
+        """The request's next deltas: those in its inbox, else those of the next step (run here when no other
+        thread is running one)."""
+        while True:
+            with self._turn:
+                while not inbox and self._stepping:
+                    self._turn.wait()
+                if inbox:
+                    items = list(inbox)
+                    inbox.clear()
+                    return items
+                if self.scheduler.is_done(rid):
+                    raise RuntimeError(f"request {rid!r} ended without a final delta")  # never expected
+                self._stepping = True
+            self._run_step()
 
     def generate(self, prompt: Prompt, config: GenerationConfig | None = None, *,
                  chat: bool | None = None) -> list[Output]:
@@ -261,3 +418,24 @@ class Engine:
             if delta.output is not None:
                 outputs[delta.index] = delta.output
         return [outputs[i] for i in sorted(outputs)]
+
+
+class _Placement:
+    """A sequence's place in the model before a step (KV length, pending feed), to put it back if the step fails."""
+
+    def __init__(self, seq: GeneratedSequence) -> None:
+        self.seq = seq
+        self.in_model, self.kv_len, self.feed, self.forked_from = seq.in_model, seq.kv_len, list(seq.feed), \
+            seq.forked_from
+
+    def restore(self, model: Runner) -> None:
+        seq = self.seq
+        if seq.in_model and seq.seq_id is not None:
+            if not self.in_model:  # placed (or forked) by the failed step
+                model.remove_sequence(seq.seq_id)
+                seq.in_model = False
+            else:
+                extra = model.sequence_length(seq.seq_id) - self.kv_len
+                if extra > 0:
+                    model.popn(seq.seq_id, extra)
+        seq.kv_len, seq.feed, seq.forked_from = self.kv_len, list(self.feed), self.forked_from

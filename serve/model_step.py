@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from logitproc.runtime import LogitProcessor, empty_aligned
 from logitproc.runtime.batch import Batch
+from logitproc.runtime.mask_filler import MaskJob
 
 from .runner import Runner
 from .sequence import GeneratedSequence
@@ -31,13 +32,24 @@ class ModelStep:
     prefill_seconds: float = 0.0
     decode_tokens: int = 0
     decode_seconds: float = 0.0
+    masks: MaskJob | None = None  # the grammar masks filling on worker threads, if any
+
+    def add(self, other: ModelStep) -> None:
+        """Count ``other`` (a step over other rows, e.g. one request run alone) as part of this step."""
+        self.rows.extend(other.rows)
+        self.started |= other.started
+        self.prefill_tokens += other.prefill_tokens
+        self.prefill_seconds += other.prefill_seconds
+        self.decode_tokens += other.decode_tokens
+        self.decode_seconds += other.decode_seconds
 
 
 def run_model(model: Runner, processor: LogitProcessor, live: list[GeneratedSequence],
-              place: Callable[[GeneratedSequence], None]) -> ModelStep:
+              place: Callable[[GeneratedSequence], None], step: ModelStep | None = None) -> ModelStep:
     """Feed every live sequence's pending tokens through the model; return the step's rows and logits.
-    ``place(seq)`` starts a sequence that is not in the model yet (empty, or forked from the prefix cache)."""
-    step = ModelStep()
+    ``place(seq)`` starts a sequence that is not in the model yet (empty, or forked from the prefix cache).
+    ``step`` is filled in as the call goes (given by a caller that needs to see how far a failed call got)."""
+    step = ModelStep() if step is None else step
     prefill = [s for s in live if s.forked_from is None and (len(s.feed) > 1 or not s.in_model)]
     decode = [s for s in live if s.in_model and len(s.feed) == 1]
     order = [r for s in prefill for r in [s, *(c for c in s.request.sequences if c.forked_from is s)]] + decode
@@ -45,7 +57,7 @@ def run_model(model: Runner, processor: LogitProcessor, live: list[GeneratedSequ
         return step
     step.batch = processor.batch([s.state for s in order])
     if step.batch.any_masks:  # grammar masks fill on worker threads during the forward
-        processor.start_masks(step.batch)
+        step.masks = processor.start_masks(step.batch)
     blocks: list[np.ndarray] = []
     if prefill:
         blocks += _prefill(model, prefill, step, place)

@@ -58,13 +58,20 @@ class Scheduler:
     def add(self, request: Request) -> None:
         with self.lock:
             rid = request.request_id
-            if rid in self.requests or any(r.request_id == rid for r in self.waiting):
+            if self._known(rid):
                 raise ValueError(f"request id {rid!r} is already in use")
+            self._aborts.discard(rid)  # an abort left over from an earlier request of that id is not for this one
             self.waiting.append(request)
 
     def abort(self, request_id: str) -> None:
+        """Abort the request (at the next step) if it is waiting or running; otherwise (finished, or not added
+        yet) nothing happens."""
         with self.lock:
-            self._aborts.add(request_id)
+            if self._known(request_id):
+                self._aborts.add(request_id)
+
+    def _known(self, request_id: str) -> bool:
+        return request_id in self.requests or any(r.request_id == request_id for r in self.waiting)
 
     def has_unfinished(self) -> bool:
         with self.lock:
@@ -72,7 +79,7 @@ class Scheduler:
 
     def is_done(self, request_id: str) -> bool:
         with self.lock:
-            return request_id not in self.requests and all(r.request_id != request_id for r in self.waiting)
+            return not self._known(request_id)
 
     # ---- from the stepping thread ------------------------------------------------------------------------------
     def live(self) -> list[GeneratedSequence]:

@@ -124,6 +124,16 @@ class GeneratedSequence:
         delta.finish_reason = reason
         delta.output = self.output()
 
+    def fail(self, delta: Delta, error: str) -> None:
+        """End the sequence with "error" and the message ``error``, even when its text cannot be flushed (a failing
+        detokenizer is one of the things that end a sequence this way)."""
+        try:
+            self.finish("error", delta, error=error)
+        except Exception as err:  # the held-back text is lost; the sequence still ends, with both messages
+            self.error = f"{error}; and its text could not be flushed: {type(err).__name__}: {err}"
+            self.finish_reason = delta.finish_reason = "error"
+            delta.output = self.output()
+
     def _emit(self, text: str, delta: Delta) -> None:
         if text:
             self.text += text
