@@ -1,0 +1,150 @@
+"""A bad request never stalls or changes the others: failures inside a step end only their own request ("error"),
+and the engine's API refuses hostile arguments clearly (tiny model; faults injected through a wrapping Runner)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+from logitproc.runtime import GenerationConfig
+from logitproc.serve.engine import Engine
+
+GREEDY = GenerationConfig(temperature=0.0, max_tokens=12, ignore_eos=True)
+POISON = 3 + ord("~")  # the tiny vocabulary's token for the byte "~"
+
+
+@pytest.fixture(scope="module")
+def model():
+    from logitproc.serve.cli_options import tiny_model
+    from logitproc.serve.compiled_model import CompiledModel
+
+    return CompiledModel.open(tiny_model(), target="cpu")
+
+
+class FaultyRunner:
+    """The model, except that a sequence whose prompt holds the POISON token fails: in ``prefill`` (``at=0``) or in
+    its ``at``-th ``decode`` call, after the real decode has grown every sequence's KV cache (so the engine must put
+    the others back). Everything else is the wrapped runner's."""
+
+    def __init__(self, model, at: int) -> None:
+        self._model, self._at = model, at
+        self._poisoned: dict[int, int] = {}  # seq_id -> decodes so far
+        for name in ("name", "vocab_size", "context_length", "max_num_sequences", "max_total_tokens",
+                     "eos_token_ids", "tokenizer", "kernel_library", "apply_chat_template", "sequence_length",
+                     "add_sequence", "popn"):
+            setattr(self, name, getattr(model, name))
+
+    @property
+    def sequence_ids(self) -> tuple[int, ...]:
+        return self._model.sequence_ids
+
+    def remove_sequence(self, seq_id: int) -> None:
+        self._poisoned.pop(seq_id, None)
+        self._model.remove_sequence(seq_id)
+
+    def fork_sequence(self, parent_id: int, child_id: int, length: int | None = None) -> None:
+        if parent_id in self._poisoned:
+            self._poisoned[child_id] = 0
+        self._model.fork_sequence(parent_id, child_id, length)
+
+    def prefill(self, seq_ids: Sequence[int], token_ids: Sequence[Sequence[int]]) -> np.ndarray:
+        for seq_id, tokens in zip(seq_ids, token_ids, strict=True):
+            if POISON in tokens:
+                if self._at == 0:
+                    raise RuntimeError("injected prefill fault")
+                self._poisoned[seq_id] = 0
+        return self._model.prefill(seq_ids, token_ids)
+
+    def decode(self, seq_ids: Sequence[int], token_ids: Sequence[int]) -> np.ndarray:
+        out = self._model.decode(seq_ids, token_ids)
+        for seq_id in seq_ids:
+            if seq_id in self._poisoned:
+                self._poisoned[seq_id] += 1
+                if self._poisoned[seq_id] >= self._at:
+                    raise RuntimeError("injected decode fault")
+        return out
+
+
+def run_all(engine: Engine, outputs: dict | None = None, steps: int = 500) -> dict[str, dict[int, object]]:
+    """Step until idle (or ``steps`` steps); each request's outputs by sequence index."""
+    outputs = {} if outputs is None else outputs
+    for _ in range(steps):
+        if not engine.has_unfinished():
+            return outputs
+        for delta in engine.step():
+            if delta.output is not None:
+                outputs.setdefault(delta.request_id, {})[delta.index] = delta.output
+    if steps < 500:
+        return outputs
+    raise AssertionError("the engine never became idle")
+
+
+@pytest.mark.parametrize("at", [0, 3])
+def test_a_runner_fault_ends_only_its_request(model, at) -> None:
+    """One request's sequences fail in the runner (at prefill, or at its 3rd decode after the KV cache grew): it
+    ends with "error" and the message; the others (one n=2, one arriving later) equal their answers alone."""
+    good = [("Hello there", GREEDY), ("The cat", GenerationConfig(temperature=0.0, max_tokens=10, n=2)),
+            ("late", GREEDY)]
+    expected = {p: Engine(model, max_batch=8).generate(p, c) for p, c in good}
+    engine = Engine(FaultyRunner(model, at), max_batch=8)
+    ids = {engine.add_request(p, c): p for p, c in good[:2]}
+    bad = engine.add_request("bad ~ prompt", GenerationConfig(temperature=0.0, max_tokens=12, n=2))
+    outputs = run_all(engine, steps=1)
+    ids[engine.add_request(*good[2])] = good[2][0]
+    run_all(engine, outputs)
+    for index in (0, 1):
+        failed = outputs[bad][index]
+        assert failed.finish_reason == "error" and "injected" in failed.error
+        assert len(failed.token_ids) == at  # the prefill token, then one per decode that worked
+    for rid, prompt in ids.items():
+        got = [outputs[rid][i] for i in sorted(outputs[rid])]
+        assert [o.token_ids for o in got] == [o.token_ids for o in expected[prompt]]
+    assert not engine.has_unfinished() and engine.num_running == 0 and engine.kv_tokens == 0
+
+
+def test_a_request_failing_in_processing_ends_alone(model) -> None:
+    """top_k beyond int32: refused at add_request, or (where the config allows it) ended with "error" at its first
+    step while the other request's answer is unchanged."""
+    [want] = Engine(model, max_batch=8).generate("Hello", GREEDY)
+    engine = Engine(model, max_batch=4)
+    rid = engine.add_request("Hello", GREEDY)
+    try:
+        bad = engine.add_request("bad", GenerationConfig(temperature=1.0, top_k=2**31, max_tokens=8))
+    except ValueError:
+        bad = None
+    outputs = run_all(engine)
+    assert outputs[rid][0].token_ids == want.token_ids
+    if bad is not None:
+        assert outputs[bad][0].finish_reason == "error" and outputs[bad][0].error
+
+
+def test_generate_with_a_failing_request_returns_error_not_raises(model) -> None:
+    [out] = Engine(FaultyRunner(model, 2), max_batch=2).generate("~", GREEDY)
+    assert out.finish_reason == "error" and "injected decode fault" in out.error
+
+
+def test_abort_before_add_request_does_not_abort_it(model) -> None:
+    engine = Engine(model, max_batch=4)
+    engine.abort("mine")  # nothing of that id yet: ignored
+    assert not engine.has_unfinished()
+    rid = engine.add_request("Hello", GREEDY, request_id="mine")
+    assert run_all(engine)[rid][0].finish_reason == "length"
+    engine.abort("mine")  # finished: ignored, and a new request of the same id runs whole
+    engine.add_request("Hello", GREEDY, request_id="mine")
+    assert run_all(engine)["mine"][0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("prompt", [None, 7, b"hello", bytearray(b"hi"), {"role": "user", "content": "hi"}, 2.5])
+def test_prompt_of_a_wrong_type_is_a_type_error_naming_it(model, prompt) -> None:
+    engine = Engine(model, max_batch=2)
+    with pytest.raises(TypeError, match="prompt must be text"):
+        engine.add_request(prompt)
+    with pytest.raises(TypeError, match="prompt must be text"):
+        engine.generate(prompt)
+    assert not engine.has_unfinished()
+
+
+def test_request_id_of_a_wrong_type(model) -> None:
+    with pytest.raises(TypeError, match="request_id must be a str"):
+        Engine(model, max_batch=2).add_request("hi", request_id=5)
