@@ -1,7 +1,9 @@
 """The ``logitproc`` command line.
 
 Only the standard library loads before a command runs (``logitproc --help`` is instant); TVM loads when a command
-needs it. Ctrl-C ends any command quietly with status 130, a closed output pipe (``| head -1``) with 141.
+needs it. Ctrl-C ends any command quietly with status 130, a closed output pipe (``| head -1``) with 141; bad input
+(an option's value, arguments that are not UTF-8, a closed stdout) is one line on stderr and status 2, never a
+traceback.
 """
 
 from __future__ import annotations
@@ -101,12 +103,34 @@ def _quiet_broken_pipe() -> int:
     return 128 + 13  # as if killed by SIGPIPE, like other command-line tools
 
 
+def _undecodable(argv: Sequence[str]) -> str | None:
+    """Why an argument is not valid UTF-8 (Python keeps such bytes as lone surrogates), or None."""
+    for position, arg in enumerate(argv, 1):
+        try:
+            arg.encode("utf-8")
+        except UnicodeEncodeError:
+            raw = os.fsencode(arg) if isinstance(arg, str) else arg
+            return f"argument {position} ({raw!r}) is not valid UTF-8"
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    bad = _undecodable(argv)
+    if sys.stdout is None:  # started with stdout closed (``>&-``)
+        bad = "standard output is closed: there is nowhere to write to"
+    if bad is not None:
+        print(f"logitproc: error: {bad}", file=sys.stderr)
+        return 2
+    command = "logitproc"
     try:
         args = build_parser().parse_args(argv)
-        return args.run(args)
-    except (ValueError, RuntimeError, FileNotFoundError) as err:
-        print(f"logitproc {args.command}: error: {err}", file=sys.stderr)
+        command = f"logitproc {args.command}"
+        status = args.run(args)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's last flush
+        return status
+    except (ValueError, TypeError, RuntimeError, FileNotFoundError) as err:
+        print(f"{command}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 128 + 2  # SIGINT: quiet, the shell's convention

@@ -25,7 +25,7 @@ TARGET_CHOICES = ("cpu", "cuda", "rocm", "vulkan", "metal")
 SAMPLING_OPTIONS: dict[str, tuple[str, type, str]] = {
     "--temperature": ("temperature", float, ">= 0; 0 = greedy (default: the model's, as said above)"),
     "--top-p": ("top_p", float, "nucleus sampling mass, (0, 1]; 1 = off (default: the model's, else 1)"),
-    "--top-k": ("top_k", int, "keep the k most likely tokens; 0 = off (default: the model's, else 0)"),
+    "--top-k": ("top_k", int, "keep the k most likely tokens, < 2**31; 0 = off (default: the model's, else 0)"),
     "--min-p": ("min_p", float, "keep tokens with prob >= min_p * max prob; 0 = off (default: the model's, else 0)"),
     "--presence-penalty": ("presence_penalty", float, "[-2, 2] (default: 0)"),
     "--frequency-penalty": ("frequency_penalty", float, "[-2, 2] (default: 0)"),
@@ -52,12 +52,24 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                              "$TREE_DECODE_CONFIG, relative to the model's directory and confined to it)")
 
 
+#: Integer options bounded where the kernels hold them in int32 (the shell reports a larger value as a usage error).
+INT32_OPTIONS = ("--top-k",)
+
+
+def int32(text: str) -> int:
+    """An int that fits the kernels' int32 arguments (argparse reports the ValueError's message, one line)."""
+    value = int(text)
+    if not -(2**31) <= value < 2**31:
+        raise argparse.ArgumentTypeError(f"{text} is too large (at most {2**31 - 1})")
+    return value
+
+
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     from .model_defaults import help_text
 
     group = parser.add_argument_group("sampling", help_text())
     for option, (_, kind, text) in SAMPLING_OPTIONS.items():
-        group.add_argument(option, type=kind, default=None, help=text)
+        group.add_argument(option, type=int32 if option in INT32_OPTIONS else kind, default=None, help=text)
     group.add_argument("--json-schema", metavar="FILE_OR_JSON",
                        help="constrain the answer to this JSON schema (default: none)")
     group.add_argument("--regex", help="constrain the answer to match this regular expression (default: none)")
@@ -80,9 +92,12 @@ def read_schema(spec: str, stdin: bool = False) -> Any:
         except (OSError, UnicodeDecodeError) as err:
             raise ValueError(f"cannot read the schema file {spec!r}: {err}") from None
     try:
-        return json.loads(text)
+        schema = json.loads(text)
     except json.JSONDecodeError as err:
         raise ValueError(f"the schema is not valid JSON: {err}") from None
+    if not isinstance(schema, (dict, bool)):
+        raise ValueError(f"a JSON schema is an object (or true/false), got {type(schema).__name__} {text[:40]!r}")
+    return schema
 
 
 def json_schema_format(schema: Any) -> dict[str, Any]:
