@@ -8,10 +8,9 @@ field, the value and what is allowed. The same object serves the API, the CLI an
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
-from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -23,9 +22,21 @@ MAX_TOP_LOGPROBS = 20
 MAX_N = 128
 MAX_STOP_STRINGS = 16
 MAX_BAD_WORDS = 64
+#: Entries of one request's logit_bias (OpenAI's limit is 300; the kernel's buffer holds this many per row).
+MAX_LOGIT_BIAS_ENTRIES = 1024
+#: Token ids and top_k reach the kernels as int32.
+MAX_INT32 = 2**31 - 1
+#: repetition_penalty's upper end: beyond it float32 logits overflow to -inf or flush to 0.
+MAX_REPETITION_PENALTY = 1000.0
 
 
-def _number(name: str, value: Any, *, integer: bool = False) -> float:
+def _number(name: str, value: Any, *, integer: bool = False) -> Any:
+    """``value`` as a Python int (``integer``) or float/int; numpy scalars of the right kind are accepted alike."""
+    if isinstance(value, np.generic) and not isinstance(value, np.bool_):
+        if isinstance(value, np.integer):
+            value = int(value)
+        elif isinstance(value, np.floating) and not integer:
+            value = float(value)
     kinds = (int,) if integer else (int, float)
     if isinstance(value, bool) or not isinstance(value, kinds):
         expected = "an int" if integer else "a number"
@@ -33,6 +44,39 @@ def _number(name: str, value: Any, *, integer: bool = False) -> float:
     if not integer and not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value!r}")
     return value
+
+
+class FrozenMapping(Mapping):
+    """An immutable mapping that can be hashed, copied and pickled (unlike ``types.MappingProxyType``)."""
+
+    __slots__ = ("_items", "_hash")
+
+    def __init__(self, items: Mapping[Any, Any] | None = None) -> None:
+        self._items = dict(items or {})
+        self._hash: int | None = None
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._items[key]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __hash__(self) -> int:
+        if self._hash is None:
+            self._hash = hash(frozenset(self._items.items()))
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Mapping) and dict(self._items) == dict(other)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (FrozenMapping, (self._items,))
+
+    def __repr__(self) -> str:
+        return repr(self._items)
 
 
 def _in_range(name: str, value: float, low: float, high: float, *, low_open: bool = False) -> None:
@@ -48,16 +92,16 @@ class GenerationConfig:
 
     temperature        >= 0; 0 = greedy (argmax, lowest id on ties)
     top_p              (0, 1]; 1 = off
-    top_k              -1 or 0 = off, else keep the k most likely tokens (ties kept)
+    top_k              -1 or 0 = off, else keep the k most likely tokens (ties kept); at most 2**31 - 1
     min_p              [0, 1]; 0 = off; keep tokens with prob >= min_p * max prob
     presence_penalty   [-2, 2]: subtracted once from every token already in the output
     frequency_penalty  [-2, 2]: subtracted once per occurrence in the output
-    repetition_penalty > 0; 1 = off; divides positive / multiplies negative logits of prompt and output tokens
-    logit_bias         {token_id: bias in [-100, 100]}; token ids are checked against the vocabulary when a
-                       processor first sees the request
+    repetition_penalty (0, 1000]; 1 = off; divides positive / multiplies negative logits of prompt and output tokens
+    logit_bias         {token_id: bias in [-100, 100]}, at most 1024 entries; token ids are checked against the
+                       vocabulary when a processor first sees the request
     seed               None, or an int in [0, 2**64): the same seed gives the same tokens whatever the batch
     logprobs           return the chosen token's log-probability
-    top_logprobs       0..20 most likely alternatives per position (needs logprobs=True)
+    top_logprobs       0..20 most likely alternatives per position (needs logprobs=True; at most the vocabulary)
     logprobs_mode      "processed" (the distribution sampled from) or "raw" (the model's, before any processing)
     max_tokens         None or >= 1
     min_tokens         >= 0 (<= max_tokens): EOS (unless ignore_eos) and stop_token_ids are banned, and stop strings
@@ -103,30 +147,37 @@ class GenerationConfig:
     think_begin: str = "<think>"
     think_end: str = "</think>"
 
+    def _field(self, name: str, *, integer: bool = False) -> Any:
+        """The field's value as a Python number (numpy scalars converted and stored back), type-checked."""
+        value = _number(name, getattr(self, name), integer=integer)
+        object.__setattr__(self, name, value)
+        return value
+
     def __post_init__(self) -> None:
-        _in_range("temperature", _number("temperature", self.temperature), 0.0, math.inf)
-        _in_range("top_p", _number("top_p", self.top_p), 0.0, 1.0, low_open=True)
-        top_k = _number("top_k", self.top_k, integer=True)
-        if top_k < -1:
-            raise ValueError(f"top_k must be -1 or 0 (off) or >= 1, got {top_k!r}")
-        _in_range("min_p", _number("min_p", self.min_p), 0.0, 1.0)
-        _in_range("presence_penalty", _number("presence_penalty", self.presence_penalty), -2.0, 2.0)
-        _in_range("frequency_penalty", _number("frequency_penalty", self.frequency_penalty), -2.0, 2.0)
-        _in_range("repetition_penalty", _number("repetition_penalty", self.repetition_penalty), 0.0, math.inf,
+        _in_range("temperature", self._field("temperature"), 0.0, math.inf)
+        _in_range("top_p", self._field("top_p"), 0.0, 1.0, low_open=True)
+        top_k = self._field("top_k", integer=True)
+        if not -1 <= top_k <= MAX_INT32:
+            raise ValueError(f"top_k must be -1 or 0 (off) or in [1, {MAX_INT32}], got {top_k!r}")
+        _in_range("min_p", self._field("min_p"), 0.0, 1.0)
+        _in_range("presence_penalty", self._field("presence_penalty"), -2.0, 2.0)
+        _in_range("frequency_penalty", self._field("frequency_penalty"), -2.0, 2.0)
+        _in_range("repetition_penalty", self._field("repetition_penalty"), 0.0, MAX_REPETITION_PENALTY,
                   low_open=True)
         object.__setattr__(self, "logit_bias", self._checked_bias(self.logit_bias))
         if self.seed is not None:
-            _in_range("seed", _number("seed", self.seed, integer=True), 0, 2**64 - 1)
-        if not isinstance(self.logprobs, bool):
+            _in_range("seed", self._field("seed", integer=True), 0, 2**64 - 1)
+        if not isinstance(self.logprobs, (bool, np.bool_)):
             raise TypeError(f"logprobs must be a bool, got {self.logprobs!r}")
-        _in_range("top_logprobs", _number("top_logprobs", self.top_logprobs, integer=True), 0, MAX_TOP_LOGPROBS)
+        object.__setattr__(self, "logprobs", bool(self.logprobs))
+        _in_range("top_logprobs", self._field("top_logprobs", integer=True), 0, MAX_TOP_LOGPROBS)
         if self.top_logprobs and not self.logprobs:
             raise ValueError(f"top_logprobs={self.top_logprobs} needs logprobs=True")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
         if self.max_tokens is not None:
-            _in_range("max_tokens", _number("max_tokens", self.max_tokens, integer=True), 1, math.inf)
-        _in_range("min_tokens", _number("min_tokens", self.min_tokens, integer=True), 0,
+            _in_range("max_tokens", self._field("max_tokens", integer=True), 1, math.inf)
+        _in_range("min_tokens", self._field("min_tokens", integer=True), 0,
                   math.inf if self.max_tokens is None else self.max_tokens)
         if self.allowed_token_ids is not None:
             object.__setattr__(self, "allowed_token_ids", self._checked_ids("allowed_token_ids",
@@ -134,16 +185,16 @@ class GenerationConfig:
             if not self.allowed_token_ids:
                 raise ValueError("allowed_token_ids must name at least one token (None allows every token)")
         object.__setattr__(self, "bad_words", self._checked_strings("bad_words", self.bad_words, MAX_BAD_WORDS))
-        _in_range("n", _number("n", self.n, integer=True), 1, MAX_N)
+        _in_range("n", self._field("n", integer=True), 1, MAX_N)
         object.__setattr__(self, "stop", self._checked_strings("stop", self.stop, MAX_STOP_STRINGS))
         ids = (self.stop_token_ids,) if isinstance(self.stop_token_ids, int) else self.stop_token_ids
         object.__setattr__(self, "stop_token_ids", self._checked_ids("stop_token_ids", ids))
-        if not isinstance(self.ignore_eos, bool):
+        if not isinstance(self.ignore_eos, (bool, np.bool_)):
             raise TypeError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        object.__setattr__(self, "ignore_eos", bool(self.ignore_eos))
         object.__setattr__(self, "response_format", parse_response_format(self.response_format))
         if self.max_thinking_tokens is not None:
-            _in_range("max_thinking_tokens", _number("max_thinking_tokens", self.max_thinking_tokens, integer=True),
-                      0, math.inf)
+            _in_range("max_thinking_tokens", self._field("max_thinking_tokens", integer=True), 0, math.inf)
         for name in ("think_begin", "think_end"):
             marker = getattr(self, name)
             if not isinstance(marker, str) or not marker:
@@ -168,26 +219,33 @@ class GenerationConfig:
         if not isinstance(ids, (list, tuple)):
             raise TypeError(f"{name} must be a list of ints, got {type(ids).__name__}")
         for t in ids:
-            if _number(f"{name} entry", t, integer=True) < 0:
-                raise ValueError(f"{name} entries must be >= 0, got {t!r}")
+            if not 0 <= _number(f"{name} entry", t, integer=True) <= MAX_INT32:
+                raise ValueError(f"{name} entries must be token ids in [0, {MAX_INT32}], got {t!r}")
         return tuple(int(t) for t in ids)
 
     @staticmethod
     def _checked_bias(bias: Any) -> Mapping[int, float]:
         if bias is None:
-            return MappingProxyType({})
+            return FrozenMapping()
         if not isinstance(bias, Mapping):
             raise TypeError(f"logit_bias must be a mapping {{token_id: bias}}, got {type(bias).__name__}")
+        if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(f"logit_bias holds {len(bias)} entries; at most {MAX_LOGIT_BIAS_ENTRIES} are allowed")
         checked: dict[int, float] = {}
         for key, value in bias.items():
-            # JSON objects (the OpenAI API) carry token ids as strings.
-            token = int(key) if isinstance(key, str) and key.strip().lstrip("-").isdigit() else key
-            _number(f"logit_bias key {key!r}", token, integer=True)
-            if token < 0:
-                raise ValueError(f"logit_bias token id must be >= 0, got {key!r}")
+            token = key
+            if isinstance(key, str):  # JSON objects (the OpenAI API) carry token ids as strings of ASCII digits
+                digits = key.strip()
+                if not (digits.isascii() and digits.lstrip("-").isdigit()):
+                    raise TypeError(f"logit_bias key {key!r} must be a token id: an int, or a string of ASCII "
+                                    "digits")
+                token = int(digits)
+            token = _number(f"logit_bias key {key!r}", token, integer=True)
+            if not 0 <= token <= MAX_INT32:
+                raise ValueError(f"logit_bias token id must be in [0, {MAX_INT32}], got {key!r}")
             _in_range(f"logit_bias[{token}]", _number(f"logit_bias[{token}]", value), -100.0, 100.0)
-            checked[int(token)] = float(value)
-        return MappingProxyType(checked)
+            checked[token] = float(value)
+        return FrozenMapping(checked)
 
     # What each stage needs -------------------------------------------------------------------------------
     @property
@@ -224,3 +282,5 @@ class GenerationConfig:
             bad = [t for t in ids if t >= vocab_size]
             if bad:
                 raise ValueError(f"{name} token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+        if self.top_logprobs > vocab_size:
+            raise ValueError(f"top_logprobs={self.top_logprobs} exceeds the vocabulary size {vocab_size}")

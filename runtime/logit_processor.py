@@ -16,6 +16,7 @@ import numpy as np
 from logitproc.tir_kernels import bitmask, logit_bias, penalty, softmax
 
 from .batch import Batch, DraftArg
+from .config import MAX_LOGIT_BIAS_ENTRIES
 from .device import Device, PrefixViews
 from .kernel_library import KernelLibrary, require_kernels
 from .logits_io import LogitsStaging
@@ -26,7 +27,6 @@ from .penalty_layout import PenaltyLayout
 from .request_state import RequestState
 
 #: A request's logit_bias may name at most this many tokens.
-MAX_LOGIT_BIAS_ENTRIES = 1024
 
 BatchArg = Batch | Sequence[RequestState]
 #: The kernels this processor launches (names from each kernel module's NAME).
@@ -98,25 +98,28 @@ class LogitProcessor:
             raise ValueError(f"{batch.num_rows} rows exceed max_num_token={self.max_num_token}")
         for state in batch.update.joined:
             self._check_joined(state)
+        for state in batch.states:  # O(1) each: ids appended since the request joined are checked here
+            if state.max_token_id >= self.vocab_size:
+                raise ValueError(f"token id {state.max_token_id} (appended to a sequence) is outside the vocabulary "
+                                 f"[0, {self.vocab_size})")
         for path in batch.paths:
-            if path and max(path) >= self.vocab_size:
-                raise ValueError(f"draft token id {max(path)} is outside the vocabulary [0, {self.vocab_size})")
+            if path and not 0 <= min(path) <= max(path) < self.vocab_size:
+                bad = next(t for t in path if not 0 <= t < self.vocab_size)
+                raise ValueError(f"draft token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         self._penalty.forget(batch.update.left)
         self._last_batch = batch
         return batch
 
     def _check_joined(self, state: RequestState) -> None:
         state.config.check_vocab(self.vocab_size)
-        if len(state.config.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
-            raise ValueError(f"logit_bias names {len(state.config.logit_bias)} tokens; at most "
-                             f"{MAX_LOGIT_BIAS_ENTRIES} are allowed")
         if not state.mask_sources and state.config.needs_mask_sources:
             raise ValueError("the config sets response_format, max_thinking_tokens, min_tokens, "
                              "allowed_token_ids or bad_words, but the RequestState has no mask sources: make "
                              "them with ConstraintFactory(tokenizer, vocab_size, eos_ids).sources_for(config)")
         for path in (state.prompt_token_ids, state.output_token_ids, state.draft_token_ids):
-            if path and max(path) >= self.vocab_size:
-                raise ValueError(f"token id {max(path)} is outside the vocabulary [0, {self.vocab_size})")
+            if path and not 0 <= min(path) <= max(path) < self.vocab_size:
+                bad = next(t for t in path if not 0 <= t < self.vocab_size)
+                raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
 
     def _batch_for(self, logits: Any, states: BatchArg, cum_num_token: Any, draft_trees: DraftArg) -> Batch:
         if isinstance(states, Batch):
@@ -193,6 +196,8 @@ class LogitProcessor:
         it was. Masks started by ``start_masks`` for the same rows are used; the returned batch's ``mask_errors``
         says which rows' mask sources failed (those rows allow no token).
         """
+        if isinstance(logits, np.ndarray) and not logits.flags.writeable:
+            raise ValueError("logits is read-only: it is updated in place (pass a writable array, e.g. logits.copy())")
         batch = self._batch_for(logits, states, cum_num_token, draft_trees)
         on_device, write_back = self._logits.to_device(logits)
         batch.remember_on_device(logits, on_device)

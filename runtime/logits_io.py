@@ -15,6 +15,7 @@ import tvm
 import tvm_ffi
 
 from .device import Device, PrefixViews
+from .wgsl import GPUArray
 
 TVM_ALIGNMENT = 64
 
@@ -30,6 +31,9 @@ def is_device_array(x: Any) -> bool:
 
 def rows_and_vocab(x: Any, what: str, vocab_size: int) -> int:
     """Validate a ``[N, vocab_size]`` float32 array (numpy or device); return N."""
+    if not isinstance(x, (np.ndarray, tvm.runtime.Tensor, GPUArray)):
+        raise TypeError(f"{what} must be a float32 numpy.ndarray [num_rows, {vocab_size}] or a device array, "
+                        f"got {type(x).__name__}")
     shape = tuple(int(s) for s in x.shape)
     dtype = str(x.dtype)
     if dtype != "float32":
@@ -37,6 +41,16 @@ def rows_and_vocab(x: Any, what: str, vocab_size: int) -> int:
     if len(shape) != 2 or shape[1] != vocab_size:
         raise ValueError(f"{what} must have shape [num_rows, {vocab_size}], got {list(shape)}")
     return shape[0]
+
+
+def non_finite_rows(logits: np.ndarray) -> np.ndarray:
+    """bool ``[N]``: rows of ``logits`` ``[N, V]`` holding a NaN or a +inf (-inf is a masked token, not an error).
+
+    Such a row has no distribution to sample from (softmax gives NaN): the engine ends its sequence with finish
+    reason "error" instead of sampling it. One reduction over the logits (``max`` propagates NaN).
+    """
+    with np.errstate(invalid="ignore"):
+        return ~(np.max(logits, axis=1) < np.inf)
 
 
 class LogitsStaging:

@@ -14,8 +14,18 @@ from typing import Any
 
 import numpy as np
 
-from .config import GenerationConfig
+from .config import MAX_INT32, GenerationConfig
 from .mask_source import TokenMaskSource
+
+
+def checked_token(token: Any, field: str) -> int:
+    """``token`` as an int in [0, 2**31 - 1] (ids reach the kernels as int32), else an error naming ``field``."""
+    if isinstance(token, bool) or not isinstance(token, (int, np.integer)):
+        raise TypeError(f"{field}: token ids must be ints, got {token!r} ({type(token).__name__})")
+    if not 0 <= token <= MAX_INT32:
+        raise ValueError(f"{field}: token ids must be in [0, {MAX_INT32}] (and below the vocabulary size), "
+                         f"got {token!r}")
+    return int(token)
 
 
 @dataclass(frozen=True)
@@ -29,6 +39,7 @@ class DraftTree:
     parents: tuple[int, ...]
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "token_ids", tuple(checked_token(t, "draft token_ids") for t in self.token_ids))
         if len(self.token_ids) != len(self.parents):
             raise ValueError(f"draft tree: {len(self.token_ids)} token_ids but {len(self.parents)} parents")
         for i, p in enumerate(self.parents):
@@ -37,7 +48,7 @@ class DraftTree:
 
     @classmethod
     def chain(cls, token_ids: Sequence[int]) -> DraftTree:
-        return cls(tuple(int(t) for t in token_ids), tuple(range(-1, len(token_ids) - 1)))
+        return cls(tuple(token_ids), tuple(range(-1, len(token_ids) - 1)))
 
     def path(self, node: int) -> list[int]:
         """Token ids from the root down to ``node`` (inclusive); node -1 is the root itself (empty path)."""
@@ -56,7 +67,10 @@ class RequestState:
         self.config = config if config is not None else GenerationConfig()
         if not isinstance(self.config, GenerationConfig):
             raise TypeError(f"config must be a GenerationConfig, got {type(self.config).__name__}")
-        self.prompt_token_ids = [self._token(t, "prompt_token_ids") for t in prompt_token_ids]
+        self.prompt_token_ids = [checked_token(t, "prompt_token_ids") for t in prompt_token_ids]
+        #: The largest token id the state holds (prompt, output): a processor checks it against its vocabulary
+        #: on every batch, so that an id appended after the request joined never reaches a kernel unchecked.
+        self.max_token_id = -1
         self.output_token_ids: list[int] = []
         self.draft_token_ids: list[int] = []
         self.mask_sources = list(mask_sources)
@@ -76,12 +90,6 @@ class RequestState:
         seed = self.config.seed
         self.rng = np.random.Generator(np.random.PCG64(seed)) if seed is not None else np.random.default_rng()
 
-    @staticmethod
-    def _token(token: Any, field: str) -> int:
-        if isinstance(token, bool) or not isinstance(token, (int, np.integer)) or token < 0:
-            raise ValueError(f"{field}: token ids must be ints >= 0, got {token!r}")
-        return int(token)
-
     def _entry(self, token: int) -> int:
         position = self._index.get(token)
         if position is None:
@@ -91,11 +99,12 @@ class RequestState:
             position = self._index[token] = self._size
             self._tokens[position] = token
             self._size += 1
+            self.max_token_id = max(self.max_token_id, token)
         return position
 
     def append_token(self, token_id: int) -> None:
         """Commit a generated token: output counts (O(1)) and every mask source advance."""
-        token = self._token(token_id, "token_id")
+        token = checked_token(token_id, "append_token")
         self.output_token_ids.append(token)
         self._sizes_before.append(self._size)
         position = self._entry(token)
@@ -120,6 +129,7 @@ class RequestState:
             del self._index[int(token)]
         self._counts[size : self._size] = 0
         self._size = size
+        self.max_token_id = int(self._tokens[:size].max()) if size else -1
         del self.output_token_ids[keep:]
         del self._sizes_before[keep:]
         for source in self.mask_sources:

@@ -35,16 +35,33 @@ BatchArg = Batch | Sequence[RequestState]
 
 @dataclass
 class SampleResult:
-    """One sampled token per row. ``logprobs[r]`` is NaN and ``top_logprobs[r]`` None where not requested."""
+    """One sampled token per row. ``logprobs[r]`` is NaN and ``top_logprobs[r]`` None where not requested.
+
+    ``non_finite_logits`` (bool ``[N]``, or None when nobody looked) flags rows whose logits held a NaN or a +inf
+    (``logits_io.non_finite_rows``, checked by the engine before processing): their token is -1, never a sample.
+    """
 
     token_ids: np.ndarray
     logprobs: np.ndarray
     top_logprobs: list[list[tuple[int, float]] | None]
     no_valid_token: np.ndarray
+    non_finite_logits: np.ndarray | None = None
 
     def finish_reason(self, row: int) -> str | None:
-        """'no_valid_token' for a row whose every token was masked, else None."""
+        """'non_finite_logits' for a row whose logits held NaN or +inf, 'no_valid_token' for a row whose every
+        token was masked, else None."""
+        if self.non_finite_logits is not None and self.non_finite_logits[row]:
+            return "non_finite_logits"
         return "no_valid_token" if self.no_valid_token[row] else None
+
+    def flag_non_finite(self, rows: np.ndarray) -> None:
+        """Mark ``rows`` (bool ``[N]``) as having had NaN / +inf logits: token -1, no logprobs."""
+        self.non_finite_logits = rows
+        if rows.any():
+            self.token_ids[rows] = -1
+            self.logprobs[rows] = np.nan
+            for r in np.flatnonzero(rows):
+                self.top_logprobs[r] = None
 
 
 class Sampler:

@@ -2,7 +2,8 @@
 
 ``commit_row`` appends a row's token to its sequence's state (a stop token ends the sequence without advancing the
 state), records its logprobs, and applies the finish rules (``GeneratedSequence.commit``). A row with no valid token
-finishes with "grammar_dead_end", or "error" with the message of the mask source that failed.
+finishes with "grammar_dead_end", or "error" with the message of the mask source that failed; a row whose logits
+held NaN or +inf finishes with "error" (the message says so) without a token.
 
 ``jump_forward`` (``Engine(jump_forward=True)``) appends the tokens the constraints force without a decode step
 each, and makes the model's KV cache agree with the re-tokenised state: tokens the jump replaced are popped, and
@@ -26,6 +27,10 @@ def commit_row(seq: GeneratedSequence, result: SampleResult, row: int, delta: De
     stats = seq.request.stats
     if stats.first_token_time is None:
         stats.first_token_time = time.perf_counter()
+    if result.non_finite_logits is not None and result.non_finite_logits[row]:
+        seq.finish("error", delta, error="non_finite_logits: the model's logits for this sequence hold NaN or +inf, "
+                                         "so there is no distribution to sample from")
+        return
     if result.no_valid_token[row]:
         seq.finish("error" if error else "grammar_dead_end", delta, error=error)
         return

@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 
 #: Why a sequence ended. "stop": EOS, one of stop_token_ids, or a stop string; "length": max_tokens or the context
 #: is full; "grammar_dead_end": the constraints allowed no token at all; "abort": the request was cancelled;
-#: "error": one of its constraints failed at run time (``Output.error`` says how); the other requests go on.
+#: "error": one of its constraints failed at run time, or the model's logits held NaN / +inf (``Output.error`` says
+#: which); the other requests go on.
 FINISH_REASONS = ("stop", "length", "grammar_dead_end", "abort", "error")
 
 

@@ -2,7 +2,8 @@
 
 ``inplace_update_logits`` (bias -> penalties -> masks) -> ``compute_probs_from_logits`` (temperature softmax) ->
 ``Sampler.renormalize`` (min-p, top-k, top-p) -> ``Sampler.sample``; each row with its own request's config
-(temperature 0 is greedy). Raw logprobs, when a row asks for them, read a copy of the logits taken first.
+(temperature 0 is greedy). Raw logprobs, when a row asks for them, read a copy of the logits taken first. Rows
+whose logits hold NaN or +inf are flagged (``SampleResult.non_finite_logits``, token -1) rather than sampled.
 """
 
 from __future__ import annotations
@@ -10,12 +11,16 @@ from __future__ import annotations
 import numpy as np
 from logitproc.runtime import LogitProcessor, Sampler, SampleResult
 from logitproc.runtime.batch import Batch
+from logitproc.runtime.logits_io import non_finite_rows
 
 
 def process(processor: LogitProcessor, sampler: Sampler, batch: Batch, logits: np.ndarray) -> SampleResult:
     """One token per row of ``batch`` from ``logits`` (modified in place); failed masks are in ``batch.mask_errors``."""
+    bad = non_finite_rows(logits)
     raw = logits.copy() if batch.any_raw_logprobs else None
     processor.inplace_update_logits(logits, batch)
     probs = processor.compute_probs_from_logits(logits, batch)
     probs = sampler.renormalize(probs, batch)
-    return sampler.sample(probs, batch, raw_logits=raw)
+    result = sampler.sample(probs, batch, raw_logits=raw)
+    result.flag_non_finite(bad)
+    return result

@@ -408,6 +408,39 @@ def test_jump_forward_is_chosen_per_request(model) -> None:
         engine.add_request("x", config, jump_forward="yes")
 
 
+def test_nan_or_inf_logits_end_only_their_sequence_with_an_error(gguf) -> None:
+    from logitproc.serve.compiled_model import CompiledModel
+
+    class Poisoned(CompiledModel):
+        """The tiny model, whose logits turn NaN (or +inf) for one sequence from its third decode step."""
+
+        poisoned: dict[int, float] = {}
+        steps: dict[int, int] = {}
+
+        def decode(self, seq_ids, token_ids):
+            logits = super().decode(seq_ids, token_ids)
+            for row, seq in enumerate(seq_ids):
+                self.steps[seq] = self.steps.get(seq, 0) + 1
+                if seq in self.poisoned and self.steps[seq] >= 3:
+                    logits[row, 5] = self.poisoned[seq]
+            return logits
+
+    model = Poisoned.open(gguf, target="cpu")
+    config = GenerationConfig(temperature=0.0, max_tokens=12, ignore_eos=True)
+    for bad in (np.nan, np.inf):
+        engine = Engine(model, max_batch=4)
+        rids = [engine.add_request(p, config) for p in PROMPTS[:3]]
+        engine.step()  # prefill: the model's sequence ids are known from here
+        Poisoned.poisoned = {model.sequence_ids[1]: bad}
+        Poisoned.steps = {}
+        outs = {rid: outputs_of(d)[0] for rid, d in run_all(engine).items()}
+        hit = outs[rids[1]]
+        assert hit.finish_reason == "error" and "non_finite_logits" in hit.error and len(hit.token_ids) == 3
+        for rid, prompt in ((rids[0], PROMPTS[0]), (rids[2], PROMPTS[2])):
+            assert outs[rid].finish_reason == "length"
+            assert outs[rid].token_ids == alone(model, prompt, config)[0].token_ids
+
+
 def test_regex_forces_multibyte_characters_through_the_stream(model) -> None:
     pieces, out = streamed(Engine(model), "x", GenerationConfig(temperature=1.0, seed=0, max_tokens=40,
                                                                  response_format={"type": "regex",

@@ -6,6 +6,8 @@ int32 ``[num_rows, num_words]`` (``num_words >= ceil(vocab / 32)``; bit ``v % 32
 
     for i in range(num_rows):
         r = row_ids[i]
+        if not (0 <= r < batch and num_words * 32 >= vocab):  # a guard: the runtime never sends such a row
+            continue
         for v in range(vocab):
             if (bitmask[i, v // 32] >> (v % 32)) & 1 == 0:
                 logits[r, v] = -inf
@@ -41,13 +43,14 @@ def _cpu() -> tirx.PrimFunc:
         bitmask = T.match_buffer(var_bitmask, (num_rows, num_words), "int32")
         for i in T.parallel(num_rows):
             r: T.let = row_ids[i]
-            for w in range(vocab // 32):
-                word: T.let = bitmask[i, w]
-                for b in T.vectorized(32):
-                    logits[r, w * 32 + b] = _keep_if_allowed(logits[r, w * 32 + b], word, b)
-            for b in range(vocab % 32):
-                logits[r, vocab // 32 * 32 + b] = _keep_if_allowed(
-                    logits[r, vocab // 32 * 32 + b], bitmask[i, vocab // 32], b)
+            if r >= 0 and r < batch and num_words * 32 >= vocab:
+                for w in range(vocab // 32):
+                    word: T.let = bitmask[i, w]
+                    for b in T.vectorized(32):
+                        logits[r, w * 32 + b] = _keep_if_allowed(logits[r, w * 32 + b], word, b)
+                for b in range(vocab % 32):
+                    logits[r, vocab // 32 * 32 + b] = _keep_if_allowed(
+                        logits[r, vocab // 32 * 32 + b], bitmask[i, vocab // 32], b)
     return apply_bitmask_inplace
 
 
@@ -63,7 +66,8 @@ def _gpu(threads: int) -> tirx.PrimFunc:
         for i in T.thread_binding(num_rows, thread="blockIdx.y"):
             for bx in T.thread_binding((vocab + threads - 1) // threads, thread="blockIdx.x"):
                 for tx in T.thread_binding(threads, thread="threadIdx.x"):
-                    if bx * threads + tx < vocab:
+                    if (bx * threads + tx < vocab and row_ids[i] >= 0 and row_ids[i] < batch
+                            and num_words * 32 >= vocab):
                         v: T.let = bx * threads + tx
                         logits[row_ids[i], v] = _keep_if_allowed(logits[row_ids[i], v], bitmask[i, v // 32], v % 32)
     return apply_bitmask_inplace

@@ -2,10 +2,13 @@
 """apply_logit_bias_inplace: add a sparse, per-request bias to logits.
 
 Operation, with logits float32 ``[batch, vocab]`` and ``num_entries`` duplicate-free sparse entries (pos2seq int32,
-token_ids int32, bias float32, each ``[num_entries]``)::
+token_ids int32, bias float32, each ``[num_entries]``); an entry naming a row or token outside ``logits`` is
+skipped (a guard: the runtime never sends one)::
 
     for i in range(num_entries):
-        logits[pos2seq[i], token_ids[i]] += bias[i]
+        r, t = pos2seq[i], token_ids[i]
+        if 0 <= r < batch and 0 <= t < vocab:
+            logits[r, t] += bias[i]
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ def _cpu() -> tirx.PrimFunc:
         token_ids = T.match_buffer(var_token_ids, (num_entries,), "int32")
         bias = T.match_buffer(var_bias, (num_entries,), "float32")
         for i in range(num_entries):
-            logits[pos2seq[i], token_ids[i]] = logits[pos2seq[i], token_ids[i]] + bias[i]
+            if pos2seq[i] >= 0 and pos2seq[i] < batch and token_ids[i] >= 0 and token_ids[i] < vocab:
+                logits[pos2seq[i], token_ids[i]] = logits[pos2seq[i], token_ids[i]] + bias[i]
     return apply_logit_bias_inplace
 
 
@@ -50,7 +54,8 @@ def _gpu(threads: int) -> tirx.PrimFunc:
             for tx in T.thread_binding(threads, thread="threadIdx.x"):
                 if bx * threads + tx < num_entries:
                     i: T.let = bx * threads + tx
-                    logits[pos2seq[i], token_ids[i]] = logits[pos2seq[i], token_ids[i]] + bias[i]
+                    if pos2seq[i] >= 0 and pos2seq[i] < batch and token_ids[i] >= 0 and token_ids[i] < vocab:
+                        logits[pos2seq[i], token_ids[i]] = logits[pos2seq[i], token_ids[i]] + bias[i]
     return apply_logit_bias_inplace
 
 

@@ -5,11 +5,12 @@ Operation, with logits float32 ``[batch, vocab]``, ``num_entries`` duplicate-fre
 token_cnt: int32 ``[num_entries]``) naming every token that occurs in the prompt or the output of the row's sequence,
 ``token_cnt`` = its count in the output only, and penalties float32 ``[batch, 3]`` = (presence, frequency,
 repetition) per row (the vLLM / OpenAI semantics). An entry whose row is negative is padding and is skipped (the
-runtime keeps each sequence's entries in place between steps, with slack)::
+runtime keeps each sequence's entries in place between steps, with slack); so is, as a guard that the runtime's own
+checks never need, any entry naming a row or token outside ``logits``::
 
     for i in range(num_entries):
         r, t, c = pos2seq[i], token_ids[i], token_cnt[i]
-        if r < 0:
+        if not (0 <= r < batch and 0 <= t < vocab):
             continue
         presence, frequency, repetition = penalties[r]
         x = logits[r, t]
@@ -48,7 +49,7 @@ def _cpu() -> tirx.PrimFunc:
         penalties = T.match_buffer(var_penalties, (batch, 3), "float32")
         for i in range(num_entries):
             r: T.let = pos2seq[i]
-            if r >= 0:
+            if r >= 0 and r < batch and token_ids[i] >= 0 and token_ids[i] < vocab:
                 logits[r, token_ids[i]] = _penalised(logits[r, token_ids[i]], token_cnt[i], penalties[r, 0],
                                                      penalties[r, 1], penalties[r, 2])
     return apply_penalty_inplace
@@ -67,11 +68,12 @@ def _gpu(threads: int) -> tirx.PrimFunc:
         penalties = T.match_buffer(var_penalties, (batch, 3), "float32")
         for bx in T.thread_binding((num_entries + threads - 1) // threads, thread="blockIdx.x"):
             for tx in T.thread_binding(threads, thread="threadIdx.x"):
-                if bx * threads + tx < num_entries and pos2seq[bx * threads + tx] >= 0:
+                if bx * threads + tx < num_entries:
                     i: T.let = bx * threads + tx
                     r: T.let = pos2seq[i]
-                    logits[r, token_ids[i]] = _penalised(logits[r, token_ids[i]], token_cnt[i], penalties[r, 0],
-                                                         penalties[r, 1], penalties[r, 2])
+                    if r >= 0 and r < batch and token_ids[i] >= 0 and token_ids[i] < vocab:
+                        logits[r, token_ids[i]] = _penalised(logits[r, token_ids[i]], token_cnt[i], penalties[r, 0],
+                                                             penalties[r, 1], penalties[r, 2])
     return apply_penalty_inplace
 
 

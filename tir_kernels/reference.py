@@ -17,10 +17,18 @@ NEG_INF = np.float32(-np.inf)
 
 
 def apply_logit_bias(logits: np.ndarray, pos2seq: np.ndarray, token_ids: np.ndarray, bias: np.ndarray) -> np.ndarray:
-    """``out[pos2seq[i], token_ids[i]] += bias[i]`` for every sparse entry i (entries are duplicate-free)."""
+    """``out[pos2seq[i], token_ids[i]] += bias[i]`` for every sparse entry i (entries are duplicate-free); entries
+    naming a row or token outside ``logits`` are skipped."""
     out = logits.copy()
-    np.add.at(out, (pos2seq, token_ids), bias.astype(np.float32))
+    live = _inside(logits, pos2seq, token_ids)
+    np.add.at(out, (pos2seq[live], token_ids[live]), bias[live].astype(np.float32))
     return out
+
+
+def _inside(logits: np.ndarray, rows: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """Entries naming a row and a token of ``logits`` (the kernels skip the others)."""
+    batch, vocab = logits.shape
+    return (rows >= 0) & (rows < batch) & (tokens >= 0) & (tokens < vocab)
 
 
 def apply_penalty(
@@ -34,14 +42,14 @@ def apply_penalty(
 
     ``penalties[row] = (presence, frequency, repetition)``. Entries list every token that occurs in the prompt or the
     output of the row's sequence; ``token_cnt`` counts its occurrences in the output only (0 for prompt-only tokens).
-    Entries with a negative row are padding and skipped::
+    Entries with a negative row are padding and skipped, as are entries naming a row or token outside ``logits``::
 
         x = logits[r, t]
         x = x / rep if x > 0 else x * rep
         x -= frequency * cnt + presence * (cnt > 0)
     """
     out = logits.copy()
-    live = pos2seq >= 0
+    live = _inside(logits, pos2seq, token_ids)
     pos2seq, token_ids, token_cnt = pos2seq[live], token_ids[live], token_cnt[live]
     rows, toks = pos2seq.astype(np.int64), token_ids.astype(np.int64)
     x = out[rows, toks]
@@ -70,12 +78,16 @@ def pack_bitmask(allowed: np.ndarray) -> np.ndarray:
 
 
 def apply_bitmask(logits: np.ndarray, row_ids: np.ndarray, bitmask: np.ndarray) -> np.ndarray:
-    """``out[row_ids[i], v] = -inf`` where bit v of ``bitmask[i]`` is clear; other rows untouched."""
+    """``out[row_ids[i], v] = -inf`` where bit v of ``bitmask[i]`` is clear; other rows untouched, as are row ids
+    outside ``logits`` and every row when the bitmask has fewer than ``ceil(vocab / 32)`` words."""
     out = logits.copy()
-    vocab = logits.shape[1]
+    batch, vocab = logits.shape
+    if bitmask.shape[1] * 32 < vocab:
+        return out
     allowed = unpack_bitmask(bitmask, vocab)
     for i, r in enumerate(row_ids):
-        out[r] = np.where(allowed[i], out[r], NEG_INF)
+        if 0 <= r < batch:
+            out[r] = np.where(allowed[i], out[r], NEG_INF)
     return out
 
 

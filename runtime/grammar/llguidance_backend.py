@@ -12,6 +12,7 @@ from typing import Any
 
 import llguidance
 import numpy as np
+from llguidance.gbnf_to_lark import gbnf_to_lark
 
 from ..response_format import ResponseFormat
 from .backend import GrammarBackend, GrammarError, GrammarMatcher
@@ -89,7 +90,7 @@ class LLGuidanceBackend(GrammarBackend):
             return llguidance.LLMatcher.grammar_from_json_schema(fmt.text, overrides=json_options())
         if fmt.kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(fmt.text)
-        lark = fmt.text if fmt.syntax == "lark" else llguidance.gbnf_to_lark(fmt.text)
+        lark = fmt.text if fmt.syntax == "lark" else gbnf_to_lark(fmt.text)
         return llguidance.LLMatcher.grammar_from_lark(lark)
 
     def compile(self, response_format: ResponseFormat) -> llguidance.LLMatcher:
