@@ -312,22 +312,21 @@ class Engine:
         step = ModelStep()
         try:
             return self._forward(live, deltas, step)
-        except Exception:
-            self._undo(step, kept)
+        except Exception as err:
+            first = f"{type(err).__name__}: {err}"
+            kept = [p for p in kept if not self._undo(step, [p], first, deltas)]
         total, processing_s = ModelStep(), 0.0
         requests: dict[int, list[_Placement]] = {}
         for placement in kept:
             requests.setdefault(id(placement.seq.request), []).append(placement)
         for group in requests.values():
+            group = [p for p in group if p.seq.finish_reason is None]
             step = ModelStep()
             try:
                 alone, seconds = self._forward([p.seq for p in group], deltas, step)
             except Exception as err:
                 message = f"{type(err).__name__}: {err}"
-                try:
-                    self._undo(step, group)
-                except Exception as undo_err:  # the runner is broken for these: they end all the same
-                    message += f" (and undoing the step failed: {type(undo_err).__name__}: {undo_err})"
+                self._undo(step, group, message, deltas)
                 for p in group:
                     p.seq.fail(delta_of(deltas, p.seq), message)
                 continue
@@ -353,12 +352,20 @@ class Engine:
                 seq.fail(delta, f"{type(err).__name__}: {err}")
         return step, processing_s
 
-    def _undo(self, step: ModelStep, kept: list[_Placement]) -> None:
-        """Put the sequences back as they were before a failed ``_forward`` (its masks finished first)."""
+    def _undo(self, step: ModelStep, kept: list[_Placement], why: str, deltas: Deltas) -> bool:
+        """Put the sequences back as they were before a failed ``_forward`` (its masks finished first); a sequence
+        that cannot be put back (the runner fails that too) ends with "error". True when any could not."""
         if step.masks is not None:
             step.masks.wait()
+        failed = False
         for placement in kept:
-            placement.restore(self.model)
+            try:
+                placement.restore(self.model)
+            except Exception as err:
+                failed = True
+                placement.seq.fail(delta_of(deltas, placement.seq),
+                                   f"{why} (and undoing the step failed: {type(err).__name__}: {err})")
+        return failed
 
     # ---------------------------------------------------------------------------------------------- convenience
     def stream(self, prompt: Prompt, config: GenerationConfig | None = None, *,
