@@ -12,11 +12,13 @@ from logitproc.serve.engine import Engine
 WORDS = ["Hello", "the cat", "What is", "x", "a tree", "JSON", "1 2 3", "zebra", "Once upon", "ok"]
 
 
-def jobs() -> list[tuple[str, GenerationConfig]]:
-    """20 distinct requests: greedy, with stop strings, n=2, penalties, max_tokens from 1 to 12."""
+def jobs(seeded: bool = False) -> list[tuple[str, GenerationConfig]]:
+    """20 distinct requests: greedy (or sampled with seeds), with stop strings, n=2, penalties, max_tokens from 1
+    to 12."""
     out = []
     for i in range(20):
-        config = GenerationConfig(temperature=0.0, max_tokens=1 + i % 12, ignore_eos=i % 3 == 0,
+        sampling = {"temperature": 0.9, "seed": 100 + i, "top_p": 0.95} if seeded else {"temperature": 0.0}
+        config = GenerationConfig(**sampling, max_tokens=1 + i % 12, ignore_eos=i % 3 == 0,
                                   n=2 if i % 7 == 0 else 1, stop=("e",) if i % 5 == 0 else (),
                                   frequency_penalty=0.5 if i % 4 == 1 else 0.0)
         out.append((f"{WORDS[i % len(WORDS)]} {i}", config))
@@ -62,9 +64,10 @@ def run_threads(engine: Engine, requests: list, threads: int, rounds: int = 1) -
     return results
 
 
-def test_eight_threads_twenty_requests_each_equal_alone(model) -> None:
+@pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
+def test_eight_threads_twenty_requests_each_equal_alone(model, seeded) -> None:
     """8 threads x 20 requests through one Engine: all finish, each answer equals the request run alone."""
-    requests = jobs()
+    requests = jobs(seeded)
     expected = [summary(Engine(model, max_batch=8).generate(p, c)) for p, c in requests]
     engine = Engine(model, max_batch=8)
     results = run_threads(engine, requests, threads=8)
