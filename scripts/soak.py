@@ -273,6 +273,7 @@ def soak(model: Any, requests: int = 200, seconds: float = 60.0, seed: int = 0, 
     for thread in pool:
         thread.start()
     live: dict[str, Job] = {}
+    added = 0
     report = Report()
     while True:
         while len(live) < concurrency and (job := new_job(rng)) is not None:
@@ -281,6 +282,11 @@ def soak(model: Any, requests: int = 200, seconds: float = 60.0, seed: int = 0, 
                 live[job.rid] = job
             except (ValueError, TypeError) as err:
                 job.refused = str(err)
+                continue
+            added += 1
+            if added % 10 == 5:  # every tenth request aborted at once, while it waits
+                job.aborted = True
+                engine.abort(job.rid)
         if not live and not engine.has_unfinished() and not any(t.is_alive() for t in pool):
             break
         for delta in engine.step():
