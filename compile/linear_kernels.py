@@ -95,19 +95,28 @@ def _halve(acc, b):
 
 @T.macro
 def _blocks(y, first, count, o, steps, acc, term):
-    """y[t, o] for tokens first .. first+count-1 in whole blocks of 4: an accumulator per token, each weight vector
-    loaded once per block."""
+    """y[t, o] for tokens first .. first+count-1 in whole blocks of 4, each weight vector loaded once per block. Per
+    token two accumulators (even and odd steps), summed exactly as ``_singles`` sums them: a token's result does not
+    depend on whether it was computed in a block or alone (batch invariance)."""
     for tb in range(count // _TOKEN_BLOCK):
-        for b in range(_TOKEN_BLOCK):
+        for b in range(2 * _TOKEN_BLOCK):
             for lane in T.vectorized(_LANES):
                 acc[b, lane] = T.float32(0)
-        for s in range(steps):
+        for s2 in range(steps // 2):
+            for b in range(_TOKEN_BLOCK):
+                for e in range(2):
+                    for lane in T.vectorized(_LANES):
+                        acc[2 * b + e, lane] = acc[2 * b + e, lane] + term(first + tb * _TOKEN_BLOCK + b, o,
+                                                                           s2 * 2 + e, lane)
+        if steps % 2 == 1:
             for b in range(_TOKEN_BLOCK):
                 for lane in T.vectorized(_LANES):
-                    acc[b, lane] = acc[b, lane] + term(first + tb * _TOKEN_BLOCK + b, o, s, lane)
+                    acc[2 * b, lane] = acc[2 * b, lane] + term(first + tb * _TOKEN_BLOCK + b, o, steps - 1, lane)
         for b in range(_TOKEN_BLOCK):
-            _halve(acc, b)
-            y[first + tb * _TOKEN_BLOCK + b, o] = acc[b, 0] + acc[b, 1]
+            for lane in T.vectorized(_LANES):
+                acc[2 * b, lane] = acc[2 * b, lane] + acc[2 * b + 1, lane]
+            _halve(acc, 2 * b)
+            y[first + tb * _TOKEN_BLOCK + b, o] = acc[2 * b, 0] + acc[2 * b, 1]
 
 
 @T.macro
@@ -150,10 +159,11 @@ def _rows(y, n, out_features, steps, acc, chunk, rows_per_chunk, term):
 
 
 @T.macro
-def _quantised_rows(y, x, n, out_features, in_features, blocks, acc, wrow, chunk, rows_per_chunk, term, decode):
-    """As ``_rows`` for quantised weights: below 4 tokens the blocks are decoded inside the dot products; from 4
-    tokens on, a row is decoded once per tile into ``wrow`` (float32, in L1) and the tokens run the float loop."""
-    if n < _TOKEN_BLOCK:
+def _quantised_rows(y, x, n, out_features, in_features, blocks, acc, wrow, chunk, rows_per_chunk, term, decode,
+                    wrow_from):
+    """As ``_rows`` for quantised weights: below ``wrow_from`` tokens the blocks are decoded inside the dot products;
+    from there on, a row is decoded once per tile into ``wrow`` (float32, in L1) and the tokens run the float loop."""
+    if n < wrow_from:
         for row in range(rows_per_chunk):
             if chunk * rows_per_chunk + row < out_features:
                 _singles(y, 0, n, chunk * rows_per_chunk + row, blocks, acc, term)
@@ -262,20 +272,35 @@ def _high(byte: Any) -> Any:
     return _f32(T.shift_right(byte, T.uint8(4)))
 
 
+#: ``linear_kernel`` modes: which schedule runs at which token count.
+MODES = ("auto", "decode", "prefill")
+_NEVER = 2**62  # a token count never reached
+
+
 @functools.cache
 def linear_kernel(out_features: int, in_features: int, fmt: str, int8_dot: bool = False,
-                  xbits: int = 16) -> tirx.PrimFunc:
+                  xbits: int = 16, mode: str = "auto") -> tirx.PrimFunc:
     """``y[t, o] = sum_k x[t, k] * W[o, k]``: parameters ``x``, the weight arrays of ``fmt``, ``y`` (module doc).
     ``int8_dot``: below ``_INT_GEMM_MIN_TOKENS`` tokens, quantised formats use ``integer_matvec``'s integer dot products
     (AVX2) with x quantised to ``xbits``-bit blocks (16: logits within about 1e-3 of float; 8: GGML's Q8 blocks,
-    no faster here and about 0.7 off) instead of float dot products."""
+    no faster here and about 0.7 off) instead of float dot products.
+
+    ``mode``: "auto" picks the schedule by the token count (the GEMM from 8 or 16 tokens on). The model is
+    batch-invariant with the two others: "decode" runs the dot products at every token count (and quantised rows
+    decoded inside them), "prefill" the GEMM at every token count; each reduces a token's row in one fixed order
+    whatever the other tokens, so a sequence's logits do not depend on what else is in the batch."""
     check_shape(out_features, in_features, fmt)
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     N, K = out_features, in_features
     chunks = min(_CHUNKS, N)
     rows_per_chunk = -(-N // chunks)
     blocks, half = K // _QBLOCK, K // 2
     xtype, qmax = f"int{xbits}", 2 ** (xbits - 1) - 1
-    gemm_from = _INT_GEMM_MIN_TOKENS if int8_dot else _GEMM_MIN_TOKENS
+    auto_from = _INT_GEMM_MIN_TOKENS if int8_dot else _GEMM_MIN_TOKENS
+    gemm_from = {"auto": auto_from, "decode": _NEVER, "prefill": 0}[mode]
+    float_gemm_from = {"auto": _GEMM_MIN_TOKENS, "decode": _NEVER, "prefill": 0}[mode]
+    wrow_from = _NEVER if mode == "decode" else _TOKEN_BLOCK
 
     if fmt in ("float32", "float16"):
         def float_term(x, w):
@@ -287,11 +312,11 @@ def linear_kernel(out_features: int, in_features: int, fmt: str, int8_dot: bool 
             n = T.int64()
             x = T.match_buffer(var_x, (n, K), "float32")
             y = T.match_buffer(var_y, (n, N), "float32")
-            if n >= _GEMM_MIN_TOKENS:
+            if n >= float_gemm_from:
                 _gemm(y, x, n, N, K, lambda o, c, lane: _f32(w[o, c * _LANES + lane]))
             else:
                 for chunk in T.parallel(chunks):
-                    acc = T.alloc_buffer((_TOKEN_BLOCK, _LANES), "float32", scope="local")
+                    acc = T.alloc_buffer((2 * _TOKEN_BLOCK, _LANES), "float32", scope="local")
                     _rows(y, n, N, K // _LANES, acc, chunk, rows_per_chunk, float_term(x, w))
         return linear
 
@@ -315,11 +340,11 @@ def linear_kernel(out_features: int, in_features: int, fmt: str, int8_dot: bool 
                                lambda o, b, t, xs: T.float32(0), xtype, qmax)
             else:
                 for chunk in T.parallel(chunks):
-                    acc = T.alloc_buffer((_TOKEN_BLOCK, _LANES), "float32", scope="local")
+                    acc = T.alloc_buffer((2 * _TOKEN_BLOCK, _LANES), "float32", scope="local")
                     wrow = T.alloc_buffer((K,), "float32", scope="local")
                     _quantised_rows(y, x, n, N, K, blocks, acc, wrow, chunk, rows_per_chunk,
                                     q8_term(x, codes, scales), lambda o, s, lane, half: _f32(scales[o, s]) * _f32(
-                                        codes[o, s * 32 + half * 16 + lane]))
+                                        codes[o, s * 32 + half * 16 + lane]), wrow_from)
         return linear_q8_0
 
     def q4_term(x, xp, codes, scales, mins):
@@ -354,10 +379,10 @@ def linear_kernel(out_features: int, in_features: int, fmt: str, int8_dot: bool 
                     for lane in T.vectorized(16):
                         xp[t, s * 16 + lane] = x[t, s * 32 + lane] + x[t, s * 32 + 16 + lane]
             for chunk in T.parallel(chunks):
-                acc = T.alloc_buffer((_TOKEN_BLOCK, _LANES), "float32", scope="local")
+                acc = T.alloc_buffer((2 * _TOKEN_BLOCK, _LANES), "float32", scope="local")
                 wrow = T.alloc_buffer((K,), "float32", scope="local")
                 _quantised_rows(y, x, n, N, K, blocks, acc, wrow, chunk, rows_per_chunk,
-                                q4_term(x, xp, codes, scales, mins), q4_decode(codes, scales, mins))
+                                q4_term(x, xp, codes, scales, mins), q4_decode(codes, scales, mins), wrow_from)
     return linear_q4_1
 
 

@@ -129,13 +129,14 @@ class _Weights(nn.Module):
     def arrays(self) -> list[nn.Tensor]:
         return [getattr(self, suffix) for suffix in self.suffixes]
 
-    def matmul(self, x: nn.Tensor) -> nn.Tensor:
-        """``x[..., in] @ W.T`` -> ``[..., out]`` float32 (leading axes flattened into tokens)."""
+    def matmul(self, x: nn.Tensor, mode: str) -> nn.Tensor:
+        """``x[..., in] @ W.T`` -> ``[..., out]`` float32 (leading axes flattened into tokens); ``mode`` "decode" or
+        "prefill" (``linear_kernels.linear_kernel``: one schedule at every token count, for batch invariance)."""
         lead = list(x.shape[:-1])
         flat = x.reshape(-1, self.in_features) if len(lead) != 1 else x
         y = nn.op.tensor_ir_op(
-            linear_kernel(self.out_features, self.in_features, self.fmt, self.int8_dot),
-            f"linear_{self.fmt}_{self.out_features}x{self.in_features}",
+            linear_kernel(self.out_features, self.in_features, self.fmt, self.int8_dot, mode=mode),
+            f"linear_{self.fmt}_{self.out_features}x{self.in_features}_{mode}",
             args=[flat, *self.arrays()],
             out=nn.Tensor.placeholder([flat.shape[0], self.out_features], "float32"),
         )
@@ -159,8 +160,8 @@ class Linear(nn.Module):
         self.w = _Weights(out_features, in_features, fmt, int8_dot)
         self.bias = nn.Parameter((out_features,), "float32") if bias else None
 
-    def forward(self, x: nn.Tensor) -> nn.Tensor:
-        y = self.w.matmul(x)
+    def forward(self, x: nn.Tensor, mode: str) -> nn.Tensor:
+        y = self.w.matmul(x, mode)
         return y + self.bias if self.bias is not None else y
 
 
@@ -184,12 +185,12 @@ class Attention(nn.Module):
         self.qkv = Linear(spec.hidden, qkv_rows, spec.fmt("qkv"), bias=spec.qkv_bias, int8_dot=spec.int8_dot)
         self.o = Linear(spec.n_heads * spec.head_dim, spec.hidden, spec.fmt("o"), int8_dot=spec.int8_dot)
 
-    def forward(self, x: nn.Tensor, kv_cache: PagedKVCache, layer: int, b: Any, t: Any) -> nn.Tensor:
+    def forward(self, x: nn.Tensor, kv_cache: PagedKVCache, layer: int, b: Any, t: Any, mode: str) -> nn.Tensor:
         """``x[b t, hidden]`` (the tokens of ``b`` sequences of ``t`` each, flat) -> ``[b t, hidden]``."""
         s = self.spec
-        qkv = self.qkv(x).reshape(b, t, s.n_heads + 2 * s.n_kv_heads, s.head_dim)
+        qkv = self.qkv(x, mode).reshape(b, t, s.n_heads + 2 * s.n_kv_heads, s.head_dim)
         out = kv_cache.attention_with_fused_qkv(layer, qkv, s.n_heads, sm_scale=1.0 / math.sqrt(s.head_dim))
-        return self.o(out.reshape(x.shape[0], s.n_heads * s.head_dim))
+        return self.o(out.reshape(x.shape[0], s.n_heads * s.head_dim), mode)
 
 
 class MLP(nn.Module):
@@ -201,12 +202,12 @@ class MLP(nn.Module):
         self.gate_up = Linear(spec.hidden, 2 * spec.ffn, spec.fmt("gate_up"), int8_dot=spec.int8_dot)
         self.down = Linear(spec.ffn, spec.hidden, spec.fmt("down"), int8_dot=spec.int8_dot)
 
-    def forward(self, x: nn.Tensor) -> nn.Tensor:
+    def forward(self, x: nn.Tensor, mode: str) -> nn.Tensor:
         """``x[tokens, hidden]`` -> ``[tokens, hidden]``."""
-        gate_up = self.gate_up(x)
+        gate_up = self.gate_up(x, mode)
         act = nn.op.tensor_ir_op(swiglu_kernel(self.ffn), f"swiglu_{self.ffn}", args=[gate_up],
                                  out=nn.Tensor.placeholder([gate_up.shape[0], self.ffn], "float32"))
-        return self.down(act)
+        return self.down(act, mode)
 
 
 class Block(nn.Module):
@@ -219,10 +220,10 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(spec.hidden, spec.rms_eps)
         self.mlp = MLP(spec)
 
-    def forward(self, x: nn.Tensor, kv_cache: PagedKVCache, b: Any, t: Any) -> nn.Tensor:
+    def forward(self, x: nn.Tensor, kv_cache: PagedKVCache, b: Any, t: Any, mode: str) -> nn.Tensor:
         """The residual stream ``x[b t, hidden]`` (flat: no reshapes between the kernels) after this layer."""
-        x = x + self.attn(self.attn_norm(x), kv_cache, self.layer, b, t)
-        return x + self.mlp(self.ffn_norm(x))
+        x = x + self.attn(self.attn_norm(x), kv_cache, self.layer, b, t, mode)
+        return x + self.mlp(self.ffn_norm(x), mode)
 
 
 class LlamaModule(nn.Module):
@@ -239,23 +240,26 @@ class LlamaModule(nn.Module):
     def embed(self, input_ids: nn.Tensor) -> nn.Tensor:
         return self.embed_tokens.rows(input_ids)
 
-    def _logits(self, hidden: nn.Tensor) -> nn.Tensor:
+    def _logits(self, hidden: nn.Tensor, mode: str) -> nn.Tensor:
         hidden = self.norm(hidden)
         if self.lm_head is not None:
-            return self.lm_head(hidden)
-        return self.embed_tokens.matmul(hidden)
+            return self.lm_head(hidden, mode)
+        return self.embed_tokens.matmul(hidden, mode)
 
-    def _layers(self, x: nn.Tensor, kv_cache: PagedKVCache, b: Any, t: Any) -> nn.Tensor:
+    def _layers(self, x: nn.Tensor, kv_cache: PagedKVCache, b: Any, t: Any, mode: str) -> nn.Tensor:
         for block in self.layers:
-            x = block(x, kv_cache, b, t)
+            x = block(x, kv_cache, b, t, mode)
         return x
 
+    # Batch invariance: prefill runs the layers' matmuls as the GEMM and decode as dot products whatever the token
+    # count, so a sequence's logits do not depend on the other sequences of the pass (linear_kernel's modes). The
+    # logits of a prefill (a row or a few per sequence) take the dot products, as decode's do.
     def prefill(self, input_ids: nn.Tensor, logit_positions: nn.Tensor, kv_cache: PagedKVCache) -> nn.Tensor:
-        x = self._layers(self.embed(input_ids), kv_cache, 1, input_ids.shape[0])
-        return self._logits(nn.op.take(x, logit_positions, axis=0))
+        x = self._layers(self.embed(input_ids), kv_cache, 1, input_ids.shape[0], "prefill")
+        return self._logits(nn.op.take(x, logit_positions, axis=0), "decode")
 
     def decode(self, input_ids: nn.Tensor, kv_cache: PagedKVCache) -> nn.Tensor:
-        return self._logits(self._layers(self.embed(input_ids), kv_cache, input_ids.shape[0], 1))
+        return self._logits(self._layers(self.embed(input_ids), kv_cache, input_ids.shape[0], 1, "decode"), "decode")
 
     def create_paged_kv_cache(
         self,

@@ -292,14 +292,16 @@ def random_weights(n_out: int, n_in: int, fmt: str, rng: np.random.Generator) ->
     return list(arrays.values()), w
 
 
+@pytest.mark.parametrize("mode", ["auto", "decode", "prefill"])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_linear_kernels_match_numpy_on_awkward_token_counts(fmt: str) -> None:
+def test_linear_kernels_match_numpy_on_awkward_token_counts(fmt: str, mode: str) -> None:
     """Both schedules (dot products below 8 tokens, the register-tiled GEMM from 8 on: tails of 1/2/3 vectors,
-    partial vectors, several 96-token tiles, a partial last row group) against float64 numpy."""
+    partial vectors, several 96-token tiles, a partial last row group) against float64 numpy; "decode" runs the dot
+    products and "prefill" the GEMM at every token count."""
     rng = np.random.default_rng(1)
     target, dev = resolve_target("cpu").tvm_target(), tvm.cpu()
-    for n_out, n_in in LINEAR_SHAPES[fmt]:
-        kernel = linear_kernel(n_out, n_in, fmt).with_attr("global_symbol", "main")
+    for n_out, n_in in LINEAR_SHAPES[fmt] if mode == "auto" else LINEAR_SHAPES[fmt][-1:]:
+        kernel = linear_kernel(n_out, n_in, fmt, mode=mode).with_attr("global_symbol", "main")
         with tvm.transform.PassContext(opt_level=3):
             run = tvm.compile(tvm.IRModule({"main": kernel}), target=target).mod["main"]
         arrays, w = random_weights(n_out, n_in, fmt, rng)
@@ -311,6 +313,29 @@ def test_linear_kernels_match_numpy_on_awkward_token_counts(fmt: str) -> None:
             expected = x.astype(np.float64) @ w.T
             np.testing.assert_allclose(y.numpy(), expected, rtol=0, atol=1e-5 * np.abs(expected).max(),
                                        err_msg=f"{fmt} {n_out}x{n_in}, {n} tokens")
+
+
+@pytest.mark.parametrize("int8_dot", [False, True])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_tokens_result_does_not_depend_on_the_other_tokens(fmt: str, int8_dot: bool) -> None:
+    """Batch invariance: in "decode" and "prefill" modes, row t of y is bitwise the same whatever the token count."""
+    if int8_dot and fmt not in ("q8_0", "q4_1"):
+        pytest.skip("the integer dot products are for quantised weights")
+    rng = np.random.default_rng(3)
+    n_out, n_in = 40, 256
+    arrays, _ = random_weights(n_out, n_in, fmt, rng)
+    dev = tvm.cpu()
+    weights = [tvm.runtime.tensor(a, dev) for a in arrays]
+    x = rng.standard_normal((40, n_in)).astype(np.float32)
+    for mode in ("decode", "prefill"):
+        run = _cpu_kernel(linear_kernel(n_out, n_in, fmt, int8_dot, mode=mode))
+        rows = {}
+        for n in (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 40):
+            y = tvm.runtime.tensor(np.zeros((n, n_out), np.float32), dev)
+            run(tvm.runtime.tensor(x[:n], dev), *weights, y)
+            rows[n] = y.numpy()
+        for n, y in rows.items():
+            np.testing.assert_array_equal(y, rows[40][:n], err_msg=f"{fmt} {mode}: {n} tokens")
 
 
 def _cpu_kernel(func):

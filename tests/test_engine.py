@@ -441,6 +441,24 @@ def test_nan_or_inf_logits_end_only_their_sequence_with_an_error(gguf) -> None:
             assert outs[rid].token_ids == alone(model, prompt, config)[0].token_ids
 
 
+def test_a_seeded_request_samples_the_same_tokens_whatever_else_runs(model) -> None:
+    """Batch invariance (issue 16): the model reduces each sequence's rows in one order whatever the batch, so a
+    seeded sampled answer alone equals the same request among 7 others (joining at different steps)."""
+    config = GenerationConfig(temperature=1.0, top_p=0.95, seed=1234, max_tokens=40, ignore_eos=True)
+    [expected] = alone(model, PROMPTS[1], config)
+    engine = Engine(model, max_batch=8)
+    others = GenerationConfig(temperature=0.9, seed=7, max_tokens=30, ignore_eos=True)
+    for i in range(3):
+        engine.add_request(PROMPTS[i % len(PROMPTS)] * (i + 1), others)
+    engine.step()
+    engine.step()
+    target = engine.add_request(PROMPTS[1], config)
+    for i in range(4):
+        engine.add_request(PROMPTS[(i + 2) % len(PROMPTS)], others)
+    got = outputs_of(run_all(engine)[target])[0]
+    assert got.token_ids == expected.token_ids
+
+
 def test_regex_forces_multibyte_characters_through_the_stream(model) -> None:
     pieces, out = streamed(Engine(model), "x", GenerationConfig(temperature=1.0, seed=0, max_tokens=40,
                                                                  response_format={"type": "regex",
