@@ -21,6 +21,22 @@ from dataclasses import dataclass
 from typing import Any
 
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema", "regex", "grammar")
+#: Objects and arrays nested in a schema (real-world schemas stay under 30; deeper ones overflow the Python stack).
+MAX_SCHEMA_DEPTH = 256
+
+
+def nesting_depth(value: Any) -> int:
+    """How deeply objects and arrays nest in ``value`` (a scalar: 0), without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, Mapping) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, depth)
+        if depth <= MAX_SCHEMA_DEPTH:  # deeper than that is refused anyway: stop walking
+            stack.extend((child, depth + 1) for child in children)
+    return deepest
 GRAMMAR_SYNTAXES = ("lark", "ebnf")
 #: A JSON schema may be an object or, per the JSON Schema spec, the booleans true (anything) and false (nothing).
 _SCHEMA_KINDS = (dict, bool)
@@ -103,12 +119,19 @@ def parse_response_format(value: Any) -> ResponseFormat | None:
                 schema = json.loads(schema)
             except json.JSONDecodeError as err:
                 raise ValueError(f"response_format.json_schema.schema is not valid JSON: {err}") from None
+            except RecursionError:
+                raise ValueError(f"response_format.json_schema.schema is nested more than {MAX_SCHEMA_DEPTH} levels "
+                                 "deep") from None
         if not isinstance(schema, _SCHEMA_KINDS):
             raise TypeError(f"response_format.json_schema.schema must be an object or a boolean, "
                             f"got {type(schema).__name__}")
         name = spec.get("name", "schema")
         if not isinstance(name, str):
             raise TypeError(f"response_format.json_schema.name must be a string, got {type(name).__name__}")
+        depth = nesting_depth(schema)
+        if depth > MAX_SCHEMA_DEPTH:
+            raise ValueError(f"response_format.json_schema.schema is nested {depth} levels deep; at most "
+                             f"{MAX_SCHEMA_DEPTH} are allowed")
         try:
             # Key order is kept: the engines write properties in the schema's order.
             text = json.dumps(schema, separators=(",", ":"), allow_nan=False)

@@ -1,7 +1,9 @@
-"""Grammars in both syntaxes (Lark and GBNF/EBNF) on both grammar engines, end to end through the engine.
+"""Grammars in both syntaxes (Lark and GBNF/EBNF) on both grammar engines, end to end through the engine, and the
+grammars refused before a request starts, in one sentence (issue 16, items 4 and 6).
 
 Before, the llguidance backend called the module ``llguidance.gbnf_to_lark`` as a function, so every EBNF request
-failed on the default engine (issue 16, item 4).
+failed on the default engine; an unsatisfiable regex ended its answer with a 22-line engine dump, ``a{1000000}``
+ended it in "error" after the mask had allowed a token, and a schema nested 5,000 deep raised RecursionError.
 """
 
 from __future__ import annotations
@@ -46,3 +48,27 @@ def test_a_broken_ebnf_grammar_is_refused_naming_the_engine(model, backend: str)
     fmt = {"type": "grammar", "grammar": 'root ::= "a" undefined_rule', "syntax": "ebnf"}
     with pytest.raises(ValueError, match=backend):
         engine.add_request("x", GenerationConfig(response_format=fmt))
+
+
+@pytest.mark.parametrize(("fmt", "says"), [
+    ({"type": "regex", "regex": "a[^\\x00-\\U0010FFFF]"}, "llguidance cannot use this regex: NoExtensionBias"),
+    ({"type": "regex", "regex": "a{1000000}"}, "llguidance cannot use this regex: lexer error: too many expressions"),
+])
+def test_grammars_that_cannot_work_are_refused_before_the_request_starts(model, fmt, says: str) -> None:
+    engine = Engine(model)
+    with pytest.raises(ValueError, match=says) as caught:
+        engine.add_request("x", GenerationConfig(response_format=fmt))
+    assert "\n" not in str(caught.value)  # one sentence, no parser dump
+    assert not engine.has_unfinished()
+
+
+def test_a_schema_nested_too_deeply_is_refused_naming_the_field() -> None:
+    schema: dict = {"type": "string"}
+    for _ in range(5000):
+        schema = {"type": "object", "properties": {"a": schema}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "deep", "schema": schema}}
+    with pytest.raises(ValueError, match="response_format.json_schema.schema is nested 257 levels deep; at most 256"):
+        GenerationConfig(response_format=fmt)
+    text = '{"a":' * 5000 + "1" + "}" * 5000
+    with pytest.raises(ValueError, match="response_format.json_schema.schema is nested"):
+        GenerationConfig(response_format={"type": "json_schema", "json_schema": {"schema": text}})

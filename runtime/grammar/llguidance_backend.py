@@ -23,6 +23,11 @@ from .tokenizer_adapter import TokenizerAdapter
 MAX_JSON_WHITESPACE = 16
 
 
+def first_line(error: str | None) -> str:
+    """llguidance's error without the parser state it appends (a dump of 20-odd lines)."""
+    return (error or "unknown error").strip().splitlines()[0] if (error or "").strip() else "unknown error"
+
+
 def json_options() -> dict[str, Any]:
     return {"whitespace_flexible": True, "whitespace_pattern": f"[\\x20\\x0A\\x0D\\x09]{{0,{MAX_JSON_WHITESPACE}}}"}
 
@@ -37,10 +42,10 @@ class LLGuidanceMatcher(GrammarMatcher):
 
     def fill_next_token_bitmask(self, row: np.ndarray) -> None:
         if self._m.is_error():  # llguidance would allow EOS alone: an error must not pass for a finished answer
-            raise GrammarError(f"llguidance matcher failed: {self._m.get_error()}")
+            raise GrammarError(f"llguidance matcher failed: {first_line(self._m.get_error())}")
         self._m.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
         if self._m.is_error():
-            raise GrammarError(f"llguidance matcher failed: {self._m.get_error()}")
+            raise GrammarError(f"llguidance matcher failed: {first_line(self._m.get_error())}")
         self._adapter.clear_padding(row)
 
     def try_accept_token(self, token_id: int) -> bool:
@@ -57,12 +62,12 @@ class LLGuidanceMatcher(GrammarMatcher):
             return super().try_accept_tokens(ids)
         count = self._m.validate_tokens(ids)
         if count and not self._m.consume_tokens(ids[:count]):
-            raise GrammarError(f"llguidance refused tokens it had validated: {self._m.get_error()}")
+            raise GrammarError(f"llguidance refused tokens it had validated: {first_line(self._m.get_error())}")
         return count
 
     def rollback(self, num_tokens: int) -> None:
         if num_tokens and not self._m.rollback(num_tokens):
-            raise GrammarError(f"llguidance cannot roll back {num_tokens} tokens: {self._m.get_error()}")
+            raise GrammarError(f"llguidance cannot roll back {num_tokens} tokens: {first_line(self._m.get_error())}")
 
     def is_accepting(self) -> bool:
         return self._m.is_accepting()
@@ -100,8 +105,30 @@ class LLGuidanceBackend(GrammarBackend):
             raise GrammarError(f"llguidance cannot read this {response_format.kind}: {err}") from None
         matcher = llguidance.LLMatcher(self.lltokenizer, grammar, log_level=0)
         if matcher.is_error():
-            raise GrammarError(f"llguidance cannot compile this {response_format.kind}: {matcher.get_error()}")
+            raise GrammarError(f"llguidance cannot compile this {response_format.kind}: "
+                               f"{first_line(matcher.get_error())}")
+        self._probe(matcher, response_format)
         return matcher
+
+    def _probe(self, compiled: llguidance.LLMatcher, response_format: ResponseFormat) -> None:
+        """Refuse, before any request starts, a grammar no output can satisfy (no first token and nothing to accept)
+        or one whose first token already breaks llguidance's limits (``a{1000000}``): the first mask, and its
+        first token consumed, on a copy. Compiled grammars are cached, so this runs once per grammar."""
+        probe = compiled.deep_copy()
+        row = np.zeros((self.tokenizer.vocab_size + 31) // 32, np.int32)
+        probe.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+        self.tokenizer.clear_padding(row)
+        what = f"this {response_format.kind}"
+        if probe.is_error():
+            raise GrammarError(f"llguidance cannot use {what}: {first_line(probe.get_error())}")
+        allowed = np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little"))
+        if not allowed.size:
+            if not probe.is_accepting():
+                raise GrammarError(f"{what} can never be satisfied: no text matches it")
+            return
+        if not probe.consume_token(int(allowed[0])) or probe.is_error():
+            raise GrammarError(f"llguidance cannot use {what}: {first_line(probe.get_error())} (its limits; "
+                               "write the pattern with fewer repetitions)")
 
     def matcher(self, compiled: llguidance.LLMatcher) -> LLGuidanceMatcher:
         with self._lock:
