@@ -128,11 +128,13 @@ class CompiledModel(ModelRunner):
         self._kv_popn(self._kv, seq_id, n)
 
     # ---------------------------------------------------------------- forward
-    def _forward(self, seq_ids: list[int], pieces: list[np.ndarray]) -> np.ndarray:
-        """One prefill pass: ``pieces[i]`` appended to ``seq_ids[i]``; logits after each piece's last token."""
+    def _forward(self, seq_ids: list[int], pieces: list[np.ndarray], every_position: bool = False) -> np.ndarray:
+        """One prefill pass: ``pieces[i]`` appended to ``seq_ids[i]``; logits after each piece's last token, or
+        after every token (``every_position``: ``[sum of lengths, vocab]``)."""
         lengths = [p.size for p in pieces]
         ids = tvm.runtime.tensor(np.concatenate(pieces).astype(np.int32), self.device)
-        positions = tvm.runtime.tensor((np.cumsum(lengths) - 1).astype(np.int32), self.device)
+        wanted = np.arange(sum(lengths)) if every_position else np.cumsum(lengths) - 1
+        positions = tvm.runtime.tensor(wanted.astype(np.int32), self.device)
         self._kv_begin(self._kv, _shape(seq_ids), _shape(lengths))
         try:
             logits = self._prefill_fn(ids, positions, self._kv, self._params)
@@ -159,6 +161,23 @@ class CompiledModel(ModelRunner):
                 done[row] += pieces[index].size
                 if done[row] == token_ids[row].size:
                     out[row] = logits[index]
+
+    def _verify(self, seq_ids: list[int], token_ids: list[np.ndarray]) -> list[np.ndarray]:
+        out: list[np.ndarray] = []
+        start = 0
+        while start < len(seq_ids):  # passes of at most prefill_chunk_size tokens, whole sequences each
+            end, total = start, 0
+            while end < len(seq_ids) and (end == start or total + token_ids[end].size <= self.prefill_chunk_size):
+                total += token_ids[end].size
+                end += 1
+            if total > self.prefill_chunk_size:
+                raise ValueError(f"{total} tokens to verify for one sequence exceed the prefill chunk of "
+                                 f"{self.prefill_chunk_size}")
+            logits = self._forward(seq_ids[start:end], token_ids[start:end], every_position=True)
+            bounds = np.cumsum([0] + [t.size for t in token_ids[start:end]])
+            out.extend(logits[bounds[i] : bounds[i + 1]] for i in range(end - start))
+            start = end
+        return out
 
     def _decode(self, seq_ids: list[int], token_ids: np.ndarray) -> np.ndarray:
         self._kv_begin(self._kv, _shape(seq_ids), _shape([1] * len(seq_ids)))

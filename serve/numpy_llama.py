@@ -122,6 +122,10 @@ class NumpyLlama:
 
     def extend(self, token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
         """Append ``token_ids`` to the current sequence; the logits ``[vocab]`` after the last of them."""
+        return self.extend_all(token_ids)[-1]
+
+    def extend_all(self, token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        """Append ``token_ids`` to the current sequence; the logits ``[len(token_ids), vocab]`` after each of them."""
         ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
         if ids.size == 0:
             raise ValueError("no tokens to process")
@@ -137,8 +141,7 @@ class NumpyLlama:
             self._allocate(min(capacity, self.config.context))
         hidden = self._forward(ids, start)
         self._length = end
-        last = rms_norm(hidden[-1], self._output_norm, self._eps)
-        return self._output @ last
+        return rms_norm(hidden, self._output_norm, self._eps) @ self._output.T
 
     def _forward(self, ids: np.ndarray, start: int) -> np.ndarray:
         """Hidden states ``[T, hidden]`` after the last layer; writes the tokens' K and V into the cache."""
@@ -258,3 +261,6 @@ class NumpyRunner(ModelRunner):
 
     def _decode(self, seq_ids: list[int], token_ids: np.ndarray) -> np.ndarray:
         return np.stack([self._llamas[s].decode(int(t)) for s, t in zip(seq_ids, token_ids, strict=True)])
+
+    def _verify(self, seq_ids: list[int], token_ids: list[np.ndarray]) -> list[np.ndarray]:
+        return [self._llamas[s].extend_all(t) for s, t in zip(seq_ids, token_ids, strict=True)]

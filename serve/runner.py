@@ -68,6 +68,8 @@ class Runner(Protocol):
 
     def decode(self, seq_ids: Sequence[int], token_ids: Sequence[int]) -> np.ndarray: ...
 
+    def verify(self, seq_ids: Sequence[int], token_ids: Sequence[Sequence[int]]) -> list[np.ndarray]: ...
+
 
 def _seq_id(value: Any, name: str = "seq_id") -> int:
     try:
@@ -224,7 +226,26 @@ class ModelRunner:
             self._lengths[seq_id] += 1
         return logits
 
+    def verify(self, seq_ids: Sequence[int], token_ids: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        """Append ``token_ids[i]`` (non-empty) to ``seq_ids[i]`` in one forward pass; the logits after *each* token,
+        ``[len(token_ids[i]), vocab]`` per sequence (speculative decoding: the last committed token and the drafts,
+        checked at once; ``popn`` takes back what is rejected)."""
+        if len(seq_ids) != len(token_ids):
+            raise ValueError(f"{len(seq_ids)} seq_ids but {len(token_ids)} token lists")
+        lists = [self._tokens(t, f"token_ids[{i}]") for i, t in enumerate(token_ids)]
+        for i, tokens in enumerate(lists):
+            if tokens.size == 0:
+                raise ValueError(f"token_ids[{i}] is empty")
+        ids = self._check_batch(seq_ids, [t.size for t in lists])
+        logits = self._verify(ids, lists)
+        for seq_id, tokens in zip(ids, lists, strict=True):
+            self._lengths[seq_id] += tokens.size
+        return logits
+
     # ---------------------------------------------------------------- implementation
+    def _verify(self, seq_ids: list[int], token_ids: list[np.ndarray]) -> list[np.ndarray]:
+        raise NotImplementedError
+
     def _add(self, seq_id: int) -> None:
         raise NotImplementedError
 
