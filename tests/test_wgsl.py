@@ -71,11 +71,12 @@ def test_tvm_wgsl_layout_is_by_name_and_matches_tvm_compile():
     shaders = split_shaders(source)
     assert list(shaders) == [BITMASK + "_kernel"]
     layout = parse_shader(shaders[BITMASK + "_kernel"])
-    # buffers sorted by name, not parameter order (logits, row_ids, bitmask); only logits is written
+    # buffers sorted by name, not parameter order (logits, row_ids, bitmask); only logits is written; the POD holds
+    # the logits' batch too (the kernel skips row ids outside it)
     assert [(b.name, b.read_only) for b in layout.storage] == [
         ("bitmask_ptr", True), ("logits_ptr", False), ("row_ids_ptr", True)]
     assert layout.pod_binding == 3
-    assert [f.name for f in layout.pod_fields] == ["num_rows", "num_words", "vocab", "packGridDimX"]
+    assert [f.name for f in layout.pod_fields] == ["batch", "num_rows", "num_words", "vocab", "packGridDimX"]
     assert layout.workgroup_size == (256, 1, 1)
     assert layout.grid_guard == ">"
     assert "cse_v" not in source
