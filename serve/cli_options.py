@@ -113,11 +113,11 @@ def config_from_args(args: argparse.Namespace, defaults: Mapping[str, Any] | Non
         value = getattr(args, name)
         if value is not None:
             values[name] = value
-    if args.json_schema and args.regex:
+    if args.json_schema is not None and args.regex is not None:
         raise ValueError("give either --json-schema or --regex, not both")
-    if args.json_schema:
+    if args.json_schema is not None:
         values["response_format"] = json_schema_format(read_schema(args.json_schema, stdin=True))
-    elif args.regex:
+    elif args.regex is not None:  # '' too: the answer must then be empty
         values["response_format"] = {"type": "regex", "regex": args.regex}
     if args.stop:
         values["stop"] = tuple(args.stop)

@@ -63,3 +63,8 @@ def test_output_closed_before_or_after_the_answer(tiny_compiled, redirect) -> No
         assert_one_error_line(done, "standard output is closed")
     else:
         assert done.returncode in (0, 141), err
+
+
+def test_an_empty_regex_is_not_ignored() -> None:
+    """``--regex ''`` reaches the config (which refuses it, naming the field) instead of being dropped."""
+    assert_one_error_line(run([*GENERATE, "--prompt", "hi", "--regex", ""]), "regex")
