@@ -34,7 +34,7 @@ POISON = 3 + ord("~")  # the tiny vocabulary's token for "~": a prompt holding i
 
 
 class PoisonRunner:
-    """The wrapped runner, except that a sequence whose prompt holds POISON fails at its ``at``-th decode (after
+    """The wrapped runner, except that a sequence holding POISON fails at its ``at``-th decode (after
     the real decode grew the KV cache of every sequence in the call, so the engine must put the others back)."""
 
     def __init__(self, model: Any, at: int = 3) -> None:
@@ -152,6 +152,8 @@ def check(job: Job, context: int, jump_forward: bool) -> list[str]:
         return [] if job.refused else [f"{job.rid}: refused with an empty message"]
     problems: list[str] = []
     config = job.config
+    # the runner fails any sequence holding POISON: in the prompt, or in an output re-fed after a preemption
+    poisoned = job.poisoned or any(POISON in d.token_ids for d in job.deltas)
     for index in range(config.n):
         mine = [d for d in job.deltas if d.index == index]
         finals = [d for d in mine if d.finish_reason is not None]
@@ -171,7 +173,7 @@ def check(job: Job, context: int, jump_forward: bool) -> list[str]:
             problems.append(f"{where}: streamed tokens {tokens} differ from the output's {out.token_ids}")
         if "".join(d.text for d in mine) != out.text:
             problems.append(f"{where}: streamed text differs from the output's")
-        if reason == "error" and not (job.poisoned and out.error):
+        if reason == "error" and not (poisoned and out.error):
             problems.append(f"{where}: error without an injected fault: {out.error}")
         if reason == "abort" and not job.aborted:
             problems.append(f"{where}: aborted but never asked to")
@@ -324,6 +326,7 @@ def compare_with_alone(model: Any, jobs: list[Job], count: int, jump_forward: bo
     from logitproc.serve.engine import Engine
 
     chosen = [j for j in jobs if j.refused is None and not j.aborted and not j.poisoned and j.deltas
+              and all(d.finish_reason != "error" for d in j.deltas)
               and (j.config.temperature == 0 or j.config.seed is not None)][:count]
     problems = []
     for job in chosen:
