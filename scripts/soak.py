@@ -235,7 +235,7 @@ class Report:
 
 
 def soak(model: Any, requests: int = 200, seconds: float = 60.0, seed: int = 0, threads: int = 2,
-         concurrency: int = 6, abort_rate: float = 0.03, poison_rate: float = 0.05, jump_forward: bool = False,
+         concurrency: int = 6, abort_rate: float = 0.004, poison_rate: float = 0.05, jump_forward: bool = False,
          compare_alone: int = 10) -> Report:
     """Run ``requests`` random requests (or as many as ``seconds`` allow) through one Engine over ``model`` (open it
     with a short KV cache for preemptions): ``concurrency`` at a time added and stepped here, plus ``threads``
@@ -275,7 +275,7 @@ def soak(model: Any, requests: int = 200, seconds: float = 60.0, seed: int = 0, 
     for thread in pool:
         thread.start()
     live: dict[str, Job] = {}
-    added = 0
+    added = steps = 0
     report = Report()
     while True:
         while len(live) < concurrency and (job := new_job(rng)) is not None:
@@ -296,7 +296,8 @@ def soak(model: Any, requests: int = 200, seconds: float = 60.0, seed: int = 0, 
             job.deltas.append(delta)
             if sum(d.finish_reason is not None for d in job.deltas) == job.config.n:
                 del live[delta.request_id]
-        if live and rng.random() < abort_rate * len(live):
+        steps, last_steps = engine.stats.steps, steps
+        if live and steps > last_steps and rng.random() < abort_rate * len(live):  # (once per step run)
             victim = rng.choice(list(live.values()))
             victim.aborted = True
             engine.abort(victim.rid)

@@ -94,6 +94,7 @@ class Engine:
         # (None: a closed stream, its deltas dropped), the others kept for the next step() call.
         self._turn = threading.Condition()
         self._stepping = False
+        self._steps = 0  # steps run so far
         self._inboxes: dict[str, deque[Delta] | None] = {}
         self._unclaimed: list[Delta] = []
 
@@ -245,9 +246,17 @@ class Engine:
     def step(self) -> list[Delta]:
         """Admit, prefill, decode, process and sample once; return the deltas of the requests added with
         ``add_request`` (this step's, after those of steps that ``stream``/``generate`` callers ran since the last
-        ``step()``). Waits while another thread runs a step."""
-        self._take_turn()
-        self._run_step()
+        ``step()``). While another thread runs a step, waits for it and returns its deltas instead of running one
+        more (so a ``step()`` caller is never starved by busy streams)."""
+        with self._turn:
+            seen = self._steps
+            while self._stepping and self._steps == seen:
+                self._turn.wait()
+            run = self._steps == seen
+            if run:
+                self._stepping = True
+        if run:
+            self._run_step()
         with self._turn:
             deltas, self._unclaimed = self._unclaimed, []
         return deltas
@@ -287,6 +296,7 @@ class Engine:
             for rid in [rid for rid, inbox in self._inboxes.items() if inbox is None]:
                 if self.scheduler.is_done(rid):  # a closed stream's request has ended: forget it
                     del self._inboxes[rid]
+            self._steps += 1
             self._stepping = False
             self._turn.notify_all()
 
