@@ -1,6 +1,6 @@
 """The Llama decoder in ``tvm.relax.frontend.nn``, attention through TVM's paged KV cache, matmuls as TIR kernels.
 
-The module (``LlamaModule``) exports four functions (``export_llama``):
+The module (``LlamaModule``) exports five functions (``export_llama``):
 
 * ``create_paged_kv_cache(max_batch_size, max_total_seq_len, prefill_chunk_size, page_size, support_sliding_window)``
   builds a ``TIRPagedKVCache`` for the target (for llvm it picks TVM's CPU attention kernels);
@@ -8,7 +8,9 @@ The module (``LlamaModule``) exports four functions (``export_llama``):
 * ``prefill(input_ids[n] int32, logit_positions[b] int32, kv_cache, params) -> logits[b, vocab] float32``: the
   packed tokens of the sequences named by the KV cache's ``begin_forward`` (their lengths sum to ``n``); logits at
   the packed positions ``logit_positions`` (each sequence's last token);
-* ``decode(input_ids[b] int32, kv_cache, params) -> logits[b, vocab] float32``: one token for each of ``b`` sequences.
+* ``decode(input_ids[b] int32, kv_cache, params) -> logits[b, vocab] float32``: one token for each of ``b`` sequences;
+* ``verify(input_ids[n] int32, kv_cache, params) -> logits[n, vocab] float32``: packed tokens as for ``prefill``, with
+  the logits after every token, the matmuls run as decode runs them (speculative decoding's check of drafts).
 
 Per layer (as ``serve/numpy_llama.py``)::
 
@@ -258,6 +260,12 @@ class LlamaModule(nn.Module):
         x = self._layers(self.embed(input_ids), kv_cache, 1, input_ids.shape[0], "prefill")
         return self._logits(nn.op.take(x, logit_positions, axis=0), "decode")
 
+    def verify(self, input_ids: nn.Tensor, kv_cache: PagedKVCache) -> nn.Tensor:
+        """A prefill whose matmuls are decode's dot products, with the logits after every token: each token's rows
+        go through the kernels a decode step would use (speculative decoding checks drafts with it)."""
+        x = self._layers(self.embed(input_ids), kv_cache, 1, input_ids.shape[0], "decode")
+        return self._logits(x, "decode")
+
     def decode(self, input_ids: nn.Tensor, kv_cache: PagedKVCache) -> nn.Tensor:
         return self._logits(self._layers(self.embed(input_ids), kv_cache, input_ids.shape[0], 1, "decode"), "decode")
 
@@ -297,13 +305,18 @@ class LlamaModule(nn.Module):
         )
 
     def export_spec(self) -> dict[str, Any]:
-        """The ``nn.spec`` of the four exported functions (weights passed packed, no effects)."""
+        """The ``nn.spec`` of the five exported functions (weights passed packed, no effects)."""
         packed = {"param_mode": "packed", "effect_mode": "none"}
         return {
             "embed": {"input_ids": nn.spec.Tensor(["n"], "int32"), "$": packed},
             "prefill": {
                 "input_ids": nn.spec.Tensor(["n"], "int32"),
                 "logit_positions": nn.spec.Tensor(["batch"], "int32"),
+                "kv_cache": nn.spec.Object(object_type=PagedKVCache),
+                "$": packed,
+            },
+            "verify": {
+                "input_ids": nn.spec.Tensor(["n"], "int32"),
                 "kv_cache": nn.spec.Object(object_type=PagedKVCache),
                 "$": packed,
             },

@@ -5,6 +5,13 @@ state), records its logprobs, and applies the finish rules (``GeneratedSequence.
 finishes with "grammar_dead_end", or "error" with the message of the mask source that failed; a row whose logits
 held NaN or +inf finishes with "error" (the message says so) without a token.
 
+``commit_verified`` commits a sequence that checked drafts (speculative decoding): its rows are committed in order
+while each row's token equals the next draft, so the tokens are exactly those that sampling each row would give,
+one row after the other (draft d is accepted with probability p(d), a rejection samples from p without d: exact
+rejection sampling for a deterministic draft). The KV cache entries of rejected drafts are popped and the row's
+random stream is put back to where one draw per committed token leaves it: a seeded request gets the tokens it gets
+without speculation. Nothing else ever saw the rejected drafts (states, grammars, detokenizer, stop strings).
+
 ``jump_forward`` (``Engine(jump_forward=True)``) appends the tokens the constraints force without a decode step
 each, and makes the model's KV cache agree with the re-tokenised state: tokens the jump replaced are popped, and
 what is not yet in the cache becomes the sequence's feed for the next forward.
@@ -13,7 +20,9 @@ what is not yet in the cache becomes the sequence's feed for the next forward.
 from __future__ import annotations
 
 import time
+from typing import Any
 
+import numpy as np
 from logitproc.runtime import LogitProcessor, SampleResult
 
 from .outputs import Delta, EngineStats
@@ -51,6 +60,35 @@ def commit_row(seq: GeneratedSequence, result: SampleResult, row: int, delta: De
         seq.top_logprobs.append(top)
         delta.top_logprobs = (delta.top_logprobs or []) + [top]
     seq.commit(token, delta)
+
+
+def commit_verified(model: Runner, seq: GeneratedSequence, result: SampleResult, first: int, drafts: list[int],
+                    delta: Delta, errors: dict[int, str], rng_state: dict[str, Any] | None) -> tuple[int, int]:
+    """Commit the rows ``first``, ``first + 1``, ... of a sequence that checked ``drafts`` while each row's token is
+    the next draft (and the sequence goes on); pop the rejected drafts from the KV cache; rewind the random stream
+    from ``rng_state`` (its state before the step's draws; None for greedy) by one draw per committed row. Returns
+    (rows committed, drafts accepted)."""
+    examined = accepted = 0
+    try:
+        for j in range(len(drafts) + 1):
+            row = first + j
+            commit_row(seq, result, row, delta, errors.get(row))
+            examined += 1
+            hit = j < len(drafts) and int(result.token_ids[row]) == drafts[j]
+            accepted += hit
+            if not hit or seq.finish_reason is not None:
+                break
+    finally:
+        state = seq.state
+        keep = min(seq.kv_len, state.num_tokens - len(seq.feed))  # the KV cache holds all but the token to feed
+        if seq.in_model and seq.seq_id is not None and model.sequence_length(seq.seq_id) > keep:
+            model.popn(seq.seq_id, model.sequence_length(seq.seq_id) - keep)
+        seq.kv_len = keep
+        if rng_state is not None:  # the sampler drew one number per row: keep those of the committed rows
+            state.rng.bit_generator.state = rng_state
+            for _ in range(examined):
+                state.rng.random(dtype=np.float32)
+    return examined, accepted
 
 
 def jump_forward(model: Runner, processor: LogitProcessor, running: list[GeneratedSequence], deltas: Deltas,

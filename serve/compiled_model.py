@@ -73,6 +73,7 @@ class CompiledModel(ModelRunner):
         with np.load(self.directory / PARAMS_FILE) as stored:
             self._params = [tvm.runtime.tensor(stored[name], self.device) for name in self.manifest["params"]]
         self._embed, self._prefill_fn, self._decode_fn = self._vm["embed"], self._vm["prefill"], self._vm["decode"]
+        self._verify_fn = self._vm["verify"]
         # Pages are per sequence: each may leave its last page partly empty, so the cache gets one page per sequence
         # on top of ``max_total`` tokens (any split of max_total tokens over the sequences then fits).
         self._kv = self._vm["create_paged_kv_cache"](
@@ -128,12 +129,11 @@ class CompiledModel(ModelRunner):
         self._kv_popn(self._kv, seq_id, n)
 
     # ---------------------------------------------------------------- forward
-    def _forward(self, seq_ids: list[int], pieces: list[np.ndarray], every_position: bool = False) -> np.ndarray:
-        """One prefill pass: ``pieces[i]`` appended to ``seq_ids[i]``; logits after each piece's last token, or
-        after every token (``every_position``: ``[sum of lengths, vocab]``)."""
+    def _forward(self, seq_ids: list[int], pieces: list[np.ndarray]) -> np.ndarray:
+        """One prefill pass: ``pieces[i]`` appended to ``seq_ids[i]``; logits after each piece's last token."""
         lengths = [p.size for p in pieces]
         ids = tvm.runtime.tensor(np.concatenate(pieces).astype(np.int32), self.device)
-        wanted = np.arange(sum(lengths)) if every_position else np.cumsum(lengths) - 1
+        wanted = np.cumsum(lengths) - 1
         positions = tvm.runtime.tensor(wanted.astype(np.int32), self.device)
         self._kv_begin(self._kv, _shape(seq_ids), _shape(lengths))
         try:
@@ -173,7 +173,13 @@ class CompiledModel(ModelRunner):
             if total > self.prefill_chunk_size:
                 raise ValueError(f"{total} tokens to verify for one sequence exceed the prefill chunk of "
                                  f"{self.prefill_chunk_size}")
-            logits = self._forward(seq_ids[start:end], token_ids[start:end], every_position=True)
+            pieces = token_ids[start:end]
+            self._kv_begin(self._kv, _shape(seq_ids[start:end]), _shape([p.size for p in pieces]))
+            try:
+                ids = tvm.runtime.tensor(np.concatenate(pieces).astype(np.int32), self.device)
+                logits = self._verify_fn(ids, self._kv, self._params).numpy()
+            finally:
+                self._kv_end(self._kv)
             bounds = np.cumsum([0] + [t.size for t in token_ids[start:end]])
             out.extend(logits[bounds[i] : bounds[i + 1]] for i in range(end - start))
             start = end

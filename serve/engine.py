@@ -4,12 +4,16 @@ One ``step()``, module by module::
 
     scheduler.py   aborts end their sequences; the latest-arrived requests are preempted while the next forward
                    would overflow the KV cache; waiting requests are admitted while slots and KV cache are free
+    speculation.py with ``speculative``: decoding sequences propose prompt-lookup drafts; those expected to pay
+                   are checked this step
     model_step.py  the step's Batch is made (its masks start filling on worker threads), then the model runs
                    (a new sequence forks the prefix cache entry sharing the longest prefix, if any):
-                   prefill (new prompts, forks of n > 1 requests, feeds left by a jump-forward), then decode
+                   prefill (new prompts, forks of n > 1 requests, feeds left by a jump-forward), then decode,
+                   then verify (each drafting sequence's last token and drafts, logits after every one)
     processing.py  LogitProcessor -> Sampler on the Batch, once over every row
-    commit.py      each row's token is committed (state, text deltas, finish rules); with ``jump_forward`` the
-                   tokens the constraints force are appended without a decode step each
+    commit.py      each row's token is committed (state, text deltas, finish rules); a drafting sequence commits
+                   its rows while they agree with its drafts, and the rejected drafts leave the KV cache; with
+                   ``jump_forward`` the tokens the constraints force are appended without a decode step each
     scheduler.py   finished sequences free their slots (or keep their KV cache as prefix cache entries);
     step_stats.py  the step's statistics
 
@@ -34,13 +38,14 @@ from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 from logitproc.runtime import GenerationConfig, LogitProcessor, RequestState, Sampler, TokenMaskSource
 from logitproc.runtime.constraints import ConstraintFactory
 from logitproc.runtime.tree_decode import TreeDecodeConfig
 
-from .commit import commit_row, jump_forward
+from .commit import commit_row, commit_verified, jump_forward
 from .model_step import ModelStep, run_model
 from .outputs import Delta, EngineStats, Output, RequestStats
 from .prefix_cache import PrefixCache
@@ -48,6 +53,7 @@ from .processing import process
 from .runner import Runner
 from .scheduler import Deltas, Scheduler, delta_of
 from .sequence import GeneratedSequence, Request
+from .speculation import Candidate, Drafter, SpeculationPlanner, SpeculativeConfig
 from .step_stats import account_step
 
 Prompt = str | Sequence[int] | Sequence[Mapping[str, str]]
@@ -62,17 +68,24 @@ class Engine:
     ``tree_decode`` constrains every sequence to a Tree Decode map; ``prefix_cache`` keeps finished sequences' KV
     cache so that a prompt sharing a prefix with one (a conversation's earlier turns, a system prompt) prefills only
     the rest (``RequestStats.cached_tokens``; entries are evicted LRU when the KV cache or the model's sequence slots
-    run short). An engine owns its model's KV cache: making one frees the sequences an earlier engine left there.
+    run short). ``speculative`` turns on speculative decoding (``SpeculativeConfig``, or a dict of its fields in
+    vLLM's names, e.g. ``{"method": "ngram", "num_speculative_tokens": 5}``; None: off): prompt-lookup drafts
+    checked in one verify forward, kept only where they pay (``docs/serving.md``). An engine owns its model's KV
+    cache: making one frees the sequences an earlier engine left there.
     Logit processing runs on the CPU, with the kernels of the model's own library.
     """
 
     def __init__(self, model: Runner, max_batch: int = 8, jump_forward: bool = False,
                  grammar_backend: str = "llguidance", tree_decode: TreeDecodeConfig | None = None,
-                 prefix_cache: bool = True) -> None:
+                 prefix_cache: bool = True, speculative: SpeculativeConfig | Mapping[str, Any] | str | None = None,
+                 ) -> None:
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
         self.model = model
         self.max_batch = min(max_batch, int(model.max_num_sequences))
+        #: Speculative decoding's settings, or None (off).
+        self.speculative = SpeculativeConfig.of(speculative)
+        self._planner = SpeculationPlanner(self.speculative) if self.speculative is not None else None
         self.jump_forward = bool(jump_forward)
         self.grammar_backend = grammar_backend
         #: A TreeDecodeConfig constraining every sequence (``--tree-decode-config``), or None.
@@ -81,8 +94,10 @@ class Engine:
         self.context_length = int(model.context_length)
         self.eos_token_ids = tuple(int(t) for t in model.eos_token_ids)
         self.max_total_tokens = int(model.max_total_tokens)
-        self.processor = LogitProcessor(model.kernel_library, self.vocab_size, self.max_batch)
-        self.sampler = Sampler(model.kernel_library, self.vocab_size, self.max_batch)
+        # Rows of one processing call: a row per sequence, and one per draft token checked.
+        rows = self.max_batch * (1 + (self.speculative.num_speculative_tokens if self.speculative else 0))
+        self.processor = LogitProcessor(model.kernel_library, self.vocab_size, rows)
+        self.sampler = Sampler(model.kernel_library, self.vocab_size, rows)
         self.stats = EngineStats()
         cache = PrefixCache(self.max_total_tokens, int(model.max_num_sequences)) if prefix_cache else None
         self.scheduler = Scheduler(model, self.max_batch, self.max_total_tokens, self.stats, cache)
@@ -308,20 +323,43 @@ class Engine:
         scheduler.retire(deltas)  # aborted sequences leave the KV cache before room is counted
         scheduler.make_room()
         scheduler.admit()
-        step, processing_s = self._forward_isolated(scheduler.live(), deltas)
+        drafts = self._plan_drafts() if self._planner is not None else {}
+        step, processing_s = self._forward_isolated(scheduler.live(), deltas, drafts)
         if self.jump_forward:
             jump_forward(self.model, self.processor, scheduler.running, deltas, self.stats)
         scheduler.retire(deltas)
         account_step(self.stats, step, processing_s, time.perf_counter() - started)
+        if self._planner is not None:
+            self._planner.costs.record(step.decode_tokens, step.decode_seconds)
+            self._planner.costs.record(step.verify_tokens, step.verify_seconds)
         return [d for d in deltas.values() if d.text or d.token_ids or d.rollback or d.finish_reason]
 
-    def _forward_isolated(self, live: list[GeneratedSequence], deltas: Deltas) -> tuple[ModelStep, float]:
+    def _plan_drafts(self) -> dict[GeneratedSequence, list[int]]:
+        """The drafts the decoding sequences check this step (``SpeculationPlanner.plan``)."""
+        assert self._planner is not None and self.speculative is not None
+        scheduler = self.scheduler
+        decoding = [s for s in scheduler.live() if s.in_model and len(s.feed) == 1 and s.forked_from is None]
+        candidates = []
+        for seq in decoding:
+            if seq.drafter is None:
+                seq.drafter = Drafter(self.speculative, seq.state)
+            seq.drafter.sync(seq.state)
+            # k drafts commit up to k + 1 tokens, and the verify puts k + 1 tokens in the KV cache
+            limit = min(self.speculative.num_speculative_tokens, seq.tokens_left - 1,
+                        self.context_length - seq.kv_need)
+            proposal = seq.drafter.propose(limit) if limit > 0 else []
+            candidates.append(Candidate(seq, seq.drafter, proposal, limit))
+        room = self.max_total_tokens - scheduler.kv_needed() - scheduler.cached_tokens
+        return self._planner.plan(candidates, len(decoding), room)
+
+    def _forward_isolated(self, live: list[GeneratedSequence], deltas: Deltas,
+                          drafts: dict[GeneratedSequence, list[int]]) -> tuple[ModelStep, float]:
         """``_forward`` over every live sequence; when that fails, the sequences are put back as they were and each
         request runs alone: those that fail alone end with "error", the others go on."""
         kept = [_Placement(seq) for seq in live]
         step = ModelStep()
         try:
-            return self._forward(live, deltas, step)
+            return self._forward(live, deltas, step, drafts)
         except Exception as err:
             first = f"{type(err).__name__}: {err}"
             kept = [p for p in kept if not self._undo(step, [p], first, deltas)]
@@ -333,7 +371,7 @@ class Engine:
             group = [p for p in group if p.seq.finish_reason is None]
             step = ModelStep()
             try:
-                alone, seconds = self._forward([p.seq for p in group], deltas, step)
+                alone, seconds = self._forward([p.seq for p in group], deltas, step, drafts)
             except Exception as err:
                 message = f"{type(err).__name__}: {err}"
                 self._undo(step, group, message, deltas)
@@ -344,23 +382,42 @@ class Engine:
             processing_s += seconds
         return total, processing_s
 
-    def _forward(self, live: list[GeneratedSequence], deltas: Deltas, step: ModelStep) -> tuple[ModelStep, float]:
-        """Run the model over ``live``, process and sample, commit each row (a row whose commit fails ends its
-        sequence with "error"). An exception leaves the sequences' tokens uncommitted."""
-        run_model(self.model, self.processor, live, self.scheduler.place, step)
+    def _forward(self, live: list[GeneratedSequence], deltas: Deltas, step: ModelStep,
+                 drafts: dict[GeneratedSequence, list[int]]) -> tuple[ModelStep, float]:
+        """Run the model over ``live``, process and sample, commit each sequence's rows (a sequence whose commit
+        fails ends with "error"). An exception leaves the sequences' tokens uncommitted."""
+        run_model(self.model, self.processor, live, self.scheduler.place, step, drafts)
         if step.batch is None or step.logits is None:
             return step, 0.0
+        # A drafting sequence's stream draws for all its rows; commit_verified keeps the committed rows' draws.
+        streams = {seq: seq.state.rng.bit_generator.state for seq in step.drafts if not seq.state.config.greedy}
         t0 = time.perf_counter()
         result = process(self.processor, self.sampler, step.batch, step.logits)
         processing_s = time.perf_counter() - t0
         errors = step.batch.mask_errors
-        for r, seq in enumerate(step.rows):
+        for seq in step.sequences:
+            row = step.batch.first_row[seq.state]
             delta = delta_of(deltas, seq)
             try:
-                commit_row(seq, result, r, delta, errors.get(r))
+                if seq in step.drafts:
+                    self._commit_verified(step, seq, result, row, delta, errors, streams.get(seq))
+                else:
+                    commit_row(seq, result, row, delta, errors.get(row))
             except Exception as err:  # e.g. the detokenizer: this sequence ends, the other rows are committed
                 seq.fail(delta, f"{type(err).__name__}: {err}")
         return step, processing_s
+
+    def _commit_verified(self, step: ModelStep, seq: GeneratedSequence, result: Any, row: int, delta: Delta,
+                         errors: dict[int, str], stream: dict[str, Any] | None) -> None:
+        drafts = step.drafts[seq]
+        committed, accepted = commit_verified(self.model, seq, result, row, drafts, delta, errors, stream)
+        step.verify_committed += committed
+        if seq.drafter is not None:
+            seq.drafter.record(len(drafts), accepted)
+        for stats in (seq.request.stats, self.stats):
+            stats.drafts += 1
+            stats.draft_tokens += len(drafts)
+            stats.accepted_draft_tokens += accepted
 
     def _undo(self, step: ModelStep, kept: list[_Placement], why: str, deltas: Deltas) -> bool:
         """Put the sequences back as they were before a failed ``_forward`` (its masks finished first); a sequence

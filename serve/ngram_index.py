@@ -2,15 +2,17 @@
 tokens which followed the latest earlier occurrence of the context's longest suffix (vLLM's ``method="ngram"``).
 
 For ``n`` from ``max_n`` down to ``min_n``: if the last ``n`` tokens occurred earlier in the context, the draft is the
-(up to ``k``) tokens that followed their latest earlier occurrence; else no draft. Appending a token costs
-``max_n - min_n + 1`` dict updates and a proposal as many lookups, whatever the context's length::
+``k`` tokens that followed their latest earlier occurrence; else no draft. Where those run into the end of the
+context, the draft goes on as the repetition they start (a loop of period ``len(tokens) - e`` repeats). Appending a
+token costs ``max_n - min_n + 1`` dict updates and a proposal as many lookups, whatever the context's length::
 
     tokens = prompt + output
     for n in range(max_n, min_n - 1, -1):
         suffix = tokens[-n:]
         ends = [e for e in range(n, len(tokens)) if tokens[e - n : e] == suffix]   # earlier occurrences
         if ends:
-            return tokens[ends[-1] : ends[-1] + k]
+            e = ends[-1]
+            return [tokens[e + i % (len(tokens) - e)] for i in range(k)]
     return []
 """
 
@@ -61,12 +63,14 @@ class NgramIndex:
         self.extend(kept)
 
     def propose(self, k: int) -> list[int]:
-        """Up to ``k`` draft tokens: those that followed the latest earlier occurrence of the longest suffix of
-        ``min_n``..``max_n`` tokens that occurred before; [] when none did."""
+        """``k`` draft tokens: those that followed the latest earlier occurrence of the longest suffix of
+        ``min_n``..``max_n`` tokens that occurred before (as a repetition where they reach the end); [] when none
+        did."""
         end = len(self.tokens)
         for n in range(min(self.max_n, end), self.min_n - 1, -1):
             ends = self._ends.get(tuple(self.tokens[end - n :]))
             if ends is not None and ends[1] >= 0:
                 start = ends[1]
-                return self.tokens[start : min(start + k, end)]
+                period = end - start
+                return [self.tokens[start + i % period] for i in range(k)]
         return []

@@ -22,6 +22,7 @@ from .stop_strings import StopStringFilter
 
 if TYPE_CHECKING:
     from .detokenizer import Decoder
+    from .speculation import Drafter
 
 
 class Request:
@@ -68,6 +69,8 @@ class GeneratedSequence:
         self.error: str | None = None  # what failed, for finish_reason "error"
         self.logprobs: list[float] | None = [] if cfg.logprobs else None
         self.top_logprobs: list[list[tuple[int, float]]] | None = [] if cfg.top_logprobs else None
+        #: Speculative decoding's prompt-lookup drafter (made by the engine on first use).
+        self.drafter: Drafter | None = None
 
     @property
     def request_id(self) -> str:
@@ -79,6 +82,14 @@ class GeneratedSequence:
         if self.forked_from is not None:
             return len(self.request.prompt_token_ids)
         return self.kv_len + len(self.feed)
+
+    @property
+    def tokens_left(self) -> int:
+        """Tokens the sequence may still generate before ``max_tokens`` or its context ends it."""
+        left = self._context - len(self.request.prompt_token_ids) - len(self.token_ids)
+        if self._max_tokens is not None:
+            left = min(left, self._max_tokens - len(self.token_ids))
+        return left
 
     # ----------------------------------------------------------------------------------------------------------
     def commit(self, token: int, delta: Delta) -> None:

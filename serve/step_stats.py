@@ -9,20 +9,20 @@ from .outputs import EngineStats
 def account_step(stats: EngineStats, step: ModelStep, processing_seconds: float, step_seconds: float) -> None:
     """Add a step's tokens and times: a request prefilled for the first time counts the prefill as its own, every
     other request in the step counts the step's forward time as decode time."""
-    if not step.rows:
+    if not step.sequences:
         return
     stats.steps += 1
     stats.prefill_tokens += step.prefill_tokens
     stats.prefill_seconds += step.prefill_seconds
-    stats.decode_tokens += step.decode_tokens
-    stats.decode_seconds += step.decode_seconds
+    stats.decode_tokens += step.decode_tokens + step.verify_committed
+    stats.decode_seconds += step.decode_seconds + step.verify_seconds
     stats.processing_seconds += processing_seconds
     stats.step_seconds += step_seconds
-    stats.sampled_tokens += len(step.rows)
-    for request in {id(s.request): s.request for s in step.rows}.values():
+    stats.sampled_tokens += step.rows
+    for request in {id(s.request): s.request for s in step.sequences}.values():
         if request.request_id in step.started:
             request.stats.prefill_seconds += step.prefill_seconds
         else:
-            request.stats.decode_seconds += step.decode_seconds + step.prefill_seconds
+            request.stats.decode_seconds += step.decode_seconds + step.verify_seconds + step.prefill_seconds
         request.stats.processing_seconds += processing_seconds
         request.stats.step_seconds += step_seconds

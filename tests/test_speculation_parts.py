@@ -16,7 +16,8 @@ def brute_force(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
         suffix = tokens[-n:]
         ends = [e for e in range(n, len(tokens)) if tokens[e - n : e] == suffix]
         if ends:
-            return tokens[ends[-1] : ends[-1] + k]
+            e = ends[-1]
+            return [tokens[e + i % (len(tokens) - e)] for i in range(k)]
     return []
 
 
@@ -39,6 +40,7 @@ def test_a_repeated_paragraph_is_proposed_in_full() -> None:
     paragraph = [11, 12, 13, 14, 15, 16, 17, 18]
     index = NgramIndex([1, 2, *paragraph, 3, 4, paragraph[0], paragraph[1]])
     assert index.propose(5) == paragraph[2:7]
+    assert NgramIndex([7, 1, 2, 1, 2]).propose(5) == [1, 2, 1, 2, 1]  # a loop goes on as a loop
     assert NgramIndex([1, 2, 3]).propose(5) == []
 
 
