@@ -56,7 +56,7 @@ Type a message to chat. Commands (a command without a value shows the current on
   /json FILE_OR_INLINE_SCHEMA   constrain answers to a JSON schema (/json object: any JSON object; /json off)
   /regex PATTERN                constrain answers to a regular expression (/regex off)
   /think N|off                  thinking budget between <think> and </think>
-  /stats      prefill and decode tokens/s, share of step time in logit processing
+  /stats      prefill and decode tokens/s, share of step time in logit processing, speculation's acceptance
   /settings   show the current settings        /reset   clear the history
   /help       this text                        /exit    quit (also Ctrl-D)
 Ctrl-C stops the answer being written; at the prompt, press it twice (or /exit) to quit."""
@@ -238,7 +238,8 @@ class ChatSession:
                      f"{st.prefill_tokens_per_s:.1f} tok/s, "
                      f"{st.completion_tokens} tok at {st.decode_tokens_per_s:.1f} tok/s, "
                      f"logit processing + sampling {100 * st.processing_share:.1f}% of step time, "
-                     f"finish: {self.last_output.finish_reason}")
+                     + (f"{st.draft_summary()}, " if st.drafts else "")
+                     + f"finish: {self.last_output.finish_reason}")
 
     def _settings(self, arg: str) -> None:
         from logitproc.runtime import GenerationConfig

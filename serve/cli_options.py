@@ -46,10 +46,24 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grammar-backend", default="llguidance", choices=("llguidance", "xgrammar"),
                         help="engine for JSON schemas, regexes and grammars (xgrammar: the optional extra) "
                              "(default: %(default)s)")
+    parser.add_argument("--speculative", metavar="ngram[:K]", type=speculative_option, default=None,
+                        help="speculative decoding: prompt-lookup drafts of up to K tokens (default K 5), checked in "
+                             "one forward and kept only where they pay; faster on answers that repeat the prompt "
+                             "(edits, quotes, JSON rewrites) (default: off)")
     parser.add_argument("--tree-decode-config", metavar="FILE", default=None,
                         help="Tree Decode map (JSON, docs/constrained_decoding.md) constraining every answer: a path "
                              "as given (absolute or relative to the working directory) (default: "
                              "$TREE_DECODE_CONFIG, relative to the model's directory and confined to it)")
+
+
+def speculative_option(text: str) -> Any:
+    """``--speculative ngram[:K]`` as a SpeculativeConfig (argparse reports the ValueError's message)."""
+    from logitproc.serve.speculation import SpeculativeConfig
+
+    try:
+        return SpeculativeConfig.parse(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 #: Integer options bounded where the kernels hold them in int32 (the shell reports a larger value as a usage error).
@@ -162,7 +176,7 @@ def open_engine(args: argparse.Namespace) -> tuple[Any, ModelDefaults]:
     if tree is not None:
         log("tree decode: map loaded; it constrains every answer")
     engine = Engine(model, max_batch=1, jump_forward=args.jump_forward, grammar_backend=args.grammar_backend,
-                    tree_decode=tree)
+                    tree_decode=tree, speculative=args.speculative)
     folders = [source] if source.is_dir() else []
     return engine, model_defaults(model.name, [*folders, Path(model.directory)])
 

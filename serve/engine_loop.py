@@ -73,7 +73,7 @@ class EngineLoop:
         self.error: str | None = None
         self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._live: dict[str, _Live] = {}
-        self._last_engine_stats = (0, 0)
+        self._last_engine_stats: tuple[int, ...] = (0, 0, 0, 0, 0)
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
     # -------------------------------------------------------------------------------------------- any thread
@@ -236,12 +236,13 @@ class EngineLoop:
                 del self._live[delta.request_id]
 
     def _account_engine(self) -> None:
-        stats = self.engine.stats
-        preemptions, jump = stats.preemptions, stats.jump_forward_tokens
-        last_preemptions, last_jump = self._last_engine_stats
-        self.metrics.preemptions.inc(max(preemptions - last_preemptions, 0))
-        self.metrics.jump_forward_tokens.inc(max(jump - last_jump, 0))
-        self._last_engine_stats = (preemptions, jump)
+        stats, m = self.engine.stats, self.metrics
+        now = (stats.preemptions, stats.jump_forward_tokens, stats.drafts, stats.draft_tokens,
+               stats.accepted_draft_tokens)
+        counters = (m.preemptions, m.jump_forward_tokens, m.spec_drafts, m.spec_draft_tokens, m.spec_accepted_tokens)
+        for counter, value, last in zip(counters, now, self._last_engine_stats, strict=True):
+            counter.inc(max(value - last, 0))
+        self._last_engine_stats = now
 
     def _update_gauges(self) -> None:
         m = self.metrics

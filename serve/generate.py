@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
         st = output.stats
         log(f"finish: {output.finish_reason}; {st.prompt_tokens} prompt tokens at {st.prefill_tokens_per_s:.1f} tok/s, "
             f"{st.completion_tokens} tokens at {st.decode_tokens_per_s:.1f} tok/s, logit processing + sampling "
-            f"{100 * st.processing_share:.1f}% of step time")
+            f"{100 * st.processing_share:.1f}% of step time" + (f"; {st.draft_summary()}" if st.drafts else ""))
         if output.finish_reason == "error":
             log(f"error: {output.error}")
             return 1

@@ -17,7 +17,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -348,7 +348,8 @@ class Server:
                 "model": server.model_name, "max_model_len": engine.context_length,
                 "default_generation_settings": dict(server.options.sampling_defaults),
                 "max_top_logprobs": MAX_TOP_LOGPROBS,
-                "features": {"jump_forward": bool(engine.jump_forward)}})
+                "features": {"jump_forward": bool(engine.jump_forward),
+                             "speculative": None if engine.speculative is None else asdict(engine.speculative)}})
 
         @app.get("/metrics")
         async def metrics() -> Response:

@@ -65,7 +65,7 @@ def load_engine(args: argparse.Namespace) -> Any:
     if tree is not None:
         log("tree decode: map loaded; it constrains every answer")
     return Engine(model, max_batch=args.max_batch, jump_forward=args.jump_forward,
-                  grammar_backend=args.grammar_backend, tree_decode=tree)
+                  grammar_backend=args.grammar_backend, tree_decode=tree, speculative=args.speculative)
 
 
 def sampling_defaults(args: argparse.Namespace, model: Any) -> Any:

@@ -1,9 +1,9 @@
 """The server's Prometheus metrics (``/metrics``), in a registry of its own, updated by the engine loop and the app.
 
 Counters: HTTP responses by endpoint and status, prompt and generated tokens, finished sequences by reason,
-preemptions, jump-forward tokens, constrained (grammar) requests and grammar failures. Gauges: requests waiting and
-running, sequences in the batch, KV cache tokens in use and the capacity. Histograms: time to first token and
-inter-token latency.
+preemptions, jump-forward tokens, speculative decoding's drafts (verifies, draft tokens checked, accepted),
+constrained (grammar) requests and grammar failures. Gauges: requests waiting and running, sequences in the batch,
+KV cache tokens in use and the capacity. Histograms: time to first token and inter-token latency.
 """
 
 from __future__ import annotations
@@ -34,6 +34,13 @@ class ServerMetrics:
                                    registry=registry)
         self.jump_forward_tokens = Counter(p + "jump_forward_tokens", "Tokens appended by jump-forward",
                                            registry=registry)
+        # vLLM's names for the same counts (spec_decode_num_drafts, ..._num_draft_tokens, ..._num_accepted_tokens)
+        self.spec_drafts = Counter(p + "spec_decode_num_drafts", "Verifies of a sequence's draft tokens",
+                                   registry=registry)
+        self.spec_draft_tokens = Counter(p + "spec_decode_num_draft_tokens", "Draft tokens checked",
+                                         registry=registry)
+        self.spec_accepted_tokens = Counter(p + "spec_decode_num_accepted_tokens", "Draft tokens accepted",
+                                            registry=registry)
         self.grammar_requests = Counter(p + "grammar_requests", "Requests with a response format or structured output",
                                         registry=registry)
         self.grammar_failures = Counter(p + "grammar_failures",

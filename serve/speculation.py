@@ -228,7 +228,7 @@ class SpeculationPlanner:
                     chosen[c.key] = c.proposal[:k]
                     room -= k
             return chosen
-        if not self.costs.known:  # nothing timed yet: decode, and measure
+        if not usable or not self.costs.known:  # nothing to check, or nothing timed yet: decode, and measure
             return chosen
         usable.sort(key=lambda c: -c.drafter.alpha)
         best_rate = decoding / self.costs.seconds(decoding)

@@ -197,3 +197,17 @@ def test_tree_decode_file_given_on_the_command_line(tiny_compiled, tmp_path: Pat
 
 def test_tests_use_a_private_cache() -> None:
     assert Path(os.environ["LOGITPROC_CACHE"]).name.startswith("logitproc-test-cache-")
+
+
+def test_speculative_option_reports_its_figures_and_refuses_bad_values(tiny_compiled) -> None:
+    done = logitproc("generate", "--model", "tiny", "--no-chat-template", "--prompt", "one two three four " * 20,
+                     "--temperature", "0", "--max-tokens", "40", "--speculative", "ngram:4")
+    assert done.returncode == 0, done.stderr
+    assert "speculation: " in done.stderr and "draft tokens accepted" in done.stderr
+    plain = logitproc("generate", "--model", "tiny", "--no-chat-template", "--prompt", "one two three four " * 20,
+                      "--temperature", "0", "--max-tokens", "40")
+    assert plain.stdout == done.stdout  # the same answer
+    for bad, message in (("eagle", "method must be one of ['ngram'], got 'eagle'"),
+                         ("ngram:0", "num_speculative_tokens must be an int in [1, 32], got 0")):
+        refused = logitproc("generate", "--model", "tiny", "--prompt", "x", "--speculative", bad)
+        assert refused.returncode == 2 and message in refused.stderr and "Traceback" not in refused.stderr

@@ -27,7 +27,7 @@ MESSAGES = [{"role": "user", "content": "Say something."}]
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
-    proc = ServerProcess("--model", "tiny", "--max-batch", "8", "--max-queue", "16")
+    proc = ServerProcess("--model", "tiny", "--max-batch", "8", "--max-queue", "16", "--speculative", "ngram")
     yield proc
     assert proc.stop() == 0  # already stopped by the SIGTERM test when that ran
 
@@ -275,7 +275,12 @@ def test_metrics_parse_and_count(server) -> None:
     assert raw(server, CHAT, {"messages": MESSAGES, "top_k": -5}).status_code == 400
     assert raw(server, CHAT, {"messages": MESSAGES, "max_tokens": 2, "response_format": {"type": "json_object"}}
                ).status_code == 200
+    repeated = {"prompt": "one two three four " * 20, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    assert raw(server, "/v1/completions", repeated).status_code == 200
     m = metrics(server)
+    assert m["logitproc_spec_decode_num_drafts_total"] > 0  # --speculative ngram: the repeated prompt drafts
+    accepted, checked = (m[f"logitproc_spec_decode_num_{x}_tokens_total"] for x in ("accepted", "draft"))
+    assert 0 <= accepted <= checked
     assert m['logitproc_http_responses_total{endpoint="/v1/chat/completions",status="200"}'] >= 1
     assert m['logitproc_http_responses_total{endpoint="/v1/chat/completions",status="400"}'] >= 1
     assert m["logitproc_generation_tokens_total"] > 0 and m["logitproc_prompt_tokens_total"] > 0

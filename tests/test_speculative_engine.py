@@ -172,7 +172,7 @@ def test_the_plan_drafts_only_where_it_pays() -> None:
     drafts are rarely accepted checks none (its proposals are still compared with what comes: acceptance keeps
     being measured)."""
     planner = SpeculationPlanner(SpeculativeConfig())
-    assert planner.plan([], 1, 100) == {}
+    assert planner.plan([], 1, 100) == {} and planner.plan([], 0, 100) == {}
     for n in range(1, 8):
         planner.costs.record(n, 0.010 + 0.004 * (n - 1))
     good, bad = Drafter(SpeculativeConfig(), RequestState([1, 2])), Drafter(SpeculativeConfig(), RequestState([1]))

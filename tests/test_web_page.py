@@ -126,7 +126,7 @@ def test_the_page_is_served_with_its_files_and_a_strict_policy(server: ServerPro
     assert httpx.get(server.url + "/static/secret.py", timeout=10).status_code == 404
     assert httpx.get(server.url + "/props", timeout=10).status_code == 401  # the API is still guarded
     props = httpx.get(server.url + "/props", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).json()
-    assert props["features"] == {"jump_forward": True} and props["max_model_len"] > 0
+    assert props["features"] == {"jump_forward": True, "speculative": None} and props["max_model_len"] > 0
 
 
 # The tiny random model's bytes are seldom valid UTF-8 (the server holds them back until they decode): a regex keeps
