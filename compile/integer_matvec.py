@@ -20,7 +20,9 @@ sign). Against int16 activations (the default: as fast here, and the logits stay
 ``vpmaddwd`` and one ``vpaddd``. A block's int32 lanes become float and are added into 8 float32 lanes with one FMA
 by the product of the two scales. A row's blocks go round 4 independent accumulators (so consecutive FMAs do not
 wait for each other), summed at the row's end. The rows go in 64 parallel chunks (both threads on every matvec),
-the tokens of a row one after the other (its weights stay in L1).
+the tokens of a row in pairs: each weight block is loaded and unpacked once for two tokens, each token with its own
+accumulators summed in the same order as a token alone (a token's result does not depend on the others; a verify of
+6 tokens or a batch of 6 costs about 30% less than one token after another).
 
 These macros are the decode branch of ``linear_kernels.linear_kernel`` on CPUs with AVX2 (``has_int8_dot``);
 elsewhere the float dot products of that module run (the portable path).
@@ -36,6 +38,7 @@ _QBLOCK = 32
 _CHUNKS = 64
 _LANES = 8   # float32 lanes of a block accumulator (one ymm register)
 _UNROLL = 4  # independent accumulators a row's blocks go round
+_PAIR = 2    # tokens whose dot products share each weight block's load and unpacking
 _MADDUBS = "llvm.x86.avx2.pmadd.ub.sw"
 _MADDWD = "llvm.x86.avx2.pmadd.wd"
 _SIGN = "llvm.x86.avx2.psign.b"
@@ -123,15 +126,47 @@ def _accumulate(acc, low, u, codes, o, b, xq, xd, t, scales, block, min_term):
 
 
 @T.macro
+def _reduce_into(y, t, o, acc, low, a, l):
+    """``y[t, o]`` = the sum of the 4 accumulators at ``acc[a:a + 32]`` and the 4 scalars at ``low[l:l + 4]``, in one
+    fixed order (the same for a token alone and a token of a pair)."""
+    for lane in T.vectorized(_LANES):
+        acc[a + lane] = acc[a + lane] + acc[a + _LANES + lane] + acc[a + 2 * _LANES + lane] + acc[
+            a + 3 * _LANES + lane]
+    for lane in T.vectorized(4):
+        acc[a + lane] = acc[a + lane] + acc[a + lane + 4]
+    for lane in T.vectorized(2):
+        acc[a + lane] = acc[a + lane] + acc[a + lane + 2]
+    y[t, o] = acc[a] + acc[a + 1] + (low[l] + low[l + 1]) + (low[l + 2] + low[l + 3])
+
+
+@T.macro
 def int8_rows(y, xq, xd, n, out_features, blocks, scales, codes, block, min_term):
     """``y[t, o]`` for every row (module doc): 64 parallel chunks of rows; per row and token, the blocks go round
     4 independent accumulators of 8 float32 lanes (and ``min_term(o, b, t)`` round 4 scalars), so that the FMAs of
-    consecutive blocks do not wait for each other; all are summed at the row's end."""
+    consecutive blocks do not wait for each other; all are summed at the row's end. Tokens go in pairs, each with
+    its own accumulators (the same sums in the same order as a token alone), so that a weight block is loaded and
+    unpacked once for both."""
     for chunk in T.parallel(_CHUNKS):
-        acc = T.alloc_buffer((_UNROLL * _LANES,), "float32", scope="local")
-        low = T.alloc_buffer((_UNROLL,), "float32", scope="local")
+        acc = T.alloc_buffer((_PAIR * _UNROLL * _LANES,), "float32", scope="local")
+        low = T.alloc_buffer((_PAIR * _UNROLL,), "float32", scope="local")
         for o in range(chunk * out_features // _CHUNKS, (chunk + 1) * out_features // _CHUNKS):
-            for t in range(n):
+            for tp in range(n // _PAIR):
+                for s in T.unroll(_PAIR):
+                    for u in T.unroll(_UNROLL):
+                        acc[T.ramp((s * _UNROLL + u) * _LANES, 1, _LANES)] = T.broadcast(T.float32(0), _LANES)
+                        low[s * _UNROLL + u] = T.float32(0)
+                for b4 in range(blocks // _UNROLL):
+                    for u in T.unroll(_UNROLL):
+                        for s in T.unroll(_PAIR):
+                            _accumulate(acc, low, s * _UNROLL + u, codes, o, b4 * _UNROLL + u, xq, xd, tp * _PAIR + s,
+                                        scales, block, min_term)
+                for b in range(blocks // _UNROLL * _UNROLL, blocks):
+                    for s in T.unroll(_PAIR):
+                        _accumulate(acc, low, s * _UNROLL, codes, o, b, xq, xd, tp * _PAIR + s, scales, block,
+                                    min_term)
+                for s in T.unroll(_PAIR):
+                    _reduce_into(y, tp * _PAIR + s, o, acc, low, s * _UNROLL * _LANES, s * _UNROLL)
+            for t in range(n // _PAIR * _PAIR, n):  # the odd token out, alone
                 for u in T.unroll(_UNROLL):
                     acc[T.ramp(u * _LANES, 1, _LANES)] = T.broadcast(T.float32(0), _LANES)
                     low[u] = T.float32(0)
@@ -140,13 +175,7 @@ def int8_rows(y, xq, xd, n, out_features, blocks, scales, codes, block, min_term
                         _accumulate(acc, low, u, codes, o, b4 * _UNROLL + u, xq, xd, t, scales, block, min_term)
                 for b in range(blocks // _UNROLL * _UNROLL, blocks):
                     _accumulate(acc, low, 0, codes, o, b, xq, xd, t, scales, block, min_term)
-                for lane in T.vectorized(_LANES):
-                    acc[lane] = acc[lane] + acc[_LANES + lane] + acc[2 * _LANES + lane] + acc[3 * _LANES + lane]
-                for lane in T.vectorized(4):
-                    acc[lane] = acc[lane] + acc[lane + 4]
-                for lane in T.vectorized(2):
-                    acc[lane] = acc[lane] + acc[lane + 2]
-                y[t, o] = acc[0] + acc[1] + (low[0] + low[1]) + (low[2] + low[3])
+                _reduce_into(y, t, o, acc, low, 0, 0)
 
 
 def block_dot(fmt: str, xbits: int) -> Any:

@@ -10,7 +10,8 @@ while each row's token equals the next draft, so the tokens are exactly those th
 one row after the other (draft d is accepted with probability p(d), a rejection samples from p without d: exact
 rejection sampling for a deterministic draft). The KV cache entries of rejected drafts are popped and the row's
 random stream is put back to where one draw per committed token leaves it: a seeded request gets the tokens it gets
-without speculation. Nothing else ever saw the rejected drafts (states, grammars, detokenizer, stop strings).
+without speculation. Nothing else ever saw the rejected drafts (states, grammars, detokenizer, stop strings). With
+jump-forward, the rows stop where the constraints force tokens, so the jump happens where it would without drafts.
 
 ``jump_forward`` (``Engine(jump_forward=True)``) appends the tokens the constraints force without a decode step
 each, and makes the model's KV cache agree with the re-tokenised state: tokens the jump replaced are popped, and
@@ -76,8 +77,8 @@ def commit_verified(model: Runner, seq: GeneratedSequence, result: SampleResult,
             examined += 1
             hit = j < len(drafts) and int(result.token_ids[row]) == drafts[j]
             accepted += hit
-            if not hit or seq.finish_reason is not None:
-                break
+            if not hit or seq.finish_reason is not None or jump_pending(seq):
+                break  # (where jump-forward would append forced tokens, it does so before any further token)
     finally:
         state = seq.state
         keep = min(seq.kv_len, state.num_tokens - len(seq.feed))  # the KV cache holds all but the token to feed
@@ -89,6 +90,14 @@ def commit_verified(model: Runner, seq: GeneratedSequence, result: SampleResult,
             for _ in range(examined):
                 state.rng.random(dtype=np.float32)
     return examined, accepted
+
+
+def jump_pending(seq: GeneratedSequence) -> bool:
+    """Whether jump-forward would append tokens to ``seq`` now: it asks for it and a constraint forces some."""
+    state = seq.state
+    if not seq.request.jump_forward or not state.mask_sources or state.config.logprobs:
+        return False
+    return any(source.jump_forward(state.output_token_ids) is not None for source in state.mask_sources)
 
 
 def jump_forward(model: Runner, processor: LogitProcessor, running: list[GeneratedSequence], deltas: Deltas,

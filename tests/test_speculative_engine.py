@@ -206,3 +206,42 @@ def test_open_ended_answers_are_not_slowed_by_hopeless_drafts(model) -> None:
     _, adaptive = run(model, prompt, config, {"method": "ngram"})
     assert forced.acceptance_rate < 0.2
     assert adaptive.draft_tokens < forced.draft_tokens / 3
+
+
+def test_speculation_with_jump_forward_gives_the_same_document(model) -> None:
+    """Jump-forward appends the tokens a grammar forces; speculation checks drafts between those jumps."""
+    schema = {"type": "object", "properties": {"name": {"enum": ["alpha", "beta"]}, "n": {"type": "integer",
+                                                                                           "maximum": 9}},
+              "required": ["name", "n"], "additionalProperties": False}
+    config = GenerationConfig(temperature=0.9, seed=1, max_tokens=100,
+                              response_format={"type": "json_schema", "json_schema": {"schema": schema}})
+    answers = []
+    for speculative in (None, FORCED):
+        engine = Engine(model, max_batch=2, jump_forward=True, speculative=speculative)
+        [out] = engine.generate(prompts()[0], config)
+        answers.append((out.text, out.finish_reason))
+    assert answers[0] == answers[1]
+
+
+def test_preempted_drafting_requests_finish(gguf_small) -> None:
+    """A KV cache too short for every request: the latest are preempted and recomputed; drafts never take the room
+    a running sequence needs, and every answer ends normally."""
+    engine = Engine(gguf_small, max_batch=4, speculative=FORCED)
+    config = GenerationConfig(temperature=0, max_tokens=30, ignore_eos=True)
+    ids = [engine.add_request(p[:20], config) for p in prompts()]
+    outs = {}
+    while engine.has_unfinished():
+        for delta in engine.step():
+            if delta.output is not None:
+                outs[delta.request_id] = delta.output
+    assert [outs[i].finish_reason for i in ids] == ["length"] * 3
+    assert all(len(outs[i].token_ids) == 30 for i in ids)
+    assert engine.stats.preemptions > 0 and engine.stats.accepted_draft_tokens > 0
+
+
+@pytest.fixture(scope="module")
+def gguf_small():
+    from logitproc.serve.cli_options import tiny_model
+    from logitproc.serve.compiled_model import CompiledModel
+
+    return CompiledModel.open(tiny_model(), target="cpu", max_total_tokens=96, max_num_sequences=4)

@@ -1,0 +1,130 @@
+"""Speculative decoding (prompt lookup) against plain decoding, on input-grounded prompts and an open-ended one.
+
+    python scripts/bench_speculative.py [--model default] [--max-tokens 128] [--rounds 3] [--k 5] [--markdown]
+
+Each prompt is answered greedily (batch 1) by one engine without speculation, one with ``{"method": "ngram",
+"num_speculative_tokens": K}`` (adaptive, the default) and one with every proposal checked (``adaptive=False``), in
+interleaved rounds; the best round of each is kept. Printed per prompt: generated tokens per second of wall time,
+the ratio to plain decoding, the acceptance rate and the draft tokens accepted per verify, and whether the answers
+are the same tokens. Also printed: the forward's cost by token count (decode of 1 token, verify of 1 + K), which
+bounds what drafts can give on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import machine_line  # noqa: E402
+
+FUNCTION = '''def total_price(items, tax_rate):
+    subtotal = 0
+    for item in items:
+        subtotal += item.price * item.quantity
+    tax = subtotal * tax_rate
+    total = subtotal + tax
+    return round(total, 2)'''
+
+RECORD = ('{"id": 4812, "name": "Ada Lovelace", "email": "ada@example.org", "role": "engineer", '
+          '"team": "compilers", "active": true, "languages": ["python", "c", "rust"], "manager_id": 17}')
+
+PARAGRAPH = ("The river rises in the hills above the town, runs through the old market and the mill, and reaches "
+             "the sea twelve miles to the south, where the harbour has sheltered fishing boats for four hundred "
+             "years.")
+
+PROMPTS = {
+    "rename a variable": f"Rename the variable `subtotal` to `net` in this function. Reply with the whole "
+                         f"function only.\n\n{FUNCTION}",
+    "copy a JSON record": f"Copy this JSON record exactly, changing only the role to \"manager\". Reply with the "
+                          f"JSON only.\n\n{RECORD}",
+    "repeat a paragraph": f"Repeat this paragraph word for word.\n\n{PARAGRAPH}",
+    "open-ended": "Write a short story about a lighthouse keeper.",
+}
+
+
+def answer(engine, prompt: str, max_tokens: int):
+    from logitproc.runtime import GenerationConfig
+
+    engine.stats.reset()
+    started = time.perf_counter()
+    [out] = engine.generate([{"role": "user", "content": prompt}],
+                            GenerationConfig(temperature=0, max_tokens=max_tokens))
+    seconds = time.perf_counter() - started
+    return seconds, out, engine.stats.acceptance_rate, engine.stats.mean_accepted_tokens
+
+
+def forward_costs(model, k: int, repeat: int = 5) -> tuple[float, float]:
+    """Best-of seconds of a decode of 1 token and a verify of 1 + k tokens, on a 100-token context."""
+    seq = max(model.sequence_ids, default=-1) + 1
+    model.add_sequence(seq)
+    model.prefill([seq], [list(range(100, 200))])
+    best = [float("inf"), float("inf")]
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        model.decode([seq], [5])
+        best[0] = min(best[0], time.perf_counter() - t0)
+        model.popn(seq, 1)
+        t0 = time.perf_counter()
+        model.verify([seq], [[5] * (k + 1)])
+        best[1] = min(best[1], time.perf_counter() - t0)
+        model.popn(seq, k + 1)
+    model.remove_sequence(seq)
+    return best[0], best[1]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--k", type=int, default=5)
+    parser.add_argument("--markdown", action="store_true")
+    args = parser.parse_args()
+
+    from logitproc.serve.cli_options import open_model
+    from logitproc.serve.engine import Engine
+
+    model = open_model(args.model, "cpu")
+    modes = {"plain": None, "ngram": {"method": "ngram", "num_speculative_tokens": args.k},
+             "ngram, every draft": {"method": "ngram", "num_speculative_tokens": args.k, "adaptive": False}}
+    engines = {name: Engine(model, max_batch=1, speculative=spec, prefix_cache=False) for name, spec in modes.items()}
+    best: dict[tuple[str, str], tuple] = {}
+    for _ in range(args.rounds):
+        for prompt_name, prompt in PROMPTS.items():
+            for mode, engine in engines.items():  # interleaved: each round runs every mode once
+                result = answer(engine, prompt, args.max_tokens)
+                key = (prompt_name, mode)
+                if key not in best or result[0] < best[key][0]:
+                    best[key] = result
+    decode_s, verify_s = forward_costs(model, args.k)
+
+    print(f"# bench_speculative: {model.name}, greedy, batch 1, max_tokens {args.max_tokens}, K {args.k}, "
+          f"best of {args.rounds} interleaved rounds, load {os.getloadavg()[0]:.1f}")
+    print(f"# {machine_line()}")
+    print(f"# forward: decode of 1 token {1e3 * decode_s:.1f} ms, verify of {args.k + 1} tokens "
+          f"{1e3 * verify_s:.1f} ms ({verify_s / decode_s:.2f}x): drafts give at most "
+          f"{(args.k + 1) * decode_s / verify_s:.2f}x when all {args.k} are accepted")
+    sep = "|" if args.markdown else " "
+    header = ["prompt", "mode", "tokens", "tok/s", "vs plain", "accepted", "per verify", "same answer"]
+    print(sep.join(header) if not args.markdown else "| " + " | ".join(header) + " |")
+    if args.markdown:
+        print("|" + "---|" * len(header))
+    for prompt_name in PROMPTS:
+        seconds0, plain, _, _ = best[(prompt_name, "plain")]
+        rate0 = len(plain.token_ids) / seconds0
+        for mode in modes:
+            seconds, out, acceptance, per_verify = best[(prompt_name, mode)]
+            rate = len(out.token_ids) / seconds
+            cells = [prompt_name, mode, str(len(out.token_ids)), f"{rate:.1f}", f"{rate / rate0:.2f}x",
+                     "-" if mode == "plain" else f"{100 * acceptance:.0f}%",
+                     "-" if mode == "plain" else f"{per_verify:.2f}", str(out.token_ids == plain.token_ids)]
+            print("| " + " | ".join(cells) + " |" if args.markdown else "  ".join(f"{c:>12}" for c in cells))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
