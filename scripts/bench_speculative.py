@@ -4,10 +4,11 @@
 
 Each prompt is answered greedily (batch 1) by one engine without speculation, one with ``{"method": "ngram",
 "num_speculative_tokens": K}`` (adaptive, the default) and one with every proposal checked (``adaptive=False``), in
-interleaved rounds; the best round of each is kept. Printed per prompt: generated tokens per second of wall time,
-the ratio to plain decoding, the acceptance rate and the draft tokens accepted per verify, and whether the answers
-are the same tokens. Also printed: the forward's cost by token count (decode of 1 token, verify of 1 + K), which
-bounds what drafts can give on this machine.
+interleaved rounds; the best round of each is kept. Printed per prompt: generated tokens per second of wall time
+(prefill included) and of the decode phase (from the first token to the last), the ratios to plain decoding, the
+acceptance rate and the draft tokens accepted per verify, and whether the answers are the same tokens. Also
+printed: the forward's cost by token count (decode of 1 token, verify of 1 + K), which bounds what drafts can give
+on this machine.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def answer(engine, prompt: str, max_tokens: int):
     [out] = engine.generate([{"role": "user", "content": prompt}],
                             GenerationConfig(temperature=0, max_tokens=max_tokens))
     seconds = time.perf_counter() - started
-    return seconds, out, engine.stats.acceptance_rate, engine.stats.mean_accepted_tokens
+    return seconds, out, engine.stats.acceptance_rate, engine.stats.mean_accepted_tokens, out.stats.decode_tokens_per_s
 
 
 def forward_costs(model, k: int, repeat: int = 5) -> tuple[float, float]:
@@ -83,6 +84,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--k", type=int, default=5)
     parser.add_argument("--markdown", action="store_true")
+    parser.add_argument("--show", action="store_true", help="print the answers")
     args = parser.parse_args()
 
     from logitproc.serve.cli_options import open_model
@@ -109,20 +111,27 @@ def main() -> int:
           f"{1e3 * verify_s:.1f} ms ({verify_s / decode_s:.2f}x): drafts give at most "
           f"{(args.k + 1) * decode_s / verify_s:.2f}x when all {args.k} are accepted")
     sep = "|" if args.markdown else " "
-    header = ["prompt", "mode", "tokens", "tok/s", "vs plain", "accepted", "per verify", "same answer"]
+    header = ["prompt", "mode", "tokens", "tok/s", "vs plain", "decode tok/s", "vs plain", "accepted", "per verify",
+              "same answer"]
     print(sep.join(header) if not args.markdown else "| " + " | ".join(header) + " |")
     if args.markdown:
         print("|" + "---|" * len(header))
+    texts = {}
     for prompt_name in PROMPTS:
-        seconds0, plain, _, _ = best[(prompt_name, "plain")]
+        seconds0, plain, _, _, decode0 = best[(prompt_name, "plain")]
         rate0 = len(plain.token_ids) / seconds0
         for mode in modes:
-            seconds, out, acceptance, per_verify = best[(prompt_name, mode)]
+            seconds, out, acceptance, per_verify, decode = best[(prompt_name, mode)]
             rate = len(out.token_ids) / seconds
             cells = [prompt_name, mode, str(len(out.token_ids)), f"{rate:.1f}", f"{rate / rate0:.2f}x",
+                     f"{decode:.1f}", f"{decode / decode0:.2f}x",
                      "-" if mode == "plain" else f"{100 * acceptance:.0f}%",
                      "-" if mode == "plain" else f"{per_verify:.2f}", str(out.token_ids == plain.token_ids)]
             print("| " + " | ".join(cells) + " |" if args.markdown else "  ".join(f"{c:>12}" for c in cells))
+        texts[prompt_name] = plain.text
+    if args.show:
+        for name, text in texts.items():
+            print(f"\n## {name}\n{text}")
     return 0
 
 

@@ -66,11 +66,15 @@ class NgramIndex:
         """``k`` draft tokens: those that followed the latest earlier occurrence of the longest suffix of
         ``min_n``..``max_n`` tokens that occurred before (as a repetition where they reach the end); [] when none
         did."""
+        return self.propose_matched(k)[0]
+
+    def propose_matched(self, k: int) -> tuple[list[int], int]:
+        """``propose(k)`` and the length of the suffix that matched (0 when none did)."""
         end = len(self.tokens)
         for n in range(min(self.max_n, end), self.min_n - 1, -1):
             ends = self._ends.get(tuple(self.tokens[end - n :]))
             if ends is not None and ends[1] >= 0:
                 start = ends[1]
                 period = end - start
-                return [self.tokens[start + i % period] for i in range(k)]
-        return []
+                return [self.tokens[start + i % period] for i in range(k)], n
+        return [], 0

@@ -3,9 +3,11 @@ sequences check how many draft tokens, only where that is expected to give more 
 
 A sequence's ``Drafter`` keeps an ``NgramIndex`` of its tokens (prompt + output, brought up to date from the state
 before each step: new tokens appended, the whole index rebuilt after a rollback) and an estimate of ``alpha``, the
-chance that a draft token is accepted. Each verified draft of ``k`` tokens of which ``m`` were accepted counts
-``m`` accepted positions out of ``min(m + 1, k)`` tried; a draft that was proposed but not checked (the plan found
-it would not pay) is compared with the tokens that come next instead, so ``alpha`` keeps being measured for free.
+chance that a draft token is accepted, for each length of the matched suffix (a draft found by a 4-gram is usually
+a copy in progress; one found by a single token is often a guess). Each verified draft of ``k`` tokens of which
+``m`` were accepted counts ``m`` accepted positions out of ``min(m + 1, k)`` tried; a draft that was proposed but not
+checked (the plan found it would not pay) is compared with the tokens that come next instead, so ``alpha`` keeps
+being measured for free.
 
 The plan (``SpeculationPlanner.plan``), each step, over the decoding sequences that have a proposal::
 
@@ -36,8 +38,9 @@ MAX_LOOKUP = 32
 _DECAY = 0.9
 #: ``alpha`` before anything was observed: a first draft is checked when drafting is cheap enough.
 _PRIOR_ACCEPTED, _PRIOR_TRIED = 1.0, 2.0
-#: Before a forward of n tokens was timed: seconds(n) = seconds(1) * (1 + _PRIOR_SLOPE * (n - 1)).
-_PRIOR_SLOPE = 0.5
+#: Before a forward of n tokens was timed: seconds(n) = seconds(1) * (1 + _PRIOR_SLOPE * (n - 1)), on the cheap side
+#: (each further token about 0.4x a decode step here), so that a longer draft is tried once and then timed.
+_PRIOR_SLOPE = 0.25
 
 
 def _int_in(name: str, value: Any, low: int, high: int) -> int:
@@ -108,17 +111,26 @@ class Drafter:
         self.index = NgramIndex(min_n=config.prompt_lookup_min, max_n=config.prompt_lookup_max)
         self._prompt = len(state.prompt_token_ids)
         self._epoch = -1  # never synced
-        self._accepted, self._tried = _PRIOR_ACCEPTED, _PRIOR_TRIED
+        # per matched suffix length n (index n - 1): decayed counts of accepted and tried draft positions
+        self._accepted = [_PRIOR_ACCEPTED] * config.prompt_lookup_max
+        self._tried = [_PRIOR_TRIED] * config.prompt_lookup_max
         self._shadow: list[int] = []  # a proposal not checked, compared with the tokens that come next
+        self._shadow_n = 0
+        self.matched = 0  # suffix length behind the latest proposal
+
+    def alpha_for(self, matched: int) -> float:
+        """The estimated chance that a draft token found by a suffix of ``matched`` tokens is accepted."""
+        return self._accepted[matched - 1] / self._tried[matched - 1] if matched else 0.0
 
     @property
     def alpha(self) -> float:
-        """The estimated chance that a draft token is accepted."""
-        return self._accepted / self._tried
+        """The estimate for the latest proposal."""
+        return self.alpha_for(self.matched)
 
-    def _observe(self, hit: bool) -> None:
-        self._accepted = self._accepted * _DECAY + hit
-        self._tried = self._tried * _DECAY + 1.0
+    def _observe(self, matched: int, hit: bool) -> None:
+        if matched:
+            self._accepted[matched - 1] = self._accepted[matched - 1] * _DECAY + hit
+            self._tried[matched - 1] = self._tried[matched - 1] * _DECAY + 1.0
 
     def sync(self, state: RequestState) -> None:
         """Bring the index up to the state's tokens (O(new tokens); the whole index after a rollback), comparing
@@ -132,25 +144,27 @@ class Drafter:
         for token in state.output_token_ids[len(self.index) - self._prompt :]:
             if self._shadow:
                 hit = self._shadow[0] == token
-                self._observe(hit)
+                self._observe(self._shadow_n, hit)
                 self._shadow = self._shadow[1:] if hit else []
             self.index.append(token)
 
     def propose(self, k: int) -> list[int]:
-        """Up to ``k`` draft tokens (``NgramIndex.propose``)."""
-        return self.index.propose(k)
+        """``k`` draft tokens (``NgramIndex.propose``); ``matched`` and ``alpha`` then describe them."""
+        proposal, self.matched = self.index.propose_matched(k)
+        return proposal
 
     def shadow(self, proposal: list[int]) -> None:
-        """``proposal`` was not checked: compare it with the tokens that come (unless one is being compared)."""
+        """``proposal`` (the latest) was not checked: compare it with the tokens that come (unless one is being
+        compared)."""
         if not self._shadow:
-            self._shadow = list(proposal)
+            self._shadow, self._shadow_n = list(proposal), self.matched
 
     def record(self, drafted: int, accepted: int) -> None:
-        """A verify of ``drafted`` tokens accepted the first ``accepted``."""
+        """A verify of ``drafted`` tokens (the latest proposal's) accepted the first ``accepted``."""
         for _ in range(accepted):
-            self._observe(True)
+            self._observe(self.matched, True)
         if accepted < drafted:
-            self._observe(False)
+            self._observe(self.matched, False)
         self._shadow = []
 
 

@@ -176,10 +176,12 @@ def test_the_plan_drafts_only_where_it_pays() -> None:
     for n in range(1, 8):
         planner.costs.record(n, 0.010 + 0.004 * (n - 1))
     good, bad = Drafter(SpeculativeConfig(), RequestState([1, 2])), Drafter(SpeculativeConfig(), RequestState([1]))
+    good.matched = bad.matched = 4  # proposals found by a 4-token suffix
     for _ in range(20):
         good.record(5, 5)
         bad.record(5, 0)
     assert good.alpha > 0.9 and bad.alpha < 0.1
+    assert good.alpha_for(1) == 0.5  # the prior: a suffix of 1 token has not been measured
     # three decoding sequences: good, bad and one without a proposal
     plan = planner.plan([Candidate("good", good, [7] * 5, 5), Candidate("bad", bad, [8] * 5, 5)], 3, 100)
     assert list(plan) == ["good"] and len(plan["good"]) == 5
@@ -190,6 +192,7 @@ def test_the_plan_drafts_only_where_it_pays() -> None:
     before = bad.alpha
     bad.sync(state)
     bad.shadow([8, 8])
+    bad.matched = 1  # a later proposal: the shadow keeps the suffix length of its own
     state.append_token(8)
     state.append_token(8)
     bad.sync(state)
