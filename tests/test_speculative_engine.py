@@ -248,3 +248,18 @@ def gguf_small():
     from logitproc.serve.compiled_model import CompiledModel
 
     return CompiledModel.open(tiny_model(), target="cpu", max_total_tokens=96, max_num_sequences=4)
+
+
+def test_smollm2_greedy_answers_are_the_same_with_drafts(default_model_in_cache) -> None:
+    """On the real model: a copying answer (most drafts accepted) and an open one (most rejected) are the tokens
+    plain greedy decoding gives."""
+    paragraph = ("The river rises in the hills above the town, runs through the old market and the mill, and "
+                 "reaches the sea twelve miles to the south.")
+    for question in (f"Repeat this paragraph word for word.\n\n{paragraph}", "Name three colours."):
+        messages = [{"role": "user", "content": question}]
+        config = GenerationConfig(temperature=0, max_tokens=48)
+        [want] = Engine(default_model_in_cache, max_batch=1).generate(messages, config)
+        engine = Engine(default_model_in_cache, max_batch=1, speculative=FORCED)
+        [got] = engine.generate(messages, config)
+        assert got.token_ids == want.token_ids
+        assert engine.stats.drafts > 0
