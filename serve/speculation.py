@@ -36,8 +36,10 @@ MAX_SPECULATIVE_TOKENS = 32
 MAX_LOOKUP = 32
 #: Weight of the past in ``alpha`` per position observed (about the last 10 positions count).
 _DECAY = 0.9
-#: ``alpha`` before anything was observed: a first draft is checked when drafting is cheap enough.
-_PRIOR_ACCEPTED, _PRIOR_TRIED = 1.0, 2.0
+#: ``alpha`` before anything was observed, by the matched suffix's length (1, 2, 3 or more tokens), as two
+#: observations: a match of 3 tokens or more is usually a copy in progress, a single token's often a guess.
+_PRIOR_ALPHA = (0.3, 0.5, 0.8)
+_PRIOR_TRIED = 2.0
 #: Before a forward of n tokens was timed: seconds(n) = seconds(1) * (1 + _PRIOR_SLOPE * (n - 1)), on the cheap side
 #: (each further token about 0.4x a decode step here), so that a longer draft is tried once and then timed.
 _PRIOR_SLOPE = 0.25
@@ -112,7 +114,8 @@ class Drafter:
         self._prompt = len(state.prompt_token_ids)
         self._epoch = -1  # never synced
         # per matched suffix length n (index n - 1): decayed counts of accepted and tried draft positions
-        self._accepted = [_PRIOR_ACCEPTED] * config.prompt_lookup_max
+        self._accepted = [_PRIOR_TRIED * _PRIOR_ALPHA[min(n, len(_PRIOR_ALPHA)) - 1]
+                          for n in range(1, config.prompt_lookup_max + 1)]
         self._tried = [_PRIOR_TRIED] * config.prompt_lookup_max
         self._shadow: list[int] = []  # a proposal not checked, compared with the tokens that come next
         self._shadow_n = 0

@@ -101,7 +101,8 @@ def test_first_tokens_follow_the_sampling_distribution(model) -> None:
     from scipy.stats import chi2_contingency
 
     prompt = [5, 6, 7, 8] * 10 + [5, 6]  # the drafts propose 7, 8, 5, ...
-    config = GenerationConfig(temperature=1.5, max_tokens=3, ignore_eos=True)
+    # only the prompt's tokens allowed: every context's last token occurred before, so every step has a proposal
+    config = GenerationConfig(temperature=1.5, max_tokens=4, ignore_eos=True, allowed_token_ids=[5, 6, 7, 8])
     counts = {}
     for speculative in (None, FORCED):
         engine = Engine(model, max_batch=8, speculative=speculative)
@@ -113,16 +114,16 @@ def test_first_tokens_follow_the_sampling_distribution(model) -> None:
                 for delta in engine.step():
                     if delta.output is not None:
                         outs[delta.request_id] = delta.output.token_ids
-            tokens += [tuple(outs[i][:2]) for i in ids]
+            tokens += [tuple(outs[i][1:4]) for i in ids]  # the first token comes from the prefill
         counts[speculative is None] = tokens
         if speculative is not None:
             assert engine.stats.draft_tokens > 0
-    for position in (0, 1):
+    for position in (0, 1, 2):
         values = sorted({t[position] for t in counts[True] + counts[False]})
         table = np.array([[sum(t[position] == v for t in counts[side]) for v in values] for side in (True, False)])
         table = table[:, table.sum(axis=0) >= 5]  # chi-square needs expected counts that are not tiny
         _, p, _, _ = chi2_contingency(table)
-        assert p > 1e-3, (position, table)
+        assert p > 1e-4, (position, table)
 
 
 def test_rejected_drafts_leave_no_trace(model) -> None:
@@ -181,7 +182,7 @@ def test_the_plan_drafts_only_where_it_pays() -> None:
         good.record(5, 5)
         bad.record(5, 0)
     assert good.alpha > 0.9 and bad.alpha < 0.1
-    assert good.alpha_for(1) == 0.5  # the prior: a suffix of 1 token has not been measured
+    assert good.alpha_for(1) == pytest.approx(0.3)  # the prior: a suffix of 1 token has not been measured
     # three decoding sequences: good, bad and one without a proposal
     plan = planner.plan([Candidate("good", good, [7] * 5, 5), Candidate("bad", bad, [8] * 5, 5)], 3, 100)
     assert list(plan) == ["good"] and len(plan["good"]) == 5
