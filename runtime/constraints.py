@@ -63,7 +63,8 @@ class ConstraintFactory:
             return None
         backend = self.backend
         compiled = self.cache.get((backend.name, self.tokenizer.fingerprint, fmt.key), lambda: backend.compile(fmt))
-        return GrammarSource(backend.matcher(compiled), self.tokenizer, backend.name)
+        return GrammarSource(backend.matcher(compiled), self.tokenizer, backend.name,
+                             backend.relaxed_keywords(compiled))
 
     def marker_ids(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)

@@ -240,6 +240,11 @@ class ChatSession:
                      f"logit processing + sampling {100 * st.processing_share:.1f}% of step time, "
                      + (f"{st.draft_summary()}, " if st.drafts else "")
                      + f"finish: {self.last_output.finish_reason}")
+            out = self.last_output
+            if out.schema_valid is not None or out.schema_error is not None:
+                self.say(f"schema: {({True: 'valid', False: 'INVALID', None: 'not checked'})[out.schema_valid]}"
+                         + (f" (relaxed: {', '.join(out.relaxed_keywords)})" if out.relaxed_keywords else "")
+                         + (f": {out.schema_error}" if out.schema_error else ""))
 
     def _settings(self, arg: str) -> None:
         from logitproc.runtime import GenerationConfig

@@ -41,6 +41,12 @@ def run(args: argparse.Namespace) -> int:
         log(f"finish: {output.finish_reason}; {st.prompt_tokens} prompt tokens at {st.prefill_tokens_per_s:.1f} tok/s, "
             f"{st.completion_tokens} tokens at {st.decode_tokens_per_s:.1f} tok/s, logit processing + sampling "
             f"{100 * st.processing_share:.1f}% of step time" + (f"; {st.draft_summary()}" if st.drafts else ""))
+        if output.schema_valid is not None or output.schema_error is not None:
+            relaxed = f" (not enforced while generating: {', '.join(output.relaxed_keywords)})" \
+                if output.relaxed_keywords else ""
+            verdict = {True: "valid", False: "INVALID", None: "not checked"}[output.schema_valid]
+            log(f"schema: the answer is {verdict}{relaxed}"
+                + (f": {output.schema_error}" if output.schema_error else ""))
         if output.finish_reason == "error":
             log(f"error: {output.error}")
             return 1

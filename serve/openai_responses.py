@@ -3,7 +3,10 @@
 Choices are numbered ``prompt_index * n + sequence_index`` (one prompt for chat). Finish reasons are the engine's:
 "stop" and "length" as OpenAI's; "abort", "error" and "grammar_dead_end" (the constraints allowed no token) as they
 are, the way vLLM passes "abort" through. ``stop_reason`` (vLLM's extension) is the stop string or token id that
-ended a sequence. A log-probability of -inf is written as -9999.0 (as vLLM does): JSON has no infinity.
+ended a sequence. A log-probability of -inf is written as -9999.0 (as vLLM does): JSON has no infinity. A JSON
+response format adds the answer's check to its choice (our extension): ``schema_valid`` (the whole schema accepts
+the answer; null when it could not be checked), ``schema_error`` (why not) and ``relaxed_keywords`` (the schema
+keywords the grammar did not enforce while generating).
 """
 
 from __future__ import annotations
@@ -103,6 +106,7 @@ def full_response(head: ResponseHead, outputs: Sequence[tuple[int, Output]], tok
             choice["logprobs"] = completion_logprobs(token_text, out.token_ids, out.logprobs, out.top_logprobs)
         choice["finish_reason"] = out.finish_reason
         choice["stop_reason"] = out.stop_reason
+        choice.update(answer_check(out))
         choices.append(choice)
     completion_tokens = sum(len(out.token_ids) for _, out in outputs)
     body = head.body("chat.completion" if head.chat else "text_completion")
@@ -139,7 +143,17 @@ def delta_choice(head: ResponseHead, index: int, delta: Delta, token_text: Token
     choice["finish_reason"] = delta.finish_reason
     if delta.finish_reason is not None:
         choice["stop_reason"] = delta.output.stop_reason if delta.output is not None else None
+        if delta.output is not None:
+            choice.update(answer_check(delta.output))
     return choice
+
+
+def answer_check(out: Output) -> dict[str, Any]:
+    """The choice fields of a JSON answer's check (none for other answers)."""
+    if out.schema_valid is None and out.schema_error is None and not out.relaxed_keywords:
+        return {}
+    return {"schema_valid": out.schema_valid, "schema_error": out.schema_error,
+            "relaxed_keywords": list(out.relaxed_keywords)}
 
 
 def usage_chunk(head: ResponseHead, prompt_tokens: int, completion_tokens: int,

@@ -167,6 +167,12 @@ class Output:
     top_logprobs: list[list[tuple[int, float]]] | None = None
     #: What failed, when ``finish_reason`` is "error".
     error: str | None = None
+    #: JSON response formats: whether the answer is a document the whole schema accepts (``jsonschema``), and why
+    #: not; None for other requests and unfinished (aborted, failed) answers.
+    schema_valid: bool | None = None
+    schema_error: str | None = None
+    #: Schema keywords the grammar did not enforce while generating (a relaxed compile); ``schema_valid`` checks them.
+    relaxed_keywords: tuple[str, ...] = ()
 
     @property
     def usage(self) -> dict[str, int]:

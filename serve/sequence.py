@@ -15,6 +15,9 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from logitproc.runtime import RequestState
+from logitproc.runtime.answer_check import AnswerCheck, check_answer
+from logitproc.runtime.grammar.source import GrammarSource
+from logitproc.runtime.think_mode import ThinkBudget
 
 from .detokenizer import IncrementalDetokenizer
 from .outputs import Delta, Output, RequestStats
@@ -69,6 +72,8 @@ class GeneratedSequence:
         self.error: str | None = None  # what failed, for finish_reason "error"
         self.logprobs: list[float] | None = [] if cfg.logprobs else None
         self.top_logprobs: list[list[tuple[int, float]]] | None = [] if cfg.top_logprobs else None
+        #: The finished answer checked against its JSON response format (None: not one, or not finished).
+        self.check: AnswerCheck | None = None
         #: Speculative decoding's prompt-lookup drafter (made by the engine on first use).
         self.drafter: Drafter | None = None
 
@@ -132,6 +137,8 @@ class GeneratedSequence:
             self._emit(self.stops.flush(), delta)
         self.finish_reason = reason
         self.stop_reason = stop_reason
+        if reason not in ("abort", "error"):
+            self.check = check_answer(self.state.config.response_format, self._answer_text())
         delta.finish_reason = reason
         delta.output = self.output()
 
@@ -145,6 +152,22 @@ class GeneratedSequence:
             self.finish_reason = delta.finish_reason = "error"
             delta.output = self.output()
 
+    def _answer_text(self) -> str:
+        """The answer the response format applies to: after the think block, when the request has one."""
+        cfg = self.state.config
+        if cfg.max_thinking_tokens is not None and cfg.think_end in self.text:
+            return self.text.split(cfg.think_end, 1)[1]
+        return self.text
+
+    @property
+    def relaxed_keywords(self) -> tuple[str, ...]:
+        """Schema keywords the sequence's grammar does not enforce (a relaxed compile)."""
+        for source in self.state.mask_sources:
+            inner = source.inner if isinstance(source, ThinkBudget) else source
+            if isinstance(inner, GrammarSource):
+                return inner.relaxed_keywords
+        return ()
+
     def _emit(self, text: str, delta: Delta) -> None:
         if text:
             self.text += text
@@ -157,4 +180,7 @@ class GeneratedSequence:
             stats=self.request.stats, stop_reason=self.stop_reason, error=self.error,
             logprobs=None if self.logprobs is None else list(self.logprobs),
             top_logprobs=None if self.top_logprobs is None else list(self.top_logprobs),
+            schema_valid=None if self.check is None else self.check.valid,
+            schema_error=None if self.check is None else self.check.error,
+            relaxed_keywords=self.relaxed_keywords,
         )

@@ -76,3 +76,22 @@ def suite_groups(draft: str = "draft2020-12") -> list[tuple[str, dict]]:
         for group in json.loads(path.read_text()):
             groups.append((f"{path.stem}: {group['description']}", group))
     return groups
+
+
+CHECK_JSONSCHEMA_SPEC = "check-jsonschema==0.39.0"
+
+
+def vendored_schemas() -> dict[str, dict]:
+    """The real-world schemas (CI configs, compose, renovate, dependabot, ...) vendored in the ``check-jsonschema``
+    wheel, by name; each keeps its licence in the wheel."""
+    out = data_root() / "check-jsonschema-vendor"
+    if not out.is_dir():
+        with tempfile.TemporaryDirectory() as tmp:
+            wheel = _pip_download(CHECK_JSONSCHEMA_SPEC, Path(tmp))
+            staging = Path(tempfile.mkdtemp(dir=data_root()))
+            with zipfile.ZipFile(wheel) as archive:
+                for name in archive.namelist():
+                    if "/builtin_schemas/vendor/" in name and name.endswith(".json"):
+                        (staging / Path(name).name).write_bytes(archive.read(name))
+            staging.rename(out)
+    return {path.stem: json.loads(path.read_text()) for path in sorted(out.glob("*.json"))}

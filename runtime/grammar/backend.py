@@ -73,3 +73,8 @@ class GrammarBackend(ABC):
     @abstractmethod
     def matcher(self, compiled: Any) -> GrammarMatcher:
         """A fresh matcher at the start of the grammar."""
+
+    def relaxed_keywords(self, compiled: Any) -> tuple[str, ...]:
+        """The schema keywords the compiled grammar does not enforce (it was compiled relaxed: only validating
+        keywords the engine does not implement, checked on the finished answer instead); () when it is exact."""
+        return ()

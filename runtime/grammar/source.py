@@ -30,10 +30,13 @@ RETOKENIZE_TOKENS = 4
 class GrammarSource:
     """The grammar constraint of one sequence (a TokenMaskSource with rollback and jump-forward)."""
 
-    def __init__(self, matcher: GrammarMatcher, tokenizer: TokenizerAdapter, backend: str = "") -> None:
+    def __init__(self, matcher: GrammarMatcher, tokenizer: TokenizerAdapter, backend: str = "",
+                 relaxed_keywords: tuple[str, ...] = ()) -> None:
         self.matcher = matcher
         self.tokenizer = tokenizer
         self.backend = backend
+        #: Schema keywords the grammar does not enforce (``GrammarBackend.relaxed_keywords``).
+        self.relaxed_keywords = relaxed_keywords
         self.accepted = 0
 
     # ---- TokenMaskSource -----------------------------------------------------------------------------------------
