@@ -38,10 +38,9 @@ VALIDATION_KEYWORDS = ("uniqueItems", "if", "then", "else", "not", "contains", "
                        "dependentSchemas", "dependentRequired", "dependencies", "unevaluatedProperties",
                        "unevaluatedItems", "propertyNames")
 
-#: llguidance's parser limits, raised for real-world schemas (the defaults refuse large ones: a grammar of at most
-#: 500,000 items, 250,000 lexer states); each is a bound on work per mask, not a cost paid when unused.
-LIMITS = llguidance.LLParserLimits(max_grammar_size=2_000_000, max_lexer_states=1_000_000,
-                                   initial_lexer_fuel=5_000_000, step_lexer_fuel=1_000_000)
+#: llguidance's parser limits: the grammar size raised for large real-world schemas (default 500,000); the lexer's
+#: limits stay (raised, ``a{1000000}`` passes the probe and then costs seconds per mask).
+LIMITS = llguidance.LLParserLimits(max_grammar_size=2_000_000)
 
 _NAMED_SUBSCHEMAS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _DATA_KEYWORDS = ("enum", "const", "examples", "default")
