@@ -50,6 +50,8 @@ from .linear_kernels import embed_kernel, linear_kernel, param_shapes, swiglu_ke
 #: Raw GGUF blocks of quantised tensors: name -> (GGML type name, uint8 array [rows, bytes per row]).
 RawTensors = dict[str, tuple[str, np.ndarray]]
 
+#: Weight formats stored as the GGUF's quantised blocks.
+QUANTISED = ("q4_1", "q8_0")
 #: The weight matrices of the model, by kind, and the GGUF tensors each is made of (``{i}``: every layer).
 WEIGHT_KINDS: dict[str, tuple[str, ...]] = {
     "embed": ("token_embd.weight",),
@@ -134,6 +136,8 @@ class _Weights(nn.Module):
     def matmul(self, x: nn.Tensor, mode: str) -> nn.Tensor:
         """``x[..., in] @ W.T`` -> ``[..., out]`` float32 (leading axes flattened into tokens); ``mode`` "decode" or
         "prefill" (``linear_kernels.linear_kernel``: one schedule at every token count, for batch invariance)."""
+        if mode == "prefill" and self.int8_dot and self.fmt in QUANTISED:
+            mode = "decode"  # the integer dot products (tokens in pairs) beat the GEMM at every token count here
         lead = list(x.shape[:-1])
         flat = x.reshape(-1, self.in_features) if len(lead) != 1 else x
         y = nn.op.tensor_ir_op(
@@ -255,7 +259,10 @@ class LlamaModule(nn.Module):
 
     # Batch invariance: prefill runs the layers' matmuls as the GEMM and decode as dot products whatever the token
     # count, so a sequence's logits do not depend on the other sequences of the pass (linear_kernel's modes). The
-    # logits of a prefill (a row or a few per sequence) take the dot products, as decode's do.
+    # logits of a prefill (a row or a few per sequence) take the dot products, as decode's do. Quantised weights on
+    # a CPU with the integer dot products take them in the prefill too (``_Weights.matmul``): on the AVX2 machines
+    # here they are faster than the GEMM at every token count (no per-call decode of every weight into float), and
+    # a prompt's matmuls are then those of decoding it token by token.
     def prefill(self, input_ids: nn.Tensor, logit_positions: nn.Tensor, kv_cache: PagedKVCache) -> nn.Tensor:
         x = self._layers(self.embed(input_ids), kv_cache, 1, input_ids.shape[0], "prefill")
         return self._logits(nn.op.take(x, logit_positions, axis=0), "decode")
