@@ -1,5 +1,11 @@
 """Sampler: min-p / top-k / top-p renormalisation, seeded multinomial sampling, and logprobs.
 
+Two ways to sample: staged (``renormalize`` then ``sample``, on probabilities from
+``LogitProcessor.compute_probs_from_logits``; each stage writes a full ``[N, V]`` array) for callers who want the
+probabilities, and fused (``sample_from_logits``: one kernel from the processed logits to the tokens, nothing
+``[N, V]`` written) for everyone else. With the same seeds both give the same tokens and the same logprobs; only
+processed top-n logprobs need the staged path (``needs_probabilities``).
+
 Sampling draws one uniform number per row from the row's own request stream (``RequestState.rng``, seeded by
 ``GenerationConfig.seed``), so a seeded request gets the same tokens whatever else is in the batch and at whichever
 row. Greedy rows (temperature 0) arrive as one-hot distributions and draw nothing. A row whose every token was
@@ -18,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from logitproc.tir_kernels import log_softmax, multinomial, renormalize, top_n
+from logitproc.tir_kernels import log_softmax, multinomial, renormalize, sample_from_logits, top_n
 
 from .batch import Batch, DraftArg
 from .device import Device, PrefixViews
@@ -29,7 +35,7 @@ from .request_state import RequestState
 
 DEFAULT_MAX_ROWS = 256
 #: The kernels this sampler launches (names from each kernel module's NAME).
-KERNELS = (renormalize.NAME, multinomial.NAME, top_n.NAME, log_softmax.NAME)
+KERNELS = (renormalize.NAME, multinomial.NAME, top_n.NAME, log_softmax.NAME, sample_from_logits.NAME)
 BatchArg = Batch | Sequence[RequestState]
 
 
@@ -64,6 +70,12 @@ class SampleResult:
                 self.top_logprobs[r] = None
 
 
+def needs_probabilities(batch: Batch) -> bool:
+    """Whether a row of ``batch`` asks for something only the staged path gives: processed top-n logprobs."""
+    return batch.any_logprobs and any(s.config.logprobs and s.config.logprobs_mode == "processed"
+                                      and s.config.top_logprobs > 0 for s in batch.row_states)
+
+
 class Sampler:
     """Renormalises and samples batches of probabilities with per-request parameters."""
 
@@ -83,6 +95,8 @@ class Sampler:
         self._top_p = PairedBuffer(dev, "top_p", cap, dtype="float32")
         self._min_p = PairedBuffer(dev, "min_p", cap, dtype="float32")
         self._uniform = PairedBuffer(dev, "uniform", cap, dtype="float32")
+        self._temperature = PairedBuffer(dev, "temperature", cap, dtype="float32")
+        self._renorm = PairedBuffer(dev, "renorm", cap, dtype="int32")
         self._renormalized = PrefixViews(dev, dev.empty((cap, vocab_size), "float32"))
         self._tokens = PrefixViews(dev, dev.empty((cap,), "int32"))
         self._chosen = PrefixViews(dev, dev.empty((cap,), "float32"))
@@ -121,14 +135,7 @@ class Sampler:
         if not batch.any_filters:
             return probs
         rows = batch.num_rows
-        top_k, top_p, min_p = (b.host_prefix(rows) for b in (self._top_k, self._top_p, self._min_p))
-        for r, state in enumerate(batch.row_states):
-            cfg = state.config
-            on = cfg.has_filters
-            top_k[r] = cfg.top_k if on and cfg.top_k > 0 else 0
-            top_p[r] = cfg.top_p if on else 1.0
-            min_p[r] = cfg.min_p if on else 0.0
-        args = [b.to_device(rows) for b in (self._top_k, self._top_p, self._min_p)]
+        args = self._filters_to_device(batch)
         on_device = self._on_device(probs, batch)
         self.device.wait_for_copies()
         out = self._renormalized(rows)
@@ -137,10 +144,20 @@ class Sampler:
         batch.remember_on_device(result, out)
         return result
 
-    def sample(self, probs: Any, states: BatchArg, cum_num_token: Any = None, draft_trees: DraftArg = None,
-               raw_logits: np.ndarray | None = None) -> SampleResult:
-        """Draw one token per row from ``probs`` ``[N, V]`` (after ``renormalize``), with logprobs as requested."""
-        batch = self._batch_for(probs, states, cum_num_token, draft_trees)
+    def _filters_to_device(self, batch: Batch) -> list[Any]:
+        """top_k, top_p, min_p of each row (off values for rows without filters), copied to the device."""
+        rows = batch.num_rows
+        top_k, top_p, min_p = (b.host_prefix(rows) for b in (self._top_k, self._top_p, self._min_p))
+        for r, state in enumerate(batch.row_states):
+            cfg = state.config
+            on = cfg.has_filters
+            top_k[r] = cfg.top_k if on and cfg.top_k > 0 else 0
+            top_p[r] = cfg.top_p if on else 1.0
+            min_p[r] = cfg.min_p if on else 0.0
+        return [b.to_device(rows) for b in (self._top_k, self._top_p, self._min_p)]
+
+    def _uniform_to_device(self, batch: Batch) -> Any:
+        """One uniform number per row from its request's stream (0 for greedy rows, which draw nothing)."""
         rows = batch.num_rows
         uniform = self._uniform.host_prefix(rows)
         if batch.all_greedy:
@@ -148,12 +165,53 @@ class Sampler:
         else:
             for r, state in enumerate(batch.row_states):
                 uniform[r] = 0.0 if state.config.greedy else state.rng.random(dtype=np.float32)
-        u = self._uniform.to_device(rows)
+        return self._uniform.to_device(rows)
+
+    def sample(self, probs: Any, states: BatchArg, cum_num_token: Any = None, draft_trees: DraftArg = None,
+               raw_logits: np.ndarray | None = None) -> SampleResult:
+        """Draw one token per row from ``probs`` ``[N, V]`` (after ``renormalize``), with logprobs as requested."""
+        batch = self._batch_for(probs, states, cum_num_token, draft_trees)
+        rows = batch.num_rows
+        u = self._uniform_to_device(batch)
         on_device = self._on_device(probs, batch)
         self.device.wait_for_copies()
         tokens = self._tokens(rows)
         chosen = self._chosen(rows)
         self.kernels[multinomial.NAME](on_device, u, tokens, chosen)
+        return self._result(batch, tokens, chosen, raw_logits, on_device)
+
+    def sample_from_logits(self, logits: Any, states: BatchArg, cum_num_token: Any = None,
+                           draft_trees: DraftArg = None, raw_logits: np.ndarray | None = None) -> SampleResult:
+        """One token per row straight from the processed logits ``[N, V]`` (after ``inplace_update_logits``).
+
+        The same tokens as ``sample(renormalize(compute_probs_from_logits(logits)))`` with the same seeds: the
+        ``sample_from_logits`` kernel runs each row's temperature softmax, min-p / top-k / top-p and the draw in one
+        kernel, writing no probabilities. Chosen-token logprobs (processed or raw) and raw top-n logprobs are given
+        as by ``sample``; processed top-n logprobs need the probabilities: a batch asking for them
+        (``needs_probabilities``) is refused with a ValueError (use the staged path).
+        """
+        batch = self._batch_for(logits, states, cum_num_token, draft_trees)
+        if needs_probabilities(batch):
+            raise ValueError("a row asks for processed top_logprobs, which need the probabilities: sample it with "
+                             "compute_probs_from_logits -> renormalize -> sample")
+        rows = batch.num_rows
+        temperature = self._temperature.host_prefix(rows)
+        temperature[:] = [s.config.temperature for s in batch.row_states]
+        self._renorm.host_prefix(rows)[:] = 1 if batch.any_filters else 0  # where the staged path renormalizes
+        args = [self._temperature.to_device(rows), *self._filters_to_device(batch), self._renorm.to_device(rows),
+                self._uniform_to_device(batch)]
+        on_device = self._on_device(logits, batch)
+        self.device.wait_for_copies()
+        tokens = self._tokens(rows)
+        chosen = self._chosen(rows)
+        self.kernels[sample_from_logits.NAME](on_device, *args, tokens, chosen)
+        return self._result(batch, tokens, chosen, raw_logits, None)
+
+    def _result(self, batch: Batch, tokens: Any, chosen: Any, raw_logits: np.ndarray | None,
+                probs_on_device: Any) -> SampleResult:
+        """The SampleResult of a draw: tokens, chosen-token probabilities, and the logprobs the rows asked for
+        (processed top-n from ``probs_on_device``, which the fused path does not have)."""
+        rows = batch.num_rows
         token_ids = self.device.download(tokens).astype(np.int32)
         chosen_p = self.device.download(chosen)
         no_valid = token_ids < 0
@@ -168,7 +226,7 @@ class Sampler:
                 logprobs[processed] = np.log(chosen_p[processed])
             n = max(batch.row_states[r].config.top_logprobs for r in processed)
             if n:
-                values, ids = self._top_n(on_device, rows, n)
+                values, ids = self._top_n(probs_on_device, rows, n)
                 with np.errstate(divide="ignore"):
                     logs = np.log(values)
                 for r in processed:

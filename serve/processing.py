@@ -1,9 +1,11 @@
 """The processing step on one step's Batch: logit processor then sampler, once over every row of the batch.
 
-``inplace_update_logits`` (bias -> penalties -> masks) -> ``compute_probs_from_logits`` (temperature softmax) ->
-``Sampler.renormalize`` (min-p, top-k, top-p) -> ``Sampler.sample``; each row with its own request's config
-(temperature 0 is greedy). Raw logprobs, when a row asks for them, read a copy of the logits taken first. Rows
-whose logits hold NaN or +inf are flagged (``SampleResult.non_finite_logits``, token -1) rather than sampled.
+``inplace_update_logits`` (bias -> penalties -> masks), then ``Sampler.sample_from_logits`` (temperature softmax,
+min-p, top-k, top-p and the draw fused in one kernel, no probabilities written); each row with its own request's
+config (temperature 0 is greedy). Only when a row asks for processed top-n logprobs does the step compute the
+probabilities: ``compute_probs_from_logits`` -> ``Sampler.renormalize`` -> ``Sampler.sample`` (the same tokens with
+the same seeds). Raw logprobs, when a row asks for them, read a copy of the logits taken first. Rows whose logits
+hold NaN or +inf are flagged (``SampleResult.non_finite_logits``, token -1) rather than sampled.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import numpy as np
 from logitproc.runtime import LogitProcessor, Sampler, SampleResult
 from logitproc.runtime.batch import Batch
 from logitproc.runtime.logits_io import non_finite_rows
+from logitproc.runtime.sampler import needs_probabilities
 
 
 def process(processor: LogitProcessor, sampler: Sampler, batch: Batch, logits: np.ndarray) -> SampleResult:
@@ -19,8 +22,11 @@ def process(processor: LogitProcessor, sampler: Sampler, batch: Batch, logits: n
     bad = non_finite_rows(logits)
     raw = logits.copy() if batch.any_raw_logprobs else None
     processor.inplace_update_logits(logits, batch)
-    probs = processor.compute_probs_from_logits(logits, batch)
-    probs = sampler.renormalize(probs, batch)
-    result = sampler.sample(probs, batch, raw_logits=raw)
+    if needs_probabilities(batch):
+        probs = processor.compute_probs_from_logits(logits, batch)
+        probs = sampler.renormalize(probs, batch)
+        result = sampler.sample(probs, batch, raw_logits=raw)
+    else:
+        result = sampler.sample_from_logits(logits, batch, raw_logits=raw)
     result.flag_non_finite(bad)
     return result

@@ -10,7 +10,18 @@ from collections.abc import Callable
 import tvm
 from tvm import tirx
 
-from . import argmax, bitmask, log_softmax, logit_bias, multinomial, penalty, renormalize, softmax, top_n
+from . import (
+    argmax,
+    bitmask,
+    log_softmax,
+    logit_bias,
+    multinomial,
+    penalty,
+    renormalize,
+    sample_from_logits,
+    softmax,
+    top_n,
+)
 
 KernelFactory = Callable[[tvm.target.Target], tirx.PrimFunc]
 
@@ -24,6 +35,7 @@ KERNEL_FACTORIES: dict[str, KernelFactory] = {
     argmax.NAME: argmax.get_argmax,
     top_n.NAME: top_n.get_top_n,
     log_softmax.NAME: log_softmax.get_log_softmax_gather,
+    sample_from_logits.NAME: sample_from_logits.get_sample_from_logits,
 }
 
 __all__ = ["KERNEL_FACTORIES", "KernelFactory"]

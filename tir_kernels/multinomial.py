@@ -28,6 +28,8 @@ the target, and the thread owning it scans inside its segment.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import tvm
 from tvm import tirx
 from tvm.script import tirx as T
@@ -44,7 +46,10 @@ _MAX_BLOCKS = 256
 _MIN_BLOCK_STEPS = 16
 
 
-def _cpu() -> tirx.PrimFunc:
+def cpu_row_macro() -> Callable[..., None]:
+    """The CPU row macro ``sample_row(value, vocab, u, live, pos)``: pos[1] = the token drawn from row values
+    ``value(i)`` with uniform ``u`` (-1 for a row of zeros). ``live(j)`` (None: always) may be False only for steps j
+    (values j * 64 .. j * 64 + 63) that are all exactly 0: they are then not read (adding zeros changes no sum)."""
     w = _CPU_WIDTH
     assert w == 64, "the lane reduction below is written out for 64 lanes"
 
@@ -52,6 +57,88 @@ def _cpu() -> tirx.PrimFunc:
     def fold(lanes, half):
         for l in T.vectorized(half):
             lanes[l] = lanes[l] + lanes[l + half]
+
+    @T.macro
+    def add_step(value, lanes, j):
+        for l in T.vectorized(w):
+            lanes[l] = lanes[l] + value(j * w + l)
+
+    @T.macro
+    def sample_row(value, vocab, u, live, pos):
+        lanes = T.alloc_buffer((w,), "float32", scope="local")
+        # block sums; the last entry is the scalar tail (vocab % w values)
+        bsum = T.alloc_buffer((_MAX_BLOCKS + 1,), "float32", scope="local")
+        acc = T.alloc_buffer((2,), "float32", scope="local")  # 0: total, then running sum; 1: running sum
+        # pos: int32 (3,). 0: block (or -1), 1: token (or -1), 2: index
+        nvec: T.let = vocab // w
+        bv: T.let = T.max(_MIN_BLOCK_STEPS, (nvec + _MAX_BLOCKS - 1) // _MAX_BLOCKS)
+        nblk: T.let = (nvec + bv - 1) // bv
+        # pass 1: the block sums and the total, added in block order
+        acc[0] = T.float32(0)
+        for blk in range(nblk):
+            for l in T.vectorized(w):
+                lanes[l] = T.float32(0)
+            for j in range(T.min(bv, nvec - blk * bv)):
+                if live is None:
+                    add_step(value, lanes, blk * bv + j)
+                elif live(blk * bv + j):
+                    add_step(value, lanes, blk * bv + j)
+            fold(lanes, 32)
+            fold(lanes, 16)
+            fold(lanes, 8)
+            fold(lanes, 4)
+            fold(lanes, 2)
+            fold(lanes, 1)
+            bsum[blk] = lanes[0]
+            acc[0] = acc[0] + lanes[0]
+        bsum[nblk] = T.float32(0)
+        for t in range(vocab % w):
+            bsum[nblk] = bsum[nblk] + value(nvec * w + t)
+        acc[0] = acc[0] + bsum[nblk]
+        goal: T.let = u * acc[0]
+        # the first block whose running sum passes the target (the same additions as the total)
+        acc[1] = T.float32(0)
+        pos[0] = -1
+        pos[2] = 0
+        while pos[0] < 0 and pos[2] <= nblk:
+            if acc[1] + bsum[pos[2]] > goal and bsum[pos[2]] > T.float32(0):
+                pos[0] = pos[2]
+            else:
+                acc[1] = acc[1] + bsum[pos[2]]
+                pos[2] = pos[2] + 1
+        pos[1] = -1
+        if pos[0] >= 0:
+            # scan inside the block: the first positive value passing the target, else its last positive one
+            start: T.let = T.Select(pos[0] == nblk, nvec * w, pos[0] * bv * w)
+            end: T.let = T.Select(pos[0] == nblk, vocab, T.min(pos[0] * bv + bv, nvec) * w)
+            acc[0] = acc[1]
+            pos[2] = -1
+            for i in range(start, end):
+                if value(i) > T.float32(0):
+                    acc[0] = acc[0] + value(i)
+                    if pos[1] < 0 and acc[0] > goal:
+                        pos[1] = i
+                    pos[2] = i
+            if pos[1] < 0:
+                pos[1] = pos[2]
+        else:
+            # nothing passed the target: a row of zeros, or rounding (uniform >= 1): the last positive value,
+            # in the last block of positive sum
+            pos[2] = nblk
+            while pos[2] >= 0 and bsum[T.max(pos[2], 0)] <= T.float32(0):
+                pos[2] = pos[2] - 1
+            if pos[2] >= 0:
+                start: T.let = T.Select(pos[2] == nblk, nvec * w, pos[2] * bv * w)
+                end: T.let = T.Select(pos[2] == nblk, vocab, T.min(pos[2] * bv + bv, nvec) * w)
+                for i in range(start, end):
+                    if value(i) > T.float32(0):
+                        pos[1] = i
+
+    return sample_row
+
+
+def _cpu() -> tirx.PrimFunc:
+    sample_row = cpu_row_macro()
 
     @T.prim_func
     def multinomial_from_uniform(var_probs: T.handle, var_uniform: T.handle, var_token: T.handle,
@@ -63,80 +150,84 @@ def _cpu() -> tirx.PrimFunc:
         token = T.match_buffer(var_token, (batch,), "int32")
         chosen = T.match_buffer(var_chosen, (batch,), "float32")
         for r in T.parallel(batch):
-            lanes = T.alloc_buffer((w,), "float32", scope="local")
-            # block sums; the last entry is the scalar tail (vocab % w values)
-            bsum = T.alloc_buffer((_MAX_BLOCKS + 1,), "float32", scope="local")
-            acc = T.alloc_buffer((2,), "float32", scope="local")  # 0: total, then running sum; 1: running sum
-            pos = T.alloc_buffer((3,), "int32", scope="local")  # 0: block (or -1), 1: token (or -1), 2: index
-            nvec: T.let = vocab // w
-            bv: T.let = T.max(_MIN_BLOCK_STEPS, (nvec + _MAX_BLOCKS - 1) // _MAX_BLOCKS)
-            nblk: T.let = (nvec + bv - 1) // bv
-            # pass 1: the block sums and the total, added in block order
-            acc[0] = T.float32(0)
-            for blk in range(nblk):
-                for l in T.vectorized(w):
-                    lanes[l] = T.float32(0)
-                for j in range(T.min(bv, nvec - blk * bv)):
-                    for l in T.vectorized(w):
-                        lanes[l] = lanes[l] + probs[r, (blk * bv + j) * w + l]
-                fold(lanes, 32)
-                fold(lanes, 16)
-                fold(lanes, 8)
-                fold(lanes, 4)
-                fold(lanes, 2)
-                fold(lanes, 1)
-                bsum[blk] = lanes[0]
-                acc[0] = acc[0] + lanes[0]
-            bsum[nblk] = T.float32(0)
-            for t in range(vocab % w):
-                bsum[nblk] = bsum[nblk] + probs[r, nvec * w + t]
-            acc[0] = acc[0] + bsum[nblk]
-            goal: T.let = uniform[r] * acc[0]
-            # the first block whose running sum passes the target (the same additions as the total)
-            acc[1] = T.float32(0)
-            pos[0] = -1
-            pos[2] = 0
-            while pos[0] < 0 and pos[2] <= nblk:
-                if acc[1] + bsum[pos[2]] > goal and bsum[pos[2]] > T.float32(0):
-                    pos[0] = pos[2]
-                else:
-                    acc[1] = acc[1] + bsum[pos[2]]
-                    pos[2] = pos[2] + 1
-            pos[1] = -1
-            if pos[0] >= 0:
-                # scan inside the block: the first positive value passing the target, else its last positive one
-                start: T.let = T.Select(pos[0] == nblk, nvec * w, pos[0] * bv * w)
-                end: T.let = T.Select(pos[0] == nblk, vocab, T.min(pos[0] * bv + bv, nvec) * w)
-                acc[0] = acc[1]
-                pos[2] = -1
-                for i in range(start, end):
-                    if probs[r, i] > T.float32(0):
-                        acc[0] = acc[0] + probs[r, i]
-                        if pos[1] < 0 and acc[0] > goal:
-                            pos[1] = i
-                        pos[2] = i
-                if pos[1] < 0:
-                    pos[1] = pos[2]
-            else:
-                # nothing passed the target: a row of zeros, or rounding (uniform >= 1): the last positive value,
-                # in the last block of positive sum
-                pos[2] = nblk
-                while pos[2] >= 0 and bsum[T.max(pos[2], 0)] <= T.float32(0):
-                    pos[2] = pos[2] - 1
-                if pos[2] >= 0:
-                    start: T.let = T.Select(pos[2] == nblk, nvec * w, pos[2] * bv * w)
-                    end: T.let = T.Select(pos[2] == nblk, vocab, T.min(pos[2] * bv + bv, nvec) * w)
-                    for i in range(start, end):
-                        if probs[r, i] > T.float32(0):
-                            pos[1] = i
+            pos = T.alloc_buffer((3,), "int32", scope="local")
+            sample_row(lambda i: probs[r, i], vocab, uniform[r], None, pos)
             token[r] = pos[1]
             chosen[r] = T.Select(pos[1] >= 0, probs[r, T.max(pos[1], 0)], T.float32(0))
     return multinomial_from_uniform
 
 
-def _gpu(threads: int) -> tirx.PrimFunc:
+def gpu_row_macro(threads: int) -> Callable[..., None]:
+    """The GPU row macro ``sample_row(value, vocab, u, tx, token, chosen, r)``: token[r], chosen[r] = the token
+    drawn from row values ``value(i)`` with uniform ``u`` and its value (-1, 0 for a row of zeros), one block per row."""
     log_threads = threads.bit_length() - 1
     assert threads == 1 << log_threads, "the scans and reductions need a power-of-two block size"
+    @T.macro
+    def sample_row(value, vocab, u, tx, token, chosen, r):
+        incl = T.alloc_buffer((threads,), "float32", scope="shared")  # inclusive scan of segment sums
+        s_hit = T.alloc_buffer((threads,), "int32", scope="shared")
+        s_last = T.alloc_buffer((threads,), "int32", scope="shared")
+        seg_sum = T.alloc_buffer((1,), "float32", scope="local")
+        part = T.alloc_buffer((1,), "float32", scope="local")
+        last = T.alloc_buffer((1,), "int32", scope="local")  # last positive value of the segment
+        pick = T.alloc_buffer((1,), "int32", scope="local")
+        hit = T.alloc_buffer((2,), "int32", scope="local")  # the segment holding the target, last positive
+        seg: T.let = (vocab + threads - 1) // threads
+        begin: T.let = T.min(tx * seg, vocab)
+        end: T.let = T.min(begin + seg, vocab)
+        seg_sum[0] = T.float32(0)
+        last[0] = -1
+        for i in range(end - begin):
+            if value(begin + i) > T.float32(0):
+                seg_sum[0] = seg_sum[0] + value(begin + i)
+                last[0] = begin + i
+        # inclusive scan (Hillis-Steele) of the segment sums
+        incl[tx] = seg_sum[0]
+        T.tvm_storage_sync("shared")
+        for h in T.unroll(log_threads):
+            part[0] = incl[tx]
+            if tx >= T.shift_left(1, h):
+                part[0] = part[0] + incl[tx - T.shift_left(1, h)]
+            T.tvm_storage_sync("shared")
+            incl[tx] = part[0]
+            T.tvm_storage_sync("shared")
+        goal: T.let = u * incl[threads - 1]
+        below: T.let = T.Select(tx > 0, incl[T.max(tx - 1, 0)], T.float32(0))
+        # the segment holding the target: the lowest one whose scan interval contains it
+        s_hit[tx] = T.Select(seg_sum[0] > T.float32(0) and below <= goal and goal < incl[tx], tx,
+                             threads)
+        s_last[tx] = last[0]
+        T.tvm_storage_sync("shared")
+        for h in T.unroll(log_threads):
+            if tx < T.shift_right(threads, h + 1):
+                s_hit[tx] = T.min(s_hit[tx], s_hit[tx + T.shift_right(threads, h + 1)])
+                s_last[tx] = T.max(s_last[tx], s_last[tx + T.shift_right(threads, h + 1)])
+            T.tvm_storage_sync("shared")
+        hit[0] = s_hit[0]  # conditions may not read shared memory (TVM's storage-access check)
+        hit[1] = s_last[0]
+        if tx == hit[0]:
+            # scan inside the segment: the first positive value passing the target, else its last one
+            part[0] = below
+            pick[0] = -1
+            for i in range(end - begin):
+                if value(begin + i) > T.float32(0):
+                    part[0] = part[0] + value(begin + i)
+                    if pick[0] < 0 and part[0] > goal:
+                        pick[0] = begin + i
+            if pick[0] < 0:
+                pick[0] = last[0]
+            token[r] = pick[0]
+            chosen[r] = value(pick[0])
+        elif tx == 0 and hit[0] == threads:
+            # nothing holds the target: a row of zeros (-1), or rounding: the last positive value
+            token[r] = hit[1]
+            chosen[r] = T.Select(hit[1] >= 0, value(T.max(hit[1], 0)), T.float32(0))
+
+    return sample_row
+
+
+def _gpu(threads: int) -> tirx.PrimFunc:
+    sample_row = gpu_row_macro(threads)
 
     @T.prim_func
     def multinomial_from_uniform(var_probs: T.handle, var_uniform: T.handle, var_token: T.handle,
@@ -149,64 +240,7 @@ def _gpu(threads: int) -> tirx.PrimFunc:
         chosen = T.match_buffer(var_chosen, (batch,), "float32")
         for r in T.thread_binding(batch, thread="blockIdx.x"):
             for tx in T.thread_binding(threads, thread="threadIdx.x"):
-                incl = T.alloc_buffer((threads,), "float32", scope="shared")  # inclusive scan of segment sums
-                s_hit = T.alloc_buffer((threads,), "int32", scope="shared")
-                s_last = T.alloc_buffer((threads,), "int32", scope="shared")
-                seg_sum = T.alloc_buffer((1,), "float32", scope="local")
-                part = T.alloc_buffer((1,), "float32", scope="local")
-                last = T.alloc_buffer((1,), "int32", scope="local")  # last positive value of the segment
-                pick = T.alloc_buffer((1,), "int32", scope="local")
-                hit = T.alloc_buffer((2,), "int32", scope="local")  # the segment holding the target, last positive
-                seg: T.let = (vocab + threads - 1) // threads
-                begin: T.let = T.min(tx * seg, vocab)
-                end: T.let = T.min(begin + seg, vocab)
-                seg_sum[0] = T.float32(0)
-                last[0] = -1
-                for i in range(end - begin):
-                    if probs[r, begin + i] > T.float32(0):
-                        seg_sum[0] = seg_sum[0] + probs[r, begin + i]
-                        last[0] = begin + i
-                # inclusive scan (Hillis-Steele) of the segment sums
-                incl[tx] = seg_sum[0]
-                T.tvm_storage_sync("shared")
-                for h in T.unroll(log_threads):
-                    part[0] = incl[tx]
-                    if tx >= T.shift_left(1, h):
-                        part[0] = part[0] + incl[tx - T.shift_left(1, h)]
-                    T.tvm_storage_sync("shared")
-                    incl[tx] = part[0]
-                    T.tvm_storage_sync("shared")
-                goal: T.let = uniform[r] * incl[threads - 1]
-                below: T.let = T.Select(tx > 0, incl[T.max(tx - 1, 0)], T.float32(0))
-                # the segment holding the target: the lowest one whose scan interval contains it
-                s_hit[tx] = T.Select(seg_sum[0] > T.float32(0) and below <= goal and goal < incl[tx], tx,
-                                     threads)
-                s_last[tx] = last[0]
-                T.tvm_storage_sync("shared")
-                for h in T.unroll(log_threads):
-                    if tx < T.shift_right(threads, h + 1):
-                        s_hit[tx] = T.min(s_hit[tx], s_hit[tx + T.shift_right(threads, h + 1)])
-                        s_last[tx] = T.max(s_last[tx], s_last[tx + T.shift_right(threads, h + 1)])
-                    T.tvm_storage_sync("shared")
-                hit[0] = s_hit[0]  # conditions may not read shared memory (TVM's storage-access check)
-                hit[1] = s_last[0]
-                if tx == hit[0]:
-                    # scan inside the segment: the first positive value passing the target, else its last one
-                    part[0] = below
-                    pick[0] = -1
-                    for i in range(end - begin):
-                        if probs[r, begin + i] > T.float32(0):
-                            part[0] = part[0] + probs[r, begin + i]
-                            if pick[0] < 0 and part[0] > goal:
-                                pick[0] = begin + i
-                    if pick[0] < 0:
-                        pick[0] = last[0]
-                    token[r] = pick[0]
-                    chosen[r] = probs[r, pick[0]]
-                elif tx == 0 and hit[0] == threads:
-                    # nothing holds the target: a row of zeros (-1), or rounding: the last positive value
-                    token[r] = hit[1]
-                    chosen[r] = T.Select(hit[1] >= 0, probs[r, T.max(hit[1], 0)], T.float32(0))
+                sample_row(lambda i: probs[r, i], vocab, uniform[r], tx, token, chosen, r)
     return multinomial_from_uniform
 
 

@@ -199,3 +199,13 @@ def log_softmax_gather(logits: np.ndarray, target_ids: np.ndarray) -> tuple[np.n
     picked = x[np.arange(x.shape[0]), target_ids]
     logprob = np.where(finite[:, 0], picked - lse, -np.inf)
     return logprob.astype(np.float32), lse.astype(np.float32)
+
+
+def sample_from_logits(logits: np.ndarray, temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
+                       min_p: np.ndarray, renorm: np.ndarray, uniform: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The staged pipeline on each row: temperature softmax, then (where ``renorm[r]``) min-p / top-k / top-p and
+    rescaling, then the multinomial draw with ``uniform[r]``. Returns (token ids, the chosen token's probability);
+    a row with every logit -inf gives -1, 0."""
+    probs = softmax_with_temperature(logits, temperature)
+    filtered = renormalize(probs, top_k, top_p, min_p)
+    return multinomial_from_uniform(np.where(np.asarray(renorm)[:, None] != 0, filtered, probs), uniform)

@@ -52,6 +52,8 @@ flushes: rows whose whole mass is subnormal are not supported there).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import tvm
 from tvm import tirx
 from tvm.script import tirx as T
@@ -68,6 +70,8 @@ _CPU_WIDTH = 4 * CPU_LANES
 #: remember each block's largest value: a pass skips every block whose maximum is below its threshold. Blocks also
 #: bound float32 sums: each block is summed on its own, then added to the row's partial sums.
 _MAX_BLOCKS = 1024
+#: Size of the block-maxima scratch (``bmax``) that the CPU row macros take.
+CPU_MAX_BLOCKS = _MAX_BLOCKS
 _MIN_BLOCK_STEPS = 4
 
 
@@ -96,8 +100,16 @@ def _top_p_guess(lo: tirx.PrimExpr, hi: tirx.PrimExpr, f_lo: tirx.PrimExpr, f_hi
     guess = _bits(T.Cast("float32", (u * u) * (u * u)))
     return T.Select(tirx.all(f_lo >= T.float64(0), f_hi < T.float64(0), hi < T.int32(0x7F800000)), guess, half)
 
+def cpu_block_steps(nvec: tirx.PrimExpr) -> tirx.PrimExpr:
+    """Steps of _CPU_WIDTH values per block of the CPU passes, for a row of ``nvec`` whole steps: block b holds the
+    values of steps b * cpu_block_steps(nvec) onwards, and its largest bits are bmax[b] after ``threshold``."""
+    return T.max(_MIN_BLOCK_STEPS, (nvec + _MAX_BLOCKS - 1) // _MAX_BLOCKS)
 
-def _cpu() -> tirx.PrimFunc:
+
+def cpu_row_macros() -> tuple[Callable[..., None], Callable[..., None]]:
+    """The CPU row macros: ``threshold`` (every filter of one row, the kept set as bits >= st[0] and its sum in
+    ms[0]) and ``scale`` (the last pass). Both read the row through ``value(i)``, so that the fused sampler runs
+    them on its own row of probabilities."""
     w = _CPU_WIDTH
     int_max, int_min = T.int32(_INT_MAX), T.int32(_INT_MIN)
 
@@ -118,7 +130,7 @@ def _cpu() -> tirx.PrimFunc:
             mx[l] = int_min
 
     @T.macro
-    def scan(probs, r, vocab, nvec, bv, nblk, bmax, mid, by_sum, cnt, ssum, inner, mn, mx):
+    def scan(value, vocab, nvec, bv, nblk, bmax, mid, by_sum, cnt, ssum, inner, mn, mx):
         # One pass over row r, skipping the blocks whose maximum is below mid. With by_sum (a Python bool) ssum[0] =
         # the sum of the values with bits >= mid, otherwise cnt[0] = their count; mn[0] = their smallest bits;
         # mx[0] = the largest bits below mid (int_min where none).
@@ -132,7 +144,7 @@ def _cpu() -> tirx.PrimFunc:
                     inner[l] = T.float32(0)
                 for j in range(T.min(bv, nvec - blk * bv)):
                     for l in T.vectorized(w):
-                        x: T.let = probs[r, (blk * bv + j) * w + l]
+                        x: T.let = value((blk * bv + j) * w + l)
                         b: T.let = _bits(x)
                         if by_sum:
                             inner[l] = T.Select(b > below, inner[l] + x, inner[l])
@@ -147,7 +159,7 @@ def _cpu() -> tirx.PrimFunc:
                 for l in T.vectorized(w):  # whole vectors, so that LLVM can keep mx in registers
                     mx[l] = T.max(mx[l], bmax[blk])
         for t in range(vocab % w):
-            x: T.let = probs[r, nvec * w + t]
+            x: T.let = value(nvec * w + t)
             b: T.let = _bits(x)
             cnt[0] = T.Select(b >= mid, cnt[0] + 1, cnt[0])
             ssum[0] = T.Select(b >= mid, ssum[0] + x, ssum[0])
@@ -170,6 +182,159 @@ def _cpu() -> tirx.PrimFunc:
                 mx[l] = T.Select(b < mid, T.max(mx[l], b), mx[l])
         reduce_lanes(cnt, ssum, mn, mx)
 
+    @T.macro
+    def threshold(value, vocab, k, top_p_r, min_p_r, bmax, st, ms):
+        # The kept set of one row: bits >= st[0]; ms[0] = the sum of the kept values (st[0] = INT_MAX and ms[0] = 1
+        # for a row of zeros). k, top_p_r, min_p_r: the row's filters. bmax: int32 scratch of _MAX_BLOCKS, left
+        # holding the largest bits of each block (padded with INT_MIN).
+        # st: int32 (7,). 0: kept = bits >= st[0]; 1, 2: bisection interval [st[1], st[2]); 3: max bits; 4: ms[0] is
+        # the kept sum; 5: top-p first guess; 5, 6: bisection over the block maxima.
+        # ms: float32 (2,). 0: sum of the kept values; 1: sum of the values >= st[1] in top-p bisection.
+        # Scratch of under 1 KB in "global" scope: TVM puts it on the stack, where LLVM keeps it in registers across
+        # loops ("local" buffers of a parallel loop come from the workspace pool and stay in memory).
+        cnt = T.alloc_buffer((w,), "int32", scope="global")
+        ssum = T.alloc_buffer((w,), "float32", scope="global")
+        inner = T.alloc_buffer((w,), "float32", scope="global")
+        mn = T.alloc_buffer((w,), "int32", scope="global")
+        mx = T.alloc_buffer((w,), "int32", scope="global")
+        bl = T.alloc_buffer((w,), "int32", scope="global")  # per-lane largest bits of the current block
+        # top-p search: 0, 1: G(st[1]) - goal, G(st[2]) - goal; 2: the widest interval allowed after the step
+        gf = T.alloc_buffer((3,), "float64", scope="global")
+        nvec: T.let = vocab // w
+        bv: T.let = cpu_block_steps(nvec)
+        nblk: T.let = (nvec + bv - 1) // bv
+        # pass 1: count, sum and maximum of the positive values; block maxima
+        init_lanes(cnt, ssum, mn, mx)
+        for blk in range(nblk):
+            for l in T.vectorized(w):
+                inner[l] = T.float32(0)
+                bl[l] = int_min
+            for j in range(T.min(bv, nvec - blk * bv)):
+                for l in T.vectorized(w):
+                    x: T.let = value((blk * bv + j) * w + l)
+                    inner[l] = T.Select(_bits(x) >= 1, inner[l] + x, inner[l])
+                    cnt[l] = T.Select(_bits(x) >= 1, cnt[l] + 1, cnt[l])
+                    bl[l] = T.max(bl[l], _bits(x))
+            for l in T.vectorized(w):
+                ssum[l] = ssum[l] + inner[l]
+                mx[l] = T.max(mx[l], bl[l])
+            bmax[blk] = int_min
+            for l in range(w):
+                bmax[blk] = T.max(bmax[blk], bl[l])
+        for i in range(nblk, (nblk + w - 1) // w * w):
+            bmax[i] = int_min
+        for t in range(vocab % w):
+            x: T.let = value(nvec * w + t)
+            ssum[0] = T.Select(_bits(x) >= 1, ssum[0] + x, ssum[0])
+            cnt[0] = T.Select(_bits(x) >= 1, cnt[0] + 1, cnt[0])
+            mx[0] = T.max(mx[0], _bits(x))
+        reduce_lanes(cnt, ssum, mn, mx)
+        st[0] = 1
+        st[3] = mx[0]
+        st[4] = 1
+        ms[0] = ssum[0]
+        if st[3] >= 1:
+            # min-p: the threshold is the float32 product, as in the reference
+            if min_p_r > T.float32(0):
+                st[0] = T.max(1, _bits(min_p_r * T.reinterpret("float32", st[3])))
+                st[4] = 0
+            # top-k: the largest t with count(bits >= t) >= k (a data value; ties at it are kept). The k-th
+            # largest block maximum is a lower bound (k blocks hold a value >= it): find it first.
+            k_on: T.let = k > 0 and k < vocab and (st[4] == 0 or cnt[0] > k)
+            st[1] = st[0]
+            st[2] = st[1] + 1
+            if k_on:
+                st[2] = st[3] + 1
+            while st[2] - st[1] > 1:
+                mid: T.let = st[1] + (st[2] - st[1]) // 2
+                scan_blocks(nblk, bmax, mid, False, cnt, ssum, mn, mx)
+                if cnt[0] >= k:
+                    st[1] = mn[0]
+                else:
+                    st[2] = T.max(mx[0] + 1, st[1] + 1)
+            if k_on:
+                st[2] = st[3] + 1
+            while st[2] - st[1] > 1:
+                mid: T.let = st[1] + (st[2] - st[1]) // 2
+                scan(value, vocab, nvec, bv, nblk, bmax, mid, False, cnt, ssum, inner, mn, mx)
+                if cnt[0] >= k:
+                    st[1] = mn[0]
+                else:
+                    st[2] = T.max(mx[0] + 1, st[1] + 1)
+            if st[1] > st[0]:
+                st[0] = st[1]
+                st[4] = 0
+            # top-p: the largest t with sum(kept values with bits >= t) >= top_p * (kept sum)
+            st[1] = st[0]
+            st[2] = st[3] + 1
+            if top_p_r >= T.float32(1):
+                st[2] = st[1] + 1
+            elif st[4] == 0:
+                scan(value, vocab, nvec, bv, nblk, bmax, st[0], True, cnt, ssum, inner, mn, mx)
+                ms[0] = ssum[0]
+                st[4] = 1
+            goal: T.let = top_p_r * ms[0]
+            # first guess: the largest block maximum t with sum(block maxima >= t) >= goal (a lower bound of
+            # G(t), so t is usually just below the threshold); found by bisection over the block maxima
+            st[5] = st[1]
+            st[6] = st[2]
+            while st[6] - st[5] > 1:
+                mid: T.let = st[5] + (st[6] - st[5]) // 2
+                scan_blocks(nblk, bmax, mid, True, cnt, ssum, mn, mx)
+                if ssum[0] >= goal:
+                    st[5] = mn[0]
+                else:
+                    st[6] = T.max(mx[0] + 1, st[5] + 1)
+            # each step evaluates G at one point of (lo, hi) with one pass, as bisection does, but the point is
+            # the first guess, then interpolated (_top_p_guess), and kept within the ITP reach of the midpoint
+            gf[0] = T.Cast("float64", ms[0]) - T.Cast("float64", goal)  # G(lo) - goal >= 0
+            gf[1] = -T.Cast("float64", goal)  # G(max + 1) - goal < 0
+            gf[2] = T.float64(_ITP_BUDGET)
+            while st[2] - st[1] > 1:
+                half: T.let = st[1] + (st[2] - st[1]) // 2
+                guess: T.let = T.Select(st[5] > st[1] and st[5] < st[2], st[5],
+                                        _top_p_guess(st[1], st[2], gf[0], gf[1], half))
+                reach: T.let = T.Cast("int32", T.min(T.max((gf[2] - T.Cast("float64", st[2] - st[1])) * 0.5,
+                                                           T.float64(0)), T.float64(_INT_MAX // 2)))
+                mid: T.let = half + T.max(T.min(T.max(T.min(guess, st[2] - 1), st[1] + 1) - half, reach), -reach)
+                st[5] = int_min
+                gf[2] = gf[2] * 0.5
+                scan(value, vocab, nvec, bv, nblk, bmax, mid, True, cnt, ssum, inner, mn, mx)
+                if ssum[0] >= goal:
+                    st[1] = mn[0]
+                    ms[1] = ssum[0]
+                    gf[0] = T.Cast("float64", ssum[0]) - T.Cast("float64", goal)
+                else:
+                    st[2] = T.max(mx[0] + 1, st[1] + 1)
+                    gf[1] = T.Cast("float64", ssum[0]) - T.Cast("float64", goal)
+            if st[1] > st[0]:
+                st[0] = st[1]
+                ms[0] = ms[1]
+            if st[4] == 0:
+                scan(value, vocab, nvec, bv, nblk, bmax, st[0], True, cnt, ssum, inner, mn, mx)
+                ms[0] = ssum[0]
+        else:
+            st[0] = int_max
+            ms[0] = T.float32(1)
+
+    @T.macro
+    def scale(value, vocab, lo, mass, out, r):
+        # out[r, i] = value(i) / mass where its bits are >= lo, else 0
+        nvec: T.let = vocab // w
+        for j in range(nvec):
+            for l in T.vectorized(w):
+                x: T.let = value(j * w + l)
+                out[r, j * w + l] = T.Select(_bits(x) >= lo, x / mass, T.float32(0))
+        for t in range(vocab % w):
+            x: T.let = value(nvec * w + t)
+            out[r, nvec * w + t] = T.Select(_bits(x) >= lo, x / mass, T.float32(0))
+
+    return threshold, scale
+
+
+def _cpu() -> tirx.PrimFunc:
+    threshold, scale = cpu_row_macros()
+
     @T.prim_func
     def renormalize_probs(var_probs: T.handle, var_top_k: T.handle, var_top_p: T.handle, var_min_p: T.handle,
                           var_out: T.handle):
@@ -181,153 +346,16 @@ def _cpu() -> tirx.PrimFunc:
         min_p = T.match_buffer(var_min_p, (batch,), "float32")
         out = T.match_buffer(var_out, (batch, vocab), "float32")
         for r in T.parallel(batch):
-            # Scratch of under 1 KB in "global" scope: TVM puts it on the stack, where LLVM keeps it in registers
-            # across loops ("local" buffers of a parallel loop come from the workspace pool and stay in memory).
-            cnt = T.alloc_buffer((w,), "int32", scope="global")
-            ssum = T.alloc_buffer((w,), "float32", scope="global")
-            inner = T.alloc_buffer((w,), "float32", scope="global")
-            mn = T.alloc_buffer((w,), "int32", scope="global")
-            mx = T.alloc_buffer((w,), "int32", scope="global")
-            bmax = T.alloc_buffer((_MAX_BLOCKS,), "int32", scope="local")  # largest bits of each block
-            bl = T.alloc_buffer((w,), "int32", scope="global")  # per-lane largest bits of the current block
-            # 0: kept = bits >= st[0]; 1, 2: bisection interval [st[1], st[2]); 3: max bits; 4: ms[0] is the kept sum
-            # 5: top-p first guess; 5, 6: bisection over the block maxima
+            bmax = T.alloc_buffer((_MAX_BLOCKS,), "int32", scope="local")
             st = T.alloc_buffer((7,), "int32", scope="global")
-            # top-p search: 0, 1: G(st[1]) - goal, G(st[2]) - goal; 2: the widest interval allowed after the step
-            gf = T.alloc_buffer((3,), "float64", scope="global")
-            # 0: sum of the kept values; 1: sum of the values >= st[1] in top-p bisection
             ms = T.alloc_buffer((2,), "float32", scope="global")
-            nvec: T.let = vocab // w
-            bv: T.let = T.max(_MIN_BLOCK_STEPS, (nvec + _MAX_BLOCKS - 1) // _MAX_BLOCKS)
-            nblk: T.let = (nvec + bv - 1) // bv
-            # pass 1: count, sum and maximum of the positive values; block maxima
-            init_lanes(cnt, ssum, mn, mx)
-            for blk in range(nblk):
-                for l in T.vectorized(w):
-                    inner[l] = T.float32(0)
-                    bl[l] = int_min
-                for j in range(T.min(bv, nvec - blk * bv)):
-                    for l in T.vectorized(w):
-                        x: T.let = probs[r, (blk * bv + j) * w + l]
-                        inner[l] = T.Select(_bits(x) >= 1, inner[l] + x, inner[l])
-                        cnt[l] = T.Select(_bits(x) >= 1, cnt[l] + 1, cnt[l])
-                        bl[l] = T.max(bl[l], _bits(x))
-                for l in T.vectorized(w):
-                    ssum[l] = ssum[l] + inner[l]
-                    mx[l] = T.max(mx[l], bl[l])
-                bmax[blk] = int_min
-                for l in range(w):
-                    bmax[blk] = T.max(bmax[blk], bl[l])
-            for i in range(nblk, (nblk + w - 1) // w * w):
-                bmax[i] = int_min
-            for t in range(vocab % w):
-                x: T.let = probs[r, nvec * w + t]
-                ssum[0] = T.Select(_bits(x) >= 1, ssum[0] + x, ssum[0])
-                cnt[0] = T.Select(_bits(x) >= 1, cnt[0] + 1, cnt[0])
-                mx[0] = T.max(mx[0], _bits(x))
-            reduce_lanes(cnt, ssum, mn, mx)
-            st[0] = 1
-            st[3] = mx[0]
-            st[4] = 1
-            ms[0] = ssum[0]
-            if st[3] >= 1:
-                # min-p: the threshold is the float32 product, as in the reference
-                if min_p[r] > T.float32(0):
-                    st[0] = T.max(1, _bits(min_p[r] * T.reinterpret("float32", st[3])))
-                    st[4] = 0
-                # top-k: the largest t with count(bits >= t) >= k (a data value; ties at it are kept). The k-th
-                # largest block maximum is a lower bound (k blocks hold a value >= it): find it first.
-                k_on: T.let = top_k[r] > 0 and top_k[r] < vocab and (st[4] == 0 or cnt[0] > top_k[r])
-                st[1] = st[0]
-                st[2] = st[1] + 1
-                if k_on:
-                    st[2] = st[3] + 1
-                while st[2] - st[1] > 1:
-                    mid: T.let = st[1] + (st[2] - st[1]) // 2
-                    scan_blocks(nblk, bmax, mid, False, cnt, ssum, mn, mx)
-                    if cnt[0] >= top_k[r]:
-                        st[1] = mn[0]
-                    else:
-                        st[2] = T.max(mx[0] + 1, st[1] + 1)
-                if k_on:
-                    st[2] = st[3] + 1
-                while st[2] - st[1] > 1:
-                    mid: T.let = st[1] + (st[2] - st[1]) // 2
-                    scan(probs, r, vocab, nvec, bv, nblk, bmax, mid, False, cnt, ssum, inner, mn, mx)
-                    if cnt[0] >= top_k[r]:
-                        st[1] = mn[0]
-                    else:
-                        st[2] = T.max(mx[0] + 1, st[1] + 1)
-                if st[1] > st[0]:
-                    st[0] = st[1]
-                    st[4] = 0
-                # top-p: the largest t with sum(kept values with bits >= t) >= top_p * (kept sum)
-                st[1] = st[0]
-                st[2] = st[3] + 1
-                if top_p[r] >= T.float32(1):
-                    st[2] = st[1] + 1
-                elif st[4] == 0:
-                    scan(probs, r, vocab, nvec, bv, nblk, bmax, st[0], True, cnt, ssum, inner, mn, mx)
-                    ms[0] = ssum[0]
-                    st[4] = 1
-                goal: T.let = top_p[r] * ms[0]
-                # first guess: the largest block maximum t with sum(block maxima >= t) >= goal (a lower bound of
-                # G(t), so t is usually just below the threshold); found by bisection over the block maxima
-                st[5] = st[1]
-                st[6] = st[2]
-                while st[6] - st[5] > 1:
-                    mid: T.let = st[5] + (st[6] - st[5]) // 2
-                    scan_blocks(nblk, bmax, mid, True, cnt, ssum, mn, mx)
-                    if ssum[0] >= goal:
-                        st[5] = mn[0]
-                    else:
-                        st[6] = T.max(mx[0] + 1, st[5] + 1)
-                # each step evaluates G at one point of (lo, hi) with one pass, as bisection does, but the point is
-                # the first guess, then interpolated (_top_p_guess), and kept within the ITP reach of the midpoint
-                gf[0] = T.Cast("float64", ms[0]) - T.Cast("float64", goal)  # G(lo) - goal >= 0
-                gf[1] = -T.Cast("float64", goal)  # G(max + 1) - goal < 0
-                gf[2] = T.float64(_ITP_BUDGET)
-                while st[2] - st[1] > 1:
-                    half: T.let = st[1] + (st[2] - st[1]) // 2
-                    guess: T.let = T.Select(st[5] > st[1] and st[5] < st[2], st[5],
-                                            _top_p_guess(st[1], st[2], gf[0], gf[1], half))
-                    reach: T.let = T.Cast("int32", T.min(T.max((gf[2] - T.Cast("float64", st[2] - st[1])) * 0.5,
-                                                               T.float64(0)), T.float64(_INT_MAX // 2)))
-                    mid: T.let = half + T.max(T.min(T.max(T.min(guess, st[2] - 1), st[1] + 1) - half, reach), -reach)
-                    st[5] = int_min
-                    gf[2] = gf[2] * 0.5
-                    scan(probs, r, vocab, nvec, bv, nblk, bmax, mid, True, cnt, ssum, inner, mn, mx)
-                    if ssum[0] >= goal:
-                        st[1] = mn[0]
-                        ms[1] = ssum[0]
-                        gf[0] = T.Cast("float64", ssum[0]) - T.Cast("float64", goal)
-                    else:
-                        st[2] = T.max(mx[0] + 1, st[1] + 1)
-                        gf[1] = T.Cast("float64", ssum[0]) - T.Cast("float64", goal)
-                if st[1] > st[0]:
-                    st[0] = st[1]
-                    ms[0] = ms[1]
-                if st[4] == 0:
-                    scan(probs, r, vocab, nvec, bv, nblk, bmax, st[0], True, cnt, ssum, inner, mn, mx)
-                    ms[0] = ssum[0]
-            else:
-                st[0] = int_max
-                ms[0] = T.float32(1)
-            # last pass: scale the kept values, zero the others
-            lo: T.let = st[0]
-            mass: T.let = ms[0]
-            for j in range(nvec):
-                for l in T.vectorized(w):
-                    x: T.let = probs[r, j * w + l]
-                    out[r, j * w + l] = T.Select(_bits(x) >= lo, x / mass, T.float32(0))
-            for t in range(vocab % w):
-                x: T.let = probs[r, nvec * w + t]
-                out[r, nvec * w + t] = T.Select(_bits(x) >= lo, x / mass, T.float32(0))
+            threshold(lambda i: probs[r, i], vocab, top_k[r], top_p[r], min_p[r], bmax, st, ms)
+            scale(lambda i: probs[r, i], vocab, st[0], ms[0], out, r)
     return renormalize_probs
 
 
-def _gpu(threads: int, uniform_loops: bool) -> tirx.PrimFunc:
-    """One block per row. ``uniform_loops`` (WGSL): bisections run a fixed 31 steps, idle once converged, so that
+def gpu_row_macros(threads: int, uniform_loops: bool) -> tuple[Callable[..., None], Callable[..., None]]:
+    """The GPU row macros ``threshold`` and ``scale`` (as ``cpu_row_macros``), for one block per row. ``uniform_loops`` (WGSL): bisections run a fixed 31 steps, idle once converged, so that
     every barrier sits in uniform control flow as WGSL's uniformity analysis demands (Tint enforces it); elsewhere
     they are while loops that stop as soon as the interval closes."""
     int_max, int_min = T.int32(_INT_MAX), T.int32(_INT_MIN)
@@ -357,7 +385,7 @@ def _gpu(threads: int, uniform_loops: bool) -> tirx.PrimFunc:
         T.tvm_storage_sync("shared")
 
     @T.macro
-    def scan(probs, r, vocab, tx, mid, max_all, live, acc_i, acc_f, acc_mn, acc_mx, s_i, s_f, s_mn, s_mx):
+    def scan(value, vocab, tx, mid, max_all, live, acc_i, acc_f, acc_mn, acc_mx, s_i, s_f, s_mn, s_mx):
         # Count, sum and smallest bits of the values with bits >= mid, and the largest bits below mid (of all values
         # with max_all, a Python bool). The row is read only where live; the reduction always runs.
         acc_i[0] = 0
@@ -366,7 +394,7 @@ def _gpu(threads: int, uniform_loops: bool) -> tirx.PrimFunc:
         acc_mx[0] = int_min
         for i in range(T.Select(live, (vocab + threads - 1) // threads, 0)):
             if i * threads + tx < vocab:
-                x: T.let = probs[r, i * threads + tx]
+                x: T.let = value(i * threads + tx)
                 b: T.let = _bits(x)
                 if b >= mid:
                     acc_i[0] = acc_i[0] + 1
@@ -377,10 +405,10 @@ def _gpu(threads: int, uniform_loops: bool) -> tirx.PrimFunc:
         block_reduce(tx, acc_i, acc_f, acc_mn, acc_mx, s_i, s_f, s_mn, s_mx)
 
     @T.macro
-    def step(probs, r, vocab, tx, by_sum, goal, live, st, ms, acc_i, acc_f, acc_mn, acc_mx, s_i, s_f, s_mn, s_mx):
+    def step(value, vocab, tx, by_sum, goal, live, st, ms, acc_i, acc_f, acc_mn, acc_mx, s_i, s_f, s_mn, s_mx):
         # One bisection step on [st[1], st[2]): f(mid) >= goal moves the low end up to the data value at or above
         # mid, otherwise the high end down past the data value below it. f = sum (by_sum) or count.
-        scan(probs, r, vocab, tx, st[1] + (st[2] - st[1]) // 2, False, live, acc_i, acc_f, acc_mn, acc_mx,
+        scan(value, vocab, tx, st[1] + (st[2] - st[1]) // 2, False, live, acc_i, acc_f, acc_mn, acc_mx,
              s_i, s_f, s_mn, s_mx)
         if live:
             if (by_sum and acc_f[0] >= goal) or (not by_sum and acc_i[0] >= goal):
@@ -390,16 +418,80 @@ def _gpu(threads: int, uniform_loops: bool) -> tirx.PrimFunc:
                 st[2] = T.max(acc_mx[0] + 1, st[1] + 1)
 
     @T.macro
-    def bisect(probs, r, vocab, tx, by_sum, goal, st, ms, acc_i, acc_f, acc_mn, acc_mx, s_i, s_f, s_mn, s_mx):
+    def bisect(value, vocab, tx, by_sum, goal, st, ms, acc_i, acc_f, acc_mn, acc_mx, s_i, s_f, s_mn, s_mx):
         if uniform_loops:
             for it in range(31):  # each step at least halves an interval narrower than 2**31
                 live: T.let = st[2] - st[1] > 1
-                step(probs, r, vocab, tx, by_sum, goal, live, st, ms, acc_i, acc_f, acc_mn, acc_mx,
+                step(value, vocab, tx, by_sum, goal, live, st, ms, acc_i, acc_f, acc_mn, acc_mx,
                      s_i, s_f, s_mn, s_mx)
         else:
             while st[2] - st[1] > 1:
-                step(probs, r, vocab, tx, by_sum, goal, True, st, ms, acc_i, acc_f, acc_mn, acc_mx,
+                step(value, vocab, tx, by_sum, goal, True, st, ms, acc_i, acc_f, acc_mn, acc_mx,
                      s_i, s_f, s_mn, s_mx)
+
+    @T.macro
+    def threshold(value, vocab, tx, k, top_p_r, min_p_r, st, ms):
+        # The kept set of one row (as the CPU macro): bits >= st[0], its sum in ms[0]; every thread of the block
+        # holds the same st (int32 (5,), local) and ms (float32 (2,), local).
+        s_i = T.alloc_buffer((threads,), "int32", scope="shared")
+        s_f = T.alloc_buffer((threads,), "float32", scope="shared")
+        s_mn = T.alloc_buffer((threads,), "int32", scope="shared")
+        s_mx = T.alloc_buffer((threads,), "int32", scope="shared")
+        acc_i = T.alloc_buffer((1,), "int32", scope="local")
+        acc_f = T.alloc_buffer((1,), "float32", scope="local")
+        acc_mn = T.alloc_buffer((1,), "int32", scope="local")
+        acc_mx = T.alloc_buffer((1,), "int32", scope="local")
+        # pass 1: count, sum and maximum of the positive values
+        scan(value, vocab, tx, 1, True, True, acc_i, acc_f, acc_mn, acc_mx, s_i, s_f, s_mn, s_mx)
+        st[3] = acc_mx[0]
+        st[0] = 1
+        st[4] = 1
+        ms[0] = acc_f[0]
+        if min_p_r > T.float32(0) and st[3] >= 1:
+            st[0] = T.max(1, _bits(min_p_r * T.reinterpret("float32", st[3])))
+            st[4] = 0
+        # top-k (a zero row has st[3] < 1: every bisection below is then empty)
+        st[1] = st[0]
+        st[2] = st[1] + 1
+        if k > 0 and k < vocab and (st[4] == 0 or acc_i[0] > k) and st[3] >= 1:
+            st[2] = st[3] + 1
+        bisect(value, vocab, tx, False, k, st, ms, acc_i, acc_f, acc_mn, acc_mx,
+               s_i, s_f, s_mn, s_mx)
+        if st[1] > st[0]:
+            st[0] = st[1]
+            st[4] = 0
+        # the kept sum, where a filter changed the kept set
+        mass_pass: T.let = st[4] == 0 and st[3] >= 1
+        scan(value, vocab, tx, st[0], False, mass_pass, acc_i, acc_f, acc_mn, acc_mx,
+             s_i, s_f, s_mn, s_mx)
+        if mass_pass:
+            ms[0] = acc_f[0]
+        # top-p
+        st[1] = st[0]
+        st[2] = st[1] + 1
+        if top_p_r < T.float32(1) and st[3] >= 1:
+            st[2] = st[3] + 1
+        bisect(value, vocab, tx, True, top_p_r * ms[0], st, ms, acc_i, acc_f, acc_mn, acc_mx,
+               s_i, s_f, s_mn, s_mx)
+        if st[1] > st[0]:
+            st[0] = st[1]
+            ms[0] = ms[1]
+        if st[3] < 1:
+            st[0] = int_max
+            ms[0] = T.float32(1)
+
+    @T.macro
+    def scale(value, vocab, tx, lo, mass, out, r):
+        for i in range((vocab + threads - 1) // threads):
+            if i * threads + tx < vocab:
+                x: T.let = value(i * threads + tx)
+                out[r, i * threads + tx] = T.Select(_bits(x) >= lo, x / mass, T.float32(0))
+
+    return threshold, scale
+
+
+def _gpu(threads: int, uniform_loops: bool) -> tirx.PrimFunc:
+    threshold, scale = gpu_row_macros(threads, uniform_loops)
 
     @T.prim_func
     def renormalize_probs(var_probs: T.handle, var_top_k: T.handle, var_top_p: T.handle, var_min_p: T.handle,
@@ -413,61 +505,11 @@ def _gpu(threads: int, uniform_loops: bool) -> tirx.PrimFunc:
         out = T.match_buffer(var_out, (batch, vocab), "float32")
         for r in T.thread_binding(batch, thread="blockIdx.x"):
             for tx in T.thread_binding(threads, thread="threadIdx.x"):
-                s_i = T.alloc_buffer((threads,), "int32", scope="shared")
-                s_f = T.alloc_buffer((threads,), "float32", scope="shared")
-                s_mn = T.alloc_buffer((threads,), "int32", scope="shared")
-                s_mx = T.alloc_buffer((threads,), "int32", scope="shared")
-                acc_i = T.alloc_buffer((1,), "int32", scope="local")
-                acc_f = T.alloc_buffer((1,), "float32", scope="local")
-                acc_mn = T.alloc_buffer((1,), "int32", scope="local")
-                acc_mx = T.alloc_buffer((1,), "int32", scope="local")
                 # the same state as the CPU kernel, held identically by every thread of the block
                 st = T.alloc_buffer((5,), "int32", scope="local")
                 ms = T.alloc_buffer((2,), "float32", scope="local")
-                # pass 1: count, sum and maximum of the positive values
-                scan(probs, r, vocab, tx, 1, True, True, acc_i, acc_f, acc_mn, acc_mx, s_i, s_f, s_mn, s_mx)
-                st[3] = acc_mx[0]
-                st[0] = 1
-                st[4] = 1
-                ms[0] = acc_f[0]
-                if min_p[r] > T.float32(0) and st[3] >= 1:
-                    st[0] = T.max(1, _bits(min_p[r] * T.reinterpret("float32", st[3])))
-                    st[4] = 0
-                # top-k (a zero row has st[3] < 1: every bisection below is then empty)
-                st[1] = st[0]
-                st[2] = st[1] + 1
-                if top_k[r] > 0 and top_k[r] < vocab and (st[4] == 0 or acc_i[0] > top_k[r]) and st[3] >= 1:
-                    st[2] = st[3] + 1
-                bisect(probs, r, vocab, tx, False, top_k[r], st, ms, acc_i, acc_f, acc_mn, acc_mx,
-                       s_i, s_f, s_mn, s_mx)
-                if st[1] > st[0]:
-                    st[0] = st[1]
-                    st[4] = 0
-                # the kept sum, where a filter changed the kept set
-                mass_pass: T.let = st[4] == 0 and st[3] >= 1
-                scan(probs, r, vocab, tx, st[0], False, mass_pass, acc_i, acc_f, acc_mn, acc_mx,
-                     s_i, s_f, s_mn, s_mx)
-                if mass_pass:
-                    ms[0] = acc_f[0]
-                # top-p
-                st[1] = st[0]
-                st[2] = st[1] + 1
-                if top_p[r] < T.float32(1) and st[3] >= 1:
-                    st[2] = st[3] + 1
-                bisect(probs, r, vocab, tx, True, top_p[r] * ms[0], st, ms, acc_i, acc_f, acc_mn, acc_mx,
-                       s_i, s_f, s_mn, s_mx)
-                if st[1] > st[0]:
-                    st[0] = st[1]
-                    ms[0] = ms[1]
-                if st[3] < 1:
-                    st[0] = int_max
-                    ms[0] = T.float32(1)
-                lo: T.let = st[0]
-                mass: T.let = ms[0]
-                for i in range((vocab + threads - 1) // threads):
-                    if i * threads + tx < vocab:
-                        x: T.let = probs[r, i * threads + tx]
-                        out[r, i * threads + tx] = T.Select(_bits(x) >= lo, x / mass, T.float32(0))
+                threshold(lambda i: probs[r, i], vocab, tx, top_k[r], top_p[r], min_p[r], st, ms)
+                scale(lambda i: probs[r, i], vocab, tx, st[0], ms[0], out, r)
     return renormalize_probs
 
 

@@ -61,7 +61,7 @@ def _one_hot(v: tirx.PrimExpr, hot: tirx.PrimExpr) -> tirx.PrimExpr:
     return T.Select(v == hot, T.float32(1), T.float32(0))
 
 
-def _inverse_sum(total: tirx.PrimExpr) -> tirx.PrimExpr:
+def inverse_sum(total: tirx.PrimExpr) -> tirx.PrimExpr:
     """1 / sum of the exps, or 0 for an empty sum (a row of only -inf), so that the scaled row is zeros, not NaN."""
     return T.Select(total > T.float32(0), T.float32(1) / total, T.float32(0))
 
@@ -81,7 +81,7 @@ def _scaled(buf: tirx.Buffer, r: tirx.PrimExpr, factor: tirx.PrimExpr) -> Callab
     return lambda v: buf[r, v] * factor
 
 
-def _probability(logits: tirx.Buffer, r: tirx.PrimExpr, greedy: tirx.PrimExpr, hot: tirx.PrimExpr,
+def probability(logits: tirx.Buffer, r: tirx.PrimExpr, greedy: tirx.PrimExpr, hot: tirx.PrimExpr,
                  shift: tirx.PrimExpr, scale: tirx.PrimExpr,
                  inv_sum: tirx.PrimExpr) -> Callable[[tirx.PrimExpr], tirx.PrimExpr]:
     """The whole formula in one pass (GPU): one-hot when greedy, else the exp recomputed and scaled by 1 / sum."""
@@ -114,7 +114,7 @@ def _cpu() -> tirx.PrimFunc:
                 shift: T.let = row_max[0]
                 scale: T.let = inverse_temperature(temperature[r])
                 cpu_row_sum_exp(logits, r, vocab, shift, scale, probs, lanes, block, row_sum)
-                inv_sum: T.let = _inverse_sum(row_sum[0])
+                inv_sum: T.let = inverse_sum(row_sum[0])
                 cpu_row_map(probs, r, vocab, _scaled(probs, r, inv_sum))
     return softmax_with_temperature
 
@@ -142,9 +142,9 @@ def _gpu(threads: int) -> tirx.PrimFunc:
                 # hot: the first max when greedy on a row with a finite max; vocab (no token) otherwise
                 gpu_first_index_of(logits, bx, vocab, row_max[0], greedy and row_max[0] != neg_inf(), tx, threads,
                                    index_part, hot)
-                inv_sum: T.let = _inverse_sum(row_sum[0])
+                inv_sum: T.let = inverse_sum(row_sum[0])
                 gpu_row_map(probs, bx, vocab, tx, threads,
-                            _probability(logits, bx, greedy, hot[0], shift, scale, inv_sum))
+                            probability(logits, bx, greedy, hot[0], shift, scale, inv_sum))
     return softmax_with_temperature
 
 

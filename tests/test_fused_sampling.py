@@ -1,0 +1,139 @@
+"""Sampler.sample_from_logits (the fused path) against the staged path: the same tokens and logprobs with the same
+seeds, on mixed batches with penalties, masks, drafts and greedy rows; the engine's processing step picks it unless a
+row asks for processed top-n logprobs."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+from logitproc import GenerationConfig, RequestState
+from logitproc.runtime.sampler import needs_probabilities
+from logitproc.serve.processing import process
+from logitproc.tir_kernels import reference as ref
+
+V = 1003  # not a multiple of 32
+
+
+class AllowedSet:
+    """A mask source allowing a fixed set of tokens."""
+
+    def __init__(self, allowed: Sequence[int]) -> None:
+        self.allowed = np.zeros(V, bool)
+        self.allowed[list(allowed)] = True
+
+    def fill_bitmask(self, row: np.ndarray, draft_path: Sequence[int]) -> bool:
+        row[:] = ref.pack_bitmask(self.allowed[None, :])[0, : row.size]
+        return True
+
+    def accept_token(self, token_id: int) -> None:
+        pass
+
+    def rollback(self, num_tokens: int) -> None:
+        pass
+
+    def jump_forward(self, output_token_ids: Sequence[int]) -> None:
+        return None
+
+
+CONFIGS = [
+    GenerationConfig(seed=1),
+    GenerationConfig(temperature=0.0),
+    GenerationConfig(temperature=0.7, top_p=0.9, top_k=50, min_p=0.05, presence_penalty=0.5, frequency_penalty=0.3,
+                     repetition_penalty=1.1, logit_bias={42: 5.0, 7: -100.0}, seed=2),
+    GenerationConfig(repetition_penalty=1.3, seed=3, logprobs=True),
+    GenerationConfig(temperature=1.5, top_k=3, seed=4, logprobs=True, logprobs_mode="raw", top_logprobs=4),
+    GenerationConfig(frequency_penalty=-1.0, presence_penalty=2.0, top_p=0.5, seed=5),
+    GenerationConfig(logit_bias={0: 100.0, 1002: -50.0}, min_p=0.2, seed=6),
+    GenerationConfig(temperature=1e-6, seed=7),
+    GenerationConfig(top_p=1e-6, seed=8),
+    GenerationConfig(top_k=1, seed=9),
+]
+#: Per config, the mask sources of its row: one row allows nothing, one a single token, one a few tokens.
+SOURCES: list[list[object]] = [[], [], [AllowedSet(range(0, V, 3))], [AllowedSet([])], [], [AllowedSet([77])], [],
+                               [AllowedSet([5, 6, 900])], [], []]
+
+
+def make_states(configs: Sequence[GenerationConfig], sources: Sequence[list[object]]) -> list[RequestState]:
+    states = []
+    for cfg, source in zip(configs, sources, strict=True):
+        state = RequestState([5, 6, 7, 5], cfg, mask_sources=source)
+        for t in (9, 9, 11):
+            state.append_token(t)
+        states.append(state)
+    return states
+
+
+def run_steps(proc, sampler, states: list[RequestState], fused: bool, steps: int, seed: int):
+    """``steps`` decoding steps; each step's tokens are appended (the penalties see them). Returns every result."""
+    results = []
+    for step in range(steps):
+        logits = (np.random.default_rng(seed + step).standard_normal((len(states), V)) * 3).astype(np.float32)
+        raw = logits.copy()
+        batch = proc.batch(states)
+        proc.inplace_update_logits(logits, batch)
+        if fused:
+            result = sampler.sample_from_logits(logits, batch, raw_logits=raw)
+        else:
+            result = sampler.sample(sampler.renormalize(proc.compute_probs_from_logits(logits, batch), batch), batch,
+                                    raw_logits=raw)
+        results.append(result)
+        for s, t in zip(states, result.token_ids, strict=True):
+            if t >= 0:
+                s.append_token(int(t))
+    return results
+
+
+@pytest.mark.parametrize("with_masks", [False, True])
+@pytest.mark.parametrize("rows", [slice(0, 10), slice(1, 2), slice(0, 1), slice(3, 5)])
+def test_same_tokens_and_logprobs_as_the_staged_path(proc, sampler, with_masks, rows) -> None:
+    """Mixed batches (greedy, tiny temperature, top_p 1e-6, top_k 1, penalties, bias, masked rows) over 6 steps."""
+    configs = CONFIGS[rows]
+    sources = SOURCES[rows] if with_masks else [[] for _ in configs]
+    staged = run_steps(proc, sampler, make_states(configs, sources), False, 6, 100)
+    fused = run_steps(proc, sampler, make_states(configs, sources), True, 6, 100)
+    for a, b in zip(staged, fused, strict=True):
+        np.testing.assert_array_equal(a.token_ids, b.token_ids)
+        np.testing.assert_array_equal(a.no_valid_token, b.no_valid_token)
+        np.testing.assert_array_equal(a.logprobs, b.logprobs)
+        assert a.top_logprobs == b.top_logprobs
+
+
+def test_masked_tokens_are_never_sampled_and_a_fully_masked_row_gets_no_token(proc, sampler) -> None:
+    allowed = [3, 500, 1002]
+    states = [RequestState([1], GenerationConfig(seed=s), mask_sources=[AllowedSet(allowed if s else [])])
+              for s in range(16)]
+    for step in range(5):
+        logits = (np.random.default_rng(step).standard_normal((16, V)) * 3).astype(np.float32)
+        batch = proc.inplace_update_logits(logits, states)
+        result = sampler.sample_from_logits(logits, batch)
+        assert result.token_ids[0] == -1 and result.finish_reason(0) == "no_valid_token"
+        assert set(result.token_ids[1:].tolist()) <= set(allowed)
+
+
+def test_processed_top_n_logprobs_need_the_staged_path(proc, sampler) -> None:
+    states = [RequestState([1], GenerationConfig(logprobs=True, top_logprobs=2)), RequestState([1], GenerationConfig())]
+    logits = (np.random.default_rng(0).standard_normal((2, V))).astype(np.float32)
+    batch = proc.inplace_update_logits(logits, states)
+    assert needs_probabilities(batch)
+    with pytest.raises(ValueError, match="processed top_logprobs"):
+        sampler.sample_from_logits(logits, batch)
+    assert not needs_probabilities(proc.batch([RequestState([1], GenerationConfig(logprobs=True))]))
+
+
+@pytest.mark.parametrize("top_logprobs", [0, 3])
+def test_the_engine_step_gives_the_staged_tokens_either_way(proc, sampler, top_logprobs) -> None:
+    """serve.processing.process: fused without processed top-n logprobs, staged with them; the same tokens."""
+    configs = [GenerationConfig(seed=1, top_p=0.8), GenerationConfig(temperature=0.0),
+               GenerationConfig(seed=2, logprobs=True, top_logprobs=top_logprobs)]
+    expected = run_steps(proc, sampler, [RequestState([1], c) for c in configs], False, 3, 7)
+    states = [RequestState([1], c) for c in configs]
+    for step in range(3):
+        logits = (np.random.default_rng(7 + step).standard_normal((3, V)) * 3).astype(np.float32)
+        result = process(proc, sampler, proc.batch(states), logits)
+        np.testing.assert_array_equal(result.token_ids, expected[step].token_ids)
+        np.testing.assert_array_equal(result.logprobs, expected[step].logprobs)
+        assert result.top_logprobs == expected[step].top_logprobs
+        for s, t in zip(states, result.token_ids, strict=True):
+            s.append_token(int(t))

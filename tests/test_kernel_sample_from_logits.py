@@ -1,0 +1,199 @@
+"""sample_from_logits: the fused kernel against the staged kernels (same uniforms, same tokens, bit for bit), against
+``reference.sample_from_logits`` (chi-square over many uniforms per config), and on edge rows.
+
+The staged path is ``softmax_with_temperature`` -> ``renormalize_probs`` (where ``renorm``) ->
+``multinomial_from_uniform``, each compiled for this CPU; the GPU variant runs on lavapipe (when wgpu and Mesa's CPU
+Vulkan driver are installed) against the staged kernels there.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from kernel_harness import run_cpu, vulkan_kernels_or_skip
+from logitproc.tir_kernels import multinomial, reference, renormalize, sample_from_logits, softmax
+from scipy import stats
+
+NAME = sample_from_logits.NAME
+ALMOST_ONE = np.nextafter(np.float32(1), np.float32(0))
+
+
+def row_params(batch: int, vocab: int, seed: int) -> dict[str, np.ndarray]:
+    """A mix of every kind of row: greedy, tiny temperatures, top-k 1 / k >= V, top-p 1e-6, min-p, filters off."""
+    rng = np.random.default_rng(seed)
+    temperature = np.resize(np.array([0.7, 0.0, 1.0, 1e-4, 1e-39, 2.0, 0.5, 1.3], np.float32), batch)
+    top_k = np.resize(np.array([0, 1, 50, vocab, vocab + 7, -1, 0, 3], np.int32), batch)
+    top_p = np.resize(np.array([0.9, 1.0, 1e-6, 0.5, 1.0, 0.95, 0.0, 1.0], np.float32), batch)
+    min_p = np.resize(np.array([0.0, 0.0, 0.05, 0.0, 0.2, 0.0, 0.0, 1.0], np.float32), batch)
+    uniform = rng.random(batch).astype(np.float32)
+    uniform[0] = 0.0
+    if batch > 1:
+        uniform[-1] = ALMOST_ONE
+    return {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p, "uniform": uniform}
+
+
+def edge_logits(batch: int, vocab: int, seed: int) -> np.ndarray:
+    """Gaussian logits; rows with every token masked, one allowed token, ties at the max, half masked, all equal."""
+    x = (np.random.default_rng(seed).standard_normal((batch, vocab)) * 3).astype(np.float32)
+    if batch >= 3:
+        x[2] = -np.inf
+    if batch >= 4:
+        x[3] = -np.inf
+        x[3, vocab // 2] = 1.5
+    if batch >= 5 and vocab >= 4:
+        x[4, [1, vocab - 1]] = x[4].max() + 1
+    if batch >= 6:
+        x[5, ::2] = -np.inf
+    if batch >= 7:
+        x[6] = 0.25
+    return x
+
+
+def fused_cpu(logits: np.ndarray, p: dict[str, np.ndarray], renorm: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    batch = logits.shape[0]
+    out = run_cpu(NAME, logits, p["temperature"], p["top_k"], p["top_p"], p["min_p"], renorm.astype(np.int32),
+                  p["uniform"], np.full(batch, -7, np.int32), np.full(batch, np.nan, np.float32))
+    np.testing.assert_array_equal(out[0], logits)  # the logits are not modified
+    return out[7], out[8]
+
+
+def staged_cpu(logits: np.ndarray, p: dict[str, np.ndarray], renorm: bool) -> tuple[np.ndarray, np.ndarray]:
+    batch, vocab = logits.shape
+    probs = run_cpu(softmax.NAME, logits, p["temperature"], np.full((batch, vocab), np.nan, np.float32))[2]
+    if renorm:
+        probs = run_cpu(renormalize.NAME, probs, p["top_k"], p["top_p"], p["min_p"],
+                        np.full((batch, vocab), np.nan, np.float32))[4]
+    out = run_cpu(multinomial.NAME, probs, p["uniform"], np.full(batch, -7, np.int32),
+                  np.full(batch, np.nan, np.float32))
+    return out[2], out[3]
+
+
+@pytest.mark.parametrize("renorm", [True, False])
+@pytest.mark.parametrize(("batch", "vocab"), [(1, 1), (8, 31), (8, 33), (99, 33), (16, 1003), (8, 128001),
+                                              (9, 128256), (3, 151936)])
+def test_same_tokens_as_the_staged_kernels(batch: int, vocab: int, renorm: bool) -> None:
+    """Bit-identical tokens and chosen probabilities, for every kind of row, with and without renormalisation."""
+    logits = edge_logits(batch, vocab, batch * 31 + vocab)
+    p = row_params(batch, vocab, vocab)
+    token, chosen = fused_cpu(logits, p, np.full(batch, int(renorm)))
+    ref_token, ref_chosen = staged_cpu(logits, p, renorm)
+    np.testing.assert_array_equal(token, ref_token)
+    np.testing.assert_array_equal(chosen, ref_chosen)
+
+
+def test_many_uniforms_give_the_staged_tokens() -> None:
+    """One row repeated with 2000 uniforms: every draw equals the staged kernels' draw."""
+    rng = np.random.default_rng(5)
+    vocab, batch = 1003, 2000
+    logits = np.repeat((rng.standard_normal((1, vocab)) * 2).astype(np.float32), batch, axis=0)
+    p = {"temperature": np.full(batch, 0.8, np.float32), "top_k": np.full(batch, 40, np.int32),
+         "top_p": np.full(batch, 0.9, np.float32), "min_p": np.full(batch, 0.01, np.float32),
+         "uniform": rng.random(batch).astype(np.float32)}
+    token, chosen = fused_cpu(logits, p, np.ones(batch))
+    ref_token, ref_chosen = staged_cpu(logits, p, True)
+    np.testing.assert_array_equal(token, ref_token)
+    np.testing.assert_array_equal(chosen, ref_chosen)
+
+
+def test_mixed_renorm_flags_follow_each_row() -> None:
+    """renorm is per row: each row equals the staged path with or without renormalize_probs."""
+    batch, vocab = 8, 1003
+    logits = edge_logits(batch, vocab, 3)
+    p = row_params(batch, vocab, 3)
+    renorm = np.array([1, 0, 1, 0, 0, 1, 1, 0])
+    token, chosen = fused_cpu(logits, p, renorm)
+    with_r, without_r = staged_cpu(logits, p, True), staged_cpu(logits, p, False)
+    for r in range(batch):
+        src = with_r if renorm[r] else without_r
+        assert (token[r], chosen[r]) == (src[0][r], src[1][r]), r
+
+
+def test_edge_rows() -> None:
+    """All masked: -1 and 0; one allowed token: that token; ties: the lowest id when greedy, and only tied tokens at
+    tiny temperatures; top_k 1 and top_p 1e-6: the argmax; k >= V: no filter."""
+    vocab = 1003
+    rng = np.random.default_rng(11)
+    base = (rng.standard_normal(vocab) * 2).astype(np.float32)
+    base[[17, 600]] = base.max() + 3  # a tie at the max
+    one = np.full(vocab, -np.inf, np.float32)
+    one[321] = -5.0
+    masked = np.full(vocab, -np.inf, np.float32)
+    #        (row, temperature, top_k, top_p, min_p, allowed tokens)
+    cases = [(masked, 0.7, 0, 1.0, 0.0, set()), (masked, 0.0, 0, 1.0, 0.0, set()),
+             (one, 0.7, 5, 0.5, 0.1, {321}), (one, 0.0, 0, 1.0, 0.0, {321}), (one, 1e-30, 0, 1.0, 0.0, {321}),
+             (base, 0.0, 0, 1.0, 0.0, {17}), (base, 1e-6, 0, 1.0, 0.0, {17, 600}),
+             (base, 1e-39, 0, 1.0, 0.0, {17, 600}), (base, 1.0, 1, 1.0, 0.0, {17, 600}),
+             (base, 1.0, 0, 1e-6, 0.0, {17, 600}), (base, 1.0, 0, 0.0, 0.0, {17, 600}),
+             (base, 1.0, 0, 1.0, 1.0, {17, 600})]
+    for u in (0.0, 0.5, float(ALMOST_ONE)):
+        batch = len(cases)
+        logits = np.stack([c[0] for c in cases])
+        p = {"temperature": np.array([c[1] for c in cases], np.float32),
+             "top_k": np.array([c[2] for c in cases], np.int32), "top_p": np.array([c[3] for c in cases], np.float32),
+             "min_p": np.array([c[4] for c in cases], np.float32), "uniform": np.full(batch, u, np.float32)}
+        token, chosen = fused_cpu(logits, p, np.ones(batch))
+        for r, case in enumerate(cases):
+            if not case[5]:
+                assert token[r] == -1 and chosen[r] == 0, (r, u)
+            else:
+                assert int(token[r]) in case[5], (r, u, token[r])
+                assert chosen[r] > 0
+    # k >= V is no filter: the same draw as top_k 0
+    logits = np.repeat(base[None, :], 64, axis=0)
+    uniform = np.random.default_rng(2).random(64).astype(np.float32)
+    draws = []
+    for k in (0, vocab, vocab + 100):
+        p = {"temperature": np.ones(64, np.float32), "top_k": np.full(64, k, np.int32),
+             "top_p": np.ones(64, np.float32), "min_p": np.zeros(64, np.float32), "uniform": uniform}
+        draws.append(fused_cpu(logits, p, np.ones(64))[0])
+    np.testing.assert_array_equal(draws[0], draws[1])
+    np.testing.assert_array_equal(draws[0], draws[2])
+
+
+CHI_CONFIGS = [  # (temperature, top_k, top_p, min_p)
+    (1.0, 0, 1.0, 0.0), (0.7, 0, 0.9, 0.0), (1.3, 20, 1.0, 0.0), (1.0, 0, 1.0, 0.05), (0.9, 30, 0.8, 0.02)]
+
+
+@pytest.mark.parametrize("config", CHI_CONFIGS, ids=[f"T{c[0]}-k{c[1]}-p{c[2]}-minp{c[3]}" for c in CHI_CONFIGS])
+def test_frequencies_follow_the_numpy_oracle(config: tuple[float, int, float, float]) -> None:
+    """Chi-square of 20000 draws (one uniform each, from many seeds) against the oracle's probabilities."""
+    temperature, top_k, top_p, min_p = config
+    vocab, draws = 61, 20000
+    rng = np.random.default_rng(int(temperature * 100) + top_k)
+    row = (rng.standard_normal((1, vocab)) * 1.5).astype(np.float32)
+    row[0, ::7] = -np.inf  # masked tokens
+    expected = reference.renormalize(reference.softmax_with_temperature(row, np.float32([temperature])),
+                                     np.int32([top_k]), np.float32([top_p]), np.float32([min_p]))[0]
+    uniform = np.concatenate([np.random.default_rng(seed).random(draws // 100).astype(np.float32)
+                              for seed in range(100)])
+    p = {"temperature": np.full(draws, temperature, np.float32), "top_k": np.full(draws, top_k, np.int32),
+         "top_p": np.full(draws, top_p, np.float32), "min_p": np.full(draws, min_p, np.float32), "uniform": uniform}
+    token, _ = fused_cpu(np.repeat(row, draws, axis=0), p, np.ones(draws))
+    counts = np.bincount(token, minlength=vocab)
+    assert counts[expected == 0].sum() == 0, "a token the oracle gives probability 0 was sampled"
+    kept = expected > 0
+    want = expected[kept].astype(np.float64)
+    result = stats.chisquare(counts[kept], want / want.sum() * counts.sum())
+    assert result.pvalue > 1e-4, (result, config)
+
+
+@pytest.mark.parametrize(("batch", "vocab"), [(1, 1), (8, 33), (16, 1003), (3, 128256)])
+def test_vulkan_matches_the_staged_vulkan_kernels(batch: int, vocab: int) -> None:
+    """On lavapipe: the GPU variant gives the staged GPU kernels' tokens with the same uniforms."""
+    kernels = vulkan_kernels_or_skip()
+    logits = edge_logits(batch, vocab, vocab + 1)
+    p = row_params(batch, vocab, batch)
+    for renorm in (0, 1):
+        token, chosen = np.full(batch, -7, np.int32), np.full(batch, np.nan, np.float32)
+        kernels[NAME](logits, p["temperature"], p["top_k"], p["top_p"], p["min_p"], np.full(batch, renorm, np.int32),
+                      p["uniform"], token, chosen)
+        probs = np.full((batch, vocab), np.nan, np.float32)
+        kernels[softmax.NAME](logits, p["temperature"], probs)
+        if renorm:
+            out = np.full((batch, vocab), np.nan, np.float32)
+            kernels[renormalize.NAME](probs, p["top_k"], p["top_p"], p["min_p"], out)
+            probs = out
+        ref_token, ref_chosen = np.full(batch, -7, np.int32), np.full(batch, np.nan, np.float32)
+        kernels[multinomial.NAME](probs, p["uniform"], ref_token, ref_chosen)
+        np.testing.assert_array_equal(token, ref_token)
+        np.testing.assert_array_equal(chosen, ref_chosen)

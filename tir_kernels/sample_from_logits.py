@@ -1,0 +1,189 @@
+# fmt: off
+"""sample_from_logits: the temperature softmax, min-p / top-k / top-p and sampling of each row fused in one kernel.
+
+Operation, with logits float32 ``[batch, vocab]``, temperature, top_p, min_p, uniform float32 ``[batch]``, top_k and
+renorm int32 ``[batch]``, token int32 ``[batch]`` and chosen_prob float32 ``[batch]`` (written); the numpy definition
+is ``reference.sample_from_logits``::
+
+    for r in range(batch):
+        p = softmax_with_temperature(logits[r], temperature[r])          # one-hot at temperature 0, zeros if masked
+        if renorm[r]:
+            p = renormalize_probs(p, top_k[r], top_p[r], min_p[r])
+        token[r], chosen_prob[r] = multinomial_from_uniform(p, uniform[r])  # -1, 0 for a row of zeros
+
+Every step is the staged kernel's own formula on the same float32 values in the same order (the shared macros of
+``_reductions``, ``renormalize`` and ``multinomial``), so that with the same uniforms it picks the same tokens as
+``softmax_with_temperature`` -> ``renormalize_probs`` (where ``renorm``) -> ``multinomial_from_uniform``, on the same
+device; ``renorm`` says where the staged path would renormalize (the sampler does for every row of a batch in which
+any row filters). Greedy rows (temperature 0) are the first index of the row maximum; no probability array is
+written anywhere.
+
+CPU: rows in parallel. Per row, one pass reads the logits from memory (the maximum); the exp pass (``fast_exp``) stores
+the row's exps in a per-thread scratch row (a workspace of ``vocab`` floats, reused row after row, so it stays in L2
+with the logits row), and every later pass reads that scratch: the probabilities are ``exp * (1 / sum)``, recomputed
+where read rather than stored; renormalize's threshold search runs on them as is, and the sampling pass reads only
+the steps of blocks whose maximum is kept (the others add exact zeros to the staged kernel's sums).
+GPU: one block per row; nothing is stored: each pass recomputes ``exp((x - max) * scale) * (1 / sum)`` from the
+logits (as the staged softmax's write pass does), then renormalize's and multinomial's block algorithms run on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import tvm
+from tvm import tirx
+from tvm.script import tirx as T
+
+from . import multinomial, renormalize
+from ._common import fast_exp, is_cpu, max_threads, neg_inf
+from ._reductions import (
+    CPU_WORD,
+    add,
+    cpu_first_index_of,
+    cpu_row_fold,
+    cpu_row_max,
+    gpu_first_index_of,
+    gpu_row_max,
+    gpu_row_sum_exp,
+    inverse_temperature,
+    safe_shift,
+    shifted_exp,
+)
+from .softmax import inverse_sum, probability
+
+NAME = "sample_from_logits"
+
+
+def _bits(x: tirx.PrimExpr) -> tirx.PrimExpr:
+    return T.reinterpret("int32", x)
+
+
+def _kept(x: tirx.PrimExpr, lo: tirx.PrimExpr, mass: tirx.PrimExpr) -> tirx.PrimExpr:
+    """The renormalized probability: renormalize's last pass, ``x / mass`` where kept (bits >= lo), else 0."""
+    return T.Select(_bits(x) >= lo, x / mass, T.float32(0))
+
+
+def _sampled(prob: Callable[[tirx.PrimExpr], tirx.PrimExpr], on: tirx.PrimExpr, lo: tirx.PrimExpr,
+             mass: tirx.PrimExpr) -> Callable[[tirx.PrimExpr], tirx.PrimExpr]:
+    """The values the GPU draw reads: renormalized where ``on``, else the softmax itself."""
+    return lambda i: T.Select(on, _kept(prob(i), lo, mass), prob(i))
+
+
+def _cpu() -> tirx.PrimFunc:
+    threshold, _ = renormalize.cpu_row_macros()
+    sample_row = multinomial.cpu_row_macro()
+    w = CPU_WORD
+
+    @T.prim_func
+    def sample_from_logits(var_logits: T.handle, var_temperature: T.handle, var_top_k: T.handle,
+                           var_top_p: T.handle, var_min_p: T.handle, var_renorm: T.handle, var_uniform: T.handle,
+                           var_token: T.handle, var_chosen: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        batch, vocab = T.int32(), T.int32()
+        logits = T.match_buffer(var_logits, (batch, vocab), "float32")
+        temperature = T.match_buffer(var_temperature, (batch,), "float32")
+        top_k = T.match_buffer(var_top_k, (batch,), "int32")
+        top_p = T.match_buffer(var_top_p, (batch,), "float32")
+        min_p = T.match_buffer(var_min_p, (batch,), "float32")
+        renorm = T.match_buffer(var_renorm, (batch,), "int32")
+        uniform = T.match_buffer(var_uniform, (batch,), "float32")
+        token = T.match_buffer(var_token, (batch,), "int32")
+        chosen = T.match_buffer(var_chosen, (batch,), "float32")
+        for r in T.parallel(batch):
+            lanes = T.alloc_buffer((w,), "float32", scope="global")
+            block = T.alloc_buffer((w,), "float32", scope="global")
+            index_lanes = T.alloc_buffer((w,), "int32", scope="global")
+            index_block = T.alloc_buffer((w,), "int32", scope="global")
+            row_max = T.alloc_buffer((1,), "float32", scope="global")
+            row_sum = T.alloc_buffer((1,), "float32", scope="global")
+            hot = T.alloc_buffer((1,), "int32", scope="global")
+            exps = T.alloc_buffer((1, vocab), "float32", scope="global")  # the row's exps (a workspace, in cache)
+            bmax = T.alloc_buffer((renormalize.CPU_MAX_BLOCKS,), "int32", scope="local")
+            st = T.alloc_buffer((7,), "int32", scope="global")
+            ms = T.alloc_buffer((2,), "float32", scope="global")
+            pos = T.alloc_buffer((3,), "int32", scope="local")
+            cpu_row_max(logits, r, vocab, lanes, block, row_max)
+            if row_max[0] == neg_inf():
+                token[r] = -1
+                chosen[r] = T.float32(0)
+            elif temperature[r] == T.float32(0):
+                cpu_first_index_of(logits, r, vocab, row_max[0], index_lanes, index_block, hot)
+                token[r] = hot[0]
+                chosen[r] = T.float32(1)
+            else:
+                shift: T.let = row_max[0]
+                scale: T.let = inverse_temperature(temperature[r])
+                cpu_row_fold(vocab, T.float32(0), add, lambda v: shifted_exp(logits[r, v], shift, scale, fast_exp),
+                             exps, 0, lanes, block, row_sum)
+                inv: T.let = inverse_sum(row_sum[0])
+                if renorm[r] != 0:
+                    threshold(lambda i: exps[0, i] * inv, vocab, top_k[r], top_p[r], min_p[r], bmax, st, ms)
+                    lo: T.let = st[0]
+                    mass: T.let = ms[0]
+                    bv: T.let = renormalize.cpu_block_steps(vocab // w)
+                    sample_row(lambda i: _kept(exps[0, i] * inv, lo, mass), vocab, uniform[r],
+                               lambda j: bmax[j // bv] >= lo, pos)
+                    token[r] = pos[1]
+                    chosen[r] = T.Select(pos[1] >= 0, _kept(exps[0, T.max(pos[1], 0)] * inv, lo, mass),
+                                         T.float32(0))
+                else:
+                    sample_row(lambda i: exps[0, i] * inv, vocab, uniform[r], None, pos)
+                    token[r] = pos[1]
+                    chosen[r] = T.Select(pos[1] >= 0, exps[0, T.max(pos[1], 0)] * inv, T.float32(0))
+    return sample_from_logits
+
+
+def _gpu(threads: int, uniform_loops: bool) -> tirx.PrimFunc:
+    threshold, _ = renormalize.gpu_row_macros(threads, uniform_loops)
+    sample_row = multinomial.gpu_row_macro(threads)
+
+    @T.prim_func
+    def sample_from_logits(var_logits: T.handle, var_temperature: T.handle, var_top_k: T.handle,
+                           var_top_p: T.handle, var_min_p: T.handle, var_renorm: T.handle, var_uniform: T.handle,
+                           var_token: T.handle, var_chosen: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        batch, vocab = T.int32(), T.int32()
+        logits = T.match_buffer(var_logits, (batch, vocab), "float32")
+        temperature = T.match_buffer(var_temperature, (batch,), "float32")
+        top_k = T.match_buffer(var_top_k, (batch,), "int32")
+        top_p = T.match_buffer(var_top_p, (batch,), "float32")
+        min_p = T.match_buffer(var_min_p, (batch,), "float32")
+        renorm = T.match_buffer(var_renorm, (batch,), "int32")
+        uniform = T.match_buffer(var_uniform, (batch,), "float32")
+        token = T.match_buffer(var_token, (batch,), "int32")
+        chosen = T.match_buffer(var_chosen, (batch,), "float32")
+        for r in T.thread_binding(batch, thread="blockIdx.x"):
+            for tx in T.thread_binding(threads, thread="threadIdx.x"):
+                part = T.alloc_buffer((1,), "float32", scope="local")
+                index_part = T.alloc_buffer((1,), "int32", scope="local")
+                row_max = T.alloc_buffer((1,), "float32", scope="local")
+                row_sum = T.alloc_buffer((1,), "float32", scope="local")
+                hot = T.alloc_buffer((1,), "int32", scope="local")
+                st = T.alloc_buffer((5,), "int32", scope="local")
+                ms = T.alloc_buffer((2,), "float32", scope="local")
+                # the staged softmax's statistics, then its probability formula wherever a pass reads the row
+                gpu_row_max(logits, r, vocab, tx, threads, part, row_max)
+                shift: T.let = safe_shift(row_max[0])
+                scale: T.let = inverse_temperature(temperature[r])
+                greedy: T.let = temperature[r] == T.float32(0)
+                gpu_row_sum_exp(logits, r, vocab, shift, scale, tx, threads, part, row_sum)
+                gpu_first_index_of(logits, r, vocab, row_max[0], greedy and row_max[0] != neg_inf(), tx, threads,
+                                   index_part, hot)
+                inv: T.let = inverse_sum(row_sum[0])
+                # rows the staged path would not renormalize run the threshold search with every filter off (one
+                # pass; barriers must stay in uniform control flow) and sample from the softmax itself
+                on: T.let = renorm[r] != 0
+                threshold(probability(logits, r, greedy, hot[0], shift, scale, inv), vocab, tx,
+                          T.Select(on, top_k[r], 0), T.Select(on, top_p[r], T.float32(1)),
+                          T.Select(on, min_p[r], T.float32(0)), st, ms)
+                lo: T.let = st[0]
+                mass: T.let = ms[0]
+                sample_row(_sampled(probability(logits, r, greedy, hot[0], shift, scale, inv), on, lo, mass), vocab,
+                           uniform[r], tx, token, chosen, r)
+    return sample_from_logits
+
+
+def get_sample_from_logits(target: tvm.target.Target) -> tirx.PrimFunc:
+    """The kernel scheduled for ``target``'s kind (see the module docstring for the operation)."""
+    return _cpu() if is_cpu(target) else _gpu(max_threads(target), uniform_loops=target.kind.name == "webgpu")
