@@ -1,12 +1,16 @@
-"""Benchmark one full processing step of the runtime against plain numpy, torch (when installed) and a memcpy.
+"""Benchmark one processing step of the runtime, staged and fused, against numpy, torch (if installed) and a memcpy.
 
     python scripts/bench_runtime.py [--batch 1 8 64] [--vocab 32000 128256] [--repeat 9] [--markdown]
     python scripts/bench_runtime.py --host-overhead [--output-tokens 1000 32000]
 
 One step: logit bias (16 tokens per row), penalties (512 appeared tokens per row), a grammar bitmask on half the
-rows, temperature softmax, top-p 0.9, sampling. All figures of a row come from one run. ``memcpy`` copies the
-float32 [B, V] logits once (the floor of any full pass). ``--host-overhead`` measures the Python/numpy work per step
-(everything but the kernels) with 1k and 32k output tokens per row, to show that it does not grow with length.
+rows, temperature softmax, top-p 0.9, sampling. ``staged`` samples through ``compute_probs_from_logits`` ->
+``renormalize`` -> ``sample`` (each writing a [B, V] array), ``fused`` through ``Sampler.sample_from_logits`` (one
+kernel, what the engine runs unless a row asks for processed top-n logprobs); ``sampling`` columns time the sampling
+alone, from processed logits. All figures of a row come from one run of interleaved rounds (each round calls every
+contender once, in turn). ``memcpy`` copies the float32 [B, V] logits once (the floor of any full pass).
+``--host-overhead`` measures, with 1k and 32k output tokens per row, the Python/numpy work per step (everything but
+the kernels), to show that it does not grow with length, and each stage's kernel time.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from bench_common import machine_line, median_us
 from logitproc import GenerationConfig, LogitProcessor, RequestState, Sampler
 from logitproc.compile import build_kernels
 from logitproc.runtime import empty_aligned
+from logitproc.runtime.batch import Batch
 from logitproc.runtime.mask_source import NeverForces
 from logitproc.tir_kernels import reference
 
@@ -112,17 +117,42 @@ def torch_step(logits: np.ndarray, states: list[RequestState], uniform: np.ndarr
     return order.gather(1, torch.multinomial(sp, 1))
 
 
-def step(proc: LogitProcessor, sampler: Sampler, logits: np.ndarray, states: list[RequestState]) -> np.ndarray:
-    batch = proc.batch(states)  # the step's rows, worked out once and handed to every stage (as the engine does)
-    proc.inplace_update_logits(logits, batch)
+def staged_sampling(proc: LogitProcessor, sampler: Sampler, logits: np.ndarray, batch: Batch) -> np.ndarray:
     probs = sampler.renormalize(proc.compute_probs_from_logits(logits, batch), batch)
     return sampler.sample(probs, batch).token_ids
 
 
+def fused_sampling(proc: LogitProcessor, sampler: Sampler, logits: np.ndarray, batch: Batch) -> np.ndarray:
+    return sampler.sample_from_logits(logits, batch).token_ids
+
+
+def step(proc: LogitProcessor, sampler: Sampler, logits: np.ndarray, states: list[RequestState],
+         sampling: Callable[..., np.ndarray] = fused_sampling) -> np.ndarray:
+    batch = proc.batch(states)  # the step's rows, worked out once and handed to every stage (as the engine does)
+    proc.inplace_update_logits(logits, batch)
+    return sampling(proc, sampler, logits, batch)
+
+
+def interleaved_us(contenders: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
+    """Median wall time of each contender in microseconds over ``rounds`` rounds; each round calls every contender
+    once, starting one further along each time (so that load changes and cache effects fall on all alike)."""
+    names = list(contenders)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for name in names:  # warm-up
+        contenders[name]()
+    for i in range(rounds):
+        for name in names[i % len(names):] + names[: i % len(names)]:
+            start = time.perf_counter()
+            contenders[name]()
+            samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) * 1e6 for name, values in samples.items()}
+
+
 def bench_steps(args: argparse.Namespace, lib) -> None:
     rng = np.random.default_rng(0)
-    header = ["B", "V", "ours us", "numpy us", "torch us", "memcpy us", "numpy/ours", "torch/ours", "ours/memcpy"]
-    print("| " + " | ".join(header) + " |" if args.markdown else "".join(f"{h:>13}" for h in header))
+    header = ["B", "V", "staged us", "fused us", "numpy us", "torch us", "memcpy us", "staged/memcpy", "fused/memcpy",
+              "numpy/fused", "sampling staged us", "sampling fused us", "sampling fused/memcpy"]
+    print("| " + " | ".join(header) + " |" if args.markdown else "".join(f"{h:>14}" for h in header))
     if args.markdown:
         print("|" + "---|" * len(header))
     for vocab in args.vocab:
@@ -134,21 +164,38 @@ def bench_steps(args: argparse.Namespace, lib) -> None:
             work = empty_aligned((batch, vocab))
             copy_dst = np.empty_like(base)
             uniform = rng.random(batch)
+            processed = empty_aligned((batch, vocab))
+            np.copyto(processed, base)
+            processed_batch = proc.batch(states)
+            proc.inplace_update_logits(processed, processed_batch)
 
-            def ours(work=work, base=base, states=states, proc=proc, sampler=sampler) -> None:
-                np.copyto(work, base)  # fresh logits each step, as a model would produce (counted in ours)
-                step(proc, sampler, work, states)
+            def full_step(sampling: Callable[..., np.ndarray], work=work, base=base, states=states, proc=proc,
+                          sampler=sampler) -> Callable[[], object]:
+                def run() -> None:
+                    np.copyto(work, base)  # fresh logits each step, as a model would produce (counted in ours)
+                    step(proc, sampler, work, states, sampling)
+                return run
 
-            memcpy = median_us(lambda base=base, dst=copy_dst: np.copyto(dst, base), args.repeat)
-            ours_us = median_us(ours, args.repeat)
+            def sampling_only(sampling: Callable[..., np.ndarray], logits=processed, batch_=processed_batch,
+                              proc=proc, sampler=sampler) -> Callable[[], object]:
+                return lambda: sampling(proc, sampler, logits, batch_)
+
+            contenders = {
+                "memcpy": lambda base=base, dst=copy_dst: np.copyto(dst, base),
+                "staged": full_step(staged_sampling), "fused": full_step(fused_sampling),
+                "sampling staged": sampling_only(staged_sampling), "sampling fused": sampling_only(fused_sampling),
+            }
+            if torch is not None:
+                contenders["torch"] = lambda base=base, states=states, u=uniform: torch_step(base, states, u)
+            us = interleaved_us(contenders, args.repeat)
             numpy_us = median_us(lambda base=base, states=states, u=uniform: numpy_step(base, states, u),
                                  max(3, args.repeat // 3))
-            torch_us = median_us(lambda base=base, states=states, u=uniform: torch_step(base, states, u),
-                                 args.repeat) if torch else None
-            cells = [batch, vocab, f"{ours_us:.0f}", f"{numpy_us:.0f}", "-" if torch_us is None else f"{torch_us:.0f}",
-                     f"{memcpy:.0f}", f"{numpy_us / ours_us:.1f}x",
-                     "-" if torch_us is None else f"{torch_us / ours_us:.1f}x", f"{ours_us / memcpy:.2f}"]
-            print("| " + " | ".join(map(str, cells)) + " |" if args.markdown else "".join(f"{c:>13}" for c in cells))
+            memcpy = us["memcpy"]
+            cells = [batch, vocab, f"{us['staged']:.0f}", f"{us['fused']:.0f}", f"{numpy_us:.0f}",
+                     f"{us['torch']:.0f}" if "torch" in us else "-", f"{memcpy:.0f}", f"{us['staged'] / memcpy:.2f}",
+                     f"{us['fused'] / memcpy:.2f}", f"{numpy_us / us['fused']:.1f}x", f"{us['sampling staged']:.0f}",
+                     f"{us['sampling fused']:.0f}", f"{us['sampling fused'] / memcpy:.2f}"]
+            print("| " + " | ".join(map(str, cells)) + " |" if args.markdown else "".join(f"{c:>14}" for c in cells))
 
 
 def bench_host_overhead(args: argparse.Namespace, lib) -> None:
@@ -158,16 +205,19 @@ def bench_host_overhead(args: argparse.Namespace, lib) -> None:
     proc = LogitProcessor(lib, vocab, batch)
     sampler = Sampler(lib, vocab, max_num_token=batch)
     kernel_time = [0.0]
+    per_kernel: dict[str, list[float]] = {}
 
-    def timed(fn: Callable[..., None]) -> Callable[..., None]:
+    def timed(name: str, fn: Callable[..., None]) -> Callable[..., None]:
         def call(*a: object) -> None:
             start = time.perf_counter()
             fn(*a)
-            kernel_time[0] += time.perf_counter() - start
+            took = time.perf_counter() - start
+            kernel_time[0] += took
+            per_kernel.setdefault(name, []).append(took)
         return call
 
-    proc.kernels = {k: timed(f) for k, f in proc.kernels.items()}
-    sampler.kernels = {k: timed(f) for k, f in sampler.kernels.items()}
+    proc.kernels = {k: timed(k, f) for k, f in proc.kernels.items()}
+    sampler.kernels = {k: timed(k, f) for k, f in sampler.kernels.items()}
     print(f"host overhead per step, B={batch}, V={vocab} (everything but kernel execution):")
     for output_tokens in args.output_tokens:
         states = make_batch(batch, vocab, output_tokens, rng)
@@ -175,6 +225,7 @@ def bench_host_overhead(args: argparse.Namespace, lib) -> None:
         logits = empty_aligned((batch, vocab))
         logits[...] = rng.standard_normal((batch, vocab))
         totals, kernels = [], []
+        per_kernel.clear()
         for _ in range(args.repeat):
             kernel_time[0] = 0.0
             start = time.perf_counter()
@@ -182,8 +233,9 @@ def bench_host_overhead(args: argparse.Namespace, lib) -> None:
             totals.append(time.perf_counter() - start)
             kernels.append(kernel_time[0])
         host = statistics.median(t - k for t, k in zip(totals, kernels, strict=True)) * 1e6
+        stages = ", ".join(f"{name} {statistics.median(t) * 1e6:.0f}" for name, t in per_kernel.items())
         print(f"  {output_tokens:>6} output tokens/row ({entries} penalty entries): host {host:.0f} us, "
-              f"kernels {statistics.median(kernels) * 1e6:.0f} us")
+              f"kernels {statistics.median(kernels) * 1e6:.0f} us ({stages} us)")
 
 
 def main() -> None:

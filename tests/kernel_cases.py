@@ -183,8 +183,37 @@ def log_softmax_case(rng: np.random.Generator, batch: int, vocab: int) -> Kernel
     return KernelCase("log_softmax_gather", batch, vocab, (x, targets, _nan(batch), _nan(batch)), check)
 
 
+def sample_from_logits_case(rng: np.random.Generator, batch: int, vocab: int) -> KernelCase:
+    logits = awkward_logits(rng, batch, vocab)
+    temperature = np.resize(np.array([0.7, 0.0, 1.0, 2.0, 1e-4], np.float32), batch)
+    top_k = np.resize(np.array([0, 50, 1, -1, 7], np.int32), batch)
+    top_p = np.resize(np.array([0.9, 1.0, 0.5, 0.95, 0.3], np.float32), batch)
+    min_p = np.resize(np.array([0.0, 0.05, 0.0, 0.1, 0.0], np.float32), batch)
+    renorm = np.resize(np.array([1, 1, 0], np.int32), batch)
+    uniform = rng.random(batch).astype(np.float32)
+    probs = ref.softmax_with_temperature(logits, temperature)
+    probs = np.where(renorm[:, None] != 0, ref.renormalize(probs, top_k, top_p, min_p), probs)
+
+    def check(out: list[np.ndarray]) -> None:
+        tokens, chosen = out[7], out[8]
+        for r in range(batch):
+            p = probs[r].astype(np.float64)
+            t = int(tokens[r])
+            if not (p > 0).any():
+                assert t == -1 and chosen[r] == 0, f"row {r}: a row of zeros gives -1, got {t}"
+                continue
+            assert 0 <= t < vocab and p[t] > 0, f"row {r}: token {t} has probability 0"
+            np.testing.assert_allclose(chosen[r], p[t], rtol=2e-5)
+            before, target = p[:t].sum(), float(uniform[r]) * p.sum()
+            slack = 1e-5 * p.sum()
+            assert before - slack <= target <= before + p[t] + slack, f"row {r}: token {t} is not where u lands"
+
+    return KernelCase("sample_from_logits", batch, vocab, (logits, temperature, top_k, top_p, min_p, renorm, uniform,
+                                                           _neg7(batch), _nan(batch)), check)
+
+
 CASE_BUILDERS = [logit_bias_case, penalty_case, bitmask_case, softmax_case, renormalize_case, multinomial_case,
-                 argmax_case, top_n_case, log_softmax_case]
+                 argmax_case, top_n_case, log_softmax_case, sample_from_logits_case]
 
 
 def all_cases() -> list[KernelCase]:

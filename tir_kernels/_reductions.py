@@ -83,6 +83,11 @@ def inverse_temperature(t: tirx.PrimExpr) -> tirx.PrimExpr:
     return T.Select(t > T.float32(MIN_TEMPERATURE), T.float32(1) / t, T.float32(FLT_MAX))
 
 
+def row_of(buf: tirx.Buffer, r: tirx.PrimExpr) -> Callable[[tirx.PrimExpr], tirx.PrimExpr]:
+    """``v -> buf[r, v]``: row r of a [batch, vocab] buffer as the per-token value the row macros take."""
+    return lambda v: buf[r, v]
+
+
 def add(a: tirx.PrimExpr, b: tirx.PrimExpr) -> tirx.PrimExpr:
     """The sum combiner (a plain function so that folds and comm_reducers can take it)."""
     return a + b

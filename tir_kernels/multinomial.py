@@ -35,6 +35,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ._common import CPU_LANES, is_cpu, max_threads
+from ._reductions import row_of
 
 NAME = "multinomial_from_uniform"
 
@@ -151,15 +152,16 @@ def _cpu() -> tirx.PrimFunc:
         chosen = T.match_buffer(var_chosen, (batch,), "float32")
         for r in T.parallel(batch):
             pos = T.alloc_buffer((3,), "int32", scope="local")
-            sample_row(lambda i: probs[r, i], vocab, uniform[r], None, pos)
+            sample_row(row_of(probs, r), vocab, uniform[r], None, pos)
             token[r] = pos[1]
             chosen[r] = T.Select(pos[1] >= 0, probs[r, T.max(pos[1], 0)], T.float32(0))
     return multinomial_from_uniform
 
 
 def gpu_row_macro(threads: int) -> Callable[..., None]:
-    """The GPU row macro ``sample_row(value, vocab, u, tx, token, chosen, r)``: token[r], chosen[r] = the token
-    drawn from row values ``value(i)`` with uniform ``u`` and its value (-1, 0 for a row of zeros), one block per row."""
+    """The GPU row macro ``sample_row(value, vocab, u, tx, token, chosen, r)``, one block per row: token[r],
+    chosen[r] = the token drawn from row values ``value(i)`` with uniform ``u``, and its value (-1, 0 for a row of
+    zeros)."""
     log_threads = threads.bit_length() - 1
     assert threads == 1 << log_threads, "the scans and reductions need a power-of-two block size"
     @T.macro
@@ -240,7 +242,7 @@ def _gpu(threads: int) -> tirx.PrimFunc:
         chosen = T.match_buffer(var_chosen, (batch,), "float32")
         for r in T.thread_binding(batch, thread="blockIdx.x"):
             for tx in T.thread_binding(threads, thread="threadIdx.x"):
-                sample_row(lambda i: probs[r, i], vocab, uniform[r], tx, token, chosen, r)
+                sample_row(row_of(probs, r), vocab, uniform[r], tx, token, chosen, r)
     return multinomial_from_uniform
 
 

@@ -59,6 +59,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ._common import CPU_LANES, is_cpu, max_threads
+from ._reductions import row_of
 
 NAME = "renormalize_probs"
 
@@ -349,15 +350,17 @@ def _cpu() -> tirx.PrimFunc:
             bmax = T.alloc_buffer((_MAX_BLOCKS,), "int32", scope="local")
             st = T.alloc_buffer((7,), "int32", scope="global")
             ms = T.alloc_buffer((2,), "float32", scope="global")
-            threshold(lambda i: probs[r, i], vocab, top_k[r], top_p[r], min_p[r], bmax, st, ms)
-            scale(lambda i: probs[r, i], vocab, st[0], ms[0], out, r)
+            threshold(row_of(probs, r), vocab, top_k[r], top_p[r], min_p[r], bmax, st, ms)
+            scale(row_of(probs, r), vocab, st[0], ms[0], out, r)
     return renormalize_probs
 
 
 def gpu_row_macros(threads: int, uniform_loops: bool) -> tuple[Callable[..., None], Callable[..., None]]:
-    """The GPU row macros ``threshold`` and ``scale`` (as ``cpu_row_macros``), for one block per row. ``uniform_loops`` (WGSL): bisections run a fixed 31 steps, idle once converged, so that
-    every barrier sits in uniform control flow as WGSL's uniformity analysis demands (Tint enforces it); elsewhere
-    they are while loops that stop as soon as the interval closes."""
+    """The GPU row macros ``threshold`` and ``scale`` (as ``cpu_row_macros``), for one block per row.
+
+    ``uniform_loops`` (WGSL): bisections run a fixed 31 steps, idle once converged, so that every barrier sits in
+    uniform control flow as WGSL's uniformity analysis demands (Tint enforces it); elsewhere they are while loops that
+    stop as soon as the interval closes."""
     int_max, int_min = T.int32(_INT_MAX), T.int32(_INT_MIN)
     log_threads = threads.bit_length() - 1
     assert threads == 1 << log_threads, "the tree reductions need a power-of-two block size"
@@ -508,8 +511,8 @@ def _gpu(threads: int, uniform_loops: bool) -> tirx.PrimFunc:
                 # the same state as the CPU kernel, held identically by every thread of the block
                 st = T.alloc_buffer((5,), "int32", scope="local")
                 ms = T.alloc_buffer((2,), "float32", scope="local")
-                threshold(lambda i: probs[r, i], vocab, tx, top_k[r], top_p[r], min_p[r], st, ms)
-                scale(lambda i: probs[r, i], vocab, tx, st[0], ms[0], out, r)
+                threshold(row_of(probs, r), vocab, tx, top_k[r], top_p[r], min_p[r], st, ms)
+                scale(row_of(probs, r), vocab, tx, st[0], ms[0], out, r)
     return renormalize_probs
 
 

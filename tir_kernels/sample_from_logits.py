@@ -64,8 +64,32 @@ def _kept(x: tirx.PrimExpr, lo: tirx.PrimExpr, mass: tirx.PrimExpr) -> tirx.Prim
     return T.Select(_bits(x) >= lo, x / mass, T.float32(0))
 
 
-def _sampled(prob: Callable[[tirx.PrimExpr], tirx.PrimExpr], on: tirx.PrimExpr, lo: tirx.PrimExpr,
-             mass: tirx.PrimExpr) -> Callable[[tirx.PrimExpr], tirx.PrimExpr]:
+Value = Callable[["tirx.PrimExpr"], "tirx.PrimExpr"]
+
+
+# Per-token values for the row macros (callables i -> PrimExpr, built at parse time from the row's scalars).
+
+
+def _exp_of(logits: tirx.Buffer, r: tirx.PrimExpr, shift: tirx.PrimExpr, scale: tirx.PrimExpr) -> Value:
+    """The CPU softmax numerator of row r (the staged softmax's formula)."""
+    return lambda i: shifted_exp(logits[r, i], shift, scale, fast_exp)
+
+
+def _scaled(exps: tirx.Buffer, inv: tirx.PrimExpr) -> Value:
+    """The probability from the stored exps: exp * (1 / sum), the staged softmax's last pass."""
+    return lambda i: exps[0, i] * inv
+
+
+def _kept_of(prob: Value, lo: tirx.PrimExpr, mass: tirx.PrimExpr) -> Value:
+    return lambda i: _kept(prob(i), lo, mass)
+
+
+def _live(bmax: tirx.Buffer, steps_per_block: tirx.PrimExpr, lo: tirx.PrimExpr) -> Value:
+    """Whether step j (CPU_WORD values) can hold a kept value: its renormalize block's maximum is kept."""
+    return lambda j: bmax[j // steps_per_block] >= lo
+
+
+def _sampled(prob: Value, on: tirx.PrimExpr, lo: tirx.PrimExpr, mass: tirx.PrimExpr) -> Value:
     """The values the GPU draw reads: renormalized where ``on``, else the softmax itself."""
     return lambda i: T.Select(on, _kept(prob(i), lo, mass), prob(i))
 
@@ -114,23 +138,22 @@ def _cpu() -> tirx.PrimFunc:
             else:
                 shift: T.let = row_max[0]
                 scale: T.let = inverse_temperature(temperature[r])
-                cpu_row_fold(vocab, T.float32(0), add, lambda v: shifted_exp(logits[r, v], shift, scale, fast_exp),
-                             exps, 0, lanes, block, row_sum)
+                cpu_row_fold(vocab, T.float32(0), add, _exp_of(logits, r, shift, scale), exps, 0, lanes, block,
+                             row_sum)
                 inv: T.let = inverse_sum(row_sum[0])
                 if renorm[r] != 0:
-                    threshold(lambda i: exps[0, i] * inv, vocab, top_k[r], top_p[r], min_p[r], bmax, st, ms)
+                    threshold(_scaled(exps, inv), vocab, top_k[r], top_p[r], min_p[r], bmax, st, ms)
                     lo: T.let = st[0]
                     mass: T.let = ms[0]
                     bv: T.let = renormalize.cpu_block_steps(vocab // w)
-                    sample_row(lambda i: _kept(exps[0, i] * inv, lo, mass), vocab, uniform[r],
-                               lambda j: bmax[j // bv] >= lo, pos)
+                    sample_row(_kept_of(_scaled(exps, inv), lo, mass), vocab, uniform[r], _live(bmax, bv, lo), pos)
                     token[r] = pos[1]
-                    chosen[r] = T.Select(pos[1] >= 0, _kept(exps[0, T.max(pos[1], 0)] * inv, lo, mass),
+                    chosen[r] = T.Select(pos[1] >= 0, _kept_of(_scaled(exps, inv), lo, mass)(T.max(pos[1], 0)),
                                          T.float32(0))
                 else:
-                    sample_row(lambda i: exps[0, i] * inv, vocab, uniform[r], None, pos)
+                    sample_row(_scaled(exps, inv), vocab, uniform[r], None, pos)
                     token[r] = pos[1]
-                    chosen[r] = T.Select(pos[1] >= 0, exps[0, T.max(pos[1], 0)] * inv, T.float32(0))
+                    chosen[r] = T.Select(pos[1] >= 0, _scaled(exps, inv)(T.max(pos[1], 0)), T.float32(0))
     return sample_from_logits
 
 
