@@ -185,9 +185,10 @@ def bench_steps(args: argparse.Namespace, lib) -> None:
                 "staged": full_step(staged_sampling), "fused": full_step(fused_sampling),
                 "sampling staged": sampling_only(staged_sampling), "sampling fused": sampling_only(fused_sampling),
             }
-            if torch is not None:
-                contenders["torch"] = lambda base=base, states=states, u=uniform: torch_step(base, states, u)
             us = interleaved_us(contenders, args.repeat)
+            if torch is not None:  # apart: its own thread pool would slow the contenders of its rounds
+                us["torch"] = median_us(lambda base=base, states=states, u=uniform: torch_step(base, states, u),
+                                        max(3, args.repeat // 3))
             numpy_us = median_us(lambda base=base, states=states, u=uniform: numpy_step(base, states, u),
                                  max(3, args.repeat // 3))
             memcpy = us["memcpy"]

@@ -47,7 +47,7 @@ def _cpu() -> tirx.PrimFunc:
         token_ids = T.match_buffer(var_token_ids, (num_entries,), "int32")
         token_cnt = T.match_buffer(var_token_cnt, (num_entries,), "int32")
         penalties = T.match_buffer(var_penalties, (batch, 3), "float32")
-        for i in range(num_entries):
+        for i in T.parallel(num_entries):  # entries are duplicate-free: no two write the same logit
             r: T.let = pos2seq[i]
             if r >= 0 and r < batch and token_ids[i] >= 0 and token_ids[i] < vocab:
                 logits[r, token_ids[i]] = _penalised(logits[r, token_ids[i]], token_cnt[i], penalties[r, 0],
