@@ -107,14 +107,15 @@ class Sampler:
         self._top_buffers: dict[int, tuple[PrefixViews, PrefixViews]] = {}
         self._probs = LogitsStaging(dev, cap, vocab_size)
 
-    def _batch_for(self, probs: Any, states: BatchArg, cum_num_token: Any, draft_trees: DraftArg) -> Batch:
+    def _batch_for(self, probs: Any, states: BatchArg, cum_num_token: Any, draft_trees: DraftArg,
+                   what: str = "probs") -> Batch:
         if isinstance(states, Batch):
             if cum_num_token is not None or draft_trees is not None:
                 raise ValueError("cum_num_token and draft_trees belong to the Batch: it already has its rows")
             batch = states
         else:
             batch = Batch(states, cum_num_token, draft_trees)
-        batch.check_array(probs, "probs", self.vocab_size, self.max_num_token, "the sampler's ")
+        batch.check_array(probs, what, self.vocab_size, self.max_num_token, "the sampler's ")
         return batch
 
     def _on_device(self, probs: Any, batch: Batch) -> Any:
@@ -190,7 +191,7 @@ class Sampler:
         as by ``sample``; processed top-n logprobs need the probabilities: a batch asking for them
         (``needs_probabilities``) is refused with a ValueError (use the staged path).
         """
-        batch = self._batch_for(logits, states, cum_num_token, draft_trees)
+        batch = self._batch_for(logits, states, cum_num_token, draft_trees, "logits")
         if needs_probabilities(batch):
             raise ValueError("a row asks for processed top_logprobs, which need the probabilities: sample it with "
                              "compute_probs_from_logits -> renormalize -> sample")

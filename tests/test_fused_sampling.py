@@ -137,3 +137,26 @@ def test_the_engine_step_gives_the_staged_tokens_either_way(proc, sampler, top_l
         assert result.top_logprobs == expected[step].top_logprobs
         for s, t in zip(states, result.token_ids, strict=True):
             s.append_token(int(t))
+
+
+def test_bad_logits_are_clear_errors(proc, sampler) -> None:
+    states = [RequestState([1], GenerationConfig(seed=1)), RequestState([1], GenerationConfig(seed=2))]
+    batch = proc.batch(states)
+    with pytest.raises(ValueError, match="logits"):
+        sampler.sample_from_logits(np.zeros((2, V + 1), np.float32), batch)
+    with pytest.raises(ValueError, match="logits has 3 rows"):
+        sampler.sample_from_logits(np.zeros((3, V), np.float32), batch)
+
+
+def test_non_finite_logits_give_a_token_id_or_minus_one_and_the_step_flags_them(proc, sampler) -> None:
+    """NaN and +inf rows never make the kernel fail or write outside its outputs; the engine step flags them."""
+    states = [RequestState([1], GenerationConfig(seed=s, top_p=0.9 if s % 2 else 1.0)) for s in range(4)]
+    logits = (np.random.default_rng(1).standard_normal((4, V))).astype(np.float32)
+    logits[0, 5] = np.nan
+    logits[1, :] = np.nan
+    logits[2, 9] = np.inf
+    raw = sampler.sample_from_logits(logits.copy(), proc.batch(states))
+    assert np.all((raw.token_ids >= -1) & (raw.token_ids < V))
+    result = process(proc, sampler, proc.batch(states), logits)
+    assert result.token_ids[:3].tolist() == [-1, -1, -1] and 0 <= result.token_ids[3] < V
+    assert [result.finish_reason(r) for r in range(4)] == ["non_finite_logits"] * 3 + [None]
