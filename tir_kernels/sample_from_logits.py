@@ -43,14 +43,11 @@ from ._reductions import (
     cpu_first_index_of,
     cpu_row_fold,
     cpu_row_max,
-    gpu_first_index_of,
-    gpu_row_max,
-    gpu_row_sum_exp,
     inverse_temperature,
     safe_shift,
     shifted_exp,
 )
-from .softmax import inverse_sum, probability
+from .softmax import gpu_row_stats, inverse_sum, probability
 
 NAME = "sample_from_logits"
 
@@ -94,26 +91,14 @@ def _sampled(prob: Value, on: tirx.PrimExpr, lo: tirx.PrimExpr, mass: tirx.PrimE
     return lambda i: T.Select(on, _kept(prob(i), lo, mass), prob(i))
 
 
-def _cpu() -> tirx.PrimFunc:
+def _cpu_rows() -> Callable[..., None]:
+    """The CPU loop nest: rows in parallel (see the module docstring)."""
     threshold, _ = renormalize.cpu_row_macros()
     sample_row = multinomial.cpu_row_macro()
     w = CPU_WORD
 
-    @T.prim_func
-    def sample_from_logits(var_logits: T.handle, var_temperature: T.handle, var_top_k: T.handle,
-                           var_top_p: T.handle, var_min_p: T.handle, var_renorm: T.handle, var_uniform: T.handle,
-                           var_token: T.handle, var_chosen: T.handle):
-        T.func_attr({"tirx.noalias": True})
-        batch, vocab = T.int32(), T.int32()
-        logits = T.match_buffer(var_logits, (batch, vocab), "float32")
-        temperature = T.match_buffer(var_temperature, (batch,), "float32")
-        top_k = T.match_buffer(var_top_k, (batch,), "int32")
-        top_p = T.match_buffer(var_top_p, (batch,), "float32")
-        min_p = T.match_buffer(var_min_p, (batch,), "float32")
-        renorm = T.match_buffer(var_renorm, (batch,), "int32")
-        uniform = T.match_buffer(var_uniform, (batch,), "float32")
-        token = T.match_buffer(var_token, (batch,), "int32")
-        chosen = T.match_buffer(var_chosen, (batch,), "float32")
+    @T.macro
+    def rows(batch, vocab, logits, temperature, top_k, top_p, min_p, renorm, uniform, token, chosen):
         for r in T.parallel(batch):
             lanes = T.alloc_buffer((w,), "float32", scope="global")
             block = T.alloc_buffer((w,), "float32", scope="global")
@@ -154,13 +139,45 @@ def _cpu() -> tirx.PrimFunc:
                     sample_row(_scaled(exps, inv), vocab, uniform[r], None, pos)
                     token[r] = pos[1]
                     chosen[r] = T.Select(pos[1] >= 0, _scaled(exps, inv)(T.max(pos[1], 0)), T.float32(0))
-    return sample_from_logits
+
+    return rows
 
 
-def _gpu(threads: int, uniform_loops: bool) -> tirx.PrimFunc:
+def _gpu_rows(threads: int, uniform_loops: bool) -> Callable[..., None]:
+    """The GPU loop nest: one block of ``threads`` per row (see the module docstring)."""
     threshold, _ = renormalize.gpu_row_macros(threads, uniform_loops)
     sample_row = multinomial.gpu_row_macro(threads)
 
+    @T.macro
+    def rows(batch, vocab, logits, temperature, top_k, top_p, min_p, renorm, uniform, token, chosen):
+        for r in T.thread_binding(batch, thread="blockIdx.x"):
+            for tx in T.thread_binding(threads, thread="threadIdx.x"):
+                row_max = T.alloc_buffer((1,), "float32", scope="local")
+                row_sum = T.alloc_buffer((1,), "float32", scope="local")
+                hot = T.alloc_buffer((1,), "int32", scope="local")
+                st = T.alloc_buffer((5,), "int32", scope="local")
+                ms = T.alloc_buffer((2,), "float32", scope="local")
+                # the staged softmax's statistics, then its probability formula wherever a pass reads the row
+                gpu_row_stats(logits, r, vocab, temperature[r], tx, threads, row_max, row_sum, hot)
+                shift: T.let = safe_shift(row_max[0])
+                scale: T.let = inverse_temperature(temperature[r])
+                greedy: T.let = temperature[r] == T.float32(0)
+                inv: T.let = inverse_sum(row_sum[0])
+                # rows the staged path would not renormalize run the threshold search with every filter off (one
+                # pass; barriers must stay in uniform control flow) and sample from the softmax itself
+                on: T.let = renorm[r] != 0
+                threshold(probability(logits, r, greedy, hot[0], shift, scale, inv), vocab, tx,
+                          T.Select(on, top_k[r], 0), T.Select(on, top_p[r], T.float32(1)),
+                          T.Select(on, min_p[r], T.float32(0)), st, ms)
+                lo: T.let = st[0]
+                mass: T.let = ms[0]
+                sample_row(_sampled(probability(logits, r, greedy, hot[0], shift, scale, inv), on, lo, mass), vocab,
+                           uniform[r], tx, token, chosen, r)
+
+    return rows
+
+
+def _kernel(rows: Callable[..., None]) -> tirx.PrimFunc:
     @T.prim_func
     def sample_from_logits(var_logits: T.handle, var_temperature: T.handle, var_top_k: T.handle,
                            var_top_p: T.handle, var_min_p: T.handle, var_renorm: T.handle, var_uniform: T.handle,
@@ -176,37 +193,12 @@ def _gpu(threads: int, uniform_loops: bool) -> tirx.PrimFunc:
         uniform = T.match_buffer(var_uniform, (batch,), "float32")
         token = T.match_buffer(var_token, (batch,), "int32")
         chosen = T.match_buffer(var_chosen, (batch,), "float32")
-        for r in T.thread_binding(batch, thread="blockIdx.x"):
-            for tx in T.thread_binding(threads, thread="threadIdx.x"):
-                part = T.alloc_buffer((1,), "float32", scope="local")
-                index_part = T.alloc_buffer((1,), "int32", scope="local")
-                row_max = T.alloc_buffer((1,), "float32", scope="local")
-                row_sum = T.alloc_buffer((1,), "float32", scope="local")
-                hot = T.alloc_buffer((1,), "int32", scope="local")
-                st = T.alloc_buffer((5,), "int32", scope="local")
-                ms = T.alloc_buffer((2,), "float32", scope="local")
-                # the staged softmax's statistics, then its probability formula wherever a pass reads the row
-                gpu_row_max(logits, r, vocab, tx, threads, part, row_max)
-                shift: T.let = safe_shift(row_max[0])
-                scale: T.let = inverse_temperature(temperature[r])
-                greedy: T.let = temperature[r] == T.float32(0)
-                gpu_row_sum_exp(logits, r, vocab, shift, scale, tx, threads, part, row_sum)
-                gpu_first_index_of(logits, r, vocab, row_max[0], greedy and row_max[0] != neg_inf(), tx, threads,
-                                   index_part, hot)
-                inv: T.let = inverse_sum(row_sum[0])
-                # rows the staged path would not renormalize run the threshold search with every filter off (one
-                # pass; barriers must stay in uniform control flow) and sample from the softmax itself
-                on: T.let = renorm[r] != 0
-                threshold(probability(logits, r, greedy, hot[0], shift, scale, inv), vocab, tx,
-                          T.Select(on, top_k[r], 0), T.Select(on, top_p[r], T.float32(1)),
-                          T.Select(on, min_p[r], T.float32(0)), st, ms)
-                lo: T.let = st[0]
-                mass: T.let = ms[0]
-                sample_row(_sampled(probability(logits, r, greedy, hot[0], shift, scale, inv), on, lo, mass), vocab,
-                           uniform[r], tx, token, chosen, r)
+        rows(batch, vocab, logits, temperature, top_k, top_p, min_p, renorm, uniform, token, chosen)
     return sample_from_logits
 
 
 def get_sample_from_logits(target: tvm.target.Target) -> tirx.PrimFunc:
     """The kernel scheduled for ``target``'s kind (see the module docstring for the operation)."""
-    return _cpu() if is_cpu(target) else _gpu(max_threads(target), uniform_loops=target.kind.name == "webgpu")
+    if is_cpu(target):
+        return _kernel(_cpu_rows())
+    return _kernel(_gpu_rows(max_threads(target), uniform_loops=target.kind.name == "webgpu"))

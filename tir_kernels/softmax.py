@@ -119,6 +119,19 @@ def _cpu() -> tirx.PrimFunc:
     return softmax_with_temperature
 
 
+@T.macro
+def gpu_row_stats(logits, r, vocab, t, tx, threads, row_max, row_sum, hot):
+    """One block per row, at temperature t: row_max[0] = the row's maximum, row_sum[0] = the sum of its softmax
+    numerators, hot[0] = the first index of the maximum when greedy (t = 0) on a row with a finite maximum, else
+    vocab (no token). The results are local (1,) buffers every thread of the block reads."""
+    part = T.alloc_buffer((1,), "float32", scope="local")
+    index_part = T.alloc_buffer((1,), "int32", scope="local")
+    gpu_row_max(logits, r, vocab, tx, threads, part, row_max)
+    gpu_row_sum_exp(logits, r, vocab, safe_shift(row_max[0]), inverse_temperature(t), tx, threads, part, row_sum)
+    gpu_first_index_of(logits, r, vocab, row_max[0], t == T.float32(0) and row_max[0] != neg_inf(), tx, threads,
+                       index_part, hot)
+
+
 def _gpu(threads: int) -> tirx.PrimFunc:
     @T.prim_func
     def softmax_with_temperature(var_logits: T.handle, var_temperature: T.handle, var_probs: T.handle):
@@ -129,19 +142,13 @@ def _gpu(threads: int) -> tirx.PrimFunc:
         probs = T.match_buffer(var_probs, (batch, vocab), "float32")
         for bx in T.thread_binding(batch, thread="blockIdx.x"):
             for tx in T.thread_binding(threads, thread="threadIdx.x"):
-                part = T.alloc_buffer((1,), "float32", scope="local")
-                index_part = T.alloc_buffer((1,), "int32", scope="local")
                 row_max = T.alloc_buffer((1,), "float32", scope="local")
                 row_sum = T.alloc_buffer((1,), "float32", scope="local")
                 hot = T.alloc_buffer((1,), "int32", scope="local")
-                gpu_row_max(logits, bx, vocab, tx, threads, part, row_max)
+                gpu_row_stats(logits, bx, vocab, temperature[bx], tx, threads, row_max, row_sum, hot)
                 shift: T.let = safe_shift(row_max[0])
                 scale: T.let = inverse_temperature(temperature[bx])
                 greedy: T.let = temperature[bx] == T.float32(0)
-                gpu_row_sum_exp(logits, bx, vocab, shift, scale, tx, threads, part, row_sum)
-                # hot: the first max when greedy on a row with a finite max; vocab (no token) otherwise
-                gpu_first_index_of(logits, bx, vocab, row_max[0], greedy and row_max[0] != neg_inf(), tx, threads,
-                                   index_part, hot)
                 inv_sum: T.let = inverse_sum(row_sum[0])
                 gpu_row_map(probs, bx, vocab, tx, threads,
                             probability(logits, bx, greedy, hot[0], shift, scale, inv_sum))
