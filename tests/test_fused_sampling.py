@@ -160,3 +160,22 @@ def test_non_finite_logits_give_a_token_id_or_minus_one_and_the_step_flags_them(
     result = process(proc, sampler, proc.batch(states), logits)
     assert result.token_ids[:3].tolist() == [-1, -1, -1] and 0 <= result.token_ids[3] < V
     assert [result.finish_reason(r) for r in range(4)] == ["non_finite_logits"] * 3 + [None]
+
+
+def test_on_vulkan_the_fused_path_gives_the_staged_tokens(device_kernels) -> None:
+    """The runtime on Vulkan (lavapipe here): sample_from_logits equals the staged path on the same device."""
+    if device_kernels["vulkan"] is None:
+        pytest.skip("no vulkan device here")
+    from logitproc import LogitProcessor, Sampler
+    from logitproc.compile import build_kernels
+
+    device, _ = device_kernels["vulkan"]
+    lib = build_kernels("vulkan")
+    proc = LogitProcessor(lib, vocab_size=V, max_num_token=16, device=device)
+    sampler = Sampler(lib, vocab_size=V, max_num_token=16, device=device)
+    staged = run_steps(proc, sampler, make_states(CONFIGS, SOURCES), False, 3, 40)
+    fused = run_steps(proc, sampler, make_states(CONFIGS, SOURCES), True, 3, 40)
+    for a, b in zip(staged, fused, strict=True):
+        np.testing.assert_array_equal(a.token_ids, b.token_ids)
+        np.testing.assert_array_equal(a.logprobs, b.logprobs)
+        assert a.top_logprobs == b.top_logprobs
