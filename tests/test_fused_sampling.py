@@ -179,3 +179,21 @@ def test_on_vulkan_the_fused_path_gives_the_staged_tokens(device_kernels) -> Non
         np.testing.assert_array_equal(a.token_ids, b.token_ids)
         np.testing.assert_array_equal(a.logprobs, b.logprobs)
         assert a.top_logprobs == b.top_logprobs
+
+
+def test_draft_rows_give_the_staged_tokens(proc, sampler) -> None:
+    """Rows of draft chains (sharing their sequence's random stream) draw exactly as in the staged path."""
+    drafts = [[4, 8, 15], None, [16]]
+    configs = [GenerationConfig(seed=1, top_p=0.9), GenerationConfig(temperature=0.0), GenerationConfig(seed=3)]
+    results = []
+    for fused in (False, True):
+        states = [RequestState([1, 2], c) for c in configs]
+        logits = (np.random.default_rng(9).standard_normal((7, V)) * 3).astype(np.float32)
+        batch = proc.batch(states, draft_trees=drafts)
+        proc.inplace_update_logits(logits, batch)
+        if fused:
+            results.append(sampler.sample_from_logits(logits, batch))
+        else:
+            results.append(sampler.sample(sampler.renormalize(proc.compute_probs_from_logits(logits, batch), batch),
+                                          batch))
+    np.testing.assert_array_equal(results[0].token_ids, results[1].token_ids)
