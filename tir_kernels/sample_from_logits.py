@@ -19,10 +19,11 @@ any row filters). Greedy rows (temperature 0) are the first index of the row max
 written anywhere.
 
 CPU: rows in parallel. Per row, one pass reads the logits from memory (the maximum); the exp pass (``fast_exp``) stores
-the row's exps in a per-thread scratch row (a workspace of ``vocab`` floats, reused row after row, so it stays in L2
-with the logits row), and every later pass reads that scratch: the probabilities are ``exp * (1 / sum)``, recomputed
-where read rather than stored; renormalize's threshold search runs on them as is, and the sampling pass reads only
-the steps of blocks whose maximum is kept (the others add exact zeros to the staged kernel's sums).
+the row's exps in a per-thread scratch row (a workspace of ``vocab`` floats, reused row after row, so it stays in
+cache: L2, or L3 where the logits row and the exps row together exceed L2, as at vocab 128256 with 512 KB of L2),
+and every later pass reads that scratch: the probabilities are ``exp * (1 / sum)``, recomputed where read rather than
+stored; renormalize's threshold search runs on them as is, and the sampling pass reads only the steps of blocks whose
+maximum is kept (the others add exact zeros to the staged kernel's sums).
 GPU: one block per row; nothing is stored: each pass recomputes ``exp((x - max) * scale) * (1 / sum)`` from the
 logits (as the staged softmax's write pass does), then renormalize's and multinomial's block algorithms run on it.
 """
