@@ -23,7 +23,8 @@ CPU: one pass sums the row in blocks (vectorised, each block reduced in a fixed 
 the walk over the block sums repeats the exact additions that made the total, so it always stops in a block of
 positive mass when ``uniform < 1``; a scalar scan inside that block finds the token. GPU: each thread sums a
 contiguous segment of the row, an inclusive scan over the segment sums (shared memory) finds the segment holding
-the target, and the thread owning it scans inside its segment.
+the target, and the thread owning it scans inside its segment. The per-row work is a TVMScript macro reading the row
+through ``value(i)`` (``cpu_row_macro``, ``gpu_row_macro``), shared with ``sample_from_logits``.
 """
 
 from __future__ import annotations

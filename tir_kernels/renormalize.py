@@ -48,6 +48,10 @@ min, max) in shared memory; every thread holds the same bisection state. CUDA, R
 WGSL runs a fixed 31 steps per bisection (idle, without reading the row, once converged) because its uniformity
 analysis only allows barriers in uniform control flow. Sums of subnormal values assume no flush-to-zero (Metal
 flushes: rows whose whole mass is subnormal are not supported there).
+
+The per-row work is written once as TVMScript macros reading the row through ``value(i)`` (``cpu_row_macros``,
+``gpu_row_macros``): this kernel passes ``probs[r, i]``; ``sample_from_logits`` passes the probability it computes,
+so that both find the same threshold.
 """
 
 from __future__ import annotations
