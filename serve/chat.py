@@ -245,6 +245,8 @@ class ChatSession:
                 self.say(f"schema: {({True: 'valid', False: 'INVALID', None: 'not checked'})[out.schema_valid]}"
                          + (f" (relaxed: {', '.join(out.relaxed_keywords)})" if out.relaxed_keywords else "")
                          + (f": {out.schema_error}" if out.schema_error else ""))
+            if out.closing_note is not None:
+                self.say(f"document: {out.closing_note}")
 
     def _settings(self, arg: str) -> None:
         from logitproc.runtime import GenerationConfig
