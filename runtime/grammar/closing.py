@@ -96,8 +96,8 @@ def _byte_class(byte: int) -> int:
 def _complete_bytes(matcher: GrammarMatcher, singles: dict[int, int], max_tries: int, max_bytes: int,
                     novelty: bool) -> bytes | None:
     """The depth-first search of the module doc, over bytes; the matcher is restored before returning. With
-    ``novelty`` the byte classes are tried least recently used first (a pattern that needs a byte late in the order
-    of preference), the order of preference breaking ties."""
+    ``novelty`` the byte classes are tried least recently used first, and in a class the bytes least recently used
+    first (a pattern that needs a byte late in the order of preference), the order of preference breaking ties."""
     order = [b for b in PREFERENCE if b in singles]
     path = bytearray()
     # One frame per position: (candidate bytes, next index to try, bytes taken at this position).
@@ -118,8 +118,10 @@ def _complete_bytes(matcher: GrammarMatcher, singles: dict[int, int], max_tries:
                     continue
             if novelty:
                 # least recently used class first (a round-robin over the classes); whitespace always last
-                last = {_byte_class(b): i for i, b in enumerate(path)}
-                candidates = sorted(order, key=lambda b: (b in WHITESPACE, last.get(_byte_class(b), -1)))
+                last_class = {_byte_class(b): i for i, b in enumerate(path)}
+                last_byte = {b: i for i, b in enumerate(path)}
+                candidates = sorted(order, key=lambda b: (b in WHITESPACE, last_class.get(_byte_class(b), -1),
+                                                          last_byte.get(b, -1)))
             else:
                 previous = path[-1] if path and chr(path[-1]).isalnum() else -1
                 candidates = [b for b in order if b != previous] + ([previous] if previous in singles else [])
