@@ -44,12 +44,15 @@ class Generation:
 
 def drive(source: GrammarSource, adapter: TokenizerAdapter, rng: np.random.Generator, bonus: np.ndarray,
           max_steps: int = 400, patience: int = 8, jump_forward: bool = False,
-          mask_times: list[float] | None = None, max_tokens: int | None = None) -> Generation:
+          mask_times: list[float] | None = None, max_tokens: int | None = None,
+          closing: DocumentClosing | None = None) -> Generation:
     """One random generation; with ``mask_times``, the seconds of each mask fill are appended to it; with
-    ``max_tokens``, it ends after that many tokens (EOS included), closed in time by a ``DocumentClosing``."""
+    ``max_tokens``, it ends after that many tokens (EOS included), closed in time by ``closing`` (a fresh
+    ``DocumentClosing`` of ``source`` by default)."""
     row = np.empty((adapter.vocab_size + 31) // 32, np.int32)
     extra = np.empty_like(row)
-    closing = DocumentClosing(source, max_tokens) if max_tokens is not None else None
+    if closing is None and max_tokens is not None:
+        closing = DocumentClosing(source, max_tokens)
     sources = [source] if closing is None else [source, closing]
     out: list[int] = []
     eos = set(adapter.eos_token_ids)

@@ -30,6 +30,7 @@ forgets every plan.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -44,9 +45,11 @@ from .tokenizer_adapter import TokenizerAdapter
 PREFERENCE = (b'"}])' + b",:" + b"0123456789" + bytes(range(ord("a"), ord("z") + 1))
               + bytes(range(ord("A"), ord("Z") + 1)) + b"-_.+'/@#$%&*=?!;<>[({|~^`\\" + b" \n\t\r")
 #: Bounds of one search: tokens tried (accepted or refused) and the longest completion in bytes.
-MAX_TRIES = 8_000
+MAX_TRIES = 4_000
 MAX_BYTES = 1024
 WHITESPACE = frozenset(b" \n\t\r")
+#: The second pass looks this many bytes back for the classes and bytes used recently.
+NOVELTY = 32
 #: Plans are computed when the budget left is at most the last plan's length plus WINDOW, else every REFRESH tokens.
 WINDOW = 64
 REFRESH = 16
@@ -87,10 +90,9 @@ def shortest_completion(matcher: GrammarMatcher, tokenizer: TokenizerAdapter, si
     return per_byte
 
 
-def _byte_class(byte: int) -> int:
-    """Digits, lowercase and uppercase letters are one class each (-1, -2, -3); any other byte is its own."""
-    char = chr(byte)
-    return -1 if char.isdigit() else -2 if char.islower() else -3 if char.isupper() else byte
+#: Byte classes of the second pass: digits, lowercase and uppercase ASCII letters are one class each (-1, -2, -3);
+#: any other byte is its own.
+BYTE_CLASS = tuple(-1 if 48 <= b <= 57 else -2 if 97 <= b <= 122 else -3 if 65 <= b <= 90 else b for b in range(256))
 
 
 def _complete_bytes(matcher: GrammarMatcher, singles: dict[int, int], max_tries: int, max_bytes: int,
@@ -118,9 +120,10 @@ def _complete_bytes(matcher: GrammarMatcher, singles: dict[int, int], max_tries:
                     continue
             if novelty:
                 # least recently used class first (a round-robin over the classes); whitespace always last
-                last_class = {_byte_class(b): i for i, b in enumerate(path)}
-                last_byte = {b: i for i, b in enumerate(path)}
-                candidates = sorted(order, key=lambda b: (b in WHITESPACE, last_class.get(_byte_class(b), -1),
+                recent = path[-NOVELTY:]
+                last_class = {BYTE_CLASS[b]: i for i, b in enumerate(recent)}
+                last_byte = {b: i for i, b in enumerate(recent)}
+                candidates = sorted(order, key=lambda b: (b in WHITESPACE, last_class.get(BYTE_CLASS[b], -1),
                                                           last_byte.get(b, -1)))
             else:
                 previous = path[-1] if path and chr(path[-1]).isalnum() else -1
@@ -172,9 +175,10 @@ class DocumentClosing:
         self._estimate: int | None = None  # length of the latest plan, and where it was computed
         self._estimated_at = 0
         self._retry_after = REFRESH  # after a failed search: tokens until the next one (doubled at each failure)
-        #: Plans computed, and seconds spent computing them (for the benchmark).
+        #: Plans computed, the seconds spent computing them and the longest one (for the benchmark).
         self.searches = 0
         self.search_seconds = 0.0
+        self.longest_search = 0.0
 
     # ---- plans ---------------------------------------------------------------------------------------------------
     def _due(self, position: int, budget: int) -> bool:
@@ -208,8 +212,6 @@ class DocumentClosing:
         return plan
 
     def _search(self, path: list[int]) -> list[int] | None:
-        import time
-
         matcher = self.grammar.matcher
         started = time.perf_counter()
         taken = matcher.try_accept_tokens(path) if path else 0
@@ -219,8 +221,10 @@ class DocumentClosing:
             return shortest_completion(matcher, self.grammar.tokenizer, self._singles)
         finally:
             matcher.rollback(taken)
+            seconds = time.perf_counter() - started
             self.searches += 1
-            self.search_seconds += time.perf_counter() - started
+            self.search_seconds += seconds
+            self.longest_search = max(self.longest_search, seconds)
 
     # ---- TokenMaskSource -------------------------------------------------------------------------------------------
     def fill_bitmask(self, row: np.ndarray, draft_path: Sequence[int]) -> bool:
