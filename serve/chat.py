@@ -314,7 +314,8 @@ class ChatSession:
             raise
         finally:
             signal.signal(signal.SIGINT, previous)
-        cut = cut_note(output, self.config)
+        cut = "closed to fit max_tokens" if output.closed_at_max_tokens and output.grammar_complete else cut_note(
+            output, self.config)
         self.say(" [stopped]" if output.finish_reason == "abort" else f" [{cut}]" if cut else "")
         if output.finish_reason == "grammar_dead_end":
             self.say("(the constraint allowed no further token)")
