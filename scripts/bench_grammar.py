@@ -32,7 +32,7 @@ from logitproc.compile import build_kernels  # noqa: E402
 from logitproc.runtime.answer_check import check_answer  # noqa: E402
 from logitproc.runtime.constraints import ConstraintFactory  # noqa: E402
 from logitproc.runtime.grammar import GrammarError, GrammarSource, TokenizerAdapter, get_backend  # noqa: E402
-from logitproc.runtime.grammar.closing import DocumentClosing, byte_tokens, shortest_completion  # noqa: E402
+from logitproc.runtime.grammar.closing import DocumentClosing, shortest_completion  # noqa: E402
 from logitproc.runtime.response_format import ResponseFormat, parse_response_format  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
@@ -115,7 +115,6 @@ def closing(adapter: TokenizerAdapter, bonus: np.ndarray) -> None:
     """Random-logit answers (no bonus for closers: only the closing ends them) of the vendored schemas at
     max_tokens 16, 32, 64: whole documents where the closing's minimum fits, and the closing's cost per step."""
     backend = get_backend("llguidance", adapter)
-    singles = byte_tokens(adapter)
     print("\n## Closing at max_tokens (llguidance, check-jsonschema vendored schemas, 4 random answers each)\n")
     print("| max_tokens | answers | minimum fits | complete where it fits | complete where it does not | valid JSON "
           "(schema) | steps | closing ms/step (mean) | searches/step | ms/search (mean, max) |")
@@ -127,7 +126,7 @@ def closing(adapter: TokenizerAdapter, bonus: np.ndarray) -> None:
         except GrammarError:
             continue
         started = time.perf_counter()
-        plan = shortest_completion(backend.matcher(compiled[name]), adapter, singles)
+        plan = shortest_completion(backend.matcher(compiled[name]), adapter)
         initial.append((time.perf_counter() - started, name, plan))
         least[name] = len(plan) if plan is not None else None
     for max_tokens in (16, 32, 64):

@@ -14,7 +14,7 @@ from grammar_driver import allowed_ids, closer_bonus, drive
 from logitproc.runtime.answer_check import check_answer
 from logitproc.runtime.grammar import GrammarSource, TokenizerAdapter, get_backend
 from logitproc.runtime.grammar.backend import GrammarError
-from logitproc.runtime.grammar.closing import DocumentClosing, byte_tokens, shortest_completion
+from logitproc.runtime.grammar.closing import DocumentClosing, shortest_completion
 from logitproc.runtime.response_format import ResponseFormat, parse_response_format
 from tokenizers import Tokenizer
 
@@ -42,7 +42,7 @@ def engine(name: str, adapter: TokenizerAdapter):
 
 def minimum(backend, compiled, adapter) -> int | None:
     """The closing plan's length from the start (an upper bound on the shortest completion)."""
-    plan = shortest_completion(backend.matcher(compiled), adapter, byte_tokens(adapter))
+    plan = shortest_completion(backend.matcher(compiled), adapter)
     return None if plan is None else len(plan)
 
 
@@ -64,7 +64,7 @@ def test_the_completion_search_completes_and_leaves_the_matcher_as_it_was(adapte
         for token in adapter.encode({"regex": "(12", "grammar": "[(1"}.get(fmt.kind, '{"version"')):
             source.accept_token(token)
         before = mask(source)
-        plan = shortest_completion(source.matcher, adapter, byte_tokens(adapter))
+        plan = shortest_completion(source.matcher, adapter)
         assert plan, fmt.kind
         assert np.array_equal(mask(source), before)  # rolled back to where it was
         for token in plan:

@@ -4,9 +4,11 @@ source that keeps one within the token budget so that the answer never ends mid-
 **The completion search** (:func:`shortest_completion`) runs on the sequence's own matcher and rolls back every
 token it tries, so the matcher ends exactly where it started. It is a depth-first search over single bytes (each
 byte fed as the vocabulary's one-byte token) in a fixed order of preference: what closes first (``"``, ``}``, ``]``,
-``)``), then separators, digits, letters, other punctuation, whitespace last; the byte just taken is tried last at
-the next position (so ``a+b`` ends ``ab``, not ``aaa...``). Where the grammar forces bytes (``forced_bytes``: the
-required keys of a JSON object, the rest of an enum value) they are taken at once. The first byte string that
+``)``), then separators, digits, letters, other punctuation, whitespace last; the letter or digit just taken is
+tried last at the next position (so ``a+b`` ends ``ab``, not ``aaa...``). Where the grammar forces bytes
+(``forced_bytes``: the required keys of a JSON object, the rest of an enum value) they are taken at once. When that
+finds nothing within its bounds, a second pass tries byte classes least recently used first (a string pattern that
+needs ``/`` or ``@``, late in the order of preference). The first byte string that
 reaches an accepting state is tokenised with the real tokenizer (kept when the grammar takes those tokens, else one
 token per byte), giving the plan: a token sequence that completes the document. Its length is an upper bound on the
 minimum (the search is not exhaustive), which is safe: the document only closes a little earlier. The search is
@@ -24,8 +26,8 @@ included) and a plan of ``len(plan)`` tokens:
 
 Plans are computed only near the end: when the budget left is within ``WINDOW`` tokens of the last plan's length,
 and every ``REFRESH`` tokens otherwise (a token can lengthen the completion a lot: ``{`` of an object with required
-keys), so ordinary steps pay nothing. Committing the plan's next token shifts the plan (no new search); a rollback
-forgets every plan.
+keys), so ordinary steps pay nothing but one search per ``REFRESH`` tokens. Committing the plan's next token shifts
+the plan (no new search); a rollback forgets every plan.
 """
 
 from __future__ import annotations
@@ -55,19 +57,11 @@ WINDOW = 64
 REFRESH = 16
 
 
-def byte_tokens(tokenizer: TokenizerAdapter) -> dict[int, int]:
-    """The vocabulary's one-byte tokens: byte value -> token id (the first id with exactly that byte)."""
-    out: dict[int, int] = {}
-    for index, text in enumerate(tokenizer.token_bytes):
-        if len(text) == 1 and text[0] not in out:
-            out[text[0]] = index
-    return out
-
-
-def shortest_completion(matcher: GrammarMatcher, tokenizer: TokenizerAdapter, singles: dict[int, int],
-                        max_tries: int = MAX_TRIES, max_bytes: int = MAX_BYTES) -> list[int] | None:
+def shortest_completion(matcher: GrammarMatcher, tokenizer: TokenizerAdapter, max_tries: int = MAX_TRIES,
+                        max_bytes: int = MAX_BYTES) -> list[int] | None:
     """Tokens that take ``matcher`` from its state to an accepting one ([] when it accepts already), or None when
     the bounded search finds none. The matcher is left in the state it had."""
+    singles = tokenizer.byte_tokens
     found = _complete_bytes(matcher, singles, max_tries // 4, max_bytes, novelty=False)
     if found is None:
         found = _complete_bytes(matcher, singles, max_tries, max_bytes, novelty=True)
@@ -168,7 +162,6 @@ class DocumentClosing:
         self.closed = False
         #: No completion fits in the tokens left (found by a search from the committed state): the answer is cut.
         self.cut = False
-        self._singles = byte_tokens(grammar.tokenizer)
         self._eos = grammar.tokenizer.eos_token_ids
         # Plans by the tokens after the committed ones (() is the current state's plan).
         self._plans: dict[tuple[int, ...], list[int] | None] = {}
@@ -218,7 +211,7 @@ class DocumentClosing:
         try:
             if taken < len(path):
                 return None
-            return shortest_completion(matcher, self.grammar.tokenizer, self._singles)
+            return shortest_completion(matcher, self.grammar.tokenizer)
         finally:
             matcher.rollback(taken)
             seconds = time.perf_counter() - started
