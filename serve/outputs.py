@@ -189,8 +189,11 @@ class Output:
     def closing_note(self) -> str | None:
         """For people: how a constrained answer ended against ``max_tokens`` (None when it was not concerned)."""
         if self.closed_at_max_tokens and self.grammar_complete:
-            return ("closed to fit max_tokens: the closing chose the last tokens so that the document is complete "
-                    "(the budget, not the model, ended it)")
+            if self.finish_reason == "length":
+                return ("closed to fit max_tokens: the closing chose the last tokens so that the document is "
+                        "complete (the budget, not the model, ended it)")
+            return ("closed to fit max_tokens: the closing chose some of the last tokens so that the document is "
+                    "complete")
         if self.grammar_complete is False and self.finish_reason == "length":
             return "cut mid-document: no completion of the document fitted in the tokens left"
         return None
