@@ -174,7 +174,8 @@ class Output:
     #: Schema keywords the grammar did not enforce while generating (a relaxed compile); ``schema_valid`` checks them.
     relaxed_keywords: tuple[str, ...] = ()
     #: A response format's grammar: whether the output is a whole match of it (a complete document); None without
-    #: one (and inside a think block's grammar, which is not tracked here).
+    #: one, for aborted and failed answers, when a stop string trimmed the text, and for a grammar inside a think
+    #: block (not tracked here).
     grammar_complete: bool | None = None
     #: The closing chose at least one token so that the document ended complete within ``max_tokens`` (finish reason
     #: "length", or "stop" when it ended with EOS): the model did not end it; False when it did, or when no completion

@@ -5,6 +5,7 @@ completion fits in the budget, the answer is cut and says so, and nothing fails.
 from __future__ import annotations
 
 import json
+import math
 import re
 
 import material
@@ -243,3 +244,24 @@ def test_engine_regex_answers_close_with_xgrammar_too(tiny) -> None:
         for out in engine.generate("mail", GenerationConfig(temperature=1.0, seed=1, n=4, max_tokens=12,
                                                             response_format={"type": "regex", "regex": pattern})):
             assert out.grammar_complete and re.fullmatch(pattern, out.text), (backend, out.text)
+
+
+def test_engine_edge_cases_end_cleanly(tiny) -> None:
+    """A format that accepts at once (``a*``) at max_tokens 1; logprobs of closed answers (the closing's forced
+    tokens have probability 1); a stop string that trims the document (completeness then unknown, not claimed)."""
+    from logitproc.runtime import GenerationConfig
+    from logitproc.serve.engine import Engine
+
+    engine = Engine(tiny, max_batch=4)
+    schema = {"type": "json_schema", "json_schema": {"schema": {"type": "object", "required": ["a"],
+                                                                "properties": {"a": {"type": "string"}}}}}
+    for out in engine.generate("x", GenerationConfig(temperature=1.0, seed=2, max_tokens=1, n=2,
+                                                     response_format={"type": "regex", "regex": "a*"})):
+        assert out.grammar_complete and re.fullmatch("a*", out.text)
+    for out in engine.generate("x", GenerationConfig(temperature=1.0, seed=3, max_tokens=16, n=2, logprobs=True,
+                                                     top_logprobs=2, response_format=schema)):
+        assert out.grammar_complete and out.schema_valid and len(out.logprobs) == len(out.token_ids)
+        assert all(math.isfinite(lp) or lp == float("-inf") for lp in out.logprobs)
+    out = engine.generate("x", GenerationConfig(temperature=1.0, seed=3, max_tokens=9, stop=["}"],
+                                                response_format=schema))[0]
+    assert out.finish_reason == "stop" and out.grammar_complete is None and "}" not in out.text
