@@ -113,7 +113,8 @@ def coverage(adapter: TokenizerAdapter, bonus: np.ndarray) -> None:
 
 def closing(adapter: TokenizerAdapter, bonus: np.ndarray) -> None:
     """Random-logit answers (no bonus for closers: only the closing ends them) of the vendored schemas at
-    max_tokens 16, 32, 64: whole documents where the closing's minimum fits, and the closing's cost per step."""
+    max_tokens 16, 32, 64 and 256: whole documents where the closing's minimum fits, and the closing's cost per step
+    (at 256, most steps are outside the closing's window)."""
     backend = get_backend("llguidance", adapter)
     print("\n## Closing at max_tokens (llguidance, check-jsonschema vendored schemas, 4 random answers each)\n")
     print("| max_tokens | answers | minimum fits | complete where it fits | complete where it does not | valid JSON "
@@ -129,7 +130,7 @@ def closing(adapter: TokenizerAdapter, bonus: np.ndarray) -> None:
         plan = shortest_completion(backend.matcher(compiled[name]), adapter)
         initial.append((time.perf_counter() - started, name, plan))
         least[name] = len(plan) if plan is not None else None
-    for max_tokens in (16, 32, 64):
+    for max_tokens in (16, 32, 64, 256):
         answers = fits = complete_fit = complete_other = valid = steps = searches = 0
         seconds, longest = 0.0, 0.0
         for index, (name, grammar) in enumerate(compiled.items()):
