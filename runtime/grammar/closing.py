@@ -46,7 +46,8 @@ from .tokenizer_adapter import TokenizerAdapter
 #: whitespace.
 PREFERENCE = (b'"}])' + b",:" + b"0123456789" + bytes(range(ord("a"), ord("z") + 1))
               + bytes(range(ord("A"), ord("Z") + 1)) + b"-_.+'/@#$%&*=?!;<>[({|~^`\\" + b" \n\t\r")
-#: Bounds of one search: tokens tried (accepted or refused) and the longest completion in bytes.
+#: Bounds of one search: tokens tried (accepted or refused) by the first pass (the second tries half as many) and
+#: the longest completion in bytes.
 MAX_TRIES = 4_000
 MAX_BYTES = 1024
 WHITESPACE = frozenset(b" \n\t\r")
@@ -62,9 +63,9 @@ def shortest_completion(matcher: GrammarMatcher, tokenizer: TokenizerAdapter, ma
     """Tokens that take ``matcher`` from its state to an accepting one ([] when it accepts already), or None when
     the bounded search finds none. The matcher is left in the state it had."""
     singles = tokenizer.byte_tokens
-    found = _complete_bytes(matcher, singles, max_tries // 4, max_bytes, novelty=False)
+    found = _complete_bytes(matcher, singles, max_tries, max_bytes, novelty=False)
     if found is None:
-        found = _complete_bytes(matcher, singles, max_tries, max_bytes, novelty=True)
+        found = _complete_bytes(matcher, singles, max_tries // 2, max_bytes, novelty=True)
     if found is None:
         return None
     if not found:
