@@ -56,7 +56,8 @@ def commit_row(seq: GeneratedSequence, result: SampleResult, row: int, delta: De
         seq.feed = [token]
     stats.completion_tokens += 1
     if seq.logprobs is not None:
-        logprob = float(result.logprobs[row]) if token == sampled else substituted_logprob(result, row, token)
+        # a token the closing put in the sample's place was chosen with certainty: 0.0, as a one-token mask gives
+        logprob = float(result.logprobs[row]) if token == sampled else 0.0
         seq.logprobs.append(logprob)
         delta.logprobs = (delta.logprobs or []) + [logprob]
     if seq.top_logprobs is not None:
@@ -64,12 +65,6 @@ def commit_row(seq: GeneratedSequence, result: SampleResult, row: int, delta: De
         seq.top_logprobs.append(top)
         delta.top_logprobs = (delta.top_logprobs or []) + [top]
     seq.commit(token, delta)
-
-
-def substituted_logprob(result: SampleResult, row: int, token: int) -> float:
-    """The log-probability of ``token``, which the closing committed instead of the row's sample: found among the
-    row's top logprobs, else -inf (it was not sampled; the server writes -9999.0)."""
-    return next((lp for t, lp in result.top_logprobs[row] or [] if t == token), float("-inf"))
 
 
 def commit_verified(model: Runner, seq: GeneratedSequence, result: SampleResult, first: int, drafts: list[int],

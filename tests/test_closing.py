@@ -261,7 +261,7 @@ def test_engine_edge_cases_end_cleanly(tiny) -> None:
     for out in engine.generate("x", GenerationConfig(temperature=1.0, seed=3, max_tokens=16, n=2, logprobs=True,
                                                      top_logprobs=2, response_format=schema)):
         assert out.grammar_complete and out.schema_valid and len(out.logprobs) == len(out.token_ids)
-        assert all(math.isfinite(lp) or lp == float("-inf") for lp in out.logprobs)
+        assert all(math.isfinite(lp) and lp <= 0 for lp in out.logprobs)
     out = engine.generate("x", GenerationConfig(temperature=1.0, seed=3, max_tokens=9, stop=["}"],
                                                 response_format=schema))[0]
     assert out.finish_reason == "stop" and out.grammar_complete is None and "}" not in out.text
