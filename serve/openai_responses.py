@@ -6,7 +6,9 @@ are, the way vLLM passes "abort" through. ``stop_reason`` (vLLM's extension) is 
 ended a sequence. A log-probability of -inf is written as -9999.0 (as vLLM does): JSON has no infinity. A JSON
 response format adds the answer's check to its choice (our extension): ``schema_valid`` (the whole schema accepts
 the answer; null when it could not be checked), ``schema_error`` (why not) and ``relaxed_keywords`` (the schema
-keywords the grammar did not enforce while generating).
+keywords the grammar did not enforce while generating). Any response format adds ``grammar_complete`` (the answer is
+a whole match of its grammar) and ``closed_at_max_tokens`` (the closing chose the last tokens so that the document
+ended complete within max_tokens; finish_reason stays "length").
 """
 
 from __future__ import annotations
@@ -149,11 +151,15 @@ def delta_choice(head: ResponseHead, index: int, delta: Delta, token_text: Token
 
 
 def answer_check(out: Output) -> dict[str, Any]:
-    """The choice fields of a JSON answer's check (none for other answers)."""
-    if out.schema_valid is None and out.schema_error is None and not out.relaxed_keywords:
-        return {}
-    return {"schema_valid": out.schema_valid, "schema_error": out.schema_error,
-            "relaxed_keywords": list(out.relaxed_keywords)}
+    """The choice fields of a constrained answer: its grammar's verdict (``grammar_complete``,
+    ``closed_at_max_tokens``) and a JSON answer's check (none for unconstrained answers)."""
+    fields: dict[str, Any] = {}
+    if out.grammar_complete is not None:
+        fields.update(grammar_complete=out.grammar_complete, closed_at_max_tokens=out.closed_at_max_tokens)
+    if out.schema_valid is not None or out.schema_error is not None or out.relaxed_keywords:
+        fields.update(schema_valid=out.schema_valid, schema_error=out.schema_error,
+                      relaxed_keywords=list(out.relaxed_keywords))
+    return fields
 
 
 def usage_chunk(head: ResponseHead, prompt_tokens: int, completion_tokens: int,

@@ -173,10 +173,31 @@ class Output:
     schema_error: str | None = None
     #: Schema keywords the grammar did not enforce while generating (a relaxed compile); ``schema_valid`` checks them.
     relaxed_keywords: tuple[str, ...] = ()
+    #: A response format's grammar: whether the output is a whole match of it (a complete document); None without
+    #: one, for aborted and failed answers, when a stop string trimmed the text, and for a grammar inside a think
+    #: block (not tracked here).
+    grammar_complete: bool | None = None
+    #: The closing chose at least one token so that the document ended complete within ``max_tokens`` (finish reason
+    #: "length", or "stop" when it ended with EOS): the model did not end it; False when it did, or when no completion
+    #: fitted in the budget (then ``grammar_complete`` is False: the document is cut).
+    closed_at_max_tokens: bool = False
 
     @property
     def usage(self) -> dict[str, int]:
         return self.stats.usage
+
+    @property
+    def closing_note(self) -> str | None:
+        """For people: how a constrained answer ended against ``max_tokens`` (None when it was not concerned)."""
+        if self.closed_at_max_tokens and self.grammar_complete:
+            if self.finish_reason == "length":
+                return ("closed to fit max_tokens: the closing chose the last tokens so that the document is "
+                        "complete (the budget, not the model, ended it)")
+            return ("closed to fit max_tokens: the closing chose some of the last tokens so that the document is "
+                    "complete")
+        if self.grammar_complete is False and self.finish_reason == "length":
+            return "cut mid-document: no completion of the document fitted in the tokens left"
+        return None
 
 
 @dataclass

@@ -183,4 +183,7 @@ class GeneratedSequence:
             schema_valid=None if self.check is None else self.check.valid,
             schema_error=None if self.check is None else self.check.error,
             relaxed_keywords=self.relaxed_keywords,
+            grammar_complete=None if self.finish_reason in (None, "abort", "error") or self.stops.stopped
+            else self.state.grammar_complete,
+            closed_at_max_tokens=self.state.closed_at_max_tokens,
         )

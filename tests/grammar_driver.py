@@ -3,7 +3,9 @@
 Each step draws Gumbel noise over the vocabulary (random logits), keeps the tokens the mask allows and takes the
 best. After ``patience`` steps, tokens holding a closing character of JSON (quote, bracket, brace, comma) or EOS get
 a bonus that grows with the step, so that a random output also finishes (a uniformly random token almost never
-closes a string in a 129k vocabulary). Jump-forward, when on, appends forced text through ``GrammarSource``.
+closes a string in a 129k vocabulary). Jump-forward, when on, appends forced text through ``GrammarSource``. With
+``max_tokens``, a ``DocumentClosing`` keeps the answer closable within that many tokens, as in the engine: its mask
+is applied with the grammar's, and each chosen token goes through ``closable_token`` before it is committed.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from logitproc.runtime.grammar import GrammarSource, TokenizerAdapter
+from logitproc.runtime.grammar.closing import DocumentClosing
 
 CLOSERS = (b'"', b"}", b"]", b",")
 
@@ -35,40 +38,67 @@ class Generation:
     dead_end: bool
     model_steps: int
     jumped_tokens: int
+    complete: bool = False  # the grammar accepts the output (EOS taken, or allowed where it ended)
+    closed: bool = False  # the closing chose at least one token (max_tokens given)
 
 
 def drive(source: GrammarSource, adapter: TokenizerAdapter, rng: np.random.Generator, bonus: np.ndarray,
           max_steps: int = 400, patience: int = 8, jump_forward: bool = False,
-          mask_times: list[float] | None = None) -> Generation:
-    """One random generation; with ``mask_times``, the seconds of each mask fill are appended to it."""
+          mask_times: list[float] | None = None, max_tokens: int | None = None,
+          closing: DocumentClosing | None = None) -> Generation:
+    """One random generation; with ``mask_times``, the seconds of each mask fill are appended to it; with
+    ``max_tokens``, it ends after that many tokens (EOS included), closed in time by ``closing`` (a fresh
+    ``DocumentClosing`` of ``source`` by default)."""
     row = np.empty((adapter.vocab_size + 31) // 32, np.int32)
+    extra = np.empty_like(row)
+    if closing is None and max_tokens is not None:
+        closing = DocumentClosing(source, max_tokens)
+    sources = [source] if closing is None else [source, closing]
     out: list[int] = []
     eos = set(adapter.eos_token_ids)
     steps = jumped = 0
-    while steps < max_steps:
+
+    def result(finished: bool, dead_end: bool = False) -> Generation:
+        complete = finished or source.is_accepting
+        return Generation(out, adapter.decode_bytes(out), finished, dead_end, steps, jumped, complete,
+                          closing is not None and closing.closed)
+
+    def commit(token: int) -> None:
+        for s in sources:
+            s.accept_token(token)
+        out.append(token)
+
+    while steps < max_steps and (max_tokens is None or len(out) < max_tokens):
         if jump_forward:
             found = source.jump_forward(out)
-            if found is not None:
-                source.rollback(found.rollback)
+            if found is not None and (max_tokens is None or len(out) - found.rollback + len(found.token_ids)
+                                      <= max_tokens):
+                for s in sources:
+                    s.rollback(found.rollback)
                 del out[len(out) - found.rollback:]
                 for t in found.token_ids:
-                    source.accept_token(t)
-                out.extend(found.token_ids)
+                    commit(t)
                 jumped += len(found.token_ids)
+                if max_tokens is not None and len(out) >= max_tokens:
+                    break
         started = time.perf_counter()
         source.fill_bitmask(row, [])
+        if closing is not None and closing.fill_bitmask(extra, []):
+            np.bitwise_and(row, extra, out=row)
         if mask_times is not None:
             mask_times.append(time.perf_counter() - started)
         allowed = allowed_ids(row, adapter.vocab_size)
         if allowed.size == 0:
-            return Generation(out, adapter.decode_bytes(out), False, True, steps, jumped)
+            return result(False, True)
         scores = rng.gumbel(size=allowed.size)
         if steps >= patience:
             scores += bonus[allowed] * 0.5 * (steps - patience + 1)
         token = int(allowed[np.argmax(scores)])
+        if closing is not None:
+            token = closing.closable_token(token)
         steps += 1
-        source.accept_token(token)
         if token in eos:
-            return Generation(out, adapter.decode_bytes(out), True, False, steps, jumped)
-        out.append(token)
-    return Generation(out, adapter.decode_bytes(out), False, False, steps, jumped)
+            source.accept_token(token)
+            return result(True)
+        commit(token)
+    return result(False)

@@ -115,6 +115,15 @@ class TokenizerAdapter:
         return out
 
     @cached_property
+    def byte_tokens(self) -> dict[int, int]:
+        """The one-byte tokens: byte value -> the first id whose text is exactly that byte."""
+        out: dict[int, int] = {}
+        for index, text in enumerate(self.token_bytes):
+            if len(text) == 1 and text[0] not in out:
+                out[text[0]] = index
+        return out
+
+    @cached_property
     def extendable(self) -> np.ndarray:
         """bool ``[vocab_size]``: token i's bytes are a strict prefix of another token's (a jump must not end there,
         or the model could never produce the longer token)."""

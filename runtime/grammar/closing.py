@@ -1,0 +1,272 @@
+"""Closing a constrained answer within ``max_tokens``: the shortest completion from a matcher's state, and the mask
+source that keeps one within the token budget so that the answer never ends mid-document.
+
+**The completion search** (:func:`shortest_completion`) runs on the sequence's own matcher and rolls back every
+token it tries, so the matcher ends exactly where it started. It is a depth-first search over single bytes (each
+byte fed as the vocabulary's one-byte token) in a fixed order of preference: what closes first (``"``, ``}``, ``]``,
+``)``), then separators, digits, letters, other punctuation, whitespace last; the letter or digit just taken is
+tried last at the next position (so ``a+b`` ends ``ab``, not ``aaa...``). Where the grammar forces bytes
+(``forced_bytes``: the required keys of a JSON object, the rest of an enum value) they are taken at once. When that
+finds nothing within its bounds, a second pass tries byte classes least recently used first (a string pattern that
+needs ``/`` or ``@``, late in the order of preference). The first byte string that
+reaches an accepting state is tokenised with the real tokenizer (kept when the grammar takes those tokens, else one
+token per byte), giving the plan: a token sequence that completes the document. Its length is an upper bound on the
+minimum (the search is not exhaustive), which is safe: the document only closes a little earlier. The search is
+bounded (``MAX_TRIES`` tokens tried, ``MAX_BYTES`` deep); past that it reports no completion.
+
+**The budget** (:class:`DocumentClosing`, a TokenMaskSource next to the grammar's): at a position with ``budget``
+tokens left (``max_tokens`` minus the tokens generated minus the draft path's length, the token at that position
+included) and a plan of ``len(plan)`` tokens:
+
+    len(plan) == budget   only the plan's next token is allowed (the last token of the budget ends the document)
+    len(plan) <  budget   the grammar's mask; a sampled token after which no plan fits in budget - 1 tokens is
+                          replaced by the plan's next token when it is committed (``closable_token``)
+    len(plan) >  budget   no completion fits (the budget was already too small): nothing is restricted and the
+                          answer is cut (``closed`` stays False; the output says the document is incomplete)
+
+Plans are computed only near the end: when the budget left is within ``WINDOW`` tokens of the last plan's length,
+and every ``REFRESH`` tokens otherwise (a token can lengthen the completion a lot: ``{`` of an object with required
+keys), so ordinary steps pay nothing but one search per ``REFRESH`` tokens. Committing the plan's next token shifts
+the plan (no new search); a rollback forgets every plan.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from ..mask_source import JumpForward
+from .backend import GrammarMatcher
+from .source import GrammarSource
+from .tokenizer_adapter import TokenizerAdapter
+
+#: Bytes tried at each position of the search, best first: closers, separators, digits, letters, punctuation,
+#: whitespace.
+PREFERENCE = (b'"}])' + b",:" + b"0123456789" + bytes(range(ord("a"), ord("z") + 1))
+              + bytes(range(ord("A"), ord("Z") + 1)) + b"-_.+'/@#$%&*=?!;<>[({|~^`\\" + b" \n\t\r")
+#: Bounds of one search: tokens tried (accepted or refused) by the first pass (the second tries half as many) and
+#: the longest completion in bytes.
+MAX_TRIES = 4_000
+MAX_BYTES = 1024
+WHITESPACE = frozenset(b" \n\t\r")
+#: The second pass looks this many bytes back for the classes and bytes used recently.
+NOVELTY = 32
+#: Plans are computed when the budget left is at most the last plan's length plus WINDOW, else every REFRESH tokens.
+WINDOW = 64
+REFRESH = 16
+
+
+def shortest_completion(matcher: GrammarMatcher, tokenizer: TokenizerAdapter, max_tries: int = MAX_TRIES,
+                        max_bytes: int = MAX_BYTES) -> list[int] | None:
+    """Tokens that take ``matcher`` from its state to an accepting one ([] when it accepts already), or None when
+    the bounded search finds none. The matcher is left in the state it had."""
+    singles = tokenizer.byte_tokens
+    found = _complete_bytes(matcher, singles, max_tries, max_bytes, novelty=False)
+    if found is None:
+        found = _complete_bytes(matcher, singles, max_tries // 2, max_bytes, novelty=True)
+    if found is None:
+        return None
+    if not found:
+        return []
+    per_byte = [singles[b] for b in found]
+    try:
+        text = found.decode("utf-8")
+    except UnicodeDecodeError:
+        return per_byte
+    merged = tokenizer.encode(text)
+    if len(merged) < len(per_byte) and tokenizer.decode_bytes(merged) == found:
+        taken = matcher.try_accept_tokens(merged)
+        complete = taken == len(merged) and matcher.is_accepting()
+        matcher.rollback(taken)
+        if complete:
+            return merged
+    return per_byte
+
+
+#: Byte classes of the second pass: digits, lowercase and uppercase ASCII letters are one class each (-1, -2, -3);
+#: any other byte is its own.
+BYTE_CLASS = tuple(-1 if 48 <= b <= 57 else -2 if 97 <= b <= 122 else -3 if 65 <= b <= 90 else b for b in range(256))
+
+
+def _complete_bytes(matcher: GrammarMatcher, singles: dict[int, int], max_tries: int, max_bytes: int,
+                    novelty: bool) -> bytes | None:
+    """The depth-first search of the module doc, over bytes; the matcher is restored before returning. With
+    ``novelty`` the byte classes are tried least recently used first, and in a class the bytes least recently used
+    first (a pattern that needs a byte late in the order of preference), the order of preference breaking ties."""
+    order = [b for b in PREFERENCE if b in singles]
+    path = bytearray()
+    # One frame per position: (candidate bytes, next index to try, bytes taken at this position).
+    frames: list[tuple[list[int], int, int]] = []
+    tries = 0
+    try:
+        while True:
+            if matcher.is_accepting():
+                return bytes(path)
+            forced = matcher.forced_bytes() if len(path) < max_bytes else b""
+            forced_ids = [singles.get(b) for b in forced]
+            if forced and None not in forced_ids:
+                taken = matcher.try_accept_tokens(forced_ids)  # type: ignore[arg-type]
+                tries += len(forced_ids)
+                if taken:
+                    path += forced[:taken]
+                    frames.append(([], 0, taken))
+                    continue
+            if novelty:
+                # least recently used class first (a round-robin over the classes); whitespace always last
+                recent = path[-NOVELTY:]
+                last_class = {BYTE_CLASS[b]: i for i, b in enumerate(recent)}
+                last_byte = {b: i for i, b in enumerate(recent)}
+                candidates = sorted(order, key=lambda b: (b in WHITESPACE, last_class.get(BYTE_CLASS[b], -1),
+                                                          last_byte.get(b, -1)))
+            else:
+                previous = path[-1] if path and chr(path[-1]).isalnum() else -1
+                candidates = [b for b in order if b != previous] + ([previous] if previous in singles else [])
+            frames.append((candidates, 0, 0))
+            # Try the next candidate of the deepest frame; pop frames whose candidates are spent.
+            while True:
+                if tries >= max_tries or not frames:
+                    return None
+                candidates, index, taken = frames[-1]
+                if taken:  # undo this position's byte(s) before trying its next candidate
+                    matcher.rollback(taken)
+                    del path[len(path) - taken :]
+                if index >= len(candidates) or len(path) >= max_bytes:
+                    frames.pop()
+                    continue
+                byte = candidates[index]
+                tries += 1
+                if matcher.try_accept_token(singles[byte]):
+                    path.append(byte)
+                    frames[-1] = (candidates, index + 1, 1)
+                    break
+                frames[-1] = (candidates, index + 1, 0)
+    finally:
+        undo = sum(frame[2] for frame in frames)
+        if undo:
+            matcher.rollback(undo)
+
+
+class DocumentClosing:
+    """The token budget of one sequence's grammar: a TokenMaskSource placed after the grammar's (see the module doc).
+
+    ``max_tokens`` counts every output token, so the source must see every token the sequence commits (it is not
+    for a grammar inside a think block, whose tokens the grammar does not see).
+    """
+
+    def __init__(self, grammar: GrammarSource, max_tokens: int) -> None:
+        self.grammar = grammar
+        self.max_tokens = max_tokens
+        self.generated = 0
+        #: At least one token of the answer was chosen by the closing (a restricted mask or a replaced sample).
+        self.closed = False
+        #: No completion fits in the tokens left (found by a search from the committed state): the answer is cut.
+        self.cut = False
+        self._eos = grammar.tokenizer.eos_token_ids
+        # Plans by the tokens after the committed ones (() is the current state's plan).
+        self._plans: dict[tuple[int, ...], list[int] | None] = {}
+        self._estimate: int | None = None  # length of the latest plan, and where it was computed
+        self._estimated_at = 0
+        self._retry_after = REFRESH  # after a failed search: tokens until the next one (doubled at each failure)
+        #: Plans computed, the seconds spent computing them and the longest one (for the benchmark).
+        self.searches = 0
+        self.search_seconds = 0.0
+        self.longest_search = 0.0
+
+    # ---- plans ---------------------------------------------------------------------------------------------------
+    def _due(self, position: int, budget: int) -> bool:
+        """Whether the position is near enough the end for a plan (else the step pays nothing)."""
+        if self.cut:
+            return False
+        if self._estimate is None:  # never searched, or the last search found nothing
+            return not self.searches or position - self._estimated_at >= self._retry_after
+        return budget <= self._estimate + WINDOW or position - self._estimated_at >= REFRESH
+
+    def plan(self, draft_path: Sequence[int] = ()) -> list[int] | None:
+        """The closing plan after the committed tokens and ``draft_path`` (computed once per state; None: the
+        search found none)."""
+        key = tuple(int(t) for t in draft_path)
+        if key in self._plans:
+            return self._plans[key]
+        base = self._plans.get(())
+        path = list(key)
+        if base is not None and base[: len(path)] == path and len(base) >= len(path):
+            plan: list[int] | None = base[len(path) :]
+        else:
+            plan = self._search(path)
+        self._plans[key] = plan
+        if plan is not None:
+            self._estimate, self._estimated_at, self._retry_after = len(plan), self.generated + len(path), REFRESH
+            # a completion can shorten by one token per token at most: once none fits, none will (searched no more)
+            self.cut = self.cut or (not path and len(plan) > self.max_tokens - self.generated)
+        elif not path:  # nothing found from the committed state: try again later, less and less often
+            self._estimate, self._estimated_at = None, self.generated
+            self._retry_after *= 2
+        return plan
+
+    def _search(self, path: list[int]) -> list[int] | None:
+        matcher = self.grammar.matcher
+        started = time.perf_counter()
+        taken = matcher.try_accept_tokens(path) if path else 0
+        try:
+            if taken < len(path):
+                return None
+            return shortest_completion(matcher, self.grammar.tokenizer)
+        finally:
+            matcher.rollback(taken)
+            seconds = time.perf_counter() - started
+            self.searches += 1
+            self.search_seconds += seconds
+            self.longest_search = max(self.longest_search, seconds)
+
+    # ---- TokenMaskSource -------------------------------------------------------------------------------------------
+    def fill_bitmask(self, row: np.ndarray, draft_path: Sequence[int]) -> bool:
+        position = self.generated + len(draft_path)
+        budget = self.max_tokens - position
+        if budget <= 0:  # past max_tokens (a jump-forward's tokens are checked this way): nothing is allowed
+            row.fill(0)
+            return True
+        if not self._due(position, budget):
+            return False
+        plan = self.plan(draft_path)
+        if plan is None or len(plan) != budget:
+            return False
+        row.fill(0)
+        token = plan[0]
+        row[token >> 5] = np.uint32(1 << (token & 31)).view(np.int32)
+        return True
+
+    def closable_token(self, token_id: int) -> int:
+        """The token to commit in place of the sampled ``token_id``: itself, unless no plan would fit in the budget
+        after it while one fits now; then the plan's next token (the closing's choice)."""
+        budget = self.max_tokens - self.generated
+        if token_id in self._eos or budget <= 0 or not self._due(self.generated, budget):
+            return token_id
+        plan = self.plan()
+        if plan is None or len(plan) > budget or (plan and plan[0] == token_id):
+            return token_id
+        after = self.plan([token_id])
+        if after is not None and len(after) <= budget - 1:
+            return token_id
+        self.closed = True
+        return plan[0] if plan else self._eos[0]
+
+    def accept_token(self, token_id: int) -> None:
+        token = int(token_id)
+        plan = self._plans.get(())
+        if plan and len(plan) == self.max_tokens - self.generated and plan[0] == token:
+            self.closed = True  # the mask allowed this token alone
+        self.generated += 1
+        # Plans of the states after this token are kept, one token shorter in their key; the others are dropped.
+        self._plans = {k[1:]: v for k, v in self._plans.items() if k and k[0] == token}
+        if () not in self._plans and plan and plan[0] == token:
+            self._plans[()] = plan[1:]
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            self.generated -= num_tokens
+            self._plans, self.cut = {}, False
+
+    def jump_forward(self, output_token_ids: Sequence[int]) -> JumpForward | None:
+        return None
