@@ -27,7 +27,8 @@ gate and up into another.
 Matmuls and the embedding lookup are the TIR kernels of ``linear_kernels.py``, one per weight storage format:
 ``float32``, ``float16``, or the GGUF's own ``q8_0``/``q4_1`` blocks decoded inside the matmul (``weight_dtype="auto"``
 keeps a GGUF's Q8_0/Q4_1 tensors as they are and stores the others as float16). Norms, activations, the KV cache
-and the accumulation are float32.
+and the accumulation are float32. The KV cache holds ``LlamaSpec.kv_dtype`` (float16 by default, as llama.cpp's):
+q, k and v are rounded to it before RoPE, and the attention's output is widened back to float32.
 """
 
 # fmt: off
@@ -61,6 +62,10 @@ WEIGHT_KINDS: dict[str, tuple[str, ...]] = {
     "down": ("blk.{i}.ffn_down.weight",),
     "lm_head": ("output.weight",),
 }
+#: Element types of the KV cache: float16 (the default, as llama.cpp's: half the bytes a decode step reads at long
+#: context) or float32.
+KV_DTYPES = ("float16", "float32")
+DEFAULT_KV_DTYPE = "float16"
 #: GGML types kept as their blocks, and the weight format each becomes
 GGUF_FORMATS = {"Q8_0": "q8_0", "Q4_1": "q4_1"}
 
@@ -83,6 +88,9 @@ class LlamaSpec:
     formats: tuple[tuple[str, str], ...] = ()
     #: decode matvecs of quantised weights by integer dot products (``integer_matvec``: the target has AVX2)
     int8_dot: bool = False
+    #: the KV cache's element type (``KV_DTYPES``): q, k, v are rounded to it before RoPE and the attention, whose
+    #: output is widened back to float32
+    kv_dtype: str = "float32"
 
     def fmt(self, kind: str) -> str:
         """Storage format of weight kind ``kind`` (``WEIGHT_KINDS``); the tied output head uses the embedding's."""
@@ -195,8 +203,11 @@ class Attention(nn.Module):
         """``x[b t, hidden]`` (the tokens of ``b`` sequences of ``t`` each, flat) -> ``[b t, hidden]``."""
         s = self.spec
         qkv = self.qkv(x, mode).reshape(b, t, s.n_heads + 2 * s.n_kv_heads, s.head_dim)
+        if s.kv_dtype != "float32":  # the cache takes q, k, v in its own type (TVM checks qkv's against its pages')
+            qkv = qkv.astype(s.kv_dtype)
         out = kv_cache.attention_with_fused_qkv(layer, qkv, s.n_heads, sm_scale=1.0 / math.sqrt(s.head_dim))
-        return self.o(out.reshape(x.shape[0], s.n_heads * s.head_dim), mode)
+        out = out.reshape(x.shape[0], s.n_heads * s.head_dim)
+        return self.o(out if s.kv_dtype == "float32" else out.astype("float32"), mode)
 
 
 class MLP(nn.Module):
@@ -307,7 +318,7 @@ class LlamaModule(nn.Module):
             rope_ext_factors=tvm.relax.prim_value(0),
             rotary_dim=s.head_dim,
             enable_disaggregation=False,
-            dtype="float32",
+            dtype=s.kv_dtype,
             target=tvm.target.Target.current(),
         )
 
@@ -348,5 +359,6 @@ def export_llama(spec: LlamaSpec, target: tvm.target.Target) -> tuple[tvm.IRModu
     module = LlamaModule(spec)
     with target:
         mod, named_params = module.export_tvm(spec=module.export_spec())
-    mod = replace_attention_kernels(mod, spec.n_kv_heads, spec.n_heads, spec.head_dim, spec.rope_theta)
+    mod = replace_attention_kernels(mod, spec.n_kv_heads, spec.n_heads, spec.head_dim, spec.rope_theta,
+                                    spec.kv_dtype)
     return mod, [name for name, _ in named_params]
