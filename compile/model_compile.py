@@ -18,8 +18,8 @@ model's own library.
 
 Cache: ``cache_root()/models/<name>-<key>`` where the key hashes the model (the SHA-256 of the GGUF or of each
 HF file, or of the weights and vocabulary of an in-memory model), the target (CPU name and the features turned off),
-the weight storage type, the KV cache's element type, the TVM and logitproc versions, and the sources the build depends on (every module of
-``compile/`` and the kernel sources).
+the weight storage type, the KV cache's element type, the TVM and logitproc versions, and the sources the build
+depends on (every module of ``compile/`` and the kernel sources).
 A file's SHA-256 is computed once and kept in ``cache_root()/hashes/`` keyed by its path, size and mtime, so a
 later call does not read 100 MB again. Builds go to a staging directory renamed into place (atomic).
 

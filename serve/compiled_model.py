@@ -31,8 +31,8 @@ from typing import Any
 import numpy as np
 import tvm
 from logitproc.compile.gguf_model import GGUFModel, LlamaConfig
-from logitproc.compile.relax_llama import DEFAULT_KV_DTYPE
 from logitproc.compile.model_compile import PARAMS_FILE, TOKENIZER_FILE, Progress, compile_model
+from logitproc.compile.relax_llama import DEFAULT_KV_DTYPE
 from logitproc.runtime.kernel_library import MANIFEST, KernelLibrary
 from tokenizers import Tokenizer
 from tvm import relax
