@@ -336,8 +336,7 @@ def linear_kernel(out_features: int, in_features: int, fmt: str, int8_dot: bool 
             if n >= gemm_from:
                 _gemm(y, x, n, N, K, lambda o, c, lane: _f32(scales[o, c // 2]) * _f32(codes[o, c * _LANES + lane]))
             elif int8_dot:
-                integer_matvec(y, x, n, N, K, scales, codes, block_dot(fmt, xbits),
-                               lambda o, b, t, xs: T.float32(0), xtype, qmax)
+                integer_matvec(y, x, n, N, K, scales, None, codes, block_dot(fmt, xbits), xtype, qmax)
             else:
                 for chunk in T.parallel(chunks):
                     acc = T.alloc_buffer((2 * _TOKEN_BLOCK, _LANES), "float32", scope="local")
@@ -370,8 +369,7 @@ def linear_kernel(out_features: int, in_features: int, fmt: str, int8_dot: bool 
         if n >= gemm_from:
             _gemm(y, x, n, N, K, q4_elem(codes, scales, mins))
         elif int8_dot:
-            integer_matvec(y, x, n, N, K, scales, codes, block_dot(fmt, xbits),
-                           lambda o, b, t, xs: _f32(mins[o, b]) * xs[t, b], xtype, qmax)
+            integer_matvec(y, x, n, N, K, scales, mins, codes, block_dot(fmt, xbits), xtype, qmax)
         else:
             xp = T.alloc_buffer((n, half), "float32")
             for t in range(n):

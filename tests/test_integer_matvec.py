@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(not has_int8_dot(build_features(TARGET)), reason
 
 #: (out, in): SmolLM2's decode shapes and awkward ones (N below / not a multiple of 64 chunks, 3 and 1 blocks)
 SHAPES = {"q4_1": [(960, 576), (576, 1536), (100, 96), (37, 32)], "q8_0": [(49152, 576), (100, 96), (5, 64)]}
-TOKENS = (1, 2, 3, 5, 8, 15)  # decode batches: the integer-dot kernels run below 16 tokens
+TOKENS = (1, 2, 3, 5, 6, 8, 15)  # groups of 4, a pair, one: every combination
 
 
 def quantise(x: np.ndarray, qmax: int) -> tuple[np.ndarray, np.ndarray]:
