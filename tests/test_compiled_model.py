@@ -1,15 +1,16 @@
 """The compiled model (``CompiledModel``) against the numpy reference (``NumpyLlama`` / ``NumpyRunner``).
 
-Tiny random model (fast): float32 weights match numpy within 1e-4, float16 weights within 2e-2 (measured 7e-3);
+Tiny random model (fast): float32 weights and KV cache match numpy within 1e-4, float16 weights within 2e-2
+(measured 7e-3), the default float16 KV cache the reference rounding the same values within 2e-3;
 prefill 9 == prefill 8 + decode 1; batched == alone; chunked prefill; fork and popn; sequence id reuse; errors;
 build cache reuse; the logit-processing kernels called from the model's own library; a Hugging Face directory
 (safetensors, Qwen2-style q/k/v biases) equals the in-memory model.
 
 SmolLM2-135M-Instruct (the real default model; select with ``-k smollm2``): logits of a chat prompt within 1e-2 of
 ``NumpyLlama`` (the GGUF's own Q4_1/Q8_0 blocks in the matmuls; on an AVX2 CPU the output head of the last token and
-every decode matvec quantise the activations to 16-bit blocks: measured 1e-3 after the prompt, 2-3.4e-3 over 12
-greedy decode steps, logits' standard deviation 3.4), the same greedy tokens, and the greedy answer to "What is the
-capital of France?" names Paris. The GGUF is fetched once per
+every decode matvec quantise the activations to 16-bit blocks; both KV caches float16: measured 1e-3 after the
+prompt, 2-3.4e-3 over 12 greedy decode steps, logits' standard deviation 3.4), the same greedy tokens, and the greedy
+answer to "What is the capital of France?" names Paris. The GGUF is fetched once per
 session into the test cache (or ``$LOGITPROC_TEST_MODEL_CACHE``), as in ``test_model_files.py``.
 """
 
@@ -38,6 +39,7 @@ from logitproc.serve.numpy_llama import NumpyLlama, NumpyRunner, apply_rope, rop
 
 TOL_F32 = 1e-4
 TOL_F16 = 2e-2
+TOL_KV16 = 2e-3  # float32 weights, float16 KV cache, against the reference rounding the same values
 TOL_AUTO = 1e-2  # SmolLM2's Q4_1/Q8_0 blocks, 16-bit activation blocks in the integer-dot matvecs (module doc)
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -49,7 +51,13 @@ def tiny() -> GGUFModel:
 
 @pytest.fixture(scope="module")
 def m32(tiny: GGUFModel) -> CompiledModel:
-    return CompiledModel.open(tiny, weight_dtype="float32", max_num_sequences=8)
+    return CompiledModel.open(tiny, weight_dtype="float32", kv_dtype="float32", max_num_sequences=8)
+
+
+@pytest.fixture(scope="module")
+def m32h(tiny: GGUFModel) -> CompiledModel:
+    """float32 weights, the default float16 KV cache."""
+    return CompiledModel.open(tiny, weight_dtype="float32", max_num_sequences=4)
 
 
 @pytest.fixture(scope="module")
@@ -66,15 +74,15 @@ def prompt(m32: CompiledModel) -> list[int]:
 def _no_leftover_sequences(request):
     """Every test starts and ends with no sequences in the module's models."""
     yield
-    for name in ("m32", "m16"):
+    for name in ("m32", "m16", "m32h"):
         if name in request.fixturenames:
             model = request.getfixturevalue(name)
             for seq_id in model.sequence_ids:
                 model.remove_sequence(seq_id)
 
 
-def reference(model: GGUFModel, tokens: list[int]) -> np.ndarray:
-    return NumpyLlama(model).prefill(tokens)
+def reference(model: GGUFModel, tokens: list[int], kv_dtype: str = "float32") -> np.ndarray:
+    return NumpyLlama(model, kv_dtype).prefill(tokens)
 
 
 # ---------------------------------------------------------------- logits against numpy
@@ -91,9 +99,31 @@ def test_float32_logits_match_numpy(tiny, m32, prompt) -> None:
 def test_float16_logits_match_numpy_within_tolerance(tiny, m16, prompt) -> None:
     m16.add_sequence(3)
     logits = m16.prefill([3], [prompt])
-    diff = np.abs(logits[0] - reference(tiny, prompt)).max()
+    diff = np.abs(logits[0] - reference(tiny, prompt, "float16")).max()
     assert diff < TOL_F16, diff
     assert logits[0].std() > 0.5  # the tiny model's logits are not flat
+
+
+def test_float16_kv_cache_matches_the_reference_rounding_the_same_values(tiny, m32h, prompt) -> None:
+    """The default KV cache is float16: q, k, v and the attention's output rounded to it; NumpyLlama with
+    ``kv_dtype="float16"`` rounds the same values (measured 7e-5 after a prompt, up to 5e-4 over decode steps,
+    where the float32 reference is 2-4e-3 away), over a prefill, decode steps and a chunked prefill."""
+    assert m32h.kv_dtype == "float16" and "float16 KV cache" in repr(m32h)
+    ref = NumpyLlama(tiny, kv_dtype="float16")
+    m32h.add_sequence(0)
+    np.testing.assert_allclose(m32h.prefill([0], [prompt[:20]])[0], ref.prefill(prompt[:20]), atol=TOL_KV16, rtol=0)
+    np.testing.assert_allclose(m32h.prefill([0], [prompt[20:]])[0], ref.extend(prompt[20:]), atol=TOL_KV16, rtol=0)
+    for token in (5, 77, 9, 100, 3):
+        np.testing.assert_allclose(m32h.decode([0], [token])[0], ref.decode(token), atol=TOL_KV16, rtol=0)
+    full = NumpyLlama(tiny, kv_dtype="float32").prefill([*prompt, 5, 77, 9, 100, 3])
+    assert np.abs(ref.decode(1) - full).max() > 0  # the rounding is real (a different model)
+
+
+def test_kv_dtype_is_checked(tiny) -> None:
+    with pytest.raises(ValueError, match="kv_dtype 'bfloat16' is not supported"):
+        compile_model(tiny, kv_dtype="bfloat16")
+    with pytest.raises(ValueError, match="kv_dtype 'int8' is not supported"):
+        NumpyLlama(tiny, kv_dtype="int8")
 
 
 def test_prefill_9_equals_prefill_8_plus_decode_1(m32, prompt) -> None:
@@ -381,7 +411,7 @@ def test_rope_kernel_rotates_halves_like_numpy() -> None:
 
 
 def test_numpy_runner_matches_the_compiled_model(tiny, m32, prompt, lib) -> None:
-    runner = NumpyRunner(tiny, kernel_library=lib)
+    runner = NumpyRunner(tiny, kernel_library=lib, kv_dtype="float32")
     for model in (runner, m32):
         model.add_sequence(0)
         model.add_sequence(1)
