@@ -466,7 +466,7 @@ def test_hf_directory_equals_the_in_memory_model(tmp_path: Path, prompt) -> None
         np.testing.assert_array_equal(loaded.weights[name], array, err_msg=name)
     expected = reference(model, prompt)
     np.testing.assert_allclose(reference(loaded, prompt), expected, atol=1e-6, rtol=0)
-    compiled = CompiledModel.open(directory, weight_dtype="float32")
+    compiled = CompiledModel.open(directory, weight_dtype="float32", kv_dtype="float32")
     assert compiled.tokenizer.encode("the cat sat").ids == build_tokenizer(model).encode("the cat sat").ids
     compiled.add_sequence(0)
     np.testing.assert_allclose(compiled.prefill([0], [prompt])[0], expected, atol=TOL_F32, rtol=0)
