@@ -105,12 +105,12 @@ def quantise_activations(x, xq, xd, xs, n, in_features, amax, qmax):
         for b in range(in_features // _QBLOCK):
             amax[0] = T.float32(0)
             for j in range(_QBLOCK):
-                amax[0] = T.max(amax[0], T.abs(x[t, b * _QBLOCK + j]))
+                amax[0] = T.max(amax[0], T.abs(T.Cast("float32", x[t, b * _QBLOCK + j])))
             d: T.let = amax[0] / T.float32(qmax)
             inv: T.let = T.Select(d > T.float32(0), T.float32(1) / T.max(d, T.float32(1e-30)), T.float32(0))
             amax[1] = T.float32(0)
             for j in range(_QBLOCK):
-                q: T.let = T.nearbyint(x[t, b * _QBLOCK + j] * inv)
+                q: T.let = T.nearbyint(T.Cast("float32", x[t, b * _QBLOCK + j]) * inv)
                 xq[t, b * _QBLOCK + j] = T.Cast(xq.dtype, q)
                 amax[1] = amax[1] + q
             xd[t, b] = d
@@ -142,7 +142,7 @@ def _group(y, xq, t0, size, o, blocks, codes, block, f, m, acc, red):
             red[lane] = acc[s * _UNROLL * _LANES + lane] + acc[(s * _UNROLL + 1) * _LANES + lane]
         for lane in T.vectorized(4):
             red[lane] = red[lane] + red[lane + 4]
-        y[t0 + s, o] = (red[0] + red[2]) + (red[1] + red[3]) + m[s]
+        y[t0 + s, o] = T.Cast(y.dtype, (red[0] + red[2]) + (red[1] + red[3]) + m[s])
 
 
 @T.macro

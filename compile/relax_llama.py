@@ -46,7 +46,7 @@ from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedK
 
 from .attention_kernels import replace_attention_kernels
 from .gguf_model import GGUFModel
-from .linear_kernels import embed_kernel, linear_kernel, param_shapes, swiglu_kernel
+from .linear_kernels import embed_kernel, integer_linear_kernel, linear_kernel, param_shapes, swiglu_kernel
 
 #: Raw GGUF blocks of quantised tensors: name -> (GGML type name, uint8 array [rows, bytes per row]).
 RawTensors = dict[str, tuple[str, np.ndarray]]
@@ -141,19 +141,27 @@ class _Weights(nn.Module):
     def arrays(self) -> list[nn.Tensor]:
         return [getattr(self, suffix) for suffix in self.suffixes]
 
-    def matmul(self, x: nn.Tensor, mode: str) -> nn.Tensor:
-        """``x[..., in] @ W.T`` -> ``[..., out]`` float32 (leading axes flattened into tokens); ``mode`` "decode" or
-        "prefill" (``linear_kernels.linear_kernel``: one schedule at every token count, for batch invariance)."""
-        if mode == "prefill" and self.int8_dot and self.fmt in QUANTISED:
-            mode = "decode"  # the integer dot products (tokens in pairs) beat the GEMM at every token count here
+    def matmul(self, x: nn.Tensor, mode: str, out_dtype: str = "float32") -> nn.Tensor:
+        """``x[..., in] @ W.T`` -> ``[..., out]`` of ``out_dtype`` (leading axes flattened into tokens); ``mode``
+        "decode" or "prefill" (``linear_kernels.linear_kernel``: one schedule at every token count, for batch
+        invariance). ``x`` float32 or float16: the integer dot products read and write either type themselves
+        (``integer_linear_kernel``), the other kernels get cast kernels around them."""
+        integer = self.int8_dot and self.fmt in QUANTISED
+        if mode == "prefill" and integer:
+            mode = "decode"  # the integer dot products (tokens in groups) beat the GEMM at every token count here
         lead = list(x.shape[:-1])
         flat = x.reshape(-1, self.in_features) if len(lead) != 1 else x
-        y = nn.op.tensor_ir_op(
-            linear_kernel(self.out_features, self.in_features, self.fmt, self.int8_dot, mode=mode),
-            f"linear_{self.fmt}_{self.out_features}x{self.in_features}_{mode}",
-            args=[flat, *self.arrays()],
-            out=nn.Tensor.placeholder([flat.shape[0], self.out_features], "float32"),
-        )
+        shape = [self.out_features, self.in_features]
+        if integer and (flat.dtype != "float32" or out_dtype != "float32"):
+            kernel = integer_linear_kernel(*shape, self.fmt, flat.dtype, out_dtype)
+            name, y_dtype = f"linear_{self.fmt}_{shape[0]}x{shape[1]}_{flat.dtype}_{out_dtype}", out_dtype
+        else:
+            flat = flat if flat.dtype == "float32" else flat.astype("float32")
+            kernel = linear_kernel(*shape, self.fmt, self.int8_dot, mode=mode)
+            name, y_dtype = f"linear_{self.fmt}_{shape[0]}x{shape[1]}_{mode}", "float32"
+        y = nn.op.tensor_ir_op(kernel, name, args=[flat, *self.arrays()],
+                               out=nn.Tensor.placeholder([flat.shape[0], self.out_features], y_dtype))
+        y = y if y_dtype == out_dtype else y.astype(out_dtype)
         return y if len(lead) == 1 else y.reshape(*lead, self.out_features)
 
     def rows(self, ids: nn.Tensor) -> nn.Tensor:
@@ -174,9 +182,11 @@ class Linear(nn.Module):
         self.w = _Weights(out_features, in_features, fmt, int8_dot)
         self.bias = nn.Parameter((out_features,), "float32") if bias else None
 
-    def forward(self, x: nn.Tensor, mode: str) -> nn.Tensor:
-        y = self.w.matmul(x, mode)
-        return y + self.bias if self.bias is not None else y
+    def forward(self, x: nn.Tensor, mode: str, out_dtype: str = "float32") -> nn.Tensor:
+        if self.bias is None:
+            return self.w.matmul(x, mode, out_dtype)
+        y = self.w.matmul(x, mode) + self.bias
+        return y if out_dtype == "float32" else y.astype(out_dtype)
 
 
 class RMSNorm(nn.Module):
@@ -202,12 +212,10 @@ class Attention(nn.Module):
     def forward(self, x: nn.Tensor, kv_cache: PagedKVCache, layer: int, b: Any, t: Any, mode: str) -> nn.Tensor:
         """``x[b t, hidden]`` (the tokens of ``b`` sequences of ``t`` each, flat) -> ``[b t, hidden]``."""
         s = self.spec
-        qkv = self.qkv(x, mode).reshape(b, t, s.n_heads + 2 * s.n_kv_heads, s.head_dim)
-        if s.kv_dtype != "float32":  # the cache takes q, k, v in its own type (TVM checks qkv's against its pages')
-            qkv = qkv.astype(s.kv_dtype)
+        # The cache takes q, k, v in its own type (TVM checks qkv's against its pages') and returns that type.
+        qkv = self.qkv(x, mode, s.kv_dtype).reshape(b, t, s.n_heads + 2 * s.n_kv_heads, s.head_dim)
         out = kv_cache.attention_with_fused_qkv(layer, qkv, s.n_heads, sm_scale=1.0 / math.sqrt(s.head_dim))
-        out = out.reshape(x.shape[0], s.n_heads * s.head_dim)
-        return self.o(out if s.kv_dtype == "float32" else out.astype("float32"), mode)
+        return self.o(out.reshape(x.shape[0], s.n_heads * s.head_dim), mode)
 
 
 class MLP(nn.Module):
