@@ -125,21 +125,22 @@ def decode_attention_kernel(h_kv: int, h_q: int, d: int, dtype: str = "float32")
         return (T.Shuffle([low, high], [0, 1, 2, 3, 8, 9, 10, 11])
                 + T.Shuffle([low, high], [4, 5, 6, 7, 12, 13, 14, 15]))
 
-    def weighted_rows(s, pages, page, hk, t0, blk):
-        """float32x8: lanes ``blk * 8 ..`` of ``sum_t s[0, t] v[t]`` over value rows ``t0 .. t0 + 7`` (a tree)."""
-        return tree_sum([T.broadcast(s[0, t0 + t], LANES) * row(pages, page, 1, hk, t0 + t, blk)
+    def weighted_rows(s, h, pages, page, hk, t0, blk):
+        """float32x8: lanes ``blk * 8 ..`` of ``sum_t s[h, t] v[t]`` over value rows ``t0 .. t0 + 7`` (a tree)."""
+        return tree_sum([T.broadcast(s[h, t0 + t], LANES) * row(pages, page, 1, hk, t0 + t, blk)
                          for t in range(LANES)])
 
     @T.macro
     def chunk(unit, q, pages, page_indptr, page_values, length_info, part_acc, part_max, part_sum, sm_scale):
         """Unit ``unit`` = (sequence, chunk of its pages): the online softmax of every query head over them, page
         after page (a page of every head is contiguous: the chunk streams from memory in order, and the next page
-        is prefetched while this one is read), query head after query head within a page (its scaled q in 8
-        registers, its key and value rows from L1)."""
+        is prefetched while this one is read); within a page the scores of every query head (its scaled q in 8
+        registers, the key rows from L1), then the online softmax of every head (independent chains that the CPU
+        overlaps: one head's after its own scores left them waiting), then the values of every head."""
         qs = T.alloc_buffer((h_q, d), "float32", scope="local")
         acc = T.alloc_buffer((h_q, d), "float32", scope="local")
-        s = T.alloc_buffer((1, PAGE_SIZE), "float32", scope="local")
-        vec = T.alloc_buffer((1, LANES), "float32", scope="local")
+        s = T.alloc_buffer((h_q, PAGE_SIZE), "float32", scope="local")
+        vec = T.alloc_buffer((h_q, LANES), "float32", scope="local")
         h4 = T.alloc_buffer((4,), "float32", scope="local")
         red = T.alloc_buffer((1,), "float32", scope="local")
         run = T.alloc_buffer((3, h_q), "float32", scope="local")  # running max, running sum, last rescale
@@ -162,26 +163,29 @@ def decode_attention_kernel(h_kv: int, h_q: int, d: int, dtype: str = "float32")
             if p + 1 < p_end:
                 for line in range(page_lines):
                     prefetch(pages, page_values[first + p + 1], line)
+            for h in range(h_q):  # scores, then the online softmax of every head: independent chains side by side
+                for half in T.unroll(PAGE_SIZE // LANES):
+                    s[h, T.ramp(half * LANES, 1, LANES)] = T.Select(
+                        T.ramp(half * LANES, 1, LANES) < T.broadcast(valid, LANES),
+                        scores8(qs, h, pages, page, h // group, half * LANES),
+                        T.broadcast(T.float32(NO_SCORE), LANES))
+            for h in range(h_q):
+                fold_scores(s, vec, run, h, h, h4, red)
             for h in range(h_q):
                 hk: T.let = h // group
-                for half in T.unroll(PAGE_SIZE // LANES):
-                    s[0, T.ramp(half * LANES, 1, LANES)] = T.Select(
-                        T.ramp(half * LANES, 1, LANES) < T.broadcast(valid, LANES),
-                        scores8(qs, h, pages, page, hk, half * LANES), T.broadcast(T.float32(NO_SCORE), LANES))
-                fold_scores(s, vec, run, 0, h, h4, red)
                 if valid == PAGE_SIZE:  # a full page: 8 weights broadcast into registers, 8 value rows per FMA tree
                     for half in T.unroll(PAGE_SIZE // LANES):
                         for blk in T.unroll(blocks):
                             acc[h, T.ramp(blk * LANES, 1, LANES)] = (
                                 acc[h, T.ramp(blk * LANES, 1, LANES)]
                                 * T.broadcast(T.Select(half == 0, run[2, h], T.float32(1)), LANES)
-                                + weighted_rows(s, pages, page, hk, half * LANES, blk))
+                                + weighted_rows(s, h, pages, page, hk, half * LANES, blk))
                 else:  # the sequence's last page, partly filled (the slots past it may hold anything)
                     for j in T.vectorized(d):
                         acc[h, j] = acc[h, j] * run[2, h]
                     for t in range(valid):
                         for j in T.vectorized(d):
-                            acc[h, j] = acc[h, j] + s[0, t] * T.Cast("float32", pages[page, 1, hk, t, j])
+                            acc[h, j] = acc[h, j] + s[h, t] * T.Cast("float32", pages[page, 1, hk, t, j])
         for h in range(h_q):
             part_max[unit, h] = run[0, h]
             part_sum[unit, h] = run[1, h]
