@@ -119,6 +119,18 @@ def test_float16_kv_cache_matches_the_reference_rounding_the_same_values(tiny, m
     assert np.abs(ref.decode(1) - full).max() > 0  # the rounding is real (a different model)
 
 
+def test_a_fork_of_a_float16_cache_shares_its_pages(tiny, m32h, prompt) -> None:
+    """Fork and popn over float16 pages (TVM's page copy in the cache's type): each branch continues as the
+    reference of its own tokens."""
+    m32h.add_sequence(0)
+    m32h.prefill([0], [prompt])
+    m32h.fork_sequence(0, 1)
+    m32h.popn(1, 3)
+    out = m32h.decode([0, 1], [5, 77])
+    for row, tokens in ((out[0], [*prompt, 5]), (out[1], [*prompt[:-3], 77])):
+        np.testing.assert_allclose(row, reference(tiny, tokens, "float16"), atol=TOL_KV16, rtol=0)
+
+
 def test_kv_dtype_is_checked(tiny) -> None:
     with pytest.raises(ValueError, match="kv_dtype 'bfloat16' is not supported"):
         compile_model(tiny, kv_dtype="bfloat16")
