@@ -17,7 +17,9 @@ Accuracy against ``NumpyLlama`` (float32 weights, dequantised from the GGUF): wi
 default) a GGUF's Q4_1/Q8_0 matrices are kept in their blocks and decoded inside the matmuls, so the model computes
 with exactly the numpy reference's weights: logits within 1e-3 (measured 1.1e-4 on SmolLM2). Matrices stored as
 float16 (``auto`` for non-quantised tensors, e.g. the tiny test model, or ``weight_dtype="float16"``): within
-2e-2 on the tiny model (measured 7e-3), about 3e-2 on SmolLM2. ``weight_dtype="float32"``: within 1e-4.
+2e-2 on the tiny model (measured 7e-3), about 3e-2 on SmolLM2. ``weight_dtype="float32"``: within 1e-4 (with
+``kv_dtype="float32"``). The KV cache is float16 by default (``kv_dtype``, as llama.cpp's): q, k, v and the
+attention's output are rounded to it, which ``NumpyLlama(kv_dtype="float16")`` (its default too) does the same way.
 """
 
 from __future__ import annotations
