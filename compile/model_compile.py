@@ -277,8 +277,8 @@ def compile_model(
     ``progress`` receives one line of text per step (the CLI prints them to stderr). ``weight_dtype``: ``auto``
     (default: a GGUF's Q8_0/Q4_1 matrices stay in their blocks, decoded inside the matmuls, so the logits match the
     float32 numpy reference within 1e-3; other matrices float16), ``float16`` (logits within about 3e-2) or
-    ``float32`` (within 1e-4). ``kv_dtype``: the KV cache's element type, ``float16`` (default, as llama.cpp's: half
-    the bytes per token of context) or ``float32``; q, k and v are rounded to it (``NumpyLlama(kv_dtype=...)`` rounds
+    ``float32`` (within 1e-4). ``kv_dtype``: the KV cache's element type, ``float32`` (default) or ``float16`` (as
+    llama.cpp's: half the bytes per token of context); q, k and v are rounded to it (``NumpyLlama(kv_dtype=...)`` rounds
     the same values). ``cache=False`` builds into a fresh temporary directory.
     """
     say = progress or _silent

@@ -18,8 +18,8 @@ default) a GGUF's Q4_1/Q8_0 matrices are kept in their blocks and decoded inside
 with exactly the numpy reference's weights: logits within 1e-3 (measured 1.1e-4 on SmolLM2). Matrices stored as
 float16 (``auto`` for non-quantised tensors, e.g. the tiny test model, or ``weight_dtype="float16"``): within
 2e-2 on the tiny model (measured 7e-3), about 3e-2 on SmolLM2. ``weight_dtype="float32"``: within 1e-4 (with
-``kv_dtype="float32"``). The KV cache is float16 by default (``kv_dtype``, as llama.cpp's): q, k, v and the
-attention's output are rounded to it, which ``NumpyLlama(kv_dtype="float16")`` (its default too) does the same way.
+``kv_dtype="float32"``, the default). With ``kv_dtype="float16"`` (llama.cpp's default) q, k, v and the
+attention's output are rounded to it, as ``NumpyLlama(kv_dtype="float16")`` rounds them.
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ class CompiledModel(ModelRunner):
 
     @property
     def kv_dtype(self) -> str:
-        """The KV cache's element type (``float16`` or ``float32``; builds from before the option: float32)."""
+        """The KV cache's element type (``float32`` or ``float16``; builds from before the option: float32)."""
         return str(self.manifest["model"]["spec"].get("kv_dtype", "float32"))
 
     @property

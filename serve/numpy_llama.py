@@ -16,9 +16,9 @@ GGUF has one). RoPE rotates adjacent pairs because the GGUF converter permuted t
 checkpoint (which rotates the two halves of each head) into GGML's layout. Everything stays float32: the scalars
 taken from the GGUF metadata are Python numbers, which NumPy 2 does not let promote float32 arrays to float64.
 
-``kv_dtype="float16"`` (the default, as the compiled model's) rounds q, k and v to float16 before RoPE, q and k
-again after it, and the attention's output, as the compiled model's float16 KV cache does; ``"float32"`` keeps
-everything float32.
+``kv_dtype="float16"`` rounds q, k and v to float16 before RoPE, q and k again after it, and the attention's output,
+as the compiled model's float16 KV cache does; ``"float32"`` (the default, as the compiled model's) keeps everything
+float32.
 """
 
 from __future__ import annotations

@@ -1,14 +1,14 @@
 """The compiled model (``CompiledModel``) against the numpy reference (``NumpyLlama`` / ``NumpyRunner``).
 
 Tiny random model (fast): float32 weights and KV cache match numpy within 1e-4, float16 weights within 2e-2
-(measured 7e-3), the default float16 KV cache the reference rounding the same values within 2e-3;
+(measured 7e-3), a float16 KV cache the reference rounding the same values within 2e-3;
 prefill 9 == prefill 8 + decode 1; batched == alone; chunked prefill; fork and popn; sequence id reuse; errors;
 build cache reuse; the logit-processing kernels called from the model's own library; a Hugging Face directory
 (safetensors, Qwen2-style q/k/v biases) equals the in-memory model.
 
 SmolLM2-135M-Instruct (the real default model; select with ``-k smollm2``): logits of a chat prompt within 1e-2 of
 ``NumpyLlama`` (the GGUF's own Q4_1/Q8_0 blocks in the matmuls; on an AVX2 CPU the output head of the last token and
-every decode matvec quantise the activations to 16-bit blocks; both KV caches float16: measured 1e-3 after the
+every decode matvec quantise the activations to 16-bit blocks: measured 1e-3 after the
 prompt, 2-3.4e-3 over 12 greedy decode steps, logits' standard deviation 3.4), the same greedy tokens, and the greedy
 answer to "What is the capital of France?" names Paris. The GGUF is fetched once per
 session into the test cache (or ``$LOGITPROC_TEST_MODEL_CACHE``), as in ``test_model_files.py``.
@@ -56,8 +56,8 @@ def m32(tiny: GGUFModel) -> CompiledModel:
 
 @pytest.fixture(scope="module")
 def m32h(tiny: GGUFModel) -> CompiledModel:
-    """float32 weights, the default float16 KV cache."""
-    return CompiledModel.open(tiny, weight_dtype="float32", max_num_sequences=4)
+    """float32 weights, a float16 KV cache (llama.cpp's default)."""
+    return CompiledModel.open(tiny, weight_dtype="float32", kv_dtype="float16", max_num_sequences=4)
 
 
 @pytest.fixture(scope="module")
@@ -99,13 +99,13 @@ def test_float32_logits_match_numpy(tiny, m32, prompt) -> None:
 def test_float16_logits_match_numpy_within_tolerance(tiny, m16, prompt) -> None:
     m16.add_sequence(3)
     logits = m16.prefill([3], [prompt])
-    diff = np.abs(logits[0] - reference(tiny, prompt, "float16")).max()
+    diff = np.abs(logits[0] - reference(tiny, prompt)).max()
     assert diff < TOL_F16, diff
     assert logits[0].std() > 0.5  # the tiny model's logits are not flat
 
 
 def test_float16_kv_cache_matches_the_reference_rounding_the_same_values(tiny, m32h, prompt) -> None:
-    """The default KV cache is float16: q, k, v and the attention's output rounded to it; NumpyLlama with
+    """A float16 KV cache: q, k, v and the attention's output rounded to it; NumpyLlama with
     ``kv_dtype="float16"`` rounds the same values (measured 7e-5 after a prompt, up to 5e-4 over decode steps,
     where the float32 reference is 2-4e-3 away), over a prefill, decode steps and a chunked prefill."""
     assert m32h.kv_dtype == "float16" and "float16 KV cache" in repr(m32h)
