@@ -30,16 +30,22 @@ def rope_kernel(h_kv: int, h_q: int, d: int, theta: float, dtype: str = "float32
         q[s, h, i] = x[h, i] c[i] - x[h, i + half] n[i];  q[s, h, i + half] = x[h, i + half] c[i] + x[h, i] n[i]
         (k likewise for heads h_q .. h_q + h_kv - 1 of x = qkv[s]; v[s] = the last h_kv heads, copied)
 
-    When ``apply_rope == 0`` q and k are copied unrotated. The frequency is TVM's float32 expression."""
+    When ``apply_rope == 0`` q and k are copied unrotated. The frequency is TVM's float32 expression; the rotation
+    is computed in float32 whatever ``dtype`` (the KV cache's: float32 or float16) and rounded to it once."""
     half, heads = d // 2, h_q + 2 * h_kv
+
+    def wide(qkv, s, h, i):
+        return T.Cast("float32", qkv[s, h, i])
 
     @T.macro
     def rotate(dst, s, h, src_h, qkv, cos, sin, apply_rope):
         for i in T.vectorized(half):
-            dst[s, h, i] = T.Select(apply_rope > 0, qkv[s, src_h, i] * cos[i] - qkv[s, src_h, i + half] * sin[i],
-                                    qkv[s, src_h, i])
-            dst[s, h, i + half] = T.Select(apply_rope > 0, qkv[s, src_h, i + half] * cos[i] + qkv[s, src_h, i] * sin[
-                i], qkv[s, src_h, i + half])
+            dst[s, h, i] = T.Cast(dtype, T.Select(
+                apply_rope > 0, wide(qkv, s, src_h, i) * cos[i] - wide(qkv, s, src_h, i + half) * sin[i],
+                wide(qkv, s, src_h, i)))
+            dst[s, h, i + half] = T.Cast(dtype, T.Select(
+                apply_rope > 0, wide(qkv, s, src_h, i + half) * cos[i] + wide(qkv, s, src_h, i) * sin[i],
+                wide(qkv, s, src_h, i + half)))
 
     @T.prim_func(private=True)
     def fused_rope(var_qkv: T.handle, var_position_map: T.handle, var_q: T.handle, var_k: T.handle,
@@ -75,16 +81,16 @@ ROPE_NAMES = ("fused_rope", "tir_split_rotary")
 
 
 def replace_attention_kernels(mod: tvm.IRModule, h_kv: int, h_q: int, d: int,
-                              rope_theta: float | None = None) -> tvm.IRModule:
+                              rope_theta: float | None = None, dtype: str = "float32") -> tvm.IRModule:
     """``mod`` with the KV cache's CPU attention kernels (prefill, and decode: ``decode_attention.py``) replaced by
     these (same names and signatures), and its RoPE kernel too when ``rope_theta`` is given (the cache must use
-    ``RopeMode.NORMAL`` with scale 1)."""
+    ``RopeMode.NORMAL`` with scale 1); ``dtype``: the cache's (its pages, q, k, v and the outputs)."""
     functions = {gv.name_hint: gv for gv in mod.get_global_vars()}
-    replacements = [(RAGGED_NAMES, ragged_prefill_kernel(h_kv, h_q, d)),
-                    (PAGED_NAMES, paged_prefill_kernel(h_kv, h_q, d)),
-                    (DECODE_NAMES, decode_attention_kernel(h_kv, h_q, d))]
+    replacements = [(RAGGED_NAMES, ragged_prefill_kernel(h_kv, h_q, d, dtype)),
+                    (PAGED_NAMES, paged_prefill_kernel(h_kv, h_q, d, dtype)),
+                    (DECODE_NAMES, decode_attention_kernel(h_kv, h_q, d, dtype))]
     if rope_theta is not None:
-        replacements.append((ROPE_NAMES, rope_kernel(h_kv, h_q, d, rope_theta)))
+        replacements.append((ROPE_NAMES, rope_kernel(h_kv, h_q, d, rope_theta, dtype)))
     for candidates, new in replacements:
         found = [name for name in candidates if name in functions]
         if not found:

@@ -24,6 +24,7 @@ rotary arguments are unused; pages hold 16 tokens and the head size is a multipl
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from tvm import tirx
 from tvm.script import tirx as T
@@ -40,11 +41,25 @@ SERIAL_PAGES = 16
 #: Vector lanes of the loops (one AVX2 register; LLVM lowers wider ones with shuffles through scalar registers).
 LANES = 8
 LOG2E = math.log2(math.e)
+CACHE_LINE = 64
 LN2 = math.log(2)
 EMPTY_LSE = -5e4
 #: The score of a key slot past the end of a page (and the running max before any key): far below any real score,
 #: its exponential underflows to exactly 0, and it stays finite (no inf - inf).
 NO_SCORE = -1e30
+
+
+def tree_sum(terms: list[Any]) -> Any:
+    """The sum of ``terms`` as a balanced tree (short dependency chains: the FMAs of a level run side by side)."""
+    while len(terms) > 1:
+        terms = [terms[i] + terms[i + 1] if i + 1 < len(terms) else terms[i] for i in range(0, len(terms), 2)]
+    return terms[0]
+
+
+def _hadd(a: Any, b: Any) -> Any:
+    """AVX's ``vhaddps``: ``[a0+a1, a2+a3, b0+b1, b2+b3, a4+a5, a6+a7, b4+b5, b6+b7]``."""
+    return T.call_llvm_pure_intrin(T.llvm_lookup_intrinsic_id("llvm.x86.avx.hadd.ps.256"), a, b,
+                                   dtype=f"float32x{LANES}")
 
 
 @T.macro
@@ -56,96 +71,126 @@ def reduce_lanes(x, g, op, h4, out):
 
 
 @T.macro
-def fold_scores(s, vec, run, row, h4, red):
+def fold_scores(s, vec, run, row, head, h4, red):
     """Online softmax over one tile of scores ``s[row, 0:16]`` (log2 units, 16 = 2 x LANES): the running max
-    ``run[0, row]`` and sum ``run[1, row]`` take the tile in, the scores become their weights, and ``run[2, row]``
-    is the factor that rescales what was accumulated before the tile."""
+    ``run[0, head]`` and sum ``run[1, head]`` take the tile in, the scores become their weights, and
+    ``run[2, head]`` is the factor that rescales what was accumulated before the tile."""
     for lane in T.vectorized(LANES):
         vec[row, lane] = T.max(s[row, lane], s[row, lane + LANES])
     reduce_lanes(vec, row, T.max, h4, red)
-    new_max: T.let = T.max(run[0, row], red[0])
-    rescale: T.let = fast_exp((run[0, row] - new_max) * T.float32(LN2))
+    new_max: T.let = T.max(run[0, head], red[0])
+    rescale: T.let = fast_exp((run[0, head] - new_max) * T.float32(LN2))
     for t in T.vectorized(2 * LANES):
         s[row, t] = fast_exp((s[row, t] - new_max) * T.float32(LN2))
     for lane in T.vectorized(LANES):
         vec[row, lane] = s[row, lane] + s[row, lane + LANES]
     reduce_lanes(vec, row, T.Add, h4, red)
-    run[0, row] = new_max
-    run[1, row] = run[1, row] * rescale + red[0]
-    run[2, row] = rescale
+    run[0, head] = new_max
+    run[1, head] = run[1, head] * rescale + red[0]
+    run[2, head] = rescale
 
 
 def decode_attention_kernel(h_kv: int, h_q: int, d: int, dtype: str = "float32") -> tirx.PrimFunc:
     """The decode attention kernel for ``h_q`` query heads over ``h_kv`` KV heads of size ``d`` (see the module
-    doc): TVM's ``batch_decode_paged_kv`` signature, pages ``[max_pages, 2, h_kv, 16, d]`` of ``dtype``."""
+    doc): TVM's ``batch_decode_paged_kv`` signature, q, pages ``[max_pages, 2, h_kv, 16, d]`` and the output of
+    ``dtype`` (float32 or float16: widened to float32 as they are loaded, F16C's ``vcvtph2ps``)."""
     if d % LANES:
         raise ValueError(f"head size {d} is not a multiple of {LANES}")
     if h_kv < 1 or h_q % h_kv:
         raise ValueError(f"query heads {h_q} are not a multiple of KV heads {h_kv}")
+    if dtype not in ("float32", "float16"):
+        raise ValueError(f"KV cache dtype {dtype!r} is not float32 or float16")
     group = h_q // h_kv
     blocks = d // LANES
+    words = 2 * h_kv * PAGE_SIZE * d  # elements of a page (keys and values of every KV head)
+    page_lines = words * (2 if dtype == "float16" else 4) // CACHE_LINE
+    vec_type = f"{dtype}x{LANES}"
+
+    def prefetch(pages, page, line):
+        """Ask for cache line ``line`` of page ``page`` (``llvm.prefetch``: read, keep in all cache levels)."""
+        return T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(pages[page, 0, 0, 0, line * (
+            words // page_lines)]), T.int32(0), T.int32(3), T.int32(1))
+
+    def row(pages, page, kv, hk, t, blk):
+        """float32x8: lanes ``blk * 8 ..`` of key (kv = 0) or value (kv = 1) row ``t`` of a page."""
+        return T.Cast(f"float32x{LANES}", pages.vload([page, kv, hk, t, blk * LANES], vec_type))
+
+    def scores8(qs, h, pages, page, hk, t0):
+        """float32x8: the scores of keys ``t0 .. t0 + 7`` of a page of KV head ``hk`` against ``qs``: each key's
+        8-lane products summed as a tree, then the 8 keys' lanes summed by a transposing ``vhaddps`` tree."""
+        sums = [tree_sum([qs.vload([h, blk * LANES], f"float32x{LANES}") * row(pages, page, 0, hk, t0 + i, blk)
+                          for blk in range(blocks)]) for i in range(LANES)]
+        pairs = [_hadd(sums[2 * i], sums[2 * i + 1]) for i in range(4)]
+        low, high = _hadd(pairs[0], pairs[1]), _hadd(pairs[2], pairs[3])
+        return (T.Shuffle([low, high], [0, 1, 2, 3, 8, 9, 10, 11])
+                + T.Shuffle([low, high], [4, 5, 6, 7, 12, 13, 14, 15]))
+
+    def weighted_rows(s, h, pages, page, hk, t0, blk):
+        """float32x8: lanes ``blk * 8 ..`` of ``sum_t s[h, t] v[t]`` over value rows ``t0 .. t0 + 7`` (a tree)."""
+        return tree_sum([T.broadcast(s[h, t0 + t], LANES) * row(pages, page, 1, hk, t0 + t, blk)
+                         for t in range(LANES)])
 
     @T.macro
     def chunk(unit, q, pages, page_indptr, page_values, length_info, part_acc, part_max, part_sum, sm_scale):
-        """Unit ``unit`` = (sequence, KV head, chunk): its online softmax over its pages, into part_*."""
-        qs = T.alloc_buffer((group, d), "float32", scope="local")
-        acc = T.alloc_buffer((group, d), "float32", scope="local")
-        s = T.alloc_buffer((group, PAGE_SIZE), "float32", scope="local")
-        vec = T.alloc_buffer((group, LANES), "float32", scope="local")  # dot products, then V rows
+        """Unit ``unit`` = (sequence, chunk of its pages): the online softmax of every query head over them, page
+        after page (a page of every head is contiguous: the chunk streams from memory in order, and the next page
+        is prefetched while this one is read); within a page the scores of every query head (its scaled q in 8
+        registers, the key rows from L1), then the online softmax of every head (independent chains that the CPU
+        overlaps: one head's after its own scores left them waiting), then the values of every head."""
+        qs = T.alloc_buffer((h_q, d), "float32", scope="local")
+        acc = T.alloc_buffer((h_q, d), "float32", scope="local")
+        s = T.alloc_buffer((h_q, PAGE_SIZE), "float32", scope="local")
+        vec = T.alloc_buffer((h_q, LANES), "float32", scope="local")
         h4 = T.alloc_buffer((4,), "float32", scope="local")
         red = T.alloc_buffer((1,), "float32", scope="local")
-        run = T.alloc_buffer((3, group), "float32", scope="local")  # running max, running sum, last rescale
-        b: T.let = unit // (h_kv * SPLITS)
-        hk: T.let = unit // SPLITS % h_kv
+        run = T.alloc_buffer((3, h_q), "float32", scope="local")  # running max, running sum, last rescale
+        b: T.let = unit // SPLITS
         first: T.let = page_indptr[b]
         n_pages: T.let = page_indptr[b + 1] - first
         n: T.let = T.Select(n_pages > 0, (n_pages - 1) * PAGE_SIZE + length_info[b], 0)
         per: T.let = T.max((n_pages + SPLITS - 1) // SPLITS, MIN_PAGES)
         p_begin: T.let = unit % SPLITS * per
         p_end: T.let = T.min(p_begin + per, n_pages)
-        for g in range(group):
-            run[0, g] = T.float32(NO_SCORE)
-            run[1, g] = T.float32(0)
+        for h in range(h_q):
+            run[0, h] = T.float32(NO_SCORE)
+            run[1, h] = T.float32(0)
             for j in T.vectorized(d):
-                qs[g, j] = T.Cast("float32", q[b, hk * group + g, j]) * (sm_scale * T.float32(LOG2E))
-                acc[g, j] = T.float32(0)
+                qs[h, j] = T.Cast("float32", q[b, h, j]) * (sm_scale * T.float32(LOG2E))
+                acc[h, j] = T.float32(0)
         for p in range(p_begin, p_end):
             page: T.let = page_values[first + p]
             valid: T.let = T.min(PAGE_SIZE, n - p * PAGE_SIZE)
-            # scores of the page's keys for the group's query heads (each key row read once)
-            for t in range(PAGE_SIZE):
-                for g in range(group):
-                    for lane in T.vectorized(LANES):
-                        vec[g, lane] = qs[g, lane] * T.Cast("float32", pages[page, 0, hk, t, lane])
-                for blk in range(1, blocks):
-                    for g in range(group):
-                        for lane in T.vectorized(LANES):
-                            vec[g, lane] = vec[g, lane] + qs[g, blk * LANES + lane] * T.Cast(
-                                "float32", pages[page, 0, hk, t, blk * LANES + lane])
-                for g in range(group):
-                    reduce_lanes(vec, g, T.Add, h4, red)
-                    s[g, t] = T.Select(t < valid, red[0], T.float32(NO_SCORE))
-            # online softmax: new running max, rescale of what came before, this page's weights
-            for g in range(group):
-                fold_scores(s, vec, run, g, h4, red)
-            # values: each accumulator block kept in registers over the page's rows
-            for blk in range(blocks):
-                for g in range(group):
-                    for lane in T.vectorized(LANES):
-                        vec[g, lane] = acc[g, blk * LANES + lane] * run[2, g]
-                for t in range(valid):
-                    for g in range(group):
-                        for lane in T.vectorized(LANES):
-                            vec[g, lane] = vec[g, lane] + s[g, t] * T.Cast(
-                                "float32", pages[page, 1, hk, t, blk * LANES + lane])
-                for g in range(group):
-                    for lane in T.vectorized(LANES):
-                        acc[g, blk * LANES + lane] = vec[g, lane]
-        for g in range(group):
-            part_max[unit, g] = run[0, g]
-            part_sum[unit, g] = run[1, g]
+            if p + 1 < p_end:
+                for line in range(page_lines):
+                    prefetch(pages, page_values[first + p + 1], line)
+            for h in range(h_q):  # scores, then the online softmax of every head: independent chains side by side
+                for half in T.unroll(PAGE_SIZE // LANES):
+                    s[h, T.ramp(half * LANES, 1, LANES)] = T.Select(
+                        T.ramp(half * LANES, 1, LANES) < T.broadcast(valid, LANES),
+                        scores8(qs, h, pages, page, h // group, half * LANES),
+                        T.broadcast(T.float32(NO_SCORE), LANES))
+            for h in range(h_q):
+                fold_scores(s, vec, run, h, h, h4, red)
+            for h in range(h_q):
+                hk: T.let = h // group
+                if valid == PAGE_SIZE:  # a full page: 8 weights broadcast into registers, 8 value rows per FMA tree
+                    for half in T.unroll(PAGE_SIZE // LANES):
+                        for blk in T.unroll(blocks):
+                            acc[h, T.ramp(blk * LANES, 1, LANES)] = (
+                                acc[h, T.ramp(blk * LANES, 1, LANES)]
+                                * T.broadcast(T.Select(half == 0, run[2, h], T.float32(1)), LANES)
+                                + weighted_rows(s, h, pages, page, hk, half * LANES, blk))
+                else:  # the sequence's last page, partly filled (the slots past it may hold anything)
+                    for j in T.vectorized(d):
+                        acc[h, j] = acc[h, j] * run[2, h]
+                    for t in range(valid):
+                        for j in T.vectorized(d):
+                            acc[h, j] = acc[h, j] + s[h, t] * T.Cast("float32", pages[page, 1, hk, t, j])
+        for h in range(h_q):
+            part_max[unit, h] = run[0, h]
+            part_sum[unit, h] = run[1, h]
             for j in T.vectorized(d):
-                part_acc[unit, g, j] = acc[g, j]
+                part_acc[unit, h, j] = acc[h, j]
 
     @T.prim_func(private=True)
     def batch_decode_paged_kv(
@@ -167,35 +212,34 @@ def decode_attention_kernel(h_kv: int, h_q: int, d: int, dtype: str = "float32")
         q_rope_position = T.match_buffer(var_q_rope_position, (batch_size,), "int32", elem_offset=q_rope_offset)
         output = T.match_buffer(var_output, (batch_size, h_q, d), dtype)
         lse = T.match_buffer(var_lse, (batch_size, h_q), "float32")
-        # Per unit (sequence, KV head, chunk) and query head of the group: accumulator, running max, running sum.
-        part_acc = T.alloc_buffer((batch_size * h_kv * SPLITS, group, d), "float32")
-        part_max = T.alloc_buffer((batch_size * h_kv * SPLITS, group), "float32")
-        part_sum = T.alloc_buffer((batch_size * h_kv * SPLITS, group), "float32")
+        # Per unit (sequence, chunk) and query head: accumulator, running max, running sum.
+        part_acc = T.alloc_buffer((batch_size * SPLITS, h_q, d), "float32")
+        part_max = T.alloc_buffer((batch_size * SPLITS, h_q), "float32")
+        part_sum = T.alloc_buffer((batch_size * SPLITS, h_q), "float32")
         if nnz_pages <= SERIAL_PAGES:  # little work: no fork-join (which costs a time slice on a busy machine)
-            for unit in range(batch_size * h_kv * SPLITS):
+            for unit in range(batch_size * SPLITS):
                 chunk(unit, q, pages, page_indptr, page_values, length_info, part_acc, part_max, part_sum,
                       sm_scale)
         else:
-            for unit in T.parallel(batch_size * h_kv * SPLITS):
+            for unit in T.parallel(batch_size * SPLITS):
                 chunk(unit, q, pages, page_indptr, page_values, length_info, part_acc, part_max, part_sum,
                       sm_scale)
         for bh in range(batch_size * h_q):  # serial: a few microseconds, one fork-join less per layer
             total = T.alloc_buffer((d,), "float32", scope="local")
             stats = T.alloc_buffer((2,), "float32", scope="local")  # max over the chunks, weighted sum
             b: T.let = bh // h_q
-            g: T.let = bh % h_q % group
-            base: T.let = (b * h_kv + bh % h_q // group) * SPLITS
+            h: T.let = bh % h_q
             stats[0] = T.float32(NO_SCORE)
             stats[1] = T.float32(0)
             for sp in range(SPLITS):
-                stats[0] = T.max(stats[0], part_max[base + sp, g])
+                stats[0] = T.max(stats[0], part_max[b * SPLITS + sp, h])
             for j in T.vectorized(d):
                 total[j] = T.float32(0)
             for sp in range(SPLITS):
-                weight: T.let = fast_exp((part_max[base + sp, g] - stats[0]) * T.float32(LN2))
-                stats[1] = stats[1] + weight * part_sum[base + sp, g]
+                weight: T.let = fast_exp((part_max[b * SPLITS + sp, h] - stats[0]) * T.float32(LN2))
+                stats[1] = stats[1] + weight * part_sum[b * SPLITS + sp, h]
                 for j in T.vectorized(d):
-                    total[j] = total[j] + weight * part_acc[base + sp, g, j]
+                    total[j] = total[j] + weight * part_acc[b * SPLITS + sp, h, j]
             if stats[1] > T.float32(0):
                 for j in T.vectorized(d):
                     output[b, bh % h_q, j] = T.Cast(dtype, total[j] / stats[1])

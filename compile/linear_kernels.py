@@ -278,6 +278,45 @@ _NEVER = 2**62  # a token count never reached
 
 
 @functools.cache
+def integer_linear_kernel(out_features: int, in_features: int, fmt: str, x_dtype: str = "float32",
+                          y_dtype: str = "float32", xbits: int = 16) -> tirx.PrimFunc:
+    """``linear_kernel(..., int8_dot=True, mode="decode")``'s integer dot products alone, with ``x`` and ``y`` of
+    their own types (float32 or float16: a float16 KV cache's q/k/v come out of the qkv projection and its
+    attention output goes into the o projection as they are, without a cast kernel each); the same sums in the same
+    order as ``linear_kernel``'s, one rounding of ``y`` at the end."""
+    check_shape(out_features, in_features, fmt)
+    if fmt not in QUANTISED:
+        raise ValueError(f"the integer dot products take q4_1 or q8_0 weights, got {fmt!r}")
+    for name, dtype in (("x_dtype", x_dtype), ("y_dtype", y_dtype)):
+        if dtype not in ("float32", "float16"):
+            raise ValueError(f"{name} must be float32 or float16, got {dtype!r}")
+    N, K, blocks = out_features, in_features, in_features // _QBLOCK
+    xtype, qmax = f"int{xbits}", 2 ** (xbits - 1) - 1
+    block = block_dot(fmt, xbits)
+
+    if fmt == "q8_0":
+        @T.prim_func(private=True)
+        def linear_q8_0(var_x: T.handle, codes: T.Buffer((N, K), "int8"), scales: T.Buffer((N, blocks), _SCALE),
+                        var_y: T.handle):
+            T.func_attr({"tirx.noalias": True})
+            n = T.int64()
+            x = T.match_buffer(var_x, (n, K), x_dtype)
+            y = T.match_buffer(var_y, (n, N), y_dtype)
+            integer_matvec(y, x, n, N, K, scales, None, codes, block, xtype, qmax)
+        return linear_q8_0
+
+    @T.prim_func(private=True)
+    def linear_q4_1(var_x: T.handle, codes: T.Buffer((N, K // 2), "uint8"), scales: T.Buffer((N, blocks), _SCALE),
+                    mins: T.Buffer((N, blocks), _SCALE), var_y: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        n = T.int64()
+        x = T.match_buffer(var_x, (n, K), x_dtype)
+        y = T.match_buffer(var_y, (n, N), y_dtype)
+        integer_matvec(y, x, n, N, K, scales, mins, codes, block, xtype, qmax)
+    return linear_q4_1
+
+
+@functools.cache
 def linear_kernel(out_features: int, in_features: int, fmt: str, int8_dot: bool = False,
                   xbits: int = 16, mode: str = "auto") -> tirx.PrimFunc:
     """``y[t, o] = sum_k x[t, k] * W[o, k]``: parameters ``x``, the weight arrays of ``fmt``, ``y`` (module doc).
@@ -336,8 +375,7 @@ def linear_kernel(out_features: int, in_features: int, fmt: str, int8_dot: bool 
             if n >= gemm_from:
                 _gemm(y, x, n, N, K, lambda o, c, lane: _f32(scales[o, c // 2]) * _f32(codes[o, c * _LANES + lane]))
             elif int8_dot:
-                integer_matvec(y, x, n, N, K, scales, codes, block_dot(fmt, xbits),
-                               lambda o, b, t, xs: T.float32(0), xtype, qmax)
+                integer_matvec(y, x, n, N, K, scales, None, codes, block_dot(fmt, xbits), xtype, qmax)
             else:
                 for chunk in T.parallel(chunks):
                     acc = T.alloc_buffer((2 * _TOKEN_BLOCK, _LANES), "float32", scope="local")
@@ -370,8 +408,7 @@ def linear_kernel(out_features: int, in_features: int, fmt: str, int8_dot: bool 
         if n >= gemm_from:
             _gemm(y, x, n, N, K, q4_elem(codes, scales, mins))
         elif int8_dot:
-            integer_matvec(y, x, n, N, K, scales, codes, block_dot(fmt, xbits),
-                           lambda o, b, t, xs: _f32(mins[o, b]) * xs[t, b], xtype, qmax)
+            integer_matvec(y, x, n, N, K, scales, mins, codes, block_dot(fmt, xbits), xtype, qmax)
         else:
             xp = T.alloc_buffer((n, half), "float32")
             for t in range(n):

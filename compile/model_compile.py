@@ -18,8 +18,8 @@ model's own library.
 
 Cache: ``cache_root()/models/<name>-<key>`` where the key hashes the model (the SHA-256 of the GGUF or of each
 HF file, or of the weights and vocabulary of an in-memory model), the target (CPU name and the features turned off),
-the weight storage type, the TVM and logitproc versions, and the sources the build depends on (every module of
-``compile/`` and the kernel sources).
+the weight storage type, the KV cache's element type, the TVM and logitproc versions, and the sources the build
+depends on (every module of ``compile/`` and the kernel sources).
 A file's SHA-256 is computed once and kept in ``cache_root()/hashes/`` keyed by its path, size and mtime, so a
 later call does not read 100 MB again. Builds go to a staging directory renamed into place (atomic).
 
@@ -47,7 +47,7 @@ from .gguf_model import GGUFModel, build_tokenizer, load_gguf
 from .integer_matvec import has_int8_dot
 from .kernel_library import MANIFEST, KernelLibrary, build_in_cache, cache_key, cache_root, source_hash, write_manifest
 from .llama_weights import read_gguf_tensors, relax_weights
-from .relax_llama import LlamaSpec, RawTensors, export_llama
+from .relax_llama import DEFAULT_KV_DTYPE, KV_DTYPES, LlamaSpec, RawTensors, export_llama
 from .targets import TargetSpec, build_features, resolve_target
 
 ModelSource = str | os.PathLike[str] | GGUFModel | None
@@ -167,8 +167,8 @@ class _Source:
         return load_hf_dir(self.path), None
 
 
-def _cache_key(model_hash: str, spec: TargetSpec, weight_dtype: str) -> str:
-    return cache_key(spec, model_hash, weight_dtype, model_source_hash())
+def _cache_key(model_hash: str, spec: TargetSpec, weight_dtype: str, kv_dtype: str) -> str:
+    return cache_key(spec, model_hash, weight_dtype, kv_dtype, model_source_hash())
 
 
 def _slug(name: str) -> str:
@@ -201,7 +201,7 @@ def _default_system(model: GGUFModel) -> tuple[bool, str | None]:
         return False, None
 
 
-def _build_into(source: _Source, model_hash: str, spec: TargetSpec, weight_dtype: str, out: Path,
+def _build_into(source: _Source, model_hash: str, spec: TargetSpec, weight_dtype: str, kv_dtype: str, out: Path,
                 progress: Progress) -> dict[str, Any]:
     from logitproc.tir_kernels import KERNEL_FACTORIES
 
@@ -209,11 +209,12 @@ def _build_into(source: _Source, model_hash: str, spec: TargetSpec, weight_dtype
     progress(f"loading {source.name} ({source.kind}) ...")
     model, raw = source.load(keep_blocks=weight_dtype == "auto")
     target = spec.tvm_target()
-    llama = replace(LlamaSpec.from_model(model, weight_dtype, raw), int8_dot=has_int8_dot(build_features(target)))
+    llama = replace(LlamaSpec.from_model(model, weight_dtype, raw), int8_dot=has_int8_dot(build_features(target)),
+                    kv_dtype=kv_dtype)
     formats = ", ".join(f"{kind} {fmt}" for kind, fmt in llama.formats)
     progress(f"loaded in {time.perf_counter() - started:.1f}s: {model.config.n_layers} layers, hidden "
              f"{model.config.hidden}, vocab {model.config.vocab}; weights: {formats}"
-             f"{'; integer-dot decode matvecs' if llama.int8_dot else ''}")
+             f"{'; integer-dot decode matvecs' if llama.int8_dot else ''}; {kv_dtype} KV cache")
 
     step = time.perf_counter()
     mod, param_names = export_llama(llama, target)
@@ -267,6 +268,7 @@ def compile_model(
     progress: Progress | None = None,
     *,
     weight_dtype: str = "auto",
+    kv_dtype: str = DEFAULT_KV_DTYPE,
     cache: bool = True,
 ) -> Path:
     """Compile ``model`` (see the module doc) for ``target`` (cpu only: the KV cache's kernels and the matmuls are
@@ -275,7 +277,9 @@ def compile_model(
     ``progress`` receives one line of text per step (the CLI prints them to stderr). ``weight_dtype``: ``auto``
     (default: a GGUF's Q8_0/Q4_1 matrices stay in their blocks, decoded inside the matmuls, so the logits match the
     float32 numpy reference within 1e-3; other matrices float16), ``float16`` (logits within about 3e-2) or
-    ``float32`` (within 1e-4). ``cache=False`` builds into a fresh temporary directory.
+    ``float32`` (within 1e-4). ``kv_dtype``: the KV cache's element type, ``float32`` (default) or ``float16`` (as
+    llama.cpp's: half the bytes per token of context); q, k and v are rounded to it (``NumpyLlama(kv_dtype=...)`` rounds
+    the same values). ``cache=False`` builds into a fresh temporary directory.
     """
     say = progress or _silent
     spec = target if isinstance(target, TargetSpec) else resolve_target(target)
@@ -283,6 +287,8 @@ def compile_model(
         raise ValueError(f"target {spec.kind!r} is not supported for models yet (only 'cpu')")
     if weight_dtype not in ("auto", "float16", "float32"):
         raise ValueError(f"weight_dtype {weight_dtype!r} is not supported (auto, float16 or float32)")
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype {kv_dtype!r} is not supported ({' or '.join(KV_DTYPES)})")
     source = _Source(model)
     step = time.perf_counter()
     model_hash = source.hash()
@@ -290,13 +296,14 @@ def compile_model(
 
     if not cache:
         built = Path(tempfile.mkdtemp(prefix="logitproc-model-"))
-        _build_into(source, model_hash, spec, weight_dtype, built, say)
+        _build_into(source, model_hash, spec, weight_dtype, kv_dtype, built, say)
     else:
-        built = cache_root() / "models" / f"{_slug(source.name)}-{_cache_key(model_hash, spec, weight_dtype)}"
+        built = cache_root() / "models" / f"{_slug(source.name)}-{_cache_key(model_hash, spec, weight_dtype, kv_dtype)}"
         if (built / MANIFEST).is_file():
             say(f"using the cached build {built}")
         else:
-            build_in_cache(built, lambda staging: _build_into(source, model_hash, spec, weight_dtype, staging, say))
+            build_in_cache(built, lambda staging: _build_into(source, model_hash, spec, weight_dtype, kv_dtype,
+                                                                   staging, say))
             say(f"cached at {built}")
     if out is None:
         return built

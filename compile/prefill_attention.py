@@ -75,7 +75,7 @@ def _attend_block(q, i0, rows_q, hk, group, d, limit, n_max, key, value, output,
                 s[r, t] = T.float32(NO_SCORE)
         # online softmax per row
         for r in range(rows_q * group):
-            fold_scores(s, vec, run, r, h4, red)
+            fold_scores(s, vec, run, r, r, h4, red)
         # values: one row's accumulator (d lanes) in registers over the tile
         for r in range(rows_q * group):
             for j in T.vectorized(d):

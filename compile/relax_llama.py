@@ -27,7 +27,8 @@ gate and up into another.
 Matmuls and the embedding lookup are the TIR kernels of ``linear_kernels.py``, one per weight storage format:
 ``float32``, ``float16``, or the GGUF's own ``q8_0``/``q4_1`` blocks decoded inside the matmul (``weight_dtype="auto"``
 keeps a GGUF's Q8_0/Q4_1 tensors as they are and stores the others as float16). Norms, activations, the KV cache
-and the accumulation are float32.
+and the accumulation are float32. The KV cache holds ``LlamaSpec.kv_dtype`` (float32 by default; float16, as
+llama.cpp's, on request): q, k and v are rounded to it before RoPE, and the attention's output comes back in it.
 """
 
 # fmt: off
@@ -45,7 +46,7 @@ from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedK
 
 from .attention_kernels import replace_attention_kernels
 from .gguf_model import GGUFModel
-from .linear_kernels import embed_kernel, linear_kernel, param_shapes, swiglu_kernel
+from .linear_kernels import embed_kernel, integer_linear_kernel, linear_kernel, param_shapes, swiglu_kernel
 
 #: Raw GGUF blocks of quantised tensors: name -> (GGML type name, uint8 array [rows, bytes per row]).
 RawTensors = dict[str, tuple[str, np.ndarray]]
@@ -61,6 +62,10 @@ WEIGHT_KINDS: dict[str, tuple[str, ...]] = {
     "down": ("blk.{i}.ffn_down.weight",),
     "lm_head": ("output.weight",),
 }
+#: Element types of the KV cache: float32 (the default: SmolLM2's logits within 1e-3 of the reference) or float16
+#: (llama.cpp's default: half the bytes a decode step reads at long context; logits about 4e-2 away on SmolLM2).
+KV_DTYPES = ("float16", "float32")
+DEFAULT_KV_DTYPE = "float32"
 #: GGML types kept as their blocks, and the weight format each becomes
 GGUF_FORMATS = {"Q8_0": "q8_0", "Q4_1": "q4_1"}
 
@@ -83,6 +88,9 @@ class LlamaSpec:
     formats: tuple[tuple[str, str], ...] = ()
     #: decode matvecs of quantised weights by integer dot products (``integer_matvec``: the target has AVX2)
     int8_dot: bool = False
+    #: the KV cache's element type (``KV_DTYPES``): q, k, v are rounded to it before RoPE and the attention, whose
+    #: output is widened back to float32
+    kv_dtype: str = "float32"
 
     def fmt(self, kind: str) -> str:
         """Storage format of weight kind ``kind`` (``WEIGHT_KINDS``); the tied output head uses the embedding's."""
@@ -133,19 +141,27 @@ class _Weights(nn.Module):
     def arrays(self) -> list[nn.Tensor]:
         return [getattr(self, suffix) for suffix in self.suffixes]
 
-    def matmul(self, x: nn.Tensor, mode: str) -> nn.Tensor:
-        """``x[..., in] @ W.T`` -> ``[..., out]`` float32 (leading axes flattened into tokens); ``mode`` "decode" or
-        "prefill" (``linear_kernels.linear_kernel``: one schedule at every token count, for batch invariance)."""
-        if mode == "prefill" and self.int8_dot and self.fmt in QUANTISED:
-            mode = "decode"  # the integer dot products (tokens in pairs) beat the GEMM at every token count here
+    def matmul(self, x: nn.Tensor, mode: str, out_dtype: str = "float32") -> nn.Tensor:
+        """``x[..., in] @ W.T`` -> ``[..., out]`` of ``out_dtype`` (leading axes flattened into tokens); ``mode``
+        "decode" or "prefill" (``linear_kernels.linear_kernel``: one schedule at every token count, for batch
+        invariance). ``x`` float32 or float16: the integer dot products read and write either type themselves
+        (``integer_linear_kernel``), the other kernels get cast kernels around them."""
+        integer = self.int8_dot and self.fmt in QUANTISED
+        if mode == "prefill" and integer:
+            mode = "decode"  # the integer dot products (tokens in groups) beat the GEMM at every token count here
         lead = list(x.shape[:-1])
         flat = x.reshape(-1, self.in_features) if len(lead) != 1 else x
-        y = nn.op.tensor_ir_op(
-            linear_kernel(self.out_features, self.in_features, self.fmt, self.int8_dot, mode=mode),
-            f"linear_{self.fmt}_{self.out_features}x{self.in_features}_{mode}",
-            args=[flat, *self.arrays()],
-            out=nn.Tensor.placeholder([flat.shape[0], self.out_features], "float32"),
-        )
+        shape = [self.out_features, self.in_features]
+        if integer and (flat.dtype != "float32" or out_dtype != "float32"):
+            kernel = integer_linear_kernel(*shape, self.fmt, flat.dtype, out_dtype)
+            name, y_dtype = f"linear_{self.fmt}_{shape[0]}x{shape[1]}_{flat.dtype}_{out_dtype}", out_dtype
+        else:
+            flat = flat if flat.dtype == "float32" else flat.astype("float32")
+            kernel = linear_kernel(*shape, self.fmt, self.int8_dot, mode=mode)
+            name, y_dtype = f"linear_{self.fmt}_{shape[0]}x{shape[1]}_{mode}", "float32"
+        y = nn.op.tensor_ir_op(kernel, name, args=[flat, *self.arrays()],
+                               out=nn.Tensor.placeholder([flat.shape[0], self.out_features], y_dtype))
+        y = y if y_dtype == out_dtype else y.astype(out_dtype)
         return y if len(lead) == 1 else y.reshape(*lead, self.out_features)
 
     def rows(self, ids: nn.Tensor) -> nn.Tensor:
@@ -166,9 +182,11 @@ class Linear(nn.Module):
         self.w = _Weights(out_features, in_features, fmt, int8_dot)
         self.bias = nn.Parameter((out_features,), "float32") if bias else None
 
-    def forward(self, x: nn.Tensor, mode: str) -> nn.Tensor:
-        y = self.w.matmul(x, mode)
-        return y + self.bias if self.bias is not None else y
+    def forward(self, x: nn.Tensor, mode: str, out_dtype: str = "float32") -> nn.Tensor:
+        if self.bias is None:
+            return self.w.matmul(x, mode, out_dtype)
+        y = self.w.matmul(x, mode) + self.bias
+        return y if out_dtype == "float32" else y.astype(out_dtype)
 
 
 class RMSNorm(nn.Module):
@@ -194,7 +212,8 @@ class Attention(nn.Module):
     def forward(self, x: nn.Tensor, kv_cache: PagedKVCache, layer: int, b: Any, t: Any, mode: str) -> nn.Tensor:
         """``x[b t, hidden]`` (the tokens of ``b`` sequences of ``t`` each, flat) -> ``[b t, hidden]``."""
         s = self.spec
-        qkv = self.qkv(x, mode).reshape(b, t, s.n_heads + 2 * s.n_kv_heads, s.head_dim)
+        # The cache takes q, k, v in its own type (TVM checks qkv's against its pages') and returns that type.
+        qkv = self.qkv(x, mode, s.kv_dtype).reshape(b, t, s.n_heads + 2 * s.n_kv_heads, s.head_dim)
         out = kv_cache.attention_with_fused_qkv(layer, qkv, s.n_heads, sm_scale=1.0 / math.sqrt(s.head_dim))
         return self.o(out.reshape(x.shape[0], s.n_heads * s.head_dim), mode)
 
@@ -307,7 +326,7 @@ class LlamaModule(nn.Module):
             rope_ext_factors=tvm.relax.prim_value(0),
             rotary_dim=s.head_dim,
             enable_disaggregation=False,
-            dtype="float32",
+            dtype=s.kv_dtype,
             target=tvm.target.Target.current(),
         )
 
@@ -348,5 +367,6 @@ def export_llama(spec: LlamaSpec, target: tvm.target.Target) -> tuple[tvm.IRModu
     module = LlamaModule(spec)
     with target:
         mod, named_params = module.export_tvm(spec=module.export_spec())
-    mod = replace_attention_kernels(mod, spec.n_kv_heads, spec.n_heads, spec.head_dim, spec.rope_theta)
+    mod = replace_attention_kernels(mod, spec.n_kv_heads, spec.n_heads, spec.head_dim, spec.rope_theta,
+                                    spec.kv_dtype)
     return mod, [name for name, _ in named_params]

@@ -5,6 +5,7 @@ step that the engine spends in logit processing + sampling.
                                   [--no-engine] [--markdown]
     python scripts/bench_model.py --llama-cpp [--contexts 64,1024,4096] [--threads 2] [--batch 8]
     python scripts/bench_model.py --profile [--prompt-tokens 128]
+    (every mode: [--kv-dtype float16|float32], the compiled model's KV cache; float16 by default, as llama.cpp's)
 
 1. prefill tokens/s (one prompt of ``--prompt-tokens``) and greedy decode tokens/s (batch 1) of both models, in
    ``--rounds`` interleaved rounds (numpy, compiled, numpy, ...; the machine may be shared, so each round's figures
@@ -53,7 +54,7 @@ def prompt_ids(tokenizer, n: int) -> list[int]:
 def bench_numpy(gguf, prompt: list[int], decode: int) -> tuple[float, float]:
     from logitproc.serve.numpy_llama import NumpyLlama
 
-    llama = NumpyLlama(gguf)
+    llama = NumpyLlama(gguf, kv_dtype="float32")  # plain float32 numpy (the baseline of the table)
     llama.prefill(prompt[:8])  # warm-up
     t0 = time.perf_counter()
     logits = llama.prefill(prompt)
@@ -114,6 +115,8 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2, help="threads of both models in the side-by-side mode")
     parser.add_argument("--batch", type=int, default=8, help="sequences decoded together in the side-by-side mode")
     parser.add_argument("--profile", action="store_true", help="only where one decode step goes (decode_profile.py)")
+    parser.add_argument("--kv-dtype", default="float16", choices=("float16", "float32"),
+                        help="the compiled model's KV cache (llama.cpp's is float16)")
     args = parser.parse_args()
     if args.llama_cpp:
         os.environ["TVM_NUM_THREADS"] = str(args.threads)  # read when TVM's thread pool starts (first kernel)
@@ -123,7 +126,7 @@ def main() -> int:
     from logitproc.runtime import GenerationConfig
     from logitproc.serve.compiled_model import CompiledModel
 
-    model = CompiledModel.open(args.model, progress=lambda m: print(m, file=sys.stderr))
+    model = CompiledModel.open(args.model, progress=lambda m: print(m, file=sys.stderr), kv_dtype=args.kv_dtype)
     print(machine_line())
     print(f"load average before the run: {os.getloadavg()[0]:.2f} (other processes share these cores)")
     if args.llama_cpp:

@@ -1,11 +1,12 @@
 """Two compiled builds of one model side by side: prefill and decode step times at batch 1 / 8 / 16, interleaved.
 
-    python scripts/compare_builds.py OLD_DIR NEW_DIR [--rounds 3]
+    python scripts/compare_builds.py OLD_DIR NEW_DIR [--rounds 3] [--prompt-tokens 79] [--batches 1,8,16]
 
 The directories are compiled models (``~/.cache/logitproc/models/<name>-<key>``), e.g. the build before and after a
 change of ``compile/`` (each compile leaves its own). Prints the best of the interleaved rounds for each; figures
-from the same run only (these machines are shared and noisy). Used for the cost of batch invariance in
-docs/model.md.
+from the same run only (these machines are shared and noisy). The first sequence's prompt has ``--prompt-tokens``
+tokens (so its decode steps read that much context; the others get 20). Used for the cost of batch invariance and
+the decode attention / float16 KV cache figures in docs/model.md.
 """
 
 from __future__ import annotations
@@ -45,21 +46,24 @@ def main() -> int:
     parser.add_argument("new")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--prompt-tokens", type=int, default=79)
+    parser.add_argument("--batches", default="1,8,16")
     args = parser.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
     models = {"old": CompiledModel(args.old), "new": CompiledModel(args.new)}
-    prompt = [int(t) for t in np.random.default_rng(0).integers(3, models["old"].vocab_size, 79)]
+    prompt = [int(t) for t in np.random.default_rng(0).integers(3, models["old"].vocab_size, args.prompt_tokens)]
     best: dict[tuple[str, int], list[float]] = {}
     for _ in range(args.rounds):
         for name, model in models.items():
-            for batch in (1, 8, 16):
+            for batch in batches:
                 times = measure(model, batch, prompt, args.steps)
                 kept = best.setdefault((name, batch), list(times))
                 best[(name, batch)] = [min(a, b) for a, b in zip(kept, times, strict=True)]
     print(f"load average {os.getloadavg()[0]:.1f}; best of {args.rounds} interleaved rounds")
-    for batch in (1, 8, 16):
+    for batch in batches:
         for name in models:
             prefill, step = best[(name, batch)]
-            print(f"{name} batch {batch:2d}: prefill 79 tokens {prefill * 1e3:7.1f} ms, decode step "
+            print(f"{name} batch {batch:2d}: prefill {len(prompt)} tokens {prefill * 1e3:7.1f} ms, decode step "
                   f"{step * 1e3:6.2f} ms ({batch / step:5.0f} tok/s)")
     return 0
 

@@ -167,6 +167,7 @@ def side_by_side(model, gguf: Path, prompt_for: Callable[[int], list[int]], cont
     ours = CompiledRunner(model)
     llama = LlamaCppRunner(gguf, n_ctx=max(contexts) + decode_tokens + 16, threads=threads)
     log(f"llama-cpp-python {llama.version}: {llama.system_info.strip()}")
+    log(f"KV caches: logitproc {getattr(model, 'kv_dtype', 'float32')}, llama.cpp float16 (its default type_k/type_v)")
     with np.load(model.directory / PARAMS_FILE) as stored:
         weight_bytes = sum(stored[name].nbytes for name in stored.files)
     floor_s = memcpy_seconds(weight_bytes, threads)

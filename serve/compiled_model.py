@@ -17,7 +17,9 @@ Accuracy against ``NumpyLlama`` (float32 weights, dequantised from the GGUF): wi
 default) a GGUF's Q4_1/Q8_0 matrices are kept in their blocks and decoded inside the matmuls, so the model computes
 with exactly the numpy reference's weights: logits within 1e-3 (measured 1.1e-4 on SmolLM2). Matrices stored as
 float16 (``auto`` for non-quantised tensors, e.g. the tiny test model, or ``weight_dtype="float16"``): within
-2e-2 on the tiny model (measured 7e-3), about 3e-2 on SmolLM2. ``weight_dtype="float32"``: within 1e-4.
+2e-2 on the tiny model (measured 7e-3), about 3e-2 on SmolLM2. ``weight_dtype="float32"``: within 1e-4 (with
+``kv_dtype="float32"``, the default). With ``kv_dtype="float16"`` (llama.cpp's default) q, k, v and the
+attention's output are rounded to it, as ``NumpyLlama(kv_dtype="float16")`` rounds them.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import numpy as np
 import tvm
 from logitproc.compile.gguf_model import GGUFModel, LlamaConfig
 from logitproc.compile.model_compile import PARAMS_FILE, TOKENIZER_FILE, Progress, compile_model
+from logitproc.compile.relax_llama import DEFAULT_KV_DTYPE
 from logitproc.runtime.kernel_library import MANIFEST, KernelLibrary
 from tokenizers import Tokenizer
 from tvm import relax
@@ -91,19 +94,25 @@ class CompiledModel(ModelRunner):
 
     @classmethod
     def open(cls, model: str | os.PathLike[str] | GGUFModel | None = "default", target: str = "cpu",
-             progress: Progress | None = None, *, weight_dtype: str = "auto", max_num_sequences: int = 16,
+             progress: Progress | None = None, *, weight_dtype: str = "auto", kv_dtype: str = DEFAULT_KV_DTYPE,
+             max_num_sequences: int = 16,
              max_total_tokens: int | None = None, prefill_chunk_size: int = 512) -> CompiledModel:
         """Open ``model``: ``"default"``, a GGUF file, a Hugging Face directory, a ``GGUFModel`` (compiled on first
         use into the cache), or a directory written by ``compile_model`` / ``logitproc compile --out``."""
         if isinstance(model, str | os.PathLike) and (Path(model) / MANIFEST).is_file():
             directory = Path(model)
         else:
-            directory = compile_model(model, target, progress=progress, weight_dtype=weight_dtype)
+            directory = compile_model(model, target, progress=progress, weight_dtype=weight_dtype, kv_dtype=kv_dtype)
         opened = cls(directory, max_num_sequences=max_num_sequences, max_total_tokens=max_total_tokens,
                      prefill_chunk_size=prefill_chunk_size)
         if progress is not None:
             progress(f"opened {opened.name} in {opened.open_seconds:.2f}s")
         return opened
+
+    @property
+    def kv_dtype(self) -> str:
+        """The KV cache's element type (``float32`` or ``float16``; builds from before the option: float32)."""
+        return str(self.manifest["model"]["spec"].get("kv_dtype", "float32"))
 
     @property
     def weight_formats(self) -> dict[str, str]:
@@ -112,7 +121,7 @@ class CompiledModel(ModelRunner):
 
     def __repr__(self) -> str:
         formats = "/".join(sorted(set(self.weight_formats.values())))
-        return (f"CompiledModel({self.name!r}, {formats} weights, {len(self._lengths)}/"
+        return (f"CompiledModel({self.name!r}, {formats} weights, {self.kv_dtype} KV cache, {len(self._lengths)}/"
                 f"{self.max_num_sequences} sequences, {self.directory})")
 
     # ---------------------------------------------------------------- KV cache

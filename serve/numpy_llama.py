@@ -15,6 +15,10 @@ then ``logits = (rmsnorm(x[-1]) * output_norm) @ token_embd.T`` (tied output emb
 GGUF has one). RoPE rotates adjacent pairs because the GGUF converter permuted the q/k rows of the Hugging Face
 checkpoint (which rotates the two halves of each head) into GGML's layout. Everything stays float32: the scalars
 taken from the GGUF metadata are Python numbers, which NumPy 2 does not let promote float32 arrays to float64.
+
+``kv_dtype="float16"`` rounds q, k and v to float16 before RoPE, q and k again after it, and the attention's output,
+as the compiled model's float16 KV cache does; ``"float32"`` (the default, as the compiled model's) keeps everything
+float32.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typing import Any
 
 import numpy as np
 from logitproc.compile.gguf_model import GGUFModel, build_tokenizer, load_default_model, load_gguf
+from logitproc.compile.relax_llama import DEFAULT_KV_DTYPE, KV_DTYPES
 from logitproc.runtime.kernel_library import KernelLibrary
 
 from .runner import ModelRunner
@@ -67,8 +72,12 @@ class NumpyLlama:
     appends one token; ``extend(ids)`` appends several (chunked prefill); ``reset()`` empties the cache.
     """
 
-    def __init__(self, model: GGUFModel) -> None:
+    def __init__(self, model: GGUFModel, kv_dtype: str = DEFAULT_KV_DTYPE) -> None:
         cfg = model.config
+        if kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype {kv_dtype!r} is not supported ({' or '.join(KV_DTYPES)})")
+        #: float16: q, k, v rounded as the compiled model's float16 KV cache rounds them (``_round_kv``)
+        self.kv_dtype = kv_dtype
         if cfg.n_heads % cfg.n_kv_heads:
             raise ValueError(f"{cfg.n_heads} heads are not a multiple of {cfg.n_kv_heads} KV heads")
         if not model.weights:
@@ -156,9 +165,9 @@ class NumpyLlama:
         for layer, (attn_norm, wq, wk, wv, wo, ffn_norm, w_gate, w_up, w_down) in enumerate(self._layers):
             h = rms_norm(x, attn_norm, self._eps)
             bq, bk, bv = self._biases[layer]
-            q = apply_rope((h @ wq.T + bq).reshape(n_tok, cfg.n_heads, d), cos, sin)
-            k = apply_rope((h @ wk.T + bk).reshape(n_tok, n_kv, d), cos, sin)
-            v = (h @ wv.T + bv).reshape(n_tok, n_kv, d)
+            q = self._round_kv(apply_rope(self._round_kv((h @ wq.T + bq).reshape(n_tok, cfg.n_heads, d)), cos, sin))
+            k = self._round_kv(apply_rope(self._round_kv((h @ wk.T + bk).reshape(n_tok, n_kv, d)), cos, sin))
+            v = self._round_kv((h @ wv.T + bv).reshape(n_tok, n_kv, d))
             self._k_cache[layer, :, start:end] = k.transpose(1, 0, 2)
             self._v_cache[layer, :, start:end] = v.transpose(1, 0, 2)
             keys = self._k_cache[layer, :, :end]  # [n_kv, S, d]
@@ -169,11 +178,15 @@ class NumpyLlama:
             scores -= scores.max(axis=-1, keepdims=True)
             probs = np.exp(scores)
             probs /= probs.sum(axis=-1, keepdims=True)
-            attn = (probs @ values[:, None]).transpose(2, 0, 1, 3).reshape(n_tok, cfg.n_heads * d)
+            attn = self._round_kv((probs @ values[:, None]).transpose(2, 0, 1, 3).reshape(n_tok, cfg.n_heads * d))
             x = x + attn @ wo.T
             h = rms_norm(x, ffn_norm, self._eps)
             x = x + (silu(h @ w_gate.T) * (h @ w_up.T)) @ w_down.T
         return x
+
+    def _round_kv(self, x: np.ndarray) -> np.ndarray:
+        """``x`` rounded to the KV cache's type (and back to float32): what a float16 cache holds."""
+        return x.astype(np.float16).astype(np.float32) if self.kv_dtype == "float16" else x
 
     def generate_greedy(
         self, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] = ()
@@ -198,7 +211,7 @@ class NumpyRunner(ModelRunner):
     cache; ``popn`` shortens it. Slow (float32 numpy), exact."""
 
     def __init__(self, model: GGUFModel, *, kernel_library: KernelLibrary, max_num_sequences: int = 16,
-                 max_total_tokens: int | None = None) -> None:
+                 max_total_tokens: int | None = None, kv_dtype: str = DEFAULT_KV_DTYPE) -> None:
         from logitproc.compile.model_compile import eos_token_ids
 
         try:
@@ -214,7 +227,7 @@ class NumpyRunner(ModelRunner):
         self.model = model
         #: The CPU kernel library the engine's processor and sampler use (``logitproc.compile.build_kernels("cpu")``).
         self.kernel_library = kernel_library
-        self._template = NumpyLlama(model)
+        self._template = NumpyLlama(model, kv_dtype)
         self._llamas: dict[int, NumpyLlama] = {}
 
     @classmethod

@@ -1,7 +1,8 @@
 """The KV cache's attention kernels (``compile/decode_attention.py``, ``compile/prefill_attention.py``) against a
 numpy attention on awkward sizes: contexts not a multiple of the page size or of a chunk, one token, partly filled
 pages, several sequences of different lengths (one with no pages), pages scattered over the cache, GQA with 9 query
-heads over 3 KV heads. Outputs and base-2 log-sum-exps are compared, as the cache's merge uses both."""
+heads over 3 KV heads; float32 and float16 caches. Outputs and base-2 log-sum-exps are compared, as the cache's
+merge uses both."""
 
 from __future__ import annotations
 
@@ -28,19 +29,20 @@ def compiled(func):
     return lib.mod["main"]
 
 
-@pytest.fixture(scope="module")
-def decode():
-    return compiled(decode_attention_kernel(H_KV, H_Q, D))
+@pytest.fixture(scope="module", params=["float32", "float16"])
+def decode(request):
+    """(the decode kernel over pages of this dtype, the dtype)."""
+    return compiled(decode_attention_kernel(H_KV, H_Q, D, request.param)), request.param
 
 
-@pytest.fixture(scope="module")
-def paged_prefill():
-    return compiled(paged_prefill_kernel(H_KV, H_Q, D))
+@pytest.fixture(scope="module", params=["float32", "float16"])
+def paged_prefill(request):
+    return compiled(paged_prefill_kernel(H_KV, H_Q, D, request.param)), request.param
 
 
-@pytest.fixture(scope="module")
-def ragged_prefill():
-    return compiled(ragged_prefill_kernel(H_KV, H_Q, D))
+@pytest.fixture(scope="module", params=["float32", "float16"])
+def ragged_prefill(request):
+    return compiled(ragged_prefill_kernel(H_KV, H_Q, D, request.param)), request.param
 
 
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, visible: list[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -64,16 +66,23 @@ class PagedCache:
     """Sequences of the given lengths in a cache of scattered pages ``[pages, 2, H_KV, 16, D]``, with the page
     table arrays the kernels read (unused pages hold garbage, so reading past a sequence shows)."""
 
-    def __init__(self, lengths: list[int], rng: np.random.Generator, spare_pages: int = 5) -> None:
+    def __init__(self, lengths: list[int], rng: np.random.Generator, spare_pages: int = 5,
+                 dtype: str = "float32", poison: bool = False) -> None:
         counts = [(n + PAGE_SIZE - 1) // PAGE_SIZE for n in lengths]
         total = sum(counts) + spare_pages
-        self.pages = (rng.standard_normal((total, 2, H_KV, PAGE_SIZE, D)) * 3).astype(np.float32)
+        self.pages = (rng.standard_normal((total, 2, H_KV, PAGE_SIZE, D)) * 3).astype(dtype)
         order = rng.permutation(total).astype(np.int32)
         self.indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
         self.values = order[: self.indptr[-1]]
         self.last_len = np.array([n - (c - 1) * PAGE_SIZE if c else 0 for n, c in zip(lengths, counts, strict=True)],
                                  np.int32)
         self.lengths = lengths
+        if poison:  # the slots past each sequence's end in its last page: NaN and inf (never read, never weighted)
+            for b, c in enumerate(counts):
+                if c:
+                    last = self.values[self.indptr[b + 1] - 1]
+                    self.pages[last, :, :, self.last_len[b]:] = np.nan
+                    self.pages[last, 1, :, self.last_len[b]:, ::2] = np.inf
 
     def kv(self, b: int) -> tuple[np.ndarray, np.ndarray]:
         """Keys and values of sequence ``b``, ``[n, H_KV, D]`` each."""
@@ -90,8 +99,12 @@ def tensor(a: np.ndarray) -> tvm.runtime.Tensor:
     return tvm.runtime.tensor(a, DEV)
 
 
-def check(out, lse, want_out, want_lse) -> None:
-    np.testing.assert_allclose(out.numpy(), want_out, rtol=0, atol=2e-5 * max(1.0, np.abs(want_out).max()))
+def check(out, lse, want_out, want_lse, dtype: str = "float32") -> None:
+    """Outputs within 2e-5 of the largest (float32 arithmetic), float16 ones also rounded once (half an ulp: 2^-11
+    relative)."""
+    rtol = 2.0**-11 if dtype == "float16" else 0
+    np.testing.assert_allclose(out.numpy().astype(np.float64), want_out, rtol=rtol,
+                               atol=2e-5 * max(1.0, np.abs(want_out).max()))
     np.testing.assert_allclose(lse.numpy(), want_lse, rtol=1e-5, atol=1e-4)
 
 
@@ -112,20 +125,23 @@ DECODE_CASES = {
 
 @pytest.mark.parametrize("lengths", DECODE_CASES.values(), ids=DECODE_CASES.keys())
 def test_decode_attention_matches_numpy(decode, lengths: list[int]) -> None:
+    """float32 and float16 pages (q and the output in the pages' type, the arithmetic float32); the slots past each
+    sequence's end hold NaN and inf."""
+    kernel, dtype = decode
     rng = np.random.default_rng(len(lengths) * 1000 + sum(lengths))
-    cache = PagedCache(lengths, rng)
+    cache = PagedCache(lengths, rng, dtype=dtype, poison=True)
     b = len(lengths)
-    q = rng.standard_normal((b, H_Q, D)).astype(np.float32)
-    out = tensor(np.full((b, H_Q, D), np.nan, np.float32))
+    q = rng.standard_normal((b, H_Q, D)).astype(dtype)
+    out = tensor(np.full((b, H_Q, D), np.nan, dtype))
     lse = tensor(np.full((b, H_Q), np.nan, np.float32))
     zeros = tensor(np.zeros(b, np.int32))
-    decode(tensor(q), *cache.args(), zeros, zeros, out, lse, 0, 1.0, 10000.0, SM_SCALE)
+    kernel(tensor(q), *cache.args(), zeros, zeros, out, lse, 0, 1.0, 10000.0, SM_SCALE)
     want_out = np.zeros((b, H_Q, D))
     want_lse = np.zeros((b, H_Q))
     for i, n in enumerate(lengths):
         k, v = cache.kv(i)
         want_out[i], want_lse[i] = (x[0] for x in attention(q[i: i + 1], k, v, [n]))
-    check(out, lse, want_out, want_lse)
+    check(out, lse, want_out, want_lse, dtype)
 
 
 PREFILL_CASES = {
@@ -139,12 +155,13 @@ PREFILL_CASES = {
 @pytest.mark.parametrize(("new", "cached"), PREFILL_CASES.values(), ids=PREFILL_CASES.keys())
 def test_paged_prefill_matches_numpy(paged_prefill, new: list[int], cached: list[int]) -> None:
     """New tokens (not causal: all cached keys come before them) against the cached keys in the pages."""
+    paged_prefill, dtype = paged_prefill
     rng = np.random.default_rng(sum(new) + 7 * sum(cached))
-    cache = PagedCache(cached, rng)
+    cache = PagedCache(cached, rng, dtype=dtype)
     total = sum(new)
-    q = rng.standard_normal((total, H_Q, D)).astype(np.float32)
+    q = rng.standard_normal((total, H_Q, D)).astype(dtype)
     q_indptr = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
-    out = tensor(np.full((total, H_Q, D), np.nan, np.float32))
+    out = tensor(np.full((total, H_Q, D), np.nan, dtype))
     lse = tensor(np.full((total, H_Q), np.nan, np.float32))
     pages, indptr, values, last_len = cache.args()
     paged_prefill(tensor(q), tensor(q_indptr), pages, indptr, values, last_len,
@@ -155,7 +172,7 @@ def test_paged_prefill_matches_numpy(paged_prefill, new: list[int], cached: list
         k, v = cache.kv(b)
         rows = slice(q_indptr[b], q_indptr[b + 1])
         want_out[rows], want_lse[rows] = attention(q[rows], k, v, [cached[b]] * n)
-    check(out, lse, want_out, want_lse)
+    check(out, lse, want_out, want_lse, dtype)
 
 
 RAGGED_CASES = {"one token": [1], "a block and a bit": [QUERY_BLOCK + 1], "several sequences": [5, 1, 70, 33],
@@ -165,11 +182,12 @@ RAGGED_CASES = {"one token": [1], "a block and a bit": [QUERY_BLOCK + 1], "sever
 @pytest.mark.parametrize("new", RAGGED_CASES.values(), ids=RAGGED_CASES.keys())
 def test_ragged_prefill_is_causal_attention(ragged_prefill, new: list[int]) -> None:
     """New tokens against themselves, causally, each sequence on its own."""
+    ragged_prefill, dtype = ragged_prefill
     rng = np.random.default_rng(sum(new))
     total = sum(new)
-    q, k, v = (rng.standard_normal((total, h, D)).astype(np.float32) for h in (H_Q, H_KV, H_KV))
+    q, k, v = (rng.standard_normal((total, h, D)).astype(dtype) for h in (H_Q, H_KV, H_KV))
     indptr = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
-    out = tensor(np.full((total, H_Q, D), np.nan, np.float32))
+    out = tensor(np.full((total, H_Q, D), np.nan, dtype))
     lse = tensor(np.full((total, H_Q), np.nan, np.float32))
     zeros_b, zeros_t = tensor(np.zeros(len(new), np.int32)), tensor(np.zeros(total, np.int32))
     ragged_prefill(tensor(q), tensor(indptr), tensor(k), tensor(v), tensor(indptr), zeros_t, zeros_b, out, lse,
@@ -178,7 +196,7 @@ def test_ragged_prefill_is_causal_attention(ragged_prefill, new: list[int]) -> N
     for b, n in enumerate(new):
         rows = slice(indptr[b], indptr[b + 1])
         want_out[rows], want_lse[rows] = attention(q[rows], k[rows], v[rows], list(range(1, n + 1)))
-    check(out, lse, want_out, want_lse)
+    check(out, lse, want_out, want_lse, dtype)
 
 
 def test_decode_kernel_rejects_bad_head_counts() -> None:
@@ -186,3 +204,5 @@ def test_decode_kernel_rejects_bad_head_counts() -> None:
         decode_attention_kernel(3, 9, 36)
     with pytest.raises(ValueError, match="query heads 8 are not a multiple of KV heads 3"):
         decode_attention_kernel(3, 8, 64)
+    with pytest.raises(ValueError, match="KV cache dtype 'bfloat16' is not float32 or float16"):
+        decode_attention_kernel(3, 9, 64, "bfloat16")

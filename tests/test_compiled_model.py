@@ -1,15 +1,16 @@
 """The compiled model (``CompiledModel``) against the numpy reference (``NumpyLlama`` / ``NumpyRunner``).
 
-Tiny random model (fast): float32 weights match numpy within 1e-4, float16 weights within 2e-2 (measured 7e-3);
+Tiny random model (fast): float32 weights and KV cache match numpy within 1e-4, float16 weights within 2e-2
+(measured 7e-3), a float16 KV cache the reference rounding the same values within 5e-3;
 prefill 9 == prefill 8 + decode 1; batched == alone; chunked prefill; fork and popn; sequence id reuse; errors;
 build cache reuse; the logit-processing kernels called from the model's own library; a Hugging Face directory
 (safetensors, Qwen2-style q/k/v biases) equals the in-memory model.
 
 SmolLM2-135M-Instruct (the real default model; select with ``-k smollm2``): logits of a chat prompt within 1e-2 of
 ``NumpyLlama`` (the GGUF's own Q4_1/Q8_0 blocks in the matmuls; on an AVX2 CPU the output head of the last token and
-every decode matvec quantise the activations to 16-bit blocks: measured 1e-3 after the prompt, 2-3.4e-3 over 12
-greedy decode steps, logits' standard deviation 3.4), the same greedy tokens, and the greedy answer to "What is the
-capital of France?" names Paris. The GGUF is fetched once per
+every decode matvec quantise the activations to 16-bit blocks: measured 1e-3 after the
+prompt, 2-3.4e-3 over 12 greedy decode steps, logits' standard deviation 3.4), the same greedy tokens, and the greedy
+answer to "What is the capital of France?" names Paris. The GGUF is fetched once per
 session into the test cache (or ``$LOGITPROC_TEST_MODEL_CACHE``), as in ``test_model_files.py``.
 """
 
@@ -39,6 +40,7 @@ from logitproc.tir_kernels import KERNEL_FACTORIES
 
 TOL_F32 = 1e-4
 TOL_F16 = 2e-2
+TOL_KV16 = 5e-3  # float32 weights, float16 KV cache, against the reference rounding the same values (2.6e-3 seen)
 TOL_AUTO = 1e-2  # SmolLM2's Q4_1/Q8_0 blocks, 16-bit activation blocks in the integer-dot matvecs (module doc)
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -50,7 +52,13 @@ def tiny() -> GGUFModel:
 
 @pytest.fixture(scope="module")
 def m32(tiny: GGUFModel) -> CompiledModel:
-    return CompiledModel.open(tiny, weight_dtype="float32", max_num_sequences=8)
+    return CompiledModel.open(tiny, weight_dtype="float32", kv_dtype="float32", max_num_sequences=8)
+
+
+@pytest.fixture(scope="module")
+def m32h(tiny: GGUFModel) -> CompiledModel:
+    """float32 weights, a float16 KV cache (llama.cpp's default)."""
+    return CompiledModel.open(tiny, weight_dtype="float32", kv_dtype="float16", max_num_sequences=4)
 
 
 @pytest.fixture(scope="module")
@@ -67,15 +75,15 @@ def prompt(m32: CompiledModel) -> list[int]:
 def _no_leftover_sequences(request):
     """Every test starts and ends with no sequences in the module's models."""
     yield
-    for name in ("m32", "m16"):
+    for name in ("m32", "m16", "m32h"):
         if name in request.fixturenames:
             model = request.getfixturevalue(name)
             for seq_id in model.sequence_ids:
                 model.remove_sequence(seq_id)
 
 
-def reference(model: GGUFModel, tokens: list[int]) -> np.ndarray:
-    return NumpyLlama(model).prefill(tokens)
+def reference(model: GGUFModel, tokens: list[int], kv_dtype: str = "float32") -> np.ndarray:
+    return NumpyLlama(model, kv_dtype).prefill(tokens)
 
 
 # ---------------------------------------------------------------- logits against numpy
@@ -95,6 +103,41 @@ def test_float16_logits_match_numpy_within_tolerance(tiny, m16, prompt) -> None:
     diff = np.abs(logits[0] - reference(tiny, prompt)).max()
     assert diff < TOL_F16, diff
     assert logits[0].std() > 0.5  # the tiny model's logits are not flat
+
+
+def test_float16_kv_cache_matches_the_reference_rounding_the_same_values(tiny, m32h, prompt) -> None:
+    """A float16 KV cache: q, k, v and the attention's output rounded to it; NumpyLlama with
+    ``kv_dtype="float16"`` rounds the same values (measured 7e-5 after a prompt, up to 5e-4 over decode steps,
+    where the float32 reference is 2-4e-3 away; 2.6e-3 after a fork), over a prefill, decode steps and a chunked
+    prefill."""
+    assert m32h.kv_dtype == "float16" and "float16 KV cache" in repr(m32h)
+    ref = NumpyLlama(tiny, kv_dtype="float16")
+    m32h.add_sequence(0)
+    np.testing.assert_allclose(m32h.prefill([0], [prompt[:20]])[0], ref.prefill(prompt[:20]), atol=TOL_KV16, rtol=0)
+    np.testing.assert_allclose(m32h.prefill([0], [prompt[20:]])[0], ref.extend(prompt[20:]), atol=TOL_KV16, rtol=0)
+    for token in (5, 77, 9, 100, 3):
+        np.testing.assert_allclose(m32h.decode([0], [token])[0], ref.decode(token), atol=TOL_KV16, rtol=0)
+    full = NumpyLlama(tiny, kv_dtype="float32").prefill([*prompt, 5, 77, 9, 100, 3])
+    assert np.abs(ref.decode(1) - full).max() > 0  # the rounding is real (a different model)
+
+
+def test_a_fork_of_a_float16_cache_shares_its_pages(tiny, m32h, prompt) -> None:
+    """Fork and popn over float16 pages (TVM's page copy in the cache's type): each branch continues as the
+    reference of its own tokens."""
+    m32h.add_sequence(0)
+    m32h.prefill([0], [prompt])
+    m32h.fork_sequence(0, 1)
+    m32h.popn(1, 3)
+    out = m32h.decode([0, 1], [5, 77])
+    for row, tokens in ((out[0], [*prompt, 5]), (out[1], [*prompt[:-3], 77])):
+        np.testing.assert_allclose(row, reference(tiny, tokens, "float16"), atol=TOL_KV16, rtol=0)
+
+
+def test_kv_dtype_is_checked(tiny) -> None:
+    with pytest.raises(ValueError, match="kv_dtype 'bfloat16' is not supported"):
+        compile_model(tiny, kv_dtype="bfloat16")
+    with pytest.raises(ValueError, match="kv_dtype 'int8' is not supported"):
+        NumpyLlama(tiny, kv_dtype="int8")
 
 
 def test_prefill_9_equals_prefill_8_plus_decode_1(m32, prompt) -> None:
@@ -382,7 +425,7 @@ def test_rope_kernel_rotates_halves_like_numpy() -> None:
 
 
 def test_numpy_runner_matches_the_compiled_model(tiny, m32, prompt, lib) -> None:
-    runner = NumpyRunner(tiny, kernel_library=lib)
+    runner = NumpyRunner(tiny, kernel_library=lib, kv_dtype="float32")
     for model in (runner, m32):
         model.add_sequence(0)
         model.add_sequence(1)
@@ -437,7 +480,7 @@ def test_hf_directory_equals_the_in_memory_model(tmp_path: Path, prompt) -> None
         np.testing.assert_array_equal(loaded.weights[name], array, err_msg=name)
     expected = reference(model, prompt)
     np.testing.assert_allclose(reference(loaded, prompt), expected, atol=1e-6, rtol=0)
-    compiled = CompiledModel.open(directory, weight_dtype="float32")
+    compiled = CompiledModel.open(directory, weight_dtype="float32", kv_dtype="float32")
     assert compiled.tokenizer.encode("the cat sat").ids == build_tokenizer(model).encode("the cat sat").ids
     compiled.add_sequence(0)
     np.testing.assert_allclose(compiled.prefill([0], [prompt])[0], expected, atol=TOL_F32, rtol=0)

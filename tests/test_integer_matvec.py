@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import tvm
 from logitproc.compile.integer_matvec import has_int8_dot
-from logitproc.compile.linear_kernels import linear_kernel
+from logitproc.compile.linear_kernels import integer_linear_kernel, linear_kernel
 from logitproc.compile.targets import build_features, resolve_target
 
 TARGET = resolve_target("cpu").tvm_target()
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(not has_int8_dot(build_features(TARGET)), reason
 
 #: (out, in): SmolLM2's decode shapes and awkward ones (N below / not a multiple of 64 chunks, 3 and 1 blocks)
 SHAPES = {"q4_1": [(960, 576), (576, 1536), (100, 96), (37, 32)], "q8_0": [(49152, 576), (100, 96), (5, 64)]}
-TOKENS = (1, 2, 3, 5, 8, 15)  # decode batches: the integer-dot kernels run below 16 tokens
+TOKENS = (1, 2, 3, 5, 6, 8, 15)  # groups of 4, a pair, one: every combination
 
 
 def quantise(x: np.ndarray, qmax: int) -> tuple[np.ndarray, np.ndarray]:
@@ -70,3 +70,33 @@ def test_integer_matvec_matches_the_emulated_quantisation(fmt: str, xbits: int) 
             exact = x.astype(np.float64) @ dense.T  # the activation quantisation's own error
             bound = 2e-2 if xbits == 8 else 1e-4
             assert np.abs(y.numpy() - exact).max() <= bound * np.abs(exact).max(), f"{fmt} {n_out}x{n_in}, {n}"
+
+
+@pytest.mark.parametrize(("x_dtype", "y_dtype"), [("float32", "float16"), ("float16", "float32"),
+                                                  ("float16", "float16")])
+def test_float16_inputs_and_outputs_give_the_float32_kernels_sums_rounded_once(x_dtype: str, y_dtype: str) -> None:
+    """``integer_linear_kernel`` (the qkv projection writing a float16 KV cache's q/k/v, the o projection reading its
+    attention output): bitwise the float32 kernel's result on the same (float16) inputs, rounded once."""
+    rng = np.random.default_rng(5)
+    for fmt, (n_out, n_in) in (("q4_1", (100, 96)), ("q8_0", (37, 64))):
+        kernels = {}
+        for key, func in (("f32", linear_kernel(n_out, n_in, fmt, True, 16, mode="decode")),
+                          ("mixed", integer_linear_kernel(n_out, n_in, fmt, x_dtype, y_dtype))):
+            with tvm.transform.PassContext(opt_level=3):
+                kernels[key] = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}),
+                                           target=TARGET).mod["main"]
+        arrays = [tvm.runtime.tensor(a) for a in weights(fmt, n_out, n_in, rng)[0]]
+        for n in (1, 6, 9):
+            x = rng.standard_normal((n, n_in)).astype(x_dtype)
+            want = tvm.runtime.tensor(np.zeros((n, n_out), np.float32))
+            kernels["f32"](tvm.runtime.tensor(x.astype(np.float32)), *arrays, want)
+            got = tvm.runtime.tensor(np.full((n, n_out), np.nan, y_dtype))
+            kernels["mixed"](tvm.runtime.tensor(x), *arrays, got)
+            np.testing.assert_array_equal(got.numpy(), want.numpy().astype(y_dtype), err_msg=f"{fmt}, {n} tokens")
+
+
+def test_integer_linear_kernel_rejects_other_types() -> None:
+    with pytest.raises(ValueError, match="y_dtype must be float32 or float16, got 'bfloat16'"):
+        integer_linear_kernel(64, 64, "q8_0", "float32", "bfloat16")
+    with pytest.raises(ValueError, match="the integer dot products take q4_1 or q8_0 weights, got 'float16'"):
+        integer_linear_kernel(64, 64, "float16")
