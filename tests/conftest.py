@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 
 import pytest
@@ -50,6 +52,25 @@ def sampler(lib, request):
     from logitproc import Sampler
 
     return Sampler(lib, vocab_size=request.module.V, max_num_token=64)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_compiled_by_cli() -> subprocess.CompletedProcess:
+    """The tiny model compiled once per session by ``logitproc compile --model tiny`` in a subprocess, into the private
+    cache where every later subprocess finds it; the finished process (its stderr shows a fresh build's progress,
+    unless an earlier test had built the model already)."""
+    done = subprocess.run([sys.executable, "-m", "logitproc", "compile", "--model", "tiny"], capture_output=True,
+                          text=True, timeout=900, env=dict(os.environ))
+    assert done.returncode == 0, done.stderr
+    return done
+
+
+@pytest.fixture(scope="session")
+def tiny_compiled(tiny_model_compiled_by_cli):
+    """The tiny model opened in this process (a cache hit after ``tiny_model_compiled_by_cli``)."""
+    from logitproc.serve.cli_options import open_model
+
+    return open_model("tiny", "cpu")
 
 
 @pytest.fixture(scope="session")

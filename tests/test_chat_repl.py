@@ -25,14 +25,6 @@ SCHEMA = {"type": "object", "properties": {"pet": {"enum": ["cat", "dog"]}, "age
           "required": ["pet", "age"], "additionalProperties": False}
 
 
-@pytest.fixture(scope="module")
-def tiny_compiled():
-    """Compile the tiny model in this process first, so that every subprocess finds it in the cache."""
-    from logitproc.serve.cli_options import open_model
-
-    return open_model("tiny", "cpu")
-
-
 def spawn(*args: str, timeout: float = 120):
     child = pexpect.spawn(sys.executable, ["-m", "logitproc", "chat", *args], env=dict(os.environ),
                           encoding="utf-8", timeout=timeout, dimensions=(40, 200))

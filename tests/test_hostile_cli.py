@@ -43,13 +43,6 @@ def test_top_k_beyond_int32(value) -> None:
     assert_one_error_line(run([*GENERATE, "--prompt", "hi", "--top-k", value]), "--top-k", "too large")
 
 
-@pytest.fixture(scope="module")
-def tiny_compiled():
-    from logitproc.serve.cli_options import open_model
-
-    return open_model("tiny", "cpu")
-
-
 @pytest.mark.parametrize("redirect", ["| true", "| head -c 1", ">&-"])
 def test_output_closed_before_or_after_the_answer(tiny_compiled, redirect) -> None:
     """The reader gone before anything is written, after the first byte of a short answer, or stdout closed from
