@@ -124,6 +124,25 @@ def test_fallback_chain_records_what_it_relaxes(adapter) -> None:
         backend.compile(ResponseFormat.json_schema({"allOf": [True, False]}))
 
 
+def test_a_pattern_past_the_lexer_limits_is_relaxed_before_the_request_starts(adapter) -> None:
+    """A group repeated 300 times made llguidance's lexer fail a few dozen tokens into an answer (issue 14's engine
+    limit case): it is found by walks over the pattern alone at compile time, dropped and recorded; the answers then
+    run to their end. A pattern within the limits is kept (checked the same way)."""
+    backend = get_backend("llguidance", adapter)
+    bonus = closer_bonus(adapter) * 0  # no bonus: long strings, where the limit was hit
+    breaking = r"^(\w+\s?){1,300}$"
+    fmt = ResponseFormat.json_schema({"type": "object", "properties": {"a": {"type": "string", "pattern": breaking}},
+                                      "required": ["a"]})
+    grammar = backend.compile(fmt)
+    assert backend.relaxed_keywords(grammar) == (f"pattern {breaking} (llguidance's lexer limits)",)
+    for seed in range(2):
+        gen = drive(GrammarSource(backend.matcher(grammar), adapter), adapter, np.random.default_rng(seed), bonus,
+                    max_steps=80)
+        assert not gen.dead_end and len(gen.token_ids) == 80  # no lexer error on the way
+    kept = {"type": "string", "pattern": r"^(?:\S+\s+){0,99}\S+$"}  # the issue's pattern: within the limits
+    assert backend.relaxed_keywords(backend.compile(ResponseFormat.json_schema(kept))) == ()
+
+
 def test_an_engine_answer_reports_its_check(adapter) -> None:
     """Output.schema_valid / schema_error / relaxed_keywords on the tiny model (random answers)."""
     from logitproc.serve.cli_options import tiny_model

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import threading
+from functools import cached_property
 from typing import Any
 
 import llguidance
@@ -23,7 +24,15 @@ from llguidance.gbnf_to_lark import gbnf_to_lark
 
 from ..response_format import ResponseFormat
 from .backend import GrammarBackend, GrammarError, GrammarMatcher
-from .schema_rewrite import DATA_KEYWORDS, NAMED_SUBSCHEMAS, normalize, relax_subschemas, rewrite_schema
+from .schema_rewrite import (
+    DATA_KEYWORDS,
+    NAMED_SUBSCHEMAS,
+    drop_patterns,
+    normalize,
+    relax_subschemas,
+    rewrite_schema,
+    risky_patterns,
+)
 from .tokenizer_adapter import TokenizerAdapter
 
 #: llguidance's refusals that a relaxed compile (lenient, coerce_one_of) answers: keywords it does not enforce.
@@ -43,6 +52,10 @@ VALIDATION_KEYWORDS = ("uniqueItems", "if", "then", "else", "not", "contains", "
 #: limits stay (raised, ``a{1000000}`` passes the probe and then costs seconds per mask).
 LIMITS = llguidance.LLParserLimits(max_grammar_size=2_000_000)
 
+
+#: Tokens of each random walk that checks a risky string pattern against llguidance's lexer limits before a request
+#: starts (``schema_rewrite.risky_patterns``; a pattern past the limits fails within a few tokens).
+PATTERN_WALK = 48
 
 #: JSON layout: any whitespace between tokens, as vLLM's default, but at most this many characters in a row, so that
 #: a sampled output cannot spin in whitespace.
@@ -158,6 +171,14 @@ class LLGuidanceBackend(GrammarBackend):
                                                   eos_token=list(tokenizer.eos_token_ids))
         self._lock = threading.Lock()
 
+    @cached_property
+    def _closes_string(self) -> np.ndarray:
+        """bool ``[vocab_size]``: tokens holding a quote, and EOS (the pattern walks never take them)."""
+        tokens = self.tokenizer.token_bytes
+        out = np.array([b'"' in t for t in tokens] + [True] * (self.tokenizer.vocab_size - len(tokens)), bool)
+        out[list(self.tokenizer.eos_token_ids)] = True
+        return out
+
     def grammar_text(self, fmt: ResponseFormat, relaxed: bool = False, schema: Any = None) -> str:
         if fmt.kind in ("json_object", "json_schema"):
             text = fmt.text if schema is None else json.dumps(schema)
@@ -190,11 +211,44 @@ class LLGuidanceBackend(GrammarBackend):
                                    f"{first_line(matcher.get_error())}")
             self._probe(matcher, response_format)
             return LLGuidanceGrammar(matcher)
-        matcher, relaxed = self._compile_schema(response_format)
+        matcher, relaxed, schema = self._compile_schema(response_format)
+        broken = {p for p in risky_patterns(schema) if not self._pattern_survives(p)}
+        if broken:  # llguidance's lexer limits would end an answer mid-way: relaxed before the request starts
+            matcher = self._compile(response_format, relaxed=True, schema=drop_patterns(schema, broken))
+            if matcher.is_error():
+                raise GrammarError(f"llguidance cannot compile this json_schema: {first_line(matcher.get_error())}")
+            relaxed = tuple(sorted({*relaxed, *(f"pattern {p} (llguidance's lexer limits)" for p in broken)}))
         self._probe(matcher, response_format)
         return LLGuidanceGrammar(matcher, relaxed)
 
-    def _compile_schema(self, fmt: ResponseFormat) -> tuple[llguidance.LLMatcher, tuple[str, ...]]:
+    def _pattern_survives(self, pattern: str, seeds: int = 2, steps: int = PATTERN_WALK) -> bool:
+        """Whether random walks over a string of ``pattern`` alone (``seeds`` walks of ``steps`` tokens, fixed
+        seeds, never closing the string) stay within llguidance's lexer limits; a pattern past them fails within a
+        few dozen tokens. The walks run on their own compile: llguidance's lexer state is shared by every copy of a
+        compiled grammar, and what one walk builds counts against the limit of the others."""
+        fmt = ResponseFormat.json_schema({"type": "string", "pattern": pattern})
+        try:
+            pristine = self._compile(fmt, relaxed=True)
+        except GrammarError:
+            return False
+        row = np.zeros((self.tokenizer.vocab_size + 31) // 32, np.int32)
+        quote = self.tokenizer.byte_tokens.get(ord('"'))
+        for seed in range(seeds):
+            matcher, rng = pristine.deep_copy(), np.random.default_rng(seed)
+            if quote is None or not matcher.consume_token(quote):  # the string opened; never closed below
+                return True
+            for _ in range(steps):
+                matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+                self.tokenizer.clear_padding(row)
+                allowed = np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little"))
+                allowed = allowed[~self._closes_string[allowed]]
+                if matcher.is_error() or not allowed.size or not matcher.consume_token(int(rng.choice(allowed))):
+                    break
+            if matcher.is_error():
+                return False
+        return True
+
+    def _compile_schema(self, fmt: ResponseFormat) -> tuple[llguidance.LLMatcher, tuple[str, ...], Any]:
         """The fallback chain, before any request starts: strict; lenient (validating keywords ignored, ``oneOf`` as
         ``anyOf``); the refused keywords rewritten away; the smallest subschemas that stop it compiling relaxed to
         any JSON; at last any JSON value. Each step records what it does not enforce. Only a schema llguidance
@@ -205,7 +259,7 @@ class LLGuidanceBackend(GrammarBackend):
         schema = normalize(original)
         matcher = self._compile(fmt, relaxed=False, schema=schema)
         if not matcher.is_error():
-            return matcher, ()
+            return matcher, (), schema
         error = strict_error = first_line(matcher.get_error())
         notes: set[str] = set()
         if UNSATISFIABLE not in error:
@@ -230,7 +284,7 @@ class LLGuidanceBackend(GrammarBackend):
             raise GrammarError(f"llguidance cannot compile this json_schema: {error}")
         keywords = relaxed_keywords(original, strict_error)
         notes.update(keywords if keywords != (strict_error,) or not notes else ())
-        return self._compile(fmt, relaxed=True, schema=schema), tuple(sorted(notes))
+        return self._compile(fmt, relaxed=True, schema=schema), tuple(sorted(notes)), schema
 
     def relaxed_keywords(self, compiled: LLGuidanceGrammar) -> tuple[str, ...]:
         return compiled.relaxed

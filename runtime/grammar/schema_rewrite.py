@@ -9,6 +9,9 @@ original schema afterwards).
 * :func:`rewrite_schema` (relaxed): keywords llguidance cannot build a grammar for dropped: ``min/maxProperties``,
   keywords beside a recursive ``$ref``, references outside the schema (nothing is fetched: any value), a
   ``multipleOf`` with too many digits, ``patternProperties`` whose patterns overlap, a custom meta-schema.
+* :func:`drop_patterns` (relaxed): string patterns that break llguidance's lexer limits while an answer is
+  generated (a group repeated many times, ``^(\\w+\\s?){1,300}$``), found before the request starts by a walk
+  over each :func:`risky_patterns` alone.
 * :func:`relax_subschemas` (relaxed): for any other refusal (``schema too large``, ...), the smallest subschemas
   whose replacement by ``{}`` (any JSON value) lets the schema compile, found by a bounded top-down search.
 """
@@ -16,6 +19,7 @@ original schema afterwards).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -37,6 +41,10 @@ OLD_DRAFTS = ("draft-04", "draft-06", "draft-07")
 KNOWN_META = ("json-schema.org/",)
 
 Path = tuple[Any, ...]
+
+#: A group repeated at least this many times (``(...){1,300}``) is what makes llguidance's lexer blow up.
+RISKY_REPEAT = 32
+_GROUP_REPEAT = re.compile(r"\)[*+?]?\{(\d+),?(\d*)\}")
 
 
 def copy_of(schema: Any) -> Any:
@@ -134,6 +142,36 @@ def rewrite_schema(schema: Any, error: str) -> tuple[Any, tuple[str, ...]]:
                     del item[key]
                 notes.add("keywords beside $ref")
     return copy, tuple(sorted(notes))
+
+
+def risky_patterns(schema: Any) -> list[str]:
+    """The string patterns of ``schema`` (``pattern`` and ``patternProperties`` keys) that repeat a group
+    ``RISKY_REPEAT`` times or more: those whose lexer state can outgrow llguidance's limits mid-answer."""
+    found: list[str] = []
+    for _path, item in _dicts(schema):
+        patterns = [item["pattern"]] if isinstance(item.get("pattern"), str) else []
+        if isinstance(item.get("patternProperties"), dict):
+            patterns += list(item["patternProperties"])
+        for pattern in patterns:
+            counts = [int(n or m) for m, n in _GROUP_REPEAT.findall(pattern)]
+            if any(c >= RISKY_REPEAT for c in counts) and pattern not in found:
+                found.append(pattern)
+    return found
+
+
+def drop_patterns(schema: Any, patterns: set[str]) -> Any:
+    """A copy of ``schema`` without the ``pattern`` keywords (and ``patternProperties`` entries, whose names then
+    fall to ``additionalProperties``: dropped too) holding one of ``patterns``."""
+    copy = copy_of(schema)
+    for _path, item in _dicts(copy):
+        if item.get("pattern") in patterns:
+            del item["pattern"]
+        named = item.get("patternProperties")
+        if isinstance(named, dict) and patterns.intersection(named):
+            for pattern in patterns.intersection(named):
+                del named[pattern]
+            item.pop("additionalProperties", None)
+    return copy
 
 
 def _children(path: Path, item: dict) -> Iterator[tuple[Path, str]]:
