@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 from logitproc.runtime.grammar import GrammarMatcher, GrammarSource, TokenizerAdapter
 from logitproc.runtime.grammar.closing import DocumentClosing
+from logitproc.runtime.grammar.completion_hints import CompletionHints
 
 CLOSERS = (b'"', b"}", b"]", b",")
 
@@ -46,14 +47,14 @@ class Generation:
 def drive(source: GrammarSource, adapter: TokenizerAdapter, rng: np.random.Generator, bonus: np.ndarray,
           max_steps: int = 400, patience: int = 8, jump_forward: bool = False,
           mask_times: list[float] | None = None, max_tokens: int | None = None,
-          closing: DocumentClosing | None = None) -> Generation:
+          closing: DocumentClosing | None = None, hints: CompletionHints | None = None) -> Generation:
     """One random generation; with ``mask_times``, the seconds of each mask fill are appended to it; with
     ``max_tokens``, it ends after that many tokens (EOS included), closed in time by ``closing`` (a fresh
-    ``DocumentClosing`` of ``source`` by default)."""
+    ``DocumentClosing`` of ``source`` with ``hints`` by default)."""
     row = np.empty((adapter.vocab_size + 31) // 32, np.int32)
     extra = np.empty_like(row)
     if closing is None and max_tokens is not None:
-        closing = DocumentClosing(source, max_tokens)
+        closing = DocumentClosing(source, max_tokens, hints or CompletionHints())
     sources = [source] if closing is None else [source, closing]
     out: list[int] = []
     eos = set(adapter.eos_token_ids)

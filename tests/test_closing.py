@@ -16,15 +16,16 @@ from logitproc.runtime.answer_check import check_answer
 from logitproc.runtime.grammar import GrammarSource, TokenizerAdapter, get_backend
 from logitproc.runtime.grammar.backend import GrammarError
 from logitproc.runtime.grammar.closing import DocumentClosing, shortest_completion
+from logitproc.runtime.grammar.completion_hints import completion_hints, shortest_match
 from logitproc.runtime.response_format import ResponseFormat, parse_response_format
 from tokenizers import Tokenizer
 
 V, EOS = 129280, 1
 ENGINES = ["llguidance", "xgrammar"]
 #: check-jsonschema's vendored schemas driven here: small and large minimum completions, strict and relaxed grammars.
-VENDORED = ["bitbucket-pipelines", "buildkite", "changie", "cloudbuild", "compose-spec", "dependabot", "drone-ci",
-            "github-issue-config", "github-issue-forms", "gitlab-ci", "meltano", "mergify", "readthedocs", "renovate",
-            "taskfile", "woodpecker-ci"]
+VENDORED = ["bitbucket-pipelines", "buildkite", "changie", "citation-file-format", "cloudbuild", "compose-spec",
+            "dependabot", "drone-ci", "github-issue-config", "github-issue-forms", "github-workflows", "gitlab-ci",
+            "meltano", "mergify", "readthedocs", "renovate", "taskfile", "woodpecker-ci"]
 REGEXES = [r"[a-z]+@[a-z]+\.(com|org)", r"\(\d{3}\) \d{3}-\d{4}", r"(ab|cd)+e", r"-?(0|[1-9][0-9]*)(\.[0-9]+)?",
            r"[A-Z]{2}-\d+"]
 LARK = 'start: expr\nexpr: term ("+" term)*\nterm: NUMBER | "(" expr ")" | "[" expr ("," expr)* "]"\nNUMBER: /[0-9]+/\n'
@@ -41,9 +42,9 @@ def engine(name: str, adapter: TokenizerAdapter):
     return get_backend(name, adapter)
 
 
-def minimum(backend, compiled, adapter) -> int | None:
+def minimum(backend, compiled, adapter, fmt=None) -> int | None:
     """The closing plan's length from the start (an upper bound on the shortest completion)."""
-    plan = shortest_completion(backend.matcher(compiled), adapter)
+    plan = shortest_completion(backend.matcher(compiled), adapter, hints=completion_hints(fmt))
     return None if plan is None else len(plan)
 
 
@@ -73,8 +74,30 @@ def test_the_completion_search_completes_and_leaves_the_matcher_as_it_was(adapte
         assert source.is_accepting, (fmt.kind, adapter.decode_bytes(plan))
 
 
+@pytest.fixture(scope="module")
+def vendored(adapter) -> dict[str, tuple[ResponseFormat, object, int | None]]:
+    """The VENDORED schemas compiled once: (format, grammar, the plan's length from the start)."""
+    backend = engine("llguidance", adapter)
+    out = {}
+    for name in VENDORED:
+        fmt = ResponseFormat.json_schema(material.vendored_schemas()[name])
+        compiled = backend.compile(fmt)
+        out[name] = (fmt, compiled, minimum(backend, compiled, adapter, fmt))
+    return out
+
+
+def test_every_real_world_schema_has_a_plan_from_the_start(vendored) -> None:
+    """With the schema's hints (required keys, a shortest string per pattern) the search finds a completion for
+    each schema, citation-file-format (a DOI, dates) and github-workflows (``uses``: ``.../x.yml``) included."""
+    assert {name: least for name, (_, _, least) in vendored.items() if least is None} == {}
+    assert vendored["citation-file-format"][2] <= 32 and vendored["github-workflows"][2] <= 32
+    assert shortest_match(r"^(.+\/)+(.+)\.(ya?ml)(@.+)?$") == "a/a.yml"
+    assert shortest_match(r"^10\.\d{4,9}(\.\d+)?/[A-Za-z0-9:/_;\-\.\(\)\[\]\\]+$") == "10.0000/a"
+    assert shortest_match(r"(a)\1") is None  # a back-reference is not read off: no hint, never a wrong one
+
+
 @pytest.mark.parametrize("max_tokens", [16, 32, 64])
-def test_real_world_schema_answers_end_as_documents_where_the_minimum_fits(adapter, max_tokens) -> None:
+def test_real_world_schema_answers_end_as_documents_where_the_minimum_fits(adapter, vendored, max_tokens) -> None:
     """Random-logit answers (no bonus for closing characters: only the closing ends them) on check-jsonschema's
     schemas: complete JSON documents wherever the closing's minimum fits in max_tokens, valid against the whole
     schema when the grammar is exact (a relaxed one's answers are validated and flagged)."""
@@ -82,21 +105,18 @@ def test_real_world_schema_answers_end_as_documents_where_the_minimum_fits(adapt
     bonus = closer_bonus(adapter)
     closed = cut = 0
     for index, name in enumerate(VENDORED):
-        fmt = ResponseFormat.json_schema(material.vendored_schemas()[name])
-        compiled = backend.compile(fmt)
-        fits = (minimum(backend, compiled, adapter) or max_tokens + 1) <= max_tokens
-        for seed in range(2):
-            gen = drive(GrammarSource(backend.matcher(compiled), adapter), adapter,
-                        np.random.default_rng(1000 * index + seed), bonus, max_steps=1000, patience=10**6,
-                        max_tokens=max_tokens)
-            assert len(gen.token_ids) <= max_tokens
-            if not fits:
-                cut += not gen.complete
-                continue
-            assert gen.complete, (name, max_tokens, gen.text)
-            check = check_answer(fmt, gen.text.decode())
-            assert check is not None and (check.valid or backend.relaxed_keywords(compiled)), (name, check)
-            closed += gen.closed
+        fmt, compiled, least = vendored[name]
+        assert least is not None, name
+        gen = drive(GrammarSource(backend.matcher(compiled), adapter), adapter, np.random.default_rng(index), bonus,
+                    max_steps=1000, patience=10**6, max_tokens=max_tokens, hints=completion_hints(fmt))
+        assert len(gen.token_ids) <= max_tokens
+        if least > max_tokens:
+            cut += not gen.complete
+            continue
+        assert gen.complete, (name, max_tokens, gen.text)
+        check = check_answer(fmt, gen.text.decode())
+        assert check is not None and (check.valid or backend.relaxed_keywords(compiled)), (name, check)
+        closed += gen.closed
     assert closed >= len(VENDORED) // 2  # most answers were ended by the closing, not by chance
     assert max_tokens > 16 or cut  # at 16 tokens some minimums do not fit: those answers are cut, as said
 

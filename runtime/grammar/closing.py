@@ -33,12 +33,13 @@ the plan (no new search); a rollback forgets every plan.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from ..mask_source import JumpForward
+from ..mask_source import JumpForward, TokenMaskSource
 from .backend import GrammarMatcher
+from .completion_hints import CompletionHints
 from .source import GrammarSource
 from .tokenizer_adapter import TokenizerAdapter
 
@@ -56,33 +57,44 @@ NOVELTY = 32
 #: Plans are computed when the budget left is at most the last plan's length plus WINDOW, else every REFRESH tokens.
 WINDOW = 64
 REFRESH = 16
+#: At most this many hints are tried at one position.
+MACROS = 3
+NO_HINTS = CompletionHints()
 
 
 def shortest_completion(matcher: GrammarMatcher, tokenizer: TokenizerAdapter, max_tries: int = MAX_TRIES,
-                        max_bytes: int = MAX_BYTES) -> list[int] | None:
+                        max_bytes: int = MAX_BYTES, hints: CompletionHints = NO_HINTS,
+                        permits: Callable[[Sequence[int]], bool] | None = None) -> list[int] | None:
     """Tokens that take ``matcher`` from its state to an accepting one ([] when it accepts already), or None when
-    the bounded search finds none. The matcher is left in the state it had."""
+    the bounded search finds none; ``hints`` (required keys, strings that match the schema's patterns) are tried
+    whole where they fit. With ``permits`` (do the sequence's other rules, ``allowed_token_ids``, ``bad_words``
+    ..., allow these tokens in turn from the current state?), the search uses only the one-byte tokens they allow
+    first, and the plan is the first tokenisation of the bytes found (the tokenizer's, then one token per byte)
+    that they allow throughout; None when neither is. The matcher is left in the state it had."""
     singles = tokenizer.byte_tokens
-    found = _complete_bytes(matcher, singles, max_tries, max_bytes, novelty=False)
+    if permits is not None:
+        singles = {b: t for b, t in singles.items() if permits([t])}
+    macros = _Macros(hints, singles)
+    found = _complete_bytes(matcher, singles, max_tries, max_bytes, novelty=False, macros=macros)
     if found is None:
-        found = _complete_bytes(matcher, singles, max_tries // 2, max_bytes, novelty=True)
+        found = _complete_bytes(matcher, singles, max_tries // 2, max_bytes, novelty=True, macros=macros)
     if found is None:
         return None
     if not found:
         return []
     per_byte = [singles[b] for b in found]
+    plans = [per_byte]
     try:
-        text = found.decode("utf-8")
+        merged = tokenizer.encode(found.decode("utf-8"))
     except UnicodeDecodeError:
-        return per_byte
-    merged = tokenizer.encode(text)
+        merged = per_byte
     if len(merged) < len(per_byte) and tokenizer.decode_bytes(merged) == found:
         taken = matcher.try_accept_tokens(merged)
         complete = taken == len(merged) and matcher.is_accepting()
         matcher.rollback(taken)
         if complete:
-            return merged
-    return per_byte
+            plans.insert(0, merged)
+    return next((plan for plan in plans if permits is None or permits(plan)), None)
 
 
 #: Byte classes of the second pass: digits, lowercase and uppercase ASCII letters are one class each (-1, -2, -3);
@@ -90,15 +102,64 @@ def shortest_completion(matcher: GrammarMatcher, tokenizer: TokenizerAdapter, ma
 BYTE_CLASS = tuple(-1 if 48 <= b <= 57 else -2 if 97 <= b <= 122 else -3 if 65 <= b <= 90 else b for b in range(256))
 
 
+class _Macros:
+    """The hints as one-byte tokens: keys and whole strings by their first byte after the quote, and string tails."""
+
+    def __init__(self, hints: CompletionHints, singles: dict[int, int]) -> None:
+        self.by_letter: dict[int, list[bytes]] = {}
+        for text in (*hints.keys, *hints.values):
+            if len(text) > 2 and all(b in singles for b in text):
+                self.by_letter.setdefault(text[1], []).append(text)
+        self.tails = [t for t in hints.tails if all(b in singles for b in t)]
+
+    def fitting(self, matcher: GrammarMatcher, singles: dict[int, int]) -> tuple[list[bytes], int]:
+        """The hints the grammar takes whole at this position (at most ``MACROS``), and the tokens tried. Where a
+        quote fits, the keys and strings that start with it; none where ``""`` fits (any key or string: the
+        empty one is shortest). Where it does not (inside a string whose pattern is not met yet), the tails."""
+        if not self.by_letter and not self.tails:
+            return [], 0
+        quote = singles[ord('"')]
+        tries, fit = 1, []
+        if matcher.try_accept_token(quote):
+            tries += 1
+            if matcher.try_accept_token(quote):
+                matcher.rollback(2)
+                return [], tries
+            for letter, texts in self.by_letter.items():
+                tries += 1
+                if not matcher.try_accept_token(singles[letter]):
+                    continue
+                for text in texts:
+                    tries += self._fits(matcher, singles, text[2:], fit, text)
+                matcher.rollback(1)
+            matcher.rollback(1)
+        else:
+            for tail in self.tails:
+                tries += self._fits(matcher, singles, tail, fit, tail)
+                if len(fit) >= MACROS:
+                    break
+        # keys in the schema's order (nearest the root first), strings shortest first
+        return sorted(fit, key=lambda t: (t.endswith(b'"'), len(t) if t.endswith(b'"') else 0))[:MACROS], tries
+
+    @staticmethod
+    def _fits(matcher: GrammarMatcher, singles: dict[int, int], rest: bytes, fit: list[bytes], text: bytes) -> int:
+        ids = [singles[b] for b in rest]
+        taken = matcher.try_accept_tokens(ids)
+        matcher.rollback(taken)
+        if taken == len(ids):
+            fit.append(text)
+        return taken + 1
+
+
 def _complete_bytes(matcher: GrammarMatcher, singles: dict[int, int], max_tries: int, max_bytes: int,
-                    novelty: bool) -> bytes | None:
+                    novelty: bool, macros: _Macros | None = None) -> bytes | None:
     """The depth-first search of the module doc, over bytes; the matcher is restored before returning. With
     ``novelty`` the byte classes are tried least recently used first, and in a class the bytes least recently used
     first (a pattern that needs a byte late in the order of preference), the order of preference breaking ties."""
     order = [b for b in PREFERENCE if b in singles]
     path = bytearray()
-    # One frame per position: (candidate bytes, next index to try, bytes taken at this position).
-    frames: list[tuple[list[int], int, int]] = []
+    # One frame per position: (candidates: byte values or whole keys, next index to try, bytes taken there).
+    frames: list[tuple[list[int | bytes], int, int]] = []
     tries = 0
     try:
         while True:
@@ -113,16 +174,21 @@ def _complete_bytes(matcher: GrammarMatcher, singles: dict[int, int], max_tries:
                     path += forced[:taken]
                     frames.append(([], 0, taken))
                     continue
+            candidates: list[int | bytes]
             if novelty:
                 # least recently used class first (a round-robin over the classes); whitespace always last
                 recent = path[-NOVELTY:]
                 last_class = {BYTE_CLASS[b]: i for i, b in enumerate(recent)}
                 last_byte = {b: i for i, b in enumerate(recent)}
                 candidates = sorted(order, key=lambda b: (b in WHITESPACE, last_class.get(BYTE_CLASS[b], -1),
-                                                          last_byte.get(b, -1)))
+                                                          last_byte.get(b, -1)))  # type: ignore[arg-type]
             else:
                 previous = path[-1] if path and chr(path[-1]).isalnum() else -1
                 candidates = [b for b in order if b != previous] + ([previous] if previous in singles else [])
+            if macros is not None:
+                keys, cost = macros.fitting(matcher, singles)
+                tries += cost
+                candidates = [*keys, *candidates]
             frames.append((candidates, 0, 0))
             # Try the next candidate of the deepest frame; pop frames whose candidates are spent.
             while True:
@@ -135,10 +201,18 @@ def _complete_bytes(matcher: GrammarMatcher, singles: dict[int, int], max_tries:
                 if index >= len(candidates) or len(path) >= max_bytes:
                     frames.pop()
                     continue
-                byte = candidates[index]
+                candidate = candidates[index]
+                if isinstance(candidate, bytes):  # a whole key (checked to fit): taken at once
+                    tries += len(candidate)
+                    taken = matcher.try_accept_tokens([singles[b] for b in candidate])
+                    path += candidate[:taken]
+                    frames[-1] = (candidates, index + 1, taken)
+                    if taken == len(candidate):
+                        break
+                    continue
                 tries += 1
-                if matcher.try_accept_token(singles[byte]):
-                    path.append(byte)
+                if matcher.try_accept_token(singles[candidate]):
+                    path.append(candidate)
                     frames[-1] = (candidates, index + 1, 1)
                     break
                 frames[-1] = (candidates, index + 1, 0)
@@ -155,9 +229,15 @@ class DocumentClosing:
     for a grammar inside a think block, whose tokens the grammar does not see).
     """
 
-    def __init__(self, grammar: GrammarSource, max_tokens: int) -> None:
+    def __init__(self, grammar: GrammarSource, max_tokens: int, hints: CompletionHints = NO_HINTS,
+                 rules: Sequence[TokenMaskSource] = ()) -> None:
         self.grammar = grammar
         self.max_tokens = max_tokens
+        #: What the search may write whole (``completion_hints``) and the sequence's other mask sources
+        #: (``allowed_token_ids``, ``bad_words``, a Tree Decode map): a plan uses only tokens they allow.
+        self.hints = hints
+        self.rules = list(rules)
+        self._rule_row = np.empty((grammar.tokenizer.vocab_size + 31) // 32, np.int32) if rules else None
         self.generated = 0
         #: At least one token of the answer was chosen by the closing (a restricted mask or a replaced sample).
         self.closed = False
@@ -212,13 +292,35 @@ class DocumentClosing:
         try:
             if taken < len(path):
                 return None
-            return shortest_completion(matcher, self.grammar.tokenizer)
+            rows: dict[tuple[int, ...], np.ndarray | None] = {}
+            permits = (lambda tokens: self.permitted(path, tokens, rows)) if self.rules else None
+            return shortest_completion(matcher, self.grammar.tokenizer, hints=self.hints, permits=permits)
         finally:
             matcher.rollback(taken)
             seconds = time.perf_counter() - started
             self.searches += 1
             self.search_seconds += seconds
             self.longest_search = max(self.longest_search, seconds)
+
+    def permitted(self, path: Sequence[int], tokens: Sequence[int],
+                  rows: dict[tuple[int, ...], np.ndarray | None] | None = None) -> bool:
+        """Whether the other mask sources (``rules``) allow ``tokens`` in turn after the committed tokens and
+        ``path``; ``rows`` keeps their combined rows by prefix (within one search, where the same prefix recurs)."""
+        if not self.rules:
+            return True
+        rows = {} if rows is None else rows
+        for index, token in enumerate(tokens):
+            prefix = (*path, *tokens[:index])
+            if prefix not in rows:
+                combined = None
+                for rule in self.rules:
+                    if rule.fill_bitmask(self._rule_row, prefix):  # type: ignore[arg-type]
+                        combined = self._rule_row.copy() if combined is None else combined & self._rule_row
+                rows[prefix] = combined
+            row = rows[prefix]
+            if row is not None and not (int(row[token >> 5]) >> (token & 31)) & 1:
+                return False
+        return True
 
     # ---- TokenMaskSource -------------------------------------------------------------------------------------------
     def fill_bitmask(self, row: np.ndarray, draft_path: Sequence[int]) -> bool:
@@ -249,6 +351,8 @@ class DocumentClosing:
         after = self.plan([token_id])
         if after is not None and len(after) <= budget - 1:
             return token_id
+        if not plan and not self.permitted([], self._eos[:1]):
+            return token_id  # accepting, but EOS is not allowed yet (min_tokens): the closing cannot end it here
         self.closed = True
         return plan[0] if plan else self._eos[0]
 
