@@ -285,3 +285,53 @@ def test_engine_edge_cases_end_cleanly(tiny) -> None:
     out = engine.generate("x", GenerationConfig(temperature=1.0, seed=3, max_tokens=9, stop=["}"],
                                                 response_format=schema))[0]
     assert out.finish_reason == "stop" and out.grammar_complete is None and "}" not in out.text
+
+
+# ---- the plan and the sequence's other token rules ------------------------------------------------------------------
+def rule_driven(adapter, config, seed: int) -> tuple[list[int], bool]:
+    """One random answer through every mask source ``ConstraintFactory`` makes for ``config`` (grammar, closing,
+    token rules), as the engine runs them: (tokens, whether a row ever allowed nothing)."""
+    from logitproc.runtime.constraints import ConstraintFactory
+
+    sources = ConstraintFactory(adapter, V, [EOS]).sources_for(config)
+    closing = next(s for s in sources if isinstance(s, DocumentClosing))
+    rng, out = np.random.default_rng(seed), []
+    while len(out) < config.max_tokens:
+        row = np.full((V + 31) // 32, -1, np.int32)
+        for source in sources:
+            part = mask(source, [])
+            row &= part
+        allowed = allowed_ids(row, V)
+        if not allowed.size:
+            return out, True
+        token = closing.closable_token(int(rng.choice(allowed[allowed != EOS] if allowed.size > 1 else allowed)))
+        if token == EOS:
+            break
+        for source in sources:
+            source.accept_token(token)
+        out.append(token)
+    return out, False
+
+
+@pytest.mark.parametrize("rule", ["bad_words", "allowed_token_ids"])
+def test_the_plan_respects_bad_words_and_allowed_token_ids(adapter, rule) -> None:
+    """The plan's tokens are ones the sequence's token rules allow: with ``"}`` (one token of this tokenizer, the
+    tokeniser's way to close ``{"a":"...``) banned, or only one-byte tokens allowed, the closing writes the same bytes
+    one token each; before, the plan's banned token left a row with nothing allowed (grammar_dead_end)."""
+    from logitproc.runtime import GenerationConfig
+
+    schema = {"type": "object", "required": ["a"], "properties": {"a": {"type": "string"}}}
+    fmt = {"type": "json_schema", "json_schema": {"schema": schema}}
+    rules = {"bad_words": {"bad_words": ['"}']},
+             "allowed_token_ids": {"allowed_token_ids": sorted({*adapter.byte_tokens.values(), EOS})}}[rule]
+    banned = set(adapter.encode('"}'))
+    for seed in range(3):
+        config = GenerationConfig(max_tokens=12, response_format=fmt, **rules)
+        tokens, dead_end = rule_driven(adapter, config, seed)
+        assert not dead_end
+        text = adapter.decode_bytes(tokens).decode()
+        assert json.loads(text).keys() == {"a"}, text
+        if rule == "bad_words":
+            assert not banned & set(tokens)
+        else:
+            assert all(len(adapter.token_bytes[t]) == 1 for t in tokens)
