@@ -335,3 +335,20 @@ def test_the_plan_respects_bad_words_and_allowed_token_ids(adapter, rule) -> Non
             assert not banned & set(tokens)
         else:
             assert all(len(adapter.token_bytes[t]) == 1 for t in tokens)
+
+
+def test_a_think_block_is_ended_in_time_for_the_document(adapter) -> None:
+    """A thinking budget larger than max_tokens: random thinking would use every token and leave no answer. The
+    closing ends the think block when the budget left is the end marker plus the document's plan, then closes the
+    document: the text after the marker is whole JSON, every time."""
+    from logitproc.runtime import GenerationConfig
+
+    schema = {"type": "object", "required": ["a"], "properties": {"a": {"type": "integer"}}}
+    for seed in range(3):
+        config = GenerationConfig(max_tokens=20, max_thinking_tokens=100, think_end="</end>", response_format={
+            "type": "json_schema", "json_schema": {"schema": schema}})
+        tokens, dead_end = rule_driven(adapter, config, seed)
+        assert not dead_end and len(tokens) <= 20
+        thinking, marker, answer = adapter.decode_bytes(tokens).decode().partition("</end>")
+        assert marker, thinking
+        assert json.loads(answer).keys() == {"a"}, answer

@@ -38,6 +38,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from ..mask_source import JumpForward, TokenMaskSource
+from ..think_mode import ThinkBudget
 from .backend import GrammarMatcher
 from .completion_hints import CompletionHints
 from .source import GrammarSource
@@ -230,8 +231,13 @@ class DocumentClosing:
     """
 
     def __init__(self, grammar: GrammarSource, max_tokens: int, hints: CompletionHints = NO_HINTS,
-                 rules: Sequence[TokenMaskSource] = ()) -> None:
+                 rules: Sequence[TokenMaskSource] = (), think: ThinkBudget | None = None) -> None:
         self.grammar = grammar
+        #: The thinking budget whose inner source is ``grammar`` (placed before this source): while its block is
+        #: open, the plan is the rest of the end marker and then the grammar's plan from its start.
+        self.think = think
+        self._grammar_seen = grammar.accepted
+        self._marker_before = think.end_marker_left() if think is not None else None
         self.max_tokens = max_tokens
         #: What the search may write whole (``completion_hints``) and the sequence's other mask sources
         #: (``allowed_token_ids``, ``bad_words``, a Tree Decode map): a plan uses only tokens they allow.
@@ -329,9 +335,13 @@ class DocumentClosing:
         if budget <= 0:  # past max_tokens (a jump-forward's tokens are checked this way): nothing is allowed
             row.fill(0)
             return True
-        if not self._due(position, budget):
+        if self.think is not None and self.think.phase != "done":
+            # thinking, or its end inside the draft path (then not restricted)
+            plan = self._thinking_plan(self.think.end_marker_left(draft_path))
+        elif not self._due(position, budget):
             return False
-        plan = self.plan(draft_path)
+        else:
+            plan = self.plan(draft_path)
         if plan is None or len(plan) != budget:
             return False
         row.fill(0)
@@ -339,11 +349,26 @@ class DocumentClosing:
         row[token >> 5] = np.uint32(1 << (token & 31)).view(np.int32)
         return True
 
+    def _thinking_plan(self, marker: tuple[int, ...] | None) -> list[int] | None:
+        """While the think block is open: the rest of its end marker, then the grammar's plan from its start."""
+        if not marker:
+            return None
+        start = self.plan()
+        return None if start is None else [*marker, *start]
+
     def closable_token(self, token_id: int) -> int:
         """The token to commit in place of the sampled ``token_id``: itself, unless no plan would fit in the budget
         after it while one fits now; then the plan's next token (the closing's choice)."""
         budget = self.max_tokens - self.generated
-        if token_id in self._eos or budget <= 0 or not self._due(self.generated, budget):
+        if token_id in self._eos or budget <= 0:
+            return token_id
+        if self.think is not None and self.think.phase != "done":
+            plan = self._thinking_plan(self.think.end_marker_left())
+            if plan is None or len(plan) != budget or plan[0] == token_id:
+                return token_id  # a thinking token leaves the plan as long as it was: only its last chance counts
+            self.closed = True
+            return plan[0]
+        if not self._due(self.generated, budget):
             return token_id
         plan = self.plan()
         if plan is None or len(plan) > budget or (plan and plan[0] == token_id):
@@ -358,10 +383,18 @@ class DocumentClosing:
 
     def accept_token(self, token_id: int) -> None:
         token = int(token_id)
-        plan = self._plans.get(())
-        if plan and len(plan) == self.max_tokens - self.generated and plan[0] == token:
-            self.closed = True  # the mask allowed this token alone
+        budget = self.max_tokens - self.generated
         self.generated += 1
+        if self.grammar.accepted == self._grammar_seen:  # a thinking token: the grammar's plans stay as they are
+            marker = self._marker_before
+            self._marker_before = self.think.end_marker_left() if self.think is not None else None
+            plan = self._thinking_plan(marker) if marker else None
+            self.closed |= plan is not None and len(plan) == budget and plan[0] == token
+            return
+        self._grammar_seen = self.grammar.accepted
+        plan = self._plans.get(())
+        if plan and len(plan) == budget and plan[0] == token:
+            self.closed = True  # the mask allowed this token alone
         # Plans of the states after this token are kept, one token shorter in their key; the others are dropped.
         self._plans = {k[1:]: v for k, v in self._plans.items() if k and k[0] == token}
         if () not in self._plans and plan and plan[0] == token:
@@ -371,6 +404,8 @@ class DocumentClosing:
         if num_tokens:
             self.generated -= num_tokens
             self._plans, self.cut = {}, False
+            self._grammar_seen = self.grammar.accepted
+            self._marker_before = self.think.end_marker_left() if self.think is not None else None
 
     def jump_forward(self, output_token_ids: Sequence[int]) -> JumpForward | None:
         return None
