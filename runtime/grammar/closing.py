@@ -12,7 +12,10 @@ needs ``/`` or ``@``, late in the order of preference). The first byte string th
 reaches an accepting state is tokenised with the real tokenizer (kept when the grammar takes those tokens, else one
 token per byte), giving the plan: a token sequence that completes the document. Its length is an upper bound on the
 minimum (the search is not exhaustive), which is safe: the document only closes a little earlier. The search is
-bounded (``MAX_TRIES`` tokens tried, ``MAX_BYTES`` deep); past that it reports no completion.
+bounded (``MAX_TRIES`` tokens tried, ``MAX_BYTES`` deep); past that it reports no completion. A JSON schema's hints
+(``completion_hints``: its required keys, a shortest string per pattern) are tried whole first where they fit, so
+that a completion writes required keys only and solves patterns a byte search would loop in. With the sequence's
+other mask sources (``rules``: allowed_token_ids, bad_words ...), a plan holds only tokens they allow.
 
 **The budget** (:class:`DocumentClosing`, a TokenMaskSource next to the grammar's): at a position with ``budget``
 tokens left (``max_tokens`` minus the tokens generated minus the draft path's length, the token at that position
@@ -28,6 +31,9 @@ Plans are computed only near the end: when the budget left is within ``WINDOW`` 
 and every ``REFRESH`` tokens otherwise (a token can lengthen the completion a lot: ``{`` of an object with required
 keys), so ordinary steps pay nothing but one search per ``REFRESH`` tokens. Committing the plan's next token shifts
 the plan (no new search); a rollback forgets every plan.
+
+**Inside a think block** (``think``: the ThinkBudget holding the grammar), the plan is the rest of the end marker
+and then the grammar's plan from its start: thinking is ended in time for the document to close.
 """
 
 from __future__ import annotations

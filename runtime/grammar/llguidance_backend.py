@@ -4,11 +4,13 @@ Compiling a response format gives a pristine ``LLMatcher`` (grammar parsed and c
 ``deep_copy`` of it. A token is validated before it is consumed, because a refused ``consume_token`` leaves an
 llguidance matcher in a permanent error state.
 
-A JSON schema is compiled strictly first. When llguidance refuses it only for keywords that validate without shaping
-the text it can generate (``uniqueItems``, ``if``/``then``/``else``, ``not``, ``contains``, ``dependentSchemas``,
-an unknown ``format``, a ``oneOf`` whose branches may overlap ...), it is compiled again with llguidance's
-``lenient`` and ``coerce_one_of`` options: those keywords are not enforced while generating, the grammar records
-them (``relaxed_keywords``), and the engine validates the finished answer against the whole schema.
+A JSON schema goes through a fallback chain before any request starts (``_compile_schema``): exact rewrites
+(``schema_rewrite.normalize``), strict, then llguidance's ``lenient``/``coerce_one_of`` for keywords that validate
+without shaping the text (``uniqueItems``, ``if``/``then``/``else``, an unknown ``format``, an overlapping ``oneOf``
+...), then rewrites for the refusals llguidance names, then the smallest offending subschemas relaxed to any JSON,
+at last any JSON; string patterns past llguidance's lexer limits are found by walks and dropped. Only a schema with
+no valid instance is refused. What each step leaves unenforced is recorded (``relaxed_keywords``), and the engine
+validates the finished answer against the whole schema.
 """
 
 from __future__ import annotations
