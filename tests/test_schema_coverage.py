@@ -120,6 +120,11 @@ def test_fallback_chain_records_what_it_relaxes(adapter) -> None:
     assert not accepts_value(backend.matcher(grammar), adapter, "x")
     with pytest.raises(GrammarError, match="no JSON value"):
         backend.compile(ResponseFormat.json_schema(False))
+    # a broken schema is the request's error, never relaxed into something that compiles
+    for broken, says in [({"type": "strnig"}, "at /type"), ({"properties": {"a": {"minimum": "x"}}}, "minimum"),
+                         ({"properties": {"a": {"$ref": "#/x"}}}, "names nothing")]:
+        with pytest.raises(GrammarError, match=says):
+            backend.compile(ResponseFormat.json_schema(broken))
     with pytest.raises(GrammarError, match="Unsatisfiable"):
         backend.compile(ResponseFormat.json_schema({"allOf": [True, False]}))
 

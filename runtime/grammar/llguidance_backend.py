@@ -9,8 +9,9 @@ A JSON schema goes through a fallback chain before any request starts (``_compil
 without shaping the text (``uniqueItems``, ``if``/``then``/``else``, an unknown ``format``, an overlapping ``oneOf``
 ...), then rewrites for the refusals llguidance names, then the smallest offending subschemas relaxed to any JSON,
 at last any JSON; string patterns past llguidance's lexer limits are found by walks and dropped. Only a schema with
-no valid instance is refused. What each step leaves unenforced is recorded (``relaxed_keywords``), and the engine
-validates the finished answer against the whole schema.
+no valid instance, or one that is not valid JSON Schema (``schema_problem``), is refused. What each step leaves
+unenforced is recorded (``relaxed_keywords``), and the engine validates the finished answer against the whole
+schema.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from .schema_rewrite import (
     relax_subschemas,
     rewrite_schema,
     risky_patterns,
+    schema_problem,
 )
 from .tokenizer_adapter import TokenizerAdapter
 
@@ -263,6 +265,9 @@ class LLGuidanceBackend(GrammarBackend):
         if not matcher.is_error():
             return matcher, (), schema
         error = strict_error = first_line(matcher.get_error())
+        problem = schema_problem(original) if UNSATISFIABLE not in error else None
+        if problem is not None:
+            raise GrammarError(f"this json_schema is not valid JSON Schema: {problem}")
         notes: set[str] = set()
         if UNSATISFIABLE not in error:
             if any(e in error for e in RELAXABLE_ERRORS):

@@ -110,6 +110,32 @@ def resolve_anchors(schema: Any) -> Any:
     return copy
 
 
+def schema_problem(schema: Any) -> str | None:
+    """Why ``schema`` is not a valid JSON Schema (its meta-schema refuses it, or a ``$ref`` JSON pointer names
+    nothing in it), or None. A broken schema is the request's error, never relaxed into something that compiles."""
+    import jsonschema
+
+    try:  # the meta-schema without its format checks (an ECMA pattern such as \p{Cc} is not Python's)
+        cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+        err = jsonschema.exceptions.best_match(cls(cls.META_SCHEMA).iter_errors(schema))
+    except Exception:  # noqa: BLE001 - an unknown meta-schema: nothing to check against
+        err = None
+    if err is not None:
+        where = "/".join(str(p) for p in err.absolute_path)
+        return f"{err.message}" + (f" (at /{where})" if where else "")
+    found = list(_dicts(schema))
+    if any(path and isinstance(item.get("$id"), str) for path, item in found):
+        return None  # embedded resources: pointers may be relative to them
+    for _path, item in found:
+        ref = item.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#/"):
+            try:
+                _at(schema, tuple(p.replace("~1", "/").replace("~0", "~") for p in ref[2:].split("/")))
+            except (KeyError, IndexError, TypeError):
+                return f"$ref {ref} names nothing in the schema"
+    return None
+
+
 def rewrite_schema(schema: Any, error: str) -> tuple[Any, tuple[str, ...]]:
     """A copy of ``schema`` without what llguidance refused (``error``) and cannot build a grammar for, and what was
     dropped (see the module doc)."""
@@ -188,7 +214,7 @@ def _children(path: Path, item: dict) -> Iterator[tuple[Path, str]]:
 
 def _at(schema: Any, path: Path) -> Any:
     for part in path:
-        schema = schema[part]
+        schema = schema[int(part)] if isinstance(schema, list) else schema[part]
     return schema
 
 
