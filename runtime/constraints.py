@@ -5,8 +5,10 @@ sequence (each sequence of an n > 1 request separately) ``sources_for(config)`` 
 
 * the grammar of ``config.response_format``, compiled once per (engine, tokenizer, format) in a shared cache; a
   format the engine cannot compile raises :class:`GrammarError` (a ValueError) for that request only;
-* with a grammar and ``config.max_tokens`` (and no thinking budget), a :class:`DocumentClosing` after it, which
-  closes the document in time so that max_tokens never ends it mid-document (``grammar/closing.py``);
+* with a grammar and ``config.max_tokens``, a :class:`DocumentClosing` after it (or after its think block), which
+  closes the document in time so that max_tokens never ends it mid-document (``grammar/closing.py``), with the
+  schema's completion hints and the sequence's other sources (its plans use only tokens they allow); inside a
+  think block, it ends thinking in time for the document to close;
 * with ``config.max_thinking_tokens`` set, a :class:`ThinkBudget` that starts inside the think block (the prompt is
   opened with ``config.think_begin``: see :meth:`open_think_block`), forces ``config.think_end`` when the budget is
   spent, and applies the grammar only after thinking ends;
@@ -32,6 +34,7 @@ from .grammar import (
     get_backend,
 )
 from .grammar.closing import DocumentClosing
+from .grammar.completion_hints import completion_hints
 from .mask_source import TokenMaskSource
 from .think_mode import ThinkBudget
 from .token_rules import AllowedTokens, BadWords, MinTokens, bad_word_token_ids
@@ -76,17 +79,19 @@ class ConstraintFactory:
         """Fresh mask sources for one sequence of a request with ``config``."""
         sources: list[TokenMaskSource] = []
         grammar = self.grammar_source(config)
+        think = None
         if config.max_thinking_tokens is not None:
-            sources.append(ThinkBudget((), self.marker_ids(config.think_end), config.max_thinking_tokens,
-                                       inner=grammar, starts_in_thinking=True))
+            think = ThinkBudget((), self.marker_ids(config.think_end), config.max_thinking_tokens, inner=grammar,
+                                starts_in_thinking=True)
+            sources.append(think)
         elif grammar is not None:
             sources.append(grammar)
-            if config.max_tokens is not None:
-                sources.append(DocumentClosing(grammar, config.max_tokens))
-        if self.tree_decode is not None:
-            sources.append(TreeDecodeSource(self.tree_decode))
-        sources.extend(self.token_rules(config))
-        return sources
+        others: list[TokenMaskSource] = [TreeDecodeSource(self.tree_decode)] if self.tree_decode is not None else []
+        others.extend(self.token_rules(config))
+        if grammar is not None and config.max_tokens is not None:  # after the grammar (or its think block)
+            sources.append(DocumentClosing(grammar, config.max_tokens, completion_hints(config.response_format),
+                                           rules=others, think=think))
+        return sources + others
 
     def token_rules(self, config: GenerationConfig) -> list[TokenMaskSource]:
         """The mask sources of ``allowed_token_ids``, ``bad_words`` and ``min_tokens`` (none when they are unset)."""

@@ -18,6 +18,7 @@ from .config import MAX_INT32, GenerationConfig
 from .grammar.closing import DocumentClosing
 from .grammar.source import GrammarSource
 from .mask_source import TokenMaskSource
+from .think_mode import ThinkBudget
 
 
 def checked_token(token: Any, field: str) -> int:
@@ -160,8 +161,9 @@ class RequestState:
     def grammar_complete(self) -> bool | None:
         """The output is a whole match of its grammar (the grammar accepts here); None without a grammar."""
         for source in self.mask_sources:
-            if isinstance(source, GrammarSource):
-                return source.is_accepting or source.is_terminated
+            inner = source.inner if isinstance(source, ThinkBudget) else source
+            if isinstance(inner, GrammarSource):
+                return inner.is_accepting or inner.is_terminated
         return None
 
     @property

@@ -181,6 +181,16 @@ class ThinkBudget:
         """Tokens accepted inside the think block so far (the end marker's tokens included once it is emitted)."""
         return self._state.count
 
+    def end_marker_left(self, draft_path: Sequence[int] = ()) -> tuple[int, ...] | None:
+        """After ``draft_path``: the end-marker tokens still to come while the think block is open (the ones
+        already written excluded), () while waiting for the begin marker, None once thinking has ended."""
+        state = self._state
+        for token in draft_path:
+            state = self._step(state, int(token))
+        if state.phase == DONE:
+            return None
+        return self.end_ids[state.matched:] if state.phase == THINKING else ()
+
     @property
     def forcing(self) -> bool:
         """True while the budget is spent and the end marker is being forced."""

@@ -26,13 +26,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import material  # noqa: E402
 from bench_common import machine_line  # noqa: E402
-from grammar_driver import allowed_ids, closer_bonus, drive  # noqa: E402
+from grammar_driver import accepts_value, allowed_ids, closer_bonus, drive  # noqa: E402
 from logitproc import GenerationConfig, LogitProcessor, RequestState  # noqa: E402
 from logitproc.compile import build_kernels  # noqa: E402
 from logitproc.runtime.answer_check import check_answer  # noqa: E402
 from logitproc.runtime.constraints import ConstraintFactory  # noqa: E402
 from logitproc.runtime.grammar import GrammarError, GrammarSource, TokenizerAdapter, get_backend  # noqa: E402
 from logitproc.runtime.grammar.closing import DocumentClosing, shortest_completion  # noqa: E402
+from logitproc.runtime.grammar.completion_hints import completion_hints  # noqa: E402
 from logitproc.runtime.response_format import ResponseFormat, parse_response_format  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
@@ -79,26 +80,46 @@ def main() -> None:
         masks(args, adapter, bonus)
 
 
+#: ``$schema`` of each Test-Suite draft (its groups mostly leave it out).
+DRAFTS = {"draft4": "http://json-schema.org/draft-04/schema#", "draft6": "http://json-schema.org/draft-06/schema#",
+          "draft7": "http://json-schema.org/draft-07/schema#",
+          "draft2019-09": "https://json-schema.org/draft/2019-09/schema",
+          "draft2020-12": "https://json-schema.org/draft/2020-12/schema"}
+
+
 def coverage(adapter: TokenizerAdapter, bonus: np.ndarray) -> None:
-    """Compile rate of check-jsonschema's vendored schemas and of the Test-Suite's (draft 2020-12), and how random
-    answers (closers favoured, no max_tokens) of the vendored ones validate against the whole schema."""
+    """Compile rate of check-jsonschema's vendored schemas and of the Test-Suite's (every draft), the compile
+    time, how many valid instances each grammar accepts (as a JSON value: keys in any order, 1.0 or 1), and how
+    random answers (closers favoured, no max_tokens) of the vendored ones validate against the whole schema."""
     backend = get_backend("llguidance", adapter)
     print("\n## Coverage (llguidance)\n")
-    print("| set | schemas | strict | relaxed | refused | answers finished | valid | flagged invalid |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    sets = {"check-jsonschema vendored": list(material.vendored_schemas().items()),
-            "Test-Suite 2020-12": [(n, g["schema"]) for n, g in material.suite_groups()]}
+    print("| set | schemas | strict | relaxed | refused (with a valid instance) | compile ms (median, max) | "
+          "valid instances accepted | answers finished | valid | flagged invalid |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    sets = {"check-jsonschema vendored": [(n, s, []) for n, s in material.vendored_schemas().items()]}
+    for draft, meta in DRAFTS.items():
+        sets[f"Test-Suite {draft}"] = [
+            (n, {"$schema": meta, **g["schema"]} if isinstance(g["schema"], dict) and "$schema" not in g["schema"]
+             else g["schema"], [t["data"] for t in g["tests"] if t["valid"]]) for n, g in material.suite_groups(draft)]
     for label, schemas in sets.items():
-        strict = relaxed = refused = finished = valid = invalid = 0
-        for index, (_, schema) in enumerate(schemas):
+        strict = relaxed = refused = refused_valid = finished = valid = invalid = instances = accepted = 0
+        times = []
+        for index, (_, schema, valid_instances) in enumerate(schemas):
             fmt = ResponseFormat.json_schema(schema)
+            started = time.perf_counter()
             try:
                 compiled = backend.compile(fmt)
             except GrammarError:
                 refused += 1
+                refused_valid += bool(valid_instances)
                 continue
+            finally:
+                times.append(time.perf_counter() - started)
             relaxed += bool(backend.relaxed_keywords(compiled))
             strict += not backend.relaxed_keywords(compiled)
+            for value in valid_instances:
+                instances += 1
+                accepted += accepts_value(backend.matcher(compiled), adapter, value)
             if label.startswith("check"):
                 gen = drive(GrammarSource(backend.matcher(compiled), adapter), adapter, np.random.default_rng(index),
                             bonus, max_steps=400)
@@ -108,7 +129,9 @@ def coverage(adapter: TokenizerAdapter, bonus: np.ndarray) -> None:
                     valid += bool(check and check.valid)
                     invalid += bool(check and check.valid is False)
         answers = f"{finished} | {valid} | {invalid}" if label.startswith("check") else "- | - | -"
-        print(f"| {label} | {len(schemas)} | {strict} | {relaxed} | {refused} | {answers} |")
+        ms = f"{1000 * statistics.median(times):.1f}, {1000 * max(times):.0f}"
+        print(f"| {label} | {len(schemas)} | {strict} | {relaxed} | {refused} ({refused_valid}) | {ms} | "
+              f"{f'{accepted}/{instances}' if instances else '-'} | {answers} |")
 
 
 def closing(adapter: TokenizerAdapter, bonus: np.ndarray) -> None:
@@ -127,7 +150,8 @@ def closing(adapter: TokenizerAdapter, bonus: np.ndarray) -> None:
         except GrammarError:
             continue
         started = time.perf_counter()
-        plan = shortest_completion(backend.matcher(compiled[name]), adapter)
+        plan = shortest_completion(backend.matcher(compiled[name]), adapter,
+                                   hints=completion_hints(ResponseFormat.json_schema(schema)))
         initial.append((time.perf_counter() - started, name, plan))
         least[name] = len(plan) if plan is not None else None
     for max_tokens in (16, 32, 64, 256):
@@ -138,7 +162,7 @@ def closing(adapter: TokenizerAdapter, bonus: np.ndarray) -> None:
             fit = least[name] is not None and least[name] <= max_tokens
             for seed in range(4):
                 source = GrammarSource(backend.matcher(grammar), adapter)
-                timed = DocumentClosing(source, max_tokens)
+                timed = DocumentClosing(source, max_tokens, completion_hints(fmt))
                 gen = drive(source, adapter, np.random.default_rng(100 * index + seed), bonus, max_steps=1000,
                             patience=10**6, max_tokens=max_tokens, closing=timed)
                 answers += 1
@@ -156,8 +180,9 @@ def closing(adapter: TokenizerAdapter, bonus: np.ndarray) -> None:
               f"{1000 * longest:.0f} |")
     found = [t for t, _, plan in initial if plan is not None]
     print(f"\nminimum from the start: found for {len(found)} of {len(initial)} schemas, in "
-          f"{1000 * statistics.median(found):.1f} ms median, {1000 * max(found):.1f} ms max; not found: "
-          + ", ".join(f"{name} ({1000 * t:.0f} ms)" for t, name, plan in initial if plan is None))
+          f"{1000 * statistics.median(found):.1f} ms median, {1000 * max(found):.1f} ms max (the first search of a "
+          "grammar also builds llguidance's lexer states); not found: "
+          + (", ".join(f"{name} ({1000 * t:.0f} ms)" for t, name, plan in initial if plan is None) or "none"))
 
 
 def masks(args: argparse.Namespace, adapter: TokenizerAdapter, bonus: np.ndarray) -> None:

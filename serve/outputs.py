@@ -173,9 +173,9 @@ class Output:
     schema_error: str | None = None
     #: Schema keywords the grammar did not enforce while generating (a relaxed compile); ``schema_valid`` checks them.
     relaxed_keywords: tuple[str, ...] = ()
-    #: A response format's grammar: whether the output is a whole match of it (a complete document); None without
-    #: one, for aborted and failed answers, when a stop string trimmed the text, and for a grammar inside a think
-    #: block (not tracked here).
+    #: A response format's grammar: whether the output (after the think block, when there is one) is a whole match
+    #: of it (a complete document); None without one, for aborted and failed answers, and when a stop string trimmed
+    #: the text.
     grammar_complete: bool | None = None
     #: The closing chose at least one token so that the document ended complete within ``max_tokens`` (finish reason
     #: "length", or "stop" when it ended with EOS): the model did not end it; False when it did, or when no completion

@@ -10,12 +10,14 @@ is applied with the grammar's, and each chosen token goes through ``closable_tok
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 
 import numpy as np
-from logitproc.runtime.grammar import GrammarSource, TokenizerAdapter
+from logitproc.runtime.grammar import GrammarMatcher, GrammarSource, TokenizerAdapter
 from logitproc.runtime.grammar.closing import DocumentClosing
+from logitproc.runtime.grammar.completion_hints import CompletionHints
 
 CLOSERS = (b'"', b"}", b"]", b",")
 
@@ -45,14 +47,14 @@ class Generation:
 def drive(source: GrammarSource, adapter: TokenizerAdapter, rng: np.random.Generator, bonus: np.ndarray,
           max_steps: int = 400, patience: int = 8, jump_forward: bool = False,
           mask_times: list[float] | None = None, max_tokens: int | None = None,
-          closing: DocumentClosing | None = None) -> Generation:
+          closing: DocumentClosing | None = None, hints: CompletionHints | None = None) -> Generation:
     """One random generation; with ``mask_times``, the seconds of each mask fill are appended to it; with
     ``max_tokens``, it ends after that many tokens (EOS included), closed in time by ``closing`` (a fresh
-    ``DocumentClosing`` of ``source`` by default)."""
+    ``DocumentClosing`` of ``source`` with ``hints`` by default)."""
     row = np.empty((adapter.vocab_size + 31) // 32, np.int32)
     extra = np.empty_like(row)
     if closing is None and max_tokens is not None:
-        closing = DocumentClosing(source, max_tokens)
+        closing = DocumentClosing(source, max_tokens, hints or CompletionHints())
     sources = [source] if closing is None else [source, closing]
     out: list[int] = []
     eos = set(adapter.eos_token_ids)
@@ -102,3 +104,76 @@ def drive(source: GrammarSource, adapter: TokenizerAdapter, rng: np.random.Gener
             return result(True)
         commit(token)
     return result(False)
+
+
+def _feed(matcher: GrammarMatcher, singles: dict[int, int], text: bytes) -> int | None:
+    """Feed ``text`` byte by byte; the bytes taken, or None (nothing left taken) when the grammar refuses one."""
+    taken = matcher.try_accept_tokens([singles[b] for b in text])
+    if taken == len(text):
+        return taken
+    matcher.rollback(taken)
+    return None
+
+
+def _spellings(value: object) -> list[bytes]:
+    """A scalar as JSON, and an integral number also without ``.0`` (``1.0`` and ``1`` are the same JSON value)."""
+    texts = [json.dumps(value, ensure_ascii=False)]
+    if isinstance(value, float) and value.is_integer():
+        texts.append(str(int(value)))
+    return [t.encode() for t in texts]
+
+
+class _Members:
+    """The members of an object still to write, after its first (``first``: none written yet)."""
+
+    def __init__(self, members: list[tuple[str, object]], first: bool) -> None:
+        self.members = members
+        self.first = first
+
+
+def _run(matcher: GrammarMatcher, singles: dict[int, int], todo: list[object]) -> int | None:
+    """Feed the items of ``todo`` (bytes, JSON values, object members) in some spelling the grammar takes, ending in
+    an accepting state: object keys in any order, integral numbers with or without ``.0``; the bytes taken (the
+    matcher holds them) or None (nothing left taken)."""
+    if not todo:
+        return 0 if matcher.is_accepting() else None
+    head, rest = todo[0], todo[1:]
+    options: list[tuple[bytes, list[object]]]
+    if isinstance(head, bytes):
+        options = [(head, rest)]
+    elif isinstance(head, _Members):
+        if not head.members:
+            options = [(b"}", rest)]
+        else:
+            options = []
+            for i, (key, item) in enumerate(head.members):
+                text = (b"" if head.first else b",") + json.dumps(key, ensure_ascii=False).encode() + b":"
+                options.append((text, [item, _Members(head.members[:i] + head.members[i + 1:], False), *rest]))
+    elif isinstance(head, dict):
+        options = [(b"{", [_Members(list(head.items()), True), *rest])]
+    elif isinstance(head, list):
+        items: list[object] = []
+        for i, item in enumerate(head):
+            items += [b","] * bool(i) + [item]
+        options = [(b"[", [*items, b"]", *rest])]
+    else:
+        options = [(text, rest) for text in _spellings(head)]
+    for text, after in options:
+        taken = _feed(matcher, singles, text)
+        if taken is None:
+            continue
+        more = _run(matcher, singles, after)
+        if more is not None:
+            return taken + more
+        matcher.rollback(taken)
+    return None
+
+
+def accepts_value(matcher: GrammarMatcher, adapter: TokenizerAdapter, value: object) -> bool:
+    """Whether the grammar takes the JSON value ``value`` as a whole document in some spelling (keys in any order,
+    integral numbers with or without ``.0``); the matcher is left as it was."""
+    taken = _run(matcher, adapter.byte_tokens, [value])
+    if taken is None:
+        return False
+    matcher.rollback(taken)
+    return True

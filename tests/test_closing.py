@@ -16,15 +16,16 @@ from logitproc.runtime.answer_check import check_answer
 from logitproc.runtime.grammar import GrammarSource, TokenizerAdapter, get_backend
 from logitproc.runtime.grammar.backend import GrammarError
 from logitproc.runtime.grammar.closing import DocumentClosing, shortest_completion
+from logitproc.runtime.grammar.completion_hints import completion_hints, shortest_match
 from logitproc.runtime.response_format import ResponseFormat, parse_response_format
 from tokenizers import Tokenizer
 
 V, EOS = 129280, 1
 ENGINES = ["llguidance", "xgrammar"]
 #: check-jsonschema's vendored schemas driven here: small and large minimum completions, strict and relaxed grammars.
-VENDORED = ["bitbucket-pipelines", "buildkite", "changie", "cloudbuild", "compose-spec", "dependabot", "drone-ci",
-            "github-issue-config", "github-issue-forms", "gitlab-ci", "meltano", "mergify", "readthedocs", "renovate",
-            "taskfile", "woodpecker-ci"]
+VENDORED = ["bitbucket-pipelines", "buildkite", "changie", "citation-file-format", "cloudbuild", "compose-spec",
+            "dependabot", "drone-ci", "github-issue-config", "github-issue-forms", "github-workflows", "gitlab-ci",
+            "meltano", "mergify", "readthedocs", "renovate", "taskfile", "woodpecker-ci"]
 REGEXES = [r"[a-z]+@[a-z]+\.(com|org)", r"\(\d{3}\) \d{3}-\d{4}", r"(ab|cd)+e", r"-?(0|[1-9][0-9]*)(\.[0-9]+)?",
            r"[A-Z]{2}-\d+"]
 LARK = 'start: expr\nexpr: term ("+" term)*\nterm: NUMBER | "(" expr ")" | "[" expr ("," expr)* "]"\nNUMBER: /[0-9]+/\n'
@@ -41,9 +42,9 @@ def engine(name: str, adapter: TokenizerAdapter):
     return get_backend(name, adapter)
 
 
-def minimum(backend, compiled, adapter) -> int | None:
+def minimum(backend, compiled, adapter, fmt=None) -> int | None:
     """The closing plan's length from the start (an upper bound on the shortest completion)."""
-    plan = shortest_completion(backend.matcher(compiled), adapter)
+    plan = shortest_completion(backend.matcher(compiled), adapter, hints=completion_hints(fmt))
     return None if plan is None else len(plan)
 
 
@@ -57,7 +58,10 @@ def mask(source, path=()) -> np.ndarray:
 @pytest.mark.parametrize("engine_name", ENGINES)
 def test_the_completion_search_completes_and_leaves_the_matcher_as_it_was(adapter, engine_name) -> None:
     backend = engine(engine_name, adapter)
-    formats = [ResponseFormat.json_schema(material.vendored_schemas()["dependabot"]),
+    schema = material.vendored_schemas()["dependabot"] if engine_name == "llguidance" else {  # (xgrammar: small)
+        "type": "object", "required": ["version", "updates"], "properties": {
+            "version": {"enum": [2]}, "updates": {"type": "array", "items": {"type": "string"}}}}
+    formats = [ResponseFormat.json_schema(schema),
                parse_response_format({"type": "regex", "regex": REGEXES[1]}),
                parse_response_format({"type": "grammar", "grammar": LARK, "syntax": "lark"})]
     for fmt in formats:
@@ -73,8 +77,30 @@ def test_the_completion_search_completes_and_leaves_the_matcher_as_it_was(adapte
         assert source.is_accepting, (fmt.kind, adapter.decode_bytes(plan))
 
 
+@pytest.fixture(scope="module")
+def vendored(adapter) -> dict[str, tuple[ResponseFormat, object, int | None]]:
+    """The VENDORED schemas compiled once: (format, grammar, the plan's length from the start)."""
+    backend = engine("llguidance", adapter)
+    out = {}
+    for name in VENDORED:
+        fmt = ResponseFormat.json_schema(material.vendored_schemas()[name])
+        compiled = backend.compile(fmt)
+        out[name] = (fmt, compiled, minimum(backend, compiled, adapter, fmt))
+    return out
+
+
+def test_every_real_world_schema_has_a_plan_from_the_start(vendored) -> None:
+    """With the schema's hints (required keys, a shortest string per pattern) the search finds a completion for
+    each schema, citation-file-format (a DOI, dates) and github-workflows (``uses``: ``.../x.yml``) included."""
+    assert {name: least for name, (_, _, least) in vendored.items() if least is None} == {}
+    assert vendored["citation-file-format"][2] <= 32 and vendored["github-workflows"][2] <= 32
+    assert shortest_match(r"^(.+\/)+(.+)\.(ya?ml)(@.+)?$") == "a/a.yml"
+    assert shortest_match(r"^10\.\d{4,9}(\.\d+)?/[A-Za-z0-9:/_;\-\.\(\)\[\]\\]+$") == "10.0000/a"
+    assert shortest_match(r"(a)\1") is None  # a back-reference is not read off: no hint, never a wrong one
+
+
 @pytest.mark.parametrize("max_tokens", [16, 32, 64])
-def test_real_world_schema_answers_end_as_documents_where_the_minimum_fits(adapter, max_tokens) -> None:
+def test_real_world_schema_answers_end_as_documents_where_the_minimum_fits(adapter, vendored, max_tokens) -> None:
     """Random-logit answers (no bonus for closing characters: only the closing ends them) on check-jsonschema's
     schemas: complete JSON documents wherever the closing's minimum fits in max_tokens, valid against the whole
     schema when the grammar is exact (a relaxed one's answers are validated and flagged)."""
@@ -82,22 +108,21 @@ def test_real_world_schema_answers_end_as_documents_where_the_minimum_fits(adapt
     bonus = closer_bonus(adapter)
     closed = cut = 0
     for index, name in enumerate(VENDORED):
-        fmt = ResponseFormat.json_schema(material.vendored_schemas()[name])
-        compiled = backend.compile(fmt)
-        fits = (minimum(backend, compiled, adapter) or max_tokens + 1) <= max_tokens
-        for seed in range(2):
-            gen = drive(GrammarSource(backend.matcher(compiled), adapter), adapter,
-                        np.random.default_rng(1000 * index + seed), bonus, max_steps=1000, patience=10**6,
-                        max_tokens=max_tokens)
-            assert len(gen.token_ids) <= max_tokens
-            if not fits:
-                cut += not gen.complete
-                continue
-            assert gen.complete, (name, max_tokens, gen.text)
-            check = check_answer(fmt, gen.text.decode())
-            assert check is not None and (check.valid or backend.relaxed_keywords(compiled)), (name, check)
-            closed += gen.closed
-    assert closed >= len(VENDORED) // 2  # most answers were ended by the closing, not by chance
+        if max_tokens == 64 and index % 2:  # (at 64, every other schema: the longest runs)
+            continue
+        fmt, compiled, least = vendored[name]
+        assert least is not None, name
+        gen = drive(GrammarSource(backend.matcher(compiled), adapter), adapter, np.random.default_rng(index), bonus,
+                    max_steps=1000, patience=10**6, max_tokens=max_tokens, hints=completion_hints(fmt))
+        assert len(gen.token_ids) <= max_tokens
+        if least > max_tokens:
+            cut += not gen.complete
+            continue
+        assert gen.complete, (name, max_tokens, gen.text)
+        check = check_answer(fmt, gen.text.decode())
+        assert check is not None and (check.valid or backend.relaxed_keywords(compiled)), (name, check)
+        closed += gen.closed
+    assert closed >= len(VENDORED) // 4  # most answers were ended by the closing, not by chance
     assert max_tokens > 16 or cut  # at 16 tokens some minimums do not fit: those answers are cut, as said
 
 
@@ -248,7 +273,8 @@ def test_engine_regex_answers_close_with_xgrammar_too(tiny) -> None:
 
 def test_engine_edge_cases_end_cleanly(tiny) -> None:
     """A format that accepts at once (``a*``) at max_tokens 1; logprobs of closed answers (the closing's forced
-    tokens have probability 1); a stop string that trims the document (completeness then unknown, not claimed)."""
+    tokens have probability 1); a stop string that trims the document (completeness then unknown, not claimed); a
+    thinking budget larger than max_tokens (the think block is ended in time for the document)."""
     from logitproc.runtime import GenerationConfig
     from logitproc.serve.engine import Engine
 
@@ -265,3 +291,75 @@ def test_engine_edge_cases_end_cleanly(tiny) -> None:
     out = engine.generate("x", GenerationConfig(temperature=1.0, seed=3, max_tokens=9, stop=["}"],
                                                 response_format=schema))[0]
     assert out.finish_reason == "stop" and out.grammar_complete is None and "}" not in out.text
+    for out in engine.generate("x", GenerationConfig(temperature=1.0, seed=4, max_tokens=24, n=2,
+                                                     max_thinking_tokens=200, think_begin="^", think_end="~",
+                                                     response_format=schema)):  # thinking ended in time
+        assert "~" in out.text and out.grammar_complete and out.schema_valid, out.text
+        assert out.closed_at_max_tokens and out.finish_reason == "length"
+
+
+# ---- the plan and the sequence's other token rules ------------------------------------------------------------------
+def rule_driven(adapter, config, seed: int) -> tuple[list[int], bool]:
+    """One random answer through every mask source ``ConstraintFactory`` makes for ``config`` (grammar, closing,
+    token rules), as the engine runs them: (tokens, whether a row ever allowed nothing)."""
+    from logitproc.runtime.constraints import ConstraintFactory
+
+    sources = ConstraintFactory(adapter, V, [EOS]).sources_for(config)
+    closing = next(s for s in sources if isinstance(s, DocumentClosing))
+    rng, out = np.random.default_rng(seed), []
+    while len(out) < config.max_tokens:
+        row = np.full((V + 31) // 32, -1, np.int32)
+        for source in sources:
+            part = mask(source, [])
+            row &= part
+        allowed = allowed_ids(row, V)
+        if not allowed.size:
+            return out, True
+        token = closing.closable_token(int(rng.choice(allowed[allowed != EOS] if allowed.size > 1 else allowed)))
+        if token == EOS:
+            break
+        for source in sources:
+            source.accept_token(token)
+        out.append(token)
+    return out, False
+
+
+@pytest.mark.parametrize("rule", ["bad_words", "allowed_token_ids"])
+def test_the_plan_respects_bad_words_and_allowed_token_ids(adapter, rule) -> None:
+    """The plan's tokens are ones the sequence's token rules allow: with ``"}`` (one token of this tokenizer, the
+    tokeniser's way to close ``{"a":"...``) banned, or only one-byte tokens allowed, the closing writes the same bytes
+    one token each; before, the plan's banned token left a row with nothing allowed (grammar_dead_end)."""
+    from logitproc.runtime import GenerationConfig
+
+    schema = {"type": "object", "required": ["a"], "properties": {"a": {"type": "string"}}}
+    fmt = {"type": "json_schema", "json_schema": {"schema": schema}}
+    rules = {"bad_words": {"bad_words": ['"}']},
+             "allowed_token_ids": {"allowed_token_ids": sorted({*adapter.byte_tokens.values(), EOS})}}[rule]
+    banned = set(adapter.encode('"}'))
+    for seed in range(3):
+        config = GenerationConfig(max_tokens=12, response_format=fmt, **rules)
+        tokens, dead_end = rule_driven(adapter, config, seed)
+        assert not dead_end
+        text = adapter.decode_bytes(tokens).decode()
+        assert json.loads(text).keys() == {"a"}, text
+        if rule == "bad_words":
+            assert not banned & set(tokens)
+        else:
+            assert all(len(adapter.token_bytes[t]) == 1 for t in tokens)
+
+
+def test_a_think_block_is_ended_in_time_for_the_document(adapter) -> None:
+    """A thinking budget larger than max_tokens: random thinking would use every token and leave no answer. The
+    closing ends the think block when the budget left is the end marker plus the document's plan, then closes the
+    document: the text after the marker is whole JSON, every time."""
+    from logitproc.runtime import GenerationConfig
+
+    schema = {"type": "object", "required": ["a"], "properties": {"a": {"type": "integer"}}}
+    for seed in range(3):
+        config = GenerationConfig(max_tokens=20, max_thinking_tokens=100, think_end="</end>", response_format={
+            "type": "json_schema", "json_schema": {"schema": schema}})
+        tokens, dead_end = rule_driven(adapter, config, seed)
+        assert not dead_end and len(tokens) <= 20
+        thinking, marker, answer = adapter.decode_bytes(tokens).decode().partition("</end>")
+        assert marker, thinking
+        assert json.loads(answer).keys() == {"a"}, answer

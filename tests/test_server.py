@@ -157,6 +157,43 @@ def test_json_schema_regex_and_choice(client, model_id) -> None:
     assert r.choices[0].message.content in ("yes", "no", "maybe so")
 
 
+def test_structured_output_fields_through_the_client(client, model_id) -> None:
+    """Our extension fields on a constrained choice, read through the openai client (``model_extra``): a relaxed
+    schema (``uniqueItems`` is not enforced while generating) says so and reports the final validation; an answer
+    that max_tokens would cut is closed in time (finish_reason "length", ``closed_at_max_tokens``); one whose budget
+    holds no completion is cut and says so. Streams end with the same fields; unconstrained answers have none."""
+    schema = {"type": "object", "required": ["tags"], "additionalProperties": False,
+              "properties": {"tags": {"type": "array", "uniqueItems": True, "items": {"enum": ["a", "b", "c"]}}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "tags", "schema": schema}}
+    closed = 0
+    for seed in range(4):
+        r = client.chat.completions.create(model=model_id, messages=MESSAGES, max_tokens=14, temperature=1.0,
+                                           seed=seed, response_format=fmt)
+        choice, extra = r.choices[0], r.choices[0].model_extra
+        assert extra["relaxed_keywords"] == ["uniqueItems"] and extra["grammar_complete"] is True
+        document = json.loads(choice.message.content)
+        tags = document["tags"]
+        assert extra["schema_valid"] is (len(set(tags)) == len(tags))  # the final check, uniqueItems included
+        assert (extra["schema_error"] is None) is extra["schema_valid"]
+        if choice.finish_reason == "length":  # a whole document at the budget's end: the closing chose its end
+            assert extra["closed_at_max_tokens"] is True
+        closed += extra["closed_at_max_tokens"]
+    assert closed  # random tiny-model arrays run long: the closing ended some of them at max_tokens
+    r = client.completions.create(model=model_id, prompt="x", max_tokens=2, temperature=1.0, seed=1,
+                                  extra_body={"response_format": fmt})
+    extra = r.choices[0].model_extra
+    assert r.choices[0].finish_reason == "length" and extra["grammar_complete"] is False
+    assert extra["closed_at_max_tokens"] is False and extra["schema_valid"] is False
+    assert "not a JSON document" in extra["schema_error"]
+    last = list(client.chat.completions.create(model=model_id, messages=MESSAGES, max_tokens=14, temperature=1.0,
+                                               seed=0, response_format=fmt, stream=True))[-1]
+    assert last.choices[0].finish_reason is not None
+    assert last.choices[0].model_extra["relaxed_keywords"] == ["uniqueItems"]
+    assert last.choices[0].model_extra["grammar_complete"] is True
+    plain = client.chat.completions.create(model=model_id, messages=MESSAGES, max_tokens=3)
+    assert "schema_valid" not in plain.choices[0].model_extra and "grammar_complete" not in plain.choices[0].model_extra
+
+
 # ---------------------------------------------------------------------------------------------------- errors
 CHAT = "/v1/chat/completions"
 BAD_REQUESTS = [

@@ -12,7 +12,10 @@ needs ``/`` or ``@``, late in the order of preference). The first byte string th
 reaches an accepting state is tokenised with the real tokenizer (kept when the grammar takes those tokens, else one
 token per byte), giving the plan: a token sequence that completes the document. Its length is an upper bound on the
 minimum (the search is not exhaustive), which is safe: the document only closes a little earlier. The search is
-bounded (``MAX_TRIES`` tokens tried, ``MAX_BYTES`` deep); past that it reports no completion.
+bounded (``MAX_TRIES`` tokens tried, ``MAX_BYTES`` deep); past that it reports no completion. A JSON schema's hints
+(``completion_hints``: its required keys, a shortest string per pattern) are tried whole first where they fit, so
+that a completion writes required keys only and solves patterns a byte search would loop in. With the sequence's
+other mask sources (``rules``: allowed_token_ids, bad_words ...), a plan holds only tokens they allow.
 
 **The budget** (:class:`DocumentClosing`, a TokenMaskSource next to the grammar's): at a position with ``budget``
 tokens left (``max_tokens`` minus the tokens generated minus the draft path's length, the token at that position
@@ -28,17 +31,22 @@ Plans are computed only near the end: when the budget left is within ``WINDOW`` 
 and every ``REFRESH`` tokens otherwise (a token can lengthen the completion a lot: ``{`` of an object with required
 keys), so ordinary steps pay nothing but one search per ``REFRESH`` tokens. Committing the plan's next token shifts
 the plan (no new search); a rollback forgets every plan.
+
+**Inside a think block** (``think``: the ThinkBudget holding the grammar), the plan is the rest of the end marker
+and then the grammar's plan from its start: thinking is ended in time for the document to close.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from ..mask_source import JumpForward
+from ..mask_source import JumpForward, TokenMaskSource
+from ..think_mode import ThinkBudget
 from .backend import GrammarMatcher
+from .completion_hints import CompletionHints
 from .source import GrammarSource
 from .tokenizer_adapter import TokenizerAdapter
 
@@ -56,33 +64,44 @@ NOVELTY = 32
 #: Plans are computed when the budget left is at most the last plan's length plus WINDOW, else every REFRESH tokens.
 WINDOW = 64
 REFRESH = 16
+#: At most this many hints are tried at one position.
+MACROS = 3
+NO_HINTS = CompletionHints()
 
 
 def shortest_completion(matcher: GrammarMatcher, tokenizer: TokenizerAdapter, max_tries: int = MAX_TRIES,
-                        max_bytes: int = MAX_BYTES) -> list[int] | None:
+                        max_bytes: int = MAX_BYTES, hints: CompletionHints = NO_HINTS,
+                        permits: Callable[[Sequence[int]], bool] | None = None) -> list[int] | None:
     """Tokens that take ``matcher`` from its state to an accepting one ([] when it accepts already), or None when
-    the bounded search finds none. The matcher is left in the state it had."""
+    the bounded search finds none; ``hints`` (required keys, strings that match the schema's patterns) are tried
+    whole where they fit. With ``permits`` (do the sequence's other rules, ``allowed_token_ids``, ``bad_words``
+    ..., allow these tokens in turn from the current state?), the search uses only the one-byte tokens they allow
+    first, and the plan is the first tokenisation of the bytes found (the tokenizer's, then one token per byte)
+    that they allow throughout; None when neither is. The matcher is left in the state it had."""
     singles = tokenizer.byte_tokens
-    found = _complete_bytes(matcher, singles, max_tries, max_bytes, novelty=False)
+    if permits is not None:
+        singles = {b: t for b, t in singles.items() if permits([t])}
+    macros = _Macros(hints, singles)
+    found = _complete_bytes(matcher, singles, max_tries, max_bytes, novelty=False, macros=macros)
     if found is None:
-        found = _complete_bytes(matcher, singles, max_tries // 2, max_bytes, novelty=True)
+        found = _complete_bytes(matcher, singles, max_tries // 2, max_bytes, novelty=True, macros=macros)
     if found is None:
         return None
     if not found:
         return []
     per_byte = [singles[b] for b in found]
+    plans = [per_byte]
     try:
-        text = found.decode("utf-8")
+        merged = tokenizer.encode(found.decode("utf-8"))
     except UnicodeDecodeError:
-        return per_byte
-    merged = tokenizer.encode(text)
+        merged = per_byte
     if len(merged) < len(per_byte) and tokenizer.decode_bytes(merged) == found:
         taken = matcher.try_accept_tokens(merged)
         complete = taken == len(merged) and matcher.is_accepting()
         matcher.rollback(taken)
         if complete:
-            return merged
-    return per_byte
+            plans.insert(0, merged)
+    return next((plan for plan in plans if permits is None or permits(plan)), None)
 
 
 #: Byte classes of the second pass: digits, lowercase and uppercase ASCII letters are one class each (-1, -2, -3);
@@ -90,15 +109,64 @@ def shortest_completion(matcher: GrammarMatcher, tokenizer: TokenizerAdapter, ma
 BYTE_CLASS = tuple(-1 if 48 <= b <= 57 else -2 if 97 <= b <= 122 else -3 if 65 <= b <= 90 else b for b in range(256))
 
 
+class _Macros:
+    """The hints as one-byte tokens: keys and whole strings by their first byte after the quote, and string tails."""
+
+    def __init__(self, hints: CompletionHints, singles: dict[int, int]) -> None:
+        self.by_letter: dict[int, list[bytes]] = {}
+        for text in (*hints.keys, *hints.values):
+            if len(text) > 2 and all(b in singles for b in text):
+                self.by_letter.setdefault(text[1], []).append(text)
+        self.tails = [t for t in hints.tails if all(b in singles for b in t)]
+
+    def fitting(self, matcher: GrammarMatcher, singles: dict[int, int]) -> tuple[list[bytes], int]:
+        """The hints the grammar takes whole at this position (at most ``MACROS``), and the tokens tried. Where a
+        quote fits, the keys and strings that start with it; none where ``""`` fits (any key or string: the
+        empty one is shortest). Where it does not (inside a string whose pattern is not met yet), the tails."""
+        if not self.by_letter and not self.tails:
+            return [], 0
+        quote = singles[ord('"')]
+        tries, fit = 1, []
+        if matcher.try_accept_token(quote):
+            tries += 1
+            if matcher.try_accept_token(quote):
+                matcher.rollback(2)
+                return [], tries
+            for letter, texts in self.by_letter.items():
+                tries += 1
+                if not matcher.try_accept_token(singles[letter]):
+                    continue
+                for text in texts:
+                    tries += self._fits(matcher, singles, text[2:], fit, text)
+                matcher.rollback(1)
+            matcher.rollback(1)
+        else:
+            for tail in self.tails:
+                tries += self._fits(matcher, singles, tail, fit, tail)
+                if len(fit) >= MACROS:
+                    break
+        # keys in the schema's order (nearest the root first), strings shortest first
+        return sorted(fit, key=lambda t: (t.endswith(b'"'), len(t) if t.endswith(b'"') else 0))[:MACROS], tries
+
+    @staticmethod
+    def _fits(matcher: GrammarMatcher, singles: dict[int, int], rest: bytes, fit: list[bytes], text: bytes) -> int:
+        ids = [singles[b] for b in rest]
+        taken = matcher.try_accept_tokens(ids)
+        matcher.rollback(taken)
+        if taken == len(ids):
+            fit.append(text)
+        return taken + 1
+
+
 def _complete_bytes(matcher: GrammarMatcher, singles: dict[int, int], max_tries: int, max_bytes: int,
-                    novelty: bool) -> bytes | None:
+                    novelty: bool, macros: _Macros | None = None) -> bytes | None:
     """The depth-first search of the module doc, over bytes; the matcher is restored before returning. With
     ``novelty`` the byte classes are tried least recently used first, and in a class the bytes least recently used
     first (a pattern that needs a byte late in the order of preference), the order of preference breaking ties."""
     order = [b for b in PREFERENCE if b in singles]
     path = bytearray()
-    # One frame per position: (candidate bytes, next index to try, bytes taken at this position).
-    frames: list[tuple[list[int], int, int]] = []
+    # One frame per position: (candidates: byte values or whole keys, next index to try, bytes taken there).
+    frames: list[tuple[list[int | bytes], int, int]] = []
     tries = 0
     try:
         while True:
@@ -113,16 +181,21 @@ def _complete_bytes(matcher: GrammarMatcher, singles: dict[int, int], max_tries:
                     path += forced[:taken]
                     frames.append(([], 0, taken))
                     continue
+            candidates: list[int | bytes]
             if novelty:
                 # least recently used class first (a round-robin over the classes); whitespace always last
                 recent = path[-NOVELTY:]
                 last_class = {BYTE_CLASS[b]: i for i, b in enumerate(recent)}
                 last_byte = {b: i for i, b in enumerate(recent)}
                 candidates = sorted(order, key=lambda b: (b in WHITESPACE, last_class.get(BYTE_CLASS[b], -1),
-                                                          last_byte.get(b, -1)))
+                                                          last_byte.get(b, -1)))  # type: ignore[arg-type]
             else:
                 previous = path[-1] if path and chr(path[-1]).isalnum() else -1
                 candidates = [b for b in order if b != previous] + ([previous] if previous in singles else [])
+            if macros is not None:
+                keys, cost = macros.fitting(matcher, singles)
+                tries += cost
+                candidates = [*keys, *candidates]
             frames.append((candidates, 0, 0))
             # Try the next candidate of the deepest frame; pop frames whose candidates are spent.
             while True:
@@ -135,10 +208,18 @@ def _complete_bytes(matcher: GrammarMatcher, singles: dict[int, int], max_tries:
                 if index >= len(candidates) or len(path) >= max_bytes:
                     frames.pop()
                     continue
-                byte = candidates[index]
+                candidate = candidates[index]
+                if isinstance(candidate, bytes):  # a whole key (checked to fit): taken at once
+                    tries += len(candidate)
+                    taken = matcher.try_accept_tokens([singles[b] for b in candidate])
+                    path += candidate[:taken]
+                    frames[-1] = (candidates, index + 1, taken)
+                    if taken == len(candidate):
+                        break
+                    continue
                 tries += 1
-                if matcher.try_accept_token(singles[byte]):
-                    path.append(byte)
+                if matcher.try_accept_token(singles[candidate]):
+                    path.append(candidate)
                     frames[-1] = (candidates, index + 1, 1)
                     break
                 frames[-1] = (candidates, index + 1, 0)
@@ -155,9 +236,20 @@ class DocumentClosing:
     for a grammar inside a think block, whose tokens the grammar does not see).
     """
 
-    def __init__(self, grammar: GrammarSource, max_tokens: int) -> None:
+    def __init__(self, grammar: GrammarSource, max_tokens: int, hints: CompletionHints = NO_HINTS,
+                 rules: Sequence[TokenMaskSource] = (), think: ThinkBudget | None = None) -> None:
         self.grammar = grammar
+        #: The thinking budget whose inner source is ``grammar`` (placed before this source): while its block is
+        #: open, the plan is the rest of the end marker and then the grammar's plan from its start.
+        self.think = think
+        self._grammar_seen = grammar.accepted
+        self._marker_before = think.end_marker_left() if think is not None else None
         self.max_tokens = max_tokens
+        #: What the search may write whole (``completion_hints``) and the sequence's other mask sources
+        #: (``allowed_token_ids``, ``bad_words``, a Tree Decode map): a plan uses only tokens they allow.
+        self.hints = hints
+        self.rules = list(rules)
+        self._rule_row = np.empty((grammar.tokenizer.vocab_size + 31) // 32, np.int32) if rules else None
         self.generated = 0
         #: At least one token of the answer was chosen by the closing (a restricted mask or a replaced sample).
         self.closed = False
@@ -212,13 +304,35 @@ class DocumentClosing:
         try:
             if taken < len(path):
                 return None
-            return shortest_completion(matcher, self.grammar.tokenizer)
+            rows: dict[tuple[int, ...], np.ndarray | None] = {}
+            permits = (lambda tokens: self.permitted(path, tokens, rows)) if self.rules else None
+            return shortest_completion(matcher, self.grammar.tokenizer, hints=self.hints, permits=permits)
         finally:
             matcher.rollback(taken)
             seconds = time.perf_counter() - started
             self.searches += 1
             self.search_seconds += seconds
             self.longest_search = max(self.longest_search, seconds)
+
+    def permitted(self, path: Sequence[int], tokens: Sequence[int],
+                  rows: dict[tuple[int, ...], np.ndarray | None] | None = None) -> bool:
+        """Whether the other mask sources (``rules``) allow ``tokens`` in turn after the committed tokens and
+        ``path``; ``rows`` keeps their combined rows by prefix (within one search, where the same prefix recurs)."""
+        if not self.rules:
+            return True
+        rows = {} if rows is None else rows
+        for index, token in enumerate(tokens):
+            prefix = (*path, *tokens[:index])
+            if prefix not in rows:
+                combined = None
+                for rule in self.rules:
+                    if rule.fill_bitmask(self._rule_row, prefix):  # type: ignore[arg-type]
+                        combined = self._rule_row.copy() if combined is None else combined & self._rule_row
+                rows[prefix] = combined
+            row = rows[prefix]
+            if row is not None and not (int(row[token >> 5]) >> (token & 31)) & 1:
+                return False
+        return True
 
     # ---- TokenMaskSource -------------------------------------------------------------------------------------------
     def fill_bitmask(self, row: np.ndarray, draft_path: Sequence[int]) -> bool:
@@ -227,9 +341,13 @@ class DocumentClosing:
         if budget <= 0:  # past max_tokens (a jump-forward's tokens are checked this way): nothing is allowed
             row.fill(0)
             return True
-        if not self._due(position, budget):
+        if self.think is not None and self.think.phase != "done":
+            # thinking, or its end inside the draft path (then not restricted)
+            plan = self._thinking_plan(self.think.end_marker_left(draft_path))
+        elif not self._due(position, budget):
             return False
-        plan = self.plan(draft_path)
+        else:
+            plan = self.plan(draft_path)
         if plan is None or len(plan) != budget:
             return False
         row.fill(0)
@@ -237,11 +355,26 @@ class DocumentClosing:
         row[token >> 5] = np.uint32(1 << (token & 31)).view(np.int32)
         return True
 
+    def _thinking_plan(self, marker: tuple[int, ...] | None) -> list[int] | None:
+        """While the think block is open: the rest of its end marker, then the grammar's plan from its start."""
+        if not marker:
+            return None
+        start = self.plan()
+        return None if start is None else [*marker, *start]
+
     def closable_token(self, token_id: int) -> int:
         """The token to commit in place of the sampled ``token_id``: itself, unless no plan would fit in the budget
         after it while one fits now; then the plan's next token (the closing's choice)."""
         budget = self.max_tokens - self.generated
-        if token_id in self._eos or budget <= 0 or not self._due(self.generated, budget):
+        if token_id in self._eos or budget <= 0:
+            return token_id
+        if self.think is not None and self.think.phase != "done":
+            plan = self._thinking_plan(self.think.end_marker_left())
+            if plan is None or len(plan) != budget or plan[0] == token_id:
+                return token_id  # a thinking token leaves the plan as long as it was: only its last chance counts
+            self.closed = True
+            return plan[0]
+        if not self._due(self.generated, budget):
             return token_id
         plan = self.plan()
         if plan is None or len(plan) > budget or (plan and plan[0] == token_id):
@@ -249,15 +382,25 @@ class DocumentClosing:
         after = self.plan([token_id])
         if after is not None and len(after) <= budget - 1:
             return token_id
+        if not plan and not self.permitted([], self._eos[:1]):
+            return token_id  # accepting, but EOS is not allowed yet (min_tokens): the closing cannot end it here
         self.closed = True
         return plan[0] if plan else self._eos[0]
 
     def accept_token(self, token_id: int) -> None:
         token = int(token_id)
-        plan = self._plans.get(())
-        if plan and len(plan) == self.max_tokens - self.generated and plan[0] == token:
-            self.closed = True  # the mask allowed this token alone
+        budget = self.max_tokens - self.generated
         self.generated += 1
+        if self.grammar.accepted == self._grammar_seen:  # a thinking token: the grammar's plans stay as they are
+            marker = self._marker_before
+            self._marker_before = self.think.end_marker_left() if self.think is not None else None
+            plan = self._thinking_plan(marker) if marker else None
+            self.closed |= plan is not None and len(plan) == budget and plan[0] == token
+            return
+        self._grammar_seen = self.grammar.accepted
+        plan = self._plans.get(())
+        if plan and len(plan) == budget and plan[0] == token:
+            self.closed = True  # the mask allowed this token alone
         # Plans of the states after this token are kept, one token shorter in their key; the others are dropped.
         self._plans = {k[1:]: v for k, v in self._plans.items() if k and k[0] == token}
         if () not in self._plans and plan and plan[0] == token:
@@ -267,6 +410,8 @@ class DocumentClosing:
         if num_tokens:
             self.generated -= num_tokens
             self._plans, self.cut = {}, False
+            self._grammar_seen = self.grammar.accepted
+            self._marker_before = self.think.end_marker_left() if self.think is not None else None
 
     def jump_forward(self, output_token_ids: Sequence[int]) -> JumpForward | None:
         return None

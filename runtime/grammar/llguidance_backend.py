@@ -4,17 +4,21 @@ Compiling a response format gives a pristine ``LLMatcher`` (grammar parsed and c
 ``deep_copy`` of it. A token is validated before it is consumed, because a refused ``consume_token`` leaves an
 llguidance matcher in a permanent error state.
 
-A JSON schema is compiled strictly first. When llguidance refuses it only for keywords that validate without shaping
-the text it can generate (``uniqueItems``, ``if``/``then``/``else``, ``not``, ``contains``, ``dependentSchemas``,
-an unknown ``format``, a ``oneOf`` whose branches may overlap ...), it is compiled again with llguidance's
-``lenient`` and ``coerce_one_of`` options: those keywords are not enforced while generating, the grammar records
-them (``relaxed_keywords``), and the engine validates the finished answer against the whole schema.
+A JSON schema goes through a fallback chain before any request starts (``_compile_schema``): exact rewrites
+(``schema_rewrite.normalize``), strict, then llguidance's ``lenient``/``coerce_one_of`` for keywords that validate
+without shaping the text (``uniqueItems``, ``if``/``then``/``else``, an unknown ``format``, an overlapping ``oneOf``
+...), then rewrites for the refusals llguidance names, then the smallest offending subschemas relaxed to any JSON,
+at last any JSON; string patterns past llguidance's lexer limits are found by walks and dropped. Only a schema with
+no valid instance, or one that is not valid JSON Schema (``schema_problem``), is refused. What each step leaves
+unenforced is recorded (``relaxed_keywords``), and the engine validates the finished answer against the whole
+schema.
 """
 
 from __future__ import annotations
 
 import json
 import threading
+from functools import cached_property
 from typing import Any
 
 import llguidance
@@ -23,16 +27,26 @@ from llguidance.gbnf_to_lark import gbnf_to_lark
 
 from ..response_format import ResponseFormat
 from .backend import GrammarBackend, GrammarError, GrammarMatcher
+from .schema_rewrite import (
+    DATA_KEYWORDS,
+    NAMED_SUBSCHEMAS,
+    drop_patterns,
+    normalize,
+    relax_subschemas,
+    rewrite_schema,
+    risky_patterns,
+    schema_problem,
+)
 from .tokenizer_adapter import TokenizerAdapter
 
 #: llguidance's refusals that a relaxed compile (lenient, coerce_one_of) answers: keywords it does not enforce.
 RELAXABLE_ERRORS = ("Unimplemented keys", "Unknown format", "oneOf constraints are not supported")
-#: Refusals that a rewritten schema answers (``rewrite_schema``): constraints dropped, then validated on the answer.
+#: Refusals that a rewritten schema answers (``schema_rewrite.rewrite_schema``): constraints dropped, then validated
+#: on the answer.
 REWRITABLE_ERRORS = ("min/maxProperties", "circular references with sibling keys", "is not present in a registry",
-                     "Expected positive integer")
-#: Counting keywords, whose integral float values (``2.0``, valid JSON Schema) llguidance refuses: read as ints.
-_COUNTS = ("minItems", "maxItems", "minLength", "maxLength", "minProperties", "maxProperties", "minContains",
-           "maxContains")
+                     "too many digits", "are not disjoint", "does not exist")
+#: A refusal that no relaxation answers: the schema has no valid instance.
+UNSATISFIABLE = "Unsatisfiable schema"
 #: Keywords that only validate (a relaxed grammar drops them); reported when the schema holds them.
 VALIDATION_KEYWORDS = ("uniqueItems", "if", "then", "else", "not", "contains", "minContains", "maxContains",
                        "dependentSchemas", "dependentRequired", "dependencies", "unevaluatedProperties",
@@ -42,8 +56,10 @@ VALIDATION_KEYWORDS = ("uniqueItems", "if", "then", "else", "not", "contains", "
 #: limits stay (raised, ``a{1000000}`` passes the probe and then costs seconds per mask).
 LIMITS = llguidance.LLParserLimits(max_grammar_size=2_000_000)
 
-_NAMED_SUBSCHEMAS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_DATA_KEYWORDS = ("enum", "const", "examples", "default")
+
+#: Tokens of each random walk that checks a risky string pattern against llguidance's lexer limits before a request
+#: starts (``schema_rewrite.risky_patterns``; a pattern past the limits fails within a few tokens).
+PATTERN_WALK = 48
 
 #: JSON layout: any whitespace between tokens, as vLLM's default, but at most this many characters in a row, so that
 #: a sampled output cannot spin in whitespace.
@@ -75,9 +91,9 @@ def relaxed_keywords(schema: Any, error: str) -> tuple[str, ...]:
         elif isinstance(item, dict):
             found.update(k for k in VALIDATION_KEYWORDS if k in item)
             for key, value in item.items():
-                if key in _NAMED_SUBSCHEMAS and isinstance(value, dict):
+                if key in NAMED_SUBSCHEMAS and isinstance(value, dict):
                     stack.extend(value.values())
-                elif key not in _DATA_KEYWORDS:
+                elif key not in DATA_KEYWORDS:
                     stack.append(value)
     if "Unimplemented keys:" in error:  # the keys llguidance names, e.g. Unimplemented keys: ["$dynamicRef"]
         try:
@@ -89,41 +105,6 @@ def relaxed_keywords(schema: Any, error: str) -> tuple[str, ...]:
     if "oneOf" in error:
         found.add("oneOf")
     return tuple(sorted(found)) or (error,)
-
-
-def rewrite_schema(schema: Any) -> tuple[Any, tuple[str, ...]]:
-    """A copy of ``schema`` without what llguidance cannot build a grammar for, and what was dropped:
-    ``minProperties``/``maxProperties`` (llguidance only takes them when every listed key is required), the keywords
-    beside a ``$ref`` (a recursive reference with siblings), and references outside the schema (the engine runs
-    offline: such a value may be any JSON)."""
-    notes: set[str] = set()
-    copy = json.loads(json.dumps(schema))
-    stack = [copy]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, list):
-            stack.extend(item)
-            continue
-        if not isinstance(item, dict):
-            continue
-        for key in _COUNTS:  # 2.0 is 2 (exact: nothing dropped)
-            if isinstance(item.get(key), float) and item[key].is_integer():
-                item[key] = int(item[key])
-        for key in ("minProperties", "maxProperties"):
-            if key in item:
-                del item[key]
-                notes.add(key)
-        ref = item.get("$ref")
-        if isinstance(ref, str):
-            if not ref.startswith("#"):
-                del item["$ref"]
-                notes.add("$ref (outside the schema)")
-            elif len(item) > 1:
-                for key in [k for k in item if k != "$ref"]:
-                    del item[key]
-                notes.add("keywords beside $ref")
-        stack.extend(v for k, v in item.items() if k not in _DATA_KEYWORDS)
-    return copy, tuple(sorted(notes))
 
 
 class LLGuidanceGrammar:
@@ -194,6 +175,14 @@ class LLGuidanceBackend(GrammarBackend):
                                                   eos_token=list(tokenizer.eos_token_ids))
         self._lock = threading.Lock()
 
+    @cached_property
+    def _closes_string(self) -> np.ndarray:
+        """bool ``[vocab_size]``: tokens holding a quote, and EOS (the pattern walks never take them)."""
+        tokens = self.tokenizer.token_bytes
+        out = np.array([b'"' in t for t in tokens] + [True] * (self.tokenizer.vocab_size - len(tokens)), bool)
+        out[list(self.tokenizer.eos_token_ids)] = True
+        return out
+
     def grammar_text(self, fmt: ResponseFormat, relaxed: bool = False, schema: Any = None) -> str:
         if fmt.kind in ("json_object", "json_schema"):
             text = fmt.text if schema is None else json.dumps(schema)
@@ -210,24 +199,99 @@ class LLGuidanceBackend(GrammarBackend):
             raise GrammarError(f"llguidance cannot read this {response_format.kind}: {err}") from None
         return llguidance.LLMatcher(self.lltokenizer, grammar, log_level=0, limits=LIMITS)
 
+    def _schema_error(self, response_format: ResponseFormat, schema: Any) -> str | None:
+        """Why a relaxed compile of ``schema`` fails (None: it compiles)."""
+        try:
+            matcher = self._compile(response_format, relaxed=True, schema=schema)
+        except GrammarError as err:
+            return str(err)
+        return first_line(matcher.get_error()) if matcher.is_error() else None
+
     def compile(self, response_format: ResponseFormat) -> LLGuidanceGrammar:
-        matcher = self._compile(response_format, relaxed=False)
-        relaxed: tuple[str, ...] = ()
-        if matcher.is_error() and response_format.kind == "json_schema":
-            error = first_line(matcher.get_error())
-            if any(e in error for e in RELAXABLE_ERRORS):
-                matcher = self._compile(response_format, relaxed=True)
-                relaxed = relaxed_keywords(response_format.schema, error)
-                error = first_line(matcher.get_error()) if matcher.is_error() else ""
-            if any(e in error for e in REWRITABLE_ERRORS):
-                schema, dropped = rewrite_schema(response_format.schema)
-                matcher = self._compile(response_format, relaxed=True, schema=schema)
-                relaxed = tuple(sorted({*relaxed_keywords(response_format.schema, error), *dropped}))
-        if matcher.is_error():
-            raise GrammarError(f"llguidance cannot compile this {response_format.kind}: "
-                               f"{first_line(matcher.get_error())}")
+        if response_format.kind != "json_schema":
+            matcher = self._compile(response_format, relaxed=False)
+            if matcher.is_error():
+                raise GrammarError(f"llguidance cannot compile this {response_format.kind}: "
+                                   f"{first_line(matcher.get_error())}")
+            self._probe(matcher, response_format)
+            return LLGuidanceGrammar(matcher)
+        matcher, relaxed, schema = self._compile_schema(response_format)
+        broken = {p for p in risky_patterns(schema) if not self._pattern_survives(p)}
+        if broken:  # llguidance's lexer limits would end an answer mid-way: relaxed before the request starts
+            matcher = self._compile(response_format, relaxed=True, schema=drop_patterns(schema, broken))
+            if matcher.is_error():
+                raise GrammarError(f"llguidance cannot compile this json_schema: {first_line(matcher.get_error())}")
+            relaxed = tuple(sorted({*relaxed, *(f"pattern {p} (llguidance's lexer limits)" for p in broken)}))
         self._probe(matcher, response_format)
         return LLGuidanceGrammar(matcher, relaxed)
+
+    def _pattern_survives(self, pattern: str, seeds: int = 2, steps: int = PATTERN_WALK) -> bool:
+        """Whether random walks over a string of ``pattern`` alone (``seeds`` walks of ``steps`` tokens, fixed
+        seeds, never closing the string) stay within llguidance's lexer limits; a pattern past them fails within a
+        few dozen tokens. The walks run on their own compile: llguidance's lexer state is shared by every copy of a
+        compiled grammar, and what one walk builds counts against the limit of the others."""
+        fmt = ResponseFormat.json_schema({"type": "string", "pattern": pattern})
+        try:
+            pristine = self._compile(fmt, relaxed=True)
+        except GrammarError:
+            return False
+        row = np.zeros((self.tokenizer.vocab_size + 31) // 32, np.int32)
+        quote = self.tokenizer.byte_tokens.get(ord('"'))
+        for seed in range(seeds):
+            matcher, rng = pristine.deep_copy(), np.random.default_rng(seed)
+            if quote is None or not matcher.consume_token(quote):  # the string opened; never closed below
+                return True
+            for _ in range(steps):
+                matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+                self.tokenizer.clear_padding(row)
+                allowed = np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little"))
+                allowed = allowed[~self._closes_string[allowed]]
+                if matcher.is_error() or not allowed.size or not matcher.consume_token(int(rng.choice(allowed))):
+                    break
+            if matcher.is_error():
+                return False
+        return True
+
+    def _compile_schema(self, fmt: ResponseFormat) -> tuple[llguidance.LLMatcher, tuple[str, ...], Any]:
+        """The fallback chain, before any request starts: strict; lenient (validating keywords ignored, ``oneOf`` as
+        ``anyOf``); the refused keywords rewritten away; the smallest subschemas that stop it compiling relaxed to
+        any JSON; at last any JSON value. Each step records what it does not enforce. Only a schema llguidance
+        proves unsatisfiable (no valid instance: ``false``) is refused."""
+        original = fmt.schema
+        if original is False:
+            raise GrammarError("this json_schema is false: no JSON value is valid")
+        schema = normalize(original)
+        matcher = self._compile(fmt, relaxed=False, schema=schema)
+        if not matcher.is_error():
+            return matcher, (), schema
+        error = strict_error = first_line(matcher.get_error())
+        problem = schema_problem(original) if UNSATISFIABLE not in error else None
+        if problem is not None:
+            raise GrammarError(f"this json_schema is not valid JSON Schema: {problem}")
+        notes: set[str] = set()
+        if UNSATISFIABLE not in error:
+            if any(e in error for e in RELAXABLE_ERRORS):
+                error = self._schema_error(fmt, schema) or ""
+            for _ in range(3):  # each rewrite answers one kind of refusal; a schema may have a few
+                if not any(e in error for e in REWRITABLE_ERRORS):
+                    break
+                schema, dropped = rewrite_schema(schema, error)
+                notes.update(dropped)
+                error = self._schema_error(fmt, schema) or ""
+            if error and UNSATISFIABLE not in error:
+                found = relax_subschemas(schema, lambda candidate: self._schema_error(fmt, candidate))
+                if found is not None:
+                    schema, parts = found
+                    notes.update(f"{part} ({error})" for part in parts)
+                else:
+                    schema = {}
+                    notes.add(f"the whole schema: any JSON ({error})")
+                error = self._schema_error(fmt, schema) or ""
+        if error:
+            raise GrammarError(f"llguidance cannot compile this json_schema: {error}")
+        keywords = relaxed_keywords(original, strict_error)
+        notes.update(keywords if keywords != (strict_error,) or not notes else ())
+        return self._compile(fmt, relaxed=True, schema=schema), tuple(sorted(notes)), schema
 
     def relaxed_keywords(self, compiled: LLGuidanceGrammar) -> tuple[str, ...]:
         return compiled.relaxed
