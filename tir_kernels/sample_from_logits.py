@@ -58,8 +58,8 @@ def _bits(x: tirx.PrimExpr) -> tirx.PrimExpr:
 
 
 def _kept(x: tirx.PrimExpr, lo: tirx.PrimExpr, mass: tirx.PrimExpr) -> tirx.PrimExpr:
-    """The renormalized probability: renormalize's last pass, ``x / mass`` where kept (bits >= lo), else 0."""
-    return T.Select(_bits(x) >= lo, x / mass, T.float32(0))
+    """The renormalized probability: renormalize's last pass (``renormalize.rescaled``)."""
+    return renormalize.rescaled(x, lo, mass)
 
 
 Value = Callable[["tirx.PrimExpr"], "tirx.PrimExpr"]
@@ -110,7 +110,8 @@ def _cpu_rows() -> Callable[..., None]:
             hot = T.alloc_buffer((1,), "int32", scope="global")
             exps = T.alloc_buffer((1, vocab), "float32", scope="global")  # the row's exps (a workspace, in cache)
             bmax = T.alloc_buffer((renormalize.CPU_MAX_BLOCKS,), "int32", scope="local")
-            st = T.alloc_buffer((7,), "int32", scope="global")
+            cand = T.alloc_buffer((renormalize.CPU_LIST_SIZE,), "float32", scope="local")
+            st = T.alloc_buffer((8,), "int32", scope="global")
             ms = T.alloc_buffer((2,), "float32", scope="global")
             pos = T.alloc_buffer((3,), "int32", scope="local")
             cpu_row_max(logits, r, vocab, lanes, block, row_max)
@@ -128,7 +129,7 @@ def _cpu_rows() -> Callable[..., None]:
                              row_sum)
                 inv: T.let = inverse_sum(row_sum[0])
                 if renorm[r] != 0:
-                    threshold(_scaled(exps, inv), vocab, top_k[r], top_p[r], min_p[r], bmax, st, ms)
+                    threshold(_scaled(exps, inv), vocab, top_k[r], top_p[r], min_p[r], bmax, cand, st, ms)
                     lo: T.let = st[0]
                     mass: T.let = ms[0]
                     bv: T.let = renormalize.cpu_block_steps(vocab // w)
