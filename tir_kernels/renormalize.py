@@ -83,6 +83,8 @@ _MIN_BLOCK_STEPS = 4
 _LIST_CAP = 8192
 #: Size of the candidate scratch (``cand``) that the CPU row macros take.
 CPU_LIST_SIZE = _LIST_CAP + _CPU_WIDTH
+#: Size of the group-maxima scratch (``gmax``: the largest bits of each lane of each block) the CPU row macros take.
+CPU_GROUPS = _MAX_BLOCKS * _CPU_WIDTH // 2
 
 
 def _bits(x: tirx.PrimExpr) -> tirx.PrimExpr:
@@ -208,11 +210,11 @@ def cpu_row_macros() -> tuple[Callable[..., None], Callable[..., None]]:
         reduce_lanes(cnt, ssum, mn, mx)
 
     @T.macro
-    def compact(value, vocab, nvec, bv, nblk, bmax, lb, cand, hit, nc):
-        # cand[0 .. nc[0]) = the values with bits >= lb, in index order, read only in the blocks whose maximum is
-        # >= lb and, inside them, in the steps holding one; then zeros up to a whole step. nc[0] > CPU_LIST_CAP:
-        # the list is incomplete (only the first CPU_LIST_CAP are stored).
-        nc[0] = 0
+    def compact(value, vocab, nvec, bv, nblk, bmax, lb, cand, cidx, hit, st):
+        # cand[0 .. st[8]) = the values with bits >= lb, in index order, read only in the blocks whose maximum is
+        # >= lb and, inside them, in the steps holding one; then zeros up to a whole step. st[8] > CPU_LIST_CAP:
+        # the list is incomplete (only the first _LIST_CAP are stored).
+        st[8] = 0
         for blk in range(nblk):
             if bmax[blk] >= lb:
                 for j in range(T.min(bv, nvec - blk * bv)):
@@ -223,15 +225,19 @@ def cpu_row_macros() -> tuple[Callable[..., None], Callable[..., None]]:
                         for l in range(w):
                             x: T.let = value((blk * bv + j) * w + l)
                             if _bits(x) >= lb:
-                                cand[T.min(nc[0], _LIST_CAP)] = x
-                                nc[0] = nc[0] + 1
+                                cand[T.min(st[8], _LIST_CAP)] = x
+                                if cidx is not None:
+                                    cidx[T.min(st[8], _LIST_CAP)] = (blk * bv + j) * w + l
+                                st[8] = st[8] + 1
         for t in range(vocab % w):
             x: T.let = value(nvec * w + t)
             if _bits(x) >= lb:
-                cand[T.min(nc[0], _LIST_CAP)] = x
-                nc[0] = nc[0] + 1
-        for i in range(T.min(nc[0], _LIST_CAP), (T.min(nc[0], _LIST_CAP) + w - 1) // w * w):
-            cand[i] = T.float32(0)
+                cand[T.min(st[8], _LIST_CAP)] = x
+                if cidx is not None:
+                    cidx[T.min(st[8], _LIST_CAP)] = nvec * w + t
+                st[8] = st[8] + 1
+        for l in T.vectorized(w):
+            cand[T.min(st[8], _LIST_CAP) + l] = T.float32(0)
 
     @T.macro
     def scan_list(cand, n, mid, by_sum, cnt, ssum, mn, mx):
@@ -239,20 +245,21 @@ def cpu_row_macros() -> tuple[Callable[..., None], Callable[..., None]]:
         # every mid >= the list's bound, since the list holds every value at or above it.
         below: T.let = mid - 1
         init_lanes(cnt, ssum, mn, mx)
-        for j in range((n + w - 1) // w):
-            for l in T.vectorized(w):
-                x: T.let = cand[j * w + l]
-                b: T.let = _bits(x)
-                if by_sum:
-                    ssum[l] = T.Select(b > below, ssum[l] + x, ssum[l])
-                else:
-                    cnt[l] = T.Select(b > below, cnt[l] + 1, cnt[l])
-                mn[l] = T.Select(b > below, T.min(mn[l], b), mn[l])
-                mx[l] = T.Select(b < mid, T.max(mx[l], b), mx[l])
+        for j in range(_LIST_CAP // w + 1):  # (a constant extent: TVM hoists loads out of loop bounds)
+            if j * w < n:
+                for l in T.vectorized(w):
+                    x: T.let = cand[j * w + l]
+                    b: T.let = _bits(x)
+                    if by_sum:
+                        ssum[l] = T.Select(b > below, ssum[l] + x, ssum[l])
+                    else:
+                        cnt[l] = T.Select(b > below, cnt[l] + 1, cnt[l])
+                    mn[l] = T.Select(b > below, T.min(mn[l], b), mn[l])
+                    mx[l] = T.Select(b < mid, T.max(mx[l], b), mx[l])
         reduce_lanes(cnt, ssum, mn, mx)
 
     @T.macro
-    def threshold(value, vocab, k, top_p_r, min_p_r, bmax, cand, st, ms):
+    def threshold(value, vocab, k, top_p_r, min_p_r, bmax, gmax, cand, cidx, st, ms):
         # The kept set of one row: bits >= st[0]; ms[0] = the sum of the kept values (st[0] = INT_MAX and ms[0] = 1
         # for a row of zeros). k, top_p_r, min_p_r: the row's filters. bmax: int32 scratch of _MAX_BLOCKS, left
         # holding the largest bits of each block (padded with INT_MIN).
@@ -270,7 +277,6 @@ def cpu_row_macros() -> tuple[Callable[..., None], Callable[..., None]]:
         # top-p search: 0, 1: G(st[1]) - goal, G(st[2]) - goal; 2: the widest interval allowed after the step
         gf = T.alloc_buffer((3,), "float64", scope="global")
         hit = T.alloc_buffer((1,), "int32", scope="global")
-        nc = T.alloc_buffer((1,), "int32", scope="global")
         nvec: T.let = vocab // w
         bv: T.let = cpu_block_steps(nvec)
         nblk: T.let = (nvec + bv - 1) // bv
@@ -294,8 +300,12 @@ def cpu_row_macros() -> tuple[Callable[..., None], Callable[..., None]]:
             bmax[blk] = int_min
             for l in range(h):
                 bmax[blk] = T.max(bmax[blk], bl[l])
+            for l in T.vectorized(h):
+                gmax[blk * h + l] = bl[l]
         for i in range(nblk, (nblk + w - 1) // w * w):
             bmax[i] = int_min
+        for i in range(nblk * h, (nblk * h + w - 1) // w * w):
+            gmax[i] = int_min
         for t in range(vocab % w):
             x: T.let = value(nvec * w + t)
             ssum[0] = T.Select(_bits(x) >= 1, ssum[0] + x, ssum[0])
@@ -304,6 +314,7 @@ def cpu_row_macros() -> tuple[Callable[..., None], Callable[..., None]]:
         st[0] = 1
         st[3] = mx[0]
         st[4] = 1
+        st[7] = 0
         ms[0] = ssum[0]
         if st[3] >= 1:
             # min-p: the threshold is the float32 product, as in the reference
@@ -324,30 +335,35 @@ def cpu_row_macros() -> tuple[Callable[..., None], Callable[..., None]]:
                     st[1] = mn[0]
                 else:
                     st[2] = T.max(mx[0] + 1, st[1] + 1)
-            # The candidate list: every value >= lb, a lower bound of the final threshold from the block maxima
-            # (top-k: the k-th largest block maximum; top-p alone: the first guess below, checked on the list;
-            # min-p: its threshold). Where it is short, the searches below run on it, not on the row.
+            # The candidate list: every value >= lb, a lower bound of the final threshold from the block and group
+            # maxima (top-k: the k-th largest block maximum; top-p alone: the largest group maximum t whose group
+            # maxima >= t alone reach the goal, a lower bound of G(t), checked on the list; min-p: its threshold).
+            # Where it is short, the searches below run on it, not on the row.
             p_alone: T.let = not k_on and top_p_r < T.float32(1) and st[4] == 1
             st[5] = st[0]
             st[6] = st[3] + 1
             while p_alone and st[6] - st[5] > 1:
                 mid: T.let = st[5] + (st[6] - st[5]) // 2
-                scan_blocks(nblk, bmax, mid, True, cnt, ssum, mn, mx)
+                scan_blocks(nblk * h, gmax, mid, True, cnt, ssum, mn, mx)
                 if ssum[0] >= top_p_r * ms[0]:
-                    st[5] = T.min(mn[0], st[3])  # (no block maximum >= mid when the goal is 0)
+                    st[5] = T.min(mn[0], st[3])  # (no group maximum >= mid when the goal is 0)
                 else:
                     st[6] = T.max(mx[0] + 1, st[5] + 1)
             lb: T.let = T.Select(k_on, st[1], st[5])
             st[7] = 0
             if k_on or top_p_r < T.float32(1) or st[4] == 0:
-                scan_blocks(nblk, bmax, lb, False, cnt, ssum, mn, mx)
-                if cnt[0] * 2 <= nblk:
-                    compact(value, vocab, nvec, bv, nblk, bmax, lb, cand, hit, nc)
-                    if nc[0] <= _LIST_CAP:
+                # short: few groups (top-p alone) or blocks (otherwise) hold a value >= lb
+                if p_alone:
+                    scan_blocks(nblk * h, gmax, lb, False, cnt, ssum, mn, mx)
+                else:
+                    scan_blocks(nblk, bmax, lb, False, cnt, ssum, mn, mx)
+                if (p_alone and cnt[0] * 2 <= _LIST_CAP) or (not p_alone and cnt[0] * 2 <= nblk):
+                    compact(value, vocab, nvec, bv, nblk, bmax, lb, cand, cidx, hit, st)
+                    if st[8] <= _LIST_CAP:
                         st[7] = 1
                         st[6] = int_min
                         if p_alone:
-                            scan_list(cand, nc[0], lb, True, cnt, ssum, mn, mx)
+                            scan_list(cand, st[8], lb, True, cnt, ssum, mn, mx)
                             st[6] = mn[0]
                             ms[1] = ssum[0]
                             if ssum[0] < top_p_r * ms[0]:
@@ -357,7 +373,7 @@ def cpu_row_macros() -> tuple[Callable[..., None], Callable[..., None]]:
                     st[2] = st[3] + 1
                 while st[2] - st[1] > 1:
                     mid: T.let = st[1] + (st[2] - st[1]) // 2
-                    scan_list(cand, nc[0], mid, False, cnt, ssum, mn, mx)
+                    scan_list(cand, st[8], mid, False, cnt, ssum, mn, mx)
                     if cnt[0] >= k:
                         st[1] = mn[0]
                     else:
@@ -370,14 +386,14 @@ def cpu_row_macros() -> tuple[Callable[..., None], Callable[..., None]]:
                 if top_p_r >= T.float32(1):
                     st[2] = st[1] + 1
                 elif st[4] == 0:
-                    scan_list(cand, nc[0], st[0], True, cnt, ssum, mn, mx)
+                    scan_list(cand, st[8], st[0], True, cnt, ssum, mn, mx)
                     ms[0] = ssum[0]
                     st[4] = 1
                 if st[6] > st[1]:  # top-p alone: G(lb) >= goal was checked on the list
                     st[1] = st[6]
                 while st[2] - st[1] > 1:
                     mid: T.let = st[1] + (st[2] - st[1]) // 2
-                    scan_list(cand, nc[0], mid, True, cnt, ssum, mn, mx)
+                    scan_list(cand, st[8], mid, True, cnt, ssum, mn, mx)
                     if ssum[0] >= top_p_r * ms[0]:
                         st[1] = mn[0]
                         ms[1] = ssum[0]
@@ -387,7 +403,7 @@ def cpu_row_macros() -> tuple[Callable[..., None], Callable[..., None]]:
                     st[0] = st[1]
                     ms[0] = ms[1]
                 if st[4] == 0:
-                    scan_list(cand, nc[0], st[0], True, cnt, ssum, mn, mx)
+                    scan_list(cand, st[8], st[0], True, cnt, ssum, mn, mx)
                     ms[0] = ssum[0]
             else:
                 if k_on:
@@ -485,10 +501,11 @@ def _cpu() -> tirx.PrimFunc:
         out = T.match_buffer(var_out, (batch, vocab), "float32")
         for r in T.parallel(batch):
             bmax = T.alloc_buffer((_MAX_BLOCKS,), "int32", scope="local")
+            gmax = T.alloc_buffer((CPU_GROUPS,), "int32", scope="local")
             cand = T.alloc_buffer((CPU_LIST_SIZE,), "float32", scope="local")
-            st = T.alloc_buffer((8,), "int32", scope="global")
+            st = T.alloc_buffer((9,), "int32", scope="global")
             ms = T.alloc_buffer((2,), "float32", scope="global")
-            threshold(row_of(probs, r), vocab, top_k[r], top_p[r], min_p[r], bmax, cand, st, ms)
+            threshold(row_of(probs, r), vocab, top_k[r], top_p[r], min_p[r], bmax, gmax, cand, None, st, ms)
             scale(row_of(probs, r), vocab, st[0], ms[0], out, r)
     return renormalize_probs
 

@@ -78,6 +78,11 @@ def _scaled(exps: tirx.Buffer, inv: tirx.PrimExpr) -> Value:
     return lambda i: exps[0, i] * inv
 
 
+def _rescale(lo: tirx.PrimExpr, mass: tirx.PrimExpr) -> Value:
+    """x -> its renormalized value (for the values of the candidate list)."""
+    return lambda x: _kept(x, lo, mass)
+
+
 def _kept_of(prob: Value, lo: tirx.PrimExpr, mass: tirx.PrimExpr) -> Value:
     return lambda i: _kept(prob(i), lo, mass)
 
@@ -95,7 +100,7 @@ def _sampled(prob: Value, on: tirx.PrimExpr, lo: tirx.PrimExpr, mass: tirx.PrimE
 def _cpu_rows() -> Callable[..., None]:
     """The CPU loop nest: rows in parallel (see the module docstring)."""
     threshold, _ = renormalize.cpu_row_macros()
-    sample_row = multinomial.cpu_row_macro()
+    sample_row, sample_list = multinomial.cpu_row_macros()
     w = CPU_WORD
 
     @T.macro
@@ -110,8 +115,11 @@ def _cpu_rows() -> Callable[..., None]:
             hot = T.alloc_buffer((1,), "int32", scope="global")
             exps = T.alloc_buffer((1, vocab), "float32", scope="global")  # the row's exps (a workspace, in cache)
             bmax = T.alloc_buffer((renormalize.CPU_MAX_BLOCKS,), "int32", scope="local")
+            gmax = T.alloc_buffer((renormalize.CPU_GROUPS,), "int32", scope="local")
             cand = T.alloc_buffer((renormalize.CPU_LIST_SIZE,), "float32", scope="local")
-            st = T.alloc_buffer((8,), "int32", scope="global")
+            cidx = T.alloc_buffer((renormalize.CPU_LIST_SIZE,), "int32", scope="local")
+            picked = T.alloc_buffer((1,), "float32", scope="global")
+            st = T.alloc_buffer((9,), "int32", scope="global")
             ms = T.alloc_buffer((2,), "float32", scope="global")
             pos = T.alloc_buffer((3,), "int32", scope="local")
             cpu_row_max(logits, r, vocab, lanes, block, row_max)
@@ -129,14 +137,22 @@ def _cpu_rows() -> Callable[..., None]:
                              row_sum)
                 inv: T.let = inverse_sum(row_sum[0])
                 if renorm[r] != 0:
-                    threshold(_scaled(exps, inv), vocab, top_k[r], top_p[r], min_p[r], bmax, cand, st, ms)
+                    threshold(_scaled(exps, inv), vocab, top_k[r], top_p[r], min_p[r], bmax, gmax, cand, cidx, st, ms)
                     lo: T.let = st[0]
                     mass: T.let = ms[0]
-                    bv: T.let = renormalize.cpu_block_steps(vocab // w)
-                    sample_row(_kept_of(_scaled(exps, inv), lo, mass), vocab, uniform[r], _live(bmax, bv, lo), pos)
-                    token[r] = pos[1]
-                    chosen[r] = T.Select(pos[1] >= 0, _kept_of(_scaled(exps, inv), lo, mass)(T.max(pos[1], 0)),
-                                         T.float32(0))
+                    if st[7] == 1:
+                        # every kept value is on the candidate list: draw from it, not from the row
+                        sample_list(cand, cidx, st[8], _rescale(lo, mass), vocab,
+                                    uniform[r], pos, picked)
+                        token[r] = pos[1]
+                        chosen[r] = picked[0]
+                    else:
+                        bv: T.let = renormalize.cpu_block_steps(vocab // w)
+                        sample_row(_kept_of(_scaled(exps, inv), lo, mass), vocab, uniform[r], _live(bmax, bv, lo),
+                                   pos)
+                        token[r] = pos[1]
+                        chosen[r] = T.Select(pos[1] >= 0, _kept_of(_scaled(exps, inv), lo, mass)(T.max(pos[1], 0)),
+                                             T.float32(0))
                 else:
                     sample_row(_scaled(exps, inv), vocab, uniform[r], None, pos)
                     token[r] = pos[1]
