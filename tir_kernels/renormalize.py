@@ -31,8 +31,17 @@ the values near the threshold are sparse (top-k with a small k, top-p after top-
 count, sum), the top-k steps, at most one pass for the kept sum, the top-p steps, one scaling pass: <= 68 passes,
 typically 5-15. A row whose filters are all off costs the read pass and the scaling pass.
 
-CPU: each pass is a branch-free vector loop over the row (hot in L2 after the first pass), 64 values a step. The
-first pass also records the maximum of each block of 256 values (up to 1024 blocks); later passes skip the blocks
+CPU: each pass is a branch-free vector loop over the row (hot in L2 after the first pass), 64 values a step, with
+partials in 32 lanes (two values per lane and step: four accumulators of 64 lanes spill out of the 16 AVX2
+registers). The first pass also records the maximum of each block of 256 values (up to 1024 blocks) and of each of
+its 32 lanes (8 values: the group maxima). Then, before any threshold pass, the row is usually reduced to a
+candidate list: the values >= lb, a lower bound of the final threshold, in index order (a scalar copy that reads only
+the blocks, and the steps in them, holding such a value), used when it has at most 8192 values. lb is the k-th
+largest block maximum with top-k, the largest group maximum t whose group maxima >= t alone reach the top-p goal
+(they bound G(t) from below) with top-p alone, the min-p threshold with min-p alone; the top-p bound is checked on
+the list (G(lb) >= goal) and the row passes are used where it fails. Every count, sum, minimum and maximum that the
+searches below need is then a pass over the short list instead of the row (the same values, so the same threshold;
+sums in list order). Without the list (long lists: flat distributions, top_p near 1), later passes skip the blocks
 whose maximum is below the midpoint, and top-k first bisects over the block maxima (the k-th largest block maximum
 is a lower bound of the k-th largest value), so that its steps only read the < k blocks that can hold the top k.
 CPU top-p probes better points than the midpoint, since any point of ``(lo, hi)`` keeps the invariant: the first is
@@ -97,8 +106,8 @@ def rescaled(x: tirx.PrimExpr, lo: tirx.PrimExpr, mass: tirx.PrimExpr) -> tirx.P
     when mass < 2**-60 (so that 1 / mass neither overflows nor loses digits for subnormal masses), else 1. Products,
     not a quotient (vector division is several times slower); every kernel that renormalizes uses this formula.
     Powers of two are written as bit patterns, which every code generator prints exactly."""
-    tiny = mass < T.reinterpret("float32", T.int32(0x21800000))  # 2**-60
-    s = T.Select(tiny, T.reinterpret("float32", T.int32(0x5F800000)), T.float32(1))  # 2**64
+    tiny = mass < T.reinterpret("float32", T.uint32(0x21800000))  # 2**-60
+    s = T.Select(tiny, T.reinterpret("float32", T.uint32(0x5F800000)), T.float32(1))  # 2**64
     return T.Select(_bits(x) >= lo, (x * s) * (T.float32(1) / (mass * s)), T.float32(0))
 
 

@@ -22,8 +22,11 @@ CPU: rows in parallel. Per row, one pass reads the logits from memory (the maxim
 the row's exps in a per-thread scratch row (a workspace of ``vocab`` floats, reused row after row, so it stays in
 cache: L2, or L3 where the logits row and the exps row together exceed L2, as at vocab 128256 with 512 KB of L2),
 and every later pass reads that scratch: the probabilities are ``exp * (1 / sum)``, recomputed where read rather than
-stored; renormalize's threshold search runs on them as is, and the sampling pass reads only the steps of blocks whose
-maximum is kept (the others add exact zeros to the staged kernel's sums).
+stored. renormalize's threshold search runs on them as is: its first pass, then (usually) its candidate list, on
+which the searches run; when the list holds every kept value the draw runs on it too (``multinomial.sample_list``:
+the staged draw's additions, in its order, of the values it would find nonzero), so the row is not read again.
+Otherwise the sampling pass reads only the steps of blocks whose maximum is kept (the others add exact zeros to the
+staged kernel's sums).
 GPU: one block per row; nothing is stored: each pass recomputes ``exp((x - max) * scale) * (1 / sum)`` from the
 logits (as the staged softmax's write pass does), then renormalize's and multinomial's block algorithms run on it.
 """
