@@ -268,6 +268,14 @@ def cpu_row_macros() -> tuple[Callable[..., None], Callable[..., None]]:
         reduce_lanes(cnt, ssum, mn, mx)
 
     @T.macro
+    def scan_any(value, vocab, nvec, bv, nblk, bmax, cand, st, mid, by_sum, cnt, ssum, inner, mn, mx):
+        # scan_list where the row has a candidate list (st[7] == 1, st[8] values), else scan
+        if st[7] == 1:
+            scan_list(cand, st[8], mid, by_sum, cnt, ssum, mn, mx)
+        else:
+            scan(value, vocab, nvec, bv, nblk, bmax, mid, by_sum, cnt, ssum, inner, mn, mx)
+
+    @T.macro
     def threshold(value, vocab, k, top_p_r, min_p_r, bmax, gmax, cand, cidx, st, ms):
         # The kept set of one row: bits >= st[0]; ms[0] = the sum of the kept values (st[0] = INT_MAX and ms[0] = 1
         # for a row of zeros). k, top_p_r, min_p_r: the row's filters. bmax: int32 scratch of _MAX_BLOCKS, left
@@ -377,66 +385,35 @@ def cpu_row_macros() -> tuple[Callable[..., None], Callable[..., None]]:
                             ms[1] = ssum[0]
                             if ssum[0] < top_p_r * ms[0]:
                                 st[7] = 0
-            if st[7] == 1:
-                if k_on:
-                    st[2] = st[3] + 1
-                while st[2] - st[1] > 1:
-                    mid: T.let = st[1] + (st[2] - st[1]) // 2
-                    scan_list(cand, st[8], mid, False, cnt, ssum, mn, mx)
-                    if cnt[0] >= k:
-                        st[1] = mn[0]
-                    else:
-                        st[2] = T.max(mx[0] + 1, st[1] + 1)
-                if st[1] > st[0]:
-                    st[0] = st[1]
-                    st[4] = 0
-                st[1] = st[0]
+            # top-k: the largest t with count(bits >= t) >= k, by passes over the list or the row
+            if k_on:
                 st[2] = st[3] + 1
-                if top_p_r >= T.float32(1):
-                    st[2] = st[1] + 1
-                elif st[4] == 0:
-                    scan_list(cand, st[8], st[0], True, cnt, ssum, mn, mx)
-                    ms[0] = ssum[0]
-                    st[4] = 1
-                if st[6] > st[1]:  # top-p alone: G(lb) >= goal was checked on the list
-                    st[1] = st[6]
-                while st[2] - st[1] > 1:
-                    mid: T.let = st[1] + (st[2] - st[1]) // 2
-                    scan_list(cand, st[8], mid, True, cnt, ssum, mn, mx)
-                    if ssum[0] >= top_p_r * ms[0]:
-                        st[1] = mn[0]
-                        ms[1] = ssum[0]
-                    else:
-                        st[2] = T.max(mx[0] + 1, st[1] + 1)
-                if st[1] > st[0]:
-                    st[0] = st[1]
-                    ms[0] = ms[1]
-                if st[4] == 0:
-                    scan_list(cand, st[8], st[0], True, cnt, ssum, mn, mx)
-                    ms[0] = ssum[0]
+            while st[2] - st[1] > 1:
+                mid: T.let = st[1] + (st[2] - st[1]) // 2
+                scan_any(value, vocab, nvec, bv, nblk, bmax, cand, st, mid, False, cnt, ssum, inner, mn, mx)
+                if cnt[0] >= k:
+                    st[1] = mn[0]
+                else:
+                    st[2] = T.max(mx[0] + 1, st[1] + 1)
+            if st[1] > st[0]:
+                st[0] = st[1]
+                st[4] = 0
+            # top-p: the largest t with sum(kept values with bits >= t) >= top_p * (kept sum)
+            st[1] = st[0]
+            st[2] = st[3] + 1
+            if top_p_r >= T.float32(1):
+                st[2] = st[1] + 1
+            elif st[4] == 0:
+                scan_any(value, vocab, nvec, bv, nblk, bmax, cand, st, st[0], True, cnt, ssum, inner, mn, mx)
+                ms[0] = ssum[0]
+                st[4] = 1
+            goal: T.let = top_p_r * ms[0]
+            st[5] = int_min
+            if st[7] == 1 and st[6] > st[1]:
+                st[1] = st[6]  # top-p alone: G(lb) >= goal was checked on the list, and ms[1] = G(lb)
             else:
-                if k_on:
-                    st[2] = st[3] + 1
-                while st[2] - st[1] > 1:
-                    mid: T.let = st[1] + (st[2] - st[1]) // 2
-                    scan(value, vocab, nvec, bv, nblk, bmax, mid, False, cnt, ssum, inner, mn, mx)
-                    if cnt[0] >= k:
-                        st[1] = mn[0]
-                    else:
-                        st[2] = T.max(mx[0] + 1, st[1] + 1)
-                if st[1] > st[0]:
-                    st[0] = st[1]
-                    st[4] = 0
-                # top-p: the largest t with sum(kept values with bits >= t) >= top_p * (kept sum)
-                st[1] = st[0]
-                st[2] = st[3] + 1
-                if top_p_r >= T.float32(1):
-                    st[2] = st[1] + 1
-                elif st[4] == 0:
-                    scan(value, vocab, nvec, bv, nblk, bmax, st[0], True, cnt, ssum, inner, mn, mx)
-                    ms[0] = ssum[0]
-                    st[4] = 1
-                goal: T.let = top_p_r * ms[0]
+                ms[1] = ms[0]  # G(st[1])
+            if st[7] == 0:
                 # first guess: the largest block maximum t with sum(block maxima >= t) >= goal (a lower bound of
                 # G(t), so t is usually just below the threshold); found by bisection over the block maxima
                 st[5] = st[1]
@@ -448,34 +425,34 @@ def cpu_row_macros() -> tuple[Callable[..., None], Callable[..., None]]:
                         st[5] = mn[0]
                     else:
                         st[6] = T.max(mx[0] + 1, st[5] + 1)
-                # each step evaluates G at one point of (lo, hi) with one pass, as bisection does, but the point is
-                # the first guess, then interpolated (_top_p_guess), and kept within the ITP reach of the midpoint
-                gf[0] = T.Cast("float64", ms[0]) - T.Cast("float64", goal)  # G(lo) - goal >= 0
-                gf[1] = -T.Cast("float64", goal)  # G(max + 1) - goal < 0
-                gf[2] = T.float64(_ITP_BUDGET)
-                while st[2] - st[1] > 1:
-                    half: T.let = st[1] + (st[2] - st[1]) // 2
-                    guess: T.let = T.Select(st[5] > st[1] and st[5] < st[2], st[5],
-                                            _top_p_guess(st[1], st[2], gf[0], gf[1], half))
-                    reach: T.let = T.Cast("int32", T.min(T.max((gf[2] - T.Cast("float64", st[2] - st[1])) * 0.5,
-                                                               T.float64(0)), T.float64(_INT_MAX // 2)))
-                    mid: T.let = half + T.max(T.min(T.max(T.min(guess, st[2] - 1), st[1] + 1) - half, reach), -reach)
-                    st[5] = int_min
-                    gf[2] = gf[2] * 0.5
-                    scan(value, vocab, nvec, bv, nblk, bmax, mid, True, cnt, ssum, inner, mn, mx)
-                    if ssum[0] >= goal:
-                        st[1] = mn[0]
-                        ms[1] = ssum[0]
-                        gf[0] = T.Cast("float64", ssum[0]) - T.Cast("float64", goal)
-                    else:
-                        st[2] = T.max(mx[0] + 1, st[1] + 1)
-                        gf[1] = T.Cast("float64", ssum[0]) - T.Cast("float64", goal)
-                if st[1] > st[0]:
-                    st[0] = st[1]
-                    ms[0] = ms[1]
-                if st[4] == 0:
-                    scan(value, vocab, nvec, bv, nblk, bmax, st[0], True, cnt, ssum, inner, mn, mx)
-                    ms[0] = ssum[0]
+            # each step evaluates G at one point of (lo, hi) with one pass, as bisection does, but the point is
+            # the first guess, then interpolated (_top_p_guess), and kept within the ITP reach of the midpoint
+            gf[0] = T.Cast("float64", ms[1]) - T.Cast("float64", goal)  # G(lo) - goal >= 0
+            gf[1] = -T.Cast("float64", goal)  # G(max + 1) - goal < 0
+            gf[2] = T.float64(_ITP_BUDGET)
+            while st[2] - st[1] > 1:
+                half: T.let = st[1] + (st[2] - st[1]) // 2
+                guess: T.let = T.Select(st[5] > st[1] and st[5] < st[2], st[5],
+                                        _top_p_guess(st[1], st[2], gf[0], gf[1], half))
+                reach: T.let = T.Cast("int32", T.min(T.max((gf[2] - T.Cast("float64", st[2] - st[1])) * 0.5,
+                                                           T.float64(0)), T.float64(_INT_MAX // 2)))
+                mid: T.let = half + T.max(T.min(T.max(T.min(guess, st[2] - 1), st[1] + 1) - half, reach), -reach)
+                st[5] = int_min
+                gf[2] = gf[2] * 0.5
+                scan_any(value, vocab, nvec, bv, nblk, bmax, cand, st, mid, True, cnt, ssum, inner, mn, mx)
+                if ssum[0] >= goal:
+                    st[1] = mn[0]
+                    ms[1] = ssum[0]
+                    gf[0] = T.Cast("float64", ssum[0]) - T.Cast("float64", goal)
+                else:
+                    st[2] = T.max(mx[0] + 1, st[1] + 1)
+                    gf[1] = T.Cast("float64", ssum[0]) - T.Cast("float64", goal)
+            if st[1] > st[0]:
+                st[0] = st[1]
+                ms[0] = ms[1]
+            if st[4] == 0:
+                scan_any(value, vocab, nvec, bv, nblk, bmax, cand, st, st[0], True, cnt, ssum, inner, mn, mx)
+                ms[0] = ssum[0]
         else:
             st[0] = int_max
             ms[0] = T.float32(1)
