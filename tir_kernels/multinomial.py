@@ -48,6 +48,17 @@ _MAX_BLOCKS = 256
 _MIN_BLOCK_STEPS = 16
 
 
+def _span_start(b: tirx.PrimExpr, nblk: tirx.PrimExpr, nvec: tirx.PrimExpr, bv: tirx.PrimExpr) -> tirx.PrimExpr:
+    """First index of CPU block b (block nblk is the scalar tail)."""
+    return T.Select(b == nblk, nvec * _CPU_WIDTH, b * bv * _CPU_WIDTH)
+
+
+def _span_end(b: tirx.PrimExpr, nblk: tirx.PrimExpr, nvec: tirx.PrimExpr, bv: tirx.PrimExpr,
+              vocab: tirx.PrimExpr) -> tirx.PrimExpr:
+    """One past the last index of CPU block b."""
+    return T.Select(b == nblk, vocab, T.min(b * bv + bv, nvec) * _CPU_WIDTH)
+
+
 def cpu_row_macros() -> tuple[Callable[..., None], Callable[..., None]]:
     """The CPU row macros ``sample_row(value, vocab, u, live, pos)`` and ``sample_list(cand, cidx, n, kept, vocab, u,
     pos, chosen)``.
@@ -103,6 +114,14 @@ def cpu_row_macros() -> tuple[Callable[..., None], Callable[..., None]]:
                 pos[2] = pos[2] + 1
 
     @T.macro
+    def last_positive_block(bsum, nblk, pos):
+        # nothing passed the target: a row of zeros, or rounding (uniform >= 1): pos[2] = the last block of positive
+        # sum (-1 if none), whose last positive value is drawn
+        pos[2] = nblk
+        while pos[2] >= 0 and bsum[T.max(pos[2], 0)] <= T.float32(0):
+            pos[2] = pos[2] - 1
+
+    @T.macro
     def sample_row(value, vocab, u, live, pos):
         lanes = T.alloc_buffer((w,), "float32", scope="local")
         # block sums; the last entry is the scalar tail (vocab % w values)
@@ -132,8 +151,8 @@ def cpu_row_macros() -> tuple[Callable[..., None], Callable[..., None]]:
         pos[1] = -1
         if pos[0] >= 0:
             # scan inside the block: the first positive value passing the target, else its last positive one
-            start: T.let = T.Select(pos[0] == nblk, nvec * w, pos[0] * bv * w)
-            end: T.let = T.Select(pos[0] == nblk, vocab, T.min(pos[0] * bv + bv, nvec) * w)
+            start: T.let = _span_start(pos[0], nblk, nvec, bv)
+            end: T.let = _span_end(pos[0], nblk, nvec, bv, vocab)
             acc[0] = acc[1]
             pos[2] = -1
             for i in range(start, end):
@@ -145,14 +164,10 @@ def cpu_row_macros() -> tuple[Callable[..., None], Callable[..., None]]:
             if pos[1] < 0:
                 pos[1] = pos[2]
         else:
-            # nothing passed the target: a row of zeros, or rounding (uniform >= 1): the last positive value,
-            # in the last block of positive sum
-            pos[2] = nblk
-            while pos[2] >= 0 and bsum[T.max(pos[2], 0)] <= T.float32(0):
-                pos[2] = pos[2] - 1
+            last_positive_block(bsum, nblk, pos)
             if pos[2] >= 0:
-                start: T.let = T.Select(pos[2] == nblk, nvec * w, pos[2] * bv * w)
-                end: T.let = T.Select(pos[2] == nblk, vocab, T.min(pos[2] * bv + bv, nvec) * w)
+                start: T.let = _span_start(pos[2], nblk, nvec, bv)
+                end: T.let = _span_end(pos[2], nblk, nvec, bv, vocab)
                 for i in range(start, end):
                     if value(i) > T.float32(0):
                         pos[1] = i
@@ -188,8 +203,8 @@ def cpu_row_macros() -> tuple[Callable[..., None], Callable[..., None]]:
         pos[1] = -1
         chosen[0] = T.float32(0)
         if pos[0] >= 0:
-            start: T.let = T.Select(pos[0] == nblk, nvec * w, pos[0] * bv * w)
-            end: T.let = T.Select(pos[0] == nblk, vocab, T.min(pos[0] * bv + bv, nvec) * w)
+            start: T.let = _span_start(pos[0], nblk, nvec, bv)
+            end: T.let = _span_end(pos[0], nblk, nvec, bv, vocab)
             acc[0] = acc[1]
             pos[2] = -1
             for i in range(n):
@@ -203,12 +218,10 @@ def cpu_row_macros() -> tuple[Callable[..., None], Callable[..., None]]:
                 pos[1] = cidx[pos[2]]
                 chosen[0] = kept(cand[pos[2]])
         else:
-            pos[2] = nblk
-            while pos[2] >= 0 and bsum[T.max(pos[2], 0)] <= T.float32(0):
-                pos[2] = pos[2] - 1
+            last_positive_block(bsum, nblk, pos)
             if pos[2] >= 0:
-                start: T.let = T.Select(pos[2] == nblk, nvec * w, pos[2] * bv * w)
-                end: T.let = T.Select(pos[2] == nblk, vocab, T.min(pos[2] * bv + bv, nvec) * w)
+                start: T.let = _span_start(pos[2], nblk, nvec, bv)
+                end: T.let = _span_end(pos[2], nblk, nvec, bv, vocab)
                 for i in range(n):
                     if cidx[i] >= start and cidx[i] < end and kept(cand[i]) > T.float32(0):
                         pos[1] = cidx[i]
