@@ -35,15 +35,16 @@ CPU: each pass is a branch-free vector loop over the row (hot in L2 after the fi
 partials in 32 lanes (two values per lane and step: four accumulators of 64 lanes spill out of the 16 AVX2
 registers). The first pass also records the maximum of each block of 256 values (up to 1024 blocks) and of each of
 its 32 lanes (8 values: the group maxima). Then, before any threshold pass, the row is usually reduced to a
-candidate list: the values >= lb, a lower bound of the final threshold, in index order (a scalar copy that reads only
-the blocks, and the steps in them, holding such a value), used when it has at most 8192 values. lb is the k-th
-largest block maximum with top-k, the largest group maximum t whose group maxima >= t alone reach the top-p goal
-(they bound G(t) from below) with top-p alone, the min-p threshold with min-p alone; the top-p bound is checked on
-the list (G(lb) >= goal) and the row passes are used where it fails. Every count, sum, minimum and maximum that the
-searches below need is then a pass over the short list instead of the row (the same values, so the same threshold;
-sums in list order). Without the list (long lists: flat distributions, top_p near 1), later passes skip the blocks
-whose maximum is below the midpoint, and top-k first bisects over the block maxima (the k-th largest block maximum
-is a lower bound of the k-th largest value), so that its steps only read the < k blocks that can hold the top k.
+candidate list: the values >= lb, a lower bound of the final threshold, in index order (a scalar copy that reads
+only the blocks, and the lanes of 8 values in them, holding such a value), used when it has at most 8192 values. lb
+is the k-th largest block maximum with top-k, the largest group maximum t whose group maxima >= t alone reach the
+top-p goal (they bound G(t) from below) with top-p alone, the min-p threshold with min-p alone; the top-p bound is
+checked on the list (G(lb) >= goal) and the row passes are used where it fails. Every count, sum, minimum and
+maximum that the searches below need is then a pass over the short list instead of the row (the same values, so the
+same threshold; sums in list order). Without the list (long lists: flat distributions, top_p near 1), later passes
+skip the blocks whose maximum is below the midpoint, and top-k first bisects over the block maxima (the k-th largest
+block maximum is a lower bound of the k-th largest value), so that its steps only read the < k blocks that can hold
+the top k.
 CPU top-p probes better points than the midpoint, since any point of ``(lo, hi)`` keeps the invariant: the first is
 the largest block maximum t whose block maxima alone reach the goal (their sum bounds G(t) from below, so t lies
 just under the threshold when the kept values are few; found over the block maxima, without reading the row); the
@@ -219,25 +220,30 @@ def cpu_row_macros() -> tuple[Callable[..., None], Callable[..., None]]:
         reduce_lanes(cnt, ssum, mn, mx)
 
     @T.macro
-    def compact(value, vocab, nvec, bv, nblk, bmax, lb, cand, cidx, hit, st):
+    def compact(value, vocab, nvec, bv, nblk, bmax, gmax, lb, cand, cidx, hit, lanes, st):
         # cand[0 .. st[8]) = the values with bits >= lb, in index order, read only in the blocks whose maximum is
-        # >= lb and, inside them, in the steps holding one; then zeros up to a whole step. st[8] > CPU_LIST_CAP:
-        # the list is incomplete (only the first _LIST_CAP are stored).
+        # >= lb and, inside them, in the lanes whose group maximum is (lanes[0 .. hit[0]), increasing); then zeros
+        # up to a whole step. st[8] > _LIST_CAP: the list is incomplete (only the first _LIST_CAP are stored).
         st[8] = 0
         for blk in range(nblk):
             if bmax[blk] >= lb:
+                hit[0] = 0
+                for l in range(h):
+                    if gmax[blk * h + l] >= lb:
+                        lanes[hit[0]] = l
+                        hit[0] = hit[0] + 1
                 for j in range(T.min(bv, nvec - blk * bv)):
-                    hit[0] = int_min
-                    for l in range(w):
-                        hit[0] = T.max(hit[0], _bits(value((blk * bv + j) * w + l)))
-                    if hit[0] >= lb:
-                        for l in range(w):
-                            x: T.let = value((blk * bv + j) * w + l)
+                    for half in range(2):
+                        hit[1] = 0
+                        while hit[1] < hit[0]:
+                            i: T.let = (blk * bv + j) * w + half * h + lanes[hit[1]]
+                            x: T.let = value(i)
                             if _bits(x) >= lb:
                                 cand[T.min(st[8], _LIST_CAP)] = x
                                 if cidx is not None:
-                                    cidx[T.min(st[8], _LIST_CAP)] = (blk * bv + j) * w + l
+                                    cidx[T.min(st[8], _LIST_CAP)] = i
                                 st[8] = st[8] + 1
+                            hit[1] = hit[1] + 1
         for t in range(vocab % w):
             x: T.let = value(nvec * w + t)
             if _bits(x) >= lb:
@@ -293,7 +299,7 @@ def cpu_row_macros() -> tuple[Callable[..., None], Callable[..., None]]:
         bl = T.alloc_buffer((w,), "int32", scope="global")  # per-lane largest bits of the current block
         # top-p search: 0, 1: G(st[1]) - goal, G(st[2]) - goal; 2: the widest interval allowed after the step
         gf = T.alloc_buffer((3,), "float64", scope="global")
-        hit = T.alloc_buffer((1,), "int32", scope="global")
+        hit = T.alloc_buffer((2,), "int32", scope="global")
         nvec: T.let = vocab // w
         bv: T.let = cpu_block_steps(nvec)
         nblk: T.let = (nvec + bv - 1) // bv
@@ -375,7 +381,7 @@ def cpu_row_macros() -> tuple[Callable[..., None], Callable[..., None]]:
                 else:
                     scan_blocks(nblk, bmax, lb, False, cnt, ssum, mn, mx)
                 if (p_alone and cnt[0] * 2 <= _LIST_CAP) or (not p_alone and cnt[0] * 2 <= nblk):
-                    compact(value, vocab, nvec, bv, nblk, bmax, lb, cand, cidx, hit, st)
+                    compact(value, vocab, nvec, bv, nblk, bmax, gmax, lb, cand, cidx, hit, bl, st)
                     if st[8] <= _LIST_CAP:
                         st[7] = 1
                         st[6] = int_min
