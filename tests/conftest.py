@@ -32,10 +32,11 @@ def device_kernels():
 
 @pytest.fixture(scope="session")
 def lib():
-    """The kernel library for this CPU (built once per session into the private cache)."""
-    from logitproc.compile import build_kernels
+    """The kernel library for this CPU (built once per session into the private cache; the kernel tests'
+    ``run_cpu`` calls the same build)."""
+    from kernel_harness import cpu_library
 
-    return build_kernels("cpu")
+    return cpu_library()
 
 
 @pytest.fixture(scope="module")

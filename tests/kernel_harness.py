@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 import tvm
-from logitproc.compile import build_kernels, resolve_target
+from logitproc.compile import build_kernels
 from logitproc.tir_kernels import KERNEL_FACTORIES
 
 #: (batch, vocab) pairs for the probability kernels: vocab 1, not a multiple of 32, and the 128k/152k vocabularies.
@@ -24,10 +24,18 @@ def make_probs(rng: np.random.Generator, batch: int, vocab: int, scale: float = 
 
 
 @functools.cache
-def cpu_kernel(name: str) -> tvm.runtime.Module:
-    """The kernel ``name`` compiled for this machine's CPU (cached per process)."""
-    target = resolve_target("cpu").tvm_target()
-    return tvm.compile(tvm.IRModule({name: KERNEL_FACTORIES[name](target)}), target=target)[name]
+def cpu_library() -> Any:
+    """The kernel library for this machine's CPU: the build the ``lib`` fixture uses (once per session, in the
+    tests' private cache), so that the kernel tests compile nothing of their own."""
+    return build_kernels("cpu")
+
+
+@functools.cache
+def cpu_kernel(name: str) -> tvm.runtime.Function:
+    """The kernel ``name`` compiled for this machine's CPU, from ``cpu_library`` (every kernel of KERNEL_FACTORIES)."""
+    if name not in KERNEL_FACTORIES:
+        raise KeyError(f"no kernel named {name!r}")
+    return cpu_library()[name]
 
 
 def run_cpu(name: str, *arrays: np.ndarray) -> list[np.ndarray]:

@@ -95,6 +95,24 @@ def test_many_uniforms_give_the_staged_tokens() -> None:
     np.testing.assert_array_equal(chosen, ref_chosen)
 
 
+def test_short_and_long_candidate_lists_give_the_staged_tokens() -> None:
+    """renormalize's CPU search runs on a candidate list when it is short (<= 8192 values) and on the row otherwise
+    (and the fused draw on the list only when it holds every kept value): rows on both sides of each limit, at
+    V=128001, give the staged kernels' tokens."""
+    batch, vocab = 12, 128001
+    logits = (np.random.default_rng(21).standard_normal((batch, vocab)) * 3).astype(np.float32)
+    #           top-k 20 / 9000 / 40000, top-p short / long / flat, min-p short / long, mixes
+    p = {"temperature": np.float32([0.7, 1.0, 1.0, 0.5, 1.0, 8.0, 0.7, 2.0, 0.7, 1.0, 0.3, 1.5]),
+         "top_k": np.int32([20, 9000, 40000, 0, 0, 0, 0, 0, 50, 200, 0, 5000]),
+         "top_p": np.float32([1.0, 1.0, 1.0, 0.5, 0.999, 0.9, 1.0, 1.0, 0.9, 0.95, 0.8, 0.999]),
+         "min_p": np.float32([0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.1, 1e-7, 0.0, 0.01, 0.05, 0.0]),
+         "uniform": np.random.default_rng(22).random(batch).astype(np.float32)}
+    token, chosen = fused_cpu(logits, p, np.ones(batch))
+    ref_token, ref_chosen = staged_cpu(logits, p, True)
+    np.testing.assert_array_equal(token, ref_token)
+    np.testing.assert_array_equal(chosen, ref_chosen)
+
+
 def test_mixed_renorm_flags_follow_each_row() -> None:
     """renorm is per row: each row equals the staged path with or without renormalize_probs."""
     batch, vocab = 8, 1003

@@ -24,7 +24,7 @@ the walk over the block sums repeats the exact additions that made the total, so
 positive mass when ``uniform < 1``; a scalar scan inside that block finds the token. GPU: each thread sums a
 contiguous segment of the row, an inclusive scan over the segment sums (shared memory) finds the segment holding
 the target, and the thread owning it scans inside its segment. The per-row work is a TVMScript macro reading the row
-through ``value(i)`` (``cpu_row_macro``, ``gpu_row_macro``), shared with ``sample_from_logits``.
+through ``value(i)`` (``cpu_row_macros``, ``gpu_row_macro``), shared with ``sample_from_logits``.
 """
 
 from __future__ import annotations
@@ -48,10 +48,28 @@ _MAX_BLOCKS = 256
 _MIN_BLOCK_STEPS = 16
 
 
-def cpu_row_macro() -> Callable[..., None]:
-    """The CPU row macro ``sample_row(value, vocab, u, live, pos)``: pos[1] = the token drawn from row values
-    ``value(i)`` with uniform ``u`` (-1 for a row of zeros). ``live(j)`` (None: always) may be False only for steps j
-    (values j * 64 .. j * 64 + 63) that are all exactly 0: they are then not read (adding zeros changes no sum)."""
+def _span_start(b: tirx.PrimExpr, nblk: tirx.PrimExpr, nvec: tirx.PrimExpr, bv: tirx.PrimExpr) -> tirx.PrimExpr:
+    """First index of CPU block b (block nblk is the scalar tail)."""
+    return T.Select(b == nblk, nvec * _CPU_WIDTH, b * bv * _CPU_WIDTH)
+
+
+def _span_end(b: tirx.PrimExpr, nblk: tirx.PrimExpr, nvec: tirx.PrimExpr, bv: tirx.PrimExpr,
+              vocab: tirx.PrimExpr) -> tirx.PrimExpr:
+    """One past the last index of CPU block b."""
+    return T.Select(b == nblk, vocab, T.min(b * bv + bv, nvec) * _CPU_WIDTH)
+
+
+def cpu_row_macros() -> tuple[Callable[..., None], Callable[..., None]]:
+    """The CPU row macros ``sample_row(value, vocab, u, live, pos)`` and ``sample_list(cand, cidx, n, kept, vocab, u,
+    pos, chosen)``.
+
+    sample_row: pos[1] = the token drawn from row values ``value(i)`` with uniform ``u`` (-1 for a row of zeros).
+    ``live(j)`` (None: always) may be False only for steps j (values j * 64 .. j * 64 + 63) that are all exactly 0:
+    they are then not read (adding zeros changes no sum).
+
+    sample_list: the same draw from a row given as a list: ``kept(cand[e])`` at index ``cidx[e]`` for the n entries
+    (indices increasing), 0 elsewhere; chosen[0] = the drawn value. Every sum adds the same nonzero values in the same
+    order as sample_row (the zeros it adds change nothing), so both draw the same token."""
     w = _CPU_WIDTH
     assert w == 64, "the lane reduction below is written out for 64 lanes"
 
@@ -61,9 +79,47 @@ def cpu_row_macro() -> Callable[..., None]:
             lanes[l] = lanes[l] + lanes[l + half]
 
     @T.macro
+    def block_total(lanes, bsum, blk, acc):
+        # the tree sum of the 64 lanes; its last three levels on a copy of the first 8, so that the lanes are only
+        # ever accessed in whole 8-wide vectors (else LLVM splits their registers and shuffles them in every step)
+        last = T.alloc_buffer((8,), "float32", scope="global")
+        fold(lanes, 32)
+        fold(lanes, 16)
+        fold(lanes, 8)
+        for l in T.vectorized(8):
+            last[l] = lanes[l]
+        fold(last, 4)
+        fold(last, 2)
+        fold(last, 1)
+        bsum[blk] = last[0]
+        acc[0] = acc[0] + last[0]
+
+    @T.macro
     def add_step(value, lanes, j):
         for l in T.vectorized(w):
             lanes[l] = lanes[l] + value(j * w + l)
+
+    @T.macro
+    def walk(bsum, nblk, goal, acc, pos):
+        # the first block whose running sum passes the target (the same additions as the total): pos[0], with the
+        # running sum before it in acc[1]; -1 if none
+        acc[1] = T.float32(0)
+        pos[0] = -1
+        pos[2] = 0
+        while pos[0] < 0 and pos[2] <= nblk:
+            if acc[1] + bsum[pos[2]] > goal and bsum[pos[2]] > T.float32(0):
+                pos[0] = pos[2]
+            else:
+                acc[1] = acc[1] + bsum[pos[2]]
+                pos[2] = pos[2] + 1
+
+    @T.macro
+    def last_positive_block(bsum, nblk, pos):
+        # nothing passed the target: a row of zeros, or rounding (uniform >= 1): pos[2] = the last block of positive
+        # sum (-1 if none), whose last positive value is drawn
+        pos[2] = nblk
+        while pos[2] >= 0 and bsum[T.max(pos[2], 0)] <= T.float32(0):
+            pos[2] = pos[2] - 1
 
     @T.macro
     def sample_row(value, vocab, u, live, pos):
@@ -85,34 +141,18 @@ def cpu_row_macro() -> Callable[..., None]:
                     add_step(value, lanes, blk * bv + j)
                 elif live(blk * bv + j):
                     add_step(value, lanes, blk * bv + j)
-            fold(lanes, 32)
-            fold(lanes, 16)
-            fold(lanes, 8)
-            fold(lanes, 4)
-            fold(lanes, 2)
-            fold(lanes, 1)
-            bsum[blk] = lanes[0]
-            acc[0] = acc[0] + lanes[0]
+            block_total(lanes, bsum, blk, acc)
         bsum[nblk] = T.float32(0)
         for t in range(vocab % w):
             bsum[nblk] = bsum[nblk] + value(nvec * w + t)
         acc[0] = acc[0] + bsum[nblk]
         goal: T.let = u * acc[0]
-        # the first block whose running sum passes the target (the same additions as the total)
-        acc[1] = T.float32(0)
-        pos[0] = -1
-        pos[2] = 0
-        while pos[0] < 0 and pos[2] <= nblk:
-            if acc[1] + bsum[pos[2]] > goal and bsum[pos[2]] > T.float32(0):
-                pos[0] = pos[2]
-            else:
-                acc[1] = acc[1] + bsum[pos[2]]
-                pos[2] = pos[2] + 1
+        walk(bsum, nblk, goal, acc, pos)
         pos[1] = -1
         if pos[0] >= 0:
             # scan inside the block: the first positive value passing the target, else its last positive one
-            start: T.let = T.Select(pos[0] == nblk, nvec * w, pos[0] * bv * w)
-            end: T.let = T.Select(pos[0] == nblk, vocab, T.min(pos[0] * bv + bv, nvec) * w)
+            start: T.let = _span_start(pos[0], nblk, nvec, bv)
+            end: T.let = _span_end(pos[0], nblk, nvec, bv, vocab)
             acc[0] = acc[1]
             pos[2] = -1
             for i in range(start, end):
@@ -124,23 +164,74 @@ def cpu_row_macro() -> Callable[..., None]:
             if pos[1] < 0:
                 pos[1] = pos[2]
         else:
-            # nothing passed the target: a row of zeros, or rounding (uniform >= 1): the last positive value,
-            # in the last block of positive sum
-            pos[2] = nblk
-            while pos[2] >= 0 and bsum[T.max(pos[2], 0)] <= T.float32(0):
-                pos[2] = pos[2] - 1
+            last_positive_block(bsum, nblk, pos)
             if pos[2] >= 0:
-                start: T.let = T.Select(pos[2] == nblk, nvec * w, pos[2] * bv * w)
-                end: T.let = T.Select(pos[2] == nblk, vocab, T.min(pos[2] * bv + bv, nvec) * w)
+                start: T.let = _span_start(pos[2], nblk, nvec, bv)
+                end: T.let = _span_end(pos[2], nblk, nvec, bv, vocab)
                 for i in range(start, end):
                     if value(i) > T.float32(0):
                         pos[1] = i
 
-    return sample_row
+    @T.macro
+    def sample_list(cand, cidx, n, kept, vocab, u, pos, chosen):
+        lanes = T.alloc_buffer((w,), "float32", scope="local")
+        bsum = T.alloc_buffer((_MAX_BLOCKS + 1,), "float32", scope="local")
+        acc = T.alloc_buffer((2,), "float32", scope="local")
+        e = T.alloc_buffer((1,), "int32", scope="local")  # the next list entry
+        nvec: T.let = vocab // w
+        bv: T.let = T.max(_MIN_BLOCK_STEPS, (nvec + _MAX_BLOCKS - 1) // _MAX_BLOCKS)
+        nblk: T.let = (nvec + bv - 1) // bv
+        acc[0] = T.float32(0)
+        e[0] = 0
+        for blk in range(nblk):
+            if e[0] < n and cidx[T.max(T.min(e[0], n - 1), 0)] < T.min(blk * bv + bv, nvec) * w:
+                for l in T.vectorized(w):
+                    lanes[l] = T.float32(0)
+                while e[0] < n and cidx[T.max(T.min(e[0], n - 1), 0)] < T.min(blk * bv + bv, nvec) * w:
+                    lanes[cidx[e[0]] % w] = lanes[cidx[e[0]] % w] + kept(cand[e[0]])
+                    e[0] = e[0] + 1
+                block_total(lanes, bsum, blk, acc)
+            else:
+                bsum[blk] = T.float32(0)  # what a block of zeros folds to; adding it changes no sum
+        bsum[nblk] = T.float32(0)
+        while e[0] < n:
+            bsum[nblk] = bsum[nblk] + kept(cand[e[0]])
+            e[0] = e[0] + 1
+        acc[0] = acc[0] + bsum[nblk]
+        goal: T.let = u * acc[0]
+        walk(bsum, nblk, goal, acc, pos)
+        pos[1] = -1
+        chosen[0] = T.float32(0)
+        if pos[0] >= 0:
+            start: T.let = _span_start(pos[0], nblk, nvec, bv)
+            end: T.let = _span_end(pos[0], nblk, nvec, bv, vocab)
+            acc[0] = acc[1]
+            pos[2] = -1
+            for i in range(n):
+                if cidx[i] >= start and cidx[i] < end and kept(cand[i]) > T.float32(0):
+                    acc[0] = acc[0] + kept(cand[i])
+                    if pos[1] < 0 and acc[0] > goal:
+                        pos[1] = cidx[i]
+                        chosen[0] = kept(cand[i])
+                    pos[2] = i
+            if pos[1] < 0 and pos[2] >= 0:
+                pos[1] = cidx[pos[2]]
+                chosen[0] = kept(cand[pos[2]])
+        else:
+            last_positive_block(bsum, nblk, pos)
+            if pos[2] >= 0:
+                start: T.let = _span_start(pos[2], nblk, nvec, bv)
+                end: T.let = _span_end(pos[2], nblk, nvec, bv, vocab)
+                for i in range(n):
+                    if cidx[i] >= start and cidx[i] < end and kept(cand[i]) > T.float32(0):
+                        pos[1] = cidx[i]
+                        chosen[0] = kept(cand[i])
+
+    return sample_row, sample_list
 
 
 def _cpu() -> tirx.PrimFunc:
-    sample_row = cpu_row_macro()
+    sample_row, _ = cpu_row_macros()
 
     @T.prim_func
     def multinomial_from_uniform(var_probs: T.handle, var_uniform: T.handle, var_token: T.handle,

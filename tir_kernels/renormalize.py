@@ -31,10 +31,20 @@ the values near the threshold are sparse (top-k with a small k, top-p after top-
 count, sum), the top-k steps, at most one pass for the kept sum, the top-p steps, one scaling pass: <= 68 passes,
 typically 5-15. A row whose filters are all off costs the read pass and the scaling pass.
 
-CPU: each pass is a branch-free vector loop over the row (hot in L2 after the first pass), 64 values a step. The
-first pass also records the maximum of each block of 256 values (up to 1024 blocks); later passes skip the blocks
-whose maximum is below the midpoint, and top-k first bisects over the block maxima (the k-th largest block maximum
-is a lower bound of the k-th largest value), so that its steps only read the < k blocks that can hold the top k.
+CPU: each pass is a branch-free vector loop over the row (hot in L2 after the first pass), 64 values a step, with
+partials in 32 lanes (two values per lane and step: four accumulators of 64 lanes spill out of the 16 AVX2
+registers). The first pass also records the maximum of each block of 256 values (up to 1024 blocks) and of each of
+its 32 lanes (8 values: the group maxima). Then, before any threshold pass, the row is usually reduced to a
+candidate list: the values >= lb, a lower bound of the final threshold, in index order (a scalar copy that reads
+only the blocks, and the lanes of 8 values in them, holding such a value), used when it has at most 8192 values. lb
+is the k-th largest block maximum with top-k, the largest group maximum t whose group maxima >= t alone reach the
+top-p goal (they bound G(t) from below) with top-p alone, the min-p threshold with min-p alone; the top-p bound is
+checked on the list (G(lb) >= goal) and the row passes are used where it fails. Every count, sum, minimum and
+maximum that the searches below need is then a pass over the short list instead of the row (the same values, so the
+same threshold; sums in list order). Without the list (long lists: flat distributions, top_p near 1), later passes
+skip the blocks whose maximum is below the midpoint, and top-k first bisects over the block maxima (the k-th largest
+block maximum is a lower bound of the k-th largest value), so that its steps only read the < k blocks that can hold
+the top k.
 CPU top-p probes better points than the midpoint, since any point of ``(lo, hi)`` keeps the invariant: the first is
 the largest block maximum t whose block maxima alone reach the goal (their sum bounds G(t) from below, so t lies
 just under the threshold when the kept values are few; found over the block maxima, without reading the row); the
@@ -78,11 +88,28 @@ _MAX_BLOCKS = 1024
 #: Size of the block-maxima scratch (``bmax``) that the CPU row macros take.
 CPU_MAX_BLOCKS = _MAX_BLOCKS
 _MIN_BLOCK_STEPS = 4
+#: The CPU passes run on a list of candidates (the values at or above a lower bound of the threshold, found from the
+#: block maxima) when it holds at most this many values and comes from at most half of the blocks.
+_LIST_CAP = 8192
+#: Size of the candidate scratch (``cand``) that the CPU row macros take.
+CPU_LIST_SIZE = _LIST_CAP + _CPU_WIDTH
+#: Size of the group-maxima scratch (``gmax``: the largest bits of each lane of each block) the CPU row macros take.
+CPU_GROUPS = _MAX_BLOCKS * _CPU_WIDTH // 2
 
 
 def _bits(x: tirx.PrimExpr) -> tirx.PrimExpr:
     """int32 bit pattern of a float32 value (monotone in the value for non-negative floats)."""
     return T.reinterpret("int32", x)
+
+
+def rescaled(x: tirx.PrimExpr, lo: tirx.PrimExpr, mass: tirx.PrimExpr) -> tirx.PrimExpr:
+    """The renormalized value of x where kept (bits >= lo), else 0: ``(x * s) * (1 / (mass * s))``, with s = 2**64
+    when mass < 2**-60 (so that 1 / mass neither overflows nor loses digits for subnormal masses), else 1. Products,
+    not a quotient (vector division is several times slower); every kernel that renormalizes uses this formula.
+    Powers of two are written as bit patterns, which every code generator prints exactly."""
+    tiny = mass < T.reinterpret("float32", T.uint32(0x21800000))  # 2**-60
+    s = T.Select(tiny, T.reinterpret("float32", T.uint32(0x5F800000)), T.float32(1))  # 2**64
+    return T.Select(_bits(x) >= lo, (x * s) * (T.float32(1) / (mass * s)), T.float32(0))
 
 
 #: ITP bound of the CPU top-p search: the interval [lo, hi) (< 2**31 wide) is at most _ITP_BUDGET / 2**k wide after
@@ -116,6 +143,7 @@ def cpu_row_macros() -> tuple[Callable[..., None], Callable[..., None]]:
     ms[0]) and ``scale`` (the last pass). Both read the row through ``value(i)``, so that the fused sampler runs
     them on its own row of probabilities."""
     w = _CPU_WIDTH
+    h = w // 2
     int_max, int_min = T.int32(_INT_MAX), T.int32(_INT_MIN)
 
     @T.macro
@@ -139,29 +167,33 @@ def cpu_row_macros() -> tuple[Callable[..., None], Callable[..., None]]:
         # One pass over row r, skipping the blocks whose maximum is below mid. With by_sum (a Python bool) ssum[0] =
         # the sum of the values with bits >= mid, otherwise cnt[0] = their count; mn[0] = their smallest bits;
         # mx[0] = the largest bits below mid (int_min where none).
-        # b > mid - 1 (mid >= 1) rather than b >= mid: LLVM then emits masked AVX-512 adds, mins and maxes instead
-        # of unmasked operations followed by blends (a third fewer instructions per pass).
+        # Partials in w / 2 lanes, each taking the two values of its lane in both halves of a step (as pass 1):
+        # with w lanes the four accumulators spill out of the 16 AVX2 registers.
         below: T.let = mid - 1
         init_lanes(cnt, ssum, mn, mx)
         for blk in range(nblk):
             if bmax[blk] > below:
-                for l in T.vectorized(w):
+                for l in T.vectorized(h):
                     inner[l] = T.float32(0)
                 for j in range(T.min(bv, nvec - blk * bv)):
-                    for l in T.vectorized(w):
-                        x: T.let = value((blk * bv + j) * w + l)
-                        b: T.let = _bits(x)
+                    for l in T.vectorized(h):
+                        a: T.let = value((blk * bv + j) * w + l)
+                        c: T.let = value((blk * bv + j) * w + h + l)
+                        ba: T.let = _bits(a)
+                        bc: T.let = _bits(c)
                         if by_sum:
-                            inner[l] = T.Select(b > below, inner[l] + x, inner[l])
+                            inner[l] = inner[l] + (T.Select(ba > below, a, T.float32(0))
+                                                   + T.Select(bc > below, c, T.float32(0)))
                         else:
-                            cnt[l] = T.Select(b > below, cnt[l] + 1, cnt[l])
-                        mn[l] = T.Select(b > below, T.min(mn[l], b), mn[l])
-                        mx[l] = T.Select(b < mid, T.max(mx[l], b), mx[l])
+                            cnt[l] = cnt[l] + (T.Select(ba > below, 1, 0) + T.Select(bc > below, 1, 0))
+                        mn[l] = T.min(mn[l], T.min(T.Select(ba > below, ba, int_max),
+                                                   T.Select(bc > below, bc, int_max)))
+                        mx[l] = T.max(mx[l], T.max(T.Select(ba < mid, ba, int_min), T.Select(bc < mid, bc, int_min)))
                 if by_sum:
-                    for l in T.vectorized(w):
+                    for l in T.vectorized(h):
                         ssum[l] = ssum[l] + inner[l]
             else:
-                for l in T.vectorized(w):  # whole vectors, so that LLVM can keep mx in registers
+                for l in T.vectorized(h):  # whole vectors, so that LLVM can keep mx in registers
                     mx[l] = T.max(mx[l], bmax[blk])
         for t in range(vocab % w):
             x: T.let = value(nvec * w + t)
@@ -188,7 +220,69 @@ def cpu_row_macros() -> tuple[Callable[..., None], Callable[..., None]]:
         reduce_lanes(cnt, ssum, mn, mx)
 
     @T.macro
-    def threshold(value, vocab, k, top_p_r, min_p_r, bmax, st, ms):
+    def compact(value, vocab, nvec, bv, nblk, bmax, gmax, lb, cand, cidx, hit, lanes, st):
+        # cand[0 .. st[8]) = the values with bits >= lb, in index order, read only in the blocks whose maximum is
+        # >= lb and, inside them, in the lanes whose group maximum is (lanes[0 .. hit[0]), increasing); then zeros
+        # up to a whole step. st[8] > _LIST_CAP: the list is incomplete (only the first _LIST_CAP are stored).
+        st[8] = 0
+        for blk in range(nblk):
+            if bmax[blk] >= lb:
+                hit[0] = 0
+                for l in range(h):
+                    if gmax[blk * h + l] >= lb:
+                        lanes[hit[0]] = l
+                        hit[0] = hit[0] + 1
+                for j in range(T.min(bv, nvec - blk * bv)):
+                    for half in range(2):
+                        hit[1] = 0
+                        while hit[1] < hit[0]:
+                            i: T.let = (blk * bv + j) * w + half * h + lanes[hit[1]]
+                            x: T.let = value(i)
+                            if _bits(x) >= lb:
+                                cand[T.min(st[8], _LIST_CAP)] = x
+                                if cidx is not None:
+                                    cidx[T.min(st[8], _LIST_CAP)] = i
+                                st[8] = st[8] + 1
+                            hit[1] = hit[1] + 1
+        for t in range(vocab % w):
+            x: T.let = value(nvec * w + t)
+            if _bits(x) >= lb:
+                cand[T.min(st[8], _LIST_CAP)] = x
+                if cidx is not None:
+                    cidx[T.min(st[8], _LIST_CAP)] = nvec * w + t
+                st[8] = st[8] + 1
+        for l in T.vectorized(w):
+            cand[T.min(st[8], _LIST_CAP) + l] = T.float32(0)
+
+    @T.macro
+    def scan_list(cand, n, mid, by_sum, cnt, ssum, mn, mx):
+        # scan's pass over the candidate list (n values, zero-padded to whole steps): the same four results for
+        # every mid >= the list's bound, since the list holds every value at or above it.
+        below: T.let = mid - 1
+        init_lanes(cnt, ssum, mn, mx)
+        for j in range(_LIST_CAP // w + 1):  # (a constant extent: TVM hoists loads out of loop bounds)
+            if j * w < n:
+                for l in T.vectorized(w):
+                    x: T.let = cand[j * w + l]
+                    b: T.let = _bits(x)
+                    if by_sum:
+                        ssum[l] = T.Select(b > below, ssum[l] + x, ssum[l])
+                    else:
+                        cnt[l] = T.Select(b > below, cnt[l] + 1, cnt[l])
+                    mn[l] = T.Select(b > below, T.min(mn[l], b), mn[l])
+                    mx[l] = T.Select(b < mid, T.max(mx[l], b), mx[l])
+        reduce_lanes(cnt, ssum, mn, mx)
+
+    @T.macro
+    def scan_any(value, vocab, nvec, bv, nblk, bmax, cand, st, mid, by_sum, cnt, ssum, inner, mn, mx):
+        # scan_list where the row has a candidate list (st[7] == 1, st[8] values), else scan
+        if st[7] == 1:
+            scan_list(cand, st[8], mid, by_sum, cnt, ssum, mn, mx)
+        else:
+            scan(value, vocab, nvec, bv, nblk, bmax, mid, by_sum, cnt, ssum, inner, mn, mx)
+
+    @T.macro
+    def threshold(value, vocab, k, top_p_r, min_p_r, bmax, gmax, cand, cidx, st, ms):
         # The kept set of one row: bits >= st[0]; ms[0] = the sum of the kept values (st[0] = INT_MAX and ms[0] = 1
         # for a row of zeros). k, top_p_r, min_p_r: the row's filters. bmax: int32 scratch of _MAX_BLOCKS, left
         # holding the largest bits of each block (padded with INT_MIN).
@@ -205,38 +299,45 @@ def cpu_row_macros() -> tuple[Callable[..., None], Callable[..., None]]:
         bl = T.alloc_buffer((w,), "int32", scope="global")  # per-lane largest bits of the current block
         # top-p search: 0, 1: G(st[1]) - goal, G(st[2]) - goal; 2: the widest interval allowed after the step
         gf = T.alloc_buffer((3,), "float64", scope="global")
+        hit = T.alloc_buffer((2,), "int32", scope="global")
         nvec: T.let = vocab // w
         bv: T.let = cpu_block_steps(nvec)
         nblk: T.let = (nvec + bv - 1) // bv
-        # pass 1: count, sum and maximum of the positive values; block maxima
+        # pass 1: sum and maximum of the positive values; block maxima. Partials in w / 2 lanes (each adds the
+        # two values of its lane in both halves of a step): fewer registers than w lanes, so none spill on AVX2.
         init_lanes(cnt, ssum, mn, mx)
         for blk in range(nblk):
-            for l in T.vectorized(w):
+            for l in T.vectorized(h):
                 inner[l] = T.float32(0)
                 bl[l] = int_min
             for j in range(T.min(bv, nvec - blk * bv)):
-                for l in T.vectorized(w):
-                    x: T.let = value((blk * bv + j) * w + l)
-                    inner[l] = T.Select(_bits(x) >= 1, inner[l] + x, inner[l])
-                    cnt[l] = T.Select(_bits(x) >= 1, cnt[l] + 1, cnt[l])
-                    bl[l] = T.max(bl[l], _bits(x))
-            for l in T.vectorized(w):
+                for l in T.vectorized(h):
+                    a: T.let = value((blk * bv + j) * w + l)
+                    b: T.let = value((blk * bv + j) * w + h + l)
+                    inner[l] = inner[l] + (T.Select(_bits(a) >= 1, a, T.float32(0))
+                                           + T.Select(_bits(b) >= 1, b, T.float32(0)))
+                    bl[l] = T.max(bl[l], T.max(_bits(a), _bits(b)))
+            for l in T.vectorized(h):
                 ssum[l] = ssum[l] + inner[l]
                 mx[l] = T.max(mx[l], bl[l])
             bmax[blk] = int_min
-            for l in range(w):
+            for l in range(h):
                 bmax[blk] = T.max(bmax[blk], bl[l])
+            for l in T.vectorized(h):
+                gmax[blk * h + l] = bl[l]
         for i in range(nblk, (nblk + w - 1) // w * w):
             bmax[i] = int_min
+        for i in range(nblk * h, (nblk * h + w - 1) // w * w):
+            gmax[i] = int_min
         for t in range(vocab % w):
             x: T.let = value(nvec * w + t)
             ssum[0] = T.Select(_bits(x) >= 1, ssum[0] + x, ssum[0])
-            cnt[0] = T.Select(_bits(x) >= 1, cnt[0] + 1, cnt[0])
             mx[0] = T.max(mx[0], _bits(x))
         reduce_lanes(cnt, ssum, mn, mx)
         st[0] = 1
         st[3] = mx[0]
         st[4] = 1
+        st[7] = 0
         ms[0] = ssum[0]
         if st[3] >= 1:
             # min-p: the threshold is the float32 product, as in the reference
@@ -245,7 +346,7 @@ def cpu_row_macros() -> tuple[Callable[..., None], Callable[..., None]]:
                 st[4] = 0
             # top-k: the largest t with count(bits >= t) >= k (a data value; ties at it are kept). The k-th
             # largest block maximum is a lower bound (k blocks hold a value >= it): find it first.
-            k_on: T.let = k > 0 and k < vocab and (st[4] == 0 or cnt[0] > k)
+            k_on: T.let = k > 0 and k < vocab
             st[1] = st[0]
             st[2] = st[1] + 1
             if k_on:
@@ -257,11 +358,45 @@ def cpu_row_macros() -> tuple[Callable[..., None], Callable[..., None]]:
                     st[1] = mn[0]
                 else:
                     st[2] = T.max(mx[0] + 1, st[1] + 1)
+            # The candidate list: every value >= lb, a lower bound of the final threshold from the block and group
+            # maxima (top-k: the k-th largest block maximum; top-p alone: the largest group maximum t whose group
+            # maxima >= t alone reach the goal, a lower bound of G(t), checked on the list; min-p: its threshold).
+            # Where it is short, the searches below run on it, not on the row.
+            p_alone: T.let = not k_on and top_p_r < T.float32(1) and st[4] == 1
+            st[5] = st[0]
+            st[6] = st[3] + 1
+            while p_alone and st[6] - st[5] > 1:
+                mid: T.let = st[5] + (st[6] - st[5]) // 2
+                scan_blocks(nblk * h, gmax, mid, True, cnt, ssum, mn, mx)
+                if ssum[0] >= top_p_r * ms[0]:
+                    st[5] = T.min(mn[0], st[3])  # (no group maximum >= mid when the goal is 0)
+                else:
+                    st[6] = T.max(mx[0] + 1, st[5] + 1)
+            lb: T.let = T.Select(k_on, st[1], st[5])
+            st[7] = 0
+            if k_on or top_p_r < T.float32(1) or st[4] == 0:
+                # short: few groups (top-p alone) or blocks (otherwise) hold a value >= lb
+                if p_alone:
+                    scan_blocks(nblk * h, gmax, lb, False, cnt, ssum, mn, mx)
+                else:
+                    scan_blocks(nblk, bmax, lb, False, cnt, ssum, mn, mx)
+                if (p_alone and cnt[0] * 2 <= _LIST_CAP) or (not p_alone and cnt[0] * 2 <= nblk):
+                    compact(value, vocab, nvec, bv, nblk, bmax, gmax, lb, cand, cidx, hit, bl, st)
+                    if st[8] <= _LIST_CAP:
+                        st[7] = 1
+                        st[6] = int_min
+                        if p_alone:
+                            scan_list(cand, st[8], lb, True, cnt, ssum, mn, mx)
+                            st[6] = mn[0]
+                            ms[1] = ssum[0]
+                            if ssum[0] < top_p_r * ms[0]:
+                                st[7] = 0
+            # top-k: the largest t with count(bits >= t) >= k, by passes over the list or the row
             if k_on:
                 st[2] = st[3] + 1
             while st[2] - st[1] > 1:
                 mid: T.let = st[1] + (st[2] - st[1]) // 2
-                scan(value, vocab, nvec, bv, nblk, bmax, mid, False, cnt, ssum, inner, mn, mx)
+                scan_any(value, vocab, nvec, bv, nblk, bmax, cand, st, mid, False, cnt, ssum, inner, mn, mx)
                 if cnt[0] >= k:
                     st[1] = mn[0]
                 else:
@@ -275,24 +410,30 @@ def cpu_row_macros() -> tuple[Callable[..., None], Callable[..., None]]:
             if top_p_r >= T.float32(1):
                 st[2] = st[1] + 1
             elif st[4] == 0:
-                scan(value, vocab, nvec, bv, nblk, bmax, st[0], True, cnt, ssum, inner, mn, mx)
+                scan_any(value, vocab, nvec, bv, nblk, bmax, cand, st, st[0], True, cnt, ssum, inner, mn, mx)
                 ms[0] = ssum[0]
                 st[4] = 1
             goal: T.let = top_p_r * ms[0]
-            # first guess: the largest block maximum t with sum(block maxima >= t) >= goal (a lower bound of
-            # G(t), so t is usually just below the threshold); found by bisection over the block maxima
-            st[5] = st[1]
-            st[6] = st[2]
-            while st[6] - st[5] > 1:
-                mid: T.let = st[5] + (st[6] - st[5]) // 2
-                scan_blocks(nblk, bmax, mid, True, cnt, ssum, mn, mx)
-                if ssum[0] >= goal:
-                    st[5] = mn[0]
-                else:
-                    st[6] = T.max(mx[0] + 1, st[5] + 1)
+            st[5] = int_min
+            if st[7] == 1 and st[6] > st[1]:
+                st[1] = st[6]  # top-p alone: G(lb) >= goal was checked on the list, and ms[1] = G(lb)
+            else:
+                ms[1] = ms[0]  # G(st[1])
+            if st[7] == 0:
+                # first guess: the largest block maximum t with sum(block maxima >= t) >= goal (a lower bound of
+                # G(t), so t is usually just below the threshold); found by bisection over the block maxima
+                st[5] = st[1]
+                st[6] = st[2]
+                while st[6] - st[5] > 1:
+                    mid: T.let = st[5] + (st[6] - st[5]) // 2
+                    scan_blocks(nblk, bmax, mid, True, cnt, ssum, mn, mx)
+                    if ssum[0] >= goal:
+                        st[5] = mn[0]
+                    else:
+                        st[6] = T.max(mx[0] + 1, st[5] + 1)
             # each step evaluates G at one point of (lo, hi) with one pass, as bisection does, but the point is
             # the first guess, then interpolated (_top_p_guess), and kept within the ITP reach of the midpoint
-            gf[0] = T.Cast("float64", ms[0]) - T.Cast("float64", goal)  # G(lo) - goal >= 0
+            gf[0] = T.Cast("float64", ms[1]) - T.Cast("float64", goal)  # G(lo) - goal >= 0
             gf[1] = -T.Cast("float64", goal)  # G(max + 1) - goal < 0
             gf[2] = T.float64(_ITP_BUDGET)
             while st[2] - st[1] > 1:
@@ -304,7 +445,7 @@ def cpu_row_macros() -> tuple[Callable[..., None], Callable[..., None]]:
                 mid: T.let = half + T.max(T.min(T.max(T.min(guess, st[2] - 1), st[1] + 1) - half, reach), -reach)
                 st[5] = int_min
                 gf[2] = gf[2] * 0.5
-                scan(value, vocab, nvec, bv, nblk, bmax, mid, True, cnt, ssum, inner, mn, mx)
+                scan_any(value, vocab, nvec, bv, nblk, bmax, cand, st, mid, True, cnt, ssum, inner, mn, mx)
                 if ssum[0] >= goal:
                     st[1] = mn[0]
                     ms[1] = ssum[0]
@@ -316,7 +457,7 @@ def cpu_row_macros() -> tuple[Callable[..., None], Callable[..., None]]:
                 st[0] = st[1]
                 ms[0] = ms[1]
             if st[4] == 0:
-                scan(value, vocab, nvec, bv, nblk, bmax, st[0], True, cnt, ssum, inner, mn, mx)
+                scan_any(value, vocab, nvec, bv, nblk, bmax, cand, st, st[0], True, cnt, ssum, inner, mn, mx)
                 ms[0] = ssum[0]
         else:
             st[0] = int_max
@@ -329,10 +470,10 @@ def cpu_row_macros() -> tuple[Callable[..., None], Callable[..., None]]:
         for j in range(nvec):
             for l in T.vectorized(w):
                 x: T.let = value(j * w + l)
-                out[r, j * w + l] = T.Select(_bits(x) >= lo, x / mass, T.float32(0))
+                out[r, j * w + l] = rescaled(x, lo, mass)
         for t in range(vocab % w):
             x: T.let = value(nvec * w + t)
-            out[r, nvec * w + t] = T.Select(_bits(x) >= lo, x / mass, T.float32(0))
+            out[r, nvec * w + t] = rescaled(x, lo, mass)
 
     return threshold, scale
 
@@ -352,9 +493,11 @@ def _cpu() -> tirx.PrimFunc:
         out = T.match_buffer(var_out, (batch, vocab), "float32")
         for r in T.parallel(batch):
             bmax = T.alloc_buffer((_MAX_BLOCKS,), "int32", scope="local")
-            st = T.alloc_buffer((7,), "int32", scope="global")
+            gmax = T.alloc_buffer((CPU_GROUPS,), "int32", scope="local")
+            cand = T.alloc_buffer((CPU_LIST_SIZE,), "float32", scope="local")
+            st = T.alloc_buffer((9,), "int32", scope="global")
             ms = T.alloc_buffer((2,), "float32", scope="global")
-            threshold(row_of(probs, r), vocab, top_k[r], top_p[r], min_p[r], bmax, st, ms)
+            threshold(row_of(probs, r), vocab, top_k[r], top_p[r], min_p[r], bmax, gmax, cand, None, st, ms)
             scale(row_of(probs, r), vocab, st[0], ms[0], out, r)
     return renormalize_probs
 
@@ -492,7 +635,7 @@ def gpu_row_macros(threads: int, uniform_loops: bool) -> tuple[Callable[..., Non
         for i in range((vocab + threads - 1) // threads):
             if i * threads + tx < vocab:
                 x: T.let = value(i * threads + tx)
-                out[r, i * threads + tx] = T.Select(_bits(x) >= lo, x / mass, T.float32(0))
+                out[r, i * threads + tx] = rescaled(x, lo, mass)
 
     return threshold, scale
 

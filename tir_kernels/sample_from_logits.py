@@ -22,8 +22,11 @@ CPU: rows in parallel. Per row, one pass reads the logits from memory (the maxim
 the row's exps in a per-thread scratch row (a workspace of ``vocab`` floats, reused row after row, so it stays in
 cache: L2, or L3 where the logits row and the exps row together exceed L2, as at vocab 128256 with 512 KB of L2),
 and every later pass reads that scratch: the probabilities are ``exp * (1 / sum)``, recomputed where read rather than
-stored; renormalize's threshold search runs on them as is, and the sampling pass reads only the steps of blocks whose
-maximum is kept (the others add exact zeros to the staged kernel's sums).
+stored. renormalize's threshold search runs on them as is: its first pass, then (usually) its candidate list, on
+which the searches run; when the list holds every kept value the draw runs on it too (``multinomial.sample_list``:
+the staged draw's additions, in its order, of the values it would find nonzero), so the row is not read again.
+Otherwise the sampling pass reads only the steps of blocks whose maximum is kept (the others add exact zeros to the
+staged kernel's sums).
 GPU: one block per row; nothing is stored: each pass recomputes ``exp((x - max) * scale) * (1 / sum)`` from the
 logits (as the staged softmax's write pass does), then renormalize's and multinomial's block algorithms run on it.
 """
@@ -58,8 +61,8 @@ def _bits(x: tirx.PrimExpr) -> tirx.PrimExpr:
 
 
 def _kept(x: tirx.PrimExpr, lo: tirx.PrimExpr, mass: tirx.PrimExpr) -> tirx.PrimExpr:
-    """The renormalized probability: renormalize's last pass, ``x / mass`` where kept (bits >= lo), else 0."""
-    return T.Select(_bits(x) >= lo, x / mass, T.float32(0))
+    """The renormalized probability: renormalize's last pass (``renormalize.rescaled``)."""
+    return renormalize.rescaled(x, lo, mass)
 
 
 Value = Callable[["tirx.PrimExpr"], "tirx.PrimExpr"]
@@ -76,6 +79,11 @@ def _exp_of(logits: tirx.Buffer, r: tirx.PrimExpr, shift: tirx.PrimExpr, scale: 
 def _scaled(exps: tirx.Buffer, inv: tirx.PrimExpr) -> Value:
     """The probability from the stored exps: exp * (1 / sum), the staged softmax's last pass."""
     return lambda i: exps[0, i] * inv
+
+
+def _rescale(lo: tirx.PrimExpr, mass: tirx.PrimExpr) -> Value:
+    """x -> its renormalized value (for the values of the candidate list)."""
+    return lambda x: _kept(x, lo, mass)
 
 
 def _kept_of(prob: Value, lo: tirx.PrimExpr, mass: tirx.PrimExpr) -> Value:
@@ -95,7 +103,7 @@ def _sampled(prob: Value, on: tirx.PrimExpr, lo: tirx.PrimExpr, mass: tirx.PrimE
 def _cpu_rows() -> Callable[..., None]:
     """The CPU loop nest: rows in parallel (see the module docstring)."""
     threshold, _ = renormalize.cpu_row_macros()
-    sample_row = multinomial.cpu_row_macro()
+    sample_row, sample_list = multinomial.cpu_row_macros()
     w = CPU_WORD
 
     @T.macro
@@ -110,7 +118,11 @@ def _cpu_rows() -> Callable[..., None]:
             hot = T.alloc_buffer((1,), "int32", scope="global")
             exps = T.alloc_buffer((1, vocab), "float32", scope="global")  # the row's exps (a workspace, in cache)
             bmax = T.alloc_buffer((renormalize.CPU_MAX_BLOCKS,), "int32", scope="local")
-            st = T.alloc_buffer((7,), "int32", scope="global")
+            gmax = T.alloc_buffer((renormalize.CPU_GROUPS,), "int32", scope="local")
+            cand = T.alloc_buffer((renormalize.CPU_LIST_SIZE,), "float32", scope="local")
+            cidx = T.alloc_buffer((renormalize.CPU_LIST_SIZE,), "int32", scope="local")
+            picked = T.alloc_buffer((1,), "float32", scope="global")
+            st = T.alloc_buffer((9,), "int32", scope="global")
             ms = T.alloc_buffer((2,), "float32", scope="global")
             pos = T.alloc_buffer((3,), "int32", scope="local")
             cpu_row_max(logits, r, vocab, lanes, block, row_max)
@@ -128,14 +140,22 @@ def _cpu_rows() -> Callable[..., None]:
                              row_sum)
                 inv: T.let = inverse_sum(row_sum[0])
                 if renorm[r] != 0:
-                    threshold(_scaled(exps, inv), vocab, top_k[r], top_p[r], min_p[r], bmax, st, ms)
+                    threshold(_scaled(exps, inv), vocab, top_k[r], top_p[r], min_p[r], bmax, gmax, cand, cidx, st, ms)
                     lo: T.let = st[0]
                     mass: T.let = ms[0]
-                    bv: T.let = renormalize.cpu_block_steps(vocab // w)
-                    sample_row(_kept_of(_scaled(exps, inv), lo, mass), vocab, uniform[r], _live(bmax, bv, lo), pos)
-                    token[r] = pos[1]
-                    chosen[r] = T.Select(pos[1] >= 0, _kept_of(_scaled(exps, inv), lo, mass)(T.max(pos[1], 0)),
-                                         T.float32(0))
+                    if st[7] == 1:
+                        # every kept value is on the candidate list: draw from it, not from the row
+                        sample_list(cand, cidx, st[8], _rescale(lo, mass), vocab,
+                                    uniform[r], pos, picked)
+                        token[r] = pos[1]
+                        chosen[r] = picked[0]
+                    else:
+                        bv: T.let = renormalize.cpu_block_steps(vocab // w)
+                        sample_row(_kept_of(_scaled(exps, inv), lo, mass), vocab, uniform[r], _live(bmax, bv, lo),
+                                   pos)
+                        token[r] = pos[1]
+                        chosen[r] = T.Select(pos[1] >= 0, _kept_of(_scaled(exps, inv), lo, mass)(T.max(pos[1], 0)),
+                                             T.float32(0))
                 else:
                     sample_row(_scaled(exps, inv), vocab, uniform[r], None, pos)
                     token[r] = pos[1]
