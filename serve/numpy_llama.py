@@ -18,7 +18,9 @@ taken from the GGUF metadata are Python numbers, which NumPy 2 does not let prom
 
 ``kv_dtype="float16"`` rounds q, k and v to float16 before RoPE, q and k again after it, and the attention's output,
 as the compiled model's float16 KV cache does; ``"float32"`` (the default, as the compiled model's) keeps everything
-float32.
+float32. ``int8_activations=True`` rounds the input of every layer matmul (q/k/v, o, gate/up, down) to 8-bit
+blocks of 32 as the compiled model's packed Q4_1 kernels do on AVX2 CPUs (``compile/packed_matvec.py``:
+``round_activations``), so that their integer dot products can be checked tightly; the output head is not rounded.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Any
 
 import numpy as np
 from logitproc.compile.gguf_model import GGUFModel, build_tokenizer, load_default_model, load_gguf
+from logitproc.compile.packed_matvec import round_activations
 from logitproc.compile.relax_llama import DEFAULT_KV_DTYPE, KV_DTYPES
 from logitproc.runtime.kernel_library import KernelLibrary
 
@@ -72,12 +75,14 @@ class NumpyLlama:
     appends one token; ``extend(ids)`` appends several (chunked prefill); ``reset()`` empties the cache.
     """
 
-    def __init__(self, model: GGUFModel, kv_dtype: str = DEFAULT_KV_DTYPE) -> None:
+    def __init__(self, model: GGUFModel, kv_dtype: str = DEFAULT_KV_DTYPE, *, int8_activations: bool = False) -> None:
         cfg = model.config
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype {kv_dtype!r} is not supported ({' or '.join(KV_DTYPES)})")
         #: float16: q, k, v rounded as the compiled model's float16 KV cache rounds them (``_round_kv``)
         self.kv_dtype = kv_dtype
+        #: the layer matmuls' inputs rounded to 8-bit blocks (``_act``), as the packed Q4_1 kernels round them
+        self.int8_activations = int8_activations
         if cfg.n_heads % cfg.n_kv_heads:
             raise ValueError(f"{cfg.n_heads} heads are not a multiple of {cfg.n_kv_heads} KV heads")
         if not model.weights:
@@ -163,7 +168,7 @@ class NumpyLlama:
 
         x = self._embed[ids]
         for layer, (attn_norm, wq, wk, wv, wo, ffn_norm, w_gate, w_up, w_down) in enumerate(self._layers):
-            h = rms_norm(x, attn_norm, self._eps)
+            h = self._act(rms_norm(x, attn_norm, self._eps))
             bq, bk, bv = self._biases[layer]
             q = self._round_kv(apply_rope(self._round_kv((h @ wq.T + bq).reshape(n_tok, cfg.n_heads, d)), cos, sin))
             k = self._round_kv(apply_rope(self._round_kv((h @ wk.T + bk).reshape(n_tok, n_kv, d)), cos, sin))
@@ -179,10 +184,14 @@ class NumpyLlama:
             probs = np.exp(scores)
             probs /= probs.sum(axis=-1, keepdims=True)
             attn = self._round_kv((probs @ values[:, None]).transpose(2, 0, 1, 3).reshape(n_tok, cfg.n_heads * d))
-            x = x + attn @ wo.T
-            h = rms_norm(x, ffn_norm, self._eps)
-            x = x + (silu(h @ w_gate.T) * (h @ w_up.T)) @ w_down.T
+            x = x + self._act(attn) @ wo.T
+            h = self._act(rms_norm(x, ffn_norm, self._eps))
+            x = x + self._act(silu(h @ w_gate.T) * (h @ w_up.T)) @ w_down.T
         return x
+
+    def _act(self, x: np.ndarray) -> np.ndarray:
+        """A layer matmul's input as its kernel sees it (``int8_activations``), else ``x`` itself."""
+        return round_activations(x) if self.int8_activations else x
 
     def _round_kv(self, x: np.ndarray) -> np.ndarray:
         """``x`` rounded to the KV cache's type (and back to float32): what a float16 cache holds."""
