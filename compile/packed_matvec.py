@@ -123,18 +123,18 @@ def _tile(y, xq4, xd, xs, t0, size, g, blocks, out_features, codes, scales, mins
         for s in T.unroll(size):
             iacc[T.ramp(s * 16, 1, 16)] = T.broadcast(T.int16(0), 16)
         for v in T.unroll(4):
-            raw = codes.vload([g, b, v * 32], "uint8x32")
-            low = T.bitwise_and(raw, T.broadcast(T.uint8(15), 32))
-            high = T.shift_right(raw, T.broadcast(T.uint8(4), 32))
+            raw: T.let = codes.vload([g, b, v * 32], "uint8x32")
+            low: T.let = T.bitwise_and(raw, T.broadcast(T.uint8(15), 32))
+            high: T.let = T.shift_right(raw, T.broadcast(T.uint8(4), 32))
             for s in T.unroll(size):
-                xlo = T.reinterpret("int8x32", T.broadcast(xq4[t0 + s, b * 8 + v * 2], 8))
-                xhi = T.reinterpret("int8x32", T.broadcast(xq4[t0 + s, b * 8 + v * 2 + 1], 8))
+                xlo: T.let = T.reinterpret("int8x32", T.broadcast(xq4[t0 + s, b * 8 + v * 2], 8))
+                xhi: T.let = T.reinterpret("int8x32", T.broadcast(xq4[t0 + s, b * 8 + v * 2 + 1], 8))
                 iacc[T.ramp(s * 16, 1, 16)] = iacc[T.ramp(s * 16, 1, 16)] + _intrin(
                     _MADDUBS, "int16x16", low, xlo) + _intrin(_MADDUBS, "int16x16", high, xhi)
-        sv = T.Cast("float32x8", scales.vload([g, b, 0], "float16x8"))
-        mv = T.Cast("float32x8", mins.vload([g, b, 0], "float16x8"))
+        sv: T.let = T.Cast("float32x8", scales.vload([g, b, 0], "float16x8"))
+        mv: T.let = T.Cast("float32x8", mins.vload([g, b, 0], "float16x8"))
         for s in T.unroll(size):
-            dots = T.Cast("float32x8", _intrin(_MADDWD, "int32x8", iacc[T.ramp(s * 16, 1, 16)],
+            dots: T.let = T.Cast("float32x8", _intrin(_MADDWD, "int32x8", iacc[T.ramp(s * 16, 1, 16)],
                                                T.broadcast(T.int16(1), 16)))
             facc[T.ramp(s * ROWS, 1, ROWS)] = (facc[T.ramp(s * ROWS, 1, ROWS)]
                                                + dots * (sv * T.broadcast(xd[t0 + s, b], ROWS))
