@@ -39,7 +39,12 @@ ROWS = 8          # rows of a group: one float32 lane each
 _QBLOCK = 32
 _QMAX = 127
 _CHUNKS = 64
-_TILE = 4         # tokens sharing each unpacked weight vector
+_TILE = 4         # tokens sharing each unpacked weight vector (8-bit activations)
+_SPLIT_TILE = 3   # the same with 16-bit activations (two planes: twice the integer accumulators)
+#: activation code bits: 8 (GGML's Q8_1, one plane) or 16 (two int8 planes, high and low bytes)
+ACTIVATION_BITS = (8, 16)
+DEFAULT_ACTIVATION_BITS = 16  # 8 puts SmolLM2's logits about 1.5 from the float reference's (docs/model.md)
+SPLIT_QMAX = 32512  # 16-bit codes' largest magnitude: 127 * 256, so the high byte fits int8 with the low in [-128, 128)
 _SPAN = 128       # tokens whose activations stay in L2 while a chunk's rows pass over them
 _MADDUBS = "llvm.x86.avx2.pmadd.ub.sw"
 _MADDWD = "llvm.x86.avx2.pmadd.wd"
@@ -70,30 +75,49 @@ def pack_q4_1(codes: np.ndarray, scales: np.ndarray, mins: np.ndarray) -> dict[s
             "scales": rows(scales.astype(np.float16)), "mins": rows(mins.astype(np.float16))}
 
 
-def quantise_int8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(xq, xd)`` of float32 ``x[n, K]`` exactly as the kernel computes them (float32 arithmetic, round half to
-    even): int8 codes ``[n, K]`` and float32 scales ``[n, K/32]``."""
+def quantise_activations(x: np.ndarray, xbits: int = 8) -> tuple[np.ndarray, np.ndarray]:
+    """``(q, xd)`` of float32 ``x[n, K]`` exactly as the kernel computes them (float32 arithmetic, round half to
+    even): integer codes ``[n, K]`` (int8, or int32 within +-``SPLIT_QMAX`` for 16 bits) and float32 scales
+    ``[n, K/32]``."""
+    qmax = _QMAX if xbits == 8 else SPLIT_QMAX
     blocks = np.asarray(x, np.float32).reshape(x.shape[0], -1, _QBLOCK)
-    d = (np.abs(blocks).max(axis=2) / np.float32(_QMAX)).astype(np.float32)
+    d = (np.abs(blocks).max(axis=2) / np.float32(qmax)).astype(np.float32)
     with np.errstate(divide="ignore"):
         inv = np.where(d > 0, np.float32(1) / np.maximum(d, np.float32(1e-30)), np.float32(0)).astype(np.float32)
-    q = np.rint(blocks * inv[:, :, None]).astype(np.int8)
+    q = np.rint(blocks * inv[:, :, None]).astype(np.int8 if xbits == 8 else np.int32)
     return q.reshape(x.shape), d
 
 
-def round_activations(x: np.ndarray) -> np.ndarray:
-    """``x`` as the kernel sees it: ``xq * xd`` (float32), the value its integer dot products multiply exactly."""
-    xq, xd = quantise_int8(x)
-    return (xq.reshape(x.shape[0], -1, _QBLOCK).astype(np.float32) * xd[:, :, None]).reshape(x.shape)
+def round_activations(x: np.ndarray, xbits: int = 8) -> np.ndarray:
+    """``x`` as the kernel sees it: ``q * xd`` (float32), the value its integer dot products multiply exactly."""
+    q, xd = quantise_activations(x, xbits)
+    return (q.reshape(x.shape[0], -1, _QBLOCK).astype(np.float32) * xd[:, :, None]).reshape(x.shape)
 
 
 def _intrin(name: str, dtype: str, *args: Any) -> Any:
     return T.call_llvm_pure_intrin(T.llvm_lookup_intrinsic_id(name), *args, dtype=dtype)
 
 
+def _pairs(iacc: Any, at: Any) -> Any:
+    """int32x8 sums of adjacent int16 lanes ``iacc[at: at + 16]`` (``vpmaddwd`` with ones)."""
+    return _intrin(_MADDWD, "int32x8", iacc[T.ramp(at, 1, 16)], T.broadcast(T.int16(1), 16))
+
+
+def _code(x: Any, t: Any, k: Any, inv: Any) -> Any:
+    """The activation code of ``x[t, k]`` as float32 (an integer): ``nearbyint(x * inv)``."""
+    return T.nearbyint(T.Cast("float32", x[t, k]) * inv)
+
+
+def _high(q: Any) -> Any:
+    """The high byte ``h`` of a 16-bit code ``q = 256 h + l`` with ``l`` in [-128, 128), as float32."""
+    return T.floor((q + T.float32(128)) * T.float32(1 / 256))
+
+
 @T.macro
-def _quantise(x, xq, xd, xs, t, blocks, amax):
-    """xq, xd, xs of token ``t`` (module doc); ``amax``: a local float32 scratch of 8."""
+def _quantise(x, xq, xd, xs, t, blocks, amax, qmax):
+    """xq, xd, xs of token ``t`` (module doc; ``qmax`` 127: one plane of int8 codes, ``SPLIT_QMAX``: each code
+    ``q = 256 h + l`` as the planes ``h`` (0) and ``l`` (1), ``l`` in [-128, 128)); ``amax``: a local float32
+    scratch of 16 (the maxima, then the codes' sums: ``d`` and ``inv`` may be inlined where they are used)."""
     for b in range(blocks):
         for lane in T.vectorized(8):
             amax[lane] = T.max(T.max(T.abs(T.Cast("float32", x[t, b * _QBLOCK + lane])),
@@ -101,43 +125,52 @@ def _quantise(x, xq, xd, xs, t, blocks, amax):
                                T.max(T.abs(T.Cast("float32", x[t, b * _QBLOCK + 16 + lane])),
                                      T.abs(T.Cast("float32", x[t, b * _QBLOCK + 24 + lane]))))
         d: T.let = T.max(T.max(T.max(amax[0], amax[1]), T.max(amax[2], amax[3])),
-                         T.max(T.max(amax[4], amax[5]), T.max(amax[6], amax[7]))) / T.float32(_QMAX)
+                         T.max(T.max(amax[4], amax[5]), T.max(amax[6], amax[7]))) / T.float32(qmax)
         inv: T.let = T.Select(d > T.float32(0), T.float32(1) / T.max(d, T.float32(1e-30)), T.float32(0))
-        for lane in T.vectorized(_QBLOCK):
-            xq[t, b * _QBLOCK + lane] = T.Cast("int8", T.nearbyint(T.Cast("float32", x[t, b * _QBLOCK + lane]) * inv))
         for lane in T.vectorized(8):
-            amax[lane] = T.Cast("float32", T.Cast("int32", xq[t, b * _QBLOCK + lane])
-                                + T.Cast("int32", xq[t, b * _QBLOCK + 8 + lane])
-                                + T.Cast("int32", xq[t, b * _QBLOCK + 16 + lane])
-                                + T.Cast("int32", xq[t, b * _QBLOCK + 24 + lane]))
+            amax[8 + lane] = T.float32(0)
+        for j in T.unroll(4):  # no T.let inside: TVM's vectorizer kept one lane of a let-bound vector
+            for lane in T.vectorized(8):
+                amax[8 + lane] = amax[8 + lane] + _code(x, t, b * _QBLOCK + j * 8 + lane, inv)
+                if qmax == _QMAX:
+                    xq[0, t, b * _QBLOCK + j * 8 + lane] = T.Cast("int8", _code(x, t, b * _QBLOCK + j * 8 + lane, inv))
+                else:  # q = 256 h + l, exact in float32 (|q| <= SPLIT_QMAX)
+                    xq[0, t, b * _QBLOCK + j * 8 + lane] = T.Cast("int8", _high(_code(x, t, b * _QBLOCK + j * 8 + lane,
+                                                                                      inv)))
+                    xq[1, t, b * _QBLOCK + j * 8 + lane] = T.Cast("int8", _code(
+                        x, t, b * _QBLOCK + j * 8 + lane, inv) - _high(_code(x, t, b * _QBLOCK + j * 8 + lane, inv))
+                                                                  * T.float32(256))
         xd[t, b] = d
-        xs[t, b] = d * (((amax[0] + amax[1]) + (amax[2] + amax[3])) + ((amax[4] + amax[5]) + (amax[6] + amax[7])))
+        xs[t, b] = d * (((amax[8] + amax[9]) + (amax[10] + amax[11])) + ((amax[12] + amax[13]) + (amax[14] + amax[15])))
 
 
 @T.macro
-def _tile(y, xq4, xd, xs, t0, size, g, blocks, out_features, codes, scales, mins, iacc, facc):
-    """``y[t0 + s, 8 g: 8 g + 8]`` for the ``size`` tokens of a tile (module doc)."""
+def _tile(y, xq4, xd, xs, t0, size, g, blocks, out_features, codes, scales, mins, iacc, facc, planes):
+    """``y[t0 + s, 8 g: 8 g + 8]`` for the ``size`` tokens of a tile (module doc); ``planes``: 1 or 2 int8 planes
+    of activation codes (the high plane's block sums taken 256 times)."""
     for s in T.unroll(size):
         facc[T.ramp(s * ROWS, 1, ROWS)] = T.broadcast(T.float32(0), ROWS)
     for b in range(blocks):
-        for s in T.unroll(size):
-            iacc[T.ramp(s * 16, 1, 16)] = T.broadcast(T.int16(0), 16)
+        for p in T.unroll(planes):
+            for s in T.unroll(size):
+                iacc[T.ramp((p * size + s) * 16, 1, 16)] = T.broadcast(T.int16(0), 16)
         for v in T.unroll(4):
             raw: T.let = codes.vload([g, b, v * 32], "uint8x32")
             low: T.let = T.bitwise_and(raw, T.broadcast(T.uint8(15), 32))
             high: T.let = T.shift_right(raw, T.broadcast(T.uint8(4), 32))
-            for s in T.unroll(size):
-                xlo: T.let = T.reinterpret("int8x32", T.broadcast(xq4[t0 + s, b * 8 + v * 2], 8))
-                xhi: T.let = T.reinterpret("int8x32", T.broadcast(xq4[t0 + s, b * 8 + v * 2 + 1], 8))
-                iacc[T.ramp(s * 16, 1, 16)] = iacc[T.ramp(s * 16, 1, 16)] + _intrin(
-                    _MADDUBS, "int16x16", low, xlo) + _intrin(_MADDUBS, "int16x16", high, xhi)
+            for p in T.unroll(planes):
+                for s in T.unroll(size):
+                    xlo: T.let = T.reinterpret("int8x32", T.broadcast(xq4[p, t0 + s, b * 8 + v * 2], 8))
+                    xhi: T.let = T.reinterpret("int8x32", T.broadcast(xq4[p, t0 + s, b * 8 + v * 2 + 1], 8))
+                    iacc[T.ramp((p * size + s) * 16, 1, 16)] = iacc[T.ramp((p * size + s) * 16, 1, 16)] + _intrin(
+                        _MADDUBS, "int16x16", low, xlo) + _intrin(_MADDUBS, "int16x16", high, xhi)
         sv: T.let = T.Cast("float32x8", scales.vload([g, b, 0], "float16x8"))
         mv: T.let = T.Cast("float32x8", mins.vload([g, b, 0], "float16x8"))
         for s in T.unroll(size):
-            dots: T.let = T.Cast("float32x8", _intrin(_MADDWD, "int32x8", iacc[T.ramp(s * 16, 1, 16)],
-                                               T.broadcast(T.int16(1), 16)))
+            sums: T.let = _pairs(iacc, s * 16) if planes == 1 else T.shift_left(
+                _pairs(iacc, s * 16), T.broadcast(T.int32(8), ROWS)) + _pairs(iacc, (size + s) * 16)
             facc[T.ramp(s * ROWS, 1, ROWS)] = (facc[T.ramp(s * ROWS, 1, ROWS)]
-                                               + dots * (sv * T.broadcast(xd[t0 + s, b], ROWS))
+                                               + T.Cast("float32x8", sums) * (sv * T.broadcast(xd[t0 + s, b], ROWS))
                                                + mv * T.broadcast(xs[t0 + s, b], ROWS))
     for s in T.unroll(size):
         if g * ROWS + ROWS <= out_features:
@@ -149,16 +182,20 @@ def _tile(y, xq4, xd, xs, t0, size, g, blocks, out_features, codes, scales, mins
 
 @functools.cache
 def packed_q4_1_kernel(out_features: int, in_features: int, x_dtype: str = "float32",
-                       y_dtype: str = "float32") -> tirx.PrimFunc:
+                       y_dtype: str = "float32", xbits: int = DEFAULT_ACTIVATION_BITS) -> tirx.PrimFunc:
     """``y[t, o] = sum_k x[t, k] * W[o, k]`` (module doc) for ``x[n, K]`` of ``x_dtype`` and ``y[n, N]`` of
-    ``y_dtype`` (float32 or float16); parameters ``x``, ``codes``, ``scales``, ``mins`` (``packed_shapes``), ``y``."""
+    ``y_dtype`` (float32 or float16); parameters ``x``, ``codes``, ``scales``, ``mins`` (``packed_shapes``), ``y``.
+    ``xbits``: the activation codes' bits (``ACTIVATION_BITS``)."""
     if in_features % _QBLOCK or in_features <= 0 or out_features <= 0:
         raise ValueError(f"packed Q4_1 weights need in_features a positive multiple of {_QBLOCK}, got {in_features}")
     for name, dtype in (("x_dtype", x_dtype), ("y_dtype", y_dtype)):
         if dtype not in ("float32", "float16"):
             raise ValueError(f"{name} must be float32 or float16, got {dtype!r}")
+    if xbits not in ACTIVATION_BITS:
+        raise ValueError(f"activation bits must be one of {ACTIVATION_BITS}, got {xbits}")
     N, K, blocks, groups = out_features, in_features, in_features // _QBLOCK, -(-out_features // ROWS)
     chunks = min(_CHUNKS, groups)
+    planes, qmax, tile = (1, _QMAX, _TILE) if xbits == 8 else (2, SPLIT_QMAX, _SPLIT_TILE)
 
     @T.prim_func(private=True)
     def packed_q4_1(var_x: T.handle, codes: T.Buffer((groups, blocks, 4 * _QBLOCK), "uint8"),
@@ -168,30 +205,30 @@ def packed_q4_1_kernel(out_features: int, in_features: int, x_dtype: str = "floa
         n = T.int64()
         x = T.match_buffer(var_x, (n, K), x_dtype)
         y = T.match_buffer(var_y, (n, N), y_dtype)
-        xq = T.alloc_buffer((n, K), "int8")
-        xq4 = T.decl_buffer((n, K // 4), "int32", data=xq.data)
+        xq = T.alloc_buffer((planes, n, K), "int8")
+        xq4 = T.decl_buffer((planes, n, K // 4), "int32", data=xq.data)
         xd = T.alloc_buffer((n, blocks), "float32")
         xs = T.alloc_buffer((n, blocks), "float32")
         if n >= 16:
             for t in T.parallel(n):
-                amax = T.alloc_buffer((8,), "float32", scope="local")
-                _quantise(x, xq, xd, xs, t, blocks, amax)
+                amax = T.alloc_buffer((16,), "float32", scope="local")
+                _quantise(x, xq, xd, xs, t, blocks, amax, qmax)
         else:
-            amax = T.alloc_buffer((8,), "float32", scope="local")
+            amax = T.alloc_buffer((16,), "float32", scope="local")
             for t in range(n):
-                _quantise(x, xq, xd, xs, t, blocks, amax)
+                _quantise(x, xq, xd, xs, t, blocks, amax, qmax)
         for chunk in T.parallel(chunks):
-            iacc = T.alloc_buffer((_TILE * 16,), "int16", scope="local")
-            facc = T.alloc_buffer((_TILE * ROWS,), "float32", scope="local")
+            iacc = T.alloc_buffer((planes * tile * 16,), "int16", scope="local")
+            facc = T.alloc_buffer((tile * ROWS,), "float32", scope="local")
             for span in range((n + _SPAN - 1) // _SPAN):
                 t1: T.let = T.min(n, span * _SPAN + _SPAN)
                 for g in range(chunk * groups // chunks, (chunk + 1) * groups // chunks):
-                    for tt in range((t1 - span * _SPAN) // _TILE):
-                        _tile(y, xq4, xd, xs, span * _SPAN + tt * _TILE, _TILE, g, blocks, N, codes, scales, mins,
-                              iacc, facc)
-                    if (t1 - span * _SPAN) % _TILE >= 2:
-                        _tile(y, xq4, xd, xs, t1 - (t1 - span * _SPAN) % _TILE, 2, g, blocks, N, codes, scales,
-                              mins, iacc, facc)
-                    if (t1 - span * _SPAN) % 2 == 1:
-                        _tile(y, xq4, xd, xs, t1 - 1, 1, g, blocks, N, codes, scales, mins, iacc, facc)
+                    for tt in range((t1 - span * _SPAN) // tile):
+                        _tile(y, xq4, xd, xs, span * _SPAN + tt * tile, tile, g, blocks, N, codes, scales, mins,
+                              iacc, facc, planes)
+                    if (t1 - span * _SPAN) % tile >= 2:
+                        _tile(y, xq4, xd, xs, t1 - (t1 - span * _SPAN) % tile, 2, g, blocks, N, codes, scales,
+                              mins, iacc, facc, planes)
+                    if (t1 - span * _SPAN) % tile % 2 == 1:
+                        _tile(y, xq4, xd, xs, t1 - 1, 1, g, blocks, N, codes, scales, mins, iacc, facc, planes)
     return packed_q4_1

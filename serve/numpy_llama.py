@@ -18,9 +18,10 @@ taken from the GGUF metadata are Python numbers, which NumPy 2 does not let prom
 
 ``kv_dtype="float16"`` rounds q, k and v to float16 before RoPE, q and k again after it, and the attention's output,
 as the compiled model's float16 KV cache does; ``"float32"`` (the default, as the compiled model's) keeps everything
-float32. ``int8_activations=True`` rounds the input of every layer matmul (q/k/v, o, gate/up, down) to 8-bit
-blocks of 32 as the compiled model's packed Q4_1 kernels do on AVX2 CPUs (``compile/packed_matvec.py``:
-``round_activations``), so that their integer dot products can be checked tightly; the output head is not rounded.
+float32. ``activation_bits=8`` (or 16) rounds the input of every layer matmul (q/k/v, o, gate/up, down) to 8-bit
+(16-bit) codes in blocks of 32 as the compiled model's packed Q4_1 kernels do on AVX2 CPUs
+(``compile/packed_matvec.py``: ``round_activations``); the output head is not rounded. ``None`` (the default) keeps
+them float32.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from typing import Any
 
 import numpy as np
 from logitproc.compile.gguf_model import GGUFModel, build_tokenizer, load_default_model, load_gguf
-from logitproc.compile.packed_matvec import round_activations
+from logitproc.compile.packed_matvec import ACTIVATION_BITS, round_activations
 from logitproc.compile.relax_llama import DEFAULT_KV_DTYPE, KV_DTYPES
 from logitproc.runtime.kernel_library import KernelLibrary
 
@@ -75,14 +76,17 @@ class NumpyLlama:
     appends one token; ``extend(ids)`` appends several (chunked prefill); ``reset()`` empties the cache.
     """
 
-    def __init__(self, model: GGUFModel, kv_dtype: str = DEFAULT_KV_DTYPE, *, int8_activations: bool = False) -> None:
+    def __init__(self, model: GGUFModel, kv_dtype: str = DEFAULT_KV_DTYPE, *,
+                 activation_bits: int | None = None) -> None:
         cfg = model.config
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype {kv_dtype!r} is not supported ({' or '.join(KV_DTYPES)})")
         #: float16: q, k, v rounded as the compiled model's float16 KV cache rounds them (``_round_kv``)
         self.kv_dtype = kv_dtype
-        #: the layer matmuls' inputs rounded to 8-bit blocks (``_act``), as the packed Q4_1 kernels round them
-        self.int8_activations = int8_activations
+        if activation_bits not in (None, *ACTIVATION_BITS):
+            raise ValueError(f"activation_bits {activation_bits!r} is not supported (None, 8 or 16)")
+        #: the layer matmuls' inputs rounded to codes of these bits (``_act``), as the packed Q4_1 kernels round them
+        self.activation_bits = activation_bits
         if cfg.n_heads % cfg.n_kv_heads:
             raise ValueError(f"{cfg.n_heads} heads are not a multiple of {cfg.n_kv_heads} KV heads")
         if not model.weights:
@@ -190,8 +194,8 @@ class NumpyLlama:
         return x
 
     def _act(self, x: np.ndarray) -> np.ndarray:
-        """A layer matmul's input as its kernel sees it (``int8_activations``), else ``x`` itself."""
-        return round_activations(x) if self.int8_activations else x
+        """A layer matmul's input as its kernel sees it (``activation_bits``), else ``x`` itself."""
+        return x if self.activation_bits is None else round_activations(x, self.activation_bits)
 
     def _round_kv(self, x: np.ndarray) -> np.ndarray:
         """``x`` rounded to the KV cache's type (and back to float32): what a float16 cache holds."""

@@ -1,6 +1,7 @@
 """The packed Q4_1 kernels (``compile/packed_matvec.py``): the repacked layout holds the GGUF's weights, the kernel
-equals float64 numpy on activations rounded as ``quantise_int8`` rounds them (its integer sums are exact, so only
-float rounding differs: within 1e-6 of the output's scale), a token's row is bitwise the same whatever the other
+equals float64 numpy on activations rounded as ``quantise_activations`` rounds them (its integer sums are exact, so only
+float rounding differs: within 1e-6 of the output's scale), with 8-bit codes and with 16-bit codes (two int8
+planes), a token's row is bitwise the same whatever the other
 tokens, float16 inputs and outputs are the float32 sums rounded once; awkward shapes: rows not a multiple of the
 8-row group, one and an odd number of blocks, 1 to 9 tokens and a span of 128 crossed, all-zero and constant
 activation blocks, the extreme codes 0 and 15."""
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 import tvm
 from logitproc.compile.integer_matvec import has_int8_dot
-from logitproc.compile.packed_matvec import pack_q4_1, packed_q4_1_kernel, packed_shapes, quantise_int8
+from logitproc.compile.packed_matvec import pack_q4_1, packed_q4_1_kernel, packed_shapes, quantise_activations
 from logitproc.compile.targets import build_features, resolve_target
 
 TARGET = resolve_target("cpu").tvm_target()
@@ -59,28 +60,32 @@ def test_the_packed_layout_holds_the_gguf_weights() -> None:
         np.testing.assert_array_equal(_unpack(packed, n_out, n_in), dense)
 
 
-def test_quantise_int8_rounds_blocks_to_127_steps() -> None:
+def test_quantise_activations_rounds_blocks_to_127_steps() -> None:
     x = np.zeros((2, 64), np.float32)
     x[0, :32] = np.linspace(-2, 1, 32)
     x[1, 32:] = 3.0  # a constant block; the others all zero
-    q, d = quantise_int8(x)
+    q, d = quantise_activations(x)
     assert q.dtype == np.int8 and d.dtype == np.float32
     assert q[0, 0] == -127 and q[1, 32] == 127 and not q[0, 32:].any() and not q[1, :32].any()
     assert d[0, 0] == np.float32(2) / np.float32(127) and d[0, 1] == 0
     assert np.abs(q[0, :32] * d[0, 0] - x[0, :32]).max() <= d[0, 0] / 2
+    q16, d16 = quantise_activations(x, 16)
+    assert q16[0, 0] == -32512 and q16[1, 32] == 32512 and d16[0, 0] == np.float32(2) / np.float32(32512)
+    assert np.abs(q16[0, :32] * d16[0, 0] - x[0, :32]).max() <= d16[0, 0] / 2
 
 
-def test_packed_kernel_matches_numpy_on_the_rounded_activations() -> None:
+@pytest.mark.parametrize("xbits", [8, 16])
+def test_packed_kernel_matches_numpy_on_the_rounded_activations(xbits: int) -> None:
     rng = np.random.default_rng(1)
     for n_out, n_in in SHAPES:
-        run = _build(packed_q4_1_kernel(n_out, n_in))
+        run = _build(packed_q4_1_kernel(n_out, n_in, xbits=xbits))
         arrays, dense = _weights(n_out, n_in, rng)
         weights = [tvm.runtime.tensor(a) for a in pack_q4_1(*arrays).values()]
         for n in TOKENS:
             x = rng.standard_normal((n, n_in)).astype(np.float32) * rng.uniform(0.1, 10, (n, 1)).astype(np.float32)
             x[0, :32] = 0  # an all-zero block: scale 0, codes 0
             x[-1, -32:] = 1.5  # a constant block
-            xq, xd = quantise_int8(x)
+            xq, xd = quantise_activations(x, xbits)
             rounded = (xq.reshape(n, -1, 32) * xd[:, :, None].astype(np.float64)).reshape(n, n_in)
             expected = rounded @ dense.T
             y = tvm.runtime.tensor(np.full((n, n_out), np.nan, np.float32))
@@ -89,10 +94,11 @@ def test_packed_kernel_matches_numpy_on_the_rounded_activations() -> None:
                                        err_msg=f"{n_out}x{n_in}, {n} tokens")
 
 
-def test_a_tokens_row_does_not_depend_on_the_other_tokens() -> None:
+@pytest.mark.parametrize("xbits", [8, 16])
+def test_a_tokens_row_does_not_depend_on_the_other_tokens(xbits: int) -> None:
     rng = np.random.default_rng(2)
     n_out, n_in = 37, 96
-    run = _build(packed_q4_1_kernel(n_out, n_in))
+    run = _build(packed_q4_1_kernel(n_out, n_in, xbits=xbits))
     arrays, _ = _weights(n_out, n_in, rng)
     weights = [tvm.runtime.tensor(a) for a in pack_q4_1(*arrays).values()]
     x = rng.standard_normal((140, n_in)).astype(np.float32)
@@ -126,3 +132,5 @@ def test_bad_shapes_and_types_are_refused() -> None:
         packed_q4_1_kernel(8, 48)
     with pytest.raises(ValueError, match="y_dtype must be float32 or float16, got 'bfloat16'"):
         packed_q4_1_kernel(8, 64, "float32", "bfloat16")
+    with pytest.raises(ValueError, match=r"activation bits must be one of \(8, 16\), got 4"):
+        packed_q4_1_kernel(8, 64, xbits=4)
