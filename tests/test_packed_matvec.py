@@ -134,3 +134,21 @@ def test_bad_shapes_and_types_are_refused() -> None:
         packed_q4_1_kernel(8, 64, "float32", "bfloat16")
     with pytest.raises(ValueError, match=r"activation bits must be one of \(8, 16\), got 4"):
         packed_q4_1_kernel(8, 64, xbits=4)
+
+
+def test_the_reference_rounds_the_layer_inputs_as_the_kernels_do() -> None:
+    """``NumpyLlama(activation_bits=...)``: 16-bit codes move the tiny model's logits (4e-4) a hundredth as much as
+    8-bit ones (0.13); other bits are refused, as by ``compile_model``."""
+    from logitproc.compile.model_compile import compile_model
+    from logitproc.compile.tiny_model import make_tiny_model
+    from logitproc.serve.numpy_llama import NumpyLlama
+
+    tiny = make_tiny_model()
+    prompt = list(range(3, 40))
+    exact = NumpyLlama(tiny).prefill(prompt)
+    moved = {bits: np.abs(NumpyLlama(tiny, activation_bits=bits).prefill(prompt) - exact).max() for bits in (8, 16)}
+    assert moved[16] < moved[8] / 100 and moved[8] < 0.2 * np.abs(exact).max(), moved
+    with pytest.raises(ValueError, match="activation_bits 4 is not supported"):
+        NumpyLlama(tiny, activation_bits=4)
+    with pytest.raises(ValueError, match="activation_bits 4 is not supported"):
+        compile_model(tiny, activation_bits=4)
