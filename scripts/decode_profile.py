@@ -19,6 +19,21 @@ def _shape(values: list[int]) -> tvm.runtime.ShapeTuple:
     return tvm.runtime.ShapeTuple(values)
 
 
+def _instrument(vm) -> dict[str, list[float]]:
+    """Time every packed function ``vm`` calls from now on: name -> seconds of each call."""
+    times: dict[str, list[float]] = collections.defaultdict(list)
+    stack: list[float] = []
+
+    def instrument(func, name, before, ret, *args) -> None:
+        if before:
+            stack.append(time.perf_counter())
+        else:
+            times[str(name)].append(time.perf_counter() - stack.pop())
+
+    vm.set_instrument(instrument)
+    return times
+
+
 def profile_decode(model, prompt: list[int], steps: int = 8) -> tuple[float, list[tuple[str, int, float]]]:
     """(ms of a plain decode step, [(function, calls per step, ms per step)] sorted by time) for batch 1 after
     ``prompt``, on a VM of its own over the model's library and weights."""
@@ -45,16 +60,7 @@ def profile_decode(model, prompt: list[int], steps: int = 8) -> tuple[float, lis
         step()
     plain_ms = (time.perf_counter() - started) / steps * 1e3
 
-    times: dict[str, list[float]] = collections.defaultdict(list)
-    stack: list[float] = []
-
-    def instrument(func, name, before, ret, *args) -> None:
-        if before:
-            stack.append(time.perf_counter())
-        else:
-            times[str(name)].append(time.perf_counter() - stack.pop())
-
-    vm.set_instrument(instrument)
+    times = _instrument(vm)
     for _ in range(steps):
         step()
     rows = [(name, len(ts) // steps, float(np.median(ts)) * len(ts) / steps * 1e3) for name, ts in times.items()]
@@ -67,16 +73,7 @@ def profile_prefill(model, prompt: list[int], chunk: int = 512) -> tuple[float, 
     vm = relax.VirtualMachine(model.kernel_library.runtime_module, model.device)
     get = tvm.get_global_func
     begin, end = get("vm.builtin.kv_state_begin_forward"), get("vm.builtin.kv_state_end_forward")
-    times: dict[str, list[float]] = collections.defaultdict(list)
-    stack: list[float] = []
-
-    def instrument(func, name, before, ret, *args) -> None:
-        if before:
-            stack.append(time.perf_counter())
-        else:
-            times[str(name)].append(time.perf_counter() - stack.pop())
-
-    vm.set_instrument(instrument)
+    times = _instrument(vm)
     kv = vm["create_paged_kv_cache"](_shape([1]), _shape([len(prompt) + 64]), _shape([chunk]), _shape([16]),
                                      _shape([0]))
     get("vm.builtin.kv_state_add_sequence")(kv, 0)
