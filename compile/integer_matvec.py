@@ -28,7 +28,9 @@ One thread, CPU time, gate_up (Q4_1 3072 x 576): 1 / 8 / 79 tokens 0.131 / 0.57 
 scales' product and the min term in every block: 0.194 / 1.06 / 10.5).
 
 These macros are the decode branch of ``linear_kernels.linear_kernel`` on CPUs with AVX2 (``has_int8_dot``);
-elsewhere the float dot products of that module run (the portable path).
+elsewhere the float dot products of that module run (the portable path). In the compiled model they serve Q8_0
+weights (SmolLM2's output head) and a Q4_1 embedding's tied head; Q4_1 layer matrices are repacked for
+``packed_matvec`` (a lane per row, about twice as fast).
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ import os
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +47,7 @@ from .gguf_model import GGUFModel, build_tokenizer, load_gguf
 from .integer_matvec import has_int8_dot
 from .kernel_library import MANIFEST, KernelLibrary, build_in_cache, cache_key, cache_root, source_hash, write_manifest
 from .llama_weights import read_gguf_tensors, relax_weights
+from .packed_matvec import ACTIVATION_BITS, DEFAULT_ACTIVATION_BITS
 from .relax_llama import DEFAULT_KV_DTYPE, KV_DTYPES, LlamaSpec, RawTensors, export_llama
 from .targets import TargetSpec, build_features, resolve_target
 
@@ -167,8 +168,18 @@ class _Source:
         return load_hf_dir(self.path), None
 
 
-def _cache_key(model_hash: str, spec: TargetSpec, weight_dtype: str, kv_dtype: str) -> str:
-    return cache_key(spec, model_hash, weight_dtype, kv_dtype, model_source_hash())
+@dataclass(frozen=True)
+class _Options:
+    """The build options of ``compile_model`` (validated there), part of the cache key."""
+
+    weight_dtype: str
+    kv_dtype: str
+    activation_bits: int
+
+
+def _cache_key(model_hash: str, spec: TargetSpec, options: _Options) -> str:
+    bits = [] if options.activation_bits == DEFAULT_ACTIVATION_BITS else [f"activation_bits={options.activation_bits}"]
+    return cache_key(spec, model_hash, options.weight_dtype, options.kv_dtype, model_source_hash(), *bits)
 
 
 def _slug(name: str) -> str:
@@ -201,16 +212,17 @@ def _default_system(model: GGUFModel) -> tuple[bool, str | None]:
         return False, None
 
 
-def _build_into(source: _Source, model_hash: str, spec: TargetSpec, weight_dtype: str, kv_dtype: str, out: Path,
+def _build_into(source: _Source, model_hash: str, spec: TargetSpec, options: _Options, out: Path,
                 progress: Progress) -> dict[str, Any]:
     from logitproc.tir_kernels import KERNEL_FACTORIES
 
     started = time.perf_counter()
     progress(f"loading {source.name} ({source.kind}) ...")
+    weight_dtype, kv_dtype = options.weight_dtype, options.kv_dtype
     model, raw = source.load(keep_blocks=weight_dtype == "auto")
     target = spec.tvm_target()
     llama = replace(LlamaSpec.from_model(model, weight_dtype, raw), int8_dot=has_int8_dot(build_features(target)),
-                    kv_dtype=kv_dtype)
+                    kv_dtype=kv_dtype, activation_bits=options.activation_bits)
     formats = ", ".join(f"{kind} {fmt}" for kind, fmt in llama.formats)
     progress(f"loaded in {time.perf_counter() - started:.1f}s: {model.config.n_layers} layers, hidden "
              f"{model.config.hidden}, vocab {model.config.vocab}; weights: {formats}"
@@ -269,6 +281,7 @@ def compile_model(
     *,
     weight_dtype: str = "auto",
     kv_dtype: str = DEFAULT_KV_DTYPE,
+    activation_bits: int = DEFAULT_ACTIVATION_BITS,
     cache: bool = True,
 ) -> Path:
     """Compile ``model`` (see the module doc) for ``target`` (cpu only: the KV cache's kernels and the matmuls are
@@ -279,7 +292,10 @@ def compile_model(
     float32 numpy reference within 1e-3; other matrices float16), ``float16`` (logits within about 3e-2) or
     ``float32`` (within 1e-4). ``kv_dtype``: the KV cache's element type, ``float32`` (default) or ``float16`` (as
     llama.cpp's: half the bytes per token of context); q, k and v are rounded to it (``NumpyLlama(kv_dtype=...)`` rounds
-    the same values). ``cache=False`` builds into a fresh temporary directory.
+    the same values). ``activation_bits``: on AVX2 CPUs, the bits of the activation codes of the packed Q4_1 matmuls
+    (``packed_matvec``): 16 (default: logits within about 1e-3 of the float reference) or 8 (GGML's Q8_1, as
+    llama.cpp: about 1.5x faster prefill, logits about 1.5 away on SmolLM2; ``NumpyLlama(int8_activations=True)``
+    rounds the same activations). ``cache=False`` builds into a fresh temporary directory.
     """
     say = progress or _silent
     spec = target if isinstance(target, TargetSpec) else resolve_target(target)
@@ -289,6 +305,9 @@ def compile_model(
         raise ValueError(f"weight_dtype {weight_dtype!r} is not supported (auto, float16 or float32)")
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"kv_dtype {kv_dtype!r} is not supported ({' or '.join(KV_DTYPES)})")
+    if activation_bits not in ACTIVATION_BITS:
+        raise ValueError(f"activation_bits {activation_bits!r} is not supported (8 or 16)")
+    options = _Options(weight_dtype, kv_dtype, activation_bits)
     source = _Source(model)
     step = time.perf_counter()
     model_hash = source.hash()
@@ -296,14 +315,14 @@ def compile_model(
 
     if not cache:
         built = Path(tempfile.mkdtemp(prefix="logitproc-model-"))
-        _build_into(source, model_hash, spec, weight_dtype, kv_dtype, built, say)
+        _build_into(source, model_hash, spec, options, built, say)
     else:
-        built = cache_root() / "models" / f"{_slug(source.name)}-{_cache_key(model_hash, spec, weight_dtype, kv_dtype)}"
+        built = cache_root() / "models" / f"{_slug(source.name)}-{_cache_key(model_hash, spec, options)}"
         if (built / MANIFEST).is_file():
             say(f"using the cached build {built}")
         else:
-            build_in_cache(built, lambda staging: _build_into(source, model_hash, spec, weight_dtype, kv_dtype,
-                                                                   staging, say))
+            build_in_cache(built, lambda staging: _build_into(source, model_hash, spec, options, staging,
+                                                                   say))
             say(f"cached at {built}")
     if out is None:
         return built

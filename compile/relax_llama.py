@@ -34,6 +34,7 @@ llama.cpp's, on request): q, k and v are rounded to it before RoPE, and the atte
 # fmt: off
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -47,6 +48,7 @@ from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedK
 from .attention_kernels import replace_attention_kernels
 from .gguf_model import GGUFModel
 from .linear_kernels import embed_kernel, integer_linear_kernel, linear_kernel, param_shapes, swiglu_kernel
+from .packed_matvec import DEFAULT_ACTIVATION_BITS, packed_q4_1_kernel, packed_shapes
 
 #: Raw GGUF blocks of quantised tensors: name -> (GGML type name, uint8 array [rows, bytes per row]).
 RawTensors = dict[str, tuple[str, np.ndarray]]
@@ -91,6 +93,14 @@ class LlamaSpec:
     #: the KV cache's element type (``KV_DTYPES``): q, k, v are rounded to it before RoPE and the attention, whose
     #: output is widened back to float32
     kv_dtype: str = "float32"
+    #: the bits of the packed Q4_1 matmuls' activation codes (``packed_matvec.ACTIVATION_BITS``)
+    activation_bits: int = DEFAULT_ACTIVATION_BITS
+
+    def packed(self, kind: str) -> bool:
+        """Whether weight kind ``kind`` is stored repacked for ``packed_matvec`` (Q4_1 on an AVX2 target; not the
+        embedding, whose rows the lookup reads, nor a tied output head, which is the embedding)."""
+        return (self.int8_dot and self.fmt(kind) == "q4_1" and kind != "embed"
+                and not (kind == "lm_head" and self.tied_embeddings))
 
     def fmt(self, kind: str) -> str:
         """Storage format of weight kind ``kind`` (``WEIGHT_KINDS``); the tied output head uses the embedding's."""
@@ -129,12 +139,18 @@ class LlamaSpec:
 
 
 class _Weights(nn.Module):
-    """The arrays storing one ``[out, in]`` weight matrix in format ``fmt`` (``linear_kernels.param_shapes``)."""
+    """The arrays storing one ``[out, in]`` weight matrix in format ``fmt`` (``linear_kernels.param_shapes``), or
+    with ``packed`` Q4_1 repacked for ``packed_matvec`` (``packed_shapes``)."""
 
-    def __init__(self, out_features: int, in_features: int, fmt: str, int8_dot: bool = False) -> None:
+    def __init__(self, out_features: int, in_features: int, fmt: str, int8_dot: bool = False,
+                 packed: bool = False, activation_bits: int = DEFAULT_ACTIVATION_BITS) -> None:
+        if packed and fmt != "q4_1":
+            raise ValueError(f"only q4_1 weights are packed, got {fmt!r}")
         self.out_features, self.in_features, self.fmt, self.int8_dot = out_features, in_features, fmt, int8_dot
+        self.packed, self.activation_bits = packed, activation_bits
         self.suffixes = []
-        for suffix, shape, dtype in param_shapes(out_features, in_features, fmt):
+        shapes = packed_shapes if packed else functools.partial(param_shapes, fmt=fmt)
+        for suffix, shape, dtype in shapes(out_features, in_features):
             setattr(self, suffix, nn.Parameter(shape, dtype))
             self.suffixes.append(suffix)
 
@@ -146,11 +162,17 @@ class _Weights(nn.Module):
         "decode" or "prefill" (``linear_kernels.linear_kernel``: one schedule at every token count, for batch
         invariance). ``x`` float32 or float16: the integer dot products read and write either type themselves
         (``integer_linear_kernel``), the other kernels get cast kernels around them."""
+        lead = list(x.shape[:-1])
+        flat = x.reshape(-1, self.in_features) if len(lead) != 1 else x
+        if self.packed:  # one kernel for every token count (8-bit activations, integer dots, 8 rows a vector)
+            y = nn.op.tensor_ir_op(
+                packed_q4_1_kernel(self.out_features, self.in_features, flat.dtype, out_dtype, self.activation_bits),
+                f"packed_q4_1_{self.out_features}x{self.in_features}_{flat.dtype}_{out_dtype}_{self.activation_bits}",
+                args=[flat, *self.arrays()], out=nn.Tensor.placeholder([flat.shape[0], self.out_features], out_dtype))
+            return y if len(lead) == 1 else y.reshape(*lead, self.out_features)
         integer = self.int8_dot and self.fmt in QUANTISED
         if mode == "prefill" and integer:
             mode = "decode"  # the integer dot products (tokens in groups) beat the GEMM at every token count here
-        lead = list(x.shape[:-1])
-        flat = x.reshape(-1, self.in_features) if len(lead) != 1 else x
         shape = [self.out_features, self.in_features]
         if integer and (flat.dtype != "float32" or out_dtype != "float32"):
             kernel = integer_linear_kernel(*shape, self.fmt, flat.dtype, out_dtype)
@@ -166,6 +188,8 @@ class _Weights(nn.Module):
 
     def rows(self, ids: nn.Tensor) -> nn.Tensor:
         """``W[ids]`` -> ``[n, in]`` float32 (the embedding lookup)."""
+        if self.packed:
+            raise ValueError("the rows of packed weights are not looked up (the embedding is never packed)")
         return nn.op.tensor_ir_op(
             embed_kernel(self.out_features, self.in_features, self.fmt),
             f"embed_{self.fmt}_{self.out_features}x{self.in_features}",
@@ -178,8 +202,9 @@ class Linear(nn.Module):
     """A bias-optional projection; the weight in ``fmt``, the bias float32, the output float32."""
 
     def __init__(self, in_features: int, out_features: int, fmt: str, bias: bool = False,
-                 int8_dot: bool = False) -> None:
-        self.w = _Weights(out_features, in_features, fmt, int8_dot)
+                 int8_dot: bool = False, packed: bool = False,
+                 activation_bits: int = DEFAULT_ACTIVATION_BITS) -> None:
+        self.w = _Weights(out_features, in_features, fmt, int8_dot, packed, activation_bits)
         self.bias = nn.Parameter((out_features,), "float32") if bias else None
 
     def forward(self, x: nn.Tensor, mode: str, out_dtype: str = "float32") -> nn.Tensor:
@@ -206,8 +231,10 @@ class Attention(nn.Module):
     def __init__(self, spec: LlamaSpec) -> None:
         self.spec = spec
         qkv_rows = (spec.n_heads + 2 * spec.n_kv_heads) * spec.head_dim
-        self.qkv = Linear(spec.hidden, qkv_rows, spec.fmt("qkv"), bias=spec.qkv_bias, int8_dot=spec.int8_dot)
-        self.o = Linear(spec.n_heads * spec.head_dim, spec.hidden, spec.fmt("o"), int8_dot=spec.int8_dot)
+        self.qkv = Linear(spec.hidden, qkv_rows, spec.fmt("qkv"), bias=spec.qkv_bias, int8_dot=spec.int8_dot,
+                          packed=spec.packed("qkv"), activation_bits=spec.activation_bits)
+        self.o = Linear(spec.n_heads * spec.head_dim, spec.hidden, spec.fmt("o"), int8_dot=spec.int8_dot,
+                        packed=spec.packed("o"), activation_bits=spec.activation_bits)
 
     def forward(self, x: nn.Tensor, kv_cache: PagedKVCache, layer: int, b: Any, t: Any, mode: str) -> nn.Tensor:
         """``x[b t, hidden]`` (the tokens of ``b`` sequences of ``t`` each, flat) -> ``[b t, hidden]``."""
@@ -224,8 +251,10 @@ class MLP(nn.Module):
 
     def __init__(self, spec: LlamaSpec) -> None:
         self.ffn = spec.ffn
-        self.gate_up = Linear(spec.hidden, 2 * spec.ffn, spec.fmt("gate_up"), int8_dot=spec.int8_dot)
-        self.down = Linear(spec.ffn, spec.hidden, spec.fmt("down"), int8_dot=spec.int8_dot)
+        self.gate_up = Linear(spec.hidden, 2 * spec.ffn, spec.fmt("gate_up"), int8_dot=spec.int8_dot,
+                             packed=spec.packed("gate_up"), activation_bits=spec.activation_bits)
+        self.down = Linear(spec.ffn, spec.hidden, spec.fmt("down"), int8_dot=spec.int8_dot,
+                          packed=spec.packed("down"), activation_bits=spec.activation_bits)
 
     def forward(self, x: nn.Tensor, mode: str) -> nn.Tensor:
         """``x[tokens, hidden]`` -> ``[tokens, hidden]``."""
@@ -260,7 +289,8 @@ class LlamaModule(nn.Module):
         self.layers = nn.ModuleList([Block(spec, i) for i in range(spec.n_layers)])
         self.norm = RMSNorm(spec.hidden, spec.rms_eps)
         self.lm_head = None if spec.tied_embeddings else Linear(spec.hidden, spec.vocab, spec.fmt("lm_head"),
-                                                                int8_dot=spec.int8_dot)
+                                                                int8_dot=spec.int8_dot, packed=spec.packed("lm_head"),
+                                                                activation_bits=spec.activation_bits)
 
     def embed(self, input_ids: nn.Tensor) -> nn.Tensor:
         return self.embed_tokens.rows(input_ids)

@@ -4,8 +4,9 @@ step that the engine spends in logit processing + sampling.
     python scripts/bench_model.py [--model default] [--prompt-tokens 128] [--decode-tokens 64] [--rounds 3]
                                   [--no-engine] [--markdown]
     python scripts/bench_model.py --llama-cpp [--contexts 64,1024,4096] [--threads 2] [--batch 8]
-    python scripts/bench_model.py --profile [--prompt-tokens 128]
-    (every mode: [--kv-dtype float16|float32], the compiled model's KV cache; float16 by default, as llama.cpp's)
+    python scripts/bench_model.py --profile [--prompt-tokens 128] [--profile-prefill 1024,4096]
+    (every mode: [--kv-dtype float16|float32], the compiled model's KV cache; float16 by default, as llama.cpp's;
+    [--activation-bits 16|8], the codes of its packed Q4_1 matmuls on AVX2 CPUs)
 
 1. prefill tokens/s (one prompt of ``--prompt-tokens``) and greedy decode tokens/s (batch 1) of both models, in
    ``--rounds`` interleaved rounds (numpy, compiled, numpy, ...; the machine may be shared, so each round's figures
@@ -17,7 +18,8 @@ step that the engine spends in logit processing + sampling.
 ``--llama-cpp`` instead compares CompiledModel with llama.cpp (llama-cpp-python, the ``bench`` extra) on the same
 GGUF file, same prompt tokens and same thread count, at each of ``--contexts``: prefill and decode tok/s, their
 ratios, decode as a fraction of the memory floor, and ``--batch`` sequences decoded together (``side_by_side.py``).
-``--profile`` instead times each packed function of one decode step (``decode_profile.py``).
+``--profile`` instead times each packed function of one decode step (``decode_profile.py``), and with
+``--profile-prefill`` of a prefill of each of the given lengths.
 """
 
 from __future__ import annotations
@@ -117,16 +119,22 @@ def main() -> int:
     parser.add_argument("--profile", action="store_true", help="only where one decode step goes (decode_profile.py)")
     parser.add_argument("--kv-dtype", default="float16", choices=("float16", "float32"),
                         help="the compiled model's KV cache (llama.cpp's is float16)")
+    parser.add_argument("--activation-bits", type=int, default=16, choices=(16, 8),
+                        help="activation codes of the packed Q4_1 matmuls (8: as llama.cpp's)")
+    parser.add_argument("--profile-prefill", default="", help="with --profile: prompt lengths to profile prefills of")
     args = parser.parse_args()
     if args.llama_cpp:
         os.environ["TVM_NUM_THREADS"] = str(args.threads)  # read when TVM's thread pool starts (first kernel)
 
     from logitproc.compile.gguf_model import load_default_model, load_gguf
+    from logitproc.compile.model_compile import compile_model
     from logitproc.compile.model_fetch import fetch_default_model
     from logitproc.runtime import GenerationConfig
     from logitproc.serve.compiled_model import CompiledModel
 
-    model = CompiledModel.open(args.model, progress=lambda m: print(m, file=sys.stderr), kv_dtype=args.kv_dtype)
+    built = compile_model(args.model, progress=lambda m: print(m, file=sys.stderr), kv_dtype=args.kv_dtype,
+                          activation_bits=args.activation_bits)
+    model = CompiledModel.open(built)
     print(machine_line())
     print(f"load average before the run: {os.getloadavg()[0]:.2f} (other processes share these cores)")
     if args.llama_cpp:
@@ -138,9 +146,11 @@ def main() -> int:
                      args.batch)
         return 0
     if args.profile:
-        from decode_profile import print_profile
+        from decode_profile import print_prefill_profile, print_profile
 
         print_profile(model, prompt_ids(model.tokenizer, args.prompt_tokens))
+        for n in [int(n) for n in args.profile_prefill.split(",") if n]:
+            print_prefill_profile(model, prompt_ids(model.tokenizer, n))
         return 0
     gguf = load_default_model() if args.model == "default" else load_gguf(args.model)
     prompt = prompt_ids(model.tokenizer, args.prompt_tokens)

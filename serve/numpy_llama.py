@@ -18,7 +18,10 @@ taken from the GGUF metadata are Python numbers, which NumPy 2 does not let prom
 
 ``kv_dtype="float16"`` rounds q, k and v to float16 before RoPE, q and k again after it, and the attention's output,
 as the compiled model's float16 KV cache does; ``"float32"`` (the default, as the compiled model's) keeps everything
-float32.
+float32. ``activation_bits=8`` (or 16) rounds the input of every layer matmul (q/k/v, o, gate/up, down) to 8-bit
+(16-bit) codes in blocks of 32 as the compiled model's packed Q4_1 kernels do on AVX2 CPUs
+(``compile/packed_matvec.py``: ``round_activations``); the output head is not rounded. ``None`` (the default) keeps
+them float32.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from typing import Any
 
 import numpy as np
 from logitproc.compile.gguf_model import GGUFModel, build_tokenizer, load_default_model, load_gguf
+from logitproc.compile.packed_matvec import ACTIVATION_BITS, round_activations
 from logitproc.compile.relax_llama import DEFAULT_KV_DTYPE, KV_DTYPES
 from logitproc.runtime.kernel_library import KernelLibrary
 
@@ -72,12 +76,17 @@ class NumpyLlama:
     appends one token; ``extend(ids)`` appends several (chunked prefill); ``reset()`` empties the cache.
     """
 
-    def __init__(self, model: GGUFModel, kv_dtype: str = DEFAULT_KV_DTYPE) -> None:
+    def __init__(self, model: GGUFModel, kv_dtype: str = DEFAULT_KV_DTYPE, *,
+                 activation_bits: int | None = None) -> None:
         cfg = model.config
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype {kv_dtype!r} is not supported ({' or '.join(KV_DTYPES)})")
         #: float16: q, k, v rounded as the compiled model's float16 KV cache rounds them (``_round_kv``)
         self.kv_dtype = kv_dtype
+        if activation_bits not in (None, *ACTIVATION_BITS):
+            raise ValueError(f"activation_bits {activation_bits!r} is not supported (None, 8 or 16)")
+        #: the layer matmuls' inputs rounded to codes of these bits (``_act``), as the packed Q4_1 kernels round them
+        self.activation_bits = activation_bits
         if cfg.n_heads % cfg.n_kv_heads:
             raise ValueError(f"{cfg.n_heads} heads are not a multiple of {cfg.n_kv_heads} KV heads")
         if not model.weights:
@@ -163,7 +172,7 @@ class NumpyLlama:
 
         x = self._embed[ids]
         for layer, (attn_norm, wq, wk, wv, wo, ffn_norm, w_gate, w_up, w_down) in enumerate(self._layers):
-            h = rms_norm(x, attn_norm, self._eps)
+            h = self._act(rms_norm(x, attn_norm, self._eps))
             bq, bk, bv = self._biases[layer]
             q = self._round_kv(apply_rope(self._round_kv((h @ wq.T + bq).reshape(n_tok, cfg.n_heads, d)), cos, sin))
             k = self._round_kv(apply_rope(self._round_kv((h @ wk.T + bk).reshape(n_tok, n_kv, d)), cos, sin))
@@ -179,10 +188,14 @@ class NumpyLlama:
             probs = np.exp(scores)
             probs /= probs.sum(axis=-1, keepdims=True)
             attn = self._round_kv((probs @ values[:, None]).transpose(2, 0, 1, 3).reshape(n_tok, cfg.n_heads * d))
-            x = x + attn @ wo.T
-            h = rms_norm(x, ffn_norm, self._eps)
-            x = x + (silu(h @ w_gate.T) * (h @ w_up.T)) @ w_down.T
+            x = x + self._act(attn) @ wo.T
+            h = self._act(rms_norm(x, ffn_norm, self._eps))
+            x = x + self._act(silu(h @ w_gate.T) * (h @ w_up.T)) @ w_down.T
         return x
+
+    def _act(self, x: np.ndarray) -> np.ndarray:
+        """A layer matmul's input as its kernel sees it (``activation_bits``), else ``x`` itself."""
+        return x if self.activation_bits is None else round_activations(x, self.activation_bits)
 
     def _round_kv(self, x: np.ndarray) -> np.ndarray:
         """``x`` rounded to the KV cache's type (and back to float32): what a float16 cache holds."""

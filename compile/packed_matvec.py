@@ -1,0 +1,234 @@
+# fmt: off
+"""Q4_1 matmuls on AVX2 with 8-bit activation blocks and integer dot products over weights repacked 8 rows to a
+vector: the kernel of every Q4_1 matmul (prefill, decode, batched decode, speculative verify) on AVX2 CPUs.
+
+Weights (``pack_q4_1``, once when they are loaded): rows in groups of 8 (the last group padded with zero rows);
+for group ``g`` and block ``b`` of 32 weights, byte ``32 v + 4 r + j`` of ``codes[g, b]`` (``v, j < 4``, ``r < 8``)
+holds weight ``32 b + 8 v + j`` of row ``8 g + r`` in its low nibble and weight ``32 b + 8 v + 4 + j`` in its high
+nibble; ``scales[g, b, r]`` / ``mins[g, b, r]`` are that row's float16 block scale and min (the GGUF's bytes, 20 per
+32 weights, reordered). Activations (``quantise_int8``, GGML's Q8_1): per token ``t`` and block ``b``,
+``xd[t, b] = max_j |x[t, 32 b + j]| / 127``, ``xq[t, 32 b + j] = nearbyint(x[t, 32 b + j] / xd[t, b])`` (int8; 0
+for an all-zero block) and ``xs[t, b] = xd[t, b] * sum_j xq[t, 32 b + j]``. Then::
+
+    for t in range(n):
+        for o in range(N):                       # o = 8 g + r
+            y[t, o] = sum_b scales[g, b, r] * xd[t, b] * sum_j q[o, 32 b + j] * xq[t, 32 b + j]
+                            + mins[g, b, r] * xs[t, b]
+
+Per row group, token and block: each 32-byte vector's low nibbles (4 weights of each of the 8 rows) times the
+token's 4 activation bytes broadcast to the 8 rows (one ``vpmaddubsw``: u8 x s8, adjacent products summed into
+int16), the high nibbles times the next 4; the 8 products added as int16 (at most 8 x 2 x 15 x 127 = 30480), one
+``vpmaddwd`` with ones gives int32 lane ``r`` = row ``r``'s block sum, converted to float and added with one FMA by
+``scale x xd`` and one by ``min x xs`` into lane ``r`` of the token's accumulator: a lane is a row, so there are no
+horizontal sums and ``y[t, 8 g: 8 g + 8]`` is one vector store. Tokens go in tiles of 4 (then 2, then 1), each
+weight vector loaded and unpacked once per tile; a token's operations are the same, in the same order, whatever its
+tile (batch invariance). Row groups go in 64 parallel chunks (both threads on every matmul), tokens in spans of 128
+so that a span's activations stay in L2 while a chunk's rows pass over them.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import numpy as np
+from tvm import tirx
+from tvm.script import tirx as T
+
+ROWS = 8          # rows of a group: one float32 lane each
+_QBLOCK = 32
+_QMAX = 127
+_CHUNKS = 64
+_TILE = 4         # tokens sharing each unpacked weight vector (8-bit activations)
+_SPLIT_TILE = 3   # the same with 16-bit activations (two planes: twice the integer accumulators)
+#: activation code bits: 8 (GGML's Q8_1, one plane) or 16 (two int8 planes, high and low bytes)
+ACTIVATION_BITS = (8, 16)
+DEFAULT_ACTIVATION_BITS = 16  # 8 puts SmolLM2's logits about 1.5 from the float reference's (docs/model.md)
+SPLIT_QMAX = 32512  # 16-bit codes' largest magnitude: 127 * 256, so the high byte fits int8 with the low in [-128, 128)
+_SPAN = 128       # tokens whose activations stay in L2 while a chunk's rows pass over them
+_MADDUBS = "llvm.x86.avx2.pmadd.ub.sw"
+_MADDWD = "llvm.x86.avx2.pmadd.wd"
+_SCALE = "float16"
+
+
+def packed_shapes(out_features: int, in_features: int) -> list[tuple[str, tuple[int, ...], str]]:
+    """(suffix, shape, dtype) of the arrays of a packed Q4_1 ``[out, in]`` weight (module doc)."""
+    groups, blocks = -(-out_features // ROWS), in_features // _QBLOCK
+    return [("codes", (groups, blocks, 4 * _QBLOCK), "uint8"), ("scales", (groups, blocks, ROWS), _SCALE),
+            ("mins", (groups, blocks, ROWS), _SCALE)]
+
+
+def pack_q4_1(codes: np.ndarray, scales: np.ndarray, mins: np.ndarray) -> dict[str, np.ndarray]:
+    """The GGUF's Q4_1 arrays (``codes[N, K/2]`` uint8, ``scales``/``mins[N, K/32]`` float16) in the packed layout."""
+    n_out, half = codes.shape
+    blocks, groups = half // 16, -(-n_out // ROWS)
+    pad = groups * ROWS - n_out
+    q = np.concatenate([codes.reshape(n_out, blocks, 16) & 15, codes.reshape(n_out, blocks, 16) >> 4], axis=2)
+    q = np.pad(q, ((0, pad), (0, 0), (0, 0)))                       # [N', blocks, 32] weights 0..15
+    q = q.reshape(groups, ROWS, blocks, 4, 2, 4).transpose(0, 2, 3, 1, 4, 5)  # [g, b, v, r, half, j]
+    packed = (q[:, :, :, :, 0, :] | (q[:, :, :, :, 1, :] << 4)).astype(np.uint8)  # [g, b, v, r, j]
+
+    def rows(a: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(np.pad(a, ((0, pad), (0, 0))).reshape(groups, ROWS, blocks).transpose(0, 2, 1))
+
+    return {"codes": np.ascontiguousarray(packed.reshape(groups, blocks, 4 * _QBLOCK)),
+            "scales": rows(scales.astype(np.float16)), "mins": rows(mins.astype(np.float16))}
+
+
+def quantise_activations(x: np.ndarray, xbits: int = 8) -> tuple[np.ndarray, np.ndarray]:
+    """``(q, xd)`` of float32 ``x[n, K]`` exactly as the kernel computes them (float32 arithmetic, round half to
+    even): integer codes ``[n, K]`` (int8, or int32 within +-``SPLIT_QMAX`` for 16 bits) and float32 scales
+    ``[n, K/32]``."""
+    qmax = _QMAX if xbits == 8 else SPLIT_QMAX
+    blocks = np.asarray(x, np.float32).reshape(x.shape[0], -1, _QBLOCK)
+    d = (np.abs(blocks).max(axis=2) / np.float32(qmax)).astype(np.float32)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d > 0, np.float32(1) / np.maximum(d, np.float32(1e-30)), np.float32(0)).astype(np.float32)
+    q = np.rint(blocks * inv[:, :, None]).astype(np.int8 if xbits == 8 else np.int32)
+    return q.reshape(x.shape), d
+
+
+def round_activations(x: np.ndarray, xbits: int = 8) -> np.ndarray:
+    """``x`` as the kernel sees it: ``q * xd`` (float32), the value its integer dot products multiply exactly."""
+    q, xd = quantise_activations(x, xbits)
+    return (q.reshape(x.shape[0], -1, _QBLOCK).astype(np.float32) * xd[:, :, None]).reshape(x.shape)
+
+
+def _intrin(name: str, dtype: str, *args: Any) -> Any:
+    return T.call_llvm_pure_intrin(T.llvm_lookup_intrinsic_id(name), *args, dtype=dtype)
+
+
+def _pairs(iacc: Any, at: Any) -> Any:
+    """int32x8 sums of adjacent int16 lanes ``iacc[at: at + 16]`` (``vpmaddwd`` with ones)."""
+    return _intrin(_MADDWD, "int32x8", iacc[T.ramp(at, 1, 16)], T.broadcast(T.int16(1), 16))
+
+
+def _code(x: Any, t: Any, k: Any, inv: Any) -> Any:
+    """The activation code of ``x[t, k]`` as float32 (an integer): ``nearbyint(x * inv)``."""
+    return T.nearbyint(T.Cast("float32", x[t, k]) * inv)
+
+
+def _high(q: Any) -> Any:
+    """The high byte ``h`` of a 16-bit code ``q = 256 h + l`` with ``l`` in [-128, 128), as float32."""
+    return T.floor((q + T.float32(128)) * T.float32(1 / 256))
+
+
+@T.macro
+def _quantise(x, xq, xd, xs, t, blocks, amax, qmax):
+    """xq, xd, xs of token ``t`` (module doc; ``qmax`` 127: one plane of int8 codes, ``SPLIT_QMAX``: each code
+    ``q = 256 h + l`` as the planes ``h`` (0) and ``l`` (1), ``l`` in [-128, 128)); ``amax``: a local float32
+    scratch of 16 (the maxima, then the codes' sums: ``d`` and ``inv`` may be inlined where they are used)."""
+    for b in range(blocks):
+        for lane in T.vectorized(8):
+            amax[lane] = T.max(T.max(T.abs(T.Cast("float32", x[t, b * _QBLOCK + lane])),
+                                     T.abs(T.Cast("float32", x[t, b * _QBLOCK + 8 + lane]))),
+                               T.max(T.abs(T.Cast("float32", x[t, b * _QBLOCK + 16 + lane])),
+                                     T.abs(T.Cast("float32", x[t, b * _QBLOCK + 24 + lane]))))
+        d: T.let = T.max(T.max(T.max(amax[0], amax[1]), T.max(amax[2], amax[3])),
+                         T.max(T.max(amax[4], amax[5]), T.max(amax[6], amax[7]))) / T.float32(qmax)
+        inv: T.let = T.Select(d > T.float32(0), T.float32(1) / T.max(d, T.float32(1e-30)), T.float32(0))
+        for lane in T.vectorized(8):
+            amax[8 + lane] = T.float32(0)
+        for j in T.unroll(4):  # no T.let inside: TVM's vectorizer kept one lane of a let-bound vector
+            for lane in T.vectorized(8):
+                amax[8 + lane] = amax[8 + lane] + _code(x, t, b * _QBLOCK + j * 8 + lane, inv)
+                if qmax == _QMAX:
+                    xq[0, t, b * _QBLOCK + j * 8 + lane] = T.Cast("int8", _code(x, t, b * _QBLOCK + j * 8 + lane, inv))
+                else:  # q = 256 h + l, exact in float32 (|q| <= SPLIT_QMAX)
+                    xq[0, t, b * _QBLOCK + j * 8 + lane] = T.Cast("int8", _high(_code(x, t, b * _QBLOCK + j * 8 + lane,
+                                                                                      inv)))
+                    xq[1, t, b * _QBLOCK + j * 8 + lane] = T.Cast("int8", _code(
+                        x, t, b * _QBLOCK + j * 8 + lane, inv) - _high(_code(x, t, b * _QBLOCK + j * 8 + lane, inv))
+                                                                  * T.float32(256))
+        xd[t, b] = d
+        xs[t, b] = d * (((amax[8] + amax[9]) + (amax[10] + amax[11])) + ((amax[12] + amax[13]) + (amax[14] + amax[15])))
+
+
+@T.macro
+def _tile(y, xq4, xd, xs, t0, size, g, blocks, out_features, codes, scales, mins, iacc, facc, planes):
+    """``y[t0 + s, 8 g: 8 g + 8]`` for the ``size`` tokens of a tile (module doc); ``planes``: 1 or 2 int8 planes
+    of activation codes (the high plane's block sums taken 256 times)."""
+    for s in T.unroll(size):
+        facc[T.ramp(s * ROWS, 1, ROWS)] = T.broadcast(T.float32(0), ROWS)
+    for b in range(blocks):
+        for p in T.unroll(planes):
+            for s in T.unroll(size):
+                iacc[T.ramp((p * size + s) * 16, 1, 16)] = T.broadcast(T.int16(0), 16)
+        for v in T.unroll(4):
+            raw: T.let = codes.vload([g, b, v * 32], "uint8x32")
+            low: T.let = T.bitwise_and(raw, T.broadcast(T.uint8(15), 32))
+            high: T.let = T.shift_right(raw, T.broadcast(T.uint8(4), 32))
+            for p in T.unroll(planes):
+                for s in T.unroll(size):
+                    xlo: T.let = T.reinterpret("int8x32", T.broadcast(xq4[p, t0 + s, b * 8 + v * 2], 8))
+                    xhi: T.let = T.reinterpret("int8x32", T.broadcast(xq4[p, t0 + s, b * 8 + v * 2 + 1], 8))
+                    iacc[T.ramp((p * size + s) * 16, 1, 16)] = iacc[T.ramp((p * size + s) * 16, 1, 16)] + _intrin(
+                        _MADDUBS, "int16x16", low, xlo) + _intrin(_MADDUBS, "int16x16", high, xhi)
+        sv: T.let = T.Cast("float32x8", scales.vload([g, b, 0], "float16x8"))
+        mv: T.let = T.Cast("float32x8", mins.vload([g, b, 0], "float16x8"))
+        for s in T.unroll(size):
+            sums: T.let = _pairs(iacc, s * 16) if planes == 1 else T.shift_left(
+                _pairs(iacc, s * 16), T.broadcast(T.int32(8), ROWS)) + _pairs(iacc, (size + s) * 16)
+            facc[T.ramp(s * ROWS, 1, ROWS)] = (facc[T.ramp(s * ROWS, 1, ROWS)]
+                                               + T.Cast("float32x8", sums) * (sv * T.broadcast(xd[t0 + s, b], ROWS))
+                                               + mv * T.broadcast(xs[t0 + s, b], ROWS))
+    for s in T.unroll(size):
+        if g * ROWS + ROWS <= out_features:
+            y[t0 + s, T.ramp(g * ROWS, 1, ROWS)] = T.Cast(f"{y.dtype}x{ROWS}", facc[T.ramp(s * ROWS, 1, ROWS)])
+        else:
+            for r in range(out_features - g * ROWS):
+                y[t0 + s, g * ROWS + r] = T.Cast(y.dtype, facc[s * ROWS + r])
+
+
+@functools.cache
+def packed_q4_1_kernel(out_features: int, in_features: int, x_dtype: str = "float32",
+                       y_dtype: str = "float32", xbits: int = DEFAULT_ACTIVATION_BITS) -> tirx.PrimFunc:
+    """``y[t, o] = sum_k x[t, k] * W[o, k]`` (module doc) for ``x[n, K]`` of ``x_dtype`` and ``y[n, N]`` of
+    ``y_dtype`` (float32 or float16); parameters ``x``, ``codes``, ``scales``, ``mins`` (``packed_shapes``), ``y``.
+    ``xbits``: the activation codes' bits (``ACTIVATION_BITS``)."""
+    if in_features % _QBLOCK or in_features <= 0 or out_features <= 0:
+        raise ValueError(f"packed Q4_1 weights need in_features a positive multiple of {_QBLOCK}, got {in_features}")
+    for name, dtype in (("x_dtype", x_dtype), ("y_dtype", y_dtype)):
+        if dtype not in ("float32", "float16"):
+            raise ValueError(f"{name} must be float32 or float16, got {dtype!r}")
+    if xbits not in ACTIVATION_BITS:
+        raise ValueError(f"activation bits must be one of {ACTIVATION_BITS}, got {xbits}")
+    N, K, blocks, groups = out_features, in_features, in_features // _QBLOCK, -(-out_features // ROWS)
+    chunks = min(_CHUNKS, groups)
+    planes, qmax, tile = (1, _QMAX, _TILE) if xbits == 8 else (2, SPLIT_QMAX, _SPLIT_TILE)
+
+    @T.prim_func(private=True)
+    def packed_q4_1(var_x: T.handle, codes: T.Buffer((groups, blocks, 4 * _QBLOCK), "uint8"),
+                    scales: T.Buffer((groups, blocks, ROWS), _SCALE), mins: T.Buffer((groups, blocks, ROWS), _SCALE),
+                    var_y: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        n = T.int64()
+        x = T.match_buffer(var_x, (n, K), x_dtype)
+        y = T.match_buffer(var_y, (n, N), y_dtype)
+        xq = T.alloc_buffer((planes, n, K), "int8")
+        xq4 = T.decl_buffer((planes, n, K // 4), "int32", data=xq.data)
+        xd = T.alloc_buffer((n, blocks), "float32")
+        xs = T.alloc_buffer((n, blocks), "float32")
+        if n >= 16:
+            for t in T.parallel(n):
+                amax = T.alloc_buffer((16,), "float32", scope="local")
+                _quantise(x, xq, xd, xs, t, blocks, amax, qmax)
+        else:
+            amax = T.alloc_buffer((16,), "float32", scope="local")
+            for t in range(n):
+                _quantise(x, xq, xd, xs, t, blocks, amax, qmax)
+        for chunk in T.parallel(chunks):
+            iacc = T.alloc_buffer((planes * tile * 16,), "int16", scope="local")
+            facc = T.alloc_buffer((tile * ROWS,), "float32", scope="local")
+            for span in range((n + _SPAN - 1) // _SPAN):
+                t1: T.let = T.min(n, span * _SPAN + _SPAN)
+                for g in range(chunk * groups // chunks, (chunk + 1) * groups // chunks):
+                    for tt in range((t1 - span * _SPAN) // tile):
+                        _tile(y, xq4, xd, xs, span * _SPAN + tt * tile, tile, g, blocks, N, codes, scales, mins,
+                              iacc, facc, planes)
+                    if (t1 - span * _SPAN) % tile >= 2:
+                        _tile(y, xq4, xd, xs, t1 - (t1 - span * _SPAN) % tile, 2, g, blocks, N, codes, scales,
+                              mins, iacc, facc, planes)
+                    if (t1 - span * _SPAN) % tile % 2 == 1:
+                        _tile(y, xq4, xd, xs, t1 - 1, 1, g, blocks, N, codes, scales, mins, iacc, facc, planes)
+    return packed_q4_1

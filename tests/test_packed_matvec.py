@@ -1,0 +1,154 @@
+"""The packed Q4_1 kernels (``compile/packed_matvec.py``): the repacked layout holds the GGUF's weights, the kernel
+equals float64 numpy on activations rounded as ``quantise_activations`` rounds them (its integer sums are exact, so only
+float rounding differs: within 1e-6 of the output's scale), with 8-bit codes and with 16-bit codes (two int8
+planes), a token's row is bitwise the same whatever the other
+tokens, float16 inputs and outputs are the float32 sums rounded once; awkward shapes: rows not a multiple of the
+8-row group, one and an odd number of blocks, 1 to 9 tokens and a span of 128 crossed, all-zero and constant
+activation blocks, the extreme codes 0 and 15."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tvm
+from logitproc.compile.integer_matvec import has_int8_dot
+from logitproc.compile.packed_matvec import pack_q4_1, packed_q4_1_kernel, packed_shapes, quantise_activations
+from logitproc.compile.targets import build_features, resolve_target
+
+TARGET = resolve_target("cpu").tvm_target()
+pytestmark = pytest.mark.skipif(not has_int8_dot(build_features(TARGET)), reason="this CPU has no AVX2")
+
+#: (out, in): a SmolLM2 shape, rows below and not a multiple of the group of 8, 1 and 3 blocks
+SHAPES = [(960, 576), (37, 96), (5, 32), (8, 64)]
+TOKENS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 131)  # tiles of 4, a pair, one; a second span of 128
+
+
+def _build(func):
+    with tvm.transform.PassContext(opt_level=3):
+        return tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=TARGET).mod["main"]
+
+
+def _weights(n_out: int, n_in: int, rng: np.random.Generator):
+    """GGUF Q4_1 arrays (codes with the extreme nibbles in the first row) and the dense float64 matrix."""
+    blocks = n_in // 32
+    codes = rng.integers(0, 256, (n_out, n_in // 2)).astype(np.uint8)
+    codes[0, :16] = 0xF0  # weights 0 (low nibbles) and 15 (high nibbles)
+    scales = rng.uniform(0.001, 0.02, (n_out, blocks)).astype(np.float16)
+    mins = rng.uniform(-0.15, 0.0, (n_out, blocks)).astype(np.float16)
+    q = np.concatenate([codes.reshape(n_out, blocks, 16) & 15, codes.reshape(n_out, blocks, 16) >> 4], axis=2)
+    dense = (q * scales[:, :, None].astype(np.float64) + mins[:, :, None]).reshape(n_out, n_in)
+    return (codes, scales, mins), dense
+
+
+def _unpack(packed: dict[str, np.ndarray], n_out: int, n_in: int) -> np.ndarray:
+    """The dense float64 matrix a packed layout holds, read as the module doc describes it."""
+    codes = packed["codes"].reshape(-1, n_in // 32, 4, 8, 4)  # [g, b, v, r, j]
+    q = np.concatenate([codes & 15, codes >> 4], axis=4)  # [g, b, v, r, 8]: weights 8 v + (0..3 low, 4..7 high)
+    q = q.transpose(0, 3, 1, 2, 4).reshape(-1, n_in)
+    def rows(a):
+        return np.repeat(a.transpose(0, 2, 1).reshape(-1, n_in // 32).astype(np.float64), 32, axis=1)
+    return (q * rows(packed["scales"]) + rows(packed["mins"]))[:n_out]
+
+
+def test_the_packed_layout_holds_the_gguf_weights() -> None:
+    rng = np.random.default_rng(0)
+    for n_out, n_in in SHAPES:
+        arrays, dense = _weights(n_out, n_in, rng)
+        packed = pack_q4_1(*arrays)
+        assert [(k, a.shape, str(a.dtype)) for k, a in packed.items()] == [
+            (s, shape, dtype) for s, shape, dtype in packed_shapes(n_out, n_in)]
+        np.testing.assert_array_equal(_unpack(packed, n_out, n_in), dense)
+
+
+def test_quantise_activations_rounds_blocks_to_127_steps() -> None:
+    x = np.zeros((2, 64), np.float32)
+    x[0, :32] = np.linspace(-2, 1, 32)
+    x[1, 32:] = 3.0  # a constant block; the others all zero
+    q, d = quantise_activations(x)
+    assert q.dtype == np.int8 and d.dtype == np.float32
+    assert q[0, 0] == -127 and q[1, 32] == 127 and not q[0, 32:].any() and not q[1, :32].any()
+    assert d[0, 0] == np.float32(2) / np.float32(127) and d[0, 1] == 0
+    assert np.abs(q[0, :32] * d[0, 0] - x[0, :32]).max() <= d[0, 0] / 2
+    q16, d16 = quantise_activations(x, 16)
+    assert q16[0, 0] == -32512 and q16[1, 32] == 32512 and d16[0, 0] == np.float32(2) / np.float32(32512)
+    assert np.abs(q16[0, :32] * d16[0, 0] - x[0, :32]).max() <= d16[0, 0] / 2
+
+
+@pytest.mark.parametrize("xbits", [8, 16])
+def test_packed_kernel_matches_numpy_on_the_rounded_activations(xbits: int) -> None:
+    rng = np.random.default_rng(1)
+    for n_out, n_in in SHAPES if xbits == 16 else SHAPES[1:3]:  # the default codes also on SmolLM2's shape
+        run = _build(packed_q4_1_kernel(n_out, n_in, xbits=xbits))
+        arrays, dense = _weights(n_out, n_in, rng)
+        weights = [tvm.runtime.tensor(a) for a in pack_q4_1(*arrays).values()]
+        for n in TOKENS:
+            x = rng.standard_normal((n, n_in)).astype(np.float32) * rng.uniform(0.1, 10, (n, 1)).astype(np.float32)
+            x[0, :32] = 0  # an all-zero block: scale 0, codes 0
+            x[-1, -32:] = 1.5  # a constant block
+            xq, xd = quantise_activations(x, xbits)
+            rounded = (xq.reshape(n, -1, 32) * xd[:, :, None].astype(np.float64)).reshape(n, n_in)
+            expected = rounded @ dense.T
+            y = tvm.runtime.tensor(np.full((n, n_out), np.nan, np.float32))
+            run(tvm.runtime.tensor(x), *weights, y)
+            np.testing.assert_allclose(y.numpy(), expected, rtol=0, atol=1e-6 * np.abs(expected).max(),
+                                       err_msg=f"{n_out}x{n_in}, {n} tokens")
+
+
+@pytest.mark.parametrize("xbits", [8, 16])
+def test_a_tokens_row_does_not_depend_on_the_other_tokens(xbits: int) -> None:
+    rng = np.random.default_rng(2)
+    n_out, n_in = 37, 96
+    run = _build(packed_q4_1_kernel(n_out, n_in, xbits=xbits))
+    arrays, _ = _weights(n_out, n_in, rng)
+    weights = [tvm.runtime.tensor(a) for a in pack_q4_1(*arrays).values()]
+    x = rng.standard_normal((140, n_in)).astype(np.float32)
+    rows = {}
+    for n in (1, 2, 3, 4, 5, 7, 9, 17, 140):
+        y = tvm.runtime.tensor(np.zeros((n, n_out), np.float32))
+        run(tvm.runtime.tensor(x[:n]), *weights, y)
+        rows[n] = y.numpy()
+    for n, y in rows.items():
+        np.testing.assert_array_equal(y, rows[140][:n], err_msg=f"{n} tokens")
+
+
+def test_float16_inputs_and_outputs_are_the_float32_sums_rounded_once() -> None:
+    x_dtype = y_dtype = "float16"
+    rng = np.random.default_rng(3)
+    n_out, n_in = 37, 96
+    f32, mixed = (_build(packed_q4_1_kernel(n_out, n_in, *types))
+                  for types in (("float32", "float32"), (x_dtype, y_dtype)))
+    weights = [tvm.runtime.tensor(a) for a in pack_q4_1(*_weights(n_out, n_in, rng)[0]).values()]
+    for n in (1, 6):
+        x = rng.standard_normal((n, n_in)).astype(x_dtype)
+        want = tvm.runtime.tensor(np.zeros((n, n_out), np.float32))
+        f32(tvm.runtime.tensor(x.astype(np.float32)), *weights, want)
+        got = tvm.runtime.tensor(np.full((n, n_out), np.nan, y_dtype))
+        mixed(tvm.runtime.tensor(x), *weights, got)
+        np.testing.assert_array_equal(got.numpy(), want.numpy().astype(y_dtype), err_msg=f"{n} tokens")
+
+
+def test_bad_shapes_and_types_are_refused() -> None:
+    with pytest.raises(ValueError, match="in_features a positive multiple of 32, got 48"):
+        packed_q4_1_kernel(8, 48)
+    with pytest.raises(ValueError, match="y_dtype must be float32 or float16, got 'bfloat16'"):
+        packed_q4_1_kernel(8, 64, "float32", "bfloat16")
+    with pytest.raises(ValueError, match=r"activation bits must be one of \(8, 16\), got 4"):
+        packed_q4_1_kernel(8, 64, xbits=4)
+
+
+def test_the_reference_rounds_the_layer_inputs_as_the_kernels_do() -> None:
+    """``NumpyLlama(activation_bits=...)``: 16-bit codes move the tiny model's logits (4e-4) a hundredth as much as
+    8-bit ones (0.13); other bits are refused, as by ``compile_model``."""
+    from logitproc.compile.model_compile import compile_model
+    from logitproc.compile.tiny_model import make_tiny_model
+    from logitproc.serve.numpy_llama import NumpyLlama
+
+    tiny = make_tiny_model()
+    prompt = list(range(3, 40))
+    exact = NumpyLlama(tiny).prefill(prompt)
+    moved = {bits: np.abs(NumpyLlama(tiny, activation_bits=bits).prefill(prompt) - exact).max() for bits in (8, 16)}
+    assert moved[16] < moved[8] / 100 and moved[8] < 0.2 * np.abs(exact).max(), moved
+    with pytest.raises(ValueError, match="activation_bits 4 is not supported"):
+        NumpyLlama(tiny, activation_bits=4)
+    with pytest.raises(ValueError, match="activation_bits 4 is not supported"):
+        compile_model(tiny, activation_bits=4)
