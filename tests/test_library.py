@@ -20,8 +20,16 @@ EM_AMDGPU = 224
 
 
 @pytest.fixture(scope="module", autouse=True)
-def private_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
+def private_cache(tmp_path_factory: pytest.TempPathFactory):
+    """This module's builds start from an empty cache; the session's cache is put back after it (before, every later
+    test module compiled the tiny model, SmolLM2 and the kernel library again)."""
+    session_cache = os.environ.get("LOGITPROC_CACHE")
     os.environ["LOGITPROC_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+    yield
+    if session_cache is None:
+        os.environ.pop("LOGITPROC_CACHE", None)
+    else:
+        os.environ["LOGITPROC_CACHE"] = session_cache
 
 
 def test_cpu_library_runs_every_kernel_name_and_records_parameters() -> None:
