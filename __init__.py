@@ -11,9 +11,10 @@ __version__ = "0.1.0"
 # Importing TVM must not import torch (seconds at every start); see torch_guard.py. Only as the package: pytest's
 # collection of a checkout also imports this file alone, as a plain module, where a relative import has no parent.
 if __package__:
-    from . import torch_guard
+    from . import cpu_threads, torch_guard
 
     torch_guard.install()
+    cpu_threads.configure()  # one TVM thread per physical core (TVM alone takes half the cores on x86 VMs)
 
 __all__ = ["GenerationConfig", "LogitProcessor", "RequestState", "Sampler", "__version__"]
 

@@ -288,6 +288,5 @@ def _cpu_name() -> str:
 
 
 def _tvm_threads() -> int:
-    import os
-
-    return int(os.environ.get("TVM_NUM_THREADS", os.cpu_count() or 1))
+    """The threads of TVM's CPU pool (``logitproc.cpu_threads`` sized it when the package was imported)."""
+    return int(tvm.get_global_func("runtime.NumThreads")())

@@ -37,6 +37,8 @@ def machine_line() -> str:
         torch_version = torch.__version__
     except ImportError:
         torch_version = "not installed"
-    threads = os.environ.get("TVM_NUM_THREADS", str(os.cpu_count()))
+    import logitproc  # noqa: F401  (sizes TVM's thread pool before it starts)
+
+    threads = tvm.get_global_func("runtime.NumThreads")()
     return (f"{cpu}, {os.cpu_count()} cores, TVM threads {threads}, TVM {tvm.__version__}, numpy {np.__version__}, "
             f"torch {torch_version}")
