@@ -43,7 +43,7 @@ from collections.abc import Callable
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ._common import CPU_LANES, EXP_UNDERFLOW, fast_exp, neg_inf
+from ._common import CPU_LANES, EXP_UNDERFLOW, LOG2E, exp2_nonpositive, fast_exp, neg_inf
 
 #: Elements per step of the CPU loops: four AVX-512 registers of partials, i.e. four independent chains.
 CPU_WORD = 4 * CPU_LANES
@@ -56,6 +56,14 @@ FLT_MAX = 3.4028234663852886e38
 
 #: Temperatures at or below this get the inverse temperature FLT_MAX (1 / t would overflow or divide by zero).
 MIN_TEMPERATURE = 1e-38
+
+#: Values per chunk of the CPU softmax pass (``cpu_row_softmax_pass``): each chunk's exps are taken against the
+#: running maximum of the row up to and including that chunk.
+CPU_CHUNK = 1024
+
+#: Lanes of the CPU softmax pass's loops: four AVX2 registers of partial sums (with 64 lanes the exp's temporaries
+#: spill to the stack in every step).
+_SOFTMAX_WORD = 32
 
 #: Identity of the int32 min reduction.
 INT32_MAX = 2**31 - 1
@@ -81,6 +89,18 @@ def safe_shift(row_max: tirx.PrimExpr) -> tirx.PrimExpr:
 def inverse_temperature(t: tirx.PrimExpr) -> tirx.PrimExpr:
     """1 / t, or FLT_MAX for t <= MIN_TEMPERATURE (then exp((x - max) * scale) is 1 at the max and 0 elsewhere)."""
     return T.Select(t > T.float32(MIN_TEMPERATURE), T.float32(1) / t, T.float32(FLT_MAX))
+
+
+def exp2_scale(t: tirx.PrimExpr) -> tirx.PrimExpr:
+    """log2(e) / t, the factor of ``x - max`` in the CPU softmax's ``exp2_nonpositive`` (clamped to FLT_MAX, which
+    temperatures <= MIN_TEMPERATURE get: then the exps are 1 at the maximum and 0 elsewhere)."""
+    return T.min(inverse_temperature(t) * T.float32(LOG2E), T.float32(FLT_MAX))
+
+
+def prefetch(buf: tirx.Buffer, r: tirx.PrimExpr, i: tirx.PrimExpr) -> tirx.PrimExpr:
+    """Ask for the cache line holding buf[r, i] (CPU only: ``llvm.prefetch``, a read, kept in every cache level)."""
+    return T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(buf[r, i]), T.int32(0), T.int32(3),
+                              T.int32(1))
 
 
 def row_of(buf: tirx.Buffer, r: tirx.PrimExpr) -> Callable[[tirx.PrimExpr], tirx.PrimExpr]:
@@ -163,6 +183,109 @@ def cpu_row_sum_exp(x, r, vocab, shift, scale, store, lanes, block, out):
 def cpu_first_index_of(x, r, vocab, value, lanes, block, out):
     """out[0] = lowest v with x[r, v] == value, vocab if none (int32 scratch buffers)."""
     cpu_row_fold(vocab, vocab, minimum, lambda v: T.Select(x[r, v] == value, v, vocab), None, r, lanes, block, out)
+
+
+@T.macro
+def _lane_total(lanes, out):
+    # out[0] = the sum of the _SOFTMAX_WORD lanes, as a tree in whole vectors
+    for l in T.vectorized(16):
+        lanes[l] = lanes[l] + lanes[l + 16]
+    for l in T.vectorized(8):
+        lanes[l] = lanes[l] + lanes[l + 8]
+    out[0] = lanes[0]
+    for l in range(1, 8):
+        out[0] = out[0] + lanes[l]
+
+
+@T.macro
+def _softmax_chunk(x, r, vocab, base, steps, tail, c, scale2, store, sr, shifts, lanes, part, mx, run):
+    # Values base .. base + steps * w + tail - 1 of row r (w = _SOFTMAX_WORD): raise the running maximum run[0] to
+    # the chunk's (rescaling the lanes' partial sums), record it in shifts[c], add the chunk's exps against it to the
+    # lanes (summed in ``part`` first) and store them to store[sr, :] unless store is None.
+    for line in range(CPU_CHUNK // 16):  # the next chunk (64-byte lines), read while this one's exps are computed
+        prefetch(x, r, T.min(base + CPU_CHUNK + line * 16, vocab - 1))
+    for l in T.vectorized(_SOFTMAX_WORD):
+        mx[l] = neg_inf()
+    for s in range(steps):
+        for l in T.vectorized(_SOFTMAX_WORD):
+            mx[l] = T.max(mx[l], x[r, base + s * _SOFTMAX_WORD + l])
+    for t in range(tail):
+        mx[0] = T.max(mx[0], x[r, base + steps * _SOFTMAX_WORD + t])
+    for l in T.vectorized(16):
+        mx[l] = T.max(mx[l], mx[l + 16])
+    for l in T.vectorized(8):
+        mx[l] = T.max(mx[l], mx[l + 8])
+    run[1] = mx[0]
+    for l in range(1, 8):
+        run[1] = T.max(run[1], mx[l])
+    if run[1] > run[0]:
+        grow: T.let = exp2_nonpositive((run[0] - run[1]) * scale2)  # 0 while the row had only -inf
+        for l in T.vectorized(_SOFTMAX_WORD):
+            lanes[l] = lanes[l] * grow
+        run[0] = run[1]
+    shifts[c] = run[0]
+    shift: T.let = run[0]
+    if shift != neg_inf():
+        for l in T.vectorized(_SOFTMAX_WORD):
+            part[l] = T.float32(0)
+        for s in range(steps):
+            for l in T.vectorized(_SOFTMAX_WORD):
+                e: T.let = exp2_nonpositive((x[r, base + s * _SOFTMAX_WORD + l] - shift) * scale2)
+                if store is not None:
+                    store[sr, base + s * _SOFTMAX_WORD + l] = e
+                part[l] = part[l] + e
+        for t in range(tail):
+            e: T.let = exp2_nonpositive((x[r, base + steps * _SOFTMAX_WORD + t] - shift) * scale2)
+            if store is not None:
+                store[sr, base + steps * _SOFTMAX_WORD + t] = e
+            part[0] = part[0] + e
+        for l in T.vectorized(_SOFTMAX_WORD):
+            lanes[l] = lanes[l] + part[l]
+    elif store is not None:
+        for i in range(steps * _SOFTMAX_WORD + tail):
+            store[sr, base + i] = T.float32(0)
+
+
+@T.macro
+def cpu_row_softmax_pass(x, r, vocab, scale2, store, sr, shifts, lanes, part, mx, run, out):
+    """One pass over row r of x (online maximum, chunk by chunk)::
+
+        run[0] = max(x[r, :vocab])
+        for each chunk c of CPU_CHUNK values (the last one partial, possibly empty):
+            shifts[c] = max(x[r, :end of chunk c])                          # the running maximum
+            store[sr, chunk c] = 2 ** ((x[r, chunk c] - shifts[c]) * scale2)  # 0 where x = -inf or shifts[c] = -inf
+        out[0] = sum over chunks of sum(store[sr, chunk c]) * 2 ** ((shifts[c] - run[0]) * scale2)
+
+    The sum is kept in _SOFTMAX_WORD lanes (each chunk summed apart first), rescaled each time the maximum grows.
+    ``cpu_rescale_chunks`` then brings the stored exps of the chunks whose shift is below the maximum to it.
+    shifts: float32 scratch of vocab // CPU_CHUNK + 1; lanes, part, mx: float32 (_SOFTMAX_WORD,); run: float32 (2,).
+    """
+    for l in T.vectorized(_SOFTMAX_WORD):
+        lanes[l] = T.float32(0)
+    run[0] = neg_inf()
+    for c in range(vocab // CPU_CHUNK):
+        _softmax_chunk(x, r, vocab, c * CPU_CHUNK, CPU_CHUNK // _SOFTMAX_WORD, 0, c, scale2, store, sr, shifts,
+                       lanes, part, mx, run)
+    _softmax_chunk(x, r, vocab, vocab // CPU_CHUNK * CPU_CHUNK, vocab % CPU_CHUNK // _SOFTMAX_WORD,
+                   vocab % _SOFTMAX_WORD, vocab // CPU_CHUNK, scale2, store, sr, shifts, lanes, part, mx, run)
+    _lane_total(lanes, out)
+
+
+@T.macro
+def cpu_rescale_chunks(store, sr, vocab, scale2, shifts, row_max):
+    """store[sr, chunk c] *= 2 ** ((shifts[c] - row_max) * scale2) for the chunks whose shift is below row_max, so
+    that every stored exp is 2 ** ((x - row_max) * scale2) as computed after ``cpu_row_softmax_pass``."""
+    for c in range(vocab // CPU_CHUNK + 1):
+        if shifts[c] < row_max:
+            k: T.let = exp2_nonpositive((shifts[c] - row_max) * scale2)
+            base: T.let = c * CPU_CHUNK
+            n: T.let = T.min(CPU_CHUNK, vocab - base)
+            for s in range(n // _SOFTMAX_WORD):
+                for l in T.vectorized(_SOFTMAX_WORD):
+                    store[sr, base + s * _SOFTMAX_WORD + l] = store[sr, base + s * _SOFTMAX_WORD + l] * k
+            for t in range(n % _SOFTMAX_WORD):
+                store[sr, base + n // _SOFTMAX_WORD * _SOFTMAX_WORD + t] = (
+                    store[sr, base + n // _SOFTMAX_WORD * _SOFTMAX_WORD + t] * k)
 
 
 # ---------------------------------------------------------------------------------------------------------------- GPU

@@ -40,16 +40,17 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from . import multinomial, renormalize
-from ._common import fast_exp, is_cpu, max_threads, neg_inf
+from ._common import is_cpu, max_threads, neg_inf
 from ._reductions import (
+    CPU_CHUNK,
     CPU_WORD,
-    add,
     cpu_first_index_of,
-    cpu_row_fold,
+    cpu_rescale_chunks,
     cpu_row_max,
+    cpu_row_softmax_pass,
+    exp2_scale,
     inverse_temperature,
     safe_shift,
-    shifted_exp,
 )
 from .softmax import gpu_row_stats, inverse_sum, probability
 
@@ -69,11 +70,6 @@ Value = Callable[["tirx.PrimExpr"], "tirx.PrimExpr"]
 
 
 # Per-token values for the row macros (callables i -> PrimExpr, built at parse time from the row's scalars).
-
-
-def _exp_of(logits: tirx.Buffer, r: tirx.PrimExpr, shift: tirx.PrimExpr, scale: tirx.PrimExpr) -> Value:
-    """The CPU softmax numerator of row r (the staged softmax's formula)."""
-    return lambda i: shifted_exp(logits[r, i], shift, scale, fast_exp)
 
 
 def _scaled(exps: tirx.Buffer, inv: tirx.PrimExpr) -> Value:
@@ -117,6 +113,10 @@ def _cpu_rows() -> Callable[..., None]:
             row_sum = T.alloc_buffer((1,), "float32", scope="global")
             hot = T.alloc_buffer((1,), "int32", scope="global")
             exps = T.alloc_buffer((1, vocab), "float32", scope="global")  # the row's exps (a workspace, in cache)
+            part = T.alloc_buffer((w,), "float32", scope="global")
+            mx = T.alloc_buffer((w,), "float32", scope="global")
+            run = T.alloc_buffer((2,), "float32", scope="global")
+            shifts = T.alloc_buffer((vocab // CPU_CHUNK + 1,), "float32", scope="global")
             bmax = T.alloc_buffer((renormalize.CPU_MAX_BLOCKS,), "int32", scope="local")
             gmax = T.alloc_buffer((renormalize.CPU_GROUPS,), "int32", scope="local")
             cand = T.alloc_buffer((renormalize.CPU_LIST_SIZE,), "float32", scope="local")
@@ -125,41 +125,47 @@ def _cpu_rows() -> Callable[..., None]:
             st = T.alloc_buffer((9,), "int32", scope="global")
             ms = T.alloc_buffer((2,), "float32", scope="global")
             pos = T.alloc_buffer((3,), "int32", scope="local")
-            cpu_row_max(logits, r, vocab, lanes, block, row_max)
-            if row_max[0] == neg_inf():
-                token[r] = -1
-                chosen[r] = T.float32(0)
-            elif temperature[r] == T.float32(0):
-                cpu_first_index_of(logits, r, vocab, row_max[0], index_lanes, index_block, hot)
-                token[r] = hot[0]
-                chosen[r] = T.float32(1)
-            else:
-                shift: T.let = row_max[0]
-                scale: T.let = inverse_temperature(temperature[r])
-                cpu_row_fold(vocab, T.float32(0), add, _exp_of(logits, r, shift, scale), exps, 0, lanes, block,
-                             row_sum)
-                inv: T.let = inverse_sum(row_sum[0])
-                if renorm[r] != 0:
-                    threshold(_scaled(exps, inv), vocab, top_k[r], top_p[r], min_p[r], bmax, gmax, cand, cidx, st, ms)
-                    lo: T.let = st[0]
-                    mass: T.let = ms[0]
-                    if st[7] == 1:
-                        # every kept value is on the candidate list: draw from it, not from the row
-                        sample_list(cand, cidx, st[8], _rescale(lo, mass), vocab,
-                                    uniform[r], pos, picked)
-                        token[r] = pos[1]
-                        chosen[r] = picked[0]
-                    else:
-                        bv: T.let = renormalize.cpu_block_steps(vocab // w)
-                        sample_row(_kept_of(_scaled(exps, inv), lo, mass), vocab, uniform[r], _live(bmax, bv, lo),
-                                   pos)
-                        token[r] = pos[1]
-                        chosen[r] = T.Select(pos[1] >= 0, _kept_of(_scaled(exps, inv), lo, mass)(T.max(pos[1], 0)),
-                                             T.float32(0))
+            if temperature[r] == T.float32(0):
+                cpu_row_max(logits, r, vocab, lanes, block, row_max)
+                if row_max[0] == neg_inf():
+                    token[r] = -1
+                    chosen[r] = T.float32(0)
                 else:
-                    sample_row(_scaled(exps, inv), vocab, uniform[r], None, pos)
-                    token[r] = pos[1]
-                    chosen[r] = T.Select(pos[1] >= 0, _scaled(exps, inv)(T.max(pos[1], 0)), T.float32(0))
+                    cpu_first_index_of(logits, r, vocab, row_max[0], index_lanes, index_block, hot)
+                    token[r] = hot[0]
+                    chosen[r] = T.float32(1)
+            else:
+                # the staged softmax's exps, in one pass that reads the logits from memory, into the scratch row
+                scale2: T.let = exp2_scale(temperature[r])
+                cpu_row_softmax_pass(logits, r, vocab, scale2, exps, 0, shifts, lanes, part, mx, run, row_sum)
+                if run[0] == neg_inf():  # every token masked
+                    token[r] = -1
+                    chosen[r] = T.float32(0)
+                else:
+                    cpu_rescale_chunks(exps, 0, vocab, scale2, shifts, run[0])
+                    inv: T.let = inverse_sum(row_sum[0])
+                    if renorm[r] != 0:
+                        threshold(_scaled(exps, inv), vocab, top_k[r], top_p[r], min_p[r], bmax, gmax, cand, cidx, st,
+                                  ms)
+                        lo: T.let = st[0]
+                        mass: T.let = ms[0]
+                        if st[7] == 1:
+                            # every kept value is on the candidate list: draw from it, not from the row
+                            sample_list(cand, cidx, st[8], _rescale(lo, mass), vocab,
+                                        uniform[r], pos, picked)
+                            token[r] = pos[1]
+                            chosen[r] = picked[0]
+                        else:
+                            bv: T.let = renormalize.cpu_block_steps(vocab // w)
+                            sample_row(_kept_of(_scaled(exps, inv), lo, mass), vocab, uniform[r], _live(bmax, bv, lo),
+                                       pos)
+                            token[r] = pos[1]
+                            chosen[r] = T.Select(pos[1] >= 0, _kept_of(_scaled(exps, inv), lo, mass)(T.max(pos[1], 0)),
+                                                 T.float32(0))
+                    else:
+                        sample_row(_scaled(exps, inv), vocab, uniform[r], None, pos)
+                        token[r] = pos[1]
+                        chosen[r] = T.Select(pos[1] >= 0, _scaled(exps, inv)(T.max(pos[1], 0)), T.float32(0))
 
     return rows
 

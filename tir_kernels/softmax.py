@@ -38,11 +38,14 @@ from tvm.script import tirx as T
 
 from ._common import is_cpu, max_threads, neg_inf
 from ._reductions import (
+    CPU_CHUNK,
     CPU_WORD,
     cpu_first_index_of,
+    cpu_rescale_chunks,
     cpu_row_map,
     cpu_row_max,
-    cpu_row_sum_exp,
+    cpu_row_softmax_pass,
+    exp2_scale,
     gpu_first_index_of,
     gpu_row_map,
     gpu_row_max,
@@ -101,19 +104,25 @@ def _cpu() -> tirx.PrimFunc:
             block = T.alloc_buffer((CPU_WORD,), "float32", scope="global")
             index_lanes = T.alloc_buffer((CPU_WORD,), "int32", scope="global")
             index_block = T.alloc_buffer((CPU_WORD,), "int32", scope="global")
+            part = T.alloc_buffer((CPU_WORD,), "float32", scope="global")
+            mx = T.alloc_buffer((CPU_WORD,), "float32", scope="global")
+            run = T.alloc_buffer((2,), "float32", scope="global")
+            shifts = T.alloc_buffer((vocab // CPU_CHUNK + 1,), "float32", scope="global")
             row_max = T.alloc_buffer((1,), "float32", scope="global")
             row_sum = T.alloc_buffer((1,), "float32", scope="global")
             hot = T.alloc_buffer((1,), "int32", scope="global")
-            cpu_row_max(logits, r, vocab, lanes, block, row_max)
-            if row_max[0] == neg_inf():
-                cpu_row_map(probs, r, vocab, _zeros())
-            elif temperature[r] == T.float32(0):
-                cpu_first_index_of(logits, r, vocab, row_max[0], index_lanes, index_block, hot)
-                cpu_row_map(probs, r, vocab, _one_hot_at(hot[0]))
+            if temperature[r] == T.float32(0):
+                cpu_row_max(logits, r, vocab, lanes, block, row_max)
+                if row_max[0] == neg_inf():
+                    cpu_row_map(probs, r, vocab, _zeros())
+                else:
+                    cpu_first_index_of(logits, r, vocab, row_max[0], index_lanes, index_block, hot)
+                    cpu_row_map(probs, r, vocab, _one_hot_at(hot[0]))
             else:
-                shift: T.let = row_max[0]
-                scale: T.let = inverse_temperature(temperature[r])
-                cpu_row_sum_exp(logits, r, vocab, shift, scale, probs, lanes, block, row_sum)
+                # exps into probs in one pass (zeros for a row of only -inf), then scaled by 1 / sum
+                scale2: T.let = exp2_scale(temperature[r])
+                cpu_row_softmax_pass(logits, r, vocab, scale2, probs, r, shifts, lanes, part, mx, run, row_sum)
+                cpu_rescale_chunks(probs, r, vocab, scale2, shifts, run[0])
                 inv_sum: T.let = inverse_sum(row_sum[0])
                 cpu_row_map(probs, r, vocab, _scaled(probs, r, inv_sum))
     return softmax_with_temperature
