@@ -188,8 +188,9 @@ def cpu_first_index_of(x, r, vocab, value, lanes, block, out):
 @T.macro
 def _lane_total(lanes, out):
     # out[0] = the sum of the _SOFTMAX_WORD lanes, as a tree in whole vectors
-    for l in T.vectorized(16):
-        lanes[l] = lanes[l] + lanes[l + 16]
+    if _SOFTMAX_WORD == 32:
+        for l in T.vectorized(16):
+            lanes[l] = lanes[l] + lanes[l + 16]
     for l in T.vectorized(8):
         lanes[l] = lanes[l] + lanes[l + 8]
     out[0] = lanes[0]
@@ -202,8 +203,6 @@ def _softmax_chunk(x, r, vocab, base, steps, tail, c, scale2, store, sr, shifts,
     # Values base .. base + steps * w + tail - 1 of row r (w = _SOFTMAX_WORD): raise the running maximum run[0] to
     # the chunk's (rescaling the lanes' partial sums), record it in shifts[c], add the chunk's exps against it to the
     # lanes (summed in ``part`` first) and store them to store[sr, :] unless store is None.
-    for line in range(CPU_CHUNK // 16):  # the next chunk (64-byte lines), read while this one's exps are computed
-        prefetch(x, r, T.min(base + CPU_CHUNK + line * 16, vocab - 1))
     for l in T.vectorized(_SOFTMAX_WORD):
         mx[l] = neg_inf()
     for s in range(steps):
@@ -211,8 +210,9 @@ def _softmax_chunk(x, r, vocab, base, steps, tail, c, scale2, store, sr, shifts,
             mx[l] = T.max(mx[l], x[r, base + s * _SOFTMAX_WORD + l])
     for t in range(tail):
         mx[0] = T.max(mx[0], x[r, base + steps * _SOFTMAX_WORD + t])
-    for l in T.vectorized(16):
-        mx[l] = T.max(mx[l], mx[l + 16])
+    if _SOFTMAX_WORD == 32:
+        for l in T.vectorized(16):
+            mx[l] = T.max(mx[l], mx[l + 16])
     for l in T.vectorized(8):
         mx[l] = T.max(mx[l], mx[l + 8])
     run[1] = mx[0]
@@ -229,6 +229,9 @@ def _softmax_chunk(x, r, vocab, base, steps, tail, c, scale2, store, sr, shifts,
         for l in T.vectorized(_SOFTMAX_WORD):
             part[l] = T.float32(0)
         for s in range(steps):
+            # the same 128 bytes of the next chunk: it streams in while this chunk's exps are computed
+            prefetch(x, r, T.min(base + CPU_CHUNK + s * _SOFTMAX_WORD, vocab - 1))
+            prefetch(x, r, T.min(base + CPU_CHUNK + s * _SOFTMAX_WORD + 16, vocab - 1))
             for l in T.vectorized(_SOFTMAX_WORD):
                 e: T.let = exp2_nonpositive((x[r, base + s * _SOFTMAX_WORD + l] - shift) * scale2)
                 if store is not None:
