@@ -220,6 +220,23 @@ def cpu_row_macros() -> tuple[Callable[..., None], Callable[..., None]]:
         reduce_lanes(cnt, ssum, mn, mx)
 
     @T.macro
+    def scan_groups(nblk, bmax, gmax, mid, cnt, ssum, mn, mx):
+        # scan_blocks' sum over the group maxima (h per block), reading only the blocks whose maximum is >= mid:
+        # the others hold no group maximum >= mid, and their largest bits below mid are their block maximum
+        init_lanes(cnt, ssum, mn, mx)
+        for blk in range(nblk):
+            if bmax[blk] >= mid:
+                for l in T.vectorized(h):
+                    b: T.let = gmax[blk * h + l]
+                    ssum[l] = T.Select(b >= mid, ssum[l] + T.reinterpret("float32", b), ssum[l])
+                    mn[l] = T.Select(b >= mid, T.min(mn[l], b), mn[l])
+                    mx[l] = T.Select(b < mid, T.max(mx[l], b), mx[l])
+            else:
+                for l in T.vectorized(h):
+                    mx[l] = T.max(mx[l], bmax[blk])
+        reduce_lanes(cnt, ssum, mn, mx)
+
+    @T.macro
     def compact(value, vocab, nvec, bv, nblk, bmax, gmax, lb, cand, cidx, hit, lanes, st):
         # cand[0 .. st[8]) = the values with bits >= lb, in index order, read only in the blocks whose maximum is
         # >= lb and, inside them, in the lanes whose group maximum is (lanes[0 .. hit[0]), increasing); then zeros
@@ -365,11 +382,22 @@ def cpu_row_macros() -> tuple[Callable[..., None], Callable[..., None]]:
             p_alone: T.let = not k_on and top_p_r < T.float32(1) and st[4] == 1
             st[5] = st[0]
             st[6] = st[3] + 1
+            # first over the block maxima (each is one of its block's group maxima, so the largest t they reach the
+            # goal with bounds the group maxima's from below), then over the group maxima of the blocks whose
+            # maximum reaches the midpoint
             while p_alone and st[6] - st[5] > 1:
                 mid: T.let = st[5] + (st[6] - st[5]) // 2
-                scan_blocks(nblk * h, gmax, mid, True, cnt, ssum, mn, mx)
+                scan_blocks(nblk, bmax, mid, True, cnt, ssum, mn, mx)
                 if ssum[0] >= top_p_r * ms[0]:
-                    st[5] = T.min(mn[0], st[3])  # (no group maximum >= mid when the goal is 0)
+                    st[5] = T.min(mn[0], st[3])  # (no block maximum >= mid when the goal is 0)
+                else:
+                    st[6] = T.max(mx[0] + 1, st[5] + 1)
+            st[6] = st[3] + 1
+            while p_alone and st[6] - st[5] > 1:
+                mid: T.let = st[5] + (st[6] - st[5]) // 2
+                scan_groups(nblk, bmax, gmax, mid, cnt, ssum, mn, mx)
+                if ssum[0] >= top_p_r * ms[0]:
+                    st[5] = T.min(mn[0], st[3])
                 else:
                     st[6] = T.max(mx[0] + 1, st[5] + 1)
             lb: T.let = T.Select(k_on, st[1], st[5])
