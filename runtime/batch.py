@@ -69,6 +69,17 @@ def _check_cum(cum_num_token: Any, expected: tuple[int, ...]) -> None:
                          f"{list(expected)} (1 row per sequence plus 1 per draft token)")
 
 
+@dataclass(frozen=True)
+class DeferredMasks:
+    """Masks filled for a step but not yet applied to its logits (``inplace_update_logits(defer_masks=True)``):
+    row ``row_ids[i]`` allows the tokens whose bits are set in ``bitmask[i]``. ``row_ids`` is on the host,
+    ``row_ids_on_device`` and ``bitmask`` ([len(row_ids), words] int32) on the processor's device."""
+
+    row_ids: np.ndarray
+    row_ids_on_device: Any
+    bitmask: Any
+
+
 class Batch:
     """One step: per row its sequence and draft path; per sequence its first row; what changed since the last step."""
 
@@ -114,6 +125,8 @@ class Batch:
                 self.any_raw_logprobs = self.any_raw_logprobs or c.logprobs_mode == "raw"
         #: The mask job whose rows were applied to this step's logits (set by the processor).
         self.mask_job: MaskJob | None = None
+        #: Masks the processor filled but left for the sampler to read (``defer_masks=True``), or None.
+        self.deferred_masks: DeferredMasks | None = None
         self._on_device: list[tuple[Any, Any]] = []
 
     @property

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 from logitproc.tir_kernels import bitmask, logit_bias, penalty, softmax
 
-from .batch import Batch, DraftArg
+from .batch import Batch, DeferredMasks, DraftArg
 from .config import MAX_LOGIT_BIAS_ENTRIES
 from .device import Device, PrefixViews
 from .kernel_library import KernelLibrary, require_kernels
@@ -187,8 +187,12 @@ class LogitProcessor:
         return None
 
     def inplace_update_logits(self, logits: Any, states: BatchArg, cum_num_token: Any = None,
-                              draft_trees: DraftArg = None) -> Batch:
+                              draft_trees: DraftArg = None, *, defer_masks: bool = False) -> Batch:
         """Apply logit bias, then penalties, then every mask to ``logits`` ``[N, V]`` in place; return the batch.
+
+        ``defer_masks=True`` fills the masks but leaves them to ``Sampler.sample_from_logits``, which reads them as it
+        samples (one pass over the logits fewer): the batch's ``deferred_masks`` holds them, and
+        ``compute_probs_from_logits`` applies them first if the step takes the staged path after all.
 
         ``states`` is this step's Batch (``batch()``), or its states (and ``cum_num_token`` / ``draft_trees``), from
         which a Batch is made. ``logits`` is a float32 numpy array or a device array of this processor's device.
@@ -205,7 +209,7 @@ class LogitProcessor:
             self._apply_logit_bias(on_device, batch)
         if batch.any_penalties:
             self._apply_penalties(on_device, batch)
-        self._apply_masks(on_device, batch)
+        self._apply_masks(on_device, batch, defer_masks)
         if write_back is not None:
             self.device.synchronize()
             write_back()
@@ -223,6 +227,9 @@ class LogitProcessor:
         on_device = batch.on_device(logits)
         if on_device is None:
             on_device, _ = self._logits.to_device(logits)
+        if batch.deferred_masks is not None:  # inplace_update_logits(defer_masks=True), then the staged path
+            deferred, batch.deferred_masks = batch.deferred_masks, None
+            self.kernels[bitmask.NAME](on_device, deferred.row_ids_on_device, deferred.bitmask)
         rows = batch.num_rows
         temperature = self._temperature.host_prefix(rows)
         temperature[:] = [s.config.temperature for s in batch.row_states]
@@ -262,7 +269,7 @@ class LogitProcessor:
         self.device.wait_for_copies()
         self.kernels[penalty.NAME](logits, *self._penalty.device_arrays(n), penalties)
 
-    def _apply_masks(self, logits: Any, batch: Batch) -> None:
+    def _apply_masks(self, logits: Any, batch: Batch, defer: bool = False) -> None:
         job = self._finish_pending_masks()
         if job is None or not job.matches(batch):
             if not batch.any_masks:
@@ -276,4 +283,7 @@ class LogitProcessor:
             return
         args = (self._mask_rows.to_device(masked), self._bitmask.to_device(masked))
         self.device.wait_for_copies()
-        self.kernels[bitmask.NAME](logits, *args)
+        if defer:
+            batch.deferred_masks = DeferredMasks(self._mask_rows.host[:masked].copy(), *args)
+        else:
+            self.kernels[bitmask.NAME](logits, *args)

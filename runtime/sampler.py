@@ -102,6 +102,10 @@ class Sampler:
         self._chosen = PrefixViews(dev, dev.empty((cap,), "float32"))
         self._logsumexp = PrefixViews(dev, dev.empty((cap,), "float32"))
         self._gather_ids = PairedBuffer(dev, "raw logprob ids", cap, dtype="int32")
+        # the fused kernel's masks: per row the bitmask row it reads (-1: none), and the bitmask a batch without
+        # deferred masks passes (one all-allowed row: the kernel's bitmask has at least one row)
+        self._mask_index = PairedBuffer(dev, "mask index", cap, dtype="int32")
+        self._no_masks = dev.upload(np.full((1, (vocab_size + 31) // 32), -1, np.int32))
         self._raw: LogitsStaging | None = None
         # The top_n kernel takes n from its outputs' width: one pair of buffers per width used, at capacity.
         self._top_buffers: dict[int, tuple[PrefixViews, PrefixViews]] = {}
@@ -168,6 +172,18 @@ class Sampler:
                 uniform[r] = 0.0 if state.config.greedy else state.rng.random(dtype=np.float32)
         return self._uniform.to_device(rows)
 
+    def _masks_to_device(self, batch: Batch) -> tuple[Any, Any]:
+        """mask_index (the row of the bitmask each row reads, -1 for none) and the bitmask, for the fused kernel:
+        the batch's deferred masks, else none."""
+        rows = batch.num_rows
+        index = self._mask_index.host_prefix(rows)
+        index[:] = -1
+        deferred = batch.deferred_masks
+        if deferred is None or len(deferred.row_ids) == 0:
+            return self._mask_index.to_device(rows), self._no_masks
+        index[deferred.row_ids] = np.arange(len(deferred.row_ids), dtype=np.int32)
+        return self._mask_index.to_device(rows), deferred.bitmask
+
     def sample(self, probs: Any, states: BatchArg, cum_num_token: Any = None, draft_trees: DraftArg = None,
                raw_logits: np.ndarray | None = None) -> SampleResult:
         """Draw one token per row from ``probs`` ``[N, V]`` (after ``renormalize``), with logprobs as requested."""
@@ -187,8 +203,9 @@ class Sampler:
 
         The same tokens as ``sample(renormalize(compute_probs_from_logits(logits)))`` with the same seeds: the
         ``sample_from_logits`` kernel runs each row's temperature softmax, min-p / top-k / top-p and the draw in one
-        kernel, writing no probabilities. Chosen-token logprobs (processed or raw) and raw top-n logprobs are given
-        as by ``sample``; processed top-n logprobs need the probabilities: a batch asking for them
+        kernel, writing no probabilities; masks the processor deferred (``inplace_update_logits(defer_masks=True)``,
+        kept on the batch) are read by the same kernel. Chosen-token logprobs (processed or raw) and raw top-n
+        logprobs are given as by ``sample``; processed top-n logprobs need the probabilities: a batch asking for them
         (``needs_probabilities``) is refused with a ValueError (use the staged path).
         """
         batch = self._batch_for(logits, states, cum_num_token, draft_trees, "logits")
@@ -200,7 +217,7 @@ class Sampler:
         temperature[:] = [s.config.temperature for s in batch.row_states]
         self._renorm.host_prefix(rows)[:] = 1 if batch.any_filters else 0  # where the staged path renormalizes
         args = [self._temperature.to_device(rows), *self._filters_to_device(batch), self._renorm.to_device(rows),
-                self._uniform_to_device(batch)]
+                self._uniform_to_device(batch), *self._masks_to_device(batch)]
         on_device = self._on_device(logits, batch)
         self.device.wait_for_copies()
         tokens = self._tokens(rows)

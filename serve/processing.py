@@ -1,9 +1,9 @@
 """The processing step on one step's Batch: logit processor then sampler, once over every row of the batch.
 
-``inplace_update_logits`` (bias -> penalties -> masks), then ``Sampler.sample_from_logits`` (temperature softmax,
-min-p, top-k, top-p and the draw fused in one kernel, no probabilities written); each row with its own request's
-config (temperature 0 is greedy). Only when a row asks for processed top-n logprobs does the step compute the
-probabilities: ``compute_probs_from_logits`` -> ``Sampler.renormalize`` -> ``Sampler.sample`` (the same tokens with
+``inplace_update_logits`` (bias -> penalties; the masks are filled but deferred), then ``Sampler.sample_from_logits``
+(the masks, temperature softmax, min-p, top-k, top-p and the draw fused in one kernel, no probabilities written);
+each row with its own request's config (temperature 0 is greedy). Only when a row asks for processed top-n logprobs
+does the step compute the probabilities: ``compute_probs_from_logits`` -> ``Sampler.renormalize`` -> ``Sampler.sample`` (the same tokens with
 the same seeds). Raw logprobs, when a row asks for them, read a copy of the logits taken first. Rows whose logits
 hold NaN or +inf are flagged (``SampleResult.non_finite_logits``, token -1) rather than sampled.
 """
@@ -21,8 +21,9 @@ def process(processor: LogitProcessor, sampler: Sampler, batch: Batch, logits: n
     """One token per row of ``batch`` from ``logits`` (modified in place); failed masks are in ``batch.mask_errors``."""
     bad = non_finite_rows(logits)
     raw = logits.copy() if batch.any_raw_logprobs else None
-    processor.inplace_update_logits(logits, batch)
-    if needs_probabilities(batch):
+    staged = needs_probabilities(batch)
+    processor.inplace_update_logits(logits, batch, defer_masks=not staged)  # the fused kernel reads the masks
+    if staged:
         probs = processor.compute_probs_from_logits(logits, batch)
         probs = sampler.renormalize(probs, batch)
         result = sampler.sample(probs, batch, raw_logits=raw)

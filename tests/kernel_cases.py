@@ -191,11 +191,18 @@ def sample_from_logits_case(rng: np.random.Generator, batch: int, vocab: int) ->
     min_p = np.resize(np.array([0.0, 0.05, 0.0, 0.1, 0.0], np.float32), batch)
     renorm = np.resize(np.array([1, 1, 0], np.int32), batch)
     uniform = rng.random(batch).astype(np.float32)
-    probs = ref.softmax_with_temperature(logits, temperature)
+    allowed = rng.random((2, vocab)) < 0.5
+    allowed[:, 0] = True
+    mask_index = np.resize(np.int32([-1, 0, -1, 1]), batch)  # rows 1 and 3 (mod 4) masked by the folded bitmask
+    masked = logits.copy()
+    for r in range(batch):
+        if mask_index[r] >= 0:
+            masked[r] = np.where(allowed[mask_index[r]], logits[r], -np.inf)
+    probs = ref.softmax_with_temperature(masked, temperature)
     probs = np.where(renorm[:, None] != 0, ref.renormalize(probs, top_k, top_p, min_p), probs)
 
     def check(out: list[np.ndarray]) -> None:
-        tokens, chosen = out[7], out[8]
+        tokens, chosen = out[9], out[10]
         for r in range(batch):
             p = probs[r].astype(np.float64)
             t = int(tokens[r])
@@ -209,7 +216,8 @@ def sample_from_logits_case(rng: np.random.Generator, batch: int, vocab: int) ->
             assert before - slack <= target <= before + p[t] + slack, f"row {r}: token {t} is not where u lands"
 
     return KernelCase("sample_from_logits", batch, vocab, (logits, temperature, top_k, top_p, min_p, renorm, uniform,
-                                                           _neg7(batch), _nan(batch)), check)
+                                                           mask_index, ref.pack_bitmask(allowed), _neg7(batch),
+                                                           _nan(batch)), check)
 
 
 CASE_BUILDERS = [logit_bias_case, penalty_case, bitmask_case, softmax_case, renormalize_case, multinomial_case,

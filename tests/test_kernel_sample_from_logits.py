@@ -49,12 +49,19 @@ def edge_logits(batch: int, vocab: int, seed: int) -> np.ndarray:
     return x
 
 
-def fused_cpu(logits: np.ndarray, p: dict[str, np.ndarray], renorm: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    batch = logits.shape[0]
+def no_masks(batch: int, vocab: int) -> tuple[np.ndarray, np.ndarray]:
+    """mask_index and bitmask for a batch without masks (one all-allowed row: the runtime always passes one)."""
+    return np.full(batch, -1, np.int32), np.full((1, (vocab + 31) // 32), -1, np.int32)
+
+
+def fused_cpu(logits: np.ndarray, p: dict[str, np.ndarray], renorm: np.ndarray,
+              masks: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    batch, vocab = logits.shape
+    mask_index, bitmask = no_masks(batch, vocab) if masks is None else masks
     out = run_cpu(NAME, logits, p["temperature"], p["top_k"], p["top_p"], p["min_p"], renorm.astype(np.int32),
-                  p["uniform"], np.full(batch, -7, np.int32), np.full(batch, np.nan, np.float32))
+                  p["uniform"], mask_index, bitmask, np.full(batch, -7, np.int32), np.full(batch, np.nan, np.float32))
     np.testing.assert_array_equal(out[0], logits)  # the logits are not modified
-    return out[7], out[8]
+    return out[9], out[10]
 
 
 def staged_cpu(logits: np.ndarray, p: dict[str, np.ndarray], renorm: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -79,6 +86,35 @@ def test_same_tokens_as_the_staged_kernels(batch: int, vocab: int, renorm: bool)
     ref_token, ref_chosen = staged_cpu(logits, p, renorm)
     np.testing.assert_array_equal(token, ref_token)
     np.testing.assert_array_equal(chosen, ref_chosen)
+
+
+@pytest.mark.parametrize(("batch", "vocab"), [(1, 1), (7, 33), (9, 1003), (5, 128256)])
+def test_a_folded_bitmask_equals_applying_it_first(batch: int, vocab: int) -> None:
+    """mask_index / bitmask give the tokens of apply_bitmask_inplace followed by the staged kernels: rows masked by
+    their own row of the bitmask, rows sharing one, a row whose every token is disallowed, and indices that name no
+    row (negative, past the bitmask) left unmasked; the logits are not modified."""
+    rng = np.random.default_rng(batch + vocab)
+    logits = (rng.standard_normal((batch, vocab)) * 3).astype(np.float32)
+    allowed = rng.random((3, vocab)) < 0.4
+    allowed[0, 0] = True  # at least one token allowed in row 0
+    allowed[2] = False  # every token disallowed
+    bitmask = reference.pack_bitmask(allowed)
+    mask_index = np.resize(np.int32([0, -1, 1, 2, 7, 1, -5]), batch)
+    p = row_params(batch, vocab, 17)
+    masked = logits.copy()
+    for r in range(batch):
+        if 0 <= mask_index[r] < 3:
+            masked[r] = np.where(allowed[mask_index[r]], logits[r], -np.inf)
+    for renorm in (True, False):
+        token, chosen = fused_cpu(logits, p, np.full(batch, int(renorm)), (mask_index, bitmask))
+        ref_token, ref_chosen = staged_cpu(masked, p, renorm)
+        np.testing.assert_array_equal(token, ref_token)
+        np.testing.assert_array_equal(chosen, ref_chosen)
+    # a bitmask too narrow for the vocabulary is not read: every row is sampled unmasked
+    narrow = (np.full(batch, 0, np.int32), np.zeros((1, max(0, (vocab - 1) // 32)), np.int32))
+    if narrow[1].shape[1] > 0:
+        token, _ = fused_cpu(logits, p, np.ones(batch), narrow)
+        np.testing.assert_array_equal(token, fused_cpu(logits, p, np.ones(batch))[0])
 
 
 def test_many_uniforms_give_the_staged_tokens() -> None:
@@ -201,12 +237,19 @@ def test_vulkan_matches_the_staged_vulkan_kernels(batch: int, vocab: int) -> Non
     kernels = vulkan_kernels_or_skip()
     logits = edge_logits(batch, vocab, vocab + 1)
     p = row_params(batch, vocab, batch)
+    allowed = np.random.default_rng(vocab).random((2, vocab)) < 0.5
+    allowed[:, 0] = True
+    mask_index = np.resize(np.int32([1, -1, 0]), batch)
+    masked = logits.copy()
+    for r in range(batch):
+        if mask_index[r] >= 0:
+            masked[r] = np.where(allowed[mask_index[r]], logits[r], -np.inf)
     for renorm in (0, 1):
         token, chosen = np.full(batch, -7, np.int32), np.full(batch, np.nan, np.float32)
         kernels[NAME](logits, p["temperature"], p["top_k"], p["top_p"], p["min_p"], np.full(batch, renorm, np.int32),
-                      p["uniform"], token, chosen)
+                      p["uniform"], mask_index, reference.pack_bitmask(allowed), token, chosen)
         probs = np.full((batch, vocab), np.nan, np.float32)
-        kernels[softmax.NAME](logits, p["temperature"], probs)
+        kernels[softmax.NAME](masked, p["temperature"], probs)
         if renorm:
             out = np.full((batch, vocab), np.nan, np.float32)
             kernels[renormalize.NAME](probs, p["top_k"], p["top_p"], p["min_p"], out)

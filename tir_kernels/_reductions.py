@@ -199,7 +199,7 @@ def _lane_total(lanes, out):
 
 
 @T.macro
-def _softmax_chunk(x, r, vocab, base, steps, tail, c, scale2, store, sr, shifts, lanes, part, mx, run):
+def _softmax_chunk(x, r, value, vocab, base, steps, tail, c, scale2, store, sr, shifts, lanes, part, mx, run):
     # Values base .. base + steps * w + tail - 1 of row r (w = _SOFTMAX_WORD): raise the running maximum run[0] to
     # the chunk's (rescaling the lanes' partial sums), record it in shifts[c], add the chunk's exps against it to the
     # lanes (summed in ``part`` first) and store them to store[sr, :] unless store is None.
@@ -207,9 +207,9 @@ def _softmax_chunk(x, r, vocab, base, steps, tail, c, scale2, store, sr, shifts,
         mx[l] = neg_inf()
     for s in range(steps):
         for l in T.vectorized(_SOFTMAX_WORD):
-            mx[l] = T.max(mx[l], x[r, base + s * _SOFTMAX_WORD + l])
+            mx[l] = T.max(mx[l], value(base + s * _SOFTMAX_WORD + l))
     for t in range(tail):
-        mx[0] = T.max(mx[0], x[r, base + steps * _SOFTMAX_WORD + t])
+        mx[0] = T.max(mx[0], value(base + steps * _SOFTMAX_WORD + t))
     if _SOFTMAX_WORD == 32:
         for l in T.vectorized(16):
             mx[l] = T.max(mx[l], mx[l + 16])
@@ -233,12 +233,12 @@ def _softmax_chunk(x, r, vocab, base, steps, tail, c, scale2, store, sr, shifts,
             prefetch(x, r, T.min(base + CPU_CHUNK + s * _SOFTMAX_WORD, vocab - 1))
             prefetch(x, r, T.min(base + CPU_CHUNK + s * _SOFTMAX_WORD + 16, vocab - 1))
             for l in T.vectorized(_SOFTMAX_WORD):
-                e: T.let = exp2_nonpositive((x[r, base + s * _SOFTMAX_WORD + l] - shift) * scale2)
+                e: T.let = exp2_nonpositive((value(base + s * _SOFTMAX_WORD + l) - shift) * scale2)
                 if store is not None:
                     store[sr, base + s * _SOFTMAX_WORD + l] = e
                 part[l] = part[l] + e
         for t in range(tail):
-            e: T.let = exp2_nonpositive((x[r, base + steps * _SOFTMAX_WORD + t] - shift) * scale2)
+            e: T.let = exp2_nonpositive((value(base + steps * _SOFTMAX_WORD + t) - shift) * scale2)
             if store is not None:
                 store[sr, base + steps * _SOFTMAX_WORD + t] = e
             part[0] = part[0] + e
@@ -250,8 +250,9 @@ def _softmax_chunk(x, r, vocab, base, steps, tail, c, scale2, store, sr, shifts,
 
 
 @T.macro
-def cpu_row_softmax_pass(x, r, vocab, scale2, store, sr, shifts, lanes, part, mx, run, out):
-    """One pass over row r of x (online maximum, chunk by chunk)::
+def cpu_row_softmax_pass(x, r, value, vocab, scale2, store, sr, shifts, lanes, part, mx, run, out):
+    """One pass over row r of x, read as value(i) (x[r, i], or a masked reading of it; x[r, :] is prefetched ahead of
+    the reads), online maximum, chunk by chunk::
 
         run[0] = max(x[r, :vocab])
         for each chunk c of CPU_CHUNK values (the last one partial, possibly empty):
@@ -267,9 +268,9 @@ def cpu_row_softmax_pass(x, r, vocab, scale2, store, sr, shifts, lanes, part, mx
         lanes[l] = T.float32(0)
     run[0] = neg_inf()
     for c in range(vocab // CPU_CHUNK):
-        _softmax_chunk(x, r, vocab, c * CPU_CHUNK, CPU_CHUNK // _SOFTMAX_WORD, 0, c, scale2, store, sr, shifts,
+        _softmax_chunk(x, r, value, vocab, c * CPU_CHUNK, CPU_CHUNK // _SOFTMAX_WORD, 0, c, scale2, store, sr, shifts,
                        lanes, part, mx, run)
-    _softmax_chunk(x, r, vocab, vocab // CPU_CHUNK * CPU_CHUNK, vocab % CPU_CHUNK // _SOFTMAX_WORD,
+    _softmax_chunk(x, r, value, vocab, vocab // CPU_CHUNK * CPU_CHUNK, vocab % CPU_CHUNK // _SOFTMAX_WORD,
                    vocab % _SOFTMAX_WORD, vocab // CPU_CHUNK, scale2, store, sr, shifts, lanes, part, mx, run)
     _lane_total(lanes, out)
 

@@ -44,12 +44,13 @@ from ._common import is_cpu, max_threads, neg_inf
 from ._reductions import (
     CPU_CHUNK,
     CPU_WORD,
-    cpu_first_index_of,
     cpu_rescale_chunks,
-    cpu_row_max,
+    cpu_row_fold,
     cpu_row_softmax_pass,
     exp2_scale,
     inverse_temperature,
+    maximum,
+    minimum,
     safe_shift,
 )
 from .softmax import gpu_row_stats, inverse_sum, probability
@@ -67,6 +68,31 @@ def _kept(x: tirx.PrimExpr, lo: tirx.PrimExpr, mass: tirx.PrimExpr) -> tirx.Prim
 
 
 Value = Callable[["tirx.PrimExpr"], "tirx.PrimExpr"]
+
+
+def _allowed(bitmask: tirx.Buffer, m: tirx.PrimExpr, i: tirx.PrimExpr) -> tirx.PrimExpr:
+    """Bit i of mask row m: token i allowed (floordiv/floormod, so that a 32-lane step reads one word)."""
+    return T.bitwise_and(T.shift_right(bitmask[m, i // 32], i % 32), 1) == 1
+
+
+def _index_if(value: Value, target: tirx.PrimExpr, none: tirx.PrimExpr) -> Value:
+    """i where value(i) == target, else ``none`` (the first index is their minimum)."""
+    return lambda i: T.Select(value(i) == target, i, none)
+
+
+def _logit(logits: tirx.Buffer, r: tirx.PrimExpr) -> Value:
+    return lambda i: logits[r, i]
+
+
+def _masked_logit(logits: tirx.Buffer, r: tirx.PrimExpr, bitmask: tirx.Buffer, m: tirx.PrimExpr) -> Value:
+    """Row r's logit, -inf where mask row m disallows the token (``apply_bitmask_inplace``'s formula)."""
+    return lambda i: T.Select(_allowed(bitmask, m, i), logits[r, i], neg_inf())
+
+
+def _gpu_logit(logits: tirx.Buffer, r: tirx.PrimExpr, bitmask: tirx.Buffer, m: tirx.PrimExpr,
+               on: tirx.PrimExpr) -> Value:
+    """The GPU's reading of row r: masked by row m where ``on`` (``if_then_else``: the mask is not read otherwise)."""
+    return lambda i: T.if_then_else(on, T.Select(_allowed(bitmask, m, i), logits[r, i], neg_inf()), logits[r, i])
 
 
 # Per-token values for the row macros (callables i -> PrimExpr, built at parse time from the row's scalars).
@@ -103,69 +129,83 @@ def _cpu_rows() -> Callable[..., None]:
     w = CPU_WORD
 
     @T.macro
-    def rows(batch, vocab, logits, temperature, top_k, top_p, min_p, renorm, uniform, token, chosen):
-        for r in T.parallel(batch):
-            lanes = T.alloc_buffer((w,), "float32", scope="global")
-            block = T.alloc_buffer((w,), "float32", scope="global")
-            index_lanes = T.alloc_buffer((w,), "int32", scope="global")
-            index_block = T.alloc_buffer((w,), "int32", scope="global")
-            row_max = T.alloc_buffer((1,), "float32", scope="global")
-            row_sum = T.alloc_buffer((1,), "float32", scope="global")
-            hot = T.alloc_buffer((1,), "int32", scope="global")
-            exps = T.alloc_buffer((1, vocab), "float32", scope="global")  # the row's exps (a workspace, in cache)
-            part = T.alloc_buffer((w,), "float32", scope="global")
-            mx = T.alloc_buffer((w,), "float32", scope="global")
-            run = T.alloc_buffer((2,), "float32", scope="global")
-            shifts = T.alloc_buffer((vocab // CPU_CHUNK + 1,), "float32", scope="global")
-            bmax = T.alloc_buffer((renormalize.CPU_MAX_BLOCKS,), "int32", scope="local")
-            gmax = T.alloc_buffer((renormalize.CPU_GROUPS,), "int32", scope="local")
-            cand = T.alloc_buffer((renormalize.CPU_LIST_SIZE,), "float32", scope="local")
-            cidx = T.alloc_buffer((renormalize.CPU_LIST_SIZE,), "int32", scope="local")
-            picked = T.alloc_buffer((1,), "float32", scope="global")
-            st = T.alloc_buffer((9,), "int32", scope="global")
-            ms = T.alloc_buffer((2,), "float32", scope="global")
-            pos = T.alloc_buffer((3,), "int32", scope="local")
-            if temperature[r] == T.float32(0):
-                cpu_row_max(logits, r, vocab, lanes, block, row_max)
-                if row_max[0] == neg_inf():
-                    token[r] = -1
-                    chosen[r] = T.float32(0)
-                else:
-                    cpu_first_index_of(logits, r, vocab, row_max[0], index_lanes, index_block, hot)
-                    token[r] = hot[0]
-                    chosen[r] = T.float32(1)
+    def row(r, vocab, value, logits, temperature, top_k, top_p, min_p, renorm, uniform, token, chosen):
+        # row r, reading its logits through value(i) (masked or not)
+        lanes = T.alloc_buffer((w,), "float32", scope="global")
+        block = T.alloc_buffer((w,), "float32", scope="global")
+        index_lanes = T.alloc_buffer((w,), "int32", scope="global")
+        index_block = T.alloc_buffer((w,), "int32", scope="global")
+        row_max = T.alloc_buffer((1,), "float32", scope="global")
+        row_sum = T.alloc_buffer((1,), "float32", scope="global")
+        hot = T.alloc_buffer((1,), "int32", scope="global")
+        exps = T.alloc_buffer((1, vocab), "float32", scope="global")  # the row's exps (a workspace, in cache)
+        part = T.alloc_buffer((w,), "float32", scope="global")
+        mx = T.alloc_buffer((w,), "float32", scope="global")
+        run = T.alloc_buffer((2,), "float32", scope="global")
+        shifts = T.alloc_buffer((vocab // CPU_CHUNK + 1,), "float32", scope="global")
+        bmax = T.alloc_buffer((renormalize.CPU_MAX_BLOCKS,), "int32", scope="local")
+        gmax = T.alloc_buffer((renormalize.CPU_GROUPS,), "int32", scope="local")
+        cand = T.alloc_buffer((renormalize.CPU_LIST_SIZE,), "float32", scope="local")
+        cidx = T.alloc_buffer((renormalize.CPU_LIST_SIZE,), "int32", scope="local")
+        picked = T.alloc_buffer((1,), "float32", scope="global")
+        st = T.alloc_buffer((9,), "int32", scope="global")
+        ms = T.alloc_buffer((2,), "float32", scope="global")
+        pos = T.alloc_buffer((3,), "int32", scope="local")
+        if temperature[r] == T.float32(0):
+            cpu_row_fold(vocab, neg_inf(), maximum, value, None, r, lanes, block, row_max)
+            if row_max[0] == neg_inf():
+                token[r] = -1
+                chosen[r] = T.float32(0)
             else:
-                # the staged softmax's exps, in one pass that reads the logits from memory, into the scratch row
-                scale2: T.let = exp2_scale(temperature[r])
-                cpu_row_softmax_pass(logits, r, vocab, scale2, exps, 0, shifts, lanes, part, mx, run, row_sum)
-                if run[0] == neg_inf():  # every token masked
-                    token[r] = -1
-                    chosen[r] = T.float32(0)
-                else:
-                    cpu_rescale_chunks(exps, 0, vocab, scale2, shifts, run[0])
-                    inv: T.let = inverse_sum(row_sum[0])
-                    if renorm[r] != 0:
-                        threshold(_scaled(exps, inv), vocab, top_k[r], top_p[r], min_p[r], bmax, gmax, cand, cidx, st,
-                                  ms)
-                        lo: T.let = st[0]
-                        mass: T.let = ms[0]
-                        if st[7] == 1:
-                            # every kept value is on the candidate list: draw from it, not from the row
-                            sample_list(cand, cidx, st[8], _rescale(lo, mass), vocab,
-                                        uniform[r], pos, picked)
-                            token[r] = pos[1]
-                            chosen[r] = picked[0]
-                        else:
-                            bv: T.let = renormalize.cpu_block_steps(vocab // w)
-                            sample_row(_kept_of(_scaled(exps, inv), lo, mass), vocab, uniform[r], _live(bmax, bv, lo),
-                                       pos)
-                            token[r] = pos[1]
-                            chosen[r] = T.Select(pos[1] >= 0, _kept_of(_scaled(exps, inv), lo, mass)(T.max(pos[1], 0)),
-                                                 T.float32(0))
-                    else:
-                        sample_row(_scaled(exps, inv), vocab, uniform[r], None, pos)
+                cpu_row_fold(vocab, vocab, minimum, _index_if(value, row_max[0], vocab), None, r, index_lanes,
+                             index_block, hot)
+                token[r] = hot[0]
+                chosen[r] = T.float32(1)
+        else:
+            # the staged softmax's exps, in one pass that reads the logits from memory, into the scratch row
+            scale2: T.let = exp2_scale(temperature[r])
+            cpu_row_softmax_pass(logits, r, value, vocab, scale2, exps, 0, shifts, lanes, part, mx, run, row_sum)
+            if run[0] == neg_inf():  # every token masked
+                token[r] = -1
+                chosen[r] = T.float32(0)
+            else:
+                cpu_rescale_chunks(exps, 0, vocab, scale2, shifts, run[0])
+                inv: T.let = inverse_sum(row_sum[0])
+                if renorm[r] != 0:
+                    threshold(_scaled(exps, inv), vocab, top_k[r], top_p[r], min_p[r], bmax, gmax, cand, cidx, st,
+                              ms)
+                    lo: T.let = st[0]
+                    mass: T.let = ms[0]
+                    if st[7] == 1:
+                        # every kept value is on the candidate list: draw from it, not from the row
+                        sample_list(cand, cidx, st[8], _rescale(lo, mass), vocab,
+                                    uniform[r], pos, picked)
                         token[r] = pos[1]
-                        chosen[r] = T.Select(pos[1] >= 0, _scaled(exps, inv)(T.max(pos[1], 0)), T.float32(0))
+                        chosen[r] = picked[0]
+                    else:
+                        bv: T.let = renormalize.cpu_block_steps(vocab // w)
+                        sample_row(_kept_of(_scaled(exps, inv), lo, mass), vocab, uniform[r], _live(bmax, bv, lo),
+                                   pos)
+                        token[r] = pos[1]
+                        chosen[r] = T.Select(pos[1] >= 0, _kept_of(_scaled(exps, inv), lo, mass)(T.max(pos[1], 0)),
+                                             T.float32(0))
+                else:
+                    sample_row(_scaled(exps, inv), vocab, uniform[r], None, pos)
+                    token[r] = pos[1]
+                    chosen[r] = T.Select(pos[1] >= 0, _scaled(exps, inv)(T.max(pos[1], 0)), T.float32(0))
+
+    @T.macro
+    def rows(batch, vocab, logits, temperature, top_k, top_p, min_p, renorm, uniform, mask_index, bitmask, token,
+             chosen):
+        num_masks: T.let = bitmask.shape[0]
+        for r in T.parallel(batch):
+            m: T.let = mask_index[r]
+            if m >= 0 and m < num_masks and bitmask.shape[1] * 32 >= vocab:
+                row(r, vocab, _masked_logit(logits, r, bitmask, m), logits, temperature, top_k, top_p, min_p, renorm,
+                    uniform, token, chosen)
+            else:
+                row(r, vocab, _logit(logits, r), logits, temperature, top_k, top_p, min_p, renorm, uniform, token,
+                    chosen)
 
     return rows
 
@@ -176,16 +216,22 @@ def _gpu_rows(threads: int, uniform_loops: bool) -> Callable[..., None]:
     sample_row = multinomial.gpu_row_macro(threads)
 
     @T.macro
-    def rows(batch, vocab, logits, temperature, top_k, top_p, min_p, renorm, uniform, token, chosen):
+    def rows(batch, vocab, logits, temperature, top_k, top_p, min_p, renorm, uniform, mask_index, bitmask, token,
+             chosen):
         for r in T.thread_binding(batch, thread="blockIdx.x"):
             for tx in T.thread_binding(threads, thread="threadIdx.x"):
+                # the mask row and whether it applies, branch-free (the passes below hold barriers); a row without a
+                # valid mask never reads the bitmask
+                m: T.let = mask_index[r]
+                masked: T.let = m >= 0 and m < bitmask.shape[0] and bitmask.shape[1] * 32 >= vocab
                 row_max = T.alloc_buffer((1,), "float32", scope="local")
                 row_sum = T.alloc_buffer((1,), "float32", scope="local")
                 hot = T.alloc_buffer((1,), "int32", scope="local")
                 st = T.alloc_buffer((5,), "int32", scope="local")
                 ms = T.alloc_buffer((2,), "float32", scope="local")
                 # the staged softmax's statistics, then its probability formula wherever a pass reads the row
-                gpu_row_stats(logits, r, vocab, temperature[r], tx, threads, row_max, row_sum, hot)
+                gpu_row_stats(_gpu_logit(logits, r, bitmask, T.Select(masked, m, 0), masked), vocab, temperature[r],
+                              tx, threads, row_max, row_sum, hot)
                 shift: T.let = safe_shift(row_max[0])
                 scale: T.let = inverse_temperature(temperature[r])
                 greedy: T.let = temperature[r] == T.float32(0)
@@ -193,13 +239,15 @@ def _gpu_rows(threads: int, uniform_loops: bool) -> Callable[..., None]:
                 # rows the staged path would not renormalize run the threshold search with every filter off (one
                 # pass; barriers must stay in uniform control flow) and sample from the softmax itself
                 on: T.let = renorm[r] != 0
-                threshold(probability(logits, r, greedy, hot[0], shift, scale, inv), vocab, tx,
+                row: T.let = T.Select(masked, m, 0)
+                threshold(probability(_gpu_logit(logits, r, bitmask, row, masked), greedy, hot[0], shift, scale, inv),
+                          vocab, tx,
                           T.Select(on, top_k[r], 0), T.Select(on, top_p[r], T.float32(1)),
                           T.Select(on, min_p[r], T.float32(0)), st, ms)
                 lo: T.let = st[0]
                 mass: T.let = ms[0]
-                sample_row(_sampled(probability(logits, r, greedy, hot[0], shift, scale, inv), on, lo, mass), vocab,
-                           uniform[r], tx, token, chosen, r)
+                sample_row(_sampled(probability(_gpu_logit(logits, r, bitmask, row, masked), greedy, hot[0], shift,
+                                                scale, inv), on, lo, mass), vocab, uniform[r], tx, token, chosen, r)
 
     return rows
 
@@ -208,9 +256,9 @@ def _kernel(rows: Callable[..., None]) -> tirx.PrimFunc:
     @T.prim_func
     def sample_from_logits(var_logits: T.handle, var_temperature: T.handle, var_top_k: T.handle,
                            var_top_p: T.handle, var_min_p: T.handle, var_renorm: T.handle, var_uniform: T.handle,
-                           var_token: T.handle, var_chosen: T.handle):
+                           var_mask_index: T.handle, var_bitmask: T.handle, var_token: T.handle, var_chosen: T.handle):
         T.func_attr({"tirx.noalias": True})
-        batch, vocab = T.int32(), T.int32()
+        batch, vocab, num_masks, num_words = T.int32(), T.int32(), T.int32(), T.int32()
         logits = T.match_buffer(var_logits, (batch, vocab), "float32")
         temperature = T.match_buffer(var_temperature, (batch,), "float32")
         top_k = T.match_buffer(var_top_k, (batch,), "int32")
@@ -218,9 +266,12 @@ def _kernel(rows: Callable[..., None]) -> tirx.PrimFunc:
         min_p = T.match_buffer(var_min_p, (batch,), "float32")
         renorm = T.match_buffer(var_renorm, (batch,), "int32")
         uniform = T.match_buffer(var_uniform, (batch,), "float32")
+        mask_index = T.match_buffer(var_mask_index, (batch,), "int32")
+        bitmask = T.match_buffer(var_bitmask, (num_masks, num_words), "int32")
         token = T.match_buffer(var_token, (batch,), "int32")
         chosen = T.match_buffer(var_chosen, (batch,), "float32")
-        rows(batch, vocab, logits, temperature, top_k, top_p, min_p, renorm, uniform, token, chosen)
+        rows(batch, vocab, logits, temperature, top_k, top_p, min_p, renorm, uniform, mask_index, bitmask, token,
+             chosen)
     return sample_from_logits
 
 

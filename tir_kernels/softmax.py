@@ -40,18 +40,21 @@ from ._common import is_cpu, max_threads, neg_inf
 from ._reductions import (
     CPU_CHUNK,
     CPU_WORD,
+    INT32_MAX,
+    add,
     cpu_first_index_of,
     cpu_rescale_chunks,
     cpu_row_map,
     cpu_row_max,
     cpu_row_softmax_pass,
     exp2_scale,
-    gpu_first_index_of,
+    gpu_row_fold,
     gpu_row_map,
-    gpu_row_max,
-    gpu_row_sum_exp,
     guarded_exp,
     inverse_temperature,
+    maximum,
+    minimum,
+    row_of,
     safe_shift,
     shifted_exp,
 )
@@ -84,11 +87,24 @@ def _scaled(buf: tirx.Buffer, r: tirx.PrimExpr, factor: tirx.PrimExpr) -> Callab
     return lambda v: buf[r, v] * factor
 
 
-def probability(logits: tirx.Buffer, r: tirx.PrimExpr, greedy: tirx.PrimExpr, hot: tirx.PrimExpr,
-                 shift: tirx.PrimExpr, scale: tirx.PrimExpr,
-                 inv_sum: tirx.PrimExpr) -> Callable[[tirx.PrimExpr], tirx.PrimExpr]:
-    """The whole formula in one pass (GPU): one-hot when greedy, else the exp recomputed and scaled by 1 / sum."""
-    return lambda v: T.Select(greedy, _one_hot(v, hot), shifted_exp(logits[r, v], shift, scale, guarded_exp) * inv_sum)
+def probability(value: Callable[[tirx.PrimExpr], tirx.PrimExpr], greedy: tirx.PrimExpr, hot: tirx.PrimExpr,
+                shift: tirx.PrimExpr, scale: tirx.PrimExpr,
+                inv_sum: tirx.PrimExpr) -> Callable[[tirx.PrimExpr], tirx.PrimExpr]:
+    """The whole formula in one pass (GPU), on the row read as value(v): one-hot when greedy, else the exp
+    recomputed and scaled by 1 / sum."""
+    return lambda v: T.Select(greedy, _one_hot(v, hot), shifted_exp(value(v), shift, scale, guarded_exp) * inv_sum)
+
+
+def _numerator(value: Callable[[tirx.PrimExpr], tirx.PrimExpr], shift: tirx.PrimExpr,
+               scale: tirx.PrimExpr) -> Callable[[tirx.PrimExpr], tirx.PrimExpr]:
+    """The GPU softmax numerator of value(v)."""
+    return lambda v: shifted_exp(value(v), shift, scale, guarded_exp)
+
+
+def _first_of(value: Callable[[tirx.PrimExpr], tirx.PrimExpr], target: tirx.PrimExpr,
+              none: tirx.PrimExpr) -> Callable[[tirx.PrimExpr], tirx.PrimExpr]:
+    """v where value(v) == target, else ``none`` (the first index is their minimum)."""
+    return lambda v: T.Select(value(v) == target, v, none)
 
 
 def _cpu() -> tirx.PrimFunc:
@@ -121,7 +137,8 @@ def _cpu() -> tirx.PrimFunc:
             else:
                 # exps into probs in one pass (zeros for a row of only -inf), then scaled by 1 / sum
                 scale2: T.let = exp2_scale(temperature[r])
-                cpu_row_softmax_pass(logits, r, vocab, scale2, probs, r, shifts, lanes, part, mx, run, row_sum)
+                cpu_row_softmax_pass(logits, r, row_of(logits, r), vocab, scale2, probs, r, shifts, lanes, part, mx,
+                                     run, row_sum)
                 cpu_rescale_chunks(probs, r, vocab, scale2, shifts, run[0])
                 inv_sum: T.let = inverse_sum(row_sum[0])
                 cpu_row_map(probs, r, vocab, _scaled(probs, r, inv_sum))
@@ -129,16 +146,17 @@ def _cpu() -> tirx.PrimFunc:
 
 
 @T.macro
-def gpu_row_stats(logits, r, vocab, t, tx, threads, row_max, row_sum, hot):
-    """One block per row, at temperature t: row_max[0] = the row's maximum, row_sum[0] = the sum of its softmax
-    numerators, hot[0] = the first index of the maximum when greedy (t = 0) on a row with a finite maximum, else
-    vocab (no token). The results are local (1,) buffers every thread of the block reads."""
+def gpu_row_stats(value, vocab, t, tx, threads, row_max, row_sum, hot):
+    """One block per row, reading it as value(v), at temperature t: row_max[0] = the row's maximum, row_sum[0] = the
+    sum of its softmax numerators, hot[0] = the first index of the maximum when greedy (t = 0) on a row with a finite
+    maximum, else vocab (no token). The results are local (1,) buffers every thread of the block reads."""
     part = T.alloc_buffer((1,), "float32", scope="local")
     index_part = T.alloc_buffer((1,), "int32", scope="local")
-    gpu_row_max(logits, r, vocab, tx, threads, part, row_max)
-    gpu_row_sum_exp(logits, r, vocab, safe_shift(row_max[0]), inverse_temperature(t), tx, threads, part, row_sum)
-    gpu_first_index_of(logits, r, vocab, row_max[0], t == T.float32(0) and row_max[0] != neg_inf(), tx, threads,
-                       index_part, hot)
+    gpu_row_fold(vocab, tx, threads, neg_inf(), neg_inf(), maximum, value, True, part, row_max)
+    gpu_row_fold(vocab, tx, threads, T.float32(0), T.float32(0), add,
+                 _numerator(value, safe_shift(row_max[0]), inverse_temperature(t)), True, part, row_sum)
+    gpu_row_fold(vocab, tx, threads, vocab, T.int32(INT32_MAX), minimum, _first_of(value, row_max[0], vocab),
+                 t == T.float32(0) and row_max[0] != neg_inf(), index_part, hot)
 
 
 def _gpu(threads: int) -> tirx.PrimFunc:
@@ -154,13 +172,13 @@ def _gpu(threads: int) -> tirx.PrimFunc:
                 row_max = T.alloc_buffer((1,), "float32", scope="local")
                 row_sum = T.alloc_buffer((1,), "float32", scope="local")
                 hot = T.alloc_buffer((1,), "int32", scope="local")
-                gpu_row_stats(logits, bx, vocab, temperature[bx], tx, threads, row_max, row_sum, hot)
+                gpu_row_stats(row_of(logits, bx), vocab, temperature[bx], tx, threads, row_max, row_sum, hot)
                 shift: T.let = safe_shift(row_max[0])
                 scale: T.let = inverse_temperature(temperature[bx])
                 greedy: T.let = temperature[bx] == T.float32(0)
                 inv_sum: T.let = inverse_sum(row_sum[0])
                 gpu_row_map(probs, bx, vocab, tx, threads,
-                            probability(logits, bx, greedy, hot[0], shift, scale, inv_sum))
+                            probability(row_of(logits, bx), greedy, hot[0], shift, scale, inv_sum))
     return softmax_with_temperature
 
 
