@@ -3,9 +3,10 @@
 ``inplace_update_logits`` (bias -> penalties; the masks are filled but deferred), then ``Sampler.sample_from_logits``
 (the masks, temperature softmax, min-p, top-k, top-p and the draw fused in one kernel, no probabilities written);
 each row with its own request's config (temperature 0 is greedy). Only when a row asks for processed top-n logprobs
-does the step compute the probabilities: ``compute_probs_from_logits`` -> ``Sampler.renormalize`` -> ``Sampler.sample`` (the same tokens with
-the same seeds). Raw logprobs, when a row asks for them, read a copy of the logits taken first. Rows whose logits
-hold NaN or +inf are flagged (``SampleResult.non_finite_logits``, token -1) rather than sampled.
+does the step compute the probabilities: ``compute_probs_from_logits`` -> ``Sampler.renormalize`` ->
+``Sampler.sample`` (the same tokens with the same seeds). Raw logprobs, when a row asks for them, read a copy of the
+logits taken first. Rows whose logits hold NaN or +inf are flagged (``SampleResult.non_finite_logits``, token -1)
+rather than sampled.
 """
 
 from __future__ import annotations
