@@ -65,14 +65,15 @@ def make_states(configs: Sequence[GenerationConfig], sources: Sequence[list[obje
     return states
 
 
-def run_steps(proc, sampler, states: list[RequestState], fused: bool, steps: int, seed: int):
-    """``steps`` decoding steps; each step's tokens are appended (the penalties see them). Returns every result."""
+def run_steps(proc, sampler, states: list[RequestState], fused: bool, steps: int, seed: int, defer: bool = False):
+    """``steps`` decoding steps; each step's tokens are appended (the penalties see them). Returns every result.
+    ``defer``: the processor leaves the masks to the sampler (the engine's way; the staged path applies them)."""
     results = []
     for step in range(steps):
         logits = (np.random.default_rng(seed + step).standard_normal((len(states), V)) * 3).astype(np.float32)
         raw = logits.copy()
         batch = proc.batch(states)
-        proc.inplace_update_logits(logits, batch)
+        proc.inplace_update_logits(logits, batch, defer_masks=defer)
         if fused:
             result = sampler.sample_from_logits(logits, batch, raw_logits=raw)
         else:
@@ -85,15 +86,19 @@ def run_steps(proc, sampler, states: list[RequestState], fused: bool, steps: int
     return results
 
 
+@pytest.mark.parametrize(("fused", "defer"), [(True, False), (True, True), (False, True)],
+                         ids=["fused", "fused-reads-the-masks", "staged-after-deferring"])
 @pytest.mark.parametrize("with_masks", [False, True])
 @pytest.mark.parametrize("rows", [slice(0, 10), slice(1, 2), slice(0, 1), slice(3, 5)])
-def test_same_tokens_and_logprobs_as_the_staged_path(proc, sampler, with_masks, rows) -> None:
-    """Mixed batches (greedy, tiny temperature, top_p 1e-6, top_k 1, penalties, bias, masked rows) over 6 steps."""
+def test_same_tokens_and_logprobs_as_the_staged_path(proc, sampler, with_masks, rows, fused, defer) -> None:
+    """Mixed batches (greedy, tiny temperature, top_p 1e-6, top_k 1, penalties, bias, masked rows) over 6 steps;
+    masks applied by the processor, read by the fused kernel (deferred), or deferred and then applied by
+    compute_probs_from_logits."""
     configs = CONFIGS[rows]
     sources = SOURCES[rows] if with_masks else [[] for _ in configs]
     staged = run_steps(proc, sampler, make_states(configs, sources), False, 6, 100)
-    fused = run_steps(proc, sampler, make_states(configs, sources), True, 6, 100)
-    for a, b in zip(staged, fused, strict=True):
+    other = run_steps(proc, sampler, make_states(configs, sources), fused, 6, 100, defer)
+    for a, b in zip(staged, other, strict=True):
         np.testing.assert_array_equal(a.token_ids, b.token_ids)
         np.testing.assert_array_equal(a.no_valid_token, b.no_valid_token)
         np.testing.assert_array_equal(a.logprobs, b.logprobs)
@@ -106,7 +111,7 @@ def test_masked_tokens_are_never_sampled_and_a_fully_masked_row_gets_no_token(pr
               for s in range(16)]
     for step in range(5):
         logits = (np.random.default_rng(step).standard_normal((16, V)) * 3).astype(np.float32)
-        batch = proc.inplace_update_logits(logits, states)
+        batch = proc.inplace_update_logits(logits, states, defer_masks=step % 2 == 1)
         result = sampler.sample_from_logits(logits, batch)
         assert result.token_ids[0] == -1 and result.finish_reason(0) == "no_valid_token"
         assert set(result.token_ids[1:].tolist()) <= set(allowed)
