@@ -8,7 +8,9 @@ rows, temperature softmax, top-p 0.9, sampling. ``staged`` samples through ``com
 ``renormalize`` -> ``sample`` (each writing a [B, V] array), ``fused`` through ``Sampler.sample_from_logits`` (one
 kernel, what the engine runs unless a row asks for processed top-n logprobs); ``sampling`` columns time the sampling
 alone, from processed logits. All figures of a row come from one run of interleaved rounds (each round calls every
-contender once, in turn). ``memcpy`` copies the float32 [B, V] logits once (the floor of any full pass).
+contender once, in turn). ``memcpy`` copies the float32 [B, V] logits once (the floor of any full pass). Each step
+starts from fresh logits copied in before the clock starts (in the engine the model writes them; the copy costs one
+memcpy more); ``fused`` defers the masks to the sampling kernel as the engine does, ``staged`` applies them first.
 ``--host-overhead`` measures, with 1k and 32k output tokens per row, the Python/numpy work per step (everything but
 the kernels), to show that it does not grow with length, and each stage's kernel time.
 """
@@ -129,21 +131,30 @@ def fused_sampling(proc: LogitProcessor, sampler: Sampler, logits: np.ndarray, b
 def step(proc: LogitProcessor, sampler: Sampler, logits: np.ndarray, states: list[RequestState],
          sampling: Callable[..., np.ndarray] = fused_sampling) -> np.ndarray:
     batch = proc.batch(states)  # the step's rows, worked out once and handed to every stage (as the engine does)
-    proc.inplace_update_logits(logits, batch)
+    # as the engine does: the fused kernel reads the masks itself; the staged path applies them to the logits
+    proc.inplace_update_logits(logits, batch, defer_masks=sampling is fused_sampling)
     return sampling(proc, sampler, logits, batch)
 
 
-def interleaved_us(contenders: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
+Contender = Callable[[], object] | tuple[Callable[[], object], Callable[[], object]]
+
+
+def interleaved_us(contenders: dict[str, Contender], rounds: int) -> dict[str, float]:
     """Median wall time of each contender in microseconds over ``rounds`` rounds; each round calls every contender
-    once, starting one further along each time (so that load changes and cache effects fall on all alike)."""
+    once, starting one further along each time (so that load changes and cache effects fall on all alike). A
+    contender given as ``(setup, run)`` has ``setup`` called before the clock starts."""
     names = list(contenders)
     samples: dict[str, list[float]] = {name: [] for name in names}
+    pairs = {name: c if isinstance(c, tuple) else (lambda: None, c) for name, c in contenders.items()}
     for name in names:  # warm-up
-        contenders[name]()
+        pairs[name][0]()
+        pairs[name][1]()
     for i in range(rounds):
         for name in names[i % len(names):] + names[: i % len(names)]:
+            setup, run = pairs[name]
+            setup()
             start = time.perf_counter()
-            contenders[name]()
+            run()
             samples[name].append(time.perf_counter() - start)
     return {name: statistics.median(values) * 1e6 for name, values in samples.items()}
 
@@ -170,11 +181,9 @@ def bench_steps(args: argparse.Namespace, lib) -> None:
             proc.inplace_update_logits(processed, processed_batch)
 
             def full_step(sampling: Callable[..., np.ndarray], work=work, base=base, states=states, proc=proc,
-                          sampler=sampler) -> Callable[[], object]:
-                def run() -> None:
-                    np.copyto(work, base)  # fresh logits each step, as a model would produce (counted in ours)
-                    step(proc, sampler, work, states, sampling)
-                return run
+                          sampler=sampler) -> Contender:
+                # fresh logits before each step (the model's output; the copy is the memcpy column), then the step
+                return (lambda: np.copyto(work, base)), (lambda: step(proc, sampler, work, states, sampling))
 
             def sampling_only(sampling: Callable[..., np.ndarray], logits=processed, batch_=processed_batch,
                               proc=proc, sampler=sampler) -> Callable[[], object]:

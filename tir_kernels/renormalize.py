@@ -91,6 +91,9 @@ _MIN_BLOCK_STEPS = 4
 #: The CPU passes run on a list of candidates (the values at or above a lower bound of the threshold, found from the
 #: block maxima) when it holds at most this many values and comes from at most half of the blocks.
 _LIST_CAP = 8192
+#: The top-p list bound's search over the group maxima stops once its interval is at most this many bit patterns wide
+#: (2**21: a quarter of a binade).
+_BOUND_BITS = 1 << 21
 #: Size of the candidate scratch (``cand``) that the CPU row macros take.
 CPU_LIST_SIZE = _LIST_CAP + _CPU_WIDTH
 #: Size of the group-maxima scratch (``gmax``: the largest bits of each lane of each block) the CPU row macros take.
@@ -220,15 +223,18 @@ def cpu_row_macros() -> tuple[Callable[..., None], Callable[..., None]]:
         reduce_lanes(cnt, ssum, mn, mx)
 
     @T.macro
-    def scan_groups(nblk, bmax, gmax, mid, cnt, ssum, mn, mx):
-        # scan_blocks' sum over the group maxima (h per block), reading only the blocks whose maximum is >= mid:
-        # the others hold no group maximum >= mid, and their largest bits below mid are their block maximum
+    def scan_groups(nblk, bmax, gmax, mid, by_sum, cnt, ssum, mn, mx):
+        # scan_blocks over the group maxima (h per block), reading only the blocks whose maximum is >= mid: the
+        # others hold no group maximum >= mid, and their largest bits below mid are their block maximum
         init_lanes(cnt, ssum, mn, mx)
         for blk in range(nblk):
             if bmax[blk] >= mid:
                 for l in T.vectorized(h):
                     b: T.let = gmax[blk * h + l]
-                    ssum[l] = T.Select(b >= mid, ssum[l] + T.reinterpret("float32", b), ssum[l])
+                    if by_sum:
+                        ssum[l] = T.Select(b >= mid, ssum[l] + T.reinterpret("float32", b), ssum[l])
+                    else:
+                        cnt[l] = T.Select(b >= mid, cnt[l] + 1, cnt[l])
                     mn[l] = T.Select(b >= mid, T.min(mn[l], b), mn[l])
                     mx[l] = T.Select(b < mid, T.max(mx[l], b), mx[l])
             else:
@@ -393,9 +399,11 @@ def cpu_row_macros() -> tuple[Callable[..., None], Callable[..., None]]:
                 else:
                     st[6] = T.max(mx[0] + 1, st[5] + 1)
             st[6] = st[3] + 1
-            while p_alone and st[6] - st[5] > 1:
+            # (a lower bound is all the list needs: stop once the interval is within 2**-2 of a binade, a ratio of
+            # at most 1.19 between its ends, instead of closing it)
+            while p_alone and st[6] - st[5] > _BOUND_BITS:
                 mid: T.let = st[5] + (st[6] - st[5]) // 2
-                scan_groups(nblk, bmax, gmax, mid, cnt, ssum, mn, mx)
+                scan_groups(nblk, bmax, gmax, mid, True, cnt, ssum, mn, mx)
                 if ssum[0] >= top_p_r * ms[0]:
                     st[5] = T.min(mn[0], st[3])
                 else:
@@ -405,7 +413,7 @@ def cpu_row_macros() -> tuple[Callable[..., None], Callable[..., None]]:
             if k_on or top_p_r < T.float32(1) or st[4] == 0:
                 # short: few groups (top-p alone) or blocks (otherwise) hold a value >= lb
                 if p_alone:
-                    scan_blocks(nblk * h, gmax, lb, False, cnt, ssum, mn, mx)
+                    scan_groups(nblk, bmax, gmax, lb, False, cnt, ssum, mn, mx)
                 else:
                     scan_blocks(nblk, bmax, lb, False, cnt, ssum, mn, mx)
                 if (p_alone and cnt[0] * 2 <= _LIST_CAP) or (not p_alone and cnt[0] * 2 <= nblk):
