@@ -34,6 +34,7 @@ from logitproc.compile.model_compile import compile_model
 from logitproc.compile.targets import resolve_target
 from logitproc.compile.tiny_model import make_tiny_model
 from logitproc.serve.chat_template import ChatTemplate
+from logitproc.serve.cli_options import TINY_CONTEXT, tiny_model
 from logitproc.serve.compiled_model import CompiledModel
 from logitproc.serve.numpy_llama import NumpyLlama, NumpyRunner, apply_rope, rope_tables
 from logitproc.tir_kernels import KERNEL_FACTORIES
@@ -46,8 +47,9 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def tiny() -> GGUFModel:
-    return make_tiny_model()
+def tiny(tiny_model_compiled_by_cli) -> GGUFModel:
+    """``--model tiny``: its default build (``m16``) is the one the session's CLI fixture compiled."""
+    return tiny_model()
 
 
 @pytest.fixture(scope="module")
@@ -239,8 +241,8 @@ def test_bad_inputs_raise_clear_errors(m32, prompt) -> None:
         m32.popn(0, 1)
     with pytest.raises(ValueError, match="unknown parent_id"):
         m32.fork_sequence(9, 10)
-    with pytest.raises(ValueError, match="exceed the context length 512"):
-        m32.prefill([0], [[1] * 513])
+    with pytest.raises(ValueError, match=f"exceed the context length {TINY_CONTEXT}"):
+        m32.prefill([0], [[1] * (TINY_CONTEXT + 1)])
     assert m32.sequence_length(0) == 0  # nothing was appended by the failed calls
     small = CompiledModel(m32.directory, max_num_sequences=2, max_total_tokens=32)
     small.add_sequence(0)
@@ -269,7 +271,7 @@ def test_second_open_reuses_the_cached_build(tiny, m16, monkeypatch) -> None:
 
 
 def test_exported_directory_opens_as_model_and_kernel_library(m16, tmp_path: Path) -> None:
-    out = compile_model(make_tiny_model(), out=tmp_path / "export")
+    out = compile_model(tiny_model(), out=tmp_path / "export")  # a copy of the cached build
     library = KernelLibrary.load(out)
     assert library.module_file == "model.so" and len(library.kernel_names) == len(KERNEL_FACTORIES)
     assert set(library.prim_funcs()) == set(library.kernel_names)
@@ -296,7 +298,7 @@ def test_tokenizer_and_chat_template(m16, tiny) -> None:
     ids = m16.tokenizer.encode(text).ids
     assert m16.tokenizer.decode(ids, skip_special_tokens=False) == text
     assert m16.eos_token_ids == (2, 0)
-    assert m16.context_length == 512 and m16.max_num_sequences == 8 and m16.name == tiny.config.name
+    assert m16.context_length == TINY_CONTEXT and m16.max_num_sequences == 8 and m16.name == tiny.config.name
 
 
 # ---------------------------------------------------------------- linear kernels against numpy

@@ -1,34 +1,41 @@
 # fmt: off
-"""sample_from_logits: the temperature softmax, min-p / top-k / top-p and sampling of each row fused in one kernel.
+"""sample_from_logits: the bitmask, temperature softmax, min-p / top-k / top-p and sampling of each row in one kernel.
 
-Operation, with logits float32 ``[batch, vocab]``, temperature, top_p, min_p, uniform float32 ``[batch]``, top_k and
-renorm int32 ``[batch]``, token int32 ``[batch]`` and chosen_prob float32 ``[batch]`` (written); the numpy definition
-is ``reference.sample_from_logits``::
+Operation, with logits float32 ``[batch, vocab]``, temperature, top_p, min_p, uniform float32 ``[batch]``, top_k,
+renorm and mask_index int32 ``[batch]``, bitmask int32 ``[num_masks, num_words]`` (``num_masks >= 1``), token int32
+``[batch]`` and chosen_prob float32 ``[batch]`` (written); the numpy definition is ``reference.sample_from_logits``
+applied to the masked logits::
 
     for r in range(batch):
-        p = softmax_with_temperature(logits[r], temperature[r])          # one-hot at temperature 0, zeros if masked
+        x = logits[r]
+        m = mask_index[r]
+        if 0 <= m < num_masks and num_words * 32 >= vocab:             # else: no mask (-1, or a guard)
+            x = where(bit v % 32 of bitmask[m, v // 32] is set, x, -inf)  # apply_bitmask_inplace's rule
+        p = softmax_with_temperature(x, temperature[r])                # one-hot at temperature 0, zeros if masked
         if renorm[r]:
             p = renormalize_probs(p, top_k[r], top_p[r], min_p[r])
         token[r], chosen_prob[r] = multinomial_from_uniform(p, uniform[r])  # -1, 0 for a row of zeros
 
-Every step is the staged kernel's own formula on the same float32 values in the same order (the shared macros of
-``_reductions``, ``renormalize`` and ``multinomial``), so that with the same uniforms it picks the same tokens as
-``softmax_with_temperature`` -> ``renormalize_probs`` (where ``renorm``) -> ``multinomial_from_uniform``, on the same
-device; ``renorm`` says where the staged path would renormalize (the sampler does for every row of a batch in which
-any row filters). Greedy rows (temperature 0) are the first index of the row maximum; no probability array is
-written anywhere.
+The logits are not written. Every step is the staged kernel's own formula on the same float32 values in the same
+order (the shared macros of ``_reductions``, ``renormalize`` and ``multinomial``), so that with the same uniforms it
+picks the same tokens as ``apply_bitmask_inplace`` -> ``softmax_with_temperature`` -> ``renormalize_probs`` (where
+``renorm``) -> ``multinomial_from_uniform``, on the same device; ``renorm`` says where the staged path would
+renormalize (the sampler does for every row of a batch in which any row filters). Greedy rows (temperature 0) are
+the first index of the row maximum; no probability array is written anywhere.
 
-CPU: rows in parallel. Per row, one pass reads the logits from memory (the maximum); the exp pass (``fast_exp``) stores
-the row's exps in a per-thread scratch row (a workspace of ``vocab`` floats, reused row after row, so it stays in
-cache: L2, or L3 where the logits row and the exps row together exceed L2, as at vocab 128256 with 512 KB of L2),
-and every later pass reads that scratch: the probabilities are ``exp * (1 / sum)``, recomputed where read rather than
-stored. renormalize's threshold search runs on them as is: its first pass, then (usually) its candidate list, on
-which the searches run; when the list holds every kept value the draw runs on it too (``multinomial.sample_list``:
-the staged draw's additions, in its order, of the values it would find nonzero), so the row is not read again.
-Otherwise the sampling pass reads only the steps of blocks whose maximum is kept (the others add exact zeros to the
-staged kernel's sums).
+CPU: rows in parallel. Per row, one pass reads the logits from memory (``cpu_row_softmax_pass``: an online maximum
+per chunk of 1024 values, the exps against it, the next chunk prefetched) and stores the row's exps in a per-thread
+scratch row (a workspace of ``vocab`` floats, reused row after row, so it stays in cache); the chunks whose maximum
+was below the row's are then rescaled (``cpu_rescale_chunks``), and every later pass reads that scratch: the
+probabilities are ``exp * (1 / sum)``, recomputed where read rather than stored. renormalize's threshold search runs
+on them as is: its first pass, then (usually) its candidate list, on which the searches run; when the list holds
+every kept value the draw runs on it too (``multinomial.sample_list``: the staged draw's additions, in its order, of
+the values it would find nonzero), so the row is not read again. Otherwise the sampling pass reads only the steps of
+blocks whose maximum is kept (the others add exact zeros to the staged kernel's sums). A row with a valid mask runs
+the same macros reading ``where(allowed, x, -inf)``.
 GPU: one block per row; nothing is stored: each pass recomputes ``exp((x - max) * scale) * (1 / sum)`` from the
-logits (as the staged softmax's write pass does), then renormalize's and multinomial's block algorithms run on it.
+logits (as the staged softmax's write pass does; masked through ``if_then_else``, so an unmasked row never reads the
+bitmask), then renormalize's and multinomial's block algorithms run on it.
 """
 
 from __future__ import annotations

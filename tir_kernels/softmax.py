@@ -20,9 +20,11 @@ its tied maxima (the limit t -> 0+). Numerically stable for any vocab (the max i
 accumulated in float32 over many partials (CPU: 64 lanes, each adding blocks of 1024 tokens into the row total; GPU:
 one partial per thread, then a tree), within a few 1e-7 of the exact sum at vocab 262144.
 
-CPU: rows in parallel; per row a max pass (reads the row from memory), an exp pass (fast_exp) that writes the exps to
-probs and sums them, and a scale pass over probs (the rows are hot in L2, or L3 where a logits row and a probs row
-together exceed L2). Greedy rows replace the exp and scale passes by a first-index-of-max pass and a one-hot write.
+CPU: rows in parallel; per row one pass reads the logits from memory (``cpu_row_softmax_pass``: an online maximum
+per chunk of 1024 values, exps ``2**((x - running max) * log2(e) / t)`` written to probs and summed), then the chunks
+whose running maximum was below the row's are rescaled and a scale pass multiplies by 1 / sum (the rows are hot in
+L2). Greedy rows take a max pass, a first-index-of-max pass and a one-hot write instead. The exps and sums are those
+of ``sample_from_logits``, which runs the same macros.
 GPU: one block per row, threads striding over the vocabulary, block allreduces for the max, the sum and (at
 temperature 0) the first index of the max; the exps are recomputed in the final write pass rather than stored and
 reloaded.
