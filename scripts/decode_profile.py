@@ -1,8 +1,8 @@
-"""Where one decode step (or a long prefill) of a CompiledModel goes: each packed function the VM calls (kernels,
-KV-cache builtins, VM builtins), timed with the VM's instrument, as calls per step and milliseconds per step (median
-call x calls; for a prefill, the sum over its chunks).
+"""Where one decode step (a verify forward of n tokens, or a long prefill) of a CompiledModel goes: each packed
+function the VM calls (kernels, KV-cache builtins, VM builtins), timed with the VM's instrument, as calls per step
+and milliseconds per step (median call x calls; for a prefill, the sum over its chunks).
 
-Used by ``scripts/bench_model.py --profile`` and ``--profile-prefill``.
+Used by ``scripts/bench_model.py --profile``, ``--profile-prefill`` and ``--profile-verify``.
 """
 
 from __future__ import annotations
