@@ -53,8 +53,9 @@ _PRIOR_ALPHA = (0.3, 0.5, 0.8)
 #: ``follow`` before anything was observed: a draft token after an accepted one (copies come in runs).
 _PRIOR_FOLLOW = 0.8
 _PRIOR_TRIED = 2.0
-#: Before a forward of n tokens was timed: seconds(n) = seconds(1) * (1 + _PRIOR_SLOPE * (n - 1)), on the cheap side
-#: (each further token about 0.4x a decode step here), so that a longer draft is tried once and then timed.
+#: Before a forward of n tokens was timed: seconds(n) = seconds(1) * (1 + _PRIOR_SLOPE * (n - 1)) (each further
+#: token 0.2-0.3x a decode step here with the packed Q4_1 matmuls; before anything is timed seconds(1) is 1: the plan
+#: only compares rates), so that drafts are checked from the first step and each length is timed once tried.
 _PRIOR_SLOPE = 0.25
 
 
