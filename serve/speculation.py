@@ -22,8 +22,8 @@ The plan (``SpeculationPlanner.plan``), each step, over the decoding sequences t
 
     first      = follow if running else alpha_for(n)               # chance the draft's first token is accepted
     tokens(k)  = 1 + first * sum(follow ** i for i in range(k))     # expected tokens committed by a verify of k
-    seconds(n) = the measured time of a forward of n tokens (decode and verify run the same matmul kernels;
-                 before one is timed, seconds(1) * (1 + _PRIOR_SLOPE * (n - 1)))
+    seconds(n) = seconds(1) + slope * (n - 1)   # a forward of n tokens (decode and verify run the same matmul
+                                                # kernels): medians of the recent timings (ForwardCosts)
     rate       = (tokens of every decoding sequence) / (seconds of the decode call + seconds of the verify call)
 
 Candidates are taken in order of ``first``, each with the ``k`` that does best, while the step's expected rate
@@ -33,6 +33,8 @@ improves on decoding them all (``adaptive=False``: every proposal is checked, at
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -57,6 +59,8 @@ _PRIOR_TRIED = 2.0
 #: token 0.2-0.3x a decode step here with the packed Q4_1 matmuls; before anything is timed seconds(1) is 1: the plan
 #: only compares rates), so that drafts are checked from the first step and each length is timed once tried.
 _PRIOR_SLOPE = 0.25
+#: Recent forward timings kept, of one token and of more (``ForwardCosts``).
+_TIMINGS = 16
 
 
 def _int_in(name: str, value: Any, low: int, high: int) -> int:
@@ -213,32 +217,40 @@ class Drafter:
 
 
 class ForwardCosts:
-    """Seconds of a model forward by its token count (decode of n sequences, or verify of n tokens), averaged."""
+    """Seconds of a model forward of n tokens (a decode of n sequences, or a verify of n tokens), as the line
+    ``seconds(1) + slope * (n - 1)``: ``seconds(1)`` the median of the recent forwards of one token, ``slope`` the
+    median of ``(seconds - seconds(1)) / (n - 1)`` over the recent forwards of more (medians: a forward slowed by
+    other work on the machine moves neither, and no token count is left with one bad timing that keeps the plan
+    from trying it again). Before those are timed: ``seconds(1)`` from the forwards of more tokens and the prior
+    slope, or 1 (the plan only compares rates), and ``slope = _PRIOR_SLOPE * seconds(1)``."""
 
     def __init__(self) -> None:
-        self._seconds: dict[int, float] = {}
+        self._one: deque[float] = deque(maxlen=_TIMINGS)
+        self._more: deque[tuple[int, float]] = deque(maxlen=_TIMINGS)
 
     def record(self, tokens: int, seconds: float) -> None:
-        if tokens > 0 and seconds > 0:
-            old = self._seconds.get(tokens)
-            self._seconds[tokens] = seconds if old is None else 0.7 * old + 0.3 * seconds
+        if tokens == 1 and seconds > 0:
+            self._one.append(seconds)
+        elif tokens > 1 and seconds > 0:
+            self._more.append((tokens, seconds))
+
+    def _line(self) -> tuple[float, float]:
+        """``(seconds(1), slope)``."""
+        if self._one:
+            base = statistics.median(self._one)
+        elif self._more:
+            base = statistics.median(t / (1 + _PRIOR_SLOPE * (n - 1)) for n, t in self._more)
+        else:
+            return 1.0, _PRIOR_SLOPE
+        if not self._one or not self._more:
+            return base, _PRIOR_SLOPE * base
+        return base, max(0.0, statistics.median((t - base) / (n - 1) for n, t in self._more))
 
     def seconds(self, tokens: int) -> float:
-        """Measured, else interpolated between the nearest measured counts, else extrapolated from seconds(1)."""
         if tokens <= 0:
             return 0.0
-        table = self._seconds
-        if tokens in table:
-            return table[tokens]
-        below = max((n for n in table if n < tokens), default=None)
-        above = min((n for n in table if n > tokens), default=None)
-        if below is not None and above is not None:
-            w = (tokens - below) / (above - below)
-            return (1 - w) * table[below] + w * table[above]
-        base = table.get(1, 1.0)
-        if below is not None:  # beyond the largest measured count: its time plus the prior slope
-            return table[below] + base * _PRIOR_SLOPE * (tokens - below)
-        return base * (1 + _PRIOR_SLOPE * (tokens - 1))
+        base, slope = self._line()
+        return base + slope * (tokens - 1)
 
 
 def expected_tokens(first: float, k: int, follow: float | None = None) -> float:

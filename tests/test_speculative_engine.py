@@ -223,6 +223,9 @@ def test_copies_are_drafted_in_runs() -> None:
     drafter.matched = 1
     assert drafter.running and drafter.alpha == pytest.approx(drafter.follow) and drafter.follow > 0.8
     assert len(planner.plan([Candidate("s", drafter, [7] * 5, 5)], 1, 100)["s"]) == 5
+    planner.costs.record(6, 0.200)  # one verify slowed by other work: the plan still checks full drafts
+    assert planner.costs.seconds(6) == pytest.approx(0.030)
+    assert len(planner.plan([Candidate("s", drafter, [7] * 5, 5)], 1, 100)["s"]) == 5
     drafter.record(5, 2)  # the copy ended after two tokens
     assert not drafter.running and drafter.alpha == pytest.approx(drafter.alpha_for(1))
     assert planner.plan([Candidate("s", drafter, [7] * 5, 5)], 1, 100) == {}
