@@ -10,13 +10,14 @@ its first token):
   matched suffix (a draft found by a 4-gram is usually a copy starting; one found by a single token often a guess);
 * ``follow``, the chance that a draft token is accepted when the token before it was (the copy goes on).
 
-While a copy is going on (``running``: the latest token equalled a draft token, or ended a draft accepted in full)
-the next draft's first token is itself a continuation, so it counts with ``follow``: after a full acceptance the
-next draft is checked at full length at once, whatever its suffix length. A verify of ``k`` drafts of which ``m``
-were accepted observes its first ``min(m + 1, k)`` positions (the first with ``alpha_for(n)``, or ``follow`` while
-running; the others with ``follow``), hits for the ``m`` accepted; a proposal that was not checked (the plan found
-it would not pay) is compared with the tokens that come next instead, so both keep being measured for free. Each
-estimate is a decayed count (weight ``_DECAY`` per observation) started from a prior worth two observations.
+While a copy is going on (``running``: the latest ``_RUN`` tokens or more equalled draft tokens, as after a draft of
+that many accepted in full) the next draft's first token is itself a continuation, so it counts with ``follow``:
+after a full acceptance the next draft is checked at full length at once, whatever its suffix length. A verify of
+``k`` drafts of which ``m`` were accepted observes its first ``min(m + 1, k)`` positions (the first with
+``alpha_for(n)``, or ``follow`` while running; the others with ``follow``), hits for the ``m`` accepted; a proposal
+that was not checked (the plan found it would not pay) is compared with the tokens that come next instead, so both
+keep being measured for free. Each estimate is a decayed count (weight ``_DECAY`` per observation) started from a
+prior worth two observations.
 
 The plan (``SpeculationPlanner.plan``), each step, over the decoding sequences that have a proposal::
 
@@ -59,6 +60,9 @@ _PRIOR_TRIED = 2.0
 #: token 0.2-0.3x a decode step here with the packed Q4_1 matmuls; before anything is timed seconds(1) is 1: the plan
 #: only compares rates), so that drafts are checked from the first step and each length is timed once tried.
 _PRIOR_SLOPE = 0.25
+#: Draft tokens accepted in a row that make a copy going on (``running``): one or two are often a common word or
+#: phrase met again in open text.
+_RUN = 3
 #: Recent forward timings kept, of one token and of more (``ForwardCosts``).
 _TIMINGS = 16
 
@@ -141,8 +145,14 @@ class Drafter:
         self._shadow_n = 0
         self._shadow_running = False
         self.matched = 0  # suffix length behind the latest proposal
-        #: the latest token continued a copy: it equalled a draft token, or ended a draft accepted in full
-        self.running = False
+        #: draft tokens accepted (or, unchecked, equalled) in a row up to the latest token
+        self.run = 0
+
+    @property
+    def running(self) -> bool:
+        """A copy is going on: the latest ``_RUN`` tokens or more equalled draft tokens (a draft accepted in full
+        ends that way)."""
+        return self.run >= _RUN
 
     def alpha_for(self, matched: int) -> float:
         """The estimated chance that the first token of a fresh draft found by a suffix of ``matched`` tokens is
@@ -175,7 +185,7 @@ class Drafter:
                 self._tried[matched - 1] = self._tried[matched - 1] * _DECAY + 1.0
         else:
             self._follow = [self._follow[0] * _DECAY + hit, self._follow[1] * _DECAY + 1.0]
-        self.running = hit
+        self.run = self.run + 1 if hit else 0
 
     def sync(self, state: RequestState) -> None:
         """Bring the index up to the state's tokens (O(new tokens); the whole index after a rollback), comparing
@@ -184,7 +194,7 @@ class Drafter:
             self.index.truncate(0)
             self.index.extend(state.prompt_token_ids)
             self.index.extend(state.output_token_ids)
-            self._epoch, self._shadow, self.running = state.rollback_epoch, [], False
+            self._epoch, self._shadow, self.run = state.rollback_epoch, [], 0
             return
         for token in state.output_token_ids[len(self.index) - self._prompt :]:
             if self._shadow:
@@ -198,7 +208,7 @@ class Drafter:
         """``k`` draft tokens (``NgramIndex.propose``); ``matched`` and ``alpha`` then describe them."""
         proposal, self.matched = self.index.propose_matched(k)
         if not proposal:
-            self.running = False  # nothing continues: a copy going on would have been found
+            self.run = 0  # nothing continues: a copy going on would have been found
         return proposal
 
     def shadow(self, proposal: list[int]) -> None:
@@ -212,7 +222,6 @@ class Drafter:
         running = self.running
         for i in range(min(accepted + 1, drafted)):
             self._observe(i == 0, self.matched, running, i < accepted)
-        self.running = accepted == drafted  # the copy goes on past a draft accepted in full
         self._shadow = []
 
 
