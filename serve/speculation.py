@@ -23,8 +23,8 @@ The plan (``SpeculationPlanner.plan``), each step, over the decoding sequences t
 
     first      = follow if running else alpha_for(n)               # chance the draft's first token is accepted
     tokens(k)  = 1 + first * sum(follow ** i for i in range(k))     # expected tokens committed by a verify of k
-    seconds(n) = seconds(1) + slope * (n - 1)   # a forward of n tokens (decode and verify run the same matmul
-                                                # kernels): medians of the recent timings (ForwardCosts)
+    seconds(n) = seconds(1) * (1 + slope * (n - 1))   # a forward of n tokens (decode and verify run the same
+                                                      # matmul kernels): medians of recent timings (ForwardCosts)
     rate       = (tokens of every decoding sequence) / (seconds of the decode call + seconds of the verify call)
 
 Candidates are taken in order of ``first``, each with the ``k`` that does best, while the step's expected rate
@@ -63,8 +63,10 @@ _PRIOR_SLOPE = 0.25
 #: Draft tokens accepted in a row that make a copy going on (``running``): one or two are often a common word or
 #: phrase met again in open text.
 _RUN = 3
-#: Recent forward timings kept, of one token and of more (``ForwardCosts``).
+#: Recent forward timings kept, of one token and of more, and the latest of one token that make ``seconds(1)``
+#: (``ForwardCosts``).
 _TIMINGS = 16
+_LATEST = 5
 
 
 def _int_in(name: str, value: Any, low: int, high: int) -> int:
@@ -226,40 +228,46 @@ class Drafter:
 
 
 class ForwardCosts:
-    """Seconds of a model forward of n tokens (a decode of n sequences, or a verify of n tokens), as the line
-    ``seconds(1) + slope * (n - 1)``: ``seconds(1)`` the median of the recent forwards of one token, ``slope`` the
-    median of ``(seconds - seconds(1)) / (n - 1)`` over the recent forwards of more (medians: a forward slowed by
-    other work on the machine moves neither, and no token count is left with one bad timing that keeps the plan
-    from trying it again). Before those are timed: ``seconds(1)`` from the forwards of more tokens and the prior
-    slope, or 1 (the plan only compares rates), and ``slope = _PRIOR_SLOPE * seconds(1)``."""
+    """Seconds of a model forward of n tokens (a decode of n sequences, or a verify of n tokens), as
+    ``seconds(1) * (1 + slope * (n - 1))``: ``seconds(1)`` the median of the latest forwards of one token, ``slope``
+    the median over the recent forwards of more of ``(seconds / seconds(1) - 1) / (n - 1)``, each against the
+    ``seconds(1)`` of its own time. Medians, so that a forward slowed by other work on the machine moves neither
+    (no token count is left with one bad timing that keeps the plan from trying it again); each timing against the
+    decode of its time, as the machine's speed drifts (here by up to 2x within minutes) and a verify timed in a
+    fast minute against decodes of a slow one would make drafts look free. Before those are timed: ``seconds(1)``
+    from the forwards of more tokens and the prior slope, or 1 (the plan only compares rates), and ``slope =
+    _PRIOR_SLOPE``."""
 
     def __init__(self) -> None:
         self._one: deque[float] = deque(maxlen=_TIMINGS)
-        self._more: deque[tuple[int, float]] = deque(maxlen=_TIMINGS)
+        #: (tokens, seconds, seconds(1) then or 0 when none was timed yet)
+        self._more: deque[tuple[int, float, float]] = deque(maxlen=_TIMINGS)
 
     def record(self, tokens: int, seconds: float) -> None:
         if tokens == 1 and seconds > 0:
             self._one.append(seconds)
         elif tokens > 1 and seconds > 0:
-            self._more.append((tokens, seconds))
+            self._more.append((tokens, seconds, self._base() or 0.0))
+
+    def _base(self) -> float | None:
+        return statistics.median(list(self._one)[-_LATEST:]) if self._one else None
 
     def _line(self) -> tuple[float, float]:
         """``(seconds(1), slope)``."""
-        if self._one:
-            base = statistics.median(self._one)
-        elif self._more:
-            base = statistics.median(t / (1 + _PRIOR_SLOPE * (n - 1)) for n, t in self._more)
-        else:
-            return 1.0, _PRIOR_SLOPE
-        if not self._one or not self._more:
-            return base, _PRIOR_SLOPE * base
-        return base, max(0.0, statistics.median((t - base) / (n - 1) for n, t in self._more))
+        base = self._base()
+        if base is None:
+            if not self._more:
+                return 1.0, _PRIOR_SLOPE
+            return statistics.median(t / (1 + _PRIOR_SLOPE * (n - 1)) for n, t, _ in self._more), _PRIOR_SLOPE
+        if not self._more:
+            return base, _PRIOR_SLOPE
+        return base, max(0.0, statistics.median((t / (then or base) - 1) / (n - 1) for n, t, then in self._more))
 
     def seconds(self, tokens: int) -> float:
         if tokens <= 0:
             return 0.0
         base, slope = self._line()
-        return base + slope * (tokens - 1)
+        return base * (1 + slope * (tokens - 1))
 
 
 def expected_tokens(first: float, k: int, follow: float | None = None) -> float:

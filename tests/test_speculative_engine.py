@@ -206,7 +206,7 @@ def test_copies_are_drafted_in_runs() -> None:
     """Before any forward is timed, a copy-like proposal is checked at once (prior costs); after a draft accepted in
     full, the next one is checked at full length even when only a single token matched (the copy goes on); after a
     rejection, a single-token match is a guess again and is not checked. One verify slowed by other work does not
-    keep the plan from checking full drafts."""
+    keep the plan from checking full drafts, and forward costs follow the machine's speed."""
     config = SpeculativeConfig()
     planner = SpeculationPlanner(config)
     drafter = Drafter(config, RequestState([1, 2, 3]))
@@ -233,6 +233,9 @@ def test_copies_are_drafted_in_runs() -> None:
     drafter.record(5, 2)  # the copy ended after two tokens
     assert not drafter.running and drafter.alpha == pytest.approx(drafter.alpha_for(1))
     assert planner.plan([Candidate("s", drafter, [7] * 5, 5)], 1, 100) == {}
+    for _ in range(5):  # the machine slows down 2x: each verify timing is scaled by the decodes of its time
+        planner.costs.record(1, 0.020)
+    assert planner.costs.seconds(6) == pytest.approx(0.060)
 
 
 def test_open_ended_answers_are_not_slowed_by_hopeless_drafts(model) -> None:
