@@ -50,8 +50,9 @@ MAX_SPECULATIVE_TOKENS = 32
 MAX_LOOKUP = 32
 #: Weight of the past in ``alpha`` per position observed (about the last 10 positions count).
 _DECAY = 0.9
-#: ``alpha`` before anything was observed, by the matched suffix's length (1, 2, 3 or more tokens), as two
-#: observations: a match of 3 tokens or more is usually a copy in progress, a single token's often a guess.
+#: ``alpha_for(n)`` (a fresh draft's first token) before anything was observed, by the matched suffix's length (1, 2,
+#: 3 or more tokens), as two observations: a match of 3 tokens or more is usually a copy starting, a single token's
+#: often a guess.
 _PRIOR_ALPHA = (0.3, 0.5, 0.8)
 #: ``follow`` before anything was observed: a draft token after an accepted one (copies come in runs).
 _PRIOR_FOLLOW = 0.8
@@ -144,7 +145,7 @@ class Drafter:
         # ... and of draft tokens that follow an accepted one (a copy going on)
         self._follow = [_PRIOR_TRIED * _PRIOR_FOLLOW, _PRIOR_TRIED]
         self._shadow: list[int] = []  # a proposal not checked, compared with the tokens that come
-        self._shadow_n = 0
+        self._shadow_n = 0  # its suffix length while its first token is compared, then -1 (tokens that follow)
         self._shadow_running = False
         self.matched = 0  # suffix length behind the latest proposal
         #: draft tokens accepted (or, unchecked, equalled) in a row up to the latest token
