@@ -14,6 +14,7 @@ on this machine.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -30,8 +31,11 @@ FUNCTION = '''def total_price(items, tax_rate):
     total = subtotal + tax
     return round(total, 2)'''
 
-RECORD = ('{"id": 4812, "name": "Ada Lovelace", "email": "ada@example.org", "role": "engineer", '
-          '"team": "compilers", "active": true, "languages": ["python", "c", "rust"], "manager_id": 17}')
+#: The record as JSON is usually shown (and as SmolLM2 writes it): given on one line, the model re-laid it out over
+#: several lines, so its answer was no copy of the prompt (docs/benchmarks.md, "Speculative decoding").
+RECORD = json.dumps({"id": 4812, "name": "Ada Lovelace", "email": "ada@example.org", "role": "engineer",
+                     "team": "compilers", "active": True, "languages": ["python", "c", "rust"], "manager_id": 17},
+                    indent=2)
 
 PARAGRAPH = ("The river rises in the hills above the town, runs through the old market and the mill, and reaches "
              "the sea twelve miles to the south, where the harbour has sheltered fishing boats for four hundred "
@@ -40,8 +44,8 @@ PARAGRAPH = ("The river rises in the hills above the town, runs through the old 
 PROMPTS = {
     "rename a variable": f"Rename the variable `subtotal` to `net` in this function. Reply with the whole "
                          f"function only.\n\n{FUNCTION}",
-    "copy a JSON record": f"Copy this JSON record exactly, changing only the role to \"manager\". Reply with the "
-                          f"JSON only.\n\n{RECORD}",
+    "copy a JSON record": f"Copy this JSON record exactly, changing only the value of \"role\" to \"manager\". "
+                          f"Reply with the JSON only.\n\n```json\n{RECORD}\n```",
     "repeat a paragraph": f"Repeat this paragraph word for word.\n\n{PARAGRAPH}",
     "open-ended": "Write a short story about a lighthouse keeper.",
 }

@@ -1,8 +1,8 @@
-"""Where one decode step (or a long prefill) of a CompiledModel goes: each packed function the VM calls (kernels,
-KV-cache builtins, VM builtins), timed with the VM's instrument, as calls per step and milliseconds per step (median
-call x calls; for a prefill, the sum over its chunks).
+"""Where one decode step (a verify forward of n tokens, or a long prefill) of a CompiledModel goes: each packed
+function the VM calls (kernels, KV-cache builtins, VM builtins), timed with the VM's instrument, as calls per step
+and milliseconds per step (median call x calls; for a prefill, the sum over its chunks).
 
-Used by ``scripts/bench_model.py --profile`` and ``--profile-prefill``.
+Used by ``scripts/bench_model.py --profile``, ``--profile-prefill`` and ``--profile-verify``.
 """
 
 from __future__ import annotations
@@ -34,9 +34,11 @@ def _instrument(vm) -> dict[str, list[float]]:
     return times
 
 
-def profile_decode(model, prompt: list[int], steps: int = 8) -> tuple[float, list[tuple[str, int, float]]]:
+def profile_decode(model, prompt: list[int], steps: int = 8,
+                   verify: int = 0) -> tuple[float, list[tuple[str, int, float]]]:
     """(ms of a plain decode step, [(function, calls per step, ms per step)] sorted by time) for batch 1 after
-    ``prompt``, on a VM of its own over the model's library and weights."""
+    ``prompt``, on a VM of its own over the model's library and weights. ``verify``: profile instead a verify
+    forward of that many tokens (speculative decoding's check of 1 + K tokens), rolled back after each."""
     vm = relax.VirtualMachine(model.kernel_library.runtime_module, model.device)
     kv = vm["create_paged_kv_cache"](_shape([1]), _shape([len(prompt) + 64 + steps * 2]), _shape([len(prompt)]),
                                      _shape([16]), _shape([0]))
@@ -47,12 +49,18 @@ def profile_decode(model, prompt: list[int], steps: int = 8) -> tuple[float, lis
     vm["prefill"](tvm.runtime.tensor(np.array(prompt, np.int32)),
                   tvm.runtime.tensor(np.array([len(prompt) - 1], np.int32)), kv, model._params)
     end(kv)
-    ids = tvm.runtime.tensor(np.array([prompt[-1]], np.int32))
+    ids = tvm.runtime.tensor(np.array([prompt[-1]] * max(verify, 1), np.int32))
+    popn = get("vm.builtin.kv_state_popn")
 
     def step() -> None:
-        begin(kv, _shape([0]), _shape([1]))
-        vm["decode"](ids, kv, model._params)
+        begin(kv, _shape([0]), _shape([max(verify, 1)]))
+        if verify:
+            vm["verify"](ids, kv, model._params)
+        else:
+            vm["decode"](ids, kv, model._params)
         end(kv)
+        if verify:
+            popn(kv, 0, verify)
 
     step()
     started = time.perf_counter()
@@ -97,9 +105,10 @@ def print_prefill_profile(model, prompt: list[int]) -> None:
         print(f"| {name} | {calls} | {ms:.1f} | {ms / total_ms:.0%} |")
 
 
-def print_profile(model, prompt: list[int]) -> None:
-    plain_ms, rows = profile_decode(model, prompt)
-    print(f"\none decode step after {len(prompt)} tokens: {plain_ms:.2f} ms plain; by packed function "
+def print_profile(model, prompt: list[int], verify: int = 0) -> None:
+    plain_ms, rows = profile_decode(model, prompt, verify=verify)
+    what = f"verify of {verify} tokens" if verify else "decode step"
+    print(f"\none {what} after {len(prompt)} tokens: {plain_ms:.2f} ms plain; by packed function "
           "(VM instrument, median call x calls per step):\n\n| function | calls | ms per step |\n|---|---|---|")
     for name, calls, ms in rows:
         print(f"| {name} | {calls} | {ms:.3f} |")

@@ -197,8 +197,45 @@ def test_the_plan_drafts_only_where_it_pays() -> None:
     state.append_token(8)
     state.append_token(8)
     bad.sync(state)
-    assert bad.alpha > before
+    assert bad.alpha > before and bad.run == 2
     assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+    assert expected_tokens(0.5, 2, follow=1.0) == pytest.approx(2.0)
+
+
+def test_copies_are_drafted_in_runs() -> None:
+    """Before any forward is timed, a copy-like proposal is checked at once (prior costs); after a draft accepted in
+    full, the next one is checked at full length even when only a single token matched (the copy goes on); after a
+    rejection, a single-token match is a guess again and is not checked. One verify slowed by other work does not
+    keep the plan from checking full drafts, and forward costs follow the machine's speed."""
+    config = SpeculativeConfig()
+    planner = SpeculationPlanner(config)
+    drafter = Drafter(config, RequestState([1, 2, 3]))
+    drafter.sync(RequestState([1, 2, 3]))
+    drafter.matched = 4
+    assert "s" in planner.plan([Candidate("s", drafter, [7] * 5, 5)], 1, 100)  # nothing timed yet
+    for n in range(1, 7):  # a decode step 10 ms, each further token 4 ms
+        planner.costs.record(n, 0.010 + 0.004 * (n - 1))
+    for _ in range(6):  # a few misses on single-token matches: those are guesses here
+        drafter.matched = 1
+        drafter.record(1, 0)
+    assert drafter.alpha_for(1) < 0.15
+    drafter.matched = 2
+    drafter.record(1, 1)  # one token met again (a common word, in open text): no copy yet
+    assert drafter.run == 1 and not drafter.running
+    drafter.matched = 4
+    drafter.record(5, 5)  # a copy: accepted in full
+    drafter.matched = 1
+    assert drafter.running and drafter.alpha == pytest.approx(drafter.follow) and drafter.follow > 0.8
+    assert len(planner.plan([Candidate("s", drafter, [7] * 5, 5)], 1, 100)["s"]) == 5
+    planner.costs.record(6, 0.200)  # one verify slowed by other work: the plan still checks full drafts
+    assert planner.costs.seconds(6) == pytest.approx(0.030)
+    assert len(planner.plan([Candidate("s", drafter, [7] * 5, 5)], 1, 100)["s"]) == 5
+    drafter.record(5, 2)  # the copy ended after two tokens
+    assert not drafter.running and drafter.alpha == pytest.approx(drafter.alpha_for(1))
+    assert planner.plan([Candidate("s", drafter, [7] * 5, 5)], 1, 100) == {}
+    for _ in range(5):  # the machine slows down 2x: each verify timing is scaled by the decodes of its time
+        planner.costs.record(1, 0.020)
+    assert planner.costs.seconds(6) == pytest.approx(0.060)
 
 
 def test_open_ended_answers_are_not_slowed_by_hopeless_drafts(model) -> None:
