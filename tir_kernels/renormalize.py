@@ -208,18 +208,24 @@ def cpu_row_macros() -> tuple[Callable[..., None], Callable[..., None]]:
         reduce_lanes(cnt, ssum, mn, mx)
 
     @T.macro
+    def fold_bits(l, bits, mid, by_sum, cnt, ssum, mn, mx):
+        # lane l takes a maximum's bit pattern: its value's sum (by_sum) or a count where >= mid, the smallest bits
+        # >= mid, the largest bits below mid
+        b: T.let = bits
+        if by_sum:
+            ssum[l] = T.Select(b >= mid, ssum[l] + T.reinterpret("float32", b), ssum[l])
+        else:
+            cnt[l] = T.Select(b >= mid, cnt[l] + 1, cnt[l])
+        mn[l] = T.Select(b >= mid, T.min(mn[l], b), mn[l])
+        mx[l] = T.Select(b < mid, T.max(mx[l], b), mx[l])
+
+    @T.macro
     def scan_blocks(nblk, bmax, mid, by_sum, cnt, ssum, mn, mx):
         # The pass of scan over the block maxima instead of the values (bmax is padded with int_min).
         init_lanes(cnt, ssum, mn, mx)
         for i in range((nblk + w - 1) // w):
             for l in T.vectorized(w):
-                b: T.let = bmax[i * w + l]
-                if by_sum:
-                    ssum[l] = T.Select(b >= mid, ssum[l] + T.reinterpret("float32", b), ssum[l])
-                else:
-                    cnt[l] = T.Select(b >= mid, cnt[l] + 1, cnt[l])
-                mn[l] = T.Select(b >= mid, T.min(mn[l], b), mn[l])
-                mx[l] = T.Select(b < mid, T.max(mx[l], b), mx[l])
+                fold_bits(l, bmax[i * w + l], mid, by_sum, cnt, ssum, mn, mx)
         reduce_lanes(cnt, ssum, mn, mx)
 
     @T.macro
@@ -230,13 +236,7 @@ def cpu_row_macros() -> tuple[Callable[..., None], Callable[..., None]]:
         for blk in range(nblk):
             if bmax[blk] >= mid:
                 for l in T.vectorized(h):
-                    b: T.let = gmax[blk * h + l]
-                    if by_sum:
-                        ssum[l] = T.Select(b >= mid, ssum[l] + T.reinterpret("float32", b), ssum[l])
-                    else:
-                        cnt[l] = T.Select(b >= mid, cnt[l] + 1, cnt[l])
-                    mn[l] = T.Select(b >= mid, T.min(mn[l], b), mn[l])
-                    mx[l] = T.Select(b < mid, T.max(mx[l], b), mx[l])
+                    fold_bits(l, gmax[blk * h + l], mid, by_sum, cnt, ssum, mn, mx)
             else:
                 for l in T.vectorized(h):
                     mx[l] = T.max(mx[l], bmax[blk])
