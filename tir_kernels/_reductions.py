@@ -267,11 +267,10 @@ def cpu_row_softmax_pass(x, r, value, vocab, scale2, store, sr, shifts, lanes, p
     for l in T.vectorized(_SOFTMAX_WORD):
         lanes[l] = T.float32(0)
     run[0] = neg_inf()
-    for c in range(vocab // CPU_CHUNK):
-        _softmax_chunk(x, r, value, vocab, c * CPU_CHUNK, CPU_CHUNK // _SOFTMAX_WORD, 0, c, scale2, store, sr, shifts,
-                       lanes, part, mx, run)
-    _softmax_chunk(x, r, value, vocab, vocab // CPU_CHUNK * CPU_CHUNK, vocab % CPU_CHUNK // _SOFTMAX_WORD,
-                   vocab % _SOFTMAX_WORD, vocab // CPU_CHUNK, scale2, store, sr, shifts, lanes, part, mx, run)
+    for c in range(vocab // CPU_CHUNK + 1):  # one body for the whole chunks and the last, partial one (compile time)
+        n: T.let = T.min(CPU_CHUNK, vocab - c * CPU_CHUNK)
+        _softmax_chunk(x, r, value, vocab, c * CPU_CHUNK, n // _SOFTMAX_WORD, n % _SOFTMAX_WORD, c, scale2, store, sr,
+                       shifts, lanes, part, mx, run)
     _lane_total(lanes, out)
 
 

@@ -136,8 +136,22 @@ def _cpu_rows() -> Callable[..., None]:
     w = CPU_WORD
 
     @T.macro
-    def row(r, vocab, value, logits, temperature, top_k, top_p, min_p, renorm, uniform, token, chosen):
-        # row r, reading its logits through value(i) (masked or not)
+    def greedy(value, vocab, r, lanes, block, index_lanes, index_block, row_max, hot, token, chosen):
+        # temperature 0: the first index of the maximum (-1 for a row of only -inf)
+        cpu_row_fold(vocab, neg_inf(), maximum, value, None, r, lanes, block, row_max)
+        if row_max[0] == neg_inf():
+            token[r] = -1
+            chosen[r] = T.float32(0)
+        else:
+            cpu_row_fold(vocab, vocab, minimum, _index_if(value, row_max[0], vocab), None, r, index_lanes,
+                         index_block, hot)
+            token[r] = hot[0]
+            chosen[r] = T.float32(1)
+
+    @T.macro
+    def row(r, vocab, masked, plain, on, logits, temperature, top_k, top_p, min_p, renorm, uniform, token, chosen):
+        # row r, reading its logits through masked(i) where ``on`` (a valid mask row), else plain(i): only the
+        # passes that read the logits are written twice (the rest reads the exps row: one copy, for compile time)
         lanes = T.alloc_buffer((w,), "float32", scope="global")
         block = T.alloc_buffer((w,), "float32", scope="global")
         index_lanes = T.alloc_buffer((w,), "int32", scope="global")
@@ -159,19 +173,17 @@ def _cpu_rows() -> Callable[..., None]:
         ms = T.alloc_buffer((2,), "float32", scope="global")
         pos = T.alloc_buffer((3,), "int32", scope="local")
         if temperature[r] == T.float32(0):
-            cpu_row_fold(vocab, neg_inf(), maximum, value, None, r, lanes, block, row_max)
-            if row_max[0] == neg_inf():
-                token[r] = -1
-                chosen[r] = T.float32(0)
+            if on:
+                greedy(masked, vocab, r, lanes, block, index_lanes, index_block, row_max, hot, token, chosen)
             else:
-                cpu_row_fold(vocab, vocab, minimum, _index_if(value, row_max[0], vocab), None, r, index_lanes,
-                             index_block, hot)
-                token[r] = hot[0]
-                chosen[r] = T.float32(1)
+                greedy(plain, vocab, r, lanes, block, index_lanes, index_block, row_max, hot, token, chosen)
         else:
             # the staged softmax's exps, in one pass that reads the logits from memory, into the scratch row
             scale2: T.let = exp2_scale(temperature[r])
-            cpu_row_softmax_pass(logits, r, value, vocab, scale2, exps, 0, shifts, lanes, part, mx, run, row_sum)
+            if on:
+                cpu_row_softmax_pass(logits, r, masked, vocab, scale2, exps, 0, shifts, lanes, part, mx, run, row_sum)
+            else:
+                cpu_row_softmax_pass(logits, r, plain, vocab, scale2, exps, 0, shifts, lanes, part, mx, run, row_sum)
             if run[0] == neg_inf():  # every token masked
                 token[r] = -1
                 chosen[r] = T.float32(0)
@@ -207,12 +219,9 @@ def _cpu_rows() -> Callable[..., None]:
         num_masks: T.let = bitmask.shape[0]
         for r in T.parallel(batch):
             m: T.let = mask_index[r]
-            if m >= 0 and m < num_masks and bitmask.shape[1] * 32 >= vocab:
-                row(r, vocab, _masked_logit(logits, r, bitmask, m), logits, temperature, top_k, top_p, min_p, renorm,
-                    uniform, token, chosen)
-            else:
-                row(r, vocab, _logit(logits, r), logits, temperature, top_k, top_p, min_p, renorm, uniform, token,
-                    chosen)
+            on: T.let = m >= 0 and m < num_masks and bitmask.shape[1] * 32 >= vocab
+            row(r, vocab, _masked_logit(logits, r, bitmask, T.Select(on, m, 0)), _logit(logits, r), on, logits,
+                temperature, top_k, top_p, min_p, renorm, uniform, token, chosen)
 
     return rows
 
