@@ -108,6 +108,12 @@ def row_of(buf: tirx.Buffer, r: tirx.PrimExpr) -> Callable[[tirx.PrimExpr], tirx
     return lambda v: buf[r, v]
 
 
+def index_where(value: Callable[[tirx.PrimExpr], tirx.PrimExpr], target: tirx.PrimExpr,
+                none: tirx.PrimExpr) -> Callable[[tirx.PrimExpr], tirx.PrimExpr]:
+    """``v -> v if value(v) == target else none``: folded with ``minimum``, the first index of ``target``."""
+    return lambda v: T.Select(value(v) == target, v, none)
+
+
 def add(a: tirx.PrimExpr, b: tirx.PrimExpr) -> tirx.PrimExpr:
     """The sum combiner (a plain function so that folds and comm_reducers can take it)."""
     return a + b
@@ -182,7 +188,7 @@ def cpu_row_sum_exp(x, r, vocab, shift, scale, store, lanes, block, out):
 @T.macro
 def cpu_first_index_of(x, r, vocab, value, lanes, block, out):
     """out[0] = lowest v with x[r, v] == value, vocab if none (int32 scratch buffers)."""
-    cpu_row_fold(vocab, vocab, minimum, lambda v: T.Select(x[r, v] == value, v, vocab), None, r, lanes, block, out)
+    cpu_row_fold(vocab, vocab, minimum, index_where(row_of(x, r), value, vocab), None, r, lanes, block, out)
 
 
 @T.macro
@@ -334,4 +340,4 @@ def gpu_row_sum_exp(x, r, vocab, shift, scale, tx, threads, part, out):
 def gpu_first_index_of(x, r, vocab, value, active, tx, threads, part, out):
     """out[0] = lowest v with x[r, v] == value (vocab if none, or if the block-uniform ``active`` is false)."""
     gpu_row_fold(vocab, tx, threads, vocab, T.int32(INT32_MAX), minimum,
-                 lambda v: T.Select(x[r, v] == value, v, vocab), active, part, out)
+                 index_where(row_of(x, r), value, vocab), active, part, out)

@@ -55,9 +55,11 @@ from ._reductions import (
     cpu_row_fold,
     cpu_row_softmax_pass,
     exp2_scale,
+    index_where,
     inverse_temperature,
     maximum,
     minimum,
+    row_of,
     safe_shift,
 )
 from .softmax import gpu_row_stats, inverse_sum, probability
@@ -80,15 +82,6 @@ Value = Callable[["tirx.PrimExpr"], "tirx.PrimExpr"]
 def _allowed(bitmask: tirx.Buffer, m: tirx.PrimExpr, i: tirx.PrimExpr) -> tirx.PrimExpr:
     """Bit i of mask row m: token i allowed (floordiv/floormod, so that a 32-lane step reads one word)."""
     return T.bitwise_and(T.shift_right(bitmask[m, i // 32], i % 32), 1) == 1
-
-
-def _index_if(value: Value, target: tirx.PrimExpr, none: tirx.PrimExpr) -> Value:
-    """i where value(i) == target, else ``none`` (the first index is their minimum)."""
-    return lambda i: T.Select(value(i) == target, i, none)
-
-
-def _logit(logits: tirx.Buffer, r: tirx.PrimExpr) -> Value:
-    return lambda i: logits[r, i]
 
 
 def _masked_logit(logits: tirx.Buffer, r: tirx.PrimExpr, bitmask: tirx.Buffer, m: tirx.PrimExpr) -> Value:
@@ -143,7 +136,7 @@ def _cpu_rows() -> Callable[..., None]:
             token[r] = -1
             chosen[r] = T.float32(0)
         else:
-            cpu_row_fold(vocab, vocab, minimum, _index_if(value, row_max[0], vocab), None, r, index_lanes,
+            cpu_row_fold(vocab, vocab, minimum, index_where(value, row_max[0], vocab), None, r, index_lanes,
                          index_block, hot)
             token[r] = hot[0]
             chosen[r] = T.float32(1)
@@ -220,7 +213,7 @@ def _cpu_rows() -> Callable[..., None]:
         for r in T.parallel(batch):
             m: T.let = mask_index[r]
             on: T.let = m >= 0 and m < num_masks and bitmask.shape[1] * 32 >= vocab
-            row(r, vocab, _masked_logit(logits, r, bitmask, T.Select(on, m, 0)), _logit(logits, r), on, logits,
+            row(r, vocab, _masked_logit(logits, r, bitmask, T.Select(on, m, 0)), row_of(logits, r), on, logits,
                 temperature, top_k, top_p, min_p, renorm, uniform, token, chosen)
 
     return rows
@@ -245,9 +238,10 @@ def _gpu_rows(threads: int, uniform_loops: bool) -> Callable[..., None]:
                 hot = T.alloc_buffer((1,), "int32", scope="local")
                 st = T.alloc_buffer((5,), "int32", scope="local")
                 ms = T.alloc_buffer((2,), "float32", scope="local")
+                row: T.let = T.Select(masked, m, 0)
                 # the staged softmax's statistics, then its probability formula wherever a pass reads the row
-                gpu_row_stats(_gpu_logit(logits, r, bitmask, T.Select(masked, m, 0), masked), vocab, temperature[r],
-                              tx, threads, row_max, row_sum, hot)
+                gpu_row_stats(_gpu_logit(logits, r, bitmask, row, masked), vocab, temperature[r], tx, threads, row_max,
+                              row_sum, hot)
                 shift: T.let = safe_shift(row_max[0])
                 scale: T.let = inverse_temperature(temperature[r])
                 greedy: T.let = temperature[r] == T.float32(0)
@@ -255,7 +249,6 @@ def _gpu_rows(threads: int, uniform_loops: bool) -> Callable[..., None]:
                 # rows the staged path would not renormalize run the threshold search with every filter off (one
                 # pass; barriers must stay in uniform control flow) and sample from the softmax itself
                 on: T.let = renorm[r] != 0
-                row: T.let = T.Select(masked, m, 0)
                 threshold(probability(_gpu_logit(logits, r, bitmask, row, masked), greedy, hot[0], shift, scale, inv),
                           vocab, tx,
                           T.Select(on, top_k[r], 0), T.Select(on, top_p[r], T.float32(1)),

@@ -53,6 +53,7 @@ from ._reductions import (
     gpu_row_fold,
     gpu_row_map,
     guarded_exp,
+    index_where,
     inverse_temperature,
     maximum,
     minimum,
@@ -103,12 +104,6 @@ def _numerator(value: Callable[[tirx.PrimExpr], tirx.PrimExpr], shift: tirx.Prim
     return lambda v: shifted_exp(value(v), shift, scale, guarded_exp)
 
 
-def _first_of(value: Callable[[tirx.PrimExpr], tirx.PrimExpr], target: tirx.PrimExpr,
-              none: tirx.PrimExpr) -> Callable[[tirx.PrimExpr], tirx.PrimExpr]:
-    """v where value(v) == target, else ``none`` (the first index is their minimum)."""
-    return lambda v: T.Select(value(v) == target, v, none)
-
-
 def _cpu() -> tirx.PrimFunc:
     @T.prim_func
     def softmax_with_temperature(var_logits: T.handle, var_temperature: T.handle, var_probs: T.handle):
@@ -157,7 +152,7 @@ def gpu_row_stats(value, vocab, t, tx, threads, row_max, row_sum, hot):
     gpu_row_fold(vocab, tx, threads, neg_inf(), neg_inf(), maximum, value, True, part, row_max)
     gpu_row_fold(vocab, tx, threads, T.float32(0), T.float32(0), add,
                  _numerator(value, safe_shift(row_max[0]), inverse_temperature(t)), True, part, row_sum)
-    gpu_row_fold(vocab, tx, threads, vocab, T.int32(INT32_MAX), minimum, _first_of(value, row_max[0], vocab),
+    gpu_row_fold(vocab, tx, threads, vocab, T.int32(INT32_MAX), minimum, index_where(value, row_max[0], vocab),
                  t == T.float32(0) and row_max[0] != neg_inf(), index_part, hot)
 
 
