@@ -3,8 +3,8 @@
 Two ways to sample: staged (``renormalize`` then ``sample``, on probabilities from
 ``LogitProcessor.compute_probs_from_logits``; each stage writes a full ``[N, V]`` array) for callers who want the
 probabilities, and fused (``sample_from_logits``: one kernel from the processed logits to the tokens, nothing
-``[N, V]`` written) for everyone else. With the same seeds both give the same tokens and the same logprobs; only
-processed top-n logprobs need the staged path (``needs_probabilities``).
+``[N, V]`` written) for everyone else. With the same seeds both give the same tokens and the same logprobs (chosen
+token and top-n, processed or raw).
 
 Sampling draws one uniform number per row from the row's own request stream (``RequestState.rng``, seeded by
 ``GenerationConfig.seed``), so a seeded request gets the same tokens whatever else is in the batch and at whichever
@@ -19,7 +19,7 @@ before processing: pass ``raw_logits`` (a numpy copy of the whole batch); they a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,10 +70,12 @@ class SampleResult:
                 self.top_logprobs[r] = None
 
 
-def needs_probabilities(batch: Batch) -> bool:
-    """Whether a row of ``batch`` asks for something only the staged path gives: processed top-n logprobs."""
-    return batch.any_logprobs and any(s.config.logprobs and s.config.logprobs_mode == "processed"
-                                      and s.config.top_logprobs > 0 for s in batch.row_states)
+def _processed_top_counts(batch: Batch) -> list[int]:
+    """Per row, how many processed top-n logprobs it asks for (0: none)."""
+    if not batch.any_logprobs:
+        return [0] * batch.num_rows
+    return [s.config.top_logprobs if s.config.logprobs and s.config.logprobs_mode == "processed" else 0
+            for s in batch.row_states]
 
 
 class Sampler:
@@ -105,6 +107,7 @@ class Sampler:
         # the fused kernel's masks: per row the bitmask row it reads (-1: none), and the bitmask a batch without
         # deferred masks passes (one all-allowed row: the kernel's bitmask has at least one row)
         self._mask_index = PairedBuffer(dev, "mask index", cap, dtype="int32")
+        self._top_count = PairedBuffer(dev, "top count", cap, dtype="int32")
         self._no_masks = dev.upload(np.full((1, (vocab_size + 31) // 32), -1, np.int32))
         self._raw: LogitsStaging | None = None
         # The top_n kernel takes n from its outputs' width: one pair of buffers per width used, at capacity.
@@ -195,7 +198,7 @@ class Sampler:
         tokens = self._tokens(rows)
         chosen = self._chosen(rows)
         self.kernels[multinomial.NAME](on_device, u, tokens, chosen)
-        return self._result(batch, tokens, chosen, raw_logits, on_device)
+        return self._result(batch, tokens, chosen, raw_logits, lambda n: self._top_n(on_device, rows, n))
 
     def sample_from_logits(self, logits: Any, states: BatchArg, cum_num_token: Any = None,
                            draft_trees: DraftArg = None, raw_logits: np.ndarray | None = None) -> SampleResult:
@@ -204,14 +207,11 @@ class Sampler:
         The same tokens as ``sample(renormalize(compute_probs_from_logits(logits)))`` with the same seeds: the
         ``sample_from_logits`` kernel runs each row's temperature softmax, min-p / top-k / top-p and the draw in one
         kernel, writing no probabilities; masks the processor deferred (``inplace_update_logits(defer_masks=True)``,
-        kept on the batch) are read by the same kernel. Chosen-token logprobs (processed or raw) and raw top-n
-        logprobs are given as by ``sample``; processed top-n logprobs need the probabilities: a batch asking for them
-        (``needs_probabilities``) is refused with a ValueError (use the staged path).
+        kept on the batch) are read by the same kernel. Logprobs are given as by ``sample``: the processed top-n ones
+        come from the same kernel, which runs top_n's rounds on the row it sampled from (in cache on the CPU) for the
+        rows that ask for them.
         """
         batch = self._batch_for(logits, states, cum_num_token, draft_trees, "logits")
-        if needs_probabilities(batch):
-            raise ValueError("a row asks for processed top_logprobs, which need the probabilities: sample it with "
-                             "compute_probs_from_logits -> renormalize -> sample")
         rows = batch.num_rows
         temperature = self._temperature.host_prefix(rows)
         temperature[:] = [s.config.temperature for s in batch.row_states]
@@ -222,13 +222,18 @@ class Sampler:
         self.device.wait_for_copies()
         tokens = self._tokens(rows)
         chosen = self._chosen(rows)
-        self.kernels[sample_from_logits.NAME](on_device, *args, tokens, chosen)
-        return self._result(batch, tokens, chosen, raw_logits, None)
+        counts = _processed_top_counts(batch)
+        self._top_count.host_prefix(rows)[:] = counts
+        top_values, top_ids = self._top_views(rows, max([1, *counts]))
+        self.kernels[sample_from_logits.NAME](on_device, *args, tokens, chosen, self._top_count.to_device(rows),
+                                              top_values, top_ids)
+        return self._result(batch, tokens, chosen, raw_logits,
+                            lambda n: (self.device.download(top_values), self.device.download(top_ids)))
 
     def _result(self, batch: Batch, tokens: Any, chosen: Any, raw_logits: np.ndarray | None,
-                probs_on_device: Any) -> SampleResult:
+                processed_top: Callable[[int], tuple[np.ndarray, np.ndarray]]) -> SampleResult:
         """The SampleResult of a draw: tokens, chosen-token probabilities, and the logprobs the rows asked for
-        (processed top-n from ``probs_on_device``, which the fused path does not have)."""
+        (``processed_top(n)``: the values and ids of the n most probable tokens of each row sampled from)."""
         rows = batch.num_rows
         token_ids = self.device.download(tokens).astype(np.int32)
         chosen_p = self.device.download(chosen)
@@ -244,7 +249,7 @@ class Sampler:
                 logprobs[processed] = np.log(chosen_p[processed])
             n = max(batch.row_states[r].config.top_logprobs for r in processed)
             if n:
-                values, ids = self._top_n(probs_on_device, rows, n)
+                values, ids = processed_top(n)
                 with np.errstate(divide="ignore"):
                     logs = np.log(values)
                 for r in processed:
@@ -255,11 +260,16 @@ class Sampler:
         logprobs[no_valid] = np.nan
         return SampleResult(token_ids, logprobs, top, no_valid)
 
-    def _top_n(self, on_device: Any, rows: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    def _top_views(self, rows: int, n: int) -> tuple[Any, Any]:
+        """Device buffers ``[rows, n]`` for top-n values and ids (one pair per width used, at capacity)."""
         if n not in self._top_buffers:
             self._top_buffers[n] = (PrefixViews(self.device, self.device.empty((self.max_num_token, n), "float32")),
                                     PrefixViews(self.device, self.device.empty((self.max_num_token, n), "int32")))
         values, ids = (views(rows) for views in self._top_buffers[n])
+        return values, ids
+
+    def _top_n(self, on_device: Any, rows: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        values, ids = self._top_views(rows, n)
         self.kernels[top_n.NAME](on_device, values, ids)
         return self.device.download(values), self.device.download(ids)
 

@@ -1,16 +1,18 @@
 """Benchmark one processing step of the runtime, staged and fused, against numpy, torch (if installed) and a memcpy.
 
-    python scripts/bench_runtime.py [--batch 1 8 64] [--vocab 32000 128256] [--repeat 9] [--markdown]
+    python scripts/bench_runtime.py [--batch 1 8 64] [--vocab 32000 128256] [--repeat 9] [--markdown] [--top-logprobs N]
     python scripts/bench_runtime.py --host-overhead [--output-tokens 1000 32000]
 
 One step: logit bias (16 tokens per row), penalties (512 appeared tokens per row), a grammar bitmask on half the
 rows, temperature softmax, top-p 0.9, sampling. ``staged`` samples through ``compute_probs_from_logits`` ->
 ``renormalize`` -> ``sample`` (each writing a [B, V] array), ``fused`` through ``Sampler.sample_from_logits`` (one
-kernel, what the engine runs unless a row asks for processed top-n logprobs); ``sampling`` columns time the sampling
+kernel, what the engine runs); ``sampling`` columns time the sampling
 alone, from processed logits. All figures of a row come from one run of interleaved rounds (each round calls every
 contender once, in turn). ``memcpy`` copies the float32 [B, V] logits once (the floor of any full pass). Each step
 starts from fresh logits copied in before the clock starts (in the engine the model writes them; the copy costs one
 memcpy more); ``fused`` defers the masks to the sampling kernel as the engine does, ``staged`` applies them first.
+``--top-logprobs N``: every row also asks for its N most probable tokens' processed logprobs (the staged path runs
+the top_n kernel on its probabilities, the fused kernel its rounds on the row it sampled from).
 ``--host-overhead`` measures, with 1k and 32k output tokens per row, the Python/numpy work per step (everything but
 the kernels), to show that it does not grow with length, and each stage's kernel time.
 """
@@ -57,12 +59,14 @@ class FixedMask(NeverForces):
         pass
 
 
-def make_batch(batch: int, vocab: int, output_tokens: int, rng: np.random.Generator) -> list[RequestState]:
+def make_batch(batch: int, vocab: int, output_tokens: int, rng: np.random.Generator,
+               top_logprobs: int = 0) -> list[RequestState]:
     states = []
     for r in range(batch):
         bias = {int(t): 2.0 for t in rng.choice(vocab, BIAS_PER_ROW, replace=False)}
         cfg = GenerationConfig(temperature=0.7, top_p=0.9, presence_penalty=0.5, frequency_penalty=0.3,
-                               repetition_penalty=1.1, logit_bias=bias, seed=r)
+                               repetition_penalty=1.1, logit_bias=bias, seed=r, logprobs=top_logprobs > 0,
+                               top_logprobs=top_logprobs)
         mask = [FixedMask(reference.pack_bitmask(rng.random((1, vocab)) < 0.5)[0])] if r % 2 == 0 else []
         appeared = rng.choice(vocab, APPEARED_PER_ROW, replace=False)
         state = RequestState(appeared[: APPEARED_PER_ROW // 2].tolist(), cfg, mask_sources=mask)
@@ -170,7 +174,7 @@ def bench_steps(args: argparse.Namespace, lib) -> None:
         proc = LogitProcessor(lib, vocab, max(args.batch))
         sampler = Sampler(lib, vocab, max_num_token=max(args.batch))
         for batch in args.batch:
-            states = make_batch(batch, vocab, 128, rng)
+            states = make_batch(batch, vocab, 128, rng, args.top_logprobs)
             base = (rng.standard_normal((batch, vocab)) * 3).astype(np.float32)
             work = empty_aligned((batch, vocab))
             copy_dst = np.empty_like(base)
@@ -255,6 +259,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=9)
     parser.add_argument("--markdown", action="store_true")
     parser.add_argument("--host-overhead", action="store_true")
+    parser.add_argument("--top-logprobs", type=int, default=0, help="processed top-n logprobs on every row")
     parser.add_argument("--output-tokens", type=int, nargs="+", default=[1000, 32000])
     args = parser.parse_args()
     lib = build_kernels("cpu")

@@ -2,11 +2,10 @@
 
 ``inplace_update_logits`` (bias -> penalties; the masks are filled but deferred), then ``Sampler.sample_from_logits``
 (the masks, temperature softmax, min-p, top-k, top-p and the draw fused in one kernel, no probabilities written);
-each row with its own request's config (temperature 0 is greedy). Only when a row asks for processed top-n logprobs
-does the step compute the probabilities: ``compute_probs_from_logits`` -> ``Sampler.renormalize`` ->
-``Sampler.sample`` (the same tokens with the same seeds). Raw logprobs, when a row asks for them, read a copy of the
-logits taken first. Rows whose logits hold NaN or +inf are flagged (``SampleResult.non_finite_logits``, token -1)
-rather than sampled.
+each row with its own request's config (temperature 0 is greedy), and the processed logprobs (chosen token and top-n)
+from the same kernel where asked for: no probabilities are ever written. Raw logprobs, when a row asks for them, read a
+copy of the logits taken first. Rows whose logits hold NaN or +inf are flagged (``SampleResult.non_finite_logits``,
+token -1) rather than sampled.
 """
 
 from __future__ import annotations
@@ -15,20 +14,13 @@ import numpy as np
 from logitproc.runtime import LogitProcessor, Sampler, SampleResult
 from logitproc.runtime.batch import Batch
 from logitproc.runtime.logits_io import non_finite_rows
-from logitproc.runtime.sampler import needs_probabilities
 
 
 def process(processor: LogitProcessor, sampler: Sampler, batch: Batch, logits: np.ndarray) -> SampleResult:
     """One token per row of ``batch`` from ``logits`` (modified in place); failed masks are in ``batch.mask_errors``."""
     bad = non_finite_rows(logits)
     raw = logits.copy() if batch.any_raw_logprobs else None
-    staged = needs_probabilities(batch)
-    processor.inplace_update_logits(logits, batch, defer_masks=not staged)  # the fused kernel reads the masks
-    if staged:
-        probs = processor.compute_probs_from_logits(logits, batch)
-        probs = sampler.renormalize(probs, batch)
-        result = sampler.sample(probs, batch, raw_logits=raw)
-    else:
-        result = sampler.sample_from_logits(logits, batch, raw_logits=raw)
+    processor.inplace_update_logits(logits, batch, defer_masks=True)  # the fused kernel reads the masks
+    result = sampler.sample_from_logits(logits, batch, raw_logits=raw)
     result.flag_non_finite(bad)
     return result

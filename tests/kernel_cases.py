@@ -201,8 +201,11 @@ def sample_from_logits_case(rng: np.random.Generator, batch: int, vocab: int) ->
     probs = ref.softmax_with_temperature(masked, temperature)
     probs = np.where(renorm[:, None] != 0, ref.renormalize(probs, top_k, top_p, min_p), probs)
 
+    top_count = np.resize(np.int32([3, 0]), batch)
+    n = min(3, vocab)
+
     def check(out: list[np.ndarray]) -> None:
-        tokens, chosen = out[9], out[10]
+        tokens, chosen, top_values, top_ids = out[9], out[10], out[12], out[13]
         for r in range(batch):
             p = probs[r].astype(np.float64)
             t = int(tokens[r])
@@ -214,10 +217,16 @@ def sample_from_logits_case(rng: np.random.Generator, batch: int, vocab: int) ->
             before, target = p[:t].sum(), float(uniform[r]) * p.sum()
             slack = 1e-5 * p.sum()
             assert before - slack <= target <= before + p[t] + slack, f"row {r}: token {t} is not where u lands"
+        for r in range(batch):  # processed top-n where asked: the largest probabilities, in order
+            k = min(top_count[r], n)
+            np.testing.assert_allclose(top_values[r, :k], np.sort(probs[r])[::-1][:k], rtol=2e-5, atol=1e-12)
+            np.testing.assert_allclose(probs[r, top_ids[r, :k]], top_values[r, :k], rtol=2e-5, atol=1e-12)
 
     return KernelCase("sample_from_logits", batch, vocab, (logits, temperature, top_k, top_p, min_p, renorm, uniform,
                                                            mask_index, ref.pack_bitmask(allowed), _neg7(batch),
-                                                           _nan(batch)), check)
+                                                           _nan(batch), top_count,
+                                                           np.full((batch, n), np.nan, np.float32),
+                                                           np.full((batch, n), -7, np.int32)), check)
 
 
 CASE_BUILDERS = [logit_bias_case, penalty_case, bitmask_case, softmax_case, renormalize_case, multinomial_case,

@@ -1,6 +1,6 @@
 """Sampler.sample_from_logits (the fused path) against the staged path: the same tokens and logprobs with the same
-seeds, on mixed batches with penalties, masks, drafts and greedy rows; the engine's processing step picks it unless a
-row asks for processed top-n logprobs."""
+seeds (processed and raw, chosen token and top-n), on mixed batches with penalties, masks, drafts and greedy rows; the
+engine's processing step always takes it."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 from logitproc import GenerationConfig, RequestState
-from logitproc.runtime.sampler import needs_probabilities
 from logitproc.serve.processing import process
 from logitproc.tir_kernels import reference as ref
 
@@ -39,12 +38,12 @@ class AllowedSet:
 
 CONFIGS = [
     GenerationConfig(seed=1),
-    GenerationConfig(temperature=0.0),
+    GenerationConfig(temperature=0.0, logprobs=True, top_logprobs=3),
     GenerationConfig(temperature=0.7, top_p=0.9, top_k=50, min_p=0.05, presence_penalty=0.5, frequency_penalty=0.3,
-                     repetition_penalty=1.1, logit_bias={42: 5.0, 7: -100.0}, seed=2),
-    GenerationConfig(repetition_penalty=1.3, seed=3, logprobs=True),
+                     repetition_penalty=1.1, logit_bias={42: 5.0, 7: -100.0}, seed=2, logprobs=True, top_logprobs=20),
+    GenerationConfig(repetition_penalty=1.3, seed=3, logprobs=True, top_logprobs=5),
     GenerationConfig(temperature=1.5, top_k=3, seed=4, logprobs=True, logprobs_mode="raw", top_logprobs=4),
-    GenerationConfig(frequency_penalty=-1.0, presence_penalty=2.0, top_p=0.5, seed=5),
+    GenerationConfig(frequency_penalty=-1.0, presence_penalty=2.0, top_p=0.5, seed=5, logprobs=True, top_logprobs=2),
     GenerationConfig(logit_bias={0: 100.0, 1002: -50.0}, min_p=0.2, seed=6),
     GenerationConfig(temperature=1e-6, seed=7),
     GenerationConfig(top_p=1e-6, seed=8),
@@ -117,19 +116,32 @@ def test_masked_tokens_are_never_sampled_and_a_fully_masked_row_gets_no_token(pr
         assert set(result.token_ids[1:].tolist()) <= set(allowed)
 
 
-def test_processed_top_n_logprobs_need_the_staged_path(proc, sampler) -> None:
-    states = [RequestState([1], GenerationConfig(logprobs=True, top_logprobs=2)), RequestState([1], GenerationConfig())]
-    logits = (np.random.default_rng(0).standard_normal((2, V))).astype(np.float32)
-    batch = proc.inplace_update_logits(logits, states)
-    assert needs_probabilities(batch)
-    with pytest.raises(ValueError, match="processed top_logprobs"):
-        sampler.sample_from_logits(logits, batch)
-    assert not needs_probabilities(proc.batch([RequestState([1], GenerationConfig(logprobs=True))]))
+def test_processed_top_n_logprobs_are_the_log_of_the_largest_probabilities(proc, sampler) -> None:
+    """Against numpy: the processed top-n of the fused path are the log of the n largest probabilities of the
+    distribution sampled from (after top-p / top-k), in order; past the kept tokens, -inf."""
+    states = [RequestState([1], GenerationConfig(seed=1, top_p=0.9, logprobs=True, top_logprobs=4)),
+              RequestState([1], GenerationConfig(seed=2, top_k=2, logprobs=True, top_logprobs=3)),
+              RequestState([1], GenerationConfig())]
+    logits = (np.random.default_rng(0).standard_normal((3, V)) * 2).astype(np.float32)
+    expected = ref.renormalize(ref.softmax_with_temperature(logits, np.ones(3, np.float32)), np.int32([0, 2, 0]),
+                               np.float32([0.9, 1.0, 1.0]), np.zeros(3, np.float32))
+    result = sampler.sample_from_logits(logits.copy(), proc.inplace_update_logits(logits, states))
+    for r, k in ((0, 4), (1, 3)):
+        order = np.argsort(-expected[r], kind="stable")[:k]
+        ids = [t for t, _ in result.top_logprobs[r]]
+        with np.errstate(divide="ignore"):
+            np.testing.assert_allclose([v for _, v in result.top_logprobs[r]], np.log(expected[r, order]), rtol=1e-5)
+        assert ids[:2] == order[:2].tolist()
+        np.testing.assert_allclose(result.logprobs[r], np.log(expected[r, result.token_ids[r]]), rtol=1e-5)
+    assert result.logprobs[1] == dict(result.top_logprobs[1])[result.token_ids[1]]  # top_k 2: among the top 3
+    assert result.top_logprobs[1][2][1] == -np.inf  # top_k 2: a third token has probability 0
+    assert result.top_logprobs[2] is None
 
 
 @pytest.mark.parametrize("top_logprobs", [0, 3])
 def test_the_engine_step_gives_the_staged_tokens_either_way(proc, sampler, top_logprobs) -> None:
-    """serve.processing.process: fused without processed top-n logprobs, staged with them; the same tokens."""
+    """serve.processing.process (always fused) gives the staged path's tokens and logprobs, with and without
+    processed top-n logprobs."""
     configs = [GenerationConfig(seed=1, top_p=0.8), GenerationConfig(temperature=0.0),
                GenerationConfig(seed=2, logprobs=True, top_logprobs=top_logprobs)]
     expected = run_steps(proc, sampler, [RequestState([1], c) for c in configs], False, 3, 7)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from kernel_harness import run_cpu, vulkan_kernels_or_skip
-from logitproc.tir_kernels import multinomial, reference, renormalize, sample_from_logits, softmax
+from logitproc.tir_kernels import multinomial, reference, renormalize, sample_from_logits, softmax, top_n
 from scipy import stats
 
 NAME = sample_from_logits.NAME
@@ -54,22 +54,41 @@ def no_masks(batch: int, vocab: int) -> tuple[np.ndarray, np.ndarray]:
     return np.full(batch, -1, np.int32), np.full((1, (vocab + 31) // 32), -1, np.int32)
 
 
-def fused_cpu(logits: np.ndarray, p: dict[str, np.ndarray], renorm: np.ndarray,
-              masks: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
+def fused_cpu_top(logits: np.ndarray, p: dict[str, np.ndarray], renorm: np.ndarray,
+                  masks: tuple[np.ndarray, np.ndarray] | None, top_count: np.ndarray,
+                  n: int) -> tuple[np.ndarray, ...]:
+    """(token, chosen, top values, top ids) of the fused kernel; rows with top_count 0 must leave their top slots."""
     batch, vocab = logits.shape
     mask_index, bitmask = no_masks(batch, vocab) if masks is None else masks
     out = run_cpu(NAME, logits, p["temperature"], p["top_k"], p["top_p"], p["min_p"], renorm.astype(np.int32),
-                  p["uniform"], mask_index, bitmask, np.full(batch, -7, np.int32), np.full(batch, np.nan, np.float32))
+                  p["uniform"], mask_index, bitmask, np.full(batch, -7, np.int32), np.full(batch, np.nan, np.float32),
+                  top_count.astype(np.int32), np.full((batch, n), np.nan, np.float32),
+                  np.full((batch, n), -7, np.int32))
     np.testing.assert_array_equal(out[0], logits)  # the logits are not modified
-    return out[9], out[10]
+    values, ids = out[12], out[13]
+    for r in range(batch):  # nothing written past what a row asked for
+        assert np.isnan(values[r, top_count[r]:]).all() and (ids[r, top_count[r]:] == -7).all(), r
+    return out[9], out[10], values, ids
 
 
-def staged_cpu(logits: np.ndarray, p: dict[str, np.ndarray], renorm: bool) -> tuple[np.ndarray, np.ndarray]:
+def fused_cpu(logits: np.ndarray, p: dict[str, np.ndarray], renorm: np.ndarray,
+              masks: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    token, chosen, _, _ = fused_cpu_top(logits, p, renorm, masks, np.zeros(logits.shape[0], np.int32), 1)
+    return token, chosen
+
+
+def staged_probs_cpu(logits: np.ndarray, p: dict[str, np.ndarray], renorm: bool) -> np.ndarray:
     batch, vocab = logits.shape
     probs = run_cpu(softmax.NAME, logits, p["temperature"], np.full((batch, vocab), np.nan, np.float32))[2]
     if renorm:
         probs = run_cpu(renormalize.NAME, probs, p["top_k"], p["top_p"], p["min_p"],
                         np.full((batch, vocab), np.nan, np.float32))[4]
+    return probs
+
+
+def staged_cpu(logits: np.ndarray, p: dict[str, np.ndarray], renorm: bool) -> tuple[np.ndarray, np.ndarray]:
+    batch = logits.shape[0]
+    probs = staged_probs_cpu(logits, p, renorm)
     out = run_cpu(multinomial.NAME, probs, p["uniform"], np.full(batch, -7, np.int32),
                   np.full(batch, np.nan, np.float32))
     return out[2], out[3]
@@ -115,6 +134,38 @@ def test_a_folded_bitmask_equals_applying_it_first(batch: int, vocab: int) -> No
     if narrow[1].shape[1] > 0:
         token, _ = fused_cpu(logits, p, np.ones(batch), narrow)
         np.testing.assert_array_equal(token, fused_cpu(logits, p, np.ones(batch))[0])
+
+
+@pytest.mark.parametrize(("batch", "vocab", "n"), [(1, 1, 1), (8, 33, 33), (99, 33, 5), (16, 1003, 20),
+                                                   (9, 128256, 20)])
+def test_top_n_of_the_row_sampled_from_equals_top_n_of_the_staged_probabilities(batch: int, vocab: int,
+                                                                                 n: int) -> None:
+    """Processed top-n logprobs in the fused kernel: per row, the first top_count[r] entries of the top_n kernel run
+    on the staged probabilities (after renormalize where renorm), bit for bit: greedy rows (one-hot), every token
+    masked (zeros), one allowed token, ties, top_p 1e-6, rows asking for fewer than n, rows asking for none, and
+    masks folded from the bitmask."""
+    logits = edge_logits(batch, vocab, vocab + n)
+    p = row_params(batch, vocab, batch + n)
+    top_count = np.resize(np.int32([n, 0, n, max(1, n // 2), n, 1, n, n]), batch)
+    allowed = np.random.default_rng(n).random((1, vocab)) < 0.5
+    allowed[0, -1] = True
+    mask_index = np.resize(np.int32([-1, -1, -1, -1, -1, -1, -1, 0]), batch)
+    masked = logits.copy()
+    masked[mask_index == 0] = np.where(allowed[0], logits[mask_index == 0], -np.inf)
+    for renorm in (True, False):
+        token, chosen, values, ids = fused_cpu_top(logits, p, np.full(batch, int(renorm)),
+                                                   (mask_index, reference.pack_bitmask(allowed)), top_count, n)
+        probs = staged_probs_cpu(masked, p, renorm)
+        ref_values, ref_ids = run_cpu(top_n.NAME, probs, np.zeros((batch, n), np.float32),
+                                      np.zeros((batch, n), np.int32))[1:]
+        for r in range(batch):
+            k = top_count[r]
+            np.testing.assert_array_equal(values[r, :k], ref_values[r, :k], err_msg=f"row {r}")
+            np.testing.assert_array_equal(ids[r, :k], ref_ids[r, :k], err_msg=f"row {r}")
+        # the draw is unchanged by asking for top-n
+        np.testing.assert_array_equal(token, fused_cpu(logits, p, np.full(batch, int(renorm)),
+                                                       (mask_index, reference.pack_bitmask(allowed)))[0])
+        np.testing.assert_array_equal(chosen, staged_cpu(masked, p, renorm)[1])
 
 
 def test_many_uniforms_give_the_staged_tokens() -> None:
@@ -244,10 +295,13 @@ def test_vulkan_matches_the_staged_vulkan_kernels(batch: int, vocab: int) -> Non
     for r in range(batch):
         if mask_index[r] >= 0:
             masked[r] = np.where(allowed[mask_index[r]], logits[r], -np.inf)
+    n = min(vocab, 6)
+    top_count = np.resize(np.int32([n, 0, 2]), batch)
     for renorm in (0, 1):
         token, chosen = np.full(batch, -7, np.int32), np.full(batch, np.nan, np.float32)
+        values, ids = np.full((batch, n), np.nan, np.float32), np.full((batch, n), -7, np.int32)
         kernels[NAME](logits, p["temperature"], p["top_k"], p["top_p"], p["min_p"], np.full(batch, renorm, np.int32),
-                      p["uniform"], mask_index, reference.pack_bitmask(allowed), token, chosen)
+                      p["uniform"], mask_index, reference.pack_bitmask(allowed), token, chosen, top_count, values, ids)
         probs = np.full((batch, vocab), np.nan, np.float32)
         kernels[softmax.NAME](masked, p["temperature"], probs)
         if renorm:
@@ -258,3 +312,10 @@ def test_vulkan_matches_the_staged_vulkan_kernels(batch: int, vocab: int) -> Non
         kernels[multinomial.NAME](probs, p["uniform"], ref_token, ref_chosen)
         np.testing.assert_array_equal(token, ref_token)
         np.testing.assert_array_equal(chosen, ref_chosen)
+        ref_values, ref_ids = np.zeros((batch, n), np.float32), np.zeros((batch, n), np.int32)
+        kernels[top_n.NAME](probs, ref_values, ref_ids)
+        for r in range(batch):  # processed top-n: the staged top_n of the same probabilities; nothing else written
+            k = top_count[r]
+            np.testing.assert_array_equal(values[r, :k], ref_values[r, :k])
+            np.testing.assert_array_equal(ids[r, :k], ref_ids[r, :k])
+            assert np.isnan(values[r, k:]).all() and (ids[r, k:] == -7).all()

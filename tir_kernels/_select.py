@@ -28,6 +28,8 @@ Two TVMScript macros expand this inside the kernels' loop nests:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from tvm import tirx
 from tvm.script import tirx as T
 
@@ -48,6 +50,11 @@ POS_INF_BITS = 0x7F800000
 def pos_inf() -> tirx.PrimExpr:
     """float32 +inf as an expression every backend prints exactly."""
     return T.reinterpret("float32", T.uint32(POS_INF_BITS))
+
+
+def out_index(best_i: tirx.PrimExpr) -> tirx.PrimExpr:
+    """The index written out for a selected entry: -1 where nothing was left to select (``NO_INDEX``)."""
+    return T.Select(best_i == NO_INDEX, T.int32(-1), best_i)
 
 
 def better(v: tirx.PrimExpr, i: tirx.PrimExpr, best_v: tirx.PrimExpr, best_i: tirx.PrimExpr) -> tirx.PrimExpr:
@@ -152,10 +159,10 @@ def row_best_cpu(x: tirx.Buffer, r: tirx.PrimExpr, vocab: tirx.PrimExpr, prev_v:
 
 
 @T.macro
-def row_best_gpu(x: tirx.Buffer, r: tirx.PrimExpr, vocab: tirx.PrimExpr, prev_v: tirx.PrimExpr | None,
+def row_best_gpu(value: Callable[[tirx.PrimExpr], tirx.PrimExpr], vocab: tirx.PrimExpr, prev_v: tirx.PrimExpr | None,
                  prev_i: tirx.PrimExpr | None, tx: tirx.Var, threads: int, part_v: tirx.Buffer, part_i: tirx.Buffer,
                  best_v: tirx.Buffer, best_i: tirx.Buffer):
-    """best_v[0], best_i[0] = the best entry of x[r, :vocab], in every thread of the block.
+    """best_v[0], best_i[0] = the best entry of value(0 .. vocab - 1) (e.g. ``row_of(x, r)``), in every thread.
 
     tx: the threadIdx.x variable (``threads`` threads); part_v / part_i: local (1,) scratch for the thread partials;
     best_v / best_i: local (1,) results, which TVM's lowering replaces by shared memory: read them after the call,
@@ -166,10 +173,10 @@ def row_best_gpu(x: tirx.Buffer, r: tirx.PrimExpr, vocab: tirx.PrimExpr, prev_v:
     part_i[0] = NO_INDEX
     for k in range((vocab + threads - 1) // threads):
         if k * threads + tx < vocab:
-            if T.And(_eligible("all" if prev_v is None else "any", x[r, k * threads + tx], k * threads + tx, prev_v,
+            if T.And(_eligible("all" if prev_v is None else "any", value(k * threads + tx), k * threads + tx, prev_v,
                                prev_i),
-                     better(x[r, k * threads + tx], k * threads + tx, part_v[0], part_i[0])):
-                part_v[0] = x[r, k * threads + tx]
+                     better(value(k * threads + tx), k * threads + tx, part_v[0], part_i[0])):
+                part_v[0] = value(k * threads + tx)
                 part_i[0] = k * threads + tx
     # Two one-value all-reduces: the largest value, then the lowest index among the threads holding it. (A two-value
     # comm_reducer is not safe here: TVM 0.27 lowers its combine as one store per value, in order, and the later

@@ -24,6 +24,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ._common import is_cpu, max_threads
+from ._reductions import row_of
 from ._select import CPU_WIDTH, NO_INDEX, row_best_cpu, row_best_gpu
 
 NAME = "argmax"
@@ -68,7 +69,7 @@ def _gpu(threads: int) -> tirx.PrimFunc:
                 part_i = T.alloc_buffer((1,), "int32", scope="local")
                 best_v = T.alloc_buffer((1,), "float32", scope="local")
                 best_i = T.alloc_buffer((1,), "int32", scope="local")
-                row_best_gpu(x, r, vocab, None, None, tx, threads, part_v, part_i, best_v, best_i)
+                row_best_gpu(row_of(x, r), vocab, None, None, tx, threads, part_v, part_i, best_v, best_i)
                 if tx == 0:
                     index[r] = _out_index(best_i[0])
                     value[r] = best_v[0]

@@ -62,6 +62,7 @@ from ._reductions import (
     row_of,
     safe_shift,
 )
+from ._select import CPU_WIDTH, out_index, pos_inf, row_best_cpu, row_best_gpu
 from .softmax import gpu_row_stats, inverse_sum, probability
 
 NAME = "sample_from_logits"
@@ -142,7 +143,25 @@ def _cpu_rows() -> Callable[..., None]:
             chosen[r] = T.float32(1)
 
     @T.macro
-    def row(r, vocab, masked, plain, on, logits, temperature, top_k, top_p, min_p, renorm, uniform, token, chosen):
+    def top_entries(exps, vocab, count, r, top_values, top_ids):
+        # the first ``count`` entries of top_n over the processed row left in exps[0, :vocab] (in cache)
+        lane_v = T.alloc_buffer((CPU_WIDTH,), "float32", scope="local")
+        lane_i = T.alloc_buffer((CPU_WIDTH,), "int32", scope="local")
+        lane_take = T.alloc_buffer((CPU_WIDTH,), "int8", scope="local")
+        best_v = T.alloc_buffer((1,), "float32", scope="local")
+        best_i = T.alloc_buffer((1,), "int32", scope="local")
+        best_v[0] = pos_inf()
+        best_i[0] = -1
+        for j in range(T.min(count, top_values.shape[1])):
+            prev_v: T.let = best_v[0]
+            prev_i: T.let = best_i[0]
+            row_best_cpu(exps, 0, vocab, prev_v, prev_i, lane_v, lane_i, lane_take, best_v, best_i)
+            top_values[r, j] = best_v[0]
+            top_ids[r, j] = out_index(best_i[0])
+
+    @T.macro
+    def row(r, vocab, masked, plain, on, logits, temperature, top_k, top_p, min_p, renorm, uniform, token, chosen,
+            top_count, top_values, top_ids):
         # row r, reading its logits through masked(i) where ``on`` (a valid mask row), else plain(i): only the
         # passes that read the logits are written twice (the rest reads the exps row: one copy, for compile time)
         lanes = T.alloc_buffer((w,), "float32", scope="global")
@@ -170,6 +189,9 @@ def _cpu_rows() -> Callable[..., None]:
                 greedy(masked, vocab, r, lanes, block, index_lanes, index_block, row_max, hot, token, chosen)
             else:
                 greedy(plain, vocab, r, lanes, block, index_lanes, index_block, row_max, hot, token, chosen)
+            if top_count[r] > 0:  # the staged softmax's one-hot row (zeros for a row of only -inf)
+                for i in range(vocab):
+                    exps[0, i] = T.Select(i == token[r], T.float32(1), T.float32(0))
         else:
             # the staged softmax's exps, in one pass that reads the logits from memory, into the scratch row
             scale2: T.let = exp2_scale(temperature[r])
@@ -180,6 +202,9 @@ def _cpu_rows() -> Callable[..., None]:
             if run[0] == neg_inf():  # every token masked
                 token[r] = -1
                 chosen[r] = T.float32(0)
+                if top_count[r] > 0:
+                    for i in range(vocab):
+                        exps[0, i] = T.float32(0)
             else:
                 cpu_rescale_chunks(exps, 0, vocab, scale2, shifts, run[0])
                 inv: T.let = inverse_sum(row_sum[0])
@@ -201,20 +226,28 @@ def _cpu_rows() -> Callable[..., None]:
                         token[r] = pos[1]
                         chosen[r] = T.Select(pos[1] >= 0, _kept_of(_scaled(exps, inv), lo, mass)(T.max(pos[1], 0)),
                                              T.float32(0))
+                    if top_count[r] > 0:  # the renormalized row, in place
+                        for i in range(vocab):
+                            exps[0, i] = _kept(exps[0, i] * inv, lo, mass)
                 else:
                     sample_row(_scaled(exps, inv), vocab, uniform[r], None, pos)
                     token[r] = pos[1]
                     chosen[r] = T.Select(pos[1] >= 0, _scaled(exps, inv)(T.max(pos[1], 0)), T.float32(0))
+                    if top_count[r] > 0:  # the probabilities, in place
+                        for i in range(vocab):
+                            exps[0, i] = exps[0, i] * inv
+        if top_count[r] > 0:
+            top_entries(exps, vocab, top_count[r], r, top_values, top_ids)
 
     @T.macro
     def rows(batch, vocab, logits, temperature, top_k, top_p, min_p, renorm, uniform, mask_index, bitmask, token,
-             chosen):
+             chosen, top_count, top_values, top_ids):
         num_masks: T.let = bitmask.shape[0]
         for r in T.parallel(batch):
             m: T.let = mask_index[r]
             on: T.let = m >= 0 and m < num_masks and bitmask.shape[1] * 32 >= vocab
             row(r, vocab, _masked_logit(logits, r, bitmask, T.Select(on, m, 0)), row_of(logits, r), on, logits,
-                temperature, top_k, top_p, min_p, renorm, uniform, token, chosen)
+                temperature, top_k, top_p, min_p, renorm, uniform, token, chosen, top_count, top_values, top_ids)
 
     return rows
 
@@ -225,8 +258,27 @@ def _gpu_rows(threads: int, uniform_loops: bool) -> Callable[..., None]:
     sample_row = multinomial.gpu_row_macro(threads)
 
     @T.macro
+    def top_entries(value, vocab, tx, r, rounds, count, top_values, top_ids):
+        # top_n's rounds over the values the draw read (the staged path's probabilities); rows past ``count`` idle
+        part_v = T.alloc_buffer((1,), "float32", scope="local")
+        part_i = T.alloc_buffer((1,), "int32", scope="local")
+        best_v = T.alloc_buffer((1,), "float32", scope="local")
+        best_i = T.alloc_buffer((1,), "int32", scope="local")
+        prev_v = T.alloc_buffer((1,), "float32", scope="local")
+        prev_i = T.alloc_buffer((1,), "int32", scope="local")
+        prev_v[0] = pos_inf()
+        prev_i[0] = -1
+        for j in range(rounds):
+            row_best_gpu(value, vocab, prev_v[0], prev_i[0], tx, threads, part_v, part_i, best_v, best_i)
+            prev_v[0] = best_v[0]
+            prev_i[0] = best_i[0]
+            if tx == 0 and j < count:
+                top_values[r, j] = best_v[0]
+                top_ids[r, j] = out_index(best_i[0])
+
+    @T.macro
     def rows(batch, vocab, logits, temperature, top_k, top_p, min_p, renorm, uniform, mask_index, bitmask, token,
-             chosen):
+             chosen, top_count, top_values, top_ids):
         for r in T.thread_binding(batch, thread="blockIdx.x"):
             for tx in T.thread_binding(threads, thread="threadIdx.x"):
                 # the mask row and whether it applies, branch-free (the passes below hold barriers); a row without a
@@ -257,6 +309,12 @@ def _gpu_rows(threads: int, uniform_loops: bool) -> Callable[..., None]:
                 mass: T.let = ms[0]
                 sample_row(_sampled(probability(_gpu_logit(logits, r, bitmask, row, masked), greedy, hot[0], shift,
                                                 scale, inv), on, lo, mass), vocab, uniform[r], tx, token, chosen, r)
+                # processed top-n: WGSL runs the width's rounds in every row (its barriers need uniform control
+                # flow); elsewhere a row runs the rounds it asks for (the bound is the same in every thread)
+                count: T.let = T.min(top_count[r], top_values.shape[1])
+                top_entries(_sampled(probability(_gpu_logit(logits, r, bitmask, row, masked), greedy, hot[0], shift,
+                                                 scale, inv), on, lo, mass), vocab, tx, r,
+                            top_values.shape[1] if uniform_loops else count, count, top_values, top_ids)
 
     return rows
 
@@ -265,9 +323,10 @@ def _kernel(rows: Callable[..., None]) -> tirx.PrimFunc:
     @T.prim_func
     def sample_from_logits(var_logits: T.handle, var_temperature: T.handle, var_top_k: T.handle,
                            var_top_p: T.handle, var_min_p: T.handle, var_renorm: T.handle, var_uniform: T.handle,
-                           var_mask_index: T.handle, var_bitmask: T.handle, var_token: T.handle, var_chosen: T.handle):
+                           var_mask_index: T.handle, var_bitmask: T.handle, var_token: T.handle, var_chosen: T.handle,
+                           var_top_count: T.handle, var_top_values: T.handle, var_top_ids: T.handle):
         T.func_attr({"tirx.noalias": True})
-        batch, vocab, num_masks, num_words = T.int32(), T.int32(), T.int32(), T.int32()
+        batch, vocab, num_masks, num_words, n = T.int32(), T.int32(), T.int32(), T.int32(), T.int32()
         logits = T.match_buffer(var_logits, (batch, vocab), "float32")
         temperature = T.match_buffer(var_temperature, (batch,), "float32")
         top_k = T.match_buffer(var_top_k, (batch,), "int32")
@@ -279,8 +338,11 @@ def _kernel(rows: Callable[..., None]) -> tirx.PrimFunc:
         bitmask = T.match_buffer(var_bitmask, (num_masks, num_words), "int32")
         token = T.match_buffer(var_token, (batch,), "int32")
         chosen = T.match_buffer(var_chosen, (batch,), "float32")
+        top_count = T.match_buffer(var_top_count, (batch,), "int32")
+        top_values = T.match_buffer(var_top_values, (batch, n), "float32")
+        top_ids = T.match_buffer(var_top_ids, (batch, n), "int32")
         rows(batch, vocab, logits, temperature, top_k, top_p, min_p, renorm, uniform, mask_index, bitmask, token,
-             chosen)
+             chosen, top_count, top_values, top_ids)
     return sample_from_logits
 
 

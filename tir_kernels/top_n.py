@@ -32,14 +32,10 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ._common import is_cpu, max_threads
-from ._select import CPU_WIDTH, NO_INDEX, pos_inf, row_best_cpu, row_best_gpu
+from ._reductions import row_of
+from ._select import CPU_WIDTH, out_index, pos_inf, row_best_cpu, row_best_gpu
 
 NAME = "top_n"
-
-
-def _out_index(best_i: tirx.PrimExpr) -> tirx.PrimExpr:
-    """The index written out: -1 where nothing was left to select (only when n > vocab)."""
-    return T.Select(best_i == NO_INDEX, T.int32(-1), best_i)
 
 
 def _cpu() -> tirx.PrimFunc:
@@ -63,7 +59,7 @@ def _cpu() -> tirx.PrimFunc:
                 prev_i: T.let = best_i[0]
                 row_best_cpu(x, r, vocab, prev_v, prev_i, lane_v, lane_i, lane_take, best_v, best_i)
                 values[r, j] = best_v[0]
-                indices[r, j] = _out_index(best_i[0])
+                indices[r, j] = out_index(best_i[0])
     return top_n
 
 
@@ -88,12 +84,12 @@ def _gpu(threads: int) -> tirx.PrimFunc:
                 for j in range(n):
                     # Every thread holds the previous pick (the all-reduce result), so all scan the same eligibility.
                     # (The all-reduce result buffers are rewritten by TVM's lowering: the previous pick lives apart.)
-                    row_best_gpu(x, r, vocab, prev_v[0], prev_i[0], tx, threads, part_v, part_i, best_v, best_i)
+                    row_best_gpu(row_of(x, r), vocab, prev_v[0], prev_i[0], tx, threads, part_v, part_i, best_v, best_i)
                     prev_v[0] = best_v[0]
                     prev_i[0] = best_i[0]
                     if tx == 0:
                         values[r, j] = best_v[0]
-                        indices[r, j] = _out_index(best_i[0])
+                        indices[r, j] = out_index(best_i[0])
     return top_n
 
 
