@@ -81,6 +81,19 @@ def test_full_sort_of_a_small_vocabulary_with_ties_and_masks() -> None:
     assert_matches_reference(*run_top_n(x, 200), x, 200)
 
 
+@pytest.mark.parametrize("n", [1, 20, 32, 33, 64])
+def test_blocks_of_equal_values_up_to_and_past_the_candidate_list(n: int) -> None:
+    """The CPU kernel selects from a list of the entries at or above the n-th largest maximum of blocks of 256. With
+    64 blocks of equal values (decreasing block by block) before noise, n <= 32 fits the list (ties in id order),
+    larger n overflow it and the rounds scan the whole row: every case equals the reference."""
+    vocab = 300 * 256 + 5
+    x = np.random.default_rng(n).random((2, vocab)).astype(np.float32)
+    for k in range(64):
+        x[:, k * 256:(k + 1) * 256] = 100 - k
+    x[1, 5 * 256:6 * 256:3] = 101  # more ties, above every block
+    assert_matches_reference(*run_top_n(x, n), x, n)
+
+
 def test_n_larger_than_vocab_fills_with_minus_inf_and_minus_1() -> None:
     """A caller error (the runtime rejects it); the kernel still writes only defined values."""
     x = np.array([[1.0, -np.inf, 3.0], [-np.inf, -np.inf, -np.inf]], np.float32)

@@ -62,7 +62,7 @@ from ._reductions import (
     row_of,
     safe_shift,
 )
-from ._select import CPU_WIDTH, out_index, pos_inf, row_best_cpu, row_best_gpu
+from ._select import out_index, pos_inf, row_best_gpu, row_top_cpu
 from .softmax import gpu_row_stats, inverse_sum, probability
 
 NAME = "sample_from_logits"
@@ -143,23 +143,6 @@ def _cpu_rows() -> Callable[..., None]:
             chosen[r] = T.float32(1)
 
     @T.macro
-    def top_entries(exps, vocab, count, r, top_values, top_ids):
-        # the first ``count`` entries of top_n over the processed row left in exps[0, :vocab] (in cache)
-        lane_v = T.alloc_buffer((CPU_WIDTH,), "float32", scope="local")
-        lane_i = T.alloc_buffer((CPU_WIDTH,), "int32", scope="local")
-        lane_take = T.alloc_buffer((CPU_WIDTH,), "int8", scope="local")
-        best_v = T.alloc_buffer((1,), "float32", scope="local")
-        best_i = T.alloc_buffer((1,), "int32", scope="local")
-        best_v[0] = pos_inf()
-        best_i[0] = -1
-        for j in range(T.min(count, top_values.shape[1])):
-            prev_v: T.let = best_v[0]
-            prev_i: T.let = best_i[0]
-            row_best_cpu(exps, 0, vocab, prev_v, prev_i, lane_v, lane_i, lane_take, best_v, best_i)
-            top_values[r, j] = best_v[0]
-            top_ids[r, j] = out_index(best_i[0])
-
-    @T.macro
     def row(r, vocab, masked, plain, on, logits, temperature, top_k, top_p, min_p, renorm, uniform, token, chosen,
             top_count, top_values, top_ids):
         # row r, reading its logits through masked(i) where ``on`` (a valid mask row), else plain(i): only the
@@ -237,7 +220,8 @@ def _cpu_rows() -> Callable[..., None]:
                         for i in range(vocab):
                             exps[0, i] = exps[0, i] * inv
         if top_count[r] > 0:
-            top_entries(exps, vocab, top_count[r], r, top_values, top_ids)
+            # top_n of the processed row left in the scratch row (in cache)
+            row_top_cpu(exps, 0, vocab, T.min(top_count[r], top_values.shape[1]), top_values, top_ids, r)
 
     @T.macro
     def rows(batch, vocab, logits, temperature, top_k, top_p, min_p, renorm, uniform, mask_index, bitmask, token,

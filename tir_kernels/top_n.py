@@ -17,9 +17,10 @@ the runtime width of the output buffers (any ``1 <= n <= vocab``, typically 1..2
             prev_v, prev_i = best_v, best_i
 
 i.e. n rounds of argmax, round j taking the largest (value, -index) pair strictly below the one of round j-1: exact
-for duplicates and -inf (masked) values, equal to ``reference.top_n``. The scan is the one argmax uses (``_select``):
-on CPUs rows in parallel, each round a branch-free vectorised pass over the row (after the first round the row is in
-L2); on GPUs one block per row, each round a strided scan and two block all-reduces.
+for duplicates and -inf (masked) values, equal to ``reference.top_n``. On CPUs rows in parallel, each with
+``_select.row_top_cpu``: one vectorised pass for block maxima, a short list of the only entries that can be selected,
+and the rounds on that list (so n = 20 costs about one pass, not 20); on GPUs one block per row, each round a strided
+scan and two block all-reduces (``_select.row_best_gpu``).
 
 ``n > vocab`` is a caller error (the runtime rejects it); the kernel then fills the slots past ``vocab`` with value
 -inf and index -1 rather than reading out of bounds. NaN is never selected (logits are never NaN).
@@ -33,7 +34,7 @@ from tvm.script import tirx as T
 
 from ._common import is_cpu, max_threads
 from ._reductions import row_of
-from ._select import CPU_WIDTH, out_index, pos_inf, row_best_cpu, row_best_gpu
+from ._select import out_index, pos_inf, row_best_gpu, row_top_cpu
 
 NAME = "top_n"
 
@@ -47,19 +48,7 @@ def _cpu() -> tirx.PrimFunc:
         values = T.match_buffer(var_values, (batch, n), "float32")
         indices = T.match_buffer(var_indices, (batch, n), "int32")
         for r in T.parallel(batch):
-            lane_v = T.alloc_buffer((CPU_WIDTH,), "float32", scope="local")
-            lane_i = T.alloc_buffer((CPU_WIDTH,), "int32", scope="local")
-            lane_take = T.alloc_buffer((CPU_WIDTH,), "int8", scope="local")
-            best_v = T.alloc_buffer((1,), "float32", scope="local")
-            best_i = T.alloc_buffer((1,), "int32", scope="local")
-            best_v[0] = pos_inf()
-            best_i[0] = -1
-            for j in range(n):
-                prev_v: T.let = best_v[0]
-                prev_i: T.let = best_i[0]
-                row_best_cpu(x, r, vocab, prev_v, prev_i, lane_v, lane_i, lane_take, best_v, best_i)
-                values[r, j] = best_v[0]
-                indices[r, j] = out_index(best_i[0])
+            row_top_cpu(x, r, vocab, n, values, indices, r)
     return top_n
 
 
