@@ -11,8 +11,9 @@ alone, from processed logits. All figures of a row come from one run of interlea
 contender once, in turn). ``memcpy`` copies the float32 [B, V] logits once (the floor of any full pass). Each step
 starts from fresh logits copied in before the clock starts (in the engine the model writes them; the copy costs one
 memcpy more); ``fused`` defers the masks to the sampling kernel as the engine does, ``staged`` applies them first.
-``--top-logprobs N``: every row also asks for its N most probable tokens' processed logprobs (the staged path runs
-the top_n kernel on its probabilities, the fused kernel its rounds on the row it sampled from).
+``--top-logprobs N`` adds, in the same rounds, the sampling of the same batch in which every row also asks for its N
+most probable tokens' processed logprobs (staged: the top_n kernel on its probabilities; fused: the same kernel
+selects them from the row it sampled from).
 ``--host-overhead`` measures, with 1k and 32k output tokens per row, the Python/numpy work per step (everything but
 the kernels), to show that it does not grow with length, and each stage's kernel time.
 """
@@ -20,6 +21,7 @@ the kernels), to show that it does not grow with length, and each stage's kernel
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -59,14 +61,21 @@ class FixedMask(NeverForces):
         pass
 
 
-def make_batch(batch: int, vocab: int, output_tokens: int, rng: np.random.Generator,
-               top_logprobs: int = 0) -> list[RequestState]:
+def replace_config(state: RequestState, top_logprobs: int) -> RequestState:
+    """The same request (prompt, output, masks, seed) also asking for processed top-n logprobs."""
+    cfg = dataclasses.replace(state.config, logprobs=True, top_logprobs=top_logprobs)
+    twin = RequestState(list(state.prompt_token_ids), cfg, mask_sources=list(state.mask_sources))
+    for t in state.output_token_ids:
+        twin.append_token(int(t))
+    return twin
+
+
+def make_batch(batch: int, vocab: int, output_tokens: int, rng: np.random.Generator) -> list[RequestState]:
     states = []
     for r in range(batch):
         bias = {int(t): 2.0 for t in rng.choice(vocab, BIAS_PER_ROW, replace=False)}
         cfg = GenerationConfig(temperature=0.7, top_p=0.9, presence_penalty=0.5, frequency_penalty=0.3,
-                               repetition_penalty=1.1, logit_bias=bias, seed=r, logprobs=top_logprobs > 0,
-                               top_logprobs=top_logprobs)
+                               repetition_penalty=1.1, logit_bias=bias, seed=r)
         mask = [FixedMask(reference.pack_bitmask(rng.random((1, vocab)) < 0.5)[0])] if r % 2 == 0 else []
         appeared = rng.choice(vocab, APPEARED_PER_ROW, replace=False)
         state = RequestState(appeared[: APPEARED_PER_ROW // 2].tolist(), cfg, mask_sources=mask)
@@ -167,6 +176,8 @@ def bench_steps(args: argparse.Namespace, lib) -> None:
     rng = np.random.default_rng(0)
     header = ["B", "V", "staged us", "fused us", "numpy us", "torch us", "memcpy us", "staged/memcpy", "fused/memcpy",
               "numpy/fused", "sampling staged us", "sampling fused us", "sampling fused/memcpy"]
+    if args.top_logprobs:
+        header += [f"top-{args.top_logprobs} staged us", f"top-{args.top_logprobs} fused us"]
     print("| " + " | ".join(header) + " |" if args.markdown else "".join(f"{h:>14}" for h in header))
     if args.markdown:
         print("|" + "---|" * len(header))
@@ -174,7 +185,7 @@ def bench_steps(args: argparse.Namespace, lib) -> None:
         proc = LogitProcessor(lib, vocab, max(args.batch))
         sampler = Sampler(lib, vocab, max_num_token=max(args.batch))
         for batch in args.batch:
-            states = make_batch(batch, vocab, 128, rng, args.top_logprobs)
+            states = make_batch(batch, vocab, 128, rng)
             base = (rng.standard_normal((batch, vocab)) * 3).astype(np.float32)
             work = empty_aligned((batch, vocab))
             copy_dst = np.empty_like(base)
@@ -198,6 +209,10 @@ def bench_steps(args: argparse.Namespace, lib) -> None:
                 "staged": full_step(staged_sampling), "fused": full_step(fused_sampling),
                 "sampling staged": sampling_only(staged_sampling), "sampling fused": sampling_only(fused_sampling),
             }
+            if args.top_logprobs:
+                with_top = proc.batch([replace_config(s, args.top_logprobs) for s in states])
+                contenders["top staged"] = sampling_only(staged_sampling, batch_=with_top)
+                contenders["top fused"] = sampling_only(fused_sampling, batch_=with_top)
             us = interleaved_us(contenders, args.repeat)
             if torch is not None:  # apart: its own thread pool would slow the contenders of its rounds
                 us["torch"] = median_us(lambda base=base, states=states, u=uniform: torch_step(base, states, u),
@@ -209,6 +224,8 @@ def bench_steps(args: argparse.Namespace, lib) -> None:
                      f"{us['torch']:.0f}" if "torch" in us else "-", f"{memcpy:.0f}", f"{us['staged'] / memcpy:.2f}",
                      f"{us['fused'] / memcpy:.2f}", f"{numpy_us / us['fused']:.1f}x", f"{us['sampling staged']:.0f}",
                      f"{us['sampling fused']:.0f}", f"{us['sampling fused'] / memcpy:.2f}"]
+            if args.top_logprobs:
+                cells += [f"{us['top staged']:.0f}", f"{us['top fused']:.0f}"]
             print("| " + " | ".join(map(str, cells)) + " |" if args.markdown else "".join(f"{c:>14}" for c in cells))
 
 
