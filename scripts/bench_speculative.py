@@ -9,6 +9,11 @@ interleaved rounds; the best round of each is kept. Printed per prompt: generate
 acceptance rate and the draft tokens accepted per verify, and whether the answers are the same tokens. Also
 printed: the forward's cost by token count (decode of 1 token, verify of 1 + K), which bounds what drafts can give
 on this machine.
+
+``--bounds``: also, per prompt, what the plain answer's tokens allow whatever the plan (``draft_bound``): the decode
+speed-up of the best plan with perfect foresight and of checking every proposal at full length, at this run's
+verify cost, and the verify cost each needs for 2x (as ``slope``: a verify of 1 + k tokens costs ``1 + slope * k``
+decodes; the forward above gives this machine's).
 """
 
 from __future__ import annotations
@@ -62,6 +67,42 @@ def answer(engine, prompt: str, max_tokens: int):
     return seconds, out, engine.stats.acceptance_rate, engine.stats.mean_accepted_tokens, out.stats.decode_tokens_per_s
 
 
+def draft_bound(context: list[int], answer: list[int], k: int, slope: float, every: bool = False,
+                min_n: int = 1, max_n: int = 4) -> float:
+    """Decode speed-up (answer tokens per decode-time) of prompt-lookup drafts on a known greedy ``answer`` after
+    ``context``: a step decodes (cost 1, one token) or verifies ``j <= k`` tokens of the proposal (cost
+    ``1 + slope * j``, the accepted prefix plus the target's token); the best plan with perfect foresight (dynamic
+    programming over the positions), or ``every``: each proposal checked at its full length (at most ``k``)."""
+    from logitproc.serve.ngram_index import NgramIndex
+
+    n = len(answer)
+    index = NgramIndex(context, min_n=min_n, max_n=max_n)
+    proposals = []
+    for token in answer:
+        proposals.append(index.propose(k))
+        index.append(token)
+    cost = [0.0] * (n + 1)
+    for i in range(n - 1, -1, -1):
+        draft = proposals[i][:max(0, n - i - 1)]
+        accepted = 0
+        while accepted < len(draft) and draft[accepted] == answer[i + accepted]:
+            accepted += 1
+        lengths = [len(draft)] if every else range(len(draft) + 1)  # 0: a decode
+        cost[i] = min(1 + slope * j + cost[i + 1 + min(j, accepted)] for j in lengths)
+    return n / cost[0]
+
+
+def slope_for(context: list[int], answer: list[int], k: int, aim: float, every: bool = False) -> float:
+    """The largest verify cost slope (``draft_bound``) at which the bound still reaches ``aim`` (0 if never)."""
+    if draft_bound(context, answer, k, 0.0, every) < aim:
+        return 0.0
+    low, high = 0.0, 1.0
+    for _ in range(30):
+        mid = (low + high) / 2
+        low, high = (mid, high) if draft_bound(context, answer, k, mid, every) >= aim else (low, mid)
+    return low
+
+
 def forward_costs(model, k: int, repeat: int = 5) -> tuple[float, float]:
     """Best-of seconds of a decode of 1 token and a verify of 1 + k tokens, on a 100-token context."""
     seq = max(model.sequence_ids, default=-1) + 1
@@ -89,6 +130,7 @@ def main() -> int:
     parser.add_argument("--k", type=int, default=5)
     parser.add_argument("--markdown", action="store_true")
     parser.add_argument("--show", action="store_true", help="print the answers")
+    parser.add_argument("--bounds", action="store_true", help="what the answers allow whatever the plan (draft_bound)")
     args = parser.parse_args()
 
     from logitproc.serve.cli_options import open_model
@@ -133,6 +175,20 @@ def main() -> int:
                      "-" if mode == "plain" else f"{per_verify:.2f}", str(out.token_ids == plain.token_ids)]
             print("| " + " | ".join(cells) + " |" if args.markdown else "  ".join(f"{c:>12}" for c in cells))
         texts[prompt_name] = plain.text
+    if args.bounds:
+        slope = (verify_s / decode_s - 1) / args.k
+        print(f"\nbounds of the plain answers (decode speed-up at this run's slope {slope:.3f}; the slope that gives "
+              f"2x; a verify of 1 + {args.k} tokens then costs 1 + {args.k} x slope decodes):")
+        for prompt_name, prompt in PROMPTS.items():
+            answer_ids = list(best[(prompt_name, "plain")][1].token_ids)
+            text = model.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+            context = list(model.tokenizer.encode(text, add_special_tokens=False).ids)
+            cells = []
+            for label, every in (("perfect foresight", False), ("every draft", True)):
+                need = slope_for(context, answer_ids, args.k, 2.0, every)
+                cells.append(f"{label} {draft_bound(context, answer_ids, args.k, slope, every):.2f}x "
+                             f"(2x at slope <= {need:.3f})")
+            print(f"  {prompt_name}: " + ", ".join(cells))
     if args.show:
         for name, text in texts.items():
             print(f"\n## {name}\n{text}")
