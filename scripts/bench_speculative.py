@@ -9,6 +9,12 @@ interleaved rounds; the best round of each is kept. Printed per prompt: generate
 acceptance rate and the draft tokens accepted per verify, and whether the answers are the same tokens. Also
 printed: the forward's cost by token count (decode of 1 token, verify of 1 + K), which bounds what drafts can give
 on this machine.
+
+``--bounds``: also, per prompt, the plain answer's tokens replayed through the prompt lookup without timing noise
+(``draft_bound``): the decode speed-up of the best plan with perfect foresight, of checking every proposal at full
+length and of the engine's adaptive plan, at this run's verify cost, and the verify cost each needs for 2x (as
+``slope``: a verify of 1 + k tokens costs ``1 + slope * k`` decodes; the forward above gives this machine's). The
+replays leave out what a step costs besides the forward (sampling, the processor, Python).
 """
 
 from __future__ import annotations
@@ -62,6 +68,85 @@ def answer(engine, prompt: str, max_tokens: int):
     return seconds, out, engine.stats.acceptance_rate, engine.stats.mean_accepted_tokens, out.stats.decode_tokens_per_s
 
 
+class FixedCosts:
+    """Forward costs in decodes: a forward of n tokens costs ``1 + slope * (n - 1)`` (``ForwardCosts``' line, fixed:
+    the replays below take no timings)."""
+
+    def __init__(self, slope: float) -> None:
+        self.slope = slope
+
+    def record(self, tokens: int, seconds: float) -> None:
+        pass
+
+    def seconds(self, tokens: int) -> float:
+        return 1 + self.slope * (tokens - 1) if tokens > 0 else 0.0
+
+
+def _accepted(draft: list[int], answer: list[int], i: int) -> int:
+    """How many of ``draft``'s tokens equal the answer's from position ``i`` on."""
+    m = 0
+    while m < len(draft) and i + m < len(answer) and draft[m] == answer[i + m]:
+        m += 1
+    return m
+
+
+def draft_bound(context: list[int], answer: list[int], k: int, slope: float, plan: str = "perfect",
+                min_n: int = 1, max_n: int = 4) -> float:
+    """Decode speed-up (tokens after the first per decode-time, as the bench's "decode tok/s") of prompt-lookup
+    drafts on a known greedy ``answer`` after ``context``, forwards costing as ``FixedCosts(slope)``. A step decodes
+    one token or verifies ``j <= k`` drafts (the accepted prefix plus the target's token). ``plan``: "perfect" (the
+    best plan with foresight: dynamic programming over the positions), "every" (each proposal checked at its full
+    length, the ``adaptive=False`` engine) or "adaptive" (the engine's ``SpeculationPlanner`` and ``Drafter``,
+    replayed)."""
+    from logitproc.runtime import RequestState
+    from logitproc.serve.ngram_index import NgramIndex
+    from logitproc.serve.speculation import Candidate, Drafter, SpeculationPlanner, SpeculativeConfig
+
+    n, costs = len(answer), FixedCosts(slope)
+    if plan == "adaptive":
+        config = SpeculativeConfig(num_speculative_tokens=k, prompt_lookup_min=min_n, prompt_lookup_max=max_n)
+        planner, state = SpeculationPlanner(config), RequestState(context)
+        planner.costs = costs
+        state.append_token(answer[0])  # the prefill's token
+        drafter, i, seconds = Drafter(config, state), 1, 0.0
+        while i < n:
+            drafter.sync(state)
+            limit = min(k, n - i - 1)
+            proposal = drafter.propose(limit) if limit > 0 else []
+            drafts = planner.plan([Candidate(0, drafter, proposal, limit)], 1, 1 << 30).get(0, [])
+            accepted = _accepted(drafts, answer, i)
+            if drafts:
+                drafter.record(len(drafts), accepted)
+            seconds += costs.seconds(len(drafts) + 1)
+            for token in answer[i:i + accepted + 1]:
+                state.append_token(token)
+            i += accepted + 1
+        return (n - 1) / seconds
+    index = NgramIndex(context + answer[:1], min_n=min_n, max_n=max_n)
+    proposals = [[]]
+    for token in answer[1:]:
+        proposals.append(index.propose(k))
+        index.append(token)
+    cost = [0.0] * (n + 1)
+    for i in range(n - 1, 0, -1):
+        draft = proposals[i][:max(0, n - i - 1)]
+        accepted = _accepted(draft, answer, i)
+        lengths = [len(draft)] if plan == "every" else range(len(draft) + 1)  # 0: a decode
+        cost[i] = min(costs.seconds(j + 1) + cost[i + 1 + min(j, accepted)] for j in lengths)
+    return (n - 1) / cost[1]
+
+
+def slope_for(context: list[int], answer: list[int], k: int, aim: float, plan: str) -> float:
+    """The largest verify cost slope (``draft_bound``) at which ``plan`` still reaches ``aim`` (0 if never)."""
+    if draft_bound(context, answer, k, 0.0, plan) < aim:
+        return 0.0
+    low, high = 0.0, 1.0
+    for _ in range(20):
+        mid = (low + high) / 2
+        low, high = (mid, high) if draft_bound(context, answer, k, mid, plan) >= aim else (low, mid)
+    return low
+
+
 def forward_costs(model, k: int, repeat: int = 5) -> tuple[float, float]:
     """Best-of seconds of a decode of 1 token and a verify of 1 + k tokens, on a 100-token context."""
     seq = max(model.sequence_ids, default=-1) + 1
@@ -89,6 +174,7 @@ def main() -> int:
     parser.add_argument("--k", type=int, default=5)
     parser.add_argument("--markdown", action="store_true")
     parser.add_argument("--show", action="store_true", help="print the answers")
+    parser.add_argument("--bounds", action="store_true", help="replay the plain answers (draft_bound)")
     args = parser.parse_args()
 
     from logitproc.serve.cli_options import open_model
@@ -133,6 +219,20 @@ def main() -> int:
                      "-" if mode == "plain" else f"{per_verify:.2f}", str(out.token_ids == plain.token_ids)]
             print("| " + " | ".join(cells) + " |" if args.markdown else "  ".join(f"{c:>12}" for c in cells))
         texts[prompt_name] = plain.text
+    if args.bounds:
+        slope = (verify_s / decode_s - 1) / args.k
+        print(f"\nreplays of the plain answers (draft_bound: decode speed-up at this run's slope {slope:.3f}, and the "
+              f"slope that gives 2x; a verify of 1 + {args.k} tokens costs 1 + {args.k} x slope decodes):")
+        for prompt_name, prompt in PROMPTS.items():
+            answer_ids = list(best[(prompt_name, "plain")][1].token_ids)
+            text = model.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+            context = list(model.tokenizer.encode(text, add_special_tokens=False).ids)
+            cells = []
+            for plan in ("perfect", "every", "adaptive"):
+                need = slope_for(context, answer_ids, args.k, 2.0, plan)
+                cells.append(f"{plan} {draft_bound(context, answer_ids, args.k, slope, plan):.2f}x "
+                             f"(2x at slope <= {need:.3f})")
+            print(f"  {prompt_name}: " + ", ".join(cells))
     if args.show:
         for name, text in texts.items():
             print(f"\n## {name}\n{text}")
