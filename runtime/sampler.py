@@ -43,8 +43,9 @@ BatchArg = Batch | Sequence[RequestState]
 class SampleResult:
     """One sampled token per row. ``logprobs[r]`` is NaN and ``top_logprobs[r]`` None where not requested.
 
-    ``non_finite_logits`` (bool ``[N]``, or None when nobody looked) flags rows whose logits held a NaN or a +inf
-    (``logits_io.non_finite_rows``, checked by the engine before processing): their token is -1, never a sample.
+    ``non_finite_logits`` (bool ``[N]``, or None when nobody looked) flags rows whose logits held a NaN or a +inf:
+    their token is -1, never a sample. ``sample_from_logits`` looks (its kernel flags them as it reads the row);
+    ``sample`` does not (staged callers check with ``logits_io.non_finite_rows``).
     """
 
     token_ids: np.ndarray
@@ -208,8 +209,9 @@ class Sampler:
         ``sample_from_logits`` kernel runs each row's temperature softmax, min-p / top-k / top-p and the draw in one
         kernel, writing no probabilities; masks the processor deferred (``inplace_update_logits(defer_masks=True)``,
         kept on the batch) are read by the same kernel. Logprobs are given as by ``sample``: the processed top-n ones
-        come from the same kernel, which runs top_n's rounds on the row it sampled from (in cache on the CPU) for the
-        rows that ask for them.
+        come from the same kernel, which selects them from the row it sampled from (in cache on the CPU) for the rows
+        that ask for them. A row whose logits hold a NaN or a +inf is flagged by the kernel as it reads it
+        (``SampleResult.non_finite_logits``, token -1, no logprobs) rather than sampled.
         """
         batch = self._batch_for(logits, states, cum_num_token, draft_trees, "logits")
         rows = batch.num_rows
@@ -227,8 +229,10 @@ class Sampler:
         top_values, top_ids = self._top_views(rows, max([1, *counts]))
         self.kernels[sample_from_logits.NAME](on_device, *args, tokens, chosen, self._top_count.to_device(rows),
                                               top_values, top_ids)
-        return self._result(batch, tokens, chosen, raw_logits,
-                            lambda n: (self.device.download(top_values), self.device.download(top_ids)))
+        result = self._result(batch, tokens, chosen, raw_logits,
+                              lambda n: (self.device.download(top_values), self.device.download(top_ids)))
+        result.flag_non_finite(result.token_ids == sample_from_logits.NON_FINITE)  # token -1, no logprobs
+        return result
 
     def _result(self, batch: Batch, tokens: Any, chosen: Any, raw_logits: np.ndarray | None,
                 processed_top: Callable[[int], tuple[np.ndarray, np.ndarray]]) -> SampleResult:

@@ -4,8 +4,8 @@
 (the masks, temperature softmax, min-p, top-k, top-p and the draw fused in one kernel, no probabilities written);
 each row with its own request's config (temperature 0 is greedy), and the processed logprobs (chosen token and top-n)
 from the same kernel where asked for: no probabilities are ever written. Raw logprobs, when a row asks for them, read a
-copy of the logits taken first. Rows whose logits hold NaN or +inf are flagged (``SampleResult.non_finite_logits``,
-token -1) rather than sampled.
+copy of the logits taken first. Rows whose logits hold NaN or +inf are flagged by the same kernel as it reads them
+(``SampleResult.non_finite_logits``, token -1) rather than sampled: the step makes no other pass over the logits.
 """
 
 from __future__ import annotations
@@ -13,14 +13,10 @@ from __future__ import annotations
 import numpy as np
 from logitproc.runtime import LogitProcessor, Sampler, SampleResult
 from logitproc.runtime.batch import Batch
-from logitproc.runtime.logits_io import non_finite_rows
 
 
 def process(processor: LogitProcessor, sampler: Sampler, batch: Batch, logits: np.ndarray) -> SampleResult:
     """One token per row of ``batch`` from ``logits`` (modified in place); failed masks are in ``batch.mask_errors``."""
-    bad = non_finite_rows(logits)
     raw = logits.copy() if batch.any_raw_logprobs else None
     processor.inplace_update_logits(logits, batch, defer_masks=True)  # the fused kernel reads the masks
-    result = sampler.sample_from_logits(logits, batch, raw_logits=raw)
-    result.flag_non_finite(bad)
-    return result
+    return sampler.sample_from_logits(logits, batch, raw_logits=raw)

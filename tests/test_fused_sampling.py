@@ -165,15 +165,19 @@ def test_bad_logits_are_clear_errors(proc, sampler) -> None:
         sampler.sample_from_logits(np.zeros((3, V), np.float32), batch)
 
 
-def test_non_finite_logits_give_a_token_id_or_minus_one_and_the_step_flags_them(proc, sampler) -> None:
-    """NaN and +inf rows never make the kernel fail or write outside its outputs; the engine step flags them."""
-    states = [RequestState([1], GenerationConfig(seed=s, top_p=0.9 if s % 2 else 1.0)) for s in range(4)]
+def test_non_finite_logits_are_flagged_by_the_sampler_and_the_step(proc, sampler) -> None:
+    """NaN and +inf rows are flagged by the fused kernel itself (token -1, no logprobs), so the engine step needs no
+    pass of its own over the logits."""
+    states = [RequestState([1], GenerationConfig(seed=s, top_p=0.9 if s % 2 else 1.0, logprobs=True,
+                                                 top_logprobs=2 * (s % 2))) for s in range(4)]
     logits = (np.random.default_rng(1).standard_normal((4, V))).astype(np.float32)
     logits[0, 5] = np.nan
     logits[1, :] = np.nan
     logits[2, 9] = np.inf
     raw = sampler.sample_from_logits(logits.copy(), proc.batch(states))
-    assert np.all((raw.token_ids >= -1) & (raw.token_ids < V))
+    assert raw.token_ids[:3].tolist() == [-1, -1, -1] and 0 <= raw.token_ids[3] < V
+    assert [raw.finish_reason(r) for r in range(4)] == ["non_finite_logits"] * 3 + [None]
+    assert np.isnan(raw.logprobs[:3]).all() and raw.top_logprobs[1] is None and len(raw.top_logprobs[3]) == 2
     result = process(proc, sampler, proc.batch(states), logits)
     assert result.token_ids[:3].tolist() == [-1, -1, -1] and 0 <= result.token_ids[3] < V
     assert [result.finish_reason(r) for r in range(4)] == ["non_finite_logits"] * 3 + [None]

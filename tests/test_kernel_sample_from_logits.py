@@ -168,6 +168,42 @@ def test_top_n_of_the_row_sampled_from_equals_top_n_of_the_staged_probabilities(
         np.testing.assert_array_equal(chosen, staged_cpu(masked, p, renorm)[1])
 
 
+NON_FINITE_ROWS = [  # (what, where the NaN / +inf values go, mask allows them)
+    ("nan", [5], True), ("+inf", [0], True), ("nan everywhere", slice(None), True), ("nan and +inf", [3, 900], True),
+    ("nan at a masked token", [7], False), ("+inf at the last token", [-1], True)]
+
+
+@pytest.mark.parametrize("vocab", [1003, 128256])
+def test_rows_holding_nan_or_plus_inf_are_flagged_not_sampled(vocab: int) -> None:
+    """A NaN or +inf logit (even at a token the row's mask disallows) gives NON_FINITE and chosen 0, greedy or not,
+    and leaves the row's top-n slots alone; -inf rows still give -1, and the other rows their staged tokens."""
+    cases = len(NON_FINITE_ROWS)
+    batch = 2 * cases + 2
+    logits = (np.random.default_rng(vocab).standard_normal((batch, vocab)) * 3).astype(np.float32)
+    allowed = np.ones((cases, vocab), bool)
+    mask_index = np.full(batch, -1, np.int32)
+    for c, (what, where, visible) in enumerate(NON_FINITE_ROWS):
+        for r in (c, cases + c):  # sampled, then greedy
+            logits[r, where] = np.nan if "nan" in what else np.inf
+            if what == "nan and +inf":
+                logits[r, where[1]] = np.inf
+            if not visible:
+                allowed[c, where] = False
+                mask_index[r] = c
+    logits[-2] = -np.inf
+    p = {"temperature": np.float32([0.8] * cases + [0.0] * cases + [1.0, 0.7]),
+         "top_k": np.zeros(batch, np.int32), "top_p": np.full(batch, 0.9, np.float32),
+         "min_p": np.zeros(batch, np.float32), "uniform": np.full(batch, 0.5, np.float32)}
+    token, chosen, values, ids = fused_cpu_top(logits, p, np.ones(batch), (mask_index, reference.pack_bitmask(allowed)),
+                                               np.resize(np.int32([3, 0]), batch), 3)
+    flagged = 2 * cases
+    np.testing.assert_array_equal(token[:flagged], sample_from_logits.NON_FINITE)
+    np.testing.assert_array_equal(chosen[:flagged], 0)
+    assert np.isnan(values[:flagged]).all() and (ids[:flagged] == -7).all()
+    assert token[-2] == -1 and chosen[-2] == 0
+    assert token[-1] == staged_cpu(logits[-1:], {k: v[-1:] for k, v in p.items()}, True)[0][0]
+
+
 def test_many_uniforms_give_the_staged_tokens() -> None:
     """One row repeated with 2000 uniforms: every draw equals the staged kernels' draw."""
     rng = np.random.default_rng(5)
@@ -280,6 +316,32 @@ def test_frequencies_follow_the_numpy_oracle(config: tuple[float, int, float, fl
     want = expected[kept].astype(np.float64)
     result = stats.chisquare(counts[kept], want / want.sum() * counts.sum())
     assert result.pvalue > 1e-4, (result, config)
+
+
+def test_vulkan_flags_rows_holding_nan_or_plus_inf() -> None:
+    """On lavapipe: NaN / +inf rows (one hidden under the row's mask) give NON_FINITE, chosen 0, no top-n; greedy or
+    not; a row of -inf gives -1; a finite row its token."""
+    kernels = vulkan_kernels_or_skip()
+    vocab, batch = 1003, 6
+    logits = (np.random.default_rng(3).standard_normal((batch, vocab)) * 3).astype(np.float32)
+    logits[0, 5] = np.nan
+    logits[1, 0] = np.inf
+    logits[2, 7] = np.nan  # masked below
+    logits[3, 9] = np.nan  # greedy
+    logits[4] = -np.inf
+    allowed = np.ones((1, vocab), bool)
+    allowed[0, 7] = False
+    mask_index = np.int32([-1, -1, 0, -1, -1, -1])
+    temperature = np.float32([1.0, 0.7, 1.0, 0.0, 1.0, 1.0])
+    token, chosen = np.full(batch, -7, np.int32), np.full(batch, np.nan, np.float32)
+    values, ids = np.full((batch, 2), np.nan, np.float32), np.full((batch, 2), -7, np.int32)
+    kernels[NAME](logits, temperature, np.zeros(batch, np.int32), np.full(batch, 0.9, np.float32),
+                  np.zeros(batch, np.float32), np.ones(batch, np.int32), np.full(batch, 0.5, np.float32), mask_index,
+                  reference.pack_bitmask(allowed), token, chosen, np.full(batch, 2, np.int32), values, ids)
+    np.testing.assert_array_equal(token[:4], sample_from_logits.NON_FINITE)
+    np.testing.assert_array_equal(chosen[:4], 0)
+    assert np.isnan(values[:4]).all() and (ids[:4] == -7).all()
+    assert token[4] == -1 and 0 <= token[5] < vocab and chosen[5] > 0
 
 
 @pytest.mark.parametrize(("batch", "vocab"), [(1, 1), (8, 33), (16, 1003), (3, 128256)])

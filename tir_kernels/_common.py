@@ -16,6 +16,7 @@ from tvm.script import tirx as T
 #: as a bit cast rather than a literal so that every code generator (WGSL and OpenCL print 7-digit literals, WGSL has
 #: no infinity literal) produces the same value.
 NEG_INF_BITS = 0xFF800000
+POS_INF_BITS = 0x7F800000
 
 #: exp(x) underflows to 0 in float32 below this; fast_exp returns exactly 0 there (and for -inf).
 EXP_UNDERFLOW = -87.33654
@@ -35,6 +36,11 @@ _GPU_KINDS = ("cuda", "rocm", "webgpu", "metal", "vulkan", "opencl")
 def neg_inf() -> tirx.PrimExpr:
     """float32 -inf as an expression every backend prints exactly."""
     return T.reinterpret("float32", T.uint32(NEG_INF_BITS))
+
+
+def pos_inf() -> tirx.PrimExpr:
+    """float32 +inf as an expression every backend prints exactly."""
+    return T.reinterpret("float32", T.uint32(POS_INF_BITS))
 
 
 def is_cpu(target: tvm.target.Target) -> bool:

@@ -43,7 +43,16 @@ from collections.abc import Callable
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ._common import CPU_LANES, EXP_UNDERFLOW, LOG2E, exp2_nonpositive, fast_exp, neg_inf
+from ._common import (
+    CPU_LANES,
+    EXP_UNDERFLOW,
+    LOG2E,
+    POS_INF_BITS,
+    exp2_nonpositive,
+    fast_exp,
+    neg_inf,
+    pos_inf,
+)
 
 #: Elements per step of the CPU loops: four AVX-512 registers of partials, i.e. four independent chains.
 CPU_WORD = 4 * CPU_LANES
@@ -114,6 +123,20 @@ def index_where(value: Callable[[tirx.PrimExpr], tirx.PrimExpr], target: tirx.Pr
     return lambda v: T.Select(value(v) == target, v, none)
 
 
+def flagging(value: Callable[[tirx.PrimExpr], tirx.PrimExpr],
+             raw: Callable[[tirx.PrimExpr], tirx.PrimExpr]) -> Callable[[tirx.PrimExpr], tirx.PrimExpr]:
+    """value(i), but +inf where raw(i) (the logit itself, before any mask) is NaN or +inf: a row's maximum of it is
+    +inf exactly when the row's logits hold a NaN or a +inf, and value's maximum otherwise. It flags the rows that
+    have no distribution to sample from. The test is on the bits (exponent all ones: +inf, or NaN of either sign):
+    TVM's simplifier folds ``x != x`` to false, and WGSL lets a compiler assume there is no NaN."""
+    return lambda i: T.Select(_nan_or_plus_inf(T.reinterpret("int32", raw(i))), pos_inf(), value(i))
+
+
+def _nan_or_plus_inf(bits: tirx.PrimExpr) -> tirx.PrimExpr:
+    """float32 bits (as int32) of a NaN or +inf: |bits| above +inf's (a NaN), or +inf's itself."""
+    return T.Or(T.bitwise_and(bits, T.int32(0x7FFFFFFF)) > T.int32(POS_INF_BITS), bits == T.int32(POS_INF_BITS))
+
+
 def add(a: tirx.PrimExpr, b: tirx.PrimExpr) -> tirx.PrimExpr:
     """The sum combiner (a plain function so that folds and comm_reducers can take it)."""
     return a + b
@@ -173,6 +196,22 @@ def cpu_row_map(y, r, vocab, value):
 
 
 @T.macro
+def cpu_row_peak(value, vocab, lanes, out):
+    """out[0] = max(value(v) for v < vocab): vector words, then a scalar tail. For a ``flagging`` value: in
+    ``cpu_row_fold`` its vector Select, bound by the span's ``T.let``, comes out wrong in TVM 0.27 (tested)."""
+    for l in T.vectorized(CPU_WORD):
+        lanes[l] = neg_inf()
+    for c in range(vocab // CPU_WORD):
+        for l in T.vectorized(CPU_WORD):
+            lanes[l] = T.max(lanes[l], value(c * CPU_WORD + l))
+    for t in range(vocab % CPU_WORD):
+        lanes[0] = T.max(lanes[0], value(vocab // CPU_WORD * CPU_WORD + t))
+    out[0] = lanes[0]
+    for l in range(1, CPU_WORD):
+        out[0] = T.max(out[0], lanes[l])
+
+
+@T.macro
 def cpu_row_max(x, r, vocab, lanes, block, out):
     """out[0] = max(x[r, :vocab]) (-inf for vocab 0)."""
     cpu_row_fold(vocab, neg_inf(), maximum, lambda v: x[r, v], None, r, lanes, block, out)
@@ -205,17 +244,17 @@ def _lane_total(lanes, out):
 
 
 @T.macro
-def _softmax_chunk(x, r, value, vocab, base, steps, tail, c, scale2, store, sr, shifts, lanes, part, mx, run):
+def _softmax_chunk(x, r, value, peak, vocab, base, steps, tail, c, scale2, store, sr, shifts, lanes, part, mx, run):
     # Values base .. base + steps * w + tail - 1 of row r (w = _SOFTMAX_WORD): raise the running maximum run[0] to
-    # the chunk's (rescaling the lanes' partial sums), record it in shifts[c], add the chunk's exps against it to the
-    # lanes (summed in ``part`` first) and store them to store[sr, :] unless store is None.
+    # the chunk's (of peak(i), rescaling the lanes' partial sums), record it in shifts[c], add the chunk's exps of
+    # value(i) against it to the lanes (summed in ``part`` first) and store them to store[sr, :] unless store is None.
     for l in T.vectorized(_SOFTMAX_WORD):
         mx[l] = neg_inf()
     for s in range(steps):
         for l in T.vectorized(_SOFTMAX_WORD):
-            mx[l] = T.max(mx[l], value(base + s * _SOFTMAX_WORD + l))
+            mx[l] = T.max(mx[l], peak(base + s * _SOFTMAX_WORD + l))
     for t in range(tail):
-        mx[0] = T.max(mx[0], value(base + steps * _SOFTMAX_WORD + t))
+        mx[0] = T.max(mx[0], peak(base + steps * _SOFTMAX_WORD + t))
     if _SOFTMAX_WORD == 32:
         for l in T.vectorized(16):
             mx[l] = T.max(mx[l], mx[l + 16])
@@ -256,9 +295,10 @@ def _softmax_chunk(x, r, value, vocab, base, steps, tail, c, scale2, store, sr, 
 
 
 @T.macro
-def cpu_row_softmax_pass(x, r, value, vocab, scale2, store, sr, shifts, lanes, part, mx, run, out):
+def cpu_row_softmax_pass(x, r, value, peak, vocab, scale2, store, sr, shifts, lanes, part, mx, run, out):
     """One pass over row r of x, read as value(i) (x[r, i], or a masked reading of it; x[r, :] is prefetched ahead of
-    the reads), online maximum, chunk by chunk::
+    the reads), online maximum (of peak(i): value(i), or ``flagging(value)`` to make run[0] +inf on a NaN), chunk by
+    chunk::
 
         run[0] = max(x[r, :vocab])
         for each chunk c of CPU_CHUNK values (the last one partial, possibly empty):
@@ -275,8 +315,8 @@ def cpu_row_softmax_pass(x, r, value, vocab, scale2, store, sr, shifts, lanes, p
     run[0] = neg_inf()
     for c in range(vocab // CPU_CHUNK + 1):  # one body for the whole chunks and the last, partial one (compile time)
         n: T.let = T.min(CPU_CHUNK, vocab - c * CPU_CHUNK)
-        _softmax_chunk(x, r, value, vocab, c * CPU_CHUNK, n // _SOFTMAX_WORD, n % _SOFTMAX_WORD, c, scale2, store, sr,
-                       shifts, lanes, part, mx, run)
+        _softmax_chunk(x, r, value, peak, vocab, c * CPU_CHUNK, n // _SOFTMAX_WORD, n % _SOFTMAX_WORD, c, scale2,
+                       store, sr, shifts, lanes, part, mx, run)
     _lane_total(lanes, out)
 
 

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ._common import CPU_LANES, neg_inf
+from ._common import CPU_LANES, neg_inf, pos_inf
 
 #: Index of the identity entry: larger than every token id, so any real entry of equal value beats it.
 NO_INDEX = 2**31 - 1
@@ -47,15 +47,6 @@ CPU_WIDTH = CPU_LANES * CPU_ACCUMULATORS
 #: (count - 1) blocks hold entries above the threshold, so the list holds every candidate for count <= 32.
 TOP_BLOCK = 256
 TOP_LIST = 8192
-
-#: Bit pattern of float32 +inf (the "previous pick" before the first round of top_n ranks before everything).
-POS_INF_BITS = 0x7F800000
-
-
-def pos_inf() -> tirx.PrimExpr:
-    """float32 +inf as an expression every backend prints exactly."""
-    return T.reinterpret("float32", T.uint32(POS_INF_BITS))
-
 
 def out_index(best_i: tirx.PrimExpr) -> tirx.PrimExpr:
     """The index written out for a selected entry: -1 where nothing was left to select (``NO_INDEX``)."""

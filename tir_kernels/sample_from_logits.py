@@ -8,6 +8,9 @@ applied to the masked logits::
 
     for r in range(batch):
         x = logits[r]
+        if any(isnan(x) | (x == +inf)):                                 # no distribution: flagged
+            token[r], chosen_prob[r] = NON_FINITE, 0                    # (top_values / top_ids not written)
+            continue
         m = mask_index[r]
         if 0 <= m < num_masks and num_words * 32 >= vocab:             # else: no mask (-1, or a guard)
             x = where(bit v % 32 of bitmask[m, v // 32] is set, x, -inf)  # apply_bitmask_inplace's rule
@@ -15,6 +18,8 @@ applied to the masked logits::
         if renorm[r]:
             p = renormalize_probs(p, top_k[r], top_p[r], min_p[r])
         token[r], chosen_prob[r] = multinomial_from_uniform(p, uniform[r])  # -1, 0 for a row of zeros
+        for j in range(min(top_count[r], n)):                          # processed top-n logprobs, where asked
+            top_values[r, j], top_ids[r, j] = top_n(p, n)[j]           # (top_values, top_ids: [batch, n])
 
 The logits are not written. Every step is the staged kernel's own formula on the same float32 values in the same
 order (the shared macros of ``_reductions``, ``renormalize`` and ``multinomial``), so that with the same uniforms it
@@ -32,10 +37,14 @@ on them as is: its first pass, then (usually) its candidate list, on which the s
 every kept value the draw runs on it too (``multinomial.sample_list``: the staged draw's additions, in its order, of
 the values it would find nonzero), so the row is not read again. Otherwise the sampling pass reads only the steps of
 blocks whose maximum is kept (the others add exact zeros to the staged kernel's sums). A row with a valid mask runs
-the same macros reading ``where(allowed, x, -inf)``.
+the same macros reading ``where(allowed, x, -inf)``. The maximum is taken of ``flagging(value)``, which reads a NaN
+or +inf logit as +inf, so a maximum of +inf flags the row (NON_FINITE) at no extra pass. Processed top-n: the row
+the draw read (one-hot, zeros, or ``exp * (1 / sum)`` renormalized) is written into the scratch row, and
+``_select.row_top_cpu`` selects from it (block maxima, then a short list).
 GPU: one block per row; nothing is stored: each pass recomputes ``exp((x - max) * scale) * (1 / sum)`` from the
 logits (as the staged softmax's write pass does; masked through ``if_then_else``, so an unmasked row never reads the
-bitmask), then renormalize's and multinomial's block algorithms run on it.
+bitmask), then renormalize's and multinomial's block algorithms run on it, then top_n's rounds (``row_best_gpu``) for
+top-n. A flagged row is read as zeros by those passes, then marked NON_FINITE.
 """
 
 from __future__ import annotations
@@ -47,25 +56,29 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from . import multinomial, renormalize
-from ._common import is_cpu, max_threads, neg_inf
+from ._common import is_cpu, max_threads, neg_inf, pos_inf
 from ._reductions import (
     CPU_CHUNK,
     CPU_WORD,
     cpu_rescale_chunks,
     cpu_row_fold,
+    cpu_row_peak,
     cpu_row_softmax_pass,
     exp2_scale,
+    flagging,
     index_where,
     inverse_temperature,
-    maximum,
     minimum,
     row_of,
     safe_shift,
 )
-from ._select import out_index, pos_inf, row_best_gpu, row_top_cpu
+from ._select import out_index, row_best_gpu, row_top_cpu
 from .softmax import gpu_row_stats, inverse_sum, probability
 
 NAME = "sample_from_logits"
+
+#: The token of a row whose logits hold a NaN or a +inf (no distribution to sample from; -1 is "every token masked").
+NON_FINITE = -2
 
 
 def _bits(x: tirx.PrimExpr) -> tirx.PrimExpr:
@@ -118,6 +131,11 @@ def _live(bmax: tirx.Buffer, steps_per_block: tirx.PrimExpr, lo: tirx.PrimExpr) 
     return lambda j: bmax[j // steps_per_block] >= lo
 
 
+def _unless(bad: tirx.PrimExpr, value: Value) -> Value:
+    """value(i), or 0 in a flagged row (a row of zeros: the searches and the draw handle it as every token masked)."""
+    return lambda i: T.Select(bad, T.float32(0), value(i))
+
+
 def _sampled(prob: Value, on: tirx.PrimExpr, lo: tirx.PrimExpr, mass: tirx.PrimExpr) -> Value:
     """The values the GPU draw reads: renormalized where ``on``, else the softmax itself."""
     return lambda i: T.Select(on, _kept(prob(i), lo, mass), prob(i))
@@ -130,10 +148,13 @@ def _cpu_rows() -> Callable[..., None]:
     w = CPU_WORD
 
     @T.macro
-    def greedy(value, vocab, r, lanes, block, index_lanes, index_block, row_max, hot, token, chosen):
-        # temperature 0: the first index of the maximum (-1 for a row of only -inf)
-        cpu_row_fold(vocab, neg_inf(), maximum, value, None, r, lanes, block, row_max)
-        if row_max[0] == neg_inf():
+    def greedy(value, raw, vocab, r, lanes, block, index_lanes, index_block, row_max, hot, token, chosen):
+        # temperature 0: the first index of the maximum (-1 for a row of only -inf, NON_FINITE for a NaN or +inf)
+        cpu_row_peak(flagging(value, raw), vocab, lanes, row_max)
+        if row_max[0] == pos_inf():
+            token[r] = NON_FINITE
+            chosen[r] = T.float32(0)
+        elif row_max[0] == neg_inf():
             token[r] = -1
             chosen[r] = T.float32(0)
         else:
@@ -169,9 +190,9 @@ def _cpu_rows() -> Callable[..., None]:
         pos = T.alloc_buffer((3,), "int32", scope="local")
         if temperature[r] == T.float32(0):
             if on:
-                greedy(masked, vocab, r, lanes, block, index_lanes, index_block, row_max, hot, token, chosen)
+                greedy(masked, plain, vocab, r, lanes, block, index_lanes, index_block, row_max, hot, token, chosen)
             else:
-                greedy(plain, vocab, r, lanes, block, index_lanes, index_block, row_max, hot, token, chosen)
+                greedy(plain, plain, vocab, r, lanes, block, index_lanes, index_block, row_max, hot, token, chosen)
             if top_count[r] > 0:  # the staged softmax's one-hot row (zeros for a row of only -inf)
                 for i in range(vocab):
                     exps[0, i] = T.Select(i == token[r], T.float32(1), T.float32(0))
@@ -179,10 +200,15 @@ def _cpu_rows() -> Callable[..., None]:
             # the staged softmax's exps, in one pass that reads the logits from memory, into the scratch row
             scale2: T.let = exp2_scale(temperature[r])
             if on:
-                cpu_row_softmax_pass(logits, r, masked, vocab, scale2, exps, 0, shifts, lanes, part, mx, run, row_sum)
+                cpu_row_softmax_pass(logits, r, masked, flagging(masked, plain), vocab, scale2, exps, 0, shifts, lanes,
+                                     part, mx, run, row_sum)
             else:
-                cpu_row_softmax_pass(logits, r, plain, vocab, scale2, exps, 0, shifts, lanes, part, mx, run, row_sum)
-            if run[0] == neg_inf():  # every token masked
+                cpu_row_softmax_pass(logits, r, plain, flagging(plain, plain), vocab, scale2, exps, 0, shifts, lanes,
+                                     part, mx, run, row_sum)
+            if run[0] == pos_inf():  # a NaN or +inf logit
+                token[r] = NON_FINITE
+                chosen[r] = T.float32(0)
+            elif run[0] == neg_inf():  # every token masked
                 token[r] = -1
                 chosen[r] = T.float32(0)
                 if top_count[r] > 0:
@@ -219,7 +245,7 @@ def _cpu_rows() -> Callable[..., None]:
                     if top_count[r] > 0:  # the probabilities, in place
                         for i in range(vocab):
                             exps[0, i] = exps[0, i] * inv
-        if top_count[r] > 0:
+        if top_count[r] > 0 and token[r] != NON_FINITE:
             # top_n of the processed row left in the scratch row (in cache)
             row_top_cpu(exps, 0, vocab, T.min(top_count[r], top_values.shape[1]), top_values, top_ids, r)
 
@@ -275,9 +301,11 @@ def _gpu_rows(threads: int, uniform_loops: bool) -> Callable[..., None]:
                 st = T.alloc_buffer((5,), "int32", scope="local")
                 ms = T.alloc_buffer((2,), "float32", scope="local")
                 row: T.let = T.Select(masked, m, 0)
-                # the staged softmax's statistics, then its probability formula wherever a pass reads the row
-                gpu_row_stats(_gpu_logit(logits, r, bitmask, row, masked), vocab, temperature[r], tx, threads, row_max,
-                              row_sum, hot)
+                # the staged softmax's statistics (the maximum +inf for a row with a NaN or +inf logit: it is then
+                # read as zeros, and flagged), then its probability formula wherever a pass reads the row
+                gpu_row_stats(flagging(_gpu_logit(logits, r, bitmask, row, masked), row_of(logits, r)), vocab,
+                              temperature[r], tx, threads, row_max, row_sum, hot)
+                bad: T.let = row_max[0] == pos_inf()
                 shift: T.let = safe_shift(row_max[0])
                 scale: T.let = inverse_temperature(temperature[r])
                 greedy: T.let = temperature[r] == T.float32(0)
@@ -285,19 +313,23 @@ def _gpu_rows(threads: int, uniform_loops: bool) -> Callable[..., None]:
                 # rows the staged path would not renormalize run the threshold search with every filter off (one
                 # pass; barriers must stay in uniform control flow) and sample from the softmax itself
                 on: T.let = renorm[r] != 0
-                threshold(probability(_gpu_logit(logits, r, bitmask, row, masked), greedy, hot[0], shift, scale, inv),
+                threshold(_unless(bad, probability(_gpu_logit(logits, r, bitmask, row, masked), greedy, hot[0], shift,
+                                                   scale, inv)),
                           vocab, tx,
                           T.Select(on, top_k[r], 0), T.Select(on, top_p[r], T.float32(1)),
                           T.Select(on, min_p[r], T.float32(0)), st, ms)
                 lo: T.let = st[0]
                 mass: T.let = ms[0]
-                sample_row(_sampled(probability(_gpu_logit(logits, r, bitmask, row, masked), greedy, hot[0], shift,
-                                                scale, inv), on, lo, mass), vocab, uniform[r], tx, token, chosen, r)
+                sample_row(_sampled(_unless(bad, probability(_gpu_logit(logits, r, bitmask, row, masked), greedy,
+                                                             hot[0], shift, scale, inv)), on, lo, mass),
+                           vocab, uniform[r], tx, token, chosen, r)
+                if tx == 0 and bad:  # the thread that wrote the -1 of a row of zeros
+                    token[r] = NON_FINITE
                 # processed top-n: WGSL runs the width's rounds in every row (its barriers need uniform control
                 # flow); elsewhere a row runs the rounds it asks for (the bound is the same in every thread)
-                count: T.let = T.min(top_count[r], top_values.shape[1])
-                top_entries(_sampled(probability(_gpu_logit(logits, r, bitmask, row, masked), greedy, hot[0], shift,
-                                                 scale, inv), on, lo, mass), vocab, tx, r,
+                count: T.let = T.Select(bad, 0, T.min(top_count[r], top_values.shape[1]))
+                top_entries(_sampled(_unless(bad, probability(_gpu_logit(logits, r, bitmask, row, masked), greedy,
+                                                              hot[0], shift, scale, inv)), on, lo, mass), vocab, tx, r,
                             top_values.shape[1] if uniform_loops else count, count, top_values, top_ids)
 
     return rows
