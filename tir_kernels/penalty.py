@@ -6,7 +6,8 @@ token_cnt: int32 ``[num_entries]``) naming every token that occurs in the prompt
 ``token_cnt`` = its count in the output only, and penalties float32 ``[batch, 3]`` = (presence, frequency,
 repetition) per row (the vLLM / OpenAI semantics). An entry whose row is negative is padding and is skipped (the
 runtime keeps each sequence's entries in place between steps, with slack); so is, as a guard that the runtime's own
-checks never need, any entry naming a row or token outside ``logits``::
+checks never need, any entry naming a row or token outside ``logits``. On the CPU entries are split across threads
+and each update's logit is prefetched PREFETCH_AHEAD entries earlier (a hint: never a fault, never a write)::
 
     for i in range(num_entries):
         r, t, c = pos2seq[i], token_ids[i], token_cnt[i]
@@ -25,8 +26,13 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ._common import is_cpu, max_threads
+from ._reductions import prefetch
 
 NAME = "apply_penalty_inplace"
+
+#: How many entries ahead the CPU kernel prefetches the logit it will update (at 1.8M entries over 64 x 128256
+#: logits: 16 -> 0.75x the time without, 64 -> 0.5x, on the 2-core EPYC VM).
+PREFETCH_AHEAD = 64
 
 
 def _penalised(x: tirx.PrimExpr, cnt: tirx.PrimExpr, presence: tirx.PrimExpr, frequency: tirx.PrimExpr,
@@ -48,6 +54,10 @@ def _cpu() -> tirx.PrimFunc:
         token_cnt = T.match_buffer(var_token_cnt, (num_entries,), "int32")
         penalties = T.match_buffer(var_penalties, (batch, 3), "float32")
         for i in T.parallel(num_entries):  # entries are duplicate-free: no two write the same logit
+            # the logit PREFETCH_AHEAD entries on (clamped into the buffer): the scattered read-modify-writes miss
+            # the caches, and the hint keeps many misses in flight
+            ahead: T.let = T.min(i + PREFETCH_AHEAD, num_entries - 1)
+            prefetch(logits, T.min(T.max(pos2seq[ahead], 0), batch - 1), T.min(T.max(token_ids[ahead], 0), vocab - 1))
             r: T.let = pos2seq[i]
             if r >= 0 and r < batch and token_ids[i] >= 0 and token_ids[i] < vocab:
                 logits[r, token_ids[i]] = _penalised(logits[r, token_ids[i]], token_cnt[i], penalties[r, 0],
