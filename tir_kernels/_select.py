@@ -271,3 +271,31 @@ def row_top_cpu(x: tirx.Buffer, r: tirx.PrimExpr, vocab: tirx.PrimExpr, count: t
             row_best_cpu(x, r, vocab, prev_v, prev_i, lane_v, lane_i, lane_take, best_v, best_i)
             values[out_r, j] = best_v[0]
             indices[out_r, j] = out_index(best_i[0])
+
+
+@T.macro
+def row_top_gpu(value: Callable[[tirx.PrimExpr], tirx.PrimExpr], vocab: tirx.PrimExpr, rounds: tirx.PrimExpr,
+                count: tirx.PrimExpr, tx: tirx.Var, threads: int, values: tirx.Buffer, indices: tirx.Buffer,
+                out_r: tirx.PrimExpr):
+    """values[out_r, j], indices[out_r, j] for j < count: top_n's entries of value(0 .. vocab - 1), one block.
+
+    ``rounds`` (>= count, the same in every thread) rounds of ``row_best_gpu`` run; those past ``count`` only keep the
+    barriers in uniform control flow (WGSL). Every thread holds the previous pick (the all-reduce result), so all
+    scan the same eligibility; the all-reduce result buffers are rewritten by TVM's lowering, so the previous pick
+    lives apart. Thread 0 writes.
+    """
+    part_v = T.alloc_buffer((1,), "float32", scope="local")
+    part_i = T.alloc_buffer((1,), "int32", scope="local")
+    best_v = T.alloc_buffer((1,), "float32", scope="local")
+    best_i = T.alloc_buffer((1,), "int32", scope="local")
+    prev_v = T.alloc_buffer((1,), "float32", scope="local")
+    prev_i = T.alloc_buffer((1,), "int32", scope="local")
+    prev_v[0] = pos_inf()
+    prev_i[0] = -1
+    for j in range(rounds):
+        row_best_gpu(value, vocab, prev_v[0], prev_i[0], tx, threads, part_v, part_i, best_v, best_i)
+        prev_v[0] = best_v[0]
+        prev_i[0] = best_i[0]
+        if tx == 0 and j < count:
+            values[out_r, j] = best_v[0]
+            indices[out_r, j] = out_index(best_i[0])

@@ -72,7 +72,7 @@ from ._reductions import (
     row_of,
     safe_shift,
 )
-from ._select import out_index, row_best_gpu, row_top_cpu
+from ._select import row_top_cpu, row_top_gpu
 from .softmax import gpu_row_stats, inverse_sum, probability
 
 NAME = "sample_from_logits"
@@ -268,25 +268,6 @@ def _gpu_rows(threads: int, uniform_loops: bool) -> Callable[..., None]:
     sample_row = multinomial.gpu_row_macro(threads)
 
     @T.macro
-    def top_entries(value, vocab, tx, r, rounds, count, top_values, top_ids):
-        # top_n's rounds over the values the draw read (the staged path's probabilities); rows past ``count`` idle
-        part_v = T.alloc_buffer((1,), "float32", scope="local")
-        part_i = T.alloc_buffer((1,), "int32", scope="local")
-        best_v = T.alloc_buffer((1,), "float32", scope="local")
-        best_i = T.alloc_buffer((1,), "int32", scope="local")
-        prev_v = T.alloc_buffer((1,), "float32", scope="local")
-        prev_i = T.alloc_buffer((1,), "int32", scope="local")
-        prev_v[0] = pos_inf()
-        prev_i[0] = -1
-        for j in range(rounds):
-            row_best_gpu(value, vocab, prev_v[0], prev_i[0], tx, threads, part_v, part_i, best_v, best_i)
-            prev_v[0] = best_v[0]
-            prev_i[0] = best_i[0]
-            if tx == 0 and j < count:
-                top_values[r, j] = best_v[0]
-                top_ids[r, j] = out_index(best_i[0])
-
-    @T.macro
     def rows(batch, vocab, logits, temperature, top_k, top_p, min_p, renorm, uniform, mask_index, bitmask, token,
              chosen, top_count, top_values, top_ids):
         for r in T.thread_binding(batch, thread="blockIdx.x"):
@@ -328,9 +309,9 @@ def _gpu_rows(threads: int, uniform_loops: bool) -> Callable[..., None]:
                 # processed top-n: WGSL runs the width's rounds in every row (its barriers need uniform control
                 # flow); elsewhere a row runs the rounds it asks for (the bound is the same in every thread)
                 count: T.let = T.Select(bad, 0, T.min(top_count[r], top_values.shape[1]))
-                top_entries(_sampled(_unless(bad, probability(_gpu_logit(logits, r, bitmask, row, masked), greedy,
-                                                              hot[0], shift, scale, inv)), on, lo, mass), vocab, tx, r,
-                            top_values.shape[1] if uniform_loops else count, count, top_values, top_ids)
+                row_top_gpu(_sampled(_unless(bad, probability(_gpu_logit(logits, r, bitmask, row, masked), greedy,
+                                                              hot[0], shift, scale, inv)), on, lo, mass), vocab,
+                            top_values.shape[1] if uniform_loops else count, count, tx, threads, top_values, top_ids, r)
 
     return rows
 

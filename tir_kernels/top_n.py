@@ -34,7 +34,7 @@ from tvm.script import tirx as T
 
 from ._common import is_cpu, max_threads
 from ._reductions import row_of
-from ._select import out_index, pos_inf, row_best_gpu, row_top_cpu
+from ._select import row_top_cpu, row_top_gpu
 
 NAME = "top_n"
 
@@ -62,23 +62,7 @@ def _gpu(threads: int) -> tirx.PrimFunc:
         indices = T.match_buffer(var_indices, (batch, n), "int32")
         for r in T.thread_binding(batch, thread="blockIdx.x"):
             for tx in T.thread_binding(threads, thread="threadIdx.x"):
-                part_v = T.alloc_buffer((1,), "float32", scope="local")
-                part_i = T.alloc_buffer((1,), "int32", scope="local")
-                best_v = T.alloc_buffer((1,), "float32", scope="local")
-                best_i = T.alloc_buffer((1,), "int32", scope="local")
-                prev_v = T.alloc_buffer((1,), "float32", scope="local")
-                prev_i = T.alloc_buffer((1,), "int32", scope="local")
-                prev_v[0] = pos_inf()
-                prev_i[0] = -1
-                for j in range(n):
-                    # Every thread holds the previous pick (the all-reduce result), so all scan the same eligibility.
-                    # (The all-reduce result buffers are rewritten by TVM's lowering: the previous pick lives apart.)
-                    row_best_gpu(row_of(x, r), vocab, prev_v[0], prev_i[0], tx, threads, part_v, part_i, best_v, best_i)
-                    prev_v[0] = best_v[0]
-                    prev_i[0] = best_i[0]
-                    if tx == 0:
-                        values[r, j] = best_v[0]
-                        indices[r, j] = out_index(best_i[0])
+                row_top_gpu(row_of(x, r), vocab, n, n, tx, threads, values, indices, r)
     return top_n
 
 
