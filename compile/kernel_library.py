@@ -33,6 +33,7 @@ import tvm
 from logitproc import __version__
 from logitproc.runtime.kernel_library import MANIFEST, MANIFEST_FORMAT, KernelLibrary
 
+from .cache_lock import cache_entry_lock
 from .device_code import capture_rocm_code_objects, compile_cuda, cuda_compiler_available, prepare_rocm_env
 from .targets import TargetSpec, resolve_target
 
@@ -63,18 +64,17 @@ def cache_root() -> Path:
 
 def build_in_cache(final: Path, build: Callable[[Path], object]) -> None:
     """Run ``build(staging)`` in a fresh directory beside ``final`` and rename it to ``final`` (atomic), so that a
-    reader never sees half a build; when a concurrent builder got there first, its result is kept."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".building-", dir=final.parent))
-    try:
-        build(staging)
+    reader never sees half a build. One process builds an entry at a time: another one asking for it meanwhile waits
+    for that build and keeps its result instead of building it again."""
+    with cache_entry_lock(final):
+        if (final / MANIFEST).is_file():
+            return
+        staging = Path(tempfile.mkdtemp(prefix=".building-", dir=final.parent))
         try:
+            build(staging)
             staging.rename(final)
-        except OSError:
-            if not (final / MANIFEST).is_file():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
 
 
 def cache_key(spec: TargetSpec, *material: object) -> str:

@@ -15,6 +15,30 @@ os.environ["LOGITPROC_CACHE"] = tempfile.mkdtemp(prefix="logitproc-test-cache-")
 
 MATRIX_DEVICES = ("cpu", "vulkan", "cuda")
 _unavailable: dict[str, str] = {}
+#: A session that collects at least this many test modules (the whole suite) compiles its builds in the background
+#: (``prebuild.py``); ``LOGITPROC_TEST_PREBUILD=1`` / ``0`` forces it on / off.
+PREBUILD_MIN_MODULES = 20
+_prebuild: subprocess.Popen | None = None
+
+
+def pytest_collection_finish(session) -> None:
+    """Start ``prebuild.py`` for a session of the whole suite (its log: ``prebuild.log`` in the private cache)."""
+    global _prebuild
+    wanted = os.environ.get("LOGITPROC_TEST_PREBUILD")
+    modules = {item.path for item in session.items}
+    if wanted == "0" or (wanted != "1" and len(modules) < PREBUILD_MIN_MODULES) or session.config.option.collectonly:
+        return
+    log = open(os.path.join(os.environ["LOGITPROC_CACHE"], "prebuild.log"), "w")  # noqa: SIM115 (the child's)
+    _prebuild = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), "prebuild.py")],
+                                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
+    log.close()
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    """The background builds end with the session."""
+    if _prebuild is not None and _prebuild.poll() is None:
+        _prebuild.terminate()
+        _prebuild.wait(timeout=30)
 
 
 @pytest.fixture(scope="session")

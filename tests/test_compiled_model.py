@@ -23,12 +23,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import tiny_variants
 import tvm
 from logitproc import GenerationConfig, LogitProcessor, RequestState
 from logitproc.compile import model_compile
 from logitproc.compile.attention_kernels import rope_kernel
 from logitproc.compile.gguf_model import GGUFModel, build_tokenizer
-from logitproc.compile.hf_model import load_hf_dir, write_hf_dir
+from logitproc.compile.hf_model import load_hf_dir
 from logitproc.compile.kernel_library import KernelLibrary
 from logitproc.compile.linear_kernels import FORMATS, linear_kernel, param_shapes, swiglu_kernel
 from logitproc.compile.model_compile import compile_model
@@ -55,33 +56,25 @@ def tiny(tiny_model_compiled_by_cli) -> GGUFModel:
 
 @pytest.fixture(scope="module")
 def qwen_tiny() -> GGUFModel:
-    """A tiny model with what the default one lacks: Qwen2-style q/k/v biases and an output head of its own."""
-    model = make_tiny_model(seed=3, tied_embeddings=False, context=TINY_CONTEXT)
-    rng = np.random.default_rng(7)
-    for i in range(model.config.n_layers):
-        for name in ("q", "k", "v"):
-            rows = model.weights[f"blk.{i}.attn_{name}.weight"].shape[0]
-            model.weights[f"blk.{i}.attn_{name}.bias"] = (rng.standard_normal(rows) * 0.5).astype(np.float32)
-    return model
+    return tiny_variants.qwen_tiny()
 
 
 @pytest.fixture(scope="module")
 def hf_directory(qwen_tiny: GGUFModel, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """``qwen_tiny`` written as a Hugging Face directory (config.json, safetensors, tokenizer files)."""
-    return write_hf_dir(qwen_tiny, tmp_path_factory.mktemp("hf") / "hf-tiny")
+    return tiny_variants.write_qwen_tiny(qwen_tiny, tmp_path_factory.mktemp("hf"))
 
 
 @pytest.fixture(scope="module")
 def m32(hf_directory: Path) -> CompiledModel:
     """float32 weights and KV cache, compiled from the Hugging Face directory (one build serves the float32 tests
     and the Hugging Face reader's); its reference is ``qwen_tiny``."""
-    return CompiledModel.open(hf_directory, weight_dtype="float32", kv_dtype="float32", max_num_sequences=8)
+    return CompiledModel.open(hf_directory, **tiny_variants.FLOAT32, max_num_sequences=8)
 
 
 @pytest.fixture(scope="module")
 def m32h(tiny: GGUFModel) -> CompiledModel:
     """float32 weights, a float16 KV cache (llama.cpp's default)."""
-    return CompiledModel.open(tiny, weight_dtype="float32", kv_dtype="float16", max_num_sequences=4)
+    return CompiledModel.open(tiny, **tiny_variants.FLOAT16_KV, max_num_sequences=4)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,66 @@
+"""Compile in the background of a whole test session what its tests will ask for, roughly in the order they ask.
+
+Started by ``conftest.py`` when a session collects most of the test modules, at low priority, into the session's
+private cache; it ends with the session. The machine's second core does the builds while the tests (mostly one
+thread) run on the first; a test that asks for a build still in progress waits for it (``build_in_cache`` lets one
+process build a cache entry at a time) instead of building it again. Every build here is one a test makes anyway,
+with the same inputs, so the tests see the same results; a failure here is only logged (the test that asks for the
+build then fails with its own error).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import tiny_variants
+from logitproc.compile import CUDA_ARCHS, ROCM_ARCHS, build_kernels
+from logitproc.compile.model_compile import compile_model
+from logitproc.serve.cli_options import tiny_model
+
+
+def _default_model_if_kept() -> None:
+    """SmolLM2, when ``$LOGITPROC_TEST_MODEL_CACHE`` holds its GGUF (else the session fetches it first)."""
+    from logitproc.compile.model_fetch import FILENAME, models_dir, verify_cached
+
+    kept = os.environ.get("LOGITPROC_TEST_MODEL_CACHE")
+    if kept and verify_cached(path := models_dir(kept) / FILENAME):
+        compile_model(path)
+
+
+def _hf_directory() -> None:
+    with tempfile.TemporaryDirectory() as parent:
+        compile_model(tiny_variants.write_qwen_tiny(tiny_variants.qwen_tiny(), Path(parent)), **tiny_variants.FLOAT32)
+
+
+BUILDS: list[tuple[str, Callable[[], object]]] = [
+    ("cpu kernels and --model tiny", lambda: compile_model(tiny_model())),
+    ("default model", _default_model_if_kept),
+    ("tiny, float16 KV cache", lambda: compile_model(tiny_model(), **tiny_variants.FLOAT16_KV)),
+    ("tiny Hugging Face directory", _hf_directory),
+    ("vulkan kernels", lambda: build_kernels("vulkan")),
+    *[(f"cuda {arch} kernels", lambda arch=arch: build_kernels("cuda", arch)) for arch in CUDA_ARCHS],
+    *[(f"rocm {arch} kernels", lambda arch=arch: build_kernels("rocm", arch)) for arch in ROCM_ARCHS],
+    ("metal kernels", lambda: build_kernels("metal")),
+]
+
+
+def main() -> None:
+    os.nice(19)
+    for name, build in BUILDS:
+        started = time.perf_counter()
+        try:
+            build()
+            print(f"{name}: {time.perf_counter() - started:.1f}s", flush=True)
+        except Exception:  # logged only: the test that needs this build reports its own error
+            print(f"{name}: failed", flush=True)
+            traceback.print_exc(file=sys.stdout)
+
+
+if __name__ == "__main__":
+    main()
