@@ -66,6 +66,7 @@ def build_in_cache(final: Path, build: Callable[[Path], object]) -> None:
     """Run ``build(staging)`` in a fresh directory beside ``final`` and rename it to ``final`` (atomic), so that a
     reader never sees half a build. One process builds an entry at a time: another one asking for it meanwhile waits
     for that build and keeps its result instead of building it again."""
+    final.parent.mkdir(parents=True, exist_ok=True)
     with cache_entry_lock(final):
         if (final / MANIFEST).is_file():
             return
