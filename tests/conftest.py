@@ -1,10 +1,12 @@
-"""Shared fixtures: the devices this machine has, each with its kernels loaded, and why the others are missing."""
+"""Shared fixtures: the devices this machine has, each with its kernels loaded, and why the others are missing; the
+tiny model and SmolLM2 in the private cache; and, for a run of the whole suite, its builds in the background."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -32,14 +34,15 @@ def pytest_collection_finish(session) -> None:
         return
     log = open(os.path.join(os.environ["LOGITPROC_CACHE"], "prebuild.log"), "w")  # noqa: SIM115 (the child's)
     _prebuild = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), "prebuild.py")],
-                                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
+                                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ),
+                                 start_new_session=True)
     log.close()
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:
     """The background builds end with the session."""
     if _prebuild is not None and _prebuild.poll() is None:
-        _prebuild.terminate()
+        os.killpg(_prebuild.pid, signal.SIGTERM)  # its group: a build it runs as a command ends with it
         _prebuild.wait(timeout=30)
 
 
