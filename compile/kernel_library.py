@@ -5,6 +5,8 @@ An exported library is a directory::
     manifest.json          target, TVM and logitproc versions, source hash, kernels with their parameters, files
     kernels.tir.py         the TVMScript of exactly what was compiled (reloadable with tvm.script.from_source)
     kernels.so             cpu, cuda, rocm: TVM module (host code plus embedded device code)
+    kernels.o              cpu: the same code as an object file, which every compiled model for the target links into
+                           its model.so (so a model build compiles no logit-processing kernel of its own)
     kernels.cu             cuda: the CUDA C source (JIT-compiled by TVM's runtime at load, NVRTC by default)
     kernels.<arch>.ptx     cuda: PTX from nvcc or NVRTC, when either is installed
     kernels.<arch>.hsaco   rocm: the AMDGPU code object
@@ -31,12 +33,15 @@ import tvm
 from logitproc import __version__
 from logitproc.runtime.kernel_library import MANIFEST, MANIFEST_FORMAT, KernelLibrary
 
+from .cache_lock import cache_entry_lock
 from .device_code import capture_rocm_code_objects, compile_cuda, cuda_compiler_available, prepare_rocm_env
 from .targets import TargetSpec, resolve_target
 
-__all__ = ["MANIFEST", "MANIFEST_FORMAT", "KernelLibrary", "build_in_cache", "build_kernels", "cache_key", "cache_root",
-           "source_hash", "write_manifest"]
+__all__ = ["KERNEL_OBJECT", "MANIFEST", "MANIFEST_FORMAT", "KernelLibrary", "build_in_cache", "build_kernels",
+           "cache_key", "cache_root", "kernel_entries", "source_hash", "write_manifest"]
 
+#: cpu: the kernels' object code, linked into each compiled model (``compile_model``).
+KERNEL_OBJECT = "kernels.o"
 _PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 #: What a kernel build depends on: every kernel source, and the compiler modules that turn them into artifacts.
 _HASHED_SOURCES = ("tir_kernels/*.py", "compile/kernel_library.py", "compile/targets.py", "compile/device_code.py")
@@ -59,18 +64,18 @@ def cache_root() -> Path:
 
 def build_in_cache(final: Path, build: Callable[[Path], object]) -> None:
     """Run ``build(staging)`` in a fresh directory beside ``final`` and rename it to ``final`` (atomic), so that a
-    reader never sees half a build; when a concurrent builder got there first, its result is kept."""
+    reader never sees half a build. One process builds an entry at a time: another one asking for it meanwhile waits
+    for that build and keeps its result instead of building it again."""
     final.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".building-", dir=final.parent))
-    try:
-        build(staging)
+    with cache_entry_lock(final):
+        if (final / MANIFEST).is_file():
+            return
+        staging = Path(tempfile.mkdtemp(prefix=".building-", dir=final.parent))
         try:
+            build(staging)
             staging.rename(final)
-        except OSError:
-            if not (final / MANIFEST).is_file():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
 
 
 def cache_key(spec: TargetSpec, *material: object) -> str:
@@ -81,21 +86,27 @@ def cache_key(spec: TargetSpec, *material: object) -> str:
 
 
 def write_manifest(out: Path, spec: TargetSpec, target: tvm.target.Target, src_hash: str,
-                   kernels: dict[str, tvm.tirx.PrimFunc], files: list[str], **extra: Any) -> dict[str, Any]:
+                   kernels: list[dict[str, Any]], files: list[str], **extra: Any) -> dict[str, Any]:
     """Write ``out/manifest.json``: the fields every exported library has (format, versions, target, source hash,
-    the logit-processing kernels with their parameters, the files), plus ``extra`` (a compiled model's own)."""
+    the logit-processing kernels with their parameters (``kernel_entries``), the files), plus ``extra`` (a compiled
+    model's own)."""
     manifest = {
         "format": MANIFEST_FORMAT,
         "logitproc_version": __version__,
         "tvm_version": tvm.__version__,
         "target": {"kind": spec.kind, "arch": spec.arch, "tvm": str(target)},
         "source_hash": src_hash,
-        "kernels": [{"name": name, "params": _param_list(func)} for name, func in kernels.items()],
+        "kernels": kernels,
         "files": files,
         **extra,
     }
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
     return manifest
+
+
+def kernel_entries(kernels: dict[str, tvm.tirx.PrimFunc]) -> list[dict[str, Any]]:
+    """The manifest's ``kernels``: each kernel's name and parameters."""
+    return [{"name": name, "params": _param_list(func)} for name, func in kernels.items()]
 
 
 def _param_list(func: tvm.tirx.PrimFunc) -> list[dict[str, Any]]:
@@ -110,11 +121,18 @@ def _param_list(func: tvm.tirx.PrimFunc) -> list[dict[str, Any]]:
 
 def _write_device_artifacts(spec: TargetSpec, executable: Any, code_objects: list[bytes], out: Path) -> list[str]:
     files: list[str] = []
-    if spec.kind in ("cpu", "cuda", "rocm"):
+    if spec.kind == "cpu":
+        # The host module's object file, kept (one code generation serves the library and every model's link).
+        with tempfile.TemporaryDirectory(prefix="logitproc-export-") as workspace:
+            executable.export_library(str(out / "kernels.so"), workspace_dir=workspace)
+            objects = list(Path(workspace).glob("*.o"))
+            if len(objects) != 1:
+                raise RuntimeError(f"expected one object file from the CPU library's export, got {objects}")
+            shutil.move(objects[0], out / KERNEL_OBJECT)
+        return ["kernels.so", KERNEL_OBJECT]
+    if spec.kind in ("cuda", "rocm"):
         executable.export_library(str(out / "kernels.so"))
         files.append("kernels.so")
-    if spec.kind == "cpu":
-        return files
     device_module = executable.mod.imports[0]
     if spec.kind == "cuda":
         source = device_module.inspect_source("")
@@ -152,7 +170,8 @@ def _build_into(spec: TargetSpec, src_hash: str, out: Path) -> dict[str, Any]:
         executable = tvm.compile(module, target=target)
     (out / "kernels.tir.py").write_text(module.script())
     files = ["kernels.tir.py", *_write_device_artifacts(spec, executable, code_objects, out)]
-    return write_manifest(out, spec, target, src_hash, {name: module[name] for name in KERNEL_FACTORIES}, files)
+    kernels = kernel_entries({name: module[name] for name in KERNEL_FACTORIES})
+    return write_manifest(out, spec, target, src_hash, kernels, files)
 
 
 def build_kernels(

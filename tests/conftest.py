@@ -1,12 +1,16 @@
-"""Shared fixtures: the devices this machine has, each with its kernels loaded, and why the others are missing."""
+"""Shared fixtures: the devices this machine has, each with its kernels loaded, and why the others are missing; the
+tiny model and SmolLM2 in the private cache; and, for a run of the whole suite, its builds in the background."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 
 import pytest
 
@@ -15,6 +19,31 @@ os.environ["LOGITPROC_CACHE"] = tempfile.mkdtemp(prefix="logitproc-test-cache-")
 
 MATRIX_DEVICES = ("cpu", "vulkan", "cuda")
 _unavailable: dict[str, str] = {}
+#: A session that collects at least this many test modules (the whole suite) compiles its builds in the background
+#: (``prebuild.py``); ``LOGITPROC_TEST_PREBUILD=1`` / ``0`` forces it on / off.
+PREBUILD_MIN_MODULES = 20
+_prebuild: subprocess.Popen | None = None
+
+
+def pytest_collection_finish(session) -> None:
+    """Start ``prebuild.py`` for a session of the whole suite (its log: ``prebuild.log`` in the private cache)."""
+    global _prebuild
+    wanted = os.environ.get("LOGITPROC_TEST_PREBUILD")
+    modules = {item.path for item in session.items}
+    if wanted == "0" or (wanted != "1" and len(modules) < PREBUILD_MIN_MODULES) or session.config.option.collectonly:
+        return
+    log = open(os.path.join(os.environ["LOGITPROC_CACHE"], "prebuild.log"), "w")  # noqa: SIM115 (the child's)
+    _prebuild = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), "prebuild.py")],
+                                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ),
+                                 start_new_session=True)
+    log.close()
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    """The background builds end with the session."""
+    if _prebuild is not None and _prebuild.poll() is None:
+        os.killpg(_prebuild.pid, signal.SIGTERM)  # its group: a build it runs as a command ends with it
+        _prebuild.wait(timeout=30)
 
 
 @pytest.fixture(scope="session")
@@ -59,9 +88,16 @@ def sampler(lib, request):
 def tiny_model_compiled_by_cli() -> subprocess.CompletedProcess:
     """The tiny model compiled once per session by ``logitproc compile --model tiny`` in a subprocess, into the private
     cache where every later subprocess finds it; the finished process (its stderr shows a fresh build's progress,
-    unless an earlier test had built the model already)."""
-    done = subprocess.run([sys.executable, "-m", "logitproc", "compile", "--model", "tiny"], capture_output=True,
-                          text=True, timeout=900, env=dict(os.environ))
+    unless an earlier test had built the model already). In a session with background builds (``prebuild.py``),
+    their run of the command, which is their first build."""
+    from prebuild import CLI_COMPILE_TINY, cli_record
+
+    while _prebuild is not None and _prebuild.poll() is None and not cli_record().is_file():
+        time.sleep(0.5)  # the session's background builds run this command first
+    if cli_record().is_file():
+        done = subprocess.CompletedProcess(CLI_COMPILE_TINY, **json.loads(cli_record().read_text()))
+    else:
+        done = subprocess.run(CLI_COMPILE_TINY, capture_output=True, text=True, timeout=900, env=dict(os.environ))
     assert done.returncode == 0, done.stderr
     return done
 

@@ -1,10 +1,11 @@
 """The compiled model (``CompiledModel``) against the numpy reference (``NumpyLlama`` / ``NumpyRunner``).
 
-Tiny random model (fast): float32 weights and KV cache match numpy within 1e-4, float16 weights within 2e-2
-(measured 7e-3), a float16 KV cache the reference rounding the same values within 5e-3;
-prefill 9 == prefill 8 + decode 1; batched == alone; chunked prefill; fork and popn; sequence id reuse; errors;
-build cache reuse; the logit-processing kernels called from the model's own library; a Hugging Face directory
-(safetensors, Qwen2-style q/k/v biases) equals the in-memory model.
+Tiny random models (fast; two builds besides the session's ``--model tiny``): float32 weights and KV cache match
+numpy within 1e-4 (a Hugging Face directory (safetensors) of a tiny model with Qwen2-style q/k/v biases and its own
+output head: one build for the float32 tests and the Hugging Face reader), float16 weights within 2e-2 (measured
+7e-3), a float16 KV cache the reference rounding the same values within 5e-3; prefill 9 == prefill 8 + decode 1;
+batched == alone; chunked prefill; fork and popn; sequence id reuse; errors; build cache reuse; the
+logit-processing kernels called from the model's own library.
 
 SmolLM2-135M-Instruct (the real default model; select with ``-k smollm2``): logits of a chat prompt within 1e-2 of
 ``NumpyLlama`` (the GGUF's own Q4_1/Q8_0 blocks in the matmuls; on an AVX2 CPU every Q4_1 matmul (the packed
@@ -22,12 +23,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import tiny_variants
 import tvm
 from logitproc import GenerationConfig, LogitProcessor, RequestState
 from logitproc.compile import model_compile
 from logitproc.compile.attention_kernels import rope_kernel
 from logitproc.compile.gguf_model import GGUFModel, build_tokenizer
-from logitproc.compile.hf_model import load_hf_dir, write_hf_dir
+from logitproc.compile.hf_model import load_hf_dir
 from logitproc.compile.kernel_library import KernelLibrary
 from logitproc.compile.linear_kernels import FORMATS, linear_kernel, param_shapes, swiglu_kernel
 from logitproc.compile.model_compile import compile_model
@@ -53,14 +55,26 @@ def tiny(tiny_model_compiled_by_cli) -> GGUFModel:
 
 
 @pytest.fixture(scope="module")
-def m32(tiny: GGUFModel) -> CompiledModel:
-    return CompiledModel.open(tiny, weight_dtype="float32", kv_dtype="float32", max_num_sequences=8)
+def qwen_tiny() -> GGUFModel:
+    return tiny_variants.qwen_tiny()
+
+
+@pytest.fixture(scope="module")
+def hf_directory(qwen_tiny: GGUFModel, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_variants.write_qwen_tiny(qwen_tiny, tmp_path_factory.mktemp("hf"))
+
+
+@pytest.fixture(scope="module")
+def m32(hf_directory: Path) -> CompiledModel:
+    """float32 weights and KV cache, compiled from the Hugging Face directory (one build serves the float32 tests
+    and the Hugging Face reader's); its reference is ``qwen_tiny``."""
+    return CompiledModel.open(hf_directory, **tiny_variants.FLOAT32, max_num_sequences=8)
 
 
 @pytest.fixture(scope="module")
 def m32h(tiny: GGUFModel) -> CompiledModel:
     """float32 weights, a float16 KV cache (llama.cpp's default)."""
-    return CompiledModel.open(tiny, weight_dtype="float32", kv_dtype="float16", max_num_sequences=4)
+    return CompiledModel.open(tiny, **tiny_variants.FLOAT16_KV, max_num_sequences=4)
 
 
 @pytest.fixture(scope="module")
@@ -91,11 +105,11 @@ def reference(model: GGUFModel, tokens: list[int], kv_dtype: str = "float32") ->
 # ---------------------------------------------------------------- logits against numpy
 
 
-def test_float32_logits_match_numpy(tiny, m32, prompt) -> None:
+def test_float32_logits_match_numpy(qwen_tiny, m32, prompt) -> None:
     m32.add_sequence(0)
     logits = m32.prefill([0], [prompt])
     assert logits.shape == (1, m32.vocab_size) and logits.dtype == np.float32
-    np.testing.assert_allclose(logits[0], reference(tiny, prompt), atol=TOL_F32, rtol=0)
+    np.testing.assert_allclose(logits[0], reference(qwen_tiny, prompt), atol=TOL_F32, rtol=0)
     assert m32.sequence_length(0) == len(prompt)
 
 
@@ -170,32 +184,32 @@ def test_batched_prefill_and_decode_equal_each_alone(m32, prompt) -> None:
         m32.remove_sequence(0)
 
 
-def test_chunked_prefill_equals_one_pass(tiny, m32, prompt) -> None:
+def test_chunked_prefill_equals_one_pass(qwen_tiny, m32, prompt) -> None:
     small = CompiledModel(m32.directory, max_num_sequences=4, prefill_chunk_size=8)
     lists = [prompt[:30], prompt[:3], prompt[5:25]]
     for s in range(3):
         small.add_sequence(s)
     logits = small.prefill([0, 1, 2], lists)
     for i, tokens in enumerate(lists):
-        np.testing.assert_allclose(logits[i], reference(tiny, tokens), atol=TOL_F32, rtol=0)
+        np.testing.assert_allclose(logits[i], reference(qwen_tiny, tokens), atol=TOL_F32, rtol=0)
     extended = small.prefill([1], [prompt[3:20]])  # extending an existing sequence across chunks
-    np.testing.assert_allclose(extended[0], reference(tiny, prompt[:20]), atol=TOL_F32, rtol=0)
+    np.testing.assert_allclose(extended[0], reference(qwen_tiny, prompt[:20]), atol=TOL_F32, rtol=0)
 
 
-def test_fork_shares_the_prompt_and_popn_drops_tokens(tiny, m32, prompt) -> None:
+def test_fork_shares_the_prompt_and_popn_drops_tokens(qwen_tiny, m32, prompt) -> None:
     m32.add_sequence(0)
     m32.prefill([0], [prompt])
     m32.fork_sequence(0, 1)
     assert m32.sequence_length(1) == len(prompt)
     out = m32.decode([0, 1], [5, 77])
-    np.testing.assert_allclose(out[0], reference(tiny, [*prompt, 5]), atol=TOL_F32, rtol=0)
-    np.testing.assert_allclose(out[1], reference(tiny, [*prompt, 77]), atol=TOL_F32, rtol=0)
+    np.testing.assert_allclose(out[0], reference(qwen_tiny, [*prompt, 5]), atol=TOL_F32, rtol=0)
+    np.testing.assert_allclose(out[1], reference(qwen_tiny, [*prompt, 77]), atol=TOL_F32, rtol=0)
     m32.popn(1, 4)  # the forked token and three prompt tokens
     assert m32.sequence_length(1) == len(prompt) - 3
     again = m32.prefill([1], [[40, 41]])
-    np.testing.assert_allclose(again[0], reference(tiny, [*prompt[:-3], 40, 41]), atol=TOL_F32, rtol=0)
+    np.testing.assert_allclose(again[0], reference(qwen_tiny, [*prompt[:-3], 40, 41]), atol=TOL_F32, rtol=0)
     m32.remove_sequence(0)  # the child keeps its (shared) prefix
-    np.testing.assert_allclose(m32.decode([1], [9])[0], reference(tiny, [*prompt[:-3], 40, 41, 9]),
+    np.testing.assert_allclose(m32.decode([1], [9])[0], reference(qwen_tiny, [*prompt[:-3], 40, 41, 9]),
                                atol=TOL_F32, rtol=0)
 
 
@@ -270,11 +284,19 @@ def test_second_open_reuses_the_cached_build(tiny, m16, monkeypatch) -> None:
     assert model_compile.memory_model_hash(changed) != model_compile.memory_model_hash(tiny)
 
 
-def test_exported_directory_opens_as_model_and_kernel_library(m16, tmp_path: Path) -> None:
+def test_exported_directory_opens_as_model_and_kernel_library(m16, lib, tmp_path: Path) -> None:
+    """The copy stands alone (model.so holds the model and the kernels), with the kernels of the target's library."""
     out = compile_model(tiny_model(), out=tmp_path / "export")  # a copy of the cached build
     library = KernelLibrary.load(out)
     assert library.module_file == "model.so" and len(library.kernel_names) == len(KERNEL_FACTORIES)
     assert set(library.prim_funcs()) == set(library.kernel_names)
+    assert library.manifest["kernels"] == lib.manifest["kernels"]
+    assert library.artifact("kernels.tir.py").read_text() == lib.artifact("kernels.tir.py").read_text()
+    logits = np.random.default_rng(0).standard_normal((3, 277)).astype(np.float32)
+    index, value = tvm.runtime.tensor(np.zeros(3, np.int32)), tvm.runtime.tensor(np.zeros(3, np.float32))
+    library["argmax"](tvm.runtime.tensor(logits), index, value)
+    np.testing.assert_array_equal(index.numpy(), logits.argmax(axis=1))
+    np.testing.assert_array_equal(value.numpy(), logits.max(axis=1))
     reopened = CompiledModel.open(out)
     reopened.add_sequence(0)
     m16.add_sequence(0)
@@ -343,30 +365,34 @@ def random_weights(n_out: int, n_in: int, fmt: str, rng: np.random.Generator) ->
 def test_linear_kernels_match_numpy_on_awkward_token_counts(fmt: str, mode: str) -> None:
     """Both schedules (dot products below 8 tokens, the register-tiled GEMM from 8 on: tails of 1/2/3 vectors,
     partial vectors, several 96-token tiles, a partial last row group) against float64 numpy; "decode" runs the dot
-    products and "prefill" the GEMM at every token count."""
+    products and "prefill" the GEMM at every token count, and those two are batch-invariant: the first n tokens of
+    a 130-token input give bitwise the rows they give alone, at every count."""
     rng = np.random.default_rng(1)
-    target, dev = resolve_target("cpu").tvm_target(), tvm.cpu()
+    dev = tvm.cpu()
     for n_out, n_in in LINEAR_SHAPES[fmt] if mode == "auto" else LINEAR_SHAPES[fmt][-1:]:
-        kernel = linear_kernel(n_out, n_in, fmt, mode=mode).with_attr("global_symbol", "main")
-        with tvm.transform.PassContext(opt_level=3):
-            run = tvm.compile(tvm.IRModule({"main": kernel}), target=target).mod["main"]
+        run = _cpu_kernel(linear_kernel(n_out, n_in, fmt, mode=mode))
         arrays, w = random_weights(n_out, n_in, fmt, rng)
         weights = [tvm.runtime.tensor(a, dev) for a in arrays]
-        for n in TOKEN_COUNTS if n_out < 10000 else (1, 4, 17):
-            x = rng.standard_normal((n, n_in)).astype(np.float32)
+        counts = TOKEN_COUNTS if n_out < 10000 else (1, 4, 17)
+        tokens = rng.standard_normal((max(counts), n_in)).astype(np.float32)
+        rows = {}
+        for n in counts:
+            x = tokens[:n]
             y = tvm.runtime.tensor(np.full((n, n_out), np.nan, np.float32), dev)
             run(tvm.runtime.tensor(x, dev), *weights, y)
             expected = x.astype(np.float64) @ w.T
             np.testing.assert_allclose(y.numpy(), expected, rtol=0, atol=1e-5 * np.abs(expected).max(),
                                        err_msg=f"{fmt} {n_out}x{n_in}, {n} tokens")
+            rows[n] = y.numpy()
+        if mode != "auto":
+            for n, y in rows.items():
+                np.testing.assert_array_equal(y, rows[max(counts)][:n], err_msg=f"{fmt} {mode}: {n} tokens")
 
 
-@pytest.mark.parametrize("int8_dot", [False, True])
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_a_tokens_result_does_not_depend_on_the_other_tokens(fmt: str, int8_dot: bool) -> None:
-    """Batch invariance: in "decode" and "prefill" modes, row t of y is bitwise the same whatever the token count."""
-    if int8_dot and fmt not in ("q8_0", "q4_1"):
-        pytest.skip("the integer dot products are for quantised weights")
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_1"])
+def test_integer_dot_kernels_are_batch_invariant(fmt: str) -> None:
+    """The integer-dot matvecs (AVX2, ``int8_dot``) in "decode" and "prefill" modes: row t of y is bitwise the same
+    whatever the token count (the float kernels' invariance is checked with their numerics above)."""
     rng = np.random.default_rng(3)
     n_out, n_in = 40, 256
     arrays, _ = random_weights(n_out, n_in, fmt, rng)
@@ -374,7 +400,7 @@ def test_a_tokens_result_does_not_depend_on_the_other_tokens(fmt: str, int8_dot:
     weights = [tvm.runtime.tensor(a, dev) for a in arrays]
     x = rng.standard_normal((40, n_in)).astype(np.float32)
     for mode in ("decode", "prefill"):
-        run = _cpu_kernel(linear_kernel(n_out, n_in, fmt, int8_dot, mode=mode))
+        run = _cpu_kernel(linear_kernel(n_out, n_in, fmt, True, mode=mode))
         rows = {}
         for n in (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 40):
             y = tvm.runtime.tensor(np.zeros((n, n_out), np.float32), dev)
@@ -426,8 +452,8 @@ def test_rope_kernel_rotates_halves_like_numpy() -> None:
 # ---------------------------------------------------------------- the numpy runner
 
 
-def test_numpy_runner_matches_the_compiled_model(tiny, m32, prompt, lib) -> None:
-    runner = NumpyRunner(tiny, kernel_library=lib, kv_dtype="float32")
+def test_numpy_runner_matches_the_compiled_model(qwen_tiny, m32, prompt, lib) -> None:
+    runner = NumpyRunner(qwen_tiny, kernel_library=lib, kv_dtype="float32")
     for model in (runner, m32):
         model.add_sequence(0)
         model.add_sequence(1)
@@ -466,26 +492,18 @@ def test_adjacent_pair_layout_gives_the_same_attention_scores_as_half_rotation()
     np.testing.assert_allclose(np.einsum("qhd,khd->hqk", hf, hf), np.einsum("qhd,khd->hqk", gguf, gguf), atol=1e-4)
 
 
-def test_hf_directory_equals_the_in_memory_model(tmp_path: Path, prompt) -> None:
-    model = make_tiny_model(seed=3, tied_embeddings=False)
-    rng = np.random.default_rng(7)
-    for i in range(model.config.n_layers):  # Qwen2-style q/k/v biases
-        for name in ("q", "k", "v"):
-            rows = model.weights[f"blk.{i}.attn_{name}.weight"].shape[0]
-            model.weights[f"blk.{i}.attn_{name}.bias"] = (rng.standard_normal(rows) * 0.5).astype(np.float32)
-    directory = write_hf_dir(model, tmp_path / "hf-tiny")
-    assert {p.name for p in directory.iterdir()} >= {"config.json", "model.safetensors", "tokenizer.json"}
-    loaded = load_hf_dir(directory)
-    assert loaded.config.n_layers == model.config.n_layers and not loaded.config.tied_embeddings
-    assert set(loaded.weights) == set(model.weights)
-    for name, array in model.weights.items():
+def test_hf_directory_equals_the_in_memory_model(qwen_tiny, hf_directory, m32, prompt) -> None:
+    """Read back, the directory is the model (config, weights, logits of the reference); compiled (``m32``, whose
+    float32 tests hold it to the in-memory model's reference), its tokenizer is the model's."""
+    assert {p.name for p in hf_directory.iterdir()} >= {"config.json", "model.safetensors", "tokenizer.json"}
+    loaded = load_hf_dir(hf_directory)
+    assert loaded.config.n_layers == qwen_tiny.config.n_layers and not loaded.config.tied_embeddings
+    assert set(loaded.weights) == set(qwen_tiny.weights)
+    for name, array in qwen_tiny.weights.items():
         np.testing.assert_array_equal(loaded.weights[name], array, err_msg=name)
-    expected = reference(model, prompt)
-    np.testing.assert_allclose(reference(loaded, prompt), expected, atol=1e-6, rtol=0)
-    compiled = CompiledModel.open(directory, weight_dtype="float32", kv_dtype="float32")
-    assert compiled.tokenizer.encode("the cat sat").ids == build_tokenizer(model).encode("the cat sat").ids
-    compiled.add_sequence(0)
-    np.testing.assert_allclose(compiled.prefill([0], [prompt])[0], expected, atol=TOL_F32, rtol=0)
+    np.testing.assert_allclose(reference(loaded, prompt), reference(qwen_tiny, prompt), atol=1e-6, rtol=0)
+    assert m32.name == "hf-tiny" and m32.weight_formats["lm_head"] == "float32"
+    assert m32.tokenizer.encode("the cat sat").ids == build_tokenizer(qwen_tiny).encode("the cat sat").ids
 
 
 # ---------------------------------------------------------------- SmolLM2 (the real default model)

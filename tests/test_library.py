@@ -1,9 +1,12 @@
-"""The kernel library: builds for every target kind, generated code holds every kernel, export/load, cache, CLI."""
+"""The kernel library: builds for every target kind, generated code holds every kernel, export/load, cache, CLI.
+
+The builds go to the session's private cache (conftest), so the CPU and Vulkan libraries other test modules built
+already are reused, as they would be for a user (each is a real build the first time a session asks for it).
+"""
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,19 +20,6 @@ from logitproc.tir_kernels import KERNEL_FACTORIES
 
 ELF_MAGIC = b"\x7fELF"
 EM_AMDGPU = 224
-
-
-@pytest.fixture(scope="module", autouse=True)
-def private_cache(tmp_path_factory: pytest.TempPathFactory):
-    """This module's builds start from an empty cache; the session's cache is put back after it (before, every later
-    test module compiled the tiny model, SmolLM2 and the kernel library again)."""
-    session_cache = os.environ.get("LOGITPROC_CACHE")
-    os.environ["LOGITPROC_CACHE"] = str(tmp_path_factory.mktemp("cache"))
-    yield
-    if session_cache is None:
-        os.environ.pop("LOGITPROC_CACHE", None)
-    else:
-        os.environ["LOGITPROC_CACHE"] = session_cache
 
 
 def test_cpu_library_runs_every_kernel_name_and_records_parameters() -> None:

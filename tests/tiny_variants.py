@@ -1,0 +1,35 @@
+"""The tiny-model builds the tests compile besides ``--model tiny`` (``cli_options.tiny_model()``), in one place, so
+that ``prebuild.py`` compiles exactly what the tests will ask for."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from logitproc.compile.gguf_model import GGUFModel
+from logitproc.compile.hf_model import write_hf_dir
+from logitproc.compile.tiny_model import make_tiny_model
+from logitproc.serve.cli_options import TINY_CONTEXT
+
+#: compile options of the float16-KV-cache build of ``tiny_model()`` (test_compiled_model's ``m32h``)
+FLOAT16_KV = {"weight_dtype": "float32", "kv_dtype": "float16"}
+#: compile options of the Hugging Face directory's build (test_compiled_model's ``m32``)
+FLOAT32 = {"weight_dtype": "float32", "kv_dtype": "float32"}
+HF_DIRECTORY_NAME = "hf-tiny"
+
+
+def qwen_tiny() -> GGUFModel:
+    """A tiny model with what the default one lacks: Qwen2-style q/k/v biases and an output head of its own."""
+    model = make_tiny_model(seed=3, tied_embeddings=False, context=TINY_CONTEXT)
+    rng = np.random.default_rng(7)
+    for i in range(model.config.n_layers):
+        for name in ("q", "k", "v"):
+            rows = model.weights[f"blk.{i}.attn_{name}.weight"].shape[0]
+            model.weights[f"blk.{i}.attn_{name}.bias"] = (rng.standard_normal(rows) * 0.5).astype(np.float32)
+    return model
+
+
+def write_qwen_tiny(model: GGUFModel, parent: Path) -> Path:
+    """``model`` written as a Hugging Face directory (config.json, safetensors, tokenizer files) under ``parent``
+    (the build cache knows it by its name and its files' contents, wherever it is)."""
+    return write_hf_dir(model, parent / HF_DIRECTORY_NAME)
