@@ -115,8 +115,6 @@ def draft_bound(context: list[int], answer: list[int], k: int, slope: float, pla
             proposal = drafter.propose(limit) if limit > 0 else []
             drafts = planner.plan([Candidate(0, drafter, proposal, limit)], 1, 1 << 30).get(0, [])
             accepted = _accepted(drafts, answer, i)
-            if drafts:
-                drafter.record(len(drafts), accepted)
             seconds += costs.seconds(len(drafts) + 1)
             for token in answer[i:i + accepted + 1]:
                 state.append_token(token)

@@ -412,8 +412,6 @@ class Engine:
         drafts = step.drafts[seq]
         committed, accepted = commit_verified(self.model, seq, result, row, drafts, delta, errors, stream)
         step.verify_committed += committed
-        if seq.drafter is not None:
-            seq.drafter.record(len(drafts), accepted)
         for stats in (seq.request.stats, self.stats):
             stats.drafts += 1
             stats.draft_tokens += len(drafts)
