@@ -329,9 +329,10 @@ class Engine:
             jump_forward(self.model, self.processor, scheduler.running, deltas, self.stats)
         scheduler.retire(deltas)
         account_step(self.stats, step, processing_s, time.perf_counter() - started)
-        if self._planner is not None:
-            self._planner.costs.record(step.decode_tokens, step.decode_seconds)
-            self._planner.costs.record(step.verify_tokens, step.verify_seconds)
+        if self._planner is not None:  # a token costs its forward and its row's processing and sampling
+            per_row = processing_s / step.rows if step.rows else 0.0
+            self._planner.costs.record(step.decode_tokens, step.decode_seconds + per_row * step.decode_tokens)
+            self._planner.costs.record(step.verify_tokens, step.verify_seconds + per_row * step.verify_tokens)
         return [d for d in deltas.values() if d.text or d.token_ids or d.rollback or d.finish_reason]
 
     def _plan_drafts(self) -> dict[GeneratedSequence, list[int]]:

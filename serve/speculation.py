@@ -24,7 +24,8 @@ a few tokens.
 The plan (``SpeculationPlanner.plan``), each step, over the decoding sequences that have a proposal::
 
     seconds(n) = seconds(1) * (1 + slope * (n - 1))   # a forward of n tokens (decode and verify run the same
-                                                      # matmul kernels): medians of recent timings (ForwardCosts)
+                                                      # matmul kernels) and the processing + sampling of its n
+                                                      # rows: medians of recent timings (ForwardCosts)
     rate       = decoding / seconds(decoding)         # tokens per second of plain decoding, the baseline
     gain(plan) = (tokens of every decoding sequence) - rate * (seconds of the decode call + of the verify call)
 
@@ -59,8 +60,8 @@ _REACH = 8
 #: Observations the prior ``l / (l + 1)`` of ``chance(l)`` is worth.
 _PRIOR_TRIED = 2.0
 #: Before a forward of n tokens was timed: seconds(n) = seconds(1) * (1 + _PRIOR_SLOPE * (n - 1)) (each further
-#: token 0.2-0.3x a decode step here with the packed Q4_1 matmuls; before anything is timed seconds(1) is 1: the plan
-#: only compares rates), so that drafts are checked from the first step and each length is timed once tried.
+#: token 0.2-0.3x a decode step here with the packed Q4_1 matmuls; before anything is timed seconds(1) is 1: the
+#: plan's gain does not depend on the unit), so that drafts are checked from the first step and each length is timed.
 _PRIOR_SLOPE = 0.25
 #: Recent forward timings kept, of one token and of more, and the latest of one token that make ``seconds(1)``
 #: (``ForwardCosts``).
@@ -190,15 +191,16 @@ class Drafter:
 
 
 class ForwardCosts:
-    """Seconds of a model forward of n tokens (a decode of n sequences, or a verify of n tokens), as
+    """Seconds of a model forward of n tokens (a decode of n sequences, or a verify of n tokens) with the processing
+    and sampling of its rows (the engine records each call with its rows' share of the step's processing), as
     ``seconds(1) * (1 + slope * (n - 1))``: ``seconds(1)`` the median of the latest forwards of one token, ``slope``
     the median over the recent forwards of more of ``(seconds / seconds(1) - 1) / (n - 1)``, each against the
     ``seconds(1)`` of its own time. Medians, so that a forward slowed by other work on the machine moves neither
     (no token count is left with one bad timing that keeps the plan from trying it again); each timing against the
     decode of its time, as the machine's speed drifts (here by up to 2x within minutes) and a verify timed in a
     fast minute against decodes of a slow one would make drafts look free. Before those are timed: ``seconds(1)``
-    from the forwards of more tokens and the prior slope, or 1 (the plan only compares rates), and ``slope =
-    _PRIOR_SLOPE``."""
+    from the forwards of more tokens and the prior slope, or 1 (the plan's gain does not depend on the unit), and
+    ``slope = _PRIOR_SLOPE``."""
 
     def __init__(self) -> None:
         self._one: deque[float] = deque(maxlen=_TIMINGS)
