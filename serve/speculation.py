@@ -24,8 +24,9 @@ a few tokens.
 The plan (``SpeculationPlanner.plan``), each step, over the decoding sequences that have a proposal::
 
     seconds(n) = seconds(1) * (1 + slope * (n - 1))   # a forward of n tokens (decode and verify run the same
-                                                      # matmul kernels) and the processing + sampling of its n
-                                                      # rows: medians of recent timings (ForwardCosts)
+                                                      # matmul kernels) and its n rows' share of the rest of
+                                                      # the step (processing, sampling, commit, the plan):
+                                                      # medians of recent timings (ForwardCosts)
     rate       = decoding / seconds(decoding)         # tokens per second of plain decoding, the baseline
     gain(plan) = (tokens of every decoding sequence) - rate * (seconds of the decode call + of the verify call)
 
@@ -191,8 +192,8 @@ class Drafter:
 
 
 class ForwardCosts:
-    """Seconds of a model forward of n tokens (a decode of n sequences, or a verify of n tokens) with the processing
-    and sampling of its rows (the engine records each call with its rows' share of the step's processing), as
+    """Seconds of a model forward of n tokens (a decode of n sequences, or a verify of n tokens) with its rows' share
+    of the rest of the step (the engine records each call so: processing, sampling, commit and the plan), as
     ``seconds(1) * (1 + slope * (n - 1))``: ``seconds(1)`` the median of the latest forwards of one token, ``slope``
     the median over the recent forwards of more of ``(seconds / seconds(1) - 1) / (n - 1)``, each against the
     ``seconds(1)`` of its own time. Medians, so that a forward slowed by other work on the machine moves neither
