@@ -1,6 +1,7 @@
 """Speculative decoding (prompt lookup) against plain decoding, on input-grounded prompts and an open-ended one.
 
     python scripts/bench_speculative.py [--model default] [--max-tokens 128] [--rounds 3] [--k 5] [--markdown]
+                                        [--only "rename a variable"] [--bounds]
 
 Each prompt is answered greedily (batch 1) by one engine without speculation, one with ``{"method": "ngram",
 "num_speculative_tokens": K}`` (adaptive, the default) and one with every proposal checked (``adaptive=False``), in
@@ -115,8 +116,6 @@ def draft_bound(context: list[int], answer: list[int], k: int, slope: float, pla
             proposal = drafter.propose(limit) if limit > 0 else []
             drafts = planner.plan([Candidate(0, drafter, proposal, limit)], 1, 1 << 30).get(0, [])
             accepted = _accepted(drafts, answer, i)
-            if drafts:
-                drafter.record(len(drafts), accepted)
             seconds += costs.seconds(len(drafts) + 1)
             for token in answer[i:i + accepted + 1]:
                 state.append_token(token)
@@ -175,7 +174,9 @@ def main() -> int:
     parser.add_argument("--markdown", action="store_true")
     parser.add_argument("--show", action="store_true", help="print the answers")
     parser.add_argument("--bounds", action="store_true", help="replay the plain answers (draft_bound)")
+    parser.add_argument("--only", action="append", choices=list(PROMPTS), help="run this prompt only (repeatable)")
     args = parser.parse_args()
+    prompts = {name: PROMPTS[name] for name in args.only} if args.only else PROMPTS
 
     from logitproc.serve.cli_options import open_model
     from logitproc.serve.engine import Engine
@@ -186,7 +187,7 @@ def main() -> int:
     engines = {name: Engine(model, max_batch=1, speculative=spec, prefix_cache=False) for name, spec in modes.items()}
     best: dict[tuple[str, str], tuple] = {}
     for _ in range(args.rounds):
-        for prompt_name, prompt in PROMPTS.items():
+        for prompt_name, prompt in prompts.items():
             for mode, engine in engines.items():  # interleaved: each round runs every mode once
                 result = answer(engine, prompt, args.max_tokens)
                 key = (prompt_name, mode)
@@ -207,7 +208,7 @@ def main() -> int:
     if args.markdown:
         print("|" + "---|" * len(header))
     texts = {}
-    for prompt_name in PROMPTS:
+    for prompt_name in prompts:
         seconds0, plain, _, _, decode0 = best[(prompt_name, "plain")]
         rate0 = len(plain.token_ids) / seconds0
         for mode in modes:
@@ -223,7 +224,7 @@ def main() -> int:
         slope = (verify_s / decode_s - 1) / args.k
         print(f"\nreplays of the plain answers (draft_bound: decode speed-up at this run's slope {slope:.3f}, and the "
               f"slope that gives 2x; a verify of 1 + {args.k} tokens costs 1 + {args.k} x slope decodes):")
-        for prompt_name, prompt in PROMPTS.items():
+        for prompt_name, prompt in prompts.items():
             answer_ids = list(best[(prompt_name, "plain")][1].token_ids)
             text = model.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
             context = list(model.tokenizer.encode(text, add_special_tokens=False).ids)

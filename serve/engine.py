@@ -328,10 +328,13 @@ class Engine:
         if self.jump_forward:
             jump_forward(self.model, self.processor, scheduler.running, deltas, self.stats)
         scheduler.retire(deltas)
-        account_step(self.stats, step, processing_s, time.perf_counter() - started)
-        if self._planner is not None:
-            self._planner.costs.record(step.decode_tokens, step.decode_seconds)
-            self._planner.costs.record(step.verify_tokens, step.verify_seconds)
+        step_s = time.perf_counter() - started
+        account_step(self.stats, step, processing_s, step_s)
+        if self._planner is not None:  # a token costs its forward and its row's share of the rest of the step
+            rest = step_s - step.prefill_seconds - step.decode_seconds - step.verify_seconds
+            per_row = max(rest, 0.0) / step.rows if step.rows else 0.0
+            self._planner.costs.record(step.decode_tokens, step.decode_seconds + per_row * step.decode_tokens)
+            self._planner.costs.record(step.verify_tokens, step.verify_seconds + per_row * step.verify_tokens)
         return [d for d in deltas.values() if d.text or d.token_ids or d.rollback or d.finish_reason]
 
     def _plan_drafts(self) -> dict[GeneratedSequence, list[int]]:
@@ -412,8 +415,6 @@ class Engine:
         drafts = step.drafts[seq]
         committed, accepted = commit_verified(self.model, seq, result, row, drafts, delta, errors, stream)
         step.verify_committed += committed
-        if seq.drafter is not None:
-            seq.drafter.record(len(drafts), accepted)
         for stats in (seq.request.stats, self.stats):
             stats.drafts += 1
             stats.draft_tokens += len(drafts)

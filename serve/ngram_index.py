@@ -68,13 +68,18 @@ class NgramIndex:
         did."""
         return self.propose_matched(k)[0]
 
-    def propose_matched(self, k: int) -> tuple[list[int], int]:
-        """``propose(k)`` and the length of the suffix that matched (0 when none did)."""
+    def propose_matched(self, k: int, reach: int = 0) -> tuple[list[int], int]:
+        """``propose(k)`` and the length of the match behind it (0 when none): the suffix's ``n`` tokens, or with
+        ``reach`` > ``n``, how many of the latest tokens (at most ``reach``) equal those before the proposal's source,
+        so that a match followed for many tokens (a copy going on) shows as such."""
         end = len(self.tokens)
         for n in range(min(self.max_n, end), self.min_n - 1, -1):
             ends = self._ends.get(tuple(self.tokens[end - n :]))
             if ends is not None and ends[1] >= 0:
                 start = ends[1]
                 period = end - start
-                return [self.tokens[start + i % period] for i in range(k)], n
+                matched, tokens = n, self.tokens
+                while matched < min(reach, start) and tokens[start - 1 - matched] == tokens[end - 1 - matched]:
+                    matched += 1
+                return [self.tokens[start + i % period] for i in range(k)], matched
         return [], 0

@@ -1,35 +1,41 @@
-"""Speculative decoding's plan: per sequence, prompt-lookup drafts and how often they are accepted; per step, which
-sequences check how many draft tokens, only where that is expected to give more tokens per second than decoding.
+"""Speculative decoding's plan: per sequence, prompt-lookup drafts and how likely each draft token is to be accepted;
+per step, which sequences check how many draft tokens, only where that is expected to give more tokens per second
+than decoding.
 
 A sequence's ``Drafter`` keeps an ``NgramIndex`` of its tokens (prompt + output, brought up to date from the state
-before each step: new tokens appended, the whole index rebuilt after a rollback) and two acceptance estimates,
-because copies come in runs (a draft is either a copy in progress, accepted to its end, or a guess that fails at
-its first token):
+before each step: new tokens appended, the whole index rebuilt after a rollback) and one acceptance estimate per
+*match length* ``l``: how many of the latest tokens equal those before the lookup's source (the matched suffix,
+followed further back up to ``_REACH`` tokens). Copies come in runs, and the longer a match has held the likelier
+it goes on: a draft token after ``j`` accepted ones continues a match of ``l + j`` tokens, so
 
-* ``alpha_for(n)``, the chance that the first token of a fresh draft is accepted, for each length ``n`` of the
-  matched suffix (a draft found by a 4-gram is usually a copy starting; one found by a single token often a guess);
-* ``follow``, the chance that a draft token is accepted when the token before it was (the copy goes on).
+    chance(l)  = decayed hits / decayed tries of the lookup's next token at match length l   # l = 1 .. _REACH
+    P(j)       = prod(chance(l + i) for i in range(j))     # the first j draft tokens accepted (j = 1 .. k)
+    tokens(k)  = 1 + sum(P(j) for j in range(1, k + 1))   # expected tokens a verify of k drafts commits
 
-While a copy is going on (``running``: the latest ``_RUN`` tokens or more equalled draft tokens, as after a draft of
-that many accepted in full) the next draft's first token is itself a continuation, so it counts with ``follow``:
-after a full acceptance the next draft is checked at full length at once, whatever its suffix length. A verify of
-``k`` drafts of which ``m`` were accepted observes its first ``min(m + 1, k)`` positions (the first with
-``alpha_for(n)``, or ``follow`` while running; the others with ``follow``), hits for the ``m`` accepted; a proposal
-that was not checked (the plan found it would not pay) is compared with the tokens that come next instead, so both
-keep being measured for free. Each estimate is a decayed count (weight ``_DECAY`` per observation) started from a
-prior worth two observations.
+Every committed token is an observation: before it is appended, the lookup's one-token proposal (and its match
+length) is compared with it (a verify's accepted drafts are hits at growing match lengths, the token at a rejection
+a miss; tokens decoded without drafts count the same way), so acceptance is measured at every token whether or not
+drafts were checked. Each estimate is a decayed count (weight ``_DECAY`` per observation of its length) started from
+the rule of succession's guess ``l / (l + 1)`` worth ``_PRIOR_TRIED`` observations: a match that has held for ``l``
+tokens goes on with chance ``l / (l + 1)``, so a fresh sequence checks a copy's first draft in full, and a text
+without copies (where single-token matches are mostly guesses) brings ``chance(1)`` and ``chance(2)`` down within
+a few tokens.
 
 The plan (``SpeculationPlanner.plan``), each step, over the decoding sequences that have a proposal::
 
-    first      = follow if running else alpha_for(n)               # chance the draft's first token is accepted
-    tokens(k)  = 1 + first * sum(follow ** i for i in range(k))     # expected tokens committed by a verify of k
     seconds(n) = seconds(1) * (1 + slope * (n - 1))   # a forward of n tokens (decode and verify run the same
-                                                      # matmul kernels): medians of recent timings (ForwardCosts)
-    rate       = (tokens of every decoding sequence) / (seconds of the decode call + seconds of the verify call)
+                                                      # matmul kernels) and its n rows' share of the rest of
+                                                      # the step (processing, sampling, commit, the plan):
+                                                      # medians of recent timings (ForwardCosts)
+    rate       = decoding / seconds(decoding)         # tokens per second of plain decoding, the baseline
+    gain(plan) = (tokens of every decoding sequence) - rate * (seconds of the decode call + of the verify call)
 
-Candidates are taken in order of ``first``, each with the ``k`` that does best, while the step's expected rate
-improves on decoding them all (``adaptive=False``: every proposal is checked, at full length). ``k`` is bounded by
-``num_speculative_tokens``, the tokens the sequence may still generate and the KV cache room left.
+The plan maximises ``gain``, the expected tokens beyond what plain decoding would give in the same time: candidates
+are taken in order of ``P(1)``, each with the ``k`` that adds most, while that adds anything. For one sequence this
+checks draft ``j`` exactly when ``P(j) > slope``: a draft token is worth checking when its chance of being reached
+and accepted exceeds its cost in decode steps (``adaptive=False``: every proposal is checked, at full length).
+``k`` is bounded by ``num_speculative_tokens``, the tokens the sequence may still generate and the KV cache room
+left.
 """
 
 from __future__ import annotations
@@ -48,22 +54,16 @@ METHODS = ("ngram",)
 #: Largest ``num_speculative_tokens`` and ``prompt_lookup_max``: a verify forward holds 1 + k tokens of a sequence.
 MAX_SPECULATIVE_TOKENS = 32
 MAX_LOOKUP = 32
-#: Weight of the past in ``alpha`` per position observed (about the last 10 positions count).
+#: Weight of the past in each ``chance(l)`` per observation at that length (about the last 10 count).
 _DECAY = 0.9
-#: ``alpha_for(n)`` (a fresh draft's first token) before anything was observed, by the matched suffix's length (1, 2,
-#: 3 or more tokens), as two observations: a match of 3 tokens or more is usually a copy starting, a single token's
-#: often a guess.
-_PRIOR_ALPHA = (0.3, 0.5, 0.8)
-#: ``follow`` before anything was observed: a draft token after an accepted one (copies come in runs).
-_PRIOR_FOLLOW = 0.8
+#: Longest match length told apart (``NgramIndex.propose_matched``'s ``reach``): longer matches count as this long.
+_REACH = 8
+#: Observations the prior ``l / (l + 1)`` of ``chance(l)`` is worth.
 _PRIOR_TRIED = 2.0
 #: Before a forward of n tokens was timed: seconds(n) = seconds(1) * (1 + _PRIOR_SLOPE * (n - 1)) (each further
-#: token 0.2-0.3x a decode step here with the packed Q4_1 matmuls; before anything is timed seconds(1) is 1: the plan
-#: only compares rates), so that drafts are checked from the first step and each length is timed once tried.
+#: token 0.2-0.3x a decode step here with the packed Q4_1 matmuls; before anything is timed seconds(1) is 1: the
+#: plan's gain does not depend on the unit), so that drafts are checked from the first step and each length is timed.
 _PRIOR_SLOPE = 0.25
-#: Draft tokens accepted in a row that make a copy going on (``running``): one or two are often a common word or
-#: phrase met again in open text.
-_RUN = 3
 #: Recent forward timings kept, of one token and of more, and the latest of one token that make ``seconds(1)``
 #: (``ForwardCosts``).
 _TIMINGS = 16
@@ -131,113 +131,77 @@ class SpeculativeConfig:
 
 
 class Drafter:
-    """One sequence's prompt-lookup drafts and its acceptance estimates (see the module doc)."""
+    """One sequence's prompt-lookup drafts and its acceptance estimates by match length (see the module doc)."""
 
     def __init__(self, config: SpeculativeConfig, state: RequestState) -> None:
         self.config = config
         self.index = NgramIndex(min_n=config.prompt_lookup_min, max_n=config.prompt_lookup_max)
         self._prompt = len(state.prompt_token_ids)
         self._epoch = -1  # never synced
-        # decayed counts of accepted and tried first draft tokens, per matched suffix length n (index n - 1) ...
-        self._accepted = [_PRIOR_TRIED * _PRIOR_ALPHA[min(n, len(_PRIOR_ALPHA)) - 1]
-                          for n in range(1, config.prompt_lookup_max + 1)]
-        self._tried = [_PRIOR_TRIED] * config.prompt_lookup_max
-        # ... and of draft tokens that follow an accepted one (a copy going on)
-        self._follow = [_PRIOR_TRIED * _PRIOR_FOLLOW, _PRIOR_TRIED]
-        self._shadow: list[int] = []  # a proposal not checked, compared with the tokens that come
-        self._shadow_n = 0  # its suffix length while its first token is compared, then -1 (tokens that follow)
-        self._shadow_running = False
-        self.matched = 0  # suffix length behind the latest proposal
-        #: draft tokens accepted (or, unchecked, equalled) in a row up to the latest token
-        self.run = 0
+        # decayed counts of the lookup's next token equalling the one that came, per match length l (index l - 1)
+        self._hits = [_PRIOR_TRIED * length / (length + 1) for length in range(1, _REACH + 1)]
+        self._tried = [_PRIOR_TRIED] * _REACH
+        #: match length behind the latest proposal (0: none)
+        self.matched = 0
 
-    @property
-    def running(self) -> bool:
-        """A copy is going on: the latest ``_RUN`` tokens or more equalled draft tokens (a draft accepted in full
-        ends that way)."""
-        return self.run >= _RUN
-
-    def alpha_for(self, matched: int) -> float:
-        """The estimated chance that the first token of a fresh draft found by a suffix of ``matched`` tokens is
-        accepted (0 without a match)."""
-        return self._accepted[matched - 1] / self._tried[matched - 1] if matched else 0.0
-
-    @property
-    def follow(self) -> float:
-        """The estimated chance that a draft token is accepted after the one before it was (a copy goes on)."""
-        return self._follow[0] / self._follow[1]
-
-    @property
-    def alpha(self) -> float:
-        """The estimated chance that the latest proposal's first token is accepted: ``follow`` while a copy is
-        going on (``running``), else that of a fresh match of its suffix length."""
-        if not self.matched:
+    def chance(self, matched: int) -> float:
+        """The estimated chance that the lookup's next token is accepted after a match of ``matched`` tokens (0
+        without a match; lengths past ``_REACH`` count as ``_REACH``)."""
+        if matched <= 0:
             return 0.0
-        return self.follow if self.running else self.alpha_for(self.matched)
+        at = min(matched, _REACH) - 1
+        return self._hits[at] / self._tried[at]
+
+    def reach_chances(self, k: int) -> list[float]:
+        """``P(j)`` for j = 1 .. k: the chance that the latest proposal's first ``j`` tokens are all accepted."""
+        out, p = [], 1.0
+        for j in range(k):
+            p *= self.chance(self.matched + j) if self.matched else 0.0
+            out.append(p)
+        return out
 
     def expected_tokens(self, k: int) -> float:
         """Tokens a verify of the latest proposal's first ``k`` tokens commits on average (module doc)."""
-        return expected_tokens(self.alpha, k, self.follow)
+        return 1.0 + sum(self.reach_chances(k))
 
-    def _observe(self, first: bool, matched: int, running: bool, hit: bool) -> None:
-        """One draft token compared: the first of its draft (found by a suffix of ``matched``; ``running``: while a
-        copy was going on) or one after an accepted token."""
-        if first and not running:
-            if matched:
-                self._accepted[matched - 1] = self._accepted[matched - 1] * _DECAY + hit
-                self._tried[matched - 1] = self._tried[matched - 1] * _DECAY + 1.0
-        else:
-            self._follow = [self._follow[0] * _DECAY + hit, self._follow[1] * _DECAY + 1.0]
-        self.run = self.run + 1 if hit else 0
+    def _observe(self, matched: int, hit: bool) -> None:
+        at = min(matched, _REACH) - 1
+        self._hits[at] = self._hits[at] * _DECAY + hit
+        self._tried[at] = self._tried[at] * _DECAY + 1.0
 
     def sync(self, state: RequestState) -> None:
         """Bring the index up to the state's tokens (O(new tokens); the whole index after a rollback), comparing
-        the tokens that came with an unchecked proposal."""
+        each new token with the lookup's one-token proposal before it."""
         if state.rollback_epoch != self._epoch:
             self.index.truncate(0)
             self.index.extend(state.prompt_token_ids)
             self.index.extend(state.output_token_ids)
-            self._epoch, self._shadow, self.run = state.rollback_epoch, [], 0
+            self._epoch = state.rollback_epoch
             return
         for token in state.output_token_ids[len(self.index) - self._prompt :]:
-            if self._shadow:
-                hit = self._shadow[0] == token
-                self._observe(self._shadow_n > 0, abs(self._shadow_n), self._shadow_running, hit)
-                self._shadow_n = -1  # the next ones follow a compared token
-                self._shadow = self._shadow[1:] if hit else []
+            guess, matched = self.index.propose_matched(1, _REACH)
+            if guess:
+                self._observe(matched, guess[0] == token)
             self.index.append(token)
 
     def propose(self, k: int) -> list[int]:
-        """``k`` draft tokens (``NgramIndex.propose``); ``matched`` and ``alpha`` then describe them."""
-        proposal, self.matched = self.index.propose_matched(k)
-        if not proposal:
-            self.run = 0  # nothing continues: a copy going on would have been found
+        """``k`` draft tokens (``NgramIndex.propose_matched``); ``matched`` and ``reach_chances`` then describe
+        them."""
+        proposal, self.matched = self.index.propose_matched(k, _REACH)
         return proposal
-
-    def shadow(self, proposal: list[int]) -> None:
-        """``proposal`` (the latest) was not checked: compare it with the tokens that come (unless one is being
-        compared)."""
-        if not self._shadow:
-            self._shadow, self._shadow_n, self._shadow_running = list(proposal), self.matched, self.running
-
-    def record(self, drafted: int, accepted: int) -> None:
-        """A verify of ``drafted`` tokens (the latest proposal's) accepted the first ``accepted``."""
-        running = self.running
-        for i in range(min(accepted + 1, drafted)):
-            self._observe(i == 0, self.matched, running, i < accepted)
-        self._shadow = []
 
 
 class ForwardCosts:
-    """Seconds of a model forward of n tokens (a decode of n sequences, or a verify of n tokens), as
+    """Seconds of a model forward of n tokens (a decode of n sequences, or a verify of n tokens) with its rows' share
+    of the rest of the step (the engine records each call so: processing, sampling, commit and the plan), as
     ``seconds(1) * (1 + slope * (n - 1))``: ``seconds(1)`` the median of the latest forwards of one token, ``slope``
     the median over the recent forwards of more of ``(seconds / seconds(1) - 1) / (n - 1)``, each against the
     ``seconds(1)`` of its own time. Medians, so that a forward slowed by other work on the machine moves neither
     (no token count is left with one bad timing that keeps the plan from trying it again); each timing against the
     decode of its time, as the machine's speed drifts (here by up to 2x within minutes) and a verify timed in a
     fast minute against decodes of a slow one would make drafts look free. Before those are timed: ``seconds(1)``
-    from the forwards of more tokens and the prior slope, or 1 (the plan only compares rates), and ``slope =
-    _PRIOR_SLOPE``."""
+    from the forwards of more tokens and the prior slope, or 1 (the plan's gain does not depend on the unit), and
+    ``slope = _PRIOR_SLOPE``."""
 
     def __init__(self) -> None:
         self._one: deque[float] = deque(maxlen=_TIMINGS)
@@ -271,13 +235,6 @@ class ForwardCosts:
         return base * (1 + slope * (tokens - 1))
 
 
-def expected_tokens(first: float, k: int, follow: float | None = None) -> float:
-    """Tokens a verify of ``k`` drafts commits on average: the first draft accepted with chance ``first``, each
-    later one, once the one before it was, with chance ``follow`` (``first`` when not given: independent drafts)."""
-    follow = first if follow is None else follow
-    return 1.0 + first * sum(follow**i for i in range(k))
-
-
 @dataclass
 class Candidate:
     """A decoding sequence's proposal for this step and the most drafts it may check (``limit``)."""
@@ -298,13 +255,6 @@ class SpeculationPlanner:
     def plan(self, candidates: list[Candidate], decoding: int, room: int) -> dict[Any, list[int]]:
         """Drafts to check, by candidate key. ``decoding``: the sequences that decode this step (the candidates
         among them); ``room``: KV cache tokens free for drafts."""
-        chosen = self._choose(candidates, decoding, room)
-        for c in candidates:
-            if c.key not in chosen and c.proposal:
-                c.drafter.shadow(c.proposal)
-        return chosen
-
-    def _choose(self, candidates: list[Candidate], decoding: int, room: int) -> dict[Any, list[int]]:
         chosen: dict[Any, list[int]] = {}
         usable = [c for c in candidates if c.proposal and c.limit > 0]
         if not self.config.adaptive:
@@ -316,20 +266,21 @@ class SpeculationPlanner:
             return chosen
         if not usable:
             return chosen
-        usable.sort(key=lambda c: -c.drafter.alpha)
-        best_rate = decoding / self.costs.seconds(decoding)
+        usable.sort(key=lambda c: -c.drafter.chance(c.drafter.matched))
+        rate = decoding / self.costs.seconds(decoding)  # plain decoding's tokens per second
         tokens, verified, verify_tokens = float(decoding), 0, 0
+        best_gain = tokens - rate * self.costs.seconds(decoding)
         for c in usable:
             best = None
             for k in range(1, min(len(c.proposal), c.limit, room) + 1):
                 t = tokens - 1 + c.drafter.expected_tokens(k)
                 seconds = self.costs.seconds(decoding - verified - 1) + self.costs.seconds(verify_tokens + k + 1)
-                rate = t / seconds
-                if rate > best_rate and (best is None or rate > best[0]):
-                    best = (rate, k, t)
+                gain = t - rate * seconds
+                if gain > best_gain and (best is None or gain > best[0]):
+                    best = (gain, k, t)
             if best is None:
                 continue
-            best_rate, k, tokens = best
+            best_gain, k, tokens = best
             chosen[c.key] = c.proposal[:k]
             verified, verify_tokens, room = verified + 1, verify_tokens + k + 1, room - k
         return chosen

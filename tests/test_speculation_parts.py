@@ -36,6 +36,29 @@ def test_proposals_equal_the_brute_force_search(min_n: int, max_n: int) -> None:
                 index.extend(tokens[end - 5 : end + 1])
 
 
+def test_the_match_length_follows_the_match_back_up_to_reach() -> None:
+    """``propose_matched(k, reach)``: how many of the latest tokens (at most ``reach``, at least the suffix found)
+    equal those before the proposal's source, by brute force."""
+    rng = np.random.default_rng(7)
+    tokens = [int(t) for t in rng.integers(0, 3, 200)]
+    index = NgramIndex(tokens[:5], min_n=1, max_n=3)
+    for end in range(5, len(tokens)):
+        for reach in (0, 3, 8):
+            proposal, matched = index.propose_matched(2, reach)
+            context = tokens[:end]
+            for n in range(3, 0, -1):
+                starts = [e for e in range(n, end) if context[e - n : e] == context[-n:]]
+                if starts:
+                    start, want = starts[-1], n
+                    while want < min(reach, start) and context[start - 1 - want] == context[end - 1 - want]:
+                        want += 1
+                    break
+            else:
+                want = 0
+            assert matched == want, (end, reach)
+        index.append(tokens[end])
+
+
 def test_a_repeated_paragraph_is_proposed_in_full() -> None:
     paragraph = [11, 12, 13, 14, 15, 16, 17, 18]
     index = NgramIndex([1, 2, *paragraph, 3, 4, paragraph[0], paragraph[1]])

@@ -11,13 +11,7 @@ import numpy as np
 import pytest
 from logitproc.runtime import GenerationConfig, RequestState
 from logitproc.serve.engine import Engine
-from logitproc.serve.speculation import (
-    Candidate,
-    Drafter,
-    SpeculationPlanner,
-    SpeculativeConfig,
-    expected_tokens,
-)
+from logitproc.serve.speculation import Candidate, Drafter, SpeculationPlanner, SpeculativeConfig
 
 FORCED = {"method": "ngram", "num_speculative_tokens": 5, "adaptive": False}  # every proposal checked
 
@@ -168,72 +162,72 @@ def test_bad_speculative_settings_name_the_field(model) -> None:
     assert SpeculativeConfig.of("ngram") == SpeculativeConfig()
 
 
-def test_the_plan_drafts_only_where_it_pays() -> None:
-    """With forwards of n tokens timed, a sequence whose drafts are mostly accepted checks several, one whose
-    drafts are rarely accepted checks none (its proposals are still compared with what comes: acceptance keeps
-    being measured)."""
+def drafter_after(tokens: list[int], prompt: int) -> tuple[Drafter, RequestState]:
+    """A drafter synced over ``tokens`` (the first ``prompt`` of them the prompt), one token at a time."""
+    state = RequestState(tokens[:prompt])
+    drafter = Drafter(SpeculativeConfig(), state)
+    drafter.sync(state)
+    for token in tokens[prompt:]:
+        state.append_token(token)
+        drafter.sync(state)
+    return drafter, state
+
+
+def timed(planner: SpeculationPlanner, slope: float) -> None:
+    for n in range(1, 8):  # a decode step 10 ms, each further token slope x 10 ms
+        planner.costs.record(n, 0.010 * (1 + slope * (n - 1)))
+
+
+def test_each_draft_token_is_checked_while_its_chance_exceeds_its_cost() -> None:
+    """The chance of a draft token grows with the match behind it (the rule of succession before anything is
+    measured), every committed token measures it, and a sequence checks draft j exactly when the chance that the
+    first j are accepted exceeds what a verify token costs in decode steps."""
+    copy = list(range(100, 130))
+    fresh, _ = drafter_after([7, *copy, 8, copy[0], copy[1]], prompt=33)  # a copy starts: 2 tokens match
+    assert fresh.propose(5) == copy[2:7] and fresh.matched == 2
+    assert fresh.reach_chances(3) == pytest.approx([2 / 3, 2 / 3 * 3 / 4, 2 / 3 * 3 / 4 * 4 / 5])
     planner = SpeculationPlanner(SpeculativeConfig())
-    assert planner.plan([], 1, 100) == {} and planner.plan([], 0, 100) == {}
-    for n in range(1, 8):
-        planner.costs.record(n, 0.010 + 0.004 * (n - 1))
-    good, bad = Drafter(SpeculativeConfig(), RequestState([1, 2])), Drafter(SpeculativeConfig(), RequestState([1]))
-    good.matched = bad.matched = 4  # proposals found by a 4-token suffix
-    for _ in range(20):
-        good.record(5, 5)
-        bad.record(5, 0)
-    assert good.alpha > 0.9 and bad.alpha < 0.1
-    assert good.alpha_for(1) == pytest.approx(0.3)  # the prior: a suffix of 1 token has not been measured
-    # three decoding sequences: good, bad and one without a proposal
-    plan = planner.plan([Candidate("good", good, [7] * 5, 5), Candidate("bad", bad, [8] * 5, 5)], 3, 100)
-    assert list(plan) == ["good"] and len(plan["good"]) == 5
-    assert planner.plan([Candidate("good", good, [7] * 5, 2)], 1, 100) == {"good": [7, 7]}  # max_tokens left
-    assert planner.plan([Candidate("good", good, [7] * 5, 5)], 1, 3) == {"good": [7, 7, 7]}  # KV cache room
-    # The unchecked proposal of `bad` is compared with the tokens that come: two hits raise its estimate.
-    state = RequestState([1])
-    before = bad.alpha
-    bad.sync(state)
-    bad.shadow([8, 8])
-    bad.matched = 1  # a later proposal: the shadow keeps the suffix length of its own
-    state.append_token(8)
-    state.append_token(8)
-    bad.sync(state)
-    assert bad.alpha > before and bad.run == 2
-    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
-    assert expected_tokens(0.5, 2, follow=1.0) == pytest.approx(2.0)
+    assert len(planner.plan([Candidate("s", fresh, copy[2:7], 5)], 1, 100)["s"]) == 5  # nothing timed: prior
+    timed(planner, 0.3)  # P(5) = 2/7 < 0.3 < P(4) = 1/3
+    assert len(planner.plan([Candidate("s", fresh, copy[2:7], 5)], 1, 100)["s"]) == 4
+    timed(planner, 0.7)  # only P(1) = 2/3 pays
+    assert planner.plan([Candidate("s", fresh, copy[2:7], 5)], 1, 100) == {"s": copy[2:3]}
+    assert planner.plan([Candidate("s", fresh, copy[2:7], 5)], 1, 0) == {}  # no KV cache room
+    # After the copy went on for 20 tokens, its draft tokens are measured as near-certain.
+    copying, _ = drafter_after([7, *copy, 8, *copy[:22]], prompt=33)
+    assert copying.propose(5) == copy[22:27] and copying.matched == 8
+    assert copying.reach_chances(5)[-1] > 0.9
+    timed(planner, 0.7)
+    assert len(planner.plan([Candidate("s", copying, copy[22:27], 5)], 1, 100)["s"]) == 5
+    assert planner.plan([Candidate("s", copying, copy[22:27], 2)], 1, 100) == {"s": copy[22:24]}  # tokens left
 
 
-def test_copies_are_drafted_in_runs() -> None:
-    """Before any forward is timed, a copy-like proposal is checked at once (prior costs); after a draft accepted in
-    full, the next one is checked at full length even when only a single token matched (the copy goes on); after a
-    rejection, a single-token match is a guess again and is not checked. One verify slowed by other work does not
-    keep the plan from checking full drafts, and forward costs follow the machine's speed."""
-    config = SpeculativeConfig()
-    planner = SpeculationPlanner(config)
-    drafter = Drafter(config, RequestState([1, 2, 3]))
-    drafter.sync(RequestState([1, 2, 3]))
-    drafter.matched = 4
-    assert "s" in planner.plan([Candidate("s", drafter, [7] * 5, 5)], 1, 100)  # nothing timed yet
-    for n in range(1, 7):  # a decode step 10 ms, each further token 4 ms
-        planner.costs.record(n, 0.010 + 0.004 * (n - 1))
-    for _ in range(6):  # a few misses on single-token matches: those are guesses here
-        drafter.matched = 1
-        drafter.record(1, 0)
-    assert drafter.alpha_for(1) < 0.15
-    drafter.matched = 2
-    drafter.record(1, 1)  # one token met again (a common word, in open text): no copy yet
-    assert drafter.run == 1 and not drafter.running
-    drafter.matched = 4
-    drafter.record(5, 5)  # a copy: accepted in full
-    drafter.matched = 1
-    assert drafter.running and drafter.alpha == pytest.approx(drafter.follow) and drafter.follow > 0.8
-    assert len(planner.plan([Candidate("s", drafter, [7] * 5, 5)], 1, 100)["s"]) == 5
-    planner.costs.record(6, 0.200)  # one verify slowed by other work: the plan still checks full drafts
+def test_guesses_are_learned_and_not_checked() -> None:
+    """Open text where single tokens recur with other continuations: within a few tokens the single-token matches'
+    chance is measured low and their drafts are not checked, while a batch's copying sequence still is."""
+    rng = np.random.default_rng(1)
+    text = [int(t) for t in rng.integers(0, 12, 60)]  # 12 distinct tokens: every token recurs, rarely its successor
+    guessing, _ = drafter_after(text, prompt=10)
+    assert 0 < guessing.chance(1) < 0.2
+    copy = list(range(100, 130))
+    copying, _ = drafter_after([7, *copy, 8, *copy[:22]], prompt=33)
+    planner = SpeculationPlanner(SpeculativeConfig())
+    timed(planner, 0.2)
+    proposal = guessing.propose(5)
+    assert proposal and guessing.matched <= 2
+    plan = planner.plan([Candidate("guess", guessing, proposal, 5),
+                         Candidate("copy", copying, copying.propose(5), 5)], 3, 100)
+    assert list(plan) == ["copy"] and len(plan["copy"]) == 5
+
+
+def test_forward_costs_are_robust_to_a_slow_forward_and_follow_the_machine() -> None:
+    """One verify slowed by other work does not move the line, and each verify timing is scaled by the decodes of
+    its time (the machine's speed drifts)."""
+    planner = SpeculationPlanner(SpeculativeConfig())
+    timed(planner, 0.4)
+    planner.costs.record(6, 0.200)
     assert planner.costs.seconds(6) == pytest.approx(0.030)
-    assert len(planner.plan([Candidate("s", drafter, [7] * 5, 5)], 1, 100)["s"]) == 5
-    drafter.record(5, 2)  # the copy ended after two tokens
-    assert not drafter.running and drafter.alpha == pytest.approx(drafter.alpha_for(1))
-    assert planner.plan([Candidate("s", drafter, [7] * 5, 5)], 1, 100) == {}
-    for _ in range(5):  # the machine slows down 2x: each verify timing is scaled by the decodes of its time
+    for _ in range(5):  # the machine slows down 2x
         planner.costs.record(1, 0.020)
     assert planner.costs.seconds(6) == pytest.approx(0.060)
 
