@@ -229,6 +229,7 @@ class Sampler:
         top_values, top_ids = self._top_views(rows, max([1, *counts]))
         self.kernels[sample_from_logits.NAME](on_device, *args, tokens, chosen, self._top_count.to_device(rows),
                                               top_values, top_ids)
+        # (_result reads the processed top-n before any raw top-n, which may reuse these buffers)
         result = self._result(batch, tokens, chosen, raw_logits,
                               lambda n: (self.device.download(top_values), self.device.download(top_ids)))
         result.flag_non_finite(result.token_ids == sample_from_logits.NON_FINITE)  # token -1, no logprobs

@@ -94,6 +94,11 @@ def test_blocks_of_equal_values_up_to_and_past_the_candidate_list(n: int) -> Non
     assert_matches_reference(*run_top_n(x, n), x, n)
 
 
+def test_zero_width_outputs_are_accepted_and_nothing_is_selected() -> None:
+    values, indices = run_top_n(np.zeros((2, 300), np.float32), 0)
+    assert values.shape == (2, 0) and indices.shape == (2, 0)
+
+
 def test_n_larger_than_vocab_fills_with_minus_inf_and_minus_1() -> None:
     """A caller error (the runtime rejects it); the kernel still writes only defined values."""
     x = np.array([[1.0, -np.inf, 3.0], [-np.inf, -np.inf, -np.inf]], np.float32)

@@ -196,81 +196,82 @@ def row_top_cpu(x: tirx.Buffer, r: tirx.PrimExpr, vocab: tirx.PrimExpr, count: t
     rounds then run on that list. The list cannot overflow for count <= 32; if it would, the rounds scan the row
     (``row_best_cpu``). The result is exactly that of ``count`` rounds over the row.
     """
-    nb: T.let = (vocab + TOP_BLOCK - 1) // TOP_BLOCK
-    bmax = T.alloc_buffer((vocab // TOP_BLOCK + 1,), "float32", scope="global")
-    tops = T.alloc_buffer((count,), "float32", scope="global")
-    list_v = T.alloc_buffer((TOP_LIST,), "float32", scope="global")
-    list_i = T.alloc_buffer((TOP_LIST,), "int32", scope="global")
-    lanes = T.alloc_buffer((CPU_LANES,), "float32", scope="local")
-    acc = T.alloc_buffer((1,), "float32", scope="local")
-    st = T.alloc_buffer((3,), "int32", scope="local")
-    best_v = T.alloc_buffer((1,), "float32", scope="local")
-    best_i = T.alloc_buffer((1,), "int32", scope="local")
-    # the block maxima
-    for b in range(vocab // TOP_BLOCK):
-        for lane in T.vectorized(CPU_LANES):
-            lanes[lane] = x[r, b * TOP_BLOCK + lane]
-        for k in range(1, TOP_BLOCK // CPU_LANES):
+    if count > 0:  # (a zero-width output: nothing to select, nothing read)
+        nb: T.let = (vocab + TOP_BLOCK - 1) // TOP_BLOCK
+        bmax = T.alloc_buffer((vocab // TOP_BLOCK + 1,), "float32", scope="global")
+        tops = T.alloc_buffer((count,), "float32", scope="global")
+        list_v = T.alloc_buffer((TOP_LIST,), "float32", scope="global")
+        list_i = T.alloc_buffer((TOP_LIST,), "int32", scope="global")
+        lanes = T.alloc_buffer((CPU_LANES,), "float32", scope="local")
+        acc = T.alloc_buffer((1,), "float32", scope="local")
+        st = T.alloc_buffer((3,), "int32", scope="local")
+        best_v = T.alloc_buffer((1,), "float32", scope="local")
+        best_i = T.alloc_buffer((1,), "int32", scope="local")
+        # the block maxima
+        for b in range(vocab // TOP_BLOCK):
             for lane in T.vectorized(CPU_LANES):
-                lanes[lane] = T.max(lanes[lane], x[r, b * TOP_BLOCK + k * CPU_LANES + lane])
-        acc[0] = lanes[0]
-        for lane in range(1, CPU_LANES):
-            acc[0] = T.max(acc[0], lanes[lane])
-        bmax[b] = acc[0]
-    if vocab % TOP_BLOCK > 0:
-        acc[0] = neg_inf()
-        for i in range(vocab % TOP_BLOCK):
-            acc[0] = T.max(acc[0], x[r, vocab // TOP_BLOCK * TOP_BLOCK + i])
-        bmax[nb - 1] = acc[0]
-    # t: the count-th largest block maximum (-inf when there are fewer blocks)
-    st[0] = 0
-    for b in range(nb):
-        if st[0] < count or bmax[b] > tops[count - 1]:
-            st[1] = T.min(st[0], count - 1)
-            while st[1] > 0 and tops[T.max(st[1] - 1, 0)] < bmax[b]:
-                tops[st[1]] = tops[st[1] - 1]
-                st[1] = st[1] - 1
-            tops[st[1]] = bmax[b]
-            st[0] = T.min(st[0] + 1, count)
-    t: T.let = T.Select(st[0] == count, tops[count - 1], neg_inf())
-    # the candidates, in index order: st[1] listed (may pass TOP_LIST: overflow), st[2] of them equal to t
-    st[1] = 0
-    st[2] = 0
-    for b in range(nb):
-        if bmax[b] > t or (bmax[b] == t and st[2] < count):
-            for i in range(T.min(TOP_BLOCK, vocab - b * TOP_BLOCK)):
-                if x[r, b * TOP_BLOCK + i] > t or (x[r, b * TOP_BLOCK + i] == t and st[2] < count):
-                    if st[1] < TOP_LIST:
-                        list_v[st[1]] = x[r, b * TOP_BLOCK + i]
-                        list_i[st[1]] = b * TOP_BLOCK + i
-                    st[1] = st[1] + 1
-                    if x[r, b * TOP_BLOCK + i] == t:
-                        st[2] = st[2] + 1
-    best_v[0] = pos_inf()
-    best_i[0] = -1
-    if st[1] <= TOP_LIST:
-        for j in range(count):
-            prev_v: T.let = best_v[0]
-            prev_i: T.let = best_i[0]
-            best_v[0] = neg_inf()
-            best_i[0] = NO_INDEX
-            for k in range(st[1]):
-                if T.And(ranks_after(list_v[k], list_i[k], prev_v, prev_i),
-                         better(list_v[k], list_i[k], best_v[0], best_i[0])):
-                    best_v[0] = list_v[k]
-                    best_i[0] = list_i[k]
-            values[out_r, j] = best_v[0]
-            indices[out_r, j] = out_index(best_i[0])
-    else:
-        lane_v = T.alloc_buffer((CPU_WIDTH,), "float32", scope="local")
-        lane_i = T.alloc_buffer((CPU_WIDTH,), "int32", scope="local")
-        lane_take = T.alloc_buffer((CPU_WIDTH,), "int8", scope="local")
-        for j in range(count):
-            prev_v: T.let = best_v[0]
-            prev_i: T.let = best_i[0]
-            row_best_cpu(x, r, vocab, prev_v, prev_i, lane_v, lane_i, lane_take, best_v, best_i)
-            values[out_r, j] = best_v[0]
-            indices[out_r, j] = out_index(best_i[0])
+                lanes[lane] = x[r, b * TOP_BLOCK + lane]
+            for k in range(1, TOP_BLOCK // CPU_LANES):
+                for lane in T.vectorized(CPU_LANES):
+                    lanes[lane] = T.max(lanes[lane], x[r, b * TOP_BLOCK + k * CPU_LANES + lane])
+            acc[0] = lanes[0]
+            for lane in range(1, CPU_LANES):
+                acc[0] = T.max(acc[0], lanes[lane])
+            bmax[b] = acc[0]
+        if vocab % TOP_BLOCK > 0:
+            acc[0] = neg_inf()
+            for i in range(vocab % TOP_BLOCK):
+                acc[0] = T.max(acc[0], x[r, vocab // TOP_BLOCK * TOP_BLOCK + i])
+            bmax[nb - 1] = acc[0]
+        # t: the count-th largest block maximum (-inf when there are fewer blocks)
+        st[0] = 0
+        for b in range(nb):
+            if st[0] < count or bmax[b] > tops[count - 1]:
+                st[1] = T.min(st[0], count - 1)
+                while st[1] > 0 and tops[T.max(st[1] - 1, 0)] < bmax[b]:
+                    tops[st[1]] = tops[st[1] - 1]
+                    st[1] = st[1] - 1
+                tops[st[1]] = bmax[b]
+                st[0] = T.min(st[0] + 1, count)
+        t: T.let = T.Select(st[0] == count, tops[count - 1], neg_inf())
+        # the candidates, in index order: st[1] listed (may pass TOP_LIST: overflow), st[2] of them equal to t
+        st[1] = 0
+        st[2] = 0
+        for b in range(nb):
+            if bmax[b] > t or (bmax[b] == t and st[2] < count):
+                for i in range(T.min(TOP_BLOCK, vocab - b * TOP_BLOCK)):
+                    if x[r, b * TOP_BLOCK + i] > t or (x[r, b * TOP_BLOCK + i] == t and st[2] < count):
+                        if st[1] < TOP_LIST:
+                            list_v[st[1]] = x[r, b * TOP_BLOCK + i]
+                            list_i[st[1]] = b * TOP_BLOCK + i
+                        st[1] = st[1] + 1
+                        if x[r, b * TOP_BLOCK + i] == t:
+                            st[2] = st[2] + 1
+        best_v[0] = pos_inf()
+        best_i[0] = -1
+        if st[1] <= TOP_LIST:
+            for j in range(count):
+                prev_v: T.let = best_v[0]
+                prev_i: T.let = best_i[0]
+                best_v[0] = neg_inf()
+                best_i[0] = NO_INDEX
+                for k in range(st[1]):
+                    if T.And(ranks_after(list_v[k], list_i[k], prev_v, prev_i),
+                             better(list_v[k], list_i[k], best_v[0], best_i[0])):
+                        best_v[0] = list_v[k]
+                        best_i[0] = list_i[k]
+                values[out_r, j] = best_v[0]
+                indices[out_r, j] = out_index(best_i[0])
+        else:
+            lane_v = T.alloc_buffer((CPU_WIDTH,), "float32", scope="local")
+            lane_i = T.alloc_buffer((CPU_WIDTH,), "int32", scope="local")
+            lane_take = T.alloc_buffer((CPU_WIDTH,), "int8", scope="local")
+            for j in range(count):
+                prev_v: T.let = best_v[0]
+                prev_i: T.let = best_i[0]
+                row_best_cpu(x, r, vocab, prev_v, prev_i, lane_v, lane_i, lane_take, best_v, best_i)
+                values[out_r, j] = best_v[0]
+                indices[out_r, j] = out_index(best_i[0])
 
 
 @T.macro
