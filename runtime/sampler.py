@@ -255,7 +255,8 @@ class Sampler:
             n = max(batch.row_states[r].config.top_logprobs for r in processed)
             if n:
                 values, ids = processed_top(n)
-                with np.errstate(divide="ignore"):
+                # (invalid: the slots of a row the fused kernel flagged as non-finite are not written; dropped later)
+                with np.errstate(divide="ignore", invalid="ignore"):
                     logs = np.log(values)
                 for r in processed:
                     k = batch.row_states[r].config.top_logprobs
