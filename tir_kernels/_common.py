@@ -89,6 +89,16 @@ LOG2E = _LOG2E
 EXP2_ZERO_BELOW = -127.0
 
 
+def _pow2_times_poly(t: tirx.Var, n: tirx.Var, f: tirx.Var, coeffs) -> tirx.PrimExpr:
+    """Given t (bound by the caller): n = floor(t + 0.5), f = t - n, then poly(f) * 2**n, poly's coefficients
+    ``coeffs`` (lowest degree first, Horner's order) and 2**n built in the float's exponent field."""
+    poly = tirx.const(coeffs[-1], "float32")
+    for c in reversed(coeffs[:-1]):
+        poly = poly * f + tirx.const(c, "float32")
+    scale = T.reinterpret("float32", T.shift_left(T.Cast("int32", n) + 127, 23))
+    return tirx.Let(n, T.floor(t + tirx.const(0.5, "float32")), tirx.Let(f, t - n, poly * scale))
+
+
 def exp2_nonpositive(z: tirx.PrimExpr) -> tirx.PrimExpr:
     """2**z for float32 z <= 0 (the softmax numerators of the CPU kernels), in 12 vector operations.
 
@@ -103,14 +113,7 @@ def exp2_nonpositive(z: tirx.PrimExpr) -> tirx.PrimExpr:
     t = tirx.Var("exp2_t", "float32")
     n = tirx.Var("exp2_n", "float32")
     f = tirx.Var("exp2_f", "float32")
-    poly = tirx.const(_EXP2_MINIMAX[-1], "float32")
-    for c in reversed(_EXP2_MINIMAX[:-1]):
-        poly = poly * f + tirx.const(c, "float32")
-    scale = T.reinterpret("float32", T.shift_left(T.Cast("int32", n) + 127, 23))
-    return tirx.Let(
-        t, T.max(z, tirx.const(EXP2_ZERO_BELOW, "float32")),
-        tirx.Let(n, T.floor(t + tirx.const(0.5, "float32")), tirx.Let(f, t - n, poly * scale)),
-    )
+    return tirx.Let(t, T.max(z, tirx.const(EXP2_ZERO_BELOW, "float32")), _pow2_times_poly(t, n, f, _EXP2_MINIMAX))
 
 
 def fast_exp(x: tirx.PrimExpr) -> tirx.PrimExpr:
@@ -125,14 +128,8 @@ def fast_exp(x: tirx.PrimExpr) -> tirx.PrimExpr:
     t = tirx.Var("exp_t", "float32")
     n = tirx.Var("exp_n", "float32")
     f = tirx.Var("exp_f", "float32")
-    poly = tirx.const(_EXP2_COEFFS[-1], "float32")
-    for c in reversed(_EXP2_COEFFS[:-1]):
-        poly = poly * f + tirx.const(c, "float32")
-    scale = T.reinterpret("float32", T.shift_left(T.Cast("int32", n) + 127, 23))
-    value = tirx.Let(
-        t, T.max(x, tirx.const(EXP_UNDERFLOW, "float32")) * tirx.const(_LOG2E, "float32"),
-        tirx.Let(n, T.floor(t + tirx.const(0.5, "float32")), tirx.Let(f, t - n, poly * scale)),
-    )
+    value = tirx.Let(t, T.max(x, tirx.const(EXP_UNDERFLOW, "float32")) * tirx.const(_LOG2E, "float32"),
+                     _pow2_times_poly(t, n, f, _EXP2_COEFFS))
     return T.Select(x < tirx.const(EXP_UNDERFLOW, "float32"), tirx.const(0.0, "float32"), value)
 
 

@@ -16,14 +16,17 @@ merged in any order. A value of -inf still beats the identity (its index is lowe
 -inf selects index 0; ``NO_INDEX`` comes out only when nothing is left to select (vocab == 0, or top_n asked for more
 entries than the row has). NaN compares false both ways and is never selected (logits are never NaN).
 
-Two TVMScript macros expand this inside the kernels' loop nests:
+TVMScript macros expand this inside the kernels' loop nests (argmax, top_n, and sample_from_logits' top-n):
 
 - ``row_best_cpu``: CPU_WIDTH (4 x 16) per-lane partials updated branch-free in a vectorised loop that visits the row
   in chunks from the last to the first (so one ``>=`` compare keeps the lowest index of equal values), with a single
   compare for top_n's eligibility on every chunk but the one holding the previous pick; then a lane merge and a scalar
   tail.
-- ``row_best_gpu``: threads striding over the row, then two one-value block all-reduces (the largest value, then the
-  lowest index holding it).
+- ``row_best_gpu``: threads striding over the row (read through a value callable), then two one-value block
+  all-reduces (the largest value, then the lowest index holding it).
+- ``row_top_cpu``: top_n's first ``count`` entries of a row from block maxima and a short list of the only entries
+  that can be selected (``row_best_cpu`` rounds over the row when the list would overflow).
+- ``row_top_gpu``: top_n's rounds of ``row_best_gpu``, the previous pick kept apart, thread 0 writing.
 """
 
 from __future__ import annotations
