@@ -2,11 +2,19 @@
 output head at 1 to n tokens, with 16-bit and 8-bit activation codes, CPU time of one thread.
 
     TVM_NUM_THREADS=1 python scripts/bench_packed_matvec.py [--tokens 1,2,3,4,6,64] [--rounds 7] [--verify 6]
+    python scripts/bench_packed_matvec.py --forward [--tokens 1,2,3,6] [--rounds 7]
 
 Prints per kernel and token count the best CPU milliseconds of interleaved rounds, and the cost of each token past
 the first up to ``--verify`` tokens (a verify of 1 + K tokens), as milliseconds and as GMAC/s. One thread and CPU
 time, so that the other processes of a shared machine count less; the model runs these kernels on every core
 (``docs/benchmarks.md``, speculative decoding).
+
+``--forward``: the matmuls of one whole forward instead, on every TVM thread, wall time: SmolLM2's 30 layers of
+distinct packed matrices and its output head (98 MB, so that the weights stream from memory as in the model),
+called in the model's order at each token count, against the same calls on one layer's matrices (in cache). Per
+token count: milliseconds streaming and in cache, and the weights' read rate; then the cost of a token past the
+first. Whether memory and compute overlap shows here: where they do, the streaming time is about the larger of the
+in-cache time and the time the bytes take at one token's rate.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from logitproc.compile.targets import resolve_target
 #: SmolLM2-135M's packed matrices (out, in) per layer, and its output head
 LAYER_SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 HEAD_SHAPE = (49152, 576)
+LAYERS = 30
 
 
 def build(func):
@@ -51,12 +60,64 @@ def cases(rng: np.random.Generator) -> dict[str, tuple[object, list, int, int]]:
     return out
 
 
+def forward(tokens: list[int], rounds: int) -> None:
+    """``--forward`` (module doc): a forward's matmuls streaming from memory against the same calls in cache."""
+    rng = np.random.default_rng(0)
+    kinds = {kind: build(packed_q4_1_kernel(n_out, n_in)) for kind, (n_out, n_in) in LAYER_SHAPES.items()}
+    head = build(linear_kernel(*HEAD_SHAPE, "q8_0", True, mode="decode"))
+    layers = []
+    for _ in range(LAYERS):
+        layer = {}
+        for kind, (n_out, n_in) in LAYER_SHAPES.items():
+            weights = pack_q4_1(rng.integers(0, 256, (n_out, n_in // 2)).astype(np.uint8),
+                                rng.uniform(0.001, 0.02, (n_out, n_in // 32)).astype(np.float16),
+                                rng.uniform(-0.15, 0, (n_out, n_in // 32)).astype(np.float16))
+            layer[kind] = [tvm.runtime.tensor(a) for a in weights.values()]
+        layers.append(layer)
+    n_out, n_in = HEAD_SHAPE
+    head_arrays = [tvm.runtime.tensor(rng.integers(-127, 128, (n_out, n_in)).astype(np.int8)),
+                   tvm.runtime.tensor(rng.uniform(0.001, 0.02, (n_out, n_in // 32)).astype(np.float16))]
+    megabytes = (sum(a.numpy().nbytes for layer in layers for arrays in layer.values() for a in arrays)
+                 + sum(a.numpy().nbytes for a in head_arrays)) / 1e6
+    best: dict[tuple[str, int], float] = {}
+    for n in tokens:
+        xs = {kind: tvm.runtime.tensor(rng.standard_normal((n, n_in)).astype(np.float32))
+              for kind, (_, n_in) in {**LAYER_SHAPES, "head": HEAD_SHAPE}.items()}
+        ys = {kind: tvm.runtime.tensor(np.zeros((n, n_out), np.float32))
+              for kind, (n_out, _) in {**LAYER_SHAPES, "head": HEAD_SHAPE}.items()}
+        for _ in range(rounds):  # interleaved: streaming, then in cache (layer 0 again and again)
+            for mode in ("streaming", "in cache"):
+                start = time.perf_counter()
+                for i in range(LAYERS):
+                    layer = layers[i if mode == "streaming" else 0]
+                    for kind, run in kinds.items():
+                        run(xs[kind], *layer[kind], ys[kind])
+                if mode == "streaming":
+                    head(xs["head"], *head_arrays, ys["head"])
+                seconds = time.perf_counter() - start
+                best[(mode, n)] = min(best.get((mode, n), float("inf")), seconds)
+        # the head streams in both modes' totals: its in-cache time is not taken (it does not fit in cache)
+    print(f"# a forward's matmuls ({megabytes:.0f} MB of weights), {os.environ.get('TVM_NUM_THREADS', '?')} TVM "
+          f"threads, wall time, best of {rounds} interleaved rounds, load {os.getloadavg()[0]:.1f}")
+    print("| tokens | layers + head streaming ms | read rate GB/s | layers in cache ms | streaming ms per token past "
+          "the first |")
+    print("|---|---|---|---|---|")
+    for n in tokens:
+        per_token = (best[("streaming", n)] - best[("streaming", tokens[0])]) / (n - tokens[0]) if n > tokens[0] else 0
+        print(f"| {n} | {1e3 * best[('streaming', n)]:.2f} | {megabytes / 1e3 / best[('streaming', n)]:.1f} | "
+              f"{1e3 * best[('in cache', n)]:.2f} | {1e3 * per_token:.3f} |")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", default="1,2,3,4,6,64")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--verify", type=int, default=6, help="the token count the cost per token is taken at")
+    parser.add_argument("--forward", action="store_true", help="a whole forward's matmuls, streaming (module doc)")
     args = parser.parse_args()
+    if args.forward:
+        forward(sorted({int(t) for t in args.tokens.split(",")}), args.rounds)
+        return 0
     if os.environ.get("TVM_NUM_THREADS") != "1":
         raise SystemExit("run with TVM_NUM_THREADS=1 (one thread, CPU time)")
     tokens = sorted({int(t) for t in args.tokens.split(",")} | {1, args.verify})
