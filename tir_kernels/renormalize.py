@@ -247,33 +247,33 @@ def cpu_row_macros() -> tuple[Callable[..., None], Callable[..., None]]:
         # cand[0 .. st[8]) = the values with bits >= lb, in index order, read only in the blocks whose maximum is
         # >= lb and, inside them, in the lanes whose group maximum is (lanes[0 .. hit[0]), increasing); then zeros
         # up to a whole step. st[8] > _LIST_CAP: the list is incomplete (only the first _LIST_CAP are stored).
+        # Branch-free appends (every value is written at the list's end, which moves on only for a kept one): the
+        # tests are data-dependent, and as branches they were mispredicted about every other time.
         st[8] = 0
         for blk in range(nblk):
             if bmax[blk] >= lb:
                 hit[0] = 0
                 for l in range(h):
-                    if gmax[blk * h + l] >= lb:
-                        lanes[hit[0]] = l
-                        hit[0] = hit[0] + 1
+                    lanes[hit[0]] = l
+                    hit[0] = hit[0] + T.Select(gmax[blk * h + l] >= lb, 1, 0)
+                hits: T.let = hit[0]
                 for j in range(T.min(bv, nvec - blk * bv)):
                     for half in range(2):
-                        hit[1] = 0
-                        while hit[1] < hit[0]:
-                            i: T.let = (blk * bv + j) * w + half * h + lanes[hit[1]]
+                        for e in range(hits):
+                            i: T.let = (blk * bv + j) * w + half * h + lanes[e]
                             x: T.let = value(i)
-                            if _bits(x) >= lb:
-                                cand[T.min(st[8], _LIST_CAP)] = x
-                                if cidx is not None:
-                                    cidx[T.min(st[8], _LIST_CAP)] = i
-                                st[8] = st[8] + 1
-                            hit[1] = hit[1] + 1
+                            at: T.let = T.min(st[8], _LIST_CAP)
+                            cand[at] = x
+                            if cidx is not None:
+                                cidx[at] = i
+                            st[8] = st[8] + T.Select(_bits(x) >= lb, 1, 0)
         for t in range(vocab % w):
             x: T.let = value(nvec * w + t)
-            if _bits(x) >= lb:
-                cand[T.min(st[8], _LIST_CAP)] = x
-                if cidx is not None:
-                    cidx[T.min(st[8], _LIST_CAP)] = nvec * w + t
-                st[8] = st[8] + 1
+            at: T.let = T.min(st[8], _LIST_CAP)
+            cand[at] = x
+            if cidx is not None:
+                cidx[at] = nvec * w + t
+            st[8] = st[8] + T.Select(_bits(x) >= lb, 1, 0)
         for l in T.vectorized(w):
             cand[T.min(st[8], _LIST_CAP) + l] = T.float32(0)
 
