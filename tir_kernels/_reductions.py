@@ -243,18 +243,31 @@ def _lane_total(lanes, out):
         out[0] = out[0] + lanes[l]
 
 
+def _non_finite_key(x: tirx.PrimExpr) -> tirx.PrimExpr:
+    """An int32 key of float32 x that is >= POS_INF_BITS exactly for a NaN (either sign) or +inf: |bits|, less 1
+    for a negative x (so -inf falls just below +inf's bits). Three integer vector operations, no select."""
+    bits = T.reinterpret("int32", x)
+    return T.bitwise_and(bits, T.int32(0x7FFFFFFF)) + T.shift_right(bits, T.int32(31))
+
+
 @T.macro
-def _softmax_chunk(x, r, value, peak, vocab, base, steps, tail, c, scale2, store, sr, shifts, lanes, part, mx, run):
+def _softmax_chunk(x, r, value, raw, vocab, base, steps, tail, c, scale2, store, sr, shifts, lanes, part, mx, run,
+                   bad):
     # Values base .. base + steps * w + tail - 1 of row r (w = _SOFTMAX_WORD): raise the running maximum run[0] to
-    # the chunk's (of peak(i), rescaling the lanes' partial sums), record it in shifts[c], add the chunk's exps of
+    # the chunk's (of value(i), rescaling the lanes' partial sums), record it in shifts[c], add the chunk's exps of
     # value(i) against it to the lanes (summed in ``part`` first) and store them to store[sr, :] unless store is None.
+    # Where raw is not None, bad[l] takes the largest _non_finite_key(raw(i)) of its lane.
     for l in T.vectorized(_SOFTMAX_WORD):
         mx[l] = neg_inf()
     for s in range(steps):
         for l in T.vectorized(_SOFTMAX_WORD):
-            mx[l] = T.max(mx[l], peak(base + s * _SOFTMAX_WORD + l))
+            mx[l] = T.max(mx[l], value(base + s * _SOFTMAX_WORD + l))
+            if raw is not None:
+                bad[l] = T.max(bad[l], _non_finite_key(raw(base + s * _SOFTMAX_WORD + l)))
     for t in range(tail):
-        mx[0] = T.max(mx[0], peak(base + steps * _SOFTMAX_WORD + t))
+        mx[0] = T.max(mx[0], value(base + steps * _SOFTMAX_WORD + t))
+        if raw is not None:
+            bad[0] = T.max(bad[0], _non_finite_key(raw(base + steps * _SOFTMAX_WORD + t)))
     if _SOFTMAX_WORD == 32:
         for l in T.vectorized(16):
             mx[l] = T.max(mx[l], mx[l + 16])
@@ -295,10 +308,10 @@ def _softmax_chunk(x, r, value, peak, vocab, base, steps, tail, c, scale2, store
 
 
 @T.macro
-def cpu_row_softmax_pass(x, r, value, peak, vocab, scale2, store, sr, shifts, lanes, part, mx, run, out):
+def cpu_row_softmax_pass(x, r, value, raw, vocab, scale2, store, sr, shifts, lanes, part, mx, run, out):
     """One pass over row r of x, read as value(i) (x[r, i], or a masked reading of it; x[r, :] is prefetched ahead of
-    the reads), online maximum (of peak(i): value(i), or ``flagging(value)`` to make run[0] +inf on a NaN), chunk by
-    chunk::
+    the reads), online maximum of value(i), chunk by chunk; with ``raw`` (the logit before any mask: raw(i), or None)
+    run[0] ends +inf when a raw(i) is NaN or +inf (the other results of such a row are then meaningless)::
 
         run[0] = max(x[r, :vocab])
         for each chunk c of CPU_CHUNK values (the last one partial, possibly empty):
@@ -310,14 +323,23 @@ def cpu_row_softmax_pass(x, r, value, peak, vocab, scale2, store, sr, shifts, la
     ``cpu_rescale_chunks`` then brings the stored exps of the chunks whose shift is below the maximum to it.
     shifts: float32 scratch of vocab // CPU_CHUNK + 1; lanes, part, mx: float32 (_SOFTMAX_WORD,); run: float32 (2,).
     """
+    bad = T.alloc_buffer((_SOFTMAX_WORD,), "int32", scope="global")
     for l in T.vectorized(_SOFTMAX_WORD):
         lanes[l] = T.float32(0)
+        bad[l] = T.int32(0)
     run[0] = neg_inf()
     for c in range(vocab // CPU_CHUNK + 1):  # one body for the whole chunks and the last, partial one (compile time)
         n: T.let = T.min(CPU_CHUNK, vocab - c * CPU_CHUNK)
-        _softmax_chunk(x, r, value, peak, vocab, c * CPU_CHUNK, n // _SOFTMAX_WORD, n % _SOFTMAX_WORD, c, scale2,
-                       store, sr, shifts, lanes, part, mx, run)
+        _softmax_chunk(x, r, value, raw, vocab, c * CPU_CHUNK, n // _SOFTMAX_WORD, n % _SOFTMAX_WORD, c, scale2,
+                       store, sr, shifts, lanes, part, mx, run, bad)
     _lane_total(lanes, out)
+    if raw is not None:
+        for l in T.vectorized(8):
+            bad[l] = T.max(T.max(bad[l], bad[l + 8]), T.max(bad[l + 16], bad[l + 24]))
+        for l in range(1, 8):
+            bad[0] = T.max(bad[0], bad[l])
+        if bad[0] >= T.int32(POS_INF_BITS):
+            run[0] = pos_inf()
 
 
 @T.macro
