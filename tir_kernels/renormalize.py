@@ -35,11 +35,13 @@ CPU: each pass is a branch-free vector loop over the row (hot in L2 after the fi
 partials in 32 lanes (two values per lane and step: four accumulators of 64 lanes spill out of the 16 AVX2
 registers). The first pass also records the maximum of each block of 256 values (up to 1024 blocks) and of each of
 its 32 lanes (8 values: the group maxima). Then, before any threshold pass, the row is usually reduced to a
-candidate list: the values >= lb, a lower bound of the final threshold, in index order (a scalar copy that reads
-only the blocks, and the lanes of 8 values in them, holding such a value), used when it has at most 8192 values. lb
-is the k-th largest block maximum with top-k, the largest group maximum t whose group maxima >= t alone reach the
-top-p goal (they bound G(t) from below) with top-p alone, the min-p threshold with min-p alone; the top-p bound is
-checked on the list (G(lb) >= goal) and the row passes are used where it fails. Every count, sum, minimum and
+candidate list: the values >= lb, a lower bound of the final threshold, in index order (a branch-free scalar copy
+that reads only the blocks, and the lanes of 8 values in them, holding such a value), used when it has at most 8192
+values. lb is the k-th largest block maximum with top-k, with top-p alone a group maximum t whose group maxima >= t
+alone reach the top-p goal (they bound G(t) from below; searched over the block maxima, then over the group maxima of
+the blocks reaching the midpoint, first probed 12 binades below the row maximum, to within half a binade), the min-p
+threshold with min-p alone; the top-p bound is checked on the list (G(lb) >= goal) and the row passes are used where
+it fails. Every count, sum, minimum and
 maximum that the searches below need is then a pass over the short list instead of the row (the same values, so the
 same threshold; sums in list order). Without the list (long lists: flat distributions, top_p near 1), later passes
 skip the blocks whose maximum is below the midpoint, and top-k first bisects over the block maxima (the k-th largest
@@ -92,8 +94,11 @@ _MIN_BLOCK_STEPS = 4
 #: block maxima) when it holds at most this many values and comes from at most half of the blocks.
 _LIST_CAP = 8192
 #: The top-p list bound's search over the group maxima stops once its interval is at most this many bit patterns wide
-#: (2**21: a quarter of a binade).
-_BOUND_BITS = 1 << 21
+#: (2**22: half a binade).
+_BOUND_BITS = 1 << 22
+#: ... and probes first this many bit patterns below the row's largest value (12 binades, a factor 4096), unless the
+#: midpoint is higher: the bound usually lies there, and probes lower down read nearly every block.
+_BOUND_FIRST_REACH = 12 << 23
 #: Size of the candidate scratch (``cand``) that the CPU row macros take.
 CPU_LIST_SIZE = _LIST_CAP + _CPU_WIDTH
 #: Size of the group-maxima scratch (``gmax``: the largest bits of each lane of each block) the CPU row macros take.
@@ -399,10 +404,13 @@ def cpu_row_macros() -> tuple[Callable[..., None], Callable[..., None]]:
                 else:
                     st[6] = T.max(mx[0] + 1, st[5] + 1)
             st[6] = st[3] + 1
-            # (a lower bound is all the list needs: stop once the interval is within 2**-2 of a binade, a ratio of
-            # at most 1.19 between its ends, instead of closing it)
+            st[7] = 1  # the first probe (st[7] is set again below)
+            # (a lower bound is all the list needs: stop once the interval is within half a binade, a ratio of at
+            # most 1.41 between its ends, instead of closing it)
             while p_alone and st[6] - st[5] > _BOUND_BITS:
-                mid: T.let = st[5] + (st[6] - st[5]) // 2
+                half: T.let = st[5] + (st[6] - st[5]) // 2
+                mid: T.let = T.Select(st[7] == 1, T.max(half, st[3] - _BOUND_FIRST_REACH), half)
+                st[7] = 0
                 scan_groups(nblk, bmax, gmax, mid, True, cnt, ssum, mn, mx)
                 if ssum[0] >= top_p_r * ms[0]:
                     st[5] = T.min(mn[0], st[3])
