@@ -325,6 +325,7 @@ def cpu_row_macros() -> tuple[Callable[..., None], Callable[..., None]]:
         mn = T.alloc_buffer((w,), "int32", scope="global")
         mx = T.alloc_buffer((w,), "int32", scope="global")
         bl = T.alloc_buffer((w,), "int32", scope="global")  # per-lane largest bits of the current block
+        bt = T.alloc_buffer((16,), "int32", scope="global")  # bl's tree of maxima
         # top-p search: 0, 1: G(st[1]) - goal, G(st[2]) - goal; 2: the widest interval allowed after the step
         gf = T.alloc_buffer((3,), "float64", scope="global")
         hit = T.alloc_buffer((2,), "int32", scope="global")
@@ -348,11 +349,18 @@ def cpu_row_macros() -> tuple[Callable[..., None], Callable[..., None]]:
             for l in T.vectorized(h):
                 ssum[l] = ssum[l] + inner[l]
                 mx[l] = T.max(mx[l], bl[l])
-            bmax[blk] = int_min
-            for l in range(h):
-                bmax[blk] = T.max(bmax[blk], bl[l])
-            for l in T.vectorized(h):
                 gmax[blk * h + l] = bl[l]
+            # the block maximum as a tree of whole-vector maxima (a scalar loop over the lanes made LLVM store the
+            # vectors and reload parts of them, a store-forwarding stall every block)
+            for l in T.vectorized(16):
+                bt[l] = T.max(bl[l], bl[l + 16])
+            for l in T.vectorized(8):
+                bt[l] = T.max(bt[l], bt[l + 8])
+            for l in T.vectorized(4):
+                bt[l] = T.max(bt[l], bt[l + 4])
+            for l in T.vectorized(2):
+                bt[l] = T.max(bt[l], bt[l + 2])
+            bmax[blk] = T.max(bt[0], bt[1])
         for i in range(nblk, (nblk + w - 1) // w * w):
             bmax[i] = int_min
         for i in range(nblk * h, (nblk * h + w - 1) // w * w):
