@@ -251,23 +251,8 @@ def _non_finite_key(x: tirx.PrimExpr) -> tirx.PrimExpr:
 
 
 @T.macro
-def _softmax_chunk(x, r, value, raw, vocab, base, steps, tail, c, scale2, store, sr, shifts, lanes, part, mx, run,
-                   bad):
-    # Values base .. base + steps * w + tail - 1 of row r (w = _SOFTMAX_WORD): raise the running maximum run[0] to
-    # the chunk's (of value(i), rescaling the lanes' partial sums), record it in shifts[c], add the chunk's exps of
-    # value(i) against it to the lanes (summed in ``part`` first) and store them to store[sr, :] unless store is None.
-    # Where raw is not None, bad[l] takes the largest _non_finite_key(raw(i)) of its lane.
-    for l in T.vectorized(_SOFTMAX_WORD):
-        mx[l] = neg_inf()
-    for s in range(steps):
-        for l in T.vectorized(_SOFTMAX_WORD):
-            mx[l] = T.max(mx[l], value(base + s * _SOFTMAX_WORD + l))
-            if raw is not None:
-                bad[l] = T.max(bad[l], _non_finite_key(raw(base + s * _SOFTMAX_WORD + l)))
-    for t in range(tail):
-        mx[0] = T.max(mx[0], value(base + steps * _SOFTMAX_WORD + t))
-        if raw is not None:
-            bad[0] = T.max(bad[0], _non_finite_key(raw(base + steps * _SOFTMAX_WORD + t)))
+def _chunk_peak(mx, run):
+    # run[1] = the largest of the _SOFTMAX_WORD lanes of mx, as a tree of whole-vector maxima
     if _SOFTMAX_WORD == 32:
         for l in T.vectorized(16):
             mx[l] = T.max(mx[l], mx[l + 16])
@@ -276,35 +261,85 @@ def _softmax_chunk(x, r, value, raw, vocab, base, steps, tail, c, scale2, store,
     run[1] = mx[0]
     for l in range(1, 8):
         run[1] = T.max(run[1], mx[l])
-    if run[1] > run[0]:
-        grow: T.let = exp2_nonpositive((run[0] - run[1]) * scale2)  # 0 while the row had only -inf
+
+
+@T.macro
+def _chunk_exps(x, r, value, raw, vocab, base, steps, tail, shift, scale2, store, sr, part, mx, bad):
+    # part[l] = the sum of the chunk's exps 2 ** ((value(i) - shift) * scale2) in lane l, each stored to store[sr, i]
+    # unless store is None; with mx not None, the lanes' maxima of value(i) too (and of the keys of raw(i) in bad)
+    for l in T.vectorized(_SOFTMAX_WORD):
+        part[l] = T.float32(0)
+    for s in range(steps):
+        # the same 128 bytes of the next chunk: it streams in while this chunk's exps are computed
+        prefetch(x, r, T.min(base + CPU_CHUNK + s * _SOFTMAX_WORD, vocab - 1))
+        prefetch(x, r, T.min(base + CPU_CHUNK + s * _SOFTMAX_WORD + 16, vocab - 1))
         for l in T.vectorized(_SOFTMAX_WORD):
-            lanes[l] = lanes[l] * grow
-        run[0] = run[1]
-    shifts[c] = run[0]
-    shift: T.let = run[0]
-    if shift != neg_inf():
-        for l in T.vectorized(_SOFTMAX_WORD):
-            part[l] = T.float32(0)
-        for s in range(steps):
-            # the same 128 bytes of the next chunk: it streams in while this chunk's exps are computed
-            prefetch(x, r, T.min(base + CPU_CHUNK + s * _SOFTMAX_WORD, vocab - 1))
-            prefetch(x, r, T.min(base + CPU_CHUNK + s * _SOFTMAX_WORD + 16, vocab - 1))
-            for l in T.vectorized(_SOFTMAX_WORD):
-                e: T.let = exp2_nonpositive((value(base + s * _SOFTMAX_WORD + l) - shift) * scale2)
-                if store is not None:
-                    store[sr, base + s * _SOFTMAX_WORD + l] = e
-                part[l] = part[l] + e
-        for t in range(tail):
-            e: T.let = exp2_nonpositive((value(base + steps * _SOFTMAX_WORD + t) - shift) * scale2)
+            v: T.let = value(base + s * _SOFTMAX_WORD + l)
+            if mx is not None:
+                mx[l] = T.max(mx[l], v)
+                if raw is not None:
+                    bad[l] = T.max(bad[l], _non_finite_key(raw(base + s * _SOFTMAX_WORD + l)))
+            e: T.let = exp2_nonpositive((v - shift) * scale2)
             if store is not None:
-                store[sr, base + steps * _SOFTMAX_WORD + t] = e
-            part[0] = part[0] + e
+                store[sr, base + s * _SOFTMAX_WORD + l] = e
+            part[l] = part[l] + e
+    for t in range(tail):
+        v: T.let = value(base + steps * _SOFTMAX_WORD + t)
+        if mx is not None:
+            mx[0] = T.max(mx[0], v)
+            if raw is not None:
+                bad[0] = T.max(bad[0], _non_finite_key(raw(base + steps * _SOFTMAX_WORD + t)))
+        e: T.let = exp2_nonpositive((v - shift) * scale2)
+        if store is not None:
+            store[sr, base + steps * _SOFTMAX_WORD + t] = e
+        part[0] = part[0] + e
+
+
+@T.macro
+def _softmax_chunk(x, r, value, raw, vocab, base, steps, tail, c, scale2, store, sr, shifts, lanes, part, mx, run,
+                   bad):
+    # Values base .. base + steps * w + tail - 1 of row r (w = _SOFTMAX_WORD): raise the running maximum run[0] to
+    # the chunk's (of value(i), rescaling the lanes' partial sums), record it in shifts[c], add the chunk's exps of
+    # value(i) against it to the lanes (summed in ``part`` first) and store them to store[sr, :] unless store is None.
+    # Where raw is not None, bad[l] takes the largest _non_finite_key(raw(i)) of its lane.
+    for l in T.vectorized(_SOFTMAX_WORD):
+        mx[l] = neg_inf()
+    if run[0] == neg_inf():
+        # no value above -inf yet: the chunk's maximum first, then its exps
+        for s in range(steps):
+            for l in T.vectorized(_SOFTMAX_WORD):
+                mx[l] = T.max(mx[l], value(base + s * _SOFTMAX_WORD + l))
+                if raw is not None:
+                    bad[l] = T.max(bad[l], _non_finite_key(raw(base + s * _SOFTMAX_WORD + l)))
+        for t in range(tail):
+            mx[0] = T.max(mx[0], value(base + steps * _SOFTMAX_WORD + t))
+            if raw is not None:
+                bad[0] = T.max(bad[0], _non_finite_key(raw(base + steps * _SOFTMAX_WORD + t)))
+        _chunk_peak(mx, run)
+        if run[1] > run[0]:  # (the lanes hold only zeros)
+            run[0] = run[1]
+        if run[0] != neg_inf():
+            _chunk_exps(x, r, value, None, vocab, base, steps, tail, run[0], scale2, store, sr, part, None, None)
+            for l in T.vectorized(_SOFTMAX_WORD):
+                lanes[l] = lanes[l] + part[l]
+        elif store is not None:
+            for i in range(steps * _SOFTMAX_WORD + tail):
+                store[sr, base + i] = T.float32(0)
+    else:
+        # the exps against the running maximum and the chunk's maximum in one loop (the logits are read once); a
+        # chunk that raises the maximum (rarely, after the first few) has its exps taken again against the new one,
+        # so every chunk's exps are those against the maximum up to and including it, as if it were found first
+        _chunk_exps(x, r, value, raw, vocab, base, steps, tail, run[0], scale2, store, sr, part, mx, bad)
+        _chunk_peak(mx, run)
+        if run[1] > run[0]:
+            grow: T.let = exp2_nonpositive((run[0] - run[1]) * scale2)
+            for l in T.vectorized(_SOFTMAX_WORD):
+                lanes[l] = lanes[l] * grow
+            run[0] = run[1]
+            _chunk_exps(x, r, value, None, vocab, base, steps, tail, run[0], scale2, store, sr, part, None, None)
         for l in T.vectorized(_SOFTMAX_WORD):
             lanes[l] = lanes[l] + part[l]
-    elif store is not None:
-        for i in range(steps * _SOFTMAX_WORD + tail):
-            store[sr, base + i] = T.float32(0)
+    shifts[c] = run[0]
 
 
 @T.macro
@@ -320,7 +355,10 @@ def cpu_row_softmax_pass(x, r, value, raw, vocab, scale2, store, sr, shifts, lan
         out[0] = sum over chunks of sum(store[sr, chunk c]) * 2 ** ((shifts[c] - run[0]) * scale2)
 
     The sum is kept in _SOFTMAX_WORD lanes (each chunk summed apart first), rescaled each time the maximum grows.
-    ``cpu_rescale_chunks`` then brings the stored exps of the chunks whose shift is below the maximum to it.
+    ``cpu_rescale_chunks`` then brings the stored exps of the chunks whose shift is below the maximum to it. Once the
+    row has a value above -inf, each chunk is read once: one loop takes its exps against the running maximum and its
+    maximum; the few chunks that raise the maximum take their exps again (from L1) against the new one, so the
+    results are those of taking each chunk's maximum first.
     shifts: float32 scratch of vocab // CPU_CHUNK + 1; lanes, part, mx: float32 (_SOFTMAX_WORD,); run: float32 (2,).
     """
     bad = T.alloc_buffer((_SOFTMAX_WORD,), "int32", scope="global")
