@@ -33,8 +33,9 @@ typically 5-15. A row whose filters are all off costs the read pass and the scal
 
 CPU: each pass is a branch-free vector loop over the row (hot in L2 after the first pass), 64 values a step, with
 partials in 32 lanes (two values per lane and step: four accumulators of 64 lanes spill out of the 16 AVX2
-registers). The first pass also records the maximum of each block of 256 values (up to 1024 blocks) and of each of
-its 32 lanes (8 values: the group maxima). Then, before any threshold pass, the row is usually reduced to a
+registers). The first pass sums the row as is (for non-negative values, the sum of those with bits >= 1) and also
+records the maximum of each block of 256 values (up to 1024 blocks) and of each of its 32 lanes (8 values: the group
+maxima). Then, before any threshold pass, the row is usually reduced to a
 candidate list: the values >= lb, a lower bound of the final threshold, in index order (a branch-free scalar copy
 that reads only the blocks, and the lanes of 8 values in them, holding such a value), used when it has at most 8192
 values. lb is the k-th largest block maximum with top-k, with top-p alone a group maximum t whose group maxima >= t
@@ -343,8 +344,8 @@ def cpu_row_macros() -> tuple[Callable[..., None], Callable[..., None]]:
                 for l in T.vectorized(h):
                     a: T.let = value((blk * bv + j) * w + l)
                     b: T.let = value((blk * bv + j) * w + h + l)
-                    inner[l] = inner[l] + (T.Select(_bits(a) >= 1, a, T.float32(0))
-                                           + T.Select(_bits(b) >= 1, b, T.float32(0)))
+                    # (the sum of the values with bits >= 1 for non-negative values: adding +0 or -0 changes none)
+                    inner[l] = inner[l] + (a + b)
                     bl[l] = T.max(bl[l], T.max(_bits(a), _bits(b)))
             for l in T.vectorized(h):
                 ssum[l] = ssum[l] + inner[l]
