@@ -158,11 +158,10 @@ class Sampler:
 
     def _filters_to_device(self, batch: Batch, temperature: bool = False) -> list[Any]:
         """top_k, top_p, min_p of each row (off values for rows without filters), copied to the device; with
-        ``temperature``, each row's temperature first. One pass over the rows' configs (``sampling_row``)."""
+        ``temperature``, each row's temperature first (the batch's ``sampling_columns``)."""
         rows = batch.num_rows
         buffers = (self._temperature, self._top_k, self._top_p, self._min_p)
-        columns = zip(*[s.config.sampling_row for s in batch.row_states], strict=True)  # temperature, top_k, ...
-        for buffer, values in zip(buffers, columns, strict=True):
+        for buffer, values in zip(buffers, batch.sampling_columns, strict=True):
             buffer.host_prefix(rows)[:] = values
         return [b.to_device(rows) for b in buffers[0 if temperature else 1:]]
 
@@ -173,8 +172,8 @@ class Sampler:
         if batch.all_greedy:
             uniform[:] = 0.0
         else:
-            uniform[:] = [0.0 if state.config.greedy else state.rng.random(dtype=np.float32)
-                          for state in batch.row_states]
+            uniform[:] = [0.0 if row[0] == 0.0 else state.rng.random(dtype=np.float32)  # row[0]: temperature
+                          for state, row in zip(batch.row_states, batch.sampling_rows, strict=True)]
         return self._uniform.to_device(rows)
 
     def _masks_to_device(self, batch: Batch) -> tuple[Any, Any]:
