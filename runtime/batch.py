@@ -37,6 +37,9 @@ class BatchUpdate:
     moved: tuple[tuple[RequestState, int], ...] = ()
 
 
+#: dtypes of Batch.sampling_columns: temperature, top_k, top_p, min_p.
+_SAMPLING_DTYPES = (np.float32, np.int32, np.float32, np.float32)
+
 #: The update of a batch with the same sequences at the same rows as the one before it.
 NO_CHANGE = BatchUpdate()
 
@@ -113,8 +116,10 @@ class Batch:
         self.any_bias = self.any_penalties = self.any_filters = self.any_masks = False
         self.any_logprobs = self.any_raw_logprobs = False
         self.all_greedy = True
+        sampling = []
         for state in self.states:  # one pass: these flags are read by every stage of the step
             c = state.config
+            sampling.append(c.sampling_row)
             self.any_bias = self.any_bias or bool(c.logit_bias)
             self.any_penalties = self.any_penalties or c.has_penalties
             self.any_filters = self.any_filters or c.has_filters
@@ -123,6 +128,12 @@ class Batch:
             if c.logprobs:
                 self.any_logprobs = True
                 self.any_raw_logprobs = self.any_raw_logprobs or c.logprobs_mode == "raw"
+        #: Per row, (temperature, top_k, top_p, min_p) as the sampler's kernels take them (``sampling_row``), and the
+        #: same as four arrays (float32, int32, float32, float32): gathered in the pass above, where the configs are
+        #: read anyway, rather than by the sampler in a second pass over them.
+        self.sampling_rows = sampling if self.row_states is self.states else [sampling[i] for i in self.row_sequence]
+        self.sampling_columns = tuple(np.array(column, dtype) for column, dtype in
+                                      zip(zip(*self.sampling_rows, strict=True), _SAMPLING_DTYPES, strict=True))
         #: The mask job whose rows were applied to this step's logits (set by the processor).
         self.mask_job: MaskJob | None = None
         #: Masks the processor filled but left for the sampler to read (``defer_masks=True``), or None.

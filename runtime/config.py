@@ -262,6 +262,14 @@ class GenerationConfig:
         return not self.greedy and (self.top_p < 1 or self.top_k > 0 or self.min_p > 0)
 
     @cached_property
+    def sampling_row(self) -> tuple[float, int, float, float]:
+        """(temperature, top_k, top_p, min_p) as the sampler's kernels take them: the filters' off values (0, 1.0,
+        0.0) where ``has_filters`` is false, top_k 0 for off; built once per config (a step reads one per row)."""
+        on = self.has_filters
+        return (self.temperature, self.top_k if on and self.top_k > 0 else 0, self.top_p if on else 1.0,
+                self.min_p if on else 0.0)
+
+    @cached_property
     def logit_bias_arrays(self) -> tuple[np.ndarray, np.ndarray]:
         """logit_bias as (token ids int32, biases float32), built once per config."""
         return (np.fromiter(self.logit_bias.keys(), np.int32, len(self.logit_bias)),

@@ -31,6 +31,8 @@ def is_device_array(x: Any) -> bool:
 
 def rows_and_vocab(x: Any, what: str, vocab_size: int) -> int:
     """Validate a ``[N, vocab_size]`` float32 array (numpy or device); return N."""
+    if isinstance(x, np.ndarray) and x.dtype == np.float32 and x.ndim == 2 and x.shape[1] == vocab_size:
+        return x.shape[0]  # (the common case, without the Python-level dtype and shape conversions below)
     if not isinstance(x, (np.ndarray, tvm.runtime.Tensor, GPUArray)):
         raise TypeError(f"{what} must be a float32 numpy.ndarray [num_rows, {vocab_size}] or a device array, "
                         f"got {type(x).__name__}")

@@ -105,6 +105,9 @@ class Sampler:
         self._chosen = PrefixViews(dev, dev.empty((cap,), "float32"))
         self._logsumexp = PrefixViews(dev, dev.empty((cap,), "float32"))
         self._gather_ids = PairedBuffer(dev, "raw logprob ids", cap, dtype="int32")
+        # numpy views of the outputs where the device is the host (None elsewhere): results are read without TVM
+        self._tokens_host = dev.host_view(self._tokens.array)
+        self._chosen_host = dev.host_view(self._chosen.array)
         # the fused kernel's masks: per row the bitmask row it reads (-1: none), and the bitmask a batch without
         # deferred masks passes (one all-allowed row: the kernel's bitmask has at least one row)
         self._mask_index = PairedBuffer(dev, "mask index", cap, dtype="int32")
@@ -153,17 +156,14 @@ class Sampler:
         batch.remember_on_device(result, out)
         return result
 
-    def _filters_to_device(self, batch: Batch) -> list[Any]:
-        """top_k, top_p, min_p of each row (off values for rows without filters), copied to the device."""
+    def _filters_to_device(self, batch: Batch, temperature: bool = False) -> list[Any]:
+        """top_k, top_p, min_p of each row (off values for rows without filters), copied to the device; with
+        ``temperature``, each row's temperature first (the batch's ``sampling_columns``)."""
         rows = batch.num_rows
-        top_k, top_p, min_p = (b.host_prefix(rows) for b in (self._top_k, self._top_p, self._min_p))
-        for r, state in enumerate(batch.row_states):
-            cfg = state.config
-            on = cfg.has_filters
-            top_k[r] = cfg.top_k if on and cfg.top_k > 0 else 0
-            top_p[r] = cfg.top_p if on else 1.0
-            min_p[r] = cfg.min_p if on else 0.0
-        return [b.to_device(rows) for b in (self._top_k, self._top_p, self._min_p)]
+        buffers = (self._temperature, self._top_k, self._top_p, self._min_p)
+        for buffer, values in zip(buffers, batch.sampling_columns, strict=True):
+            buffer.host_prefix(rows)[:] = values
+        return [b.to_device(rows) for b in buffers[0 if temperature else 1:]]
 
     def _uniform_to_device(self, batch: Batch) -> Any:
         """One uniform number per row from its request's stream (0 for greedy rows, which draw nothing)."""
@@ -172,8 +172,8 @@ class Sampler:
         if batch.all_greedy:
             uniform[:] = 0.0
         else:
-            for r, state in enumerate(batch.row_states):
-                uniform[r] = 0.0 if state.config.greedy else state.rng.random(dtype=np.float32)
+            uniform[:] = [0.0 if row[0] == 0.0 else state.rng.random(dtype=np.float32)  # row[0]: temperature
+                          for state, row in zip(batch.row_states, batch.sampling_rows, strict=True)]
         return self._uniform.to_device(rows)
 
     def _masks_to_device(self, batch: Batch) -> tuple[Any, Any]:
@@ -215,18 +215,16 @@ class Sampler:
         """
         batch = self._batch_for(logits, states, cum_num_token, draft_trees, "logits")
         rows = batch.num_rows
-        temperature = self._temperature.host_prefix(rows)
-        temperature[:] = [s.config.temperature for s in batch.row_states]
         self._renorm.host_prefix(rows)[:] = 1 if batch.any_filters else 0  # where the staged path renormalizes
-        args = [self._temperature.to_device(rows), *self._filters_to_device(batch), self._renorm.to_device(rows),
+        args = [*self._filters_to_device(batch, temperature=True), self._renorm.to_device(rows),
                 self._uniform_to_device(batch), *self._masks_to_device(batch)]
         on_device = self._on_device(logits, batch)
         self.device.wait_for_copies()
         tokens = self._tokens(rows)
         chosen = self._chosen(rows)
-        counts = _processed_top_counts(batch)
-        self._top_count.host_prefix(rows)[:] = counts
-        top_values, top_ids = self._top_views(rows, max([1, *counts]))
+        counts = self._top_count.host_prefix(rows)
+        counts[:] = _processed_top_counts(batch) if batch.any_logprobs else 0
+        top_values, top_ids = self._top_views(rows, max(1, int(counts.max())))
         self.kernels[sample_from_logits.NAME](on_device, *args, tokens, chosen, self._top_count.to_device(rows),
                                               top_values, top_ids)
         # (_result reads the processed top-n before any raw top-n, which may reuse these buffers)
@@ -240,8 +238,8 @@ class Sampler:
         """The SampleResult of a draw: tokens, chosen-token probabilities, and the logprobs the rows asked for
         (``processed_top(n)``: the values and ids of the n most probable tokens of each row sampled from)."""
         rows = batch.num_rows
-        token_ids = self.device.download(tokens).astype(np.int32)
-        chosen_p = self.device.download(chosen)
+        token_ids = self._download(self._tokens_host, tokens, rows).astype(np.int32, copy=False)
+        chosen_p = self._download(self._chosen_host, chosen, rows)
         no_valid = token_ids < 0
         logprobs = np.full(rows, np.nan, np.float32)
         top: list[list[tuple[int, float]] | None] = [None] * rows
@@ -265,6 +263,10 @@ class Sampler:
             self._raw_logprobs(raw, batch, token_ids, raw_logits, logprobs, top)
         logprobs[no_valid] = np.nan
         return SampleResult(token_ids, logprobs, top, no_valid)
+
+    def _download(self, host: np.ndarray | None, view: Any, rows: int) -> np.ndarray:
+        """A numpy copy of the first ``rows`` entries of an output: from its host view where there is one."""
+        return host[:rows].copy() if host is not None else self.device.download(view)
 
     def _top_views(self, rows: int, n: int) -> tuple[Any, Any]:
         """Device buffers ``[rows, n]`` for top-n values and ids (one pair per width used, at capacity)."""

@@ -170,7 +170,11 @@ def test_top_n_of_the_row_sampled_from_equals_top_n_of_the_staged_probabilities(
 
 NON_FINITE_ROWS = [  # (what, where the NaN / +inf values go, mask allows them)
     ("nan", [5], True), ("+inf", [0], True), ("nan everywhere", slice(None), True), ("nan and +inf", [3, 900], True),
-    ("nan at a masked token", [7], False), ("+inf at the last token", [-1], True)]
+    ("nan at a masked token", [7], False), ("+inf at the last token", [-1], True),
+    ("negative nan", [11], True), ("nan of all ones", [12], True), ("+inf at a masked token", [2], False)]
+#: NaNs by their bits: the sign bit set (x86's default NaN), every bit set but the sign.
+ODD_NANS = {"negative nan": np.uint32(0xFFC00000).view(np.float32),
+            "nan of all ones": np.uint32(0x7FFFFFFF).view(np.float32)}
 
 
 @pytest.mark.parametrize("vocab", [1003, 128256])
@@ -184,13 +188,14 @@ def test_rows_holding_nan_or_plus_inf_are_flagged_not_sampled(vocab: int) -> Non
     mask_index = np.full(batch, -1, np.int32)
     for c, (what, where, visible) in enumerate(NON_FINITE_ROWS):
         for r in (c, cases + c):  # sampled, then greedy
-            logits[r, where] = np.nan if "nan" in what else np.inf
+            logits[r, where] = ODD_NANS.get(what, np.nan if "nan" in what else np.inf)
             if what == "nan and +inf":
                 logits[r, where[1]] = np.inf
             if not visible:
                 allowed[c, where] = False
                 mask_index[r] = c
     logits[-2] = -np.inf
+    logits[-1, [1, 2]] = -np.inf  # (-inf logits are masked tokens, not an error)
     p = {"temperature": np.float32([0.8] * cases + [0.0] * cases + [1.0, 0.7]),
          "top_k": np.zeros(batch, np.int32), "top_p": np.full(batch, 0.9, np.float32),
          "min_p": np.zeros(batch, np.float32), "uniform": np.full(batch, 0.5, np.float32)}

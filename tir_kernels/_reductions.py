@@ -243,18 +243,16 @@ def _lane_total(lanes, out):
         out[0] = out[0] + lanes[l]
 
 
+def _non_finite_key(x: tirx.PrimExpr) -> tirx.PrimExpr:
+    """An int32 key of float32 x that is >= POS_INF_BITS exactly for a NaN (either sign) or +inf: |bits|, less 1
+    for a negative x (so -inf falls just below +inf's bits). Three integer vector operations, no select."""
+    bits = T.reinterpret("int32", x)
+    return T.bitwise_and(bits, T.int32(0x7FFFFFFF)) + T.shift_right(bits, T.int32(31))
+
+
 @T.macro
-def _softmax_chunk(x, r, value, peak, vocab, base, steps, tail, c, scale2, store, sr, shifts, lanes, part, mx, run):
-    # Values base .. base + steps * w + tail - 1 of row r (w = _SOFTMAX_WORD): raise the running maximum run[0] to
-    # the chunk's (of peak(i), rescaling the lanes' partial sums), record it in shifts[c], add the chunk's exps of
-    # value(i) against it to the lanes (summed in ``part`` first) and store them to store[sr, :] unless store is None.
-    for l in T.vectorized(_SOFTMAX_WORD):
-        mx[l] = neg_inf()
-    for s in range(steps):
-        for l in T.vectorized(_SOFTMAX_WORD):
-            mx[l] = T.max(mx[l], peak(base + s * _SOFTMAX_WORD + l))
-    for t in range(tail):
-        mx[0] = T.max(mx[0], peak(base + steps * _SOFTMAX_WORD + t))
+def _chunk_peak(mx, run):
+    # run[1] = the largest of the _SOFTMAX_WORD lanes of mx, as a tree of whole-vector maxima
     if _SOFTMAX_WORD == 32:
         for l in T.vectorized(16):
             mx[l] = T.max(mx[l], mx[l + 16])
@@ -263,42 +261,92 @@ def _softmax_chunk(x, r, value, peak, vocab, base, steps, tail, c, scale2, store
     run[1] = mx[0]
     for l in range(1, 8):
         run[1] = T.max(run[1], mx[l])
-    if run[1] > run[0]:
-        grow: T.let = exp2_nonpositive((run[0] - run[1]) * scale2)  # 0 while the row had only -inf
-        for l in T.vectorized(_SOFTMAX_WORD):
-            lanes[l] = lanes[l] * grow
-        run[0] = run[1]
-    shifts[c] = run[0]
-    shift: T.let = run[0]
-    if shift != neg_inf():
-        for l in T.vectorized(_SOFTMAX_WORD):
-            part[l] = T.float32(0)
-        for s in range(steps):
-            # the same 128 bytes of the next chunk: it streams in while this chunk's exps are computed
-            prefetch(x, r, T.min(base + CPU_CHUNK + s * _SOFTMAX_WORD, vocab - 1))
-            prefetch(x, r, T.min(base + CPU_CHUNK + s * _SOFTMAX_WORD + 16, vocab - 1))
-            for l in T.vectorized(_SOFTMAX_WORD):
-                e: T.let = exp2_nonpositive((value(base + s * _SOFTMAX_WORD + l) - shift) * scale2)
-                if store is not None:
-                    store[sr, base + s * _SOFTMAX_WORD + l] = e
-                part[l] = part[l] + e
-        for t in range(tail):
-            e: T.let = exp2_nonpositive((value(base + steps * _SOFTMAX_WORD + t) - shift) * scale2)
-            if store is not None:
-                store[sr, base + steps * _SOFTMAX_WORD + t] = e
-            part[0] = part[0] + e
-        for l in T.vectorized(_SOFTMAX_WORD):
-            lanes[l] = lanes[l] + part[l]
-    elif store is not None:
-        for i in range(steps * _SOFTMAX_WORD + tail):
-            store[sr, base + i] = T.float32(0)
 
 
 @T.macro
-def cpu_row_softmax_pass(x, r, value, peak, vocab, scale2, store, sr, shifts, lanes, part, mx, run, out):
+def _chunk_exps(x, r, value, raw, vocab, base, steps, tail, shift, scale2, store, sr, part, mx, bad):
+    # part[l] = the sum of the chunk's exps 2 ** ((value(i) - shift) * scale2) in lane l, each stored to store[sr, i]
+    # unless store is None; with mx not None, the lanes' maxima of value(i) too (and of the keys of raw(i) in bad)
+    for l in T.vectorized(_SOFTMAX_WORD):
+        part[l] = T.float32(0)
+    for s in range(steps):
+        # the same 128 bytes of the next chunk: it streams in while this chunk's exps are computed
+        prefetch(x, r, T.min(base + CPU_CHUNK + s * _SOFTMAX_WORD, vocab - 1))
+        prefetch(x, r, T.min(base + CPU_CHUNK + s * _SOFTMAX_WORD + 16, vocab - 1))
+        for l in T.vectorized(_SOFTMAX_WORD):
+            v: T.let = value(base + s * _SOFTMAX_WORD + l)
+            if mx is not None:
+                mx[l] = T.max(mx[l], v)
+                if raw is not None:
+                    bad[l] = T.max(bad[l], _non_finite_key(raw(base + s * _SOFTMAX_WORD + l)))
+            e: T.let = exp2_nonpositive((v - shift) * scale2)
+            if store is not None:
+                store[sr, base + s * _SOFTMAX_WORD + l] = e
+            part[l] = part[l] + e
+    for t in range(tail):
+        v: T.let = value(base + steps * _SOFTMAX_WORD + t)
+        if mx is not None:
+            mx[0] = T.max(mx[0], v)
+            if raw is not None:
+                bad[0] = T.max(bad[0], _non_finite_key(raw(base + steps * _SOFTMAX_WORD + t)))
+        e: T.let = exp2_nonpositive((v - shift) * scale2)
+        if store is not None:
+            store[sr, base + steps * _SOFTMAX_WORD + t] = e
+        part[0] = part[0] + e
+
+
+@T.macro
+def _softmax_chunk(x, r, value, raw, vocab, base, steps, tail, c, scale2, store, sr, shifts, lanes, part, mx, run,
+                   bad):
+    # Values base .. base + steps * w + tail - 1 of row r (w = _SOFTMAX_WORD): raise the running maximum run[0] to
+    # the chunk's (of value(i), rescaling the lanes' partial sums), record it in shifts[c], add the chunk's exps of
+    # value(i) against it to the lanes (summed in ``part`` first) and store them to store[sr, :] unless store is None.
+    # Where raw is not None, bad[l] takes the largest _non_finite_key(raw(i)) of its lane.
+    for l in T.vectorized(_SOFTMAX_WORD):
+        mx[l] = neg_inf()
+    if run[0] == neg_inf():
+        # no value above -inf yet: the chunk's maximum first, then its exps
+        for s in range(steps):
+            for l in T.vectorized(_SOFTMAX_WORD):
+                mx[l] = T.max(mx[l], value(base + s * _SOFTMAX_WORD + l))
+                if raw is not None:
+                    bad[l] = T.max(bad[l], _non_finite_key(raw(base + s * _SOFTMAX_WORD + l)))
+        for t in range(tail):
+            mx[0] = T.max(mx[0], value(base + steps * _SOFTMAX_WORD + t))
+            if raw is not None:
+                bad[0] = T.max(bad[0], _non_finite_key(raw(base + steps * _SOFTMAX_WORD + t)))
+        _chunk_peak(mx, run)
+        if run[1] > run[0]:  # (the lanes hold only zeros)
+            run[0] = run[1]
+        if run[0] != neg_inf():
+            _chunk_exps(x, r, value, None, vocab, base, steps, tail, run[0], scale2, store, sr, part, None, None)
+            for l in T.vectorized(_SOFTMAX_WORD):
+                lanes[l] = lanes[l] + part[l]
+        elif store is not None:
+            for i in range(steps * _SOFTMAX_WORD + tail):
+                store[sr, base + i] = T.float32(0)
+    else:
+        # the exps against the running maximum and the chunk's maximum in one loop (the logits are read once); a
+        # chunk that raises the maximum (rarely, after the first few) has its exps taken again against the new one,
+        # so every chunk's exps are those against the maximum up to and including it, as if it were found first
+        _chunk_exps(x, r, value, raw, vocab, base, steps, tail, run[0], scale2, store, sr, part, mx, bad)
+        _chunk_peak(mx, run)
+        if run[1] > run[0]:
+            grow: T.let = exp2_nonpositive((run[0] - run[1]) * scale2)
+            for l in T.vectorized(_SOFTMAX_WORD):
+                lanes[l] = lanes[l] * grow
+            run[0] = run[1]
+            _chunk_exps(x, r, value, None, vocab, base, steps, tail, run[0], scale2, store, sr, part, None, None)
+        for l in T.vectorized(_SOFTMAX_WORD):
+            lanes[l] = lanes[l] + part[l]
+    shifts[c] = run[0]
+
+
+@T.macro
+def cpu_row_softmax_pass(x, r, value, raw, vocab, scale2, store, sr, shifts, lanes, part, mx, run, out):
     """One pass over row r of x, read as value(i) (x[r, i], or a masked reading of it; x[r, :] is prefetched ahead of
-    the reads), online maximum (of peak(i): value(i), or ``flagging(value)`` to make run[0] +inf on a NaN), chunk by
-    chunk::
+    the reads), online maximum of value(i), chunk by chunk; with ``raw`` (the logit before any mask: raw(i), or None)
+    run[0] ends +inf when a raw(i) is NaN or +inf (the other results of such a row are then meaningless)::
 
         run[0] = max(x[r, :vocab])
         for each chunk c of CPU_CHUNK values (the last one partial, possibly empty):
@@ -307,17 +355,29 @@ def cpu_row_softmax_pass(x, r, value, peak, vocab, scale2, store, sr, shifts, la
         out[0] = sum over chunks of sum(store[sr, chunk c]) * 2 ** ((shifts[c] - run[0]) * scale2)
 
     The sum is kept in _SOFTMAX_WORD lanes (each chunk summed apart first), rescaled each time the maximum grows.
-    ``cpu_rescale_chunks`` then brings the stored exps of the chunks whose shift is below the maximum to it.
+    ``cpu_rescale_chunks`` then brings the stored exps of the chunks whose shift is below the maximum to it. Once the
+    row has a value above -inf, each chunk is read once: one loop takes its exps against the running maximum and its
+    maximum; the few chunks that raise the maximum take their exps again (from L1) against the new one, so the
+    results are those of taking each chunk's maximum first.
     shifts: float32 scratch of vocab // CPU_CHUNK + 1; lanes, part, mx: float32 (_SOFTMAX_WORD,); run: float32 (2,).
     """
+    bad = T.alloc_buffer((_SOFTMAX_WORD,), "int32", scope="global")
     for l in T.vectorized(_SOFTMAX_WORD):
         lanes[l] = T.float32(0)
+        bad[l] = T.int32(0)
     run[0] = neg_inf()
     for c in range(vocab // CPU_CHUNK + 1):  # one body for the whole chunks and the last, partial one (compile time)
         n: T.let = T.min(CPU_CHUNK, vocab - c * CPU_CHUNK)
-        _softmax_chunk(x, r, value, peak, vocab, c * CPU_CHUNK, n // _SOFTMAX_WORD, n % _SOFTMAX_WORD, c, scale2,
-                       store, sr, shifts, lanes, part, mx, run)
+        _softmax_chunk(x, r, value, raw, vocab, c * CPU_CHUNK, n // _SOFTMAX_WORD, n % _SOFTMAX_WORD, c, scale2,
+                       store, sr, shifts, lanes, part, mx, run, bad)
     _lane_total(lanes, out)
+    if raw is not None:
+        for l in T.vectorized(8):
+            bad[l] = T.max(T.max(bad[l], bad[l + 8]), T.max(bad[l + 16], bad[l + 24]))
+        for l in range(1, 8):
+            bad[0] = T.max(bad[0], bad[l])
+        if bad[0] >= T.int32(POS_INF_BITS):
+            run[0] = pos_inf()
 
 
 @T.macro

@@ -33,13 +33,16 @@ typically 5-15. A row whose filters are all off costs the read pass and the scal
 
 CPU: each pass is a branch-free vector loop over the row (hot in L2 after the first pass), 64 values a step, with
 partials in 32 lanes (two values per lane and step: four accumulators of 64 lanes spill out of the 16 AVX2
-registers). The first pass also records the maximum of each block of 256 values (up to 1024 blocks) and of each of
-its 32 lanes (8 values: the group maxima). Then, before any threshold pass, the row is usually reduced to a
-candidate list: the values >= lb, a lower bound of the final threshold, in index order (a scalar copy that reads
-only the blocks, and the lanes of 8 values in them, holding such a value), used when it has at most 8192 values. lb
-is the k-th largest block maximum with top-k, the largest group maximum t whose group maxima >= t alone reach the
-top-p goal (they bound G(t) from below) with top-p alone, the min-p threshold with min-p alone; the top-p bound is
-checked on the list (G(lb) >= goal) and the row passes are used where it fails. Every count, sum, minimum and
+registers). The first pass sums the row as is (for non-negative values, the sum of those with bits >= 1) and also
+records the maximum of each block of 256 values (up to 1024 blocks) and of each of its 32 lanes (8 values: the group
+maxima). Then, before any threshold pass, the row is usually reduced to a
+candidate list: the values >= lb, a lower bound of the final threshold, in index order (a branch-free scalar copy
+that reads only the blocks, and the lanes of 8 values in them, holding such a value), used when it has at most 8192
+values. lb is the k-th largest block maximum with top-k, with top-p alone a group maximum t whose group maxima >= t
+alone reach the top-p goal (they bound G(t) from below; searched over the block maxima, then over the group maxima of
+the blocks reaching the midpoint, first probed 12 binades below the row maximum, to within half a binade), the min-p
+threshold with min-p alone; the top-p bound is checked on the list (G(lb) >= goal) and the row passes are used where
+it fails. Every count, sum, minimum and
 maximum that the searches below need is then a pass over the short list instead of the row (the same values, so the
 same threshold; sums in list order). Without the list (long lists: flat distributions, top_p near 1), later passes
 skip the blocks whose maximum is below the midpoint, and top-k first bisects over the block maxima (the k-th largest
@@ -92,8 +95,11 @@ _MIN_BLOCK_STEPS = 4
 #: block maxima) when it holds at most this many values and comes from at most half of the blocks.
 _LIST_CAP = 8192
 #: The top-p list bound's search over the group maxima stops once its interval is at most this many bit patterns wide
-#: (2**21: a quarter of a binade).
-_BOUND_BITS = 1 << 21
+#: (2**22: half a binade).
+_BOUND_BITS = 1 << 22
+#: ... and probes first this many bit patterns below the row's largest value (12 binades, a factor 4096), unless the
+#: midpoint is higher: the bound usually lies there, and probes lower down read nearly every block.
+_BOUND_FIRST_REACH = 12 << 23
 #: Size of the candidate scratch (``cand``) that the CPU row macros take.
 CPU_LIST_SIZE = _LIST_CAP + _CPU_WIDTH
 #: Size of the group-maxima scratch (``gmax``: the largest bits of each lane of each block) the CPU row macros take.
@@ -247,33 +253,33 @@ def cpu_row_macros() -> tuple[Callable[..., None], Callable[..., None]]:
         # cand[0 .. st[8]) = the values with bits >= lb, in index order, read only in the blocks whose maximum is
         # >= lb and, inside them, in the lanes whose group maximum is (lanes[0 .. hit[0]), increasing); then zeros
         # up to a whole step. st[8] > _LIST_CAP: the list is incomplete (only the first _LIST_CAP are stored).
+        # Branch-free appends (every value is written at the list's end, which moves on only for a kept one): the
+        # tests are data-dependent, and as branches they were mispredicted about every other time.
         st[8] = 0
         for blk in range(nblk):
             if bmax[blk] >= lb:
                 hit[0] = 0
                 for l in range(h):
-                    if gmax[blk * h + l] >= lb:
-                        lanes[hit[0]] = l
-                        hit[0] = hit[0] + 1
+                    lanes[hit[0]] = l
+                    hit[0] = hit[0] + T.Select(gmax[blk * h + l] >= lb, 1, 0)
+                hits: T.let = hit[0]
                 for j in range(T.min(bv, nvec - blk * bv)):
                     for half in range(2):
-                        hit[1] = 0
-                        while hit[1] < hit[0]:
-                            i: T.let = (blk * bv + j) * w + half * h + lanes[hit[1]]
+                        for e in range(hits):
+                            i: T.let = (blk * bv + j) * w + half * h + lanes[e]
                             x: T.let = value(i)
-                            if _bits(x) >= lb:
-                                cand[T.min(st[8], _LIST_CAP)] = x
-                                if cidx is not None:
-                                    cidx[T.min(st[8], _LIST_CAP)] = i
-                                st[8] = st[8] + 1
-                            hit[1] = hit[1] + 1
+                            at: T.let = T.min(st[8], _LIST_CAP)
+                            cand[at] = x
+                            if cidx is not None:
+                                cidx[at] = i
+                            st[8] = st[8] + T.Select(_bits(x) >= lb, 1, 0)
         for t in range(vocab % w):
             x: T.let = value(nvec * w + t)
-            if _bits(x) >= lb:
-                cand[T.min(st[8], _LIST_CAP)] = x
-                if cidx is not None:
-                    cidx[T.min(st[8], _LIST_CAP)] = nvec * w + t
-                st[8] = st[8] + 1
+            at: T.let = T.min(st[8], _LIST_CAP)
+            cand[at] = x
+            if cidx is not None:
+                cidx[at] = nvec * w + t
+            st[8] = st[8] + T.Select(_bits(x) >= lb, 1, 0)
         for l in T.vectorized(w):
             cand[T.min(st[8], _LIST_CAP) + l] = T.float32(0)
 
@@ -320,6 +326,7 @@ def cpu_row_macros() -> tuple[Callable[..., None], Callable[..., None]]:
         mn = T.alloc_buffer((w,), "int32", scope="global")
         mx = T.alloc_buffer((w,), "int32", scope="global")
         bl = T.alloc_buffer((w,), "int32", scope="global")  # per-lane largest bits of the current block
+        bt = T.alloc_buffer((16,), "int32", scope="global")  # bl's tree of maxima
         # top-p search: 0, 1: G(st[1]) - goal, G(st[2]) - goal; 2: the widest interval allowed after the step
         gf = T.alloc_buffer((3,), "float64", scope="global")
         hit = T.alloc_buffer((2,), "int32", scope="global")
@@ -337,17 +344,24 @@ def cpu_row_macros() -> tuple[Callable[..., None], Callable[..., None]]:
                 for l in T.vectorized(h):
                     a: T.let = value((blk * bv + j) * w + l)
                     b: T.let = value((blk * bv + j) * w + h + l)
-                    inner[l] = inner[l] + (T.Select(_bits(a) >= 1, a, T.float32(0))
-                                           + T.Select(_bits(b) >= 1, b, T.float32(0)))
+                    # (the sum of the values with bits >= 1 for non-negative values: adding +0 or -0 changes none)
+                    inner[l] = inner[l] + (a + b)
                     bl[l] = T.max(bl[l], T.max(_bits(a), _bits(b)))
             for l in T.vectorized(h):
                 ssum[l] = ssum[l] + inner[l]
                 mx[l] = T.max(mx[l], bl[l])
-            bmax[blk] = int_min
-            for l in range(h):
-                bmax[blk] = T.max(bmax[blk], bl[l])
-            for l in T.vectorized(h):
                 gmax[blk * h + l] = bl[l]
+            # the block maximum as a tree of whole-vector maxima (a scalar loop over the lanes made LLVM store the
+            # vectors and reload parts of them, a store-forwarding stall every block)
+            for l in T.vectorized(16):
+                bt[l] = T.max(bl[l], bl[l + 16])
+            for l in T.vectorized(8):
+                bt[l] = T.max(bt[l], bt[l + 8])
+            for l in T.vectorized(4):
+                bt[l] = T.max(bt[l], bt[l + 4])
+            for l in T.vectorized(2):
+                bt[l] = T.max(bt[l], bt[l + 2])
+            bmax[blk] = T.max(bt[0], bt[1])
         for i in range(nblk, (nblk + w - 1) // w * w):
             bmax[i] = int_min
         for i in range(nblk * h, (nblk * h + w - 1) // w * w):
@@ -399,10 +413,13 @@ def cpu_row_macros() -> tuple[Callable[..., None], Callable[..., None]]:
                 else:
                     st[6] = T.max(mx[0] + 1, st[5] + 1)
             st[6] = st[3] + 1
-            # (a lower bound is all the list needs: stop once the interval is within 2**-2 of a binade, a ratio of
-            # at most 1.19 between its ends, instead of closing it)
+            st[7] = 1  # the first probe (st[7] is set again below)
+            # (a lower bound is all the list needs: stop once the interval is within half a binade, a ratio of at
+            # most 1.41 between its ends, instead of closing it)
             while p_alone and st[6] - st[5] > _BOUND_BITS:
-                mid: T.let = st[5] + (st[6] - st[5]) // 2
+                half: T.let = st[5] + (st[6] - st[5]) // 2
+                mid: T.let = T.Select(st[7] == 1, T.max(half, st[3] - _BOUND_FIRST_REACH), half)
+                st[7] = 0
                 scan_groups(nblk, bmax, gmax, mid, True, cnt, ssum, mn, mx)
                 if ssum[0] >= top_p_r * ms[0]:
                     st[5] = T.min(mn[0], st[3])

@@ -37,10 +37,11 @@ on them as is: its first pass, then (usually) its candidate list, on which the s
 every kept value the draw runs on it too (``multinomial.sample_list``: the staged draw's additions, in its order, of
 the values it would find nonzero), so the row is not read again. Otherwise the sampling pass reads only the steps of
 blocks whose maximum is kept (the others add exact zeros to the staged kernel's sums). A row with a valid mask runs
-the same macros reading ``where(allowed, x, -inf)``. The maximum is taken of ``flagging(value)``, which reads a NaN
-or +inf logit as +inf, so a maximum of +inf flags the row (NON_FINITE) at no extra pass. Processed top-n: the row
-the draw read (one-hot, zeros, or ``exp * (1 / sum)`` renormalized) is written into the scratch row, and
-``_select.row_top_cpu`` selects from it (block maxima, then a short list).
+the same macros reading ``where(allowed, x, -inf)``. The maximum loop also keeps the largest of an integer key of
+each logit's bits (|bits|, less 1 if negative: at least +inf's bits exactly for a NaN or +inf, masked or not), so such
+a row is flagged (NON_FINITE) at no extra pass (greedy rows take the maximum of ``flagging(value)`` instead).
+Processed top-n: the row the draw read (one-hot, zeros, or ``exp * (1 / sum)`` renormalized) is written into the
+scratch row, and ``_select.row_top_cpu`` selects from it (block maxima, then a short list).
 GPU: one block per row; nothing is stored: each pass recomputes ``exp((x - max) * scale) * (1 / sum)`` from the
 logits (as the staged softmax's write pass does; masked through ``if_then_else``, so an unmasked row never reads the
 bitmask), then renormalize's and multinomial's block algorithms run on it, then top_n's rounds (``row_best_gpu``) for
@@ -200,10 +201,10 @@ def _cpu_rows() -> Callable[..., None]:
             # the staged softmax's exps, in one pass that reads the logits from memory, into the scratch row
             scale2: T.let = exp2_scale(temperature[r])
             if on:
-                cpu_row_softmax_pass(logits, r, masked, flagging(masked, plain), vocab, scale2, exps, 0, shifts, lanes,
+                cpu_row_softmax_pass(logits, r, masked, plain, vocab, scale2, exps, 0, shifts, lanes,
                                      part, mx, run, row_sum)
             else:
-                cpu_row_softmax_pass(logits, r, plain, flagging(plain, plain), vocab, scale2, exps, 0, shifts, lanes,
+                cpu_row_softmax_pass(logits, r, plain, plain, vocab, scale2, exps, 0, shifts, lanes,
                                      part, mx, run, row_sum)
             if run[0] == pos_inf():  # a NaN or +inf logit
                 token[r] = NON_FINITE

@@ -134,7 +134,7 @@ def _cpu() -> tirx.PrimFunc:
             else:
                 # exps into probs in one pass (zeros for a row of only -inf), then scaled by 1 / sum
                 scale2: T.let = exp2_scale(temperature[r])
-                cpu_row_softmax_pass(logits, r, row_of(logits, r), row_of(logits, r), vocab, scale2, probs, r, shifts,
+                cpu_row_softmax_pass(logits, r, row_of(logits, r), None, vocab, scale2, probs, r, shifts,
                                      lanes, part, mx, run, row_sum)
                 cpu_rescale_chunks(probs, r, vocab, scale2, shifts, run[0])
                 inv_sum: T.let = inverse_sum(row_sum[0])
