@@ -62,7 +62,7 @@ from .kernel_library import (
     write_manifest,
 )
 from .llama_weights import read_gguf_tensors, relax_weights
-from .packed_matvec import ACTIVATION_BITS, DEFAULT_ACTIVATION_BITS
+from .packed_matvec import ACTIVATION_BITS, DEFAULT_ACTIVATION_BITS, has_vnni
 from .relax_llama import DEFAULT_KV_DTYPE, KV_DTYPES, LlamaSpec, RawTensors, export_llama
 from .targets import TargetSpec, build_features, resolve_target
 
@@ -234,12 +234,14 @@ def _build_into(source: _Source, model_hash: str, spec: TargetSpec, options: _Op
     weight_dtype, kv_dtype = options.weight_dtype, options.kv_dtype
     model, raw = source.load(keep_blocks=weight_dtype == "auto")
     target = spec.tvm_target()
-    llama = replace(LlamaSpec.from_model(model, weight_dtype, raw), int8_dot=has_int8_dot(build_features(target)),
-                    kv_dtype=kv_dtype, activation_bits=options.activation_bits)
+    features = build_features(target)
+    llama = replace(LlamaSpec.from_model(model, weight_dtype, raw), int8_dot=has_int8_dot(features),
+                    kv_dtype=kv_dtype, activation_bits=options.activation_bits, vnni=has_vnni(features))
     formats = ", ".join(f"{kind} {fmt}" for kind, fmt in llama.formats)
     progress(f"loaded in {time.perf_counter() - started:.1f}s: {model.config.n_layers} layers, hidden "
              f"{model.config.hidden}, vocab {model.config.vocab}; weights: {formats}"
-             f"{'; integer-dot decode matvecs' if llama.int8_dot else ''}; {kv_dtype} KV cache")
+             f"{'; integer-dot decode matvecs' if llama.int8_dot else ''}{' (VNNI)' if llama.vnni else ''}; "
+             f"{kv_dtype} KV cache")
 
     step = time.perf_counter()
     mod, param_names = export_llama(llama, target)

@@ -95,6 +95,8 @@ class LlamaSpec:
     kv_dtype: str = "float32"
     #: the bits of the packed Q4_1 matmuls' activation codes (``packed_matvec.ACTIVATION_BITS``)
     activation_bits: int = DEFAULT_ACTIVATION_BITS
+    #: the packed Q4_1 matmuls use AVX512-VNNI (``packed_matvec.has_vnni``: the same outputs, fewer instructions)
+    vnni: bool = False
 
     def packed(self, kind: str) -> bool:
         """Whether weight kind ``kind`` is stored repacked for ``packed_matvec`` (Q4_1 on an AVX2 target; not the
@@ -143,11 +145,11 @@ class _Weights(nn.Module):
     with ``packed`` Q4_1 repacked for ``packed_matvec`` (``packed_shapes``)."""
 
     def __init__(self, out_features: int, in_features: int, fmt: str, int8_dot: bool = False,
-                 packed: bool = False, activation_bits: int = DEFAULT_ACTIVATION_BITS) -> None:
+                 packed: bool = False, activation_bits: int = DEFAULT_ACTIVATION_BITS, vnni: bool = False) -> None:
         if packed and fmt != "q4_1":
             raise ValueError(f"only q4_1 weights are packed, got {fmt!r}")
         self.out_features, self.in_features, self.fmt, self.int8_dot = out_features, in_features, fmt, int8_dot
-        self.packed, self.activation_bits = packed, activation_bits
+        self.packed, self.activation_bits, self.vnni = packed, activation_bits, vnni
         self.suffixes = []
         shapes = packed_shapes if packed else functools.partial(param_shapes, fmt=fmt)
         for suffix, shape, dtype in shapes(out_features, in_features):
@@ -166,8 +168,10 @@ class _Weights(nn.Module):
         flat = x.reshape(-1, self.in_features) if len(lead) != 1 else x
         if self.packed:  # one kernel for every token count (8-bit activations, integer dots, 8 rows a vector)
             y = nn.op.tensor_ir_op(
-                packed_q4_1_kernel(self.out_features, self.in_features, flat.dtype, out_dtype, self.activation_bits),
-                f"packed_q4_1_{self.out_features}x{self.in_features}_{flat.dtype}_{out_dtype}_{self.activation_bits}",
+                packed_q4_1_kernel(self.out_features, self.in_features, flat.dtype, out_dtype, self.activation_bits,
+                                   self.vnni),
+                f"packed_q4_1_{self.out_features}x{self.in_features}_{flat.dtype}_{out_dtype}_{self.activation_bits}"
+                f"{'_vnni' if self.vnni else ''}",
                 args=[flat, *self.arrays()], out=nn.Tensor.placeholder([flat.shape[0], self.out_features], out_dtype))
             return y if len(lead) == 1 else y.reshape(*lead, self.out_features)
         integer = self.int8_dot and self.fmt in QUANTISED
@@ -203,8 +207,8 @@ class Linear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, fmt: str, bias: bool = False,
                  int8_dot: bool = False, packed: bool = False,
-                 activation_bits: int = DEFAULT_ACTIVATION_BITS) -> None:
-        self.w = _Weights(out_features, in_features, fmt, int8_dot, packed, activation_bits)
+                 activation_bits: int = DEFAULT_ACTIVATION_BITS, vnni: bool = False) -> None:
+        self.w = _Weights(out_features, in_features, fmt, int8_dot, packed, activation_bits, vnni)
         self.bias = nn.Parameter((out_features,), "float32") if bias else None
 
     def forward(self, x: nn.Tensor, mode: str, out_dtype: str = "float32") -> nn.Tensor:
@@ -232,9 +236,11 @@ class Attention(nn.Module):
         self.spec = spec
         qkv_rows = (spec.n_heads + 2 * spec.n_kv_heads) * spec.head_dim
         self.qkv = Linear(spec.hidden, qkv_rows, spec.fmt("qkv"), bias=spec.qkv_bias, int8_dot=spec.int8_dot,
-                          packed=spec.packed("qkv"), activation_bits=spec.activation_bits)
+                          packed=spec.packed("qkv"), activation_bits=spec.activation_bits,
+                          vnni=spec.vnni)
         self.o = Linear(spec.n_heads * spec.head_dim, spec.hidden, spec.fmt("o"), int8_dot=spec.int8_dot,
-                        packed=spec.packed("o"), activation_bits=spec.activation_bits)
+                        packed=spec.packed("o"), activation_bits=spec.activation_bits,
+                          vnni=spec.vnni)
 
     def forward(self, x: nn.Tensor, kv_cache: PagedKVCache, layer: int, b: Any, t: Any, mode: str) -> nn.Tensor:
         """``x[b t, hidden]`` (the tokens of ``b`` sequences of ``t`` each, flat) -> ``[b t, hidden]``."""
@@ -252,9 +258,11 @@ class MLP(nn.Module):
     def __init__(self, spec: LlamaSpec) -> None:
         self.ffn = spec.ffn
         self.gate_up = Linear(spec.hidden, 2 * spec.ffn, spec.fmt("gate_up"), int8_dot=spec.int8_dot,
-                             packed=spec.packed("gate_up"), activation_bits=spec.activation_bits)
+                             packed=spec.packed("gate_up"), activation_bits=spec.activation_bits,
+                          vnni=spec.vnni)
         self.down = Linear(spec.ffn, spec.hidden, spec.fmt("down"), int8_dot=spec.int8_dot,
-                          packed=spec.packed("down"), activation_bits=spec.activation_bits)
+                          packed=spec.packed("down"), activation_bits=spec.activation_bits,
+                          vnni=spec.vnni)
 
     def forward(self, x: nn.Tensor, mode: str) -> nn.Tensor:
         """``x[tokens, hidden]`` -> ``[tokens, hidden]``."""
@@ -290,7 +298,8 @@ class LlamaModule(nn.Module):
         self.norm = RMSNorm(spec.hidden, spec.rms_eps)
         self.lm_head = None if spec.tied_embeddings else Linear(spec.hidden, spec.vocab, spec.fmt("lm_head"),
                                                                 int8_dot=spec.int8_dot, packed=spec.packed("lm_head"),
-                                                                activation_bits=spec.activation_bits)
+                                                                activation_bits=spec.activation_bits,
+                          vnni=spec.vnni)
 
     def embed(self, input_ids: nn.Tensor) -> nn.Tensor:
         return self.embed_tokens.rows(input_ids)

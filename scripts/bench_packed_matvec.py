@@ -26,13 +26,18 @@ import time
 import numpy as np
 import tvm
 from logitproc.compile.linear_kernels import linear_kernel
-from logitproc.compile.packed_matvec import pack_q4_1, packed_q4_1_kernel
-from logitproc.compile.targets import resolve_target
+from logitproc.compile.packed_matvec import has_vnni, pack_q4_1, packed_q4_1_kernel
+from logitproc.compile.targets import build_features, resolve_target
 
 #: SmolLM2-135M's packed matrices (out, in) per layer, and its output head
 LAYER_SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 HEAD_SHAPE = (49152, 576)
 LAYERS = 30
+
+
+def vnni_here() -> bool:
+    """Whether this machine's CPU target has AVX512-VNNI (the packed kernels' VNNI tile)."""
+    return has_vnni(build_features(resolve_target("cpu").tvm_target()))
 
 
 def build(func):
@@ -50,8 +55,9 @@ def cases(rng: np.random.Generator) -> dict[str, tuple[object, list, int, int]]:
                             rng.uniform(-0.15, 0, (n_out, n_in // 32)).astype(np.float16))
         arrays = [tvm.runtime.tensor(a) for a in weights.values()]
         for bits in (16, 8):
-            out[f"{kind} {n_out}x{n_in} q4_1 {bits}-bit"] = (
-                build(packed_q4_1_kernel(n_out, n_in, xbits=bits)), arrays, n_out, n_in)
+            for vnni in (False, True) if vnni_here() else (False,):
+                out[f"{kind} {n_out}x{n_in} q4_1 {bits}-bit{' VNNI' if vnni else ''}"] = (
+                    build(packed_q4_1_kernel(n_out, n_in, xbits=bits, vnni=vnni)), arrays, n_out, n_in)
     n_out, n_in = HEAD_SHAPE
     arrays = [tvm.runtime.tensor(rng.integers(-127, 128, (n_out, n_in)).astype(np.int8)),
               tvm.runtime.tensor(rng.uniform(0.001, 0.02, (n_out, n_in // 32)).astype(np.float16))]
@@ -63,7 +69,8 @@ def cases(rng: np.random.Generator) -> dict[str, tuple[object, list, int, int]]:
 def forward(tokens: list[int], rounds: int) -> None:
     """``--forward`` (module doc): a forward's matmuls streaming from memory against the same calls in cache."""
     rng = np.random.default_rng(0)
-    kinds = {kind: build(packed_q4_1_kernel(n_out, n_in)) for kind, (n_out, n_in) in LAYER_SHAPES.items()}
+    kinds = {kind: build(packed_q4_1_kernel(n_out, n_in, vnni=vnni_here())) for kind, (n_out, n_in) in
+             LAYER_SHAPES.items()}
     head = build(linear_kernel(*HEAD_SHAPE, "q8_0", True, mode="decode"))
     layers = []
     for _ in range(LAYERS):
@@ -97,8 +104,9 @@ def forward(tokens: list[int], rounds: int) -> None:
                 seconds = time.perf_counter() - start
                 best[(mode, n)] = min(best.get((mode, n), float("inf")), seconds)
         # the head streams in both modes' totals: its in-cache time is not taken (it does not fit in cache)
-    print(f"# a forward's matmuls ({megabytes:.0f} MB of weights), {os.environ.get('TVM_NUM_THREADS', '?')} TVM "
-          f"threads, wall time, best of {rounds} interleaved rounds, load {os.getloadavg()[0]:.1f}")
+    print(f"# a forward's matmuls ({megabytes:.0f} MB of weights{', VNNI' if vnni_here() else ''}), "
+          f"{os.environ.get('TVM_NUM_THREADS', '?')} TVM threads, wall time, best of {rounds} interleaved rounds, "
+          f"load {os.getloadavg()[0]:.1f}")
     print("| tokens | layers + head streaming ms | read rate GB/s | layers in cache ms | streaming ms per token past "
           "the first |")
     print("|---|---|---|---|---|")

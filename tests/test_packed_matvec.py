@@ -4,7 +4,8 @@ float rounding differs: within 1e-6 of the output's scale), with 8-bit codes and
 planes), a token's row is bitwise the same whatever the other
 tokens, float16 inputs and outputs are the float32 sums rounded once; awkward shapes: rows not a multiple of the
 8-row group, one and an odd number of blocks, 1 to 9 tokens and a span of 128 crossed, all-zero and constant
-activation blocks, the extreme codes 0 and 15."""
+activation blocks, the extreme codes 0 and 15. On CPUs with AVX512-VNNI, the VNNI tile gives the AVX2 tile's
+outputs bit for bit."""
 
 from __future__ import annotations
 
@@ -12,7 +13,13 @@ import numpy as np
 import pytest
 import tvm
 from logitproc.compile.integer_matvec import has_int8_dot
-from logitproc.compile.packed_matvec import pack_q4_1, packed_q4_1_kernel, packed_shapes, quantise_activations
+from logitproc.compile.packed_matvec import (
+    has_vnni,
+    pack_q4_1,
+    packed_q4_1_kernel,
+    packed_shapes,
+    quantise_activations,
+)
 from logitproc.compile.targets import build_features, resolve_target
 
 TARGET = resolve_target("cpu").tvm_target()
@@ -109,6 +116,28 @@ def test_a_tokens_row_does_not_depend_on_the_other_tokens(xbits: int) -> None:
         rows[n] = y.numpy()
     for n, y in rows.items():
         np.testing.assert_array_equal(y, rows[140][:n], err_msg=f"{n} tokens")
+
+
+@pytest.mark.skipif(not has_vnni(build_features(TARGET)), reason="this CPU has no AVX512-VNNI")
+@pytest.mark.parametrize("xbits", [8, 16])
+def test_the_vnni_tile_gives_the_avx2_tiles_outputs_bit_for_bit(xbits: int) -> None:
+    """vpdpbusd adds each row's 4 products into its int32 lane: the int32 block sums of vpmaddubsw, the int16
+    additions and vpmaddwd, so the same floats after them (every shape, tile tail and span; extreme codes and an
+    all-zero block among the activations)."""
+    rng = np.random.default_rng(5)
+    for n_out, n_in in SHAPES:
+        arrays, _ = _weights(n_out, n_in, rng)
+        weights = [tvm.runtime.tensor(a) for a in pack_q4_1(*arrays).values()]
+        avx2, vnni = (_build(packed_q4_1_kernel(n_out, n_in, xbits=xbits, vnni=v)) for v in (False, True))
+        for n in TOKENS:
+            x = (rng.standard_normal((n, n_in)) * rng.uniform(0.01, 100, (n, 1))).astype(np.float32)
+            x[0, :32] = 0.0
+            outs = []
+            for run in (avx2, vnni):
+                y = tvm.runtime.tensor(np.zeros((n, n_out), np.float32))
+                run(tvm.runtime.tensor(x), *weights, y)
+                outs.append(y.numpy())
+            np.testing.assert_array_equal(outs[1], outs[0], err_msg=f"{n_out}x{n_in}, {n} tokens, {xbits}-bit")
 
 
 def test_float16_inputs_and_outputs_are_the_float32_sums_rounded_once() -> None:
