@@ -11,7 +11,7 @@ import numpy as np
 
 from .gguf_model import GGUFModel
 from .linear_kernels import QUANTISED
-from .packed_matvec import pack_q4_1
+from .packed_matvec import pack_q4_1, pack_q8_0
 from .relax_llama import GGUF_FORMATS, LlamaSpec, RawTensors
 
 
@@ -92,7 +92,9 @@ def relax_weights(model: GGUFModel, spec: LlamaSpec, raw: RawTensors | None = No
                 part = {k: _unpermute_rope_rows(v, n_heads) for k, v in part.items()}
             parts.append(part)
         joined = {k: np.ascontiguousarray(np.concatenate([p[k] for p in parts])) for k in parts[0]}
-        return pack_q4_1(**joined) if spec.packed(kind) else joined
+        if not spec.packed(kind):
+            return joined
+        return pack_q4_1(**joined) if fmt == "q4_1" else pack_q8_0(**joined)
 
     def put(prefix: str, kind: str, names: list[str], heads: list[int | None] | None = None) -> None:
         for suffix, array in arrays(kind, names, heads or [None] * len(names)).items():

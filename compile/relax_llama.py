@@ -48,7 +48,14 @@ from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedK
 from .attention_kernels import replace_attention_kernels
 from .gguf_model import GGUFModel
 from .linear_kernels import embed_kernel, integer_linear_kernel, linear_kernel, param_shapes, swiglu_kernel
-from .packed_matvec import DEFAULT_ACTIVATION_BITS, packed_q4_1_kernel, packed_shapes
+from .packed_matvec import (
+    DEFAULT_ACTIVATION_BITS,
+    packed_q4_1_kernel,
+    packed_q8_0_embed_kernel,
+    packed_q8_0_kernel,
+    packed_q8_0_shapes,
+    packed_shapes,
+)
 
 #: Raw GGUF blocks of quantised tensors: name -> (GGML type name, uint8 array [rows, bytes per row]).
 RawTensors = dict[str, tuple[str, np.ndarray]]
@@ -99,10 +106,15 @@ class LlamaSpec:
     vnni: bool = False
 
     def packed(self, kind: str) -> bool:
-        """Whether weight kind ``kind`` is stored repacked for ``packed_matvec`` (Q4_1 on an AVX2 target; not the
-        embedding, whose rows the lookup reads, nor a tied output head, which is the embedding)."""
-        return (self.int8_dot and self.fmt(kind) == "q4_1" and kind != "embed"
-                and not (kind == "lm_head" and self.tied_embeddings))
+        """Whether weight kind ``kind`` is stored repacked for ``packed_matvec``: Q4_1 on an AVX2 target (not the
+        embedding, whose rows the lookup reads, nor a tied output head, which is the embedding); on an AVX512-VNNI
+        target also a Q8_0 output head, tied (then the embedding is packed, and the lookup reads the packed rows)
+        or not."""
+        if self.int8_dot and self.fmt(kind) == "q4_1":
+            return kind != "embed" and not (kind == "lm_head" and self.tied_embeddings)
+        if self.vnni and self.fmt(kind) == "q8_0":
+            return kind == "embed" and self.tied_embeddings or kind == "lm_head" and not self.tied_embeddings
+        return False
 
     def fmt(self, kind: str) -> str:
         """Storage format of weight kind ``kind`` (``WEIGHT_KINDS``); the tied output head uses the embedding's."""
@@ -146,12 +158,13 @@ class _Weights(nn.Module):
 
     def __init__(self, out_features: int, in_features: int, fmt: str, int8_dot: bool = False,
                  packed: bool = False, activation_bits: int = DEFAULT_ACTIVATION_BITS, vnni: bool = False) -> None:
-        if packed and fmt != "q4_1":
-            raise ValueError(f"only q4_1 weights are packed, got {fmt!r}")
+        if packed and fmt not in ("q4_1", "q8_0"):
+            raise ValueError(f"only q4_1 and q8_0 weights are packed, got {fmt!r}")
         self.out_features, self.in_features, self.fmt, self.int8_dot = out_features, in_features, fmt, int8_dot
         self.packed, self.activation_bits, self.vnni = packed, activation_bits, vnni
         self.suffixes = []
-        shapes = packed_shapes if packed else functools.partial(param_shapes, fmt=fmt)
+        shapes = ((packed_shapes if fmt == "q4_1" else packed_q8_0_shapes) if packed
+                  else functools.partial(param_shapes, fmt=fmt))
         for suffix, shape, dtype in shapes(out_features, in_features):
             setattr(self, suffix, nn.Parameter(shape, dtype))
             self.suffixes.append(suffix)
@@ -166,6 +179,12 @@ class _Weights(nn.Module):
         (``integer_linear_kernel``), the other kernels get cast kernels around them."""
         lead = list(x.shape[:-1])
         flat = x.reshape(-1, self.in_features) if len(lead) != 1 else x
+        if self.packed and self.fmt == "q8_0":  # the VNNI head: one kernel for every token count
+            y = nn.op.tensor_ir_op(
+                packed_q8_0_kernel(self.out_features, self.in_features, flat.dtype, out_dtype, self.activation_bits),
+                f"packed_q8_0_{self.out_features}x{self.in_features}_{flat.dtype}_{out_dtype}_{self.activation_bits}",
+                args=[flat, *self.arrays()], out=nn.Tensor.placeholder([flat.shape[0], self.out_features], out_dtype))
+            return y if len(lead) == 1 else y.reshape(*lead, self.out_features)
         if self.packed:  # one kernel for every token count (8-bit activations, integer dots, 8 rows a vector)
             y = nn.op.tensor_ir_op(
                 packed_q4_1_kernel(self.out_features, self.in_features, flat.dtype, out_dtype, self.activation_bits,
@@ -192,8 +211,13 @@ class _Weights(nn.Module):
 
     def rows(self, ids: nn.Tensor) -> nn.Tensor:
         """``W[ids]`` -> ``[n, in]`` float32 (the embedding lookup)."""
+        if self.packed and self.fmt != "q8_0":
+            raise ValueError("the rows of packed Q4_1 weights are not looked up (such an embedding is never packed)")
         if self.packed:
-            raise ValueError("the rows of packed weights are not looked up (the embedding is never packed)")
+            return nn.op.tensor_ir_op(
+                packed_q8_0_embed_kernel(self.out_features, self.in_features),
+                f"embed_packed_q8_0_{self.out_features}x{self.in_features}", args=[ids, *self.arrays()],
+                out=nn.Tensor.placeholder([ids.shape[0], self.in_features], "float32"))
         return nn.op.tensor_ir_op(
             embed_kernel(self.out_features, self.in_features, self.fmt),
             f"embed_{self.fmt}_{self.out_features}x{self.in_features}",
@@ -293,7 +317,8 @@ class LlamaModule(nn.Module):
 
     def __init__(self, spec: LlamaSpec) -> None:
         self.spec = spec
-        self.embed_tokens = _Weights(spec.vocab, spec.hidden, spec.fmt("embed"), spec.int8_dot)
+        self.embed_tokens = _Weights(spec.vocab, spec.hidden, spec.fmt("embed"), spec.int8_dot, spec.packed("embed"),
+                                     spec.activation_bits, spec.vnni)
         self.layers = nn.ModuleList([Block(spec, i) for i in range(spec.n_layers)])
         self.norm = RMSNorm(spec.hidden, spec.rms_eps)
         self.lm_head = None if spec.tied_embeddings else Linear(spec.hidden, spec.vocab, spec.fmt("lm_head"),

@@ -5,7 +5,8 @@ planes), a token's row is bitwise the same whatever the other
 tokens, float16 inputs and outputs are the float32 sums rounded once; awkward shapes: rows not a multiple of the
 8-row group, one and an odd number of blocks, 1 to 9 tokens and a span of 128 crossed, all-zero and constant
 activation blocks, the extreme codes 0 and 15. On CPUs with AVX512-VNNI, the VNNI tile gives the AVX2 tile's
-outputs bit for bit."""
+outputs bit for bit, and the packed Q8_0 head (VNNI only) equals numpy likewise, its lookup the GGUF layout's
+bit for bit."""
 
 from __future__ import annotations
 
@@ -13,10 +14,14 @@ import numpy as np
 import pytest
 import tvm
 from logitproc.compile.integer_matvec import has_int8_dot
+from logitproc.compile.linear_kernels import embed_kernel
 from logitproc.compile.packed_matvec import (
     has_vnni,
     pack_q4_1,
+    pack_q8_0,
     packed_q4_1_kernel,
+    packed_q8_0_embed_kernel,
+    packed_q8_0_kernel,
     packed_shapes,
     quantise_activations,
 )
@@ -181,3 +186,67 @@ def test_the_reference_rounds_the_layer_inputs_as_the_kernels_do() -> None:
         NumpyLlama(tiny, activation_bits=4)
     with pytest.raises(ValueError, match="activation_bits 4 is not supported"):
         compile_model(tiny, activation_bits=4)
+
+
+VNNI = pytest.mark.skipif(not has_vnni(build_features(TARGET)), reason="this CPU has no AVX512-VNNI")
+
+
+def _q8_0(n_out: int, n_in: int, rng: np.random.Generator):
+    """GGUF Q8_0 arrays (the extreme codes -128 and 127 in the first rows) and the dense float64 matrix."""
+    codes = rng.integers(-128, 128, (n_out, n_in)).astype(np.int8)
+    codes[0, :] = -128
+    codes[min(1, n_out - 1), :32] = 127
+    scales = rng.uniform(0.001, 0.02, (n_out, n_in // 32)).astype(np.float16)
+    return codes, scales, codes * np.repeat(scales.astype(np.float64), 32, axis=1)
+
+
+@VNNI
+@pytest.mark.parametrize("xbits", [8, 16])
+def test_packed_q8_0_matches_numpy_on_the_rounded_activations(xbits: int) -> None:
+    rng = np.random.default_rng(7)
+    for n_out, n_in in [(49152, 576), *SHAPES[1:]]:
+        codes, scales, dense = _q8_0(n_out, n_in, rng)
+        weights = [tvm.runtime.tensor(a) for a in pack_q8_0(codes, scales).values()]
+        run = _build(packed_q8_0_kernel(n_out, n_in, xbits=xbits))
+        for n in TOKENS if n_out < 1000 else (1, 6, 131):
+            x = (rng.standard_normal((n, n_in)) * rng.uniform(0.01, 100, (n, 1))).astype(np.float32)
+            x[0, :32] = 0.0
+            y = tvm.runtime.tensor(np.zeros((n, n_out), np.float32))
+            run(tvm.runtime.tensor(x), *weights, y)
+            xq, xd = quantise_activations(x, xbits)
+            rounded = (xq.reshape(n, -1, 32).astype(np.float64) * xd[:, :, None]).reshape(n, n_in)
+            ref = rounded @ dense.T
+            err = np.abs(y.numpy() - ref).max() / max(np.abs(ref).max(), 1e-30)
+            assert err < 1e-6, (n_out, n_in, n, err)
+
+
+@VNNI
+def test_packed_q8_0_rows_do_not_depend_on_the_other_tokens() -> None:
+    rng = np.random.default_rng(8)
+    n_out, n_in = 37, 96
+    codes, scales, _ = _q8_0(n_out, n_in, rng)
+    weights = [tvm.runtime.tensor(a) for a in pack_q8_0(codes, scales).values()]
+    run = _build(packed_q8_0_kernel(n_out, n_in))
+    x = rng.standard_normal((140, n_in)).astype(np.float32)
+    rows = {}
+    for n in (1, 2, 3, 4, 5, 7, 9, 17, 140):
+        y = tvm.runtime.tensor(np.zeros((n, n_out), np.float32))
+        run(tvm.runtime.tensor(x[:n]), *weights, y)
+        rows[n] = y.numpy()
+    for n, y in rows.items():
+        np.testing.assert_array_equal(y, rows[140][:n], err_msg=f"{n} tokens")
+
+
+@VNNI
+def test_the_packed_q8_0_lookup_gives_the_gguf_layouts_rows() -> None:
+    rng = np.random.default_rng(9)
+    for n_out, n_in in [(1003, 64), (5, 32)]:
+        codes, scales, _ = _q8_0(n_out, n_in, rng)
+        ids = tvm.runtime.tensor(np.array([0, 1, n_out - 1, n_out // 2, 4 % n_out, 0], np.int32))
+        outs = []
+        for kernel, arrays in ((packed_q8_0_embed_kernel(n_out, n_in), pack_q8_0(codes, scales).values()),
+                               (embed_kernel(n_out, n_in, "q8_0"), (codes, scales))):
+            out = tvm.runtime.tensor(np.zeros((6, n_in), np.float32))
+            _build(kernel)(ids, *[tvm.runtime.tensor(a) for a in arrays], out)
+            outs.append(out.numpy())
+        np.testing.assert_array_equal(outs[0], outs[1])
