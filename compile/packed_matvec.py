@@ -275,10 +275,10 @@ def _tile_vnni(y, xq4, xd, xs, t0, size, g, blocks, out_features, codes, scales,
 
 
 @T.macro
-def _tile_q8_vnni(y, xq4, xd, xs, t0, size, g, blocks, out_features, codes, scales, iacc, facc, planes):
+def _tile_q8_vnni(y, xq4, xd, xs, t0, size, g, blocks, out_features, codes, scales, mins, iacc, facc, planes):
     """``_tile_vnni`` for packed Q8_0 (``pack_q8_0``): 8 vectors of whole bytes a block, each the next 4 weights of
-    the 8 rows; the weights' offset of 128 comes off as a min of ``-128 x scale`` times the token's ``xs``. The
-    vectors go round two accumulators per plane and token (even and odd ``v``)."""
+    the 8 rows; the weights' offset of 128 comes off as a min of ``-128 x scale`` times the token's ``xs`` (``mins``
+    is not read). The vectors go round two accumulators per plane and token (even and odd ``v``)."""
     for s in T.unroll(size):
         facc[T.ramp(s * ROWS, 1, ROWS)] = T.broadcast(T.float32(0), ROWS)
     for b in range(blocks):
@@ -307,31 +307,13 @@ def _tile_q8_vnni(y, xq4, xd, xs, t0, size, g, blocks, out_features, codes, scal
                 y[t0 + s, g * ROWS + r] = T.Cast(y.dtype, facc[s * ROWS + r])
 
 
-@functools.cache
-def packed_q8_0_kernel(out_features: int, in_features: int, x_dtype: str = "float32", y_dtype: str = "float32",
-                       xbits: int = DEFAULT_ACTIVATION_BITS) -> tirx.PrimFunc:
-    """``y[t, o] = sum_k x[t, k] * W[o, k]`` for Q8_0 weights packed by ``pack_q8_0`` (parameters ``x``, ``codes``,
-    ``scales``, ``y``), on AVX512-VNNI only (``has_vnni``): the activations quantised as for Q4_1, each block's sum
-    ``scale * xd * (sum_j (w_j + 128) q_j) - 128 * scale * xs``; tokens, tiles, spans and chunks as
-    ``packed_q4_1_kernel``'s, so a token's row is the same whatever the other tokens."""
-    if in_features % _QBLOCK or in_features <= 0 or out_features <= 0:
-        raise ValueError(f"packed Q8_0 weights need in_features a positive multiple of {_QBLOCK}, got {in_features}")
-    for name, dtype in (("x_dtype", x_dtype), ("y_dtype", y_dtype)):
-        if dtype not in ("float32", "float16"):
-            raise ValueError(f"{name} must be float32 or float16, got {dtype!r}")
-    if xbits not in ACTIVATION_BITS:
-        raise ValueError(f"activation bits must be one of {ACTIVATION_BITS}, got {xbits}")
-    N, K, blocks, groups = out_features, in_features, in_features // _QBLOCK, -(-out_features // ROWS)
-    chunks = min(_CHUNKS, groups)
-    planes, qmax, tile = (1, _QMAX, _TILE) if xbits == 8 else (2, SPLIT_QMAX, _SPLIT_TILE)
+def _matmul_body(tile_macro: Any) -> Any:
+    """The packed kernels' body around ``tile_macro`` (``_tile``, ``_tile_vnni`` or ``_tile_q8_vnni``): each token's
+    activations quantised once (tokens in parallel from 16 on), then row groups in parallel chunks, tokens in spans
+    of ``_SPAN`` and tiles of ``tile`` (then 2, then 1), so that a token's operations are the same in any tile."""
 
-    @T.prim_func(private=True)
-    def packed_q8_0(var_x: T.handle, codes: T.Buffer((groups, blocks, ROWS * _QBLOCK), "uint8"),
-                    scales: T.Buffer((groups, blocks, ROWS), _SCALE), var_y: T.handle):
-        T.func_attr({"tirx.noalias": True})
-        n = T.int64()
-        x = T.match_buffer(var_x, (n, K), x_dtype)
-        y = T.match_buffer(var_y, (n, N), y_dtype)
+    @T.macro
+    def body(x, y, n, codes, scales, mins, planes, qmax, tile, lanes, acc_dtype, K, N, blocks, groups, chunks):
         xq = T.alloc_buffer((planes, n, K), "int8")
         xq4 = T.decl_buffer((planes, n, K // 4), "int32", data=xq.data)
         xd = T.alloc_buffer((n, blocks), "float32")
@@ -345,19 +327,54 @@ def packed_q8_0_kernel(out_features: int, in_features: int, x_dtype: str = "floa
             for t in range(n):
                 _quantise(x, xq, xd, xs, t, blocks, amax, qmax)
         for chunk in T.parallel(chunks):
-            iacc = T.alloc_buffer((planes * tile * 2 * ROWS,), "int32", scope="local")
+            iacc = T.alloc_buffer((planes * tile * lanes,), acc_dtype, scope="local")
             facc = T.alloc_buffer((tile * ROWS,), "float32", scope="local")
             for span in range((n + _SPAN - 1) // _SPAN):
                 t1: T.let = T.min(n, span * _SPAN + _SPAN)
                 for g in range(chunk * groups // chunks, (chunk + 1) * groups // chunks):
                     for tt in range((t1 - span * _SPAN) // tile):
-                        _tile_q8_vnni(y, xq4, xd, xs, span * _SPAN + tt * tile, tile, g, blocks, N, codes, scales,
-                                      iacc, facc, planes)
+                        tile_macro(y, xq4, xd, xs, span * _SPAN + tt * tile, tile, g, blocks, N, codes, scales, mins,
+                                   iacc, facc, planes)
                     if (t1 - span * _SPAN) % tile >= 2:
-                        _tile_q8_vnni(y, xq4, xd, xs, t1 - (t1 - span * _SPAN) % tile, 2, g, blocks, N, codes,
-                                      scales, iacc, facc, planes)
+                        tile_macro(y, xq4, xd, xs, t1 - (t1 - span * _SPAN) % tile, 2, g, blocks, N, codes, scales,
+                                   mins, iacc, facc, planes)
                     if (t1 - span * _SPAN) % tile % 2 == 1:
-                        _tile_q8_vnni(y, xq4, xd, xs, t1 - 1, 1, g, blocks, N, codes, scales, iacc, facc, planes)
+                        tile_macro(y, xq4, xd, xs, t1 - 1, 1, g, blocks, N, codes, scales, mins, iacc, facc, planes)
+
+    return body
+
+
+def _check(kind: str, in_features: int, out_features: int, x_dtype: str, y_dtype: str, xbits: int) -> None:
+    if in_features % _QBLOCK or in_features <= 0 or out_features <= 0:
+        raise ValueError(f"packed {kind} weights need in_features a positive multiple of {_QBLOCK}, got {in_features}")
+    for name, dtype in (("x_dtype", x_dtype), ("y_dtype", y_dtype)):
+        if dtype not in ("float32", "float16"):
+            raise ValueError(f"{name} must be float32 or float16, got {dtype!r}")
+    if xbits not in ACTIVATION_BITS:
+        raise ValueError(f"activation bits must be one of {ACTIVATION_BITS}, got {xbits}")
+
+
+@functools.cache
+def packed_q8_0_kernel(out_features: int, in_features: int, x_dtype: str = "float32", y_dtype: str = "float32",
+                       xbits: int = DEFAULT_ACTIVATION_BITS) -> tirx.PrimFunc:
+    """``y[t, o] = sum_k x[t, k] * W[o, k]`` for Q8_0 weights packed by ``pack_q8_0`` (parameters ``x``, ``codes``,
+    ``scales``, ``y``), on AVX512-VNNI only (``has_vnni``): the activations quantised as for Q4_1, each block's sum
+    ``scale * xd * (sum_j (w_j + 128) q_j) - 128 * scale * xs``; tokens, tiles, spans and chunks as
+    ``packed_q4_1_kernel``'s, so a token's row is the same whatever the other tokens."""
+    _check("Q8_0", in_features, out_features, x_dtype, y_dtype, xbits)
+    N, K, blocks, groups = out_features, in_features, in_features // _QBLOCK, -(-out_features // ROWS)
+    chunks = min(_CHUNKS, groups)
+    planes, qmax, tile = (1, _QMAX, _TILE) if xbits == 8 else (2, SPLIT_QMAX, _SPLIT_TILE)
+    body = _matmul_body(_tile_q8_vnni)
+
+    @T.prim_func(private=True)
+    def packed_q8_0(var_x: T.handle, codes: T.Buffer((groups, blocks, ROWS * _QBLOCK), "uint8"),
+                    scales: T.Buffer((groups, blocks, ROWS), _SCALE), var_y: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        n = T.int64()
+        x = T.match_buffer(var_x, (n, K), x_dtype)
+        y = T.match_buffer(var_y, (n, N), y_dtype)
+        body(x, y, n, codes, scales, None, planes, qmax, tile, 2 * ROWS, "int32", K, N, blocks, groups, chunks)
     return packed_q8_0
 
 
@@ -390,17 +407,12 @@ def packed_q4_1_kernel(out_features: int, in_features: int, x_dtype: str = "floa
     ``y_dtype`` (float32 or float16); parameters ``x``, ``codes``, ``scales``, ``mins`` (``packed_shapes``), ``y``.
     ``xbits``: the activation codes' bits (``ACTIVATION_BITS``). ``vnni``: the tiles use AVX512-VNNI's
     ``vpdpbusd`` (``has_vnni``; the same outputs bit for bit, fewer instructions a token)."""
-    if in_features % _QBLOCK or in_features <= 0 or out_features <= 0:
-        raise ValueError(f"packed Q4_1 weights need in_features a positive multiple of {_QBLOCK}, got {in_features}")
-    for name, dtype in (("x_dtype", x_dtype), ("y_dtype", y_dtype)):
-        if dtype not in ("float32", "float16"):
-            raise ValueError(f"{name} must be float32 or float16, got {dtype!r}")
-    if xbits not in ACTIVATION_BITS:
-        raise ValueError(f"activation bits must be one of {ACTIVATION_BITS}, got {xbits}")
+    _check("Q4_1", in_features, out_features, x_dtype, y_dtype, xbits)
     N, K, blocks, groups = out_features, in_features, in_features // _QBLOCK, -(-out_features // ROWS)
     chunks = min(_CHUNKS, groups)
     planes, qmax, tile = (1, _QMAX, _TILE) if xbits == 8 else (2, SPLIT_QMAX, _SPLIT_TILE)
-    tile_macro, lanes, acc_dtype = (_tile_vnni, 2 * ROWS, "int32") if vnni else (_tile, 16, "int16")
+    lanes, acc_dtype = (2 * ROWS, "int32") if vnni else (16, "int16")
+    body = _matmul_body(_tile_vnni if vnni else _tile)
 
     @T.prim_func(private=True)
     def packed_q4_1(var_x: T.handle, codes: T.Buffer((groups, blocks, 4 * _QBLOCK), "uint8"),
@@ -410,30 +422,5 @@ def packed_q4_1_kernel(out_features: int, in_features: int, x_dtype: str = "floa
         n = T.int64()
         x = T.match_buffer(var_x, (n, K), x_dtype)
         y = T.match_buffer(var_y, (n, N), y_dtype)
-        xq = T.alloc_buffer((planes, n, K), "int8")
-        xq4 = T.decl_buffer((planes, n, K // 4), "int32", data=xq.data)
-        xd = T.alloc_buffer((n, blocks), "float32")
-        xs = T.alloc_buffer((n, blocks), "float32")
-        if n >= 16:
-            for t in T.parallel(n):
-                amax = T.alloc_buffer((16,), "float32", scope="local")
-                _quantise(x, xq, xd, xs, t, blocks, amax, qmax)
-        else:
-            amax = T.alloc_buffer((16,), "float32", scope="local")
-            for t in range(n):
-                _quantise(x, xq, xd, xs, t, blocks, amax, qmax)
-        for chunk in T.parallel(chunks):
-            iacc = T.alloc_buffer((planes * tile * lanes,), acc_dtype, scope="local")
-            facc = T.alloc_buffer((tile * ROWS,), "float32", scope="local")
-            for span in range((n + _SPAN - 1) // _SPAN):
-                t1: T.let = T.min(n, span * _SPAN + _SPAN)
-                for g in range(chunk * groups // chunks, (chunk + 1) * groups // chunks):
-                    for tt in range((t1 - span * _SPAN) // tile):
-                        tile_macro(y, xq4, xd, xs, span * _SPAN + tt * tile, tile, g, blocks, N, codes, scales, mins,
-                              iacc, facc, planes)
-                    if (t1 - span * _SPAN) % tile >= 2:
-                        tile_macro(y, xq4, xd, xs, t1 - (t1 - span * _SPAN) % tile, 2, g, blocks, N, codes, scales,
-                              mins, iacc, facc, planes)
-                    if (t1 - span * _SPAN) % tile % 2 == 1:
-                        tile_macro(y, xq4, xd, xs, t1 - 1, 1, g, blocks, N, codes, scales, mins, iacc, facc, planes)
+        body(x, y, n, codes, scales, mins, planes, qmax, tile, lanes, acc_dtype, K, N, blocks, groups, chunks)
     return packed_q4_1

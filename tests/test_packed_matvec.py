@@ -106,6 +106,17 @@ def test_packed_kernel_matches_numpy_on_the_rounded_activations(xbits: int) -> N
                                        err_msg=f"{n_out}x{n_in}, {n} tokens")
 
 
+def _assert_rows_independent(run, weights: list, x: np.ndarray, n_out: int) -> None:
+    """The first n rows of ``run`` on ``x[:n]`` are bitwise those on all of ``x`` (every tile and span)."""
+    rows = {}
+    for n in (1, 2, 3, 4, 5, 7, 9, 17, len(x)):
+        y = tvm.runtime.tensor(np.zeros((n, n_out), np.float32))
+        run(tvm.runtime.tensor(x[:n]), *weights, y)
+        rows[n] = y.numpy()
+    for n, y in rows.items():
+        np.testing.assert_array_equal(y, rows[len(x)][:n], err_msg=f"{n} tokens")
+
+
 @pytest.mark.parametrize("xbits", [8, 16])
 def test_a_tokens_row_does_not_depend_on_the_other_tokens(xbits: int) -> None:
     rng = np.random.default_rng(2)
@@ -113,14 +124,7 @@ def test_a_tokens_row_does_not_depend_on_the_other_tokens(xbits: int) -> None:
     run = _build(packed_q4_1_kernel(n_out, n_in, xbits=xbits))
     arrays, _ = _weights(n_out, n_in, rng)
     weights = [tvm.runtime.tensor(a) for a in pack_q4_1(*arrays).values()]
-    x = rng.standard_normal((140, n_in)).astype(np.float32)
-    rows = {}
-    for n in (1, 2, 3, 4, 5, 7, 9, 17, 140):
-        y = tvm.runtime.tensor(np.zeros((n, n_out), np.float32))
-        run(tvm.runtime.tensor(x[:n]), *weights, y)
-        rows[n] = y.numpy()
-    for n, y in rows.items():
-        np.testing.assert_array_equal(y, rows[140][:n], err_msg=f"{n} tokens")
+    _assert_rows_independent(run, weights, rng.standard_normal((140, n_in)).astype(np.float32), n_out)
 
 
 @pytest.mark.skipif(not has_vnni(build_features(TARGET)), reason="this CPU has no AVX512-VNNI")
@@ -227,14 +231,7 @@ def test_packed_q8_0_rows_do_not_depend_on_the_other_tokens() -> None:
     codes, scales, _ = _q8_0(n_out, n_in, rng)
     weights = [tvm.runtime.tensor(a) for a in pack_q8_0(codes, scales).values()]
     run = _build(packed_q8_0_kernel(n_out, n_in))
-    x = rng.standard_normal((140, n_in)).astype(np.float32)
-    rows = {}
-    for n in (1, 2, 3, 4, 5, 7, 9, 17, 140):
-        y = tvm.runtime.tensor(np.zeros((n, n_out), np.float32))
-        run(tvm.runtime.tensor(x[:n]), *weights, y)
-        rows[n] = y.numpy()
-    for n, y in rows.items():
-        np.testing.assert_array_equal(y, rows[140][:n], err_msg=f"{n} tokens")
+    _assert_rows_independent(run, weights, rng.standard_normal((140, n_in)).astype(np.float32), n_out)
 
 
 @VNNI
