@@ -102,7 +102,8 @@ class LlamaSpec:
     kv_dtype: str = "float32"
     #: the bits of the packed Q4_1 matmuls' activation codes (``packed_matvec.ACTIVATION_BITS``)
     activation_bits: int = DEFAULT_ACTIVATION_BITS
-    #: the packed Q4_1 matmuls use AVX512-VNNI (``packed_matvec.has_vnni``: the same outputs, fewer instructions)
+    #: the target has AVX512-VNNI (``packed_matvec.has_vnni``): the packed Q4_1 matmuls' VNNI tile (the same
+    #: outputs, fewer instructions) and a packed Q8_0 output head (``packed``)
     vnni: bool = False
 
     def packed(self, kind: str) -> bool:
@@ -179,19 +180,14 @@ class _Weights(nn.Module):
         (``integer_linear_kernel``), the other kernels get cast kernels around them."""
         lead = list(x.shape[:-1])
         flat = x.reshape(-1, self.in_features) if len(lead) != 1 else x
-        if self.packed and self.fmt == "q8_0":  # the VNNI head: one kernel for every token count
-            y = nn.op.tensor_ir_op(
-                packed_q8_0_kernel(self.out_features, self.in_features, flat.dtype, out_dtype, self.activation_bits),
-                f"packed_q8_0_{self.out_features}x{self.in_features}_{flat.dtype}_{out_dtype}_{self.activation_bits}",
-                args=[flat, *self.arrays()], out=nn.Tensor.placeholder([flat.shape[0], self.out_features], out_dtype))
-            return y if len(lead) == 1 else y.reshape(*lead, self.out_features)
-        if self.packed:  # one kernel for every token count (8-bit activations, integer dots, 8 rows a vector)
-            y = nn.op.tensor_ir_op(
-                packed_q4_1_kernel(self.out_features, self.in_features, flat.dtype, out_dtype, self.activation_bits,
-                                   self.vnni),
-                f"packed_q4_1_{self.out_features}x{self.in_features}_{flat.dtype}_{out_dtype}_{self.activation_bits}"
-                f"{'_vnni' if self.vnni else ''}",
-                args=[flat, *self.arrays()], out=nn.Tensor.placeholder([flat.shape[0], self.out_features], out_dtype))
+        if self.packed:  # one kernel for every token count (integer dots, 8 rows a vector; Q8_0: the VNNI head)
+            shape, types = (self.out_features, self.in_features), (flat.dtype, out_dtype, self.activation_bits)
+            kernel = (packed_q4_1_kernel(*shape, *types, self.vnni) if self.fmt == "q4_1"
+                      else packed_q8_0_kernel(*shape, *types))
+            vnni = "_vnni" if self.vnni and self.fmt == "q4_1" else ""
+            y = nn.op.tensor_ir_op(kernel, f"packed_{self.fmt}_{shape[0]}x{shape[1]}_{'_'.join(map(str, types))}{vnni}",
+                                   args=[flat, *self.arrays()],
+                                   out=nn.Tensor.placeholder([flat.shape[0], self.out_features], out_dtype))
             return y if len(lead) == 1 else y.reshape(*lead, self.out_features)
         integer = self.int8_dot and self.fmt in QUANTISED
         if mode == "prefill" and integer:
