@@ -194,6 +194,26 @@ def _quantise(x, xq, xd, xs, t, blocks, amax, qmax):
 
 
 @T.macro
+def _add_block(facc, s, sums, sv, mv, xd, xs, t0, b):
+    """Token ``s``'s 8 rows, block ``b``: ``facc += float(sums) * (scale * xd) + min * xs`` (``sums`` the int32
+    block sums, ``sv`` / ``mv`` the rows' scales and mins as float32x8)."""
+    facc[T.ramp(s * ROWS, 1, ROWS)] = (facc[T.ramp(s * ROWS, 1, ROWS)]
+                                       + T.Cast("float32x8", sums) * (sv * T.broadcast(xd[t0 + s, b], ROWS))
+                                       + mv * T.broadcast(xs[t0 + s, b], ROWS))
+
+
+@T.macro
+def _store(y, facc, t0, size, g, out_features):
+    """The tile's ``size`` tokens' outputs for row group ``g`` (one vector store each; the last group's real rows)."""
+    for s in T.unroll(size):
+        if g * ROWS + ROWS <= out_features:
+            y[t0 + s, T.ramp(g * ROWS, 1, ROWS)] = T.Cast(f"{y.dtype}x{ROWS}", facc[T.ramp(s * ROWS, 1, ROWS)])
+        else:
+            for r in range(out_features - g * ROWS):
+                y[t0 + s, g * ROWS + r] = T.Cast(y.dtype, facc[s * ROWS + r])
+
+
+@T.macro
 def _tile(y, xq4, xd, xs, t0, size, g, blocks, out_features, codes, scales, mins, iacc, facc, planes):
     """``y[t0 + s, 8 g: 8 g + 8]`` for the ``size`` tokens of a tile (module doc); ``planes``: 1 or 2 int8 planes
     of activation codes (the high plane's block sums taken 256 times)."""
@@ -218,15 +238,8 @@ def _tile(y, xq4, xd, xs, t0, size, g, blocks, out_features, codes, scales, mins
         for s in T.unroll(size):
             sums: T.let = _pairs(iacc, s * 16) if planes == 1 else T.shift_left(
                 _pairs(iacc, s * 16), T.broadcast(T.int32(8), ROWS)) + _pairs(iacc, (size + s) * 16)
-            facc[T.ramp(s * ROWS, 1, ROWS)] = (facc[T.ramp(s * ROWS, 1, ROWS)]
-                                               + T.Cast("float32x8", sums) * (sv * T.broadcast(xd[t0 + s, b], ROWS))
-                                               + mv * T.broadcast(xs[t0 + s, b], ROWS))
-    for s in T.unroll(size):
-        if g * ROWS + ROWS <= out_features:
-            y[t0 + s, T.ramp(g * ROWS, 1, ROWS)] = T.Cast(f"{y.dtype}x{ROWS}", facc[T.ramp(s * ROWS, 1, ROWS)])
-        else:
-            for r in range(out_features - g * ROWS):
-                y[t0 + s, g * ROWS + r] = T.Cast(y.dtype, facc[s * ROWS + r])
+            _add_block(facc, s, sums, sv, mv, xd, xs, t0, b)
+    _store(y, facc, t0, size, g, out_features)
 
 
 def _plane_sum(iacc: Any, s: Any, size: int, p: int) -> Any:
@@ -263,15 +276,8 @@ def _tile_vnni(y, xq4, xd, xs, t0, size, g, blocks, out_features, codes, scales,
         for s in T.unroll(size):
             sums: T.let = _plane_sum(iacc, s, size, 0) if planes == 1 else T.shift_left(
                 _plane_sum(iacc, s, size, 0), T.broadcast(T.int32(8), ROWS)) + _plane_sum(iacc, s, size, 1)
-            facc[T.ramp(s * ROWS, 1, ROWS)] = (facc[T.ramp(s * ROWS, 1, ROWS)]
-                                               + T.Cast("float32x8", sums) * (sv * T.broadcast(xd[t0 + s, b], ROWS))
-                                               + mv * T.broadcast(xs[t0 + s, b], ROWS))
-    for s in T.unroll(size):
-        if g * ROWS + ROWS <= out_features:
-            y[t0 + s, T.ramp(g * ROWS, 1, ROWS)] = T.Cast(f"{y.dtype}x{ROWS}", facc[T.ramp(s * ROWS, 1, ROWS)])
-        else:
-            for r in range(out_features - g * ROWS):
-                y[t0 + s, g * ROWS + r] = T.Cast(y.dtype, facc[s * ROWS + r])
+            _add_block(facc, s, sums, sv, mv, xd, xs, t0, b)
+    _store(y, facc, t0, size, g, out_features)
 
 
 @T.macro
@@ -295,16 +301,8 @@ def _tile_q8_vnni(y, xq4, xd, xs, t0, size, g, blocks, out_features, codes, scal
         for s in T.unroll(size):
             sums: T.let = _plane_sum(iacc, s, size, 0) if planes == 1 else T.shift_left(
                 _plane_sum(iacc, s, size, 0), T.broadcast(T.int32(8), ROWS)) + _plane_sum(iacc, s, size, 1)
-            facc[T.ramp(s * ROWS, 1, ROWS)] = (facc[T.ramp(s * ROWS, 1, ROWS)]
-                                               + T.Cast("float32x8", sums) * (sv * T.broadcast(xd[t0 + s, b], ROWS))
-                                               + (sv * T.broadcast(T.float32(-Q8_OFFSET), ROWS))
-                                               * T.broadcast(xs[t0 + s, b], ROWS))
-    for s in T.unroll(size):
-        if g * ROWS + ROWS <= out_features:
-            y[t0 + s, T.ramp(g * ROWS, 1, ROWS)] = T.Cast(f"{y.dtype}x{ROWS}", facc[T.ramp(s * ROWS, 1, ROWS)])
-        else:
-            for r in range(out_features - g * ROWS):
-                y[t0 + s, g * ROWS + r] = T.Cast(y.dtype, facc[s * ROWS + r])
+            _add_block(facc, s, sums, sv, sv * T.broadcast(T.float32(-Q8_OFFSET), ROWS), xd, xs, t0, b)
+    _store(y, facc, t0, size, g, out_features)
 
 
 def _matmul_body(tile_macro: Any) -> Any:
