@@ -165,13 +165,14 @@ def test_float16_inputs_and_outputs_are_the_float32_sums_rounded_once() -> None:
         np.testing.assert_array_equal(got.numpy(), want.numpy().astype(y_dtype), err_msg=f"{n} tokens")
 
 
-def test_bad_shapes_and_types_are_refused() -> None:
+@pytest.mark.parametrize("factory", [packed_q4_1_kernel, packed_q8_0_kernel])
+def test_bad_shapes_and_types_are_refused(factory) -> None:
     with pytest.raises(ValueError, match="in_features a positive multiple of 32, got 48"):
-        packed_q4_1_kernel(8, 48)
+        factory(8, 48)
     with pytest.raises(ValueError, match="y_dtype must be float32 or float16, got 'bfloat16'"):
-        packed_q4_1_kernel(8, 64, "float32", "bfloat16")
+        factory(8, 64, "float32", "bfloat16")
     with pytest.raises(ValueError, match=r"activation bits must be one of \(8, 16\), got 4"):
-        packed_q4_1_kernel(8, 64, xbits=4)
+        factory(8, 64, xbits=4)
 
 
 def test_the_reference_rounds_the_layer_inputs_as_the_kernels_do() -> None:
