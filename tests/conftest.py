@@ -15,7 +15,12 @@ import time
 import pytest
 
 # Tests build kernel libraries and models into a private cache, never the user's (whatever $LOGITPROC_CACHE says).
-os.environ["LOGITPROC_CACHE"] = tempfile.mkdtemp(prefix="logitproc-test-cache-")
+# ``$LOGITPROC_TEST_CACHE`` names one to reuse between runs (every build is keyed by its sources, so reuse is safe).
+if os.environ.get("LOGITPROC_TEST_CACHE"):
+    os.makedirs(os.environ["LOGITPROC_TEST_CACHE"], exist_ok=True)
+    os.environ["LOGITPROC_CACHE"] = os.environ["LOGITPROC_TEST_CACHE"]
+else:
+    os.environ["LOGITPROC_CACHE"] = tempfile.mkdtemp(prefix="logitproc-test-cache-")
 
 MATRIX_DEVICES = ("cpu", "vulkan", "cuda")
 _unavailable: dict[str, str] = {}
