@@ -1,6 +1,7 @@
 # fmt: off
-"""The weight loader of the compiled Llama: a GGUF's (or a loaded model's) tensors as the parameters of
-``relax_llama.LlamaModule``, by name (q/k rows un-permuted, q/k/v and gate/up fused, quantised blocks split).
+"""The weight loader of the compiled model: a GGUF's (or a loaded model's) tensors, in the canonical layout of
+``model_family``, as the parameters of ``relax_llama.LlamaModule``, by name (q/k/v and gate/up fused, quantised
+blocks split).
 """
 
 from __future__ import annotations
@@ -10,36 +11,23 @@ import os
 import numpy as np
 
 from .gguf_model import GGUFModel
+from .gguf_tensors import RawTensors, read_weights
 from .linear_kernels import QUANTISED
+from .model_config import LlamaConfig
 from .packed_matvec import pack_q4_1, pack_q8_0
-from .relax_llama import GGUF_FORMATS, LlamaSpec, RawTensors
+from .relax_llama import GGUF_FORMATS, LlamaSpec
 
 
-def read_gguf_tensors(path: str | os.PathLike[str], *, keep_blocks: bool) -> tuple[dict[str, np.ndarray], RawTensors]:
-    """A GGUF's tensors: float32 weights by name, and (with ``keep_blocks``) the Q8_0/Q4_1 tensors as raw blocks
-    instead: name -> (type name, uint8 ``[rows, bytes per row]``)."""
+def read_gguf_tensors(path: str | os.PathLike[str], config: LlamaConfig, *,
+                      keep_blocks: bool) -> tuple[dict[str, np.ndarray], RawTensors]:
+    """A GGUF's tensors (``gguf_tensors.read_weights``): float32 weights by name, and (with ``keep_blocks``) the
+    Q8_0/Q4_1 tensors as raw blocks instead: name -> (type name, uint8 ``[rows, bytes per row]``)."""
     from gguf import GGUFReader
 
-    from .gguf_model import _dequantize
-
     reader = GGUFReader(path)
-    weights: dict[str, np.ndarray] = {}
-    blocks: RawTensors = {}
-    for tensor in reader.tensors:
-        if keep_blocks and tensor.tensor_type.name in ("Q8_0", "Q4_1"):
-            blocks[tensor.name] = (tensor.tensor_type.name, np.array(tensor.data, dtype=np.uint8))
-        else:
-            weights[tensor.name] = _dequantize(tensor)
+    weights, blocks = read_weights(reader.tensors, config, keep_blocks=keep_blocks)
     del reader
     return weights, blocks
-
-
-def _unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Rows of a GGUF q/k projection (any per-row data: weights, codes, scales, bias) from GGML's adjacent-pair
-    order back to half-rotation order."""
-    head_dim = w.shape[0] // n_heads
-    rest = w.shape[1:]
-    return w.reshape(n_heads, head_dim // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
 
 
 def split_blocks(ggml_type: str, data: np.ndarray) -> dict[str, np.ndarray]:
@@ -69,15 +57,14 @@ def dequantize_blocks(ggml_type: str, data: np.ndarray) -> np.ndarray:
 
 
 def relax_weights(model: GGUFModel, spec: LlamaSpec, raw: RawTensors | None = None) -> dict[str, np.ndarray]:
-    """The module's parameters by name from the model's weights: q/k rows un-permuted, q/k/v and gate/up fused,
-    float kinds cast, quantised kinds taken from ``raw`` (the GGUF's blocks, bit for bit)."""
+    """The module's parameters by name from the model's weights: q/k/v and gate/up fused, float kinds cast,
+    quantised kinds taken from ``raw`` (the GGUF's blocks, bit for bit)."""
     w = model.weights
-    cfg = model.config
 
-    def arrays(kind: str, names: list[str], heads: list[int | None]) -> dict[str, np.ndarray]:
+    def arrays(kind: str, names: list[str]) -> dict[str, np.ndarray]:
         fmt = spec.fmt(kind)
         parts: list[dict[str, np.ndarray]] = []
-        for name, n_heads in zip(names, heads, strict=True):
+        for name in names:
             if fmt in QUANTISED:
                 if raw is None or name not in raw:
                     raise ValueError(f"{kind} is stored as {fmt} but the GGUF blocks of {name} are not given")
@@ -88,16 +75,14 @@ def relax_weights(model: GGUFModel, spec: LlamaSpec, raw: RawTensors | None = No
                 part = {"weight": dequantize_blocks(*raw[name]).astype(fmt)}
             else:
                 raise ValueError(f"the model has no weight {name}")
-            if n_heads is not None:
-                part = {k: _unpermute_rope_rows(v, n_heads) for k, v in part.items()}
             parts.append(part)
         joined = {k: np.ascontiguousarray(np.concatenate([p[k] for p in parts])) for k in parts[0]}
         if not spec.packed(kind):
             return joined
         return pack_q4_1(**joined) if fmt == "q4_1" else pack_q8_0(**joined)
 
-    def put(prefix: str, kind: str, names: list[str], heads: list[int | None] | None = None) -> None:
-        for suffix, array in arrays(kind, names, heads or [None] * len(names)).items():
+    def put(prefix: str, kind: str, names: list[str]) -> None:
+        for suffix, array in arrays(kind, names).items():
             params[f"{prefix}.{suffix}"] = array
 
     params: dict[str, np.ndarray] = {"norm.weight": w["output_norm.weight"].astype(np.float32)}
@@ -106,12 +91,13 @@ def relax_weights(model: GGUFModel, spec: LlamaSpec, raw: RawTensors | None = No
         put("lm_head.w", "lm_head", ["output.weight"])
     for i in range(spec.n_layers):
         p = f"blk.{i}."
-        put(f"layers.{i}.attn.qkv.w", "qkv", [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"],
-            [cfg.n_heads, cfg.n_kv_heads, None])
+        put(f"layers.{i}.attn.qkv.w", "qkv", [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"])
         if spec.qkv_bias:
-            qb = _unpermute_rope_rows(w[p + "attn_q.bias"], spec.n_heads)
-            kb = _unpermute_rope_rows(w[p + "attn_k.bias"], spec.n_kv_heads)
-            params[f"layers.{i}.attn.qkv.bias"] = np.concatenate([qb, kb, w[p + "attn_v.bias"]]).astype(np.float32)
+            params[f"layers.{i}.attn.qkv.bias"] = np.concatenate(
+                [w[p + f"attn_{x}.bias"] for x in "qkv"]).astype(np.float32)
+        if spec.qk_norm:
+            params[f"layers.{i}.attn.q_norm.weight"] = w[p + "attn_q_norm.weight"].astype(np.float32)
+            params[f"layers.{i}.attn.k_norm.weight"] = w[p + "attn_k_norm.weight"].astype(np.float32)
         put(f"layers.{i}.attn.o.w", "o", [p + "attn_output.weight"])
         put(f"layers.{i}.mlp.gate_up.w", "gate_up", [p + "ffn_gate.weight", p + "ffn_up.weight"])
         put(f"layers.{i}.mlp.down.w", "down", [p + "ffn_down.weight"])

@@ -49,6 +49,7 @@ import tvm
 from logitproc.quiet_stderr import filtered_stderr
 
 from .gguf_model import GGUFModel, build_tokenizer, load_gguf
+from .gguf_tensors import RawTensors
 from .integer_matvec import has_int8_dot
 from .kernel_library import (
     KERNEL_OBJECT,
@@ -63,7 +64,7 @@ from .kernel_library import (
 )
 from .llama_weights import read_gguf_tensors, relax_weights
 from .packed_matvec import ACTIVATION_BITS, DEFAULT_ACTIVATION_BITS, has_vnni
-from .relax_llama import DEFAULT_KV_DTYPE, KV_DTYPES, LlamaSpec, RawTensors, export_llama
+from .relax_llama import DEFAULT_KV_DTYPE, KV_DTYPES, LlamaSpec, export_llama
 from .targets import TargetSpec, build_features, resolve_target
 
 ModelSource = str | os.PathLike[str] | GGUFModel | None
@@ -84,8 +85,8 @@ def model_source_hash() -> str:
     """sha256 over every source of the model compiler (``compile/*.py``: model, weight loading, kernels, targets)
     and the logit-processing kernel sources (``kernel_library.source_hash``)."""
     digest = hashlib.sha256(source_hash().encode())
-    for path in sorted(_COMPILER_DIR.glob("*.py")):
-        digest.update(path.name.encode())
+    for path in sorted(_COMPILER_DIR.rglob("*.py")):
+        digest.update(str(path.relative_to(_COMPILER_DIR)).encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()
 
@@ -176,7 +177,7 @@ class _Source:
         assert self.path is not None
         if self.kind == "gguf":
             model = load_gguf(self.path, load_weights=False)
-            model.weights, raw = read_gguf_tensors(self.path, keep_blocks=keep_blocks)
+            model.weights, raw = read_gguf_tensors(self.path, model.config, keep_blocks=keep_blocks)
             return model, raw
         from .hf_model import load_hf_dir
 
@@ -203,8 +204,9 @@ def _slug(name: str) -> str:
 
 
 def eos_token_ids(model: GGUFModel) -> list[int]:
-    """The ids that end a turn: the model's EOS plus ``<|im_end|>`` and ``<|endoftext|>`` when they are special."""
-    ids = [model.config.eos_id]
+    """The ids that end a turn: the model's EOS list (``LlamaConfig.eos_ids``: config lists, generation config,
+    GGUF eos/eot/eom) plus ``<|im_end|>`` and ``<|endoftext|>`` when they are special tokens."""
+    ids = list(model.config.eos_ids or (model.config.eos_id,))
     for token in ("<|im_end|>", "<|endoftext|>"):
         if token in model.tokens:
             index = model.tokens.index(token)

@@ -1,0 +1,71 @@
+"""A GGUF's weight tensors read one at a time into the canonical layout (``model_family``): float32 arrays by GGUF
+name, or a Q8_0/Q4_1 tensor's raw blocks, with a ``llama`` GGUF's q/k rows un-permuted to half-rotation order."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from .families import family_named
+from .gguf_config import ROPE_FREQS
+from .model_config import LlamaConfig
+
+#: Raw GGUF blocks of quantised tensors: name -> (GGML type name, uint8 array [rows, bytes per row]).
+RawTensors = dict[str, tuple[str, np.ndarray]]
+#: GGML types whose blocks the compiled model's kernels read as they are.
+BLOCK_TYPES = ("Q8_0", "Q4_1")
+
+
+def unpermute_qk_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Rows of a q/k projection (any per-row data: weights, raw blocks, bias) from llama.cpp's adjacent-pair order
+    (its converter's ``permute``) back to Hugging Face's half-rotation order."""
+    head_dim = w.shape[0] // n_heads
+    return w.reshape(n_heads, head_dim // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _qk_heads(name: str, config: LlamaConfig) -> int | None:
+    """The head count to un-permute ``name``'s rows by (q/k weights and biases), else None."""
+    suffix = name.split(".", 2)[-1] if name.startswith("blk.") else ""
+    if suffix in ("attn_q.weight", "attn_q.bias"):
+        return config.n_heads
+    if suffix in ("attn_k.weight", "attn_k.bias"):
+        return config.n_kv_heads
+    return None
+
+
+def dequantize_tensor(tensor: Any) -> np.ndarray:
+    """One GGUF tensor (``GGUFReader`` tensor) as an owned, C-contiguous float32 array, ``[out, in]`` order."""
+    from gguf.quants import dequantize
+
+    return np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32, order="C", copy=True)
+
+
+def read_rope_freqs(tensors: Iterable[Any]) -> np.ndarray | None:
+    """The ``rope_freqs`` tensor's values (float32), or None."""
+    for tensor in tensors:
+        if tensor.name == ROPE_FREQS:
+            return dequantize_tensor(tensor).reshape(-1)
+    return None
+
+
+def read_weights(tensors: Iterable[Any], config: LlamaConfig, *,
+                 keep_blocks: bool) -> tuple[dict[str, np.ndarray], RawTensors]:
+    """The weights of ``tensors`` (a ``GGUFReader``'s), one tensor at a time: float32 by GGUF name, or with
+    ``keep_blocks`` the Q8_0/Q4_1 ones as raw blocks; q/k rows un-permuted when the family's GGUFs permute them."""
+    permuted = family_named(config.architecture).gguf_qk_permuted
+    weights: dict[str, np.ndarray] = {}
+    blocks: RawTensors = {}
+    for tensor in tensors:
+        if tensor.name == ROPE_FREQS:
+            continue
+        heads = _qk_heads(tensor.name, config) if permuted else None
+        if keep_blocks and tensor.tensor_type.name in BLOCK_TYPES:
+            data = np.array(tensor.data, dtype=np.uint8)
+            blocks[tensor.name] = (tensor.tensor_type.name, data if heads is None else
+                                   np.ascontiguousarray(unpermute_qk_rows(data, heads)))
+        else:
+            array = dequantize_tensor(tensor)
+            weights[tensor.name] = array if heads is None else np.ascontiguousarray(unpermute_qk_rows(array, heads))
+    return weights, blocks
