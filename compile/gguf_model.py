@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 
 from .families import family_for_gguf
 from .gguf_config import config_from_gguf
-from .gguf_tensors import read_rope_freqs, read_weights
+from .gguf_tensors import gguf_weights, read_rope_freqs
 from .model_config import LlamaConfig
 
 IM_START = "<|im_start|>"
@@ -49,7 +50,8 @@ class GGUFModel:
 
     path: Path
     config: LlamaConfig
-    weights: dict[str, np.ndarray]
+    #: by GGUF name, float32, canonical layout (in a compile a ``gguf_tensors.LazyWeights``: read when looked up)
+    weights: Mapping[str, np.ndarray]
     tensor_types: dict[str, str]
     tokens: list[str]
     token_types: list[int]
@@ -100,7 +102,7 @@ def _field_value(reader_field: Any) -> Any:
 
 def load_gguf(path: str | os.PathLike[str], *, load_weights: bool = True) -> GGUFModel:
     """Read a GGUF of a supported family (``families``): config, tokenizer data and (unless ``load_weights`` is
-    False) float32 weights in the canonical layout (``gguf_tensors.read_weights``). Raises ValueError naming an
+    False) float32 weights in the canonical layout (``gguf_tensors.gguf_weights``). Raises ValueError naming an
     unsupported architecture, key, tensor or tokenizer."""
     from gguf import GGUFReader
 
@@ -122,7 +124,7 @@ def load_gguf(path: str | os.PathLike[str], *, load_weights: bool = True) -> GGU
     if len(tokens) != config.vocab:
         raise ValueError(f"{path.name}: {len(tokens)} tokens but vocab_size {config.vocab}")
 
-    weights = read_weights(reader.tensors, config, keep_blocks=False)[0] if load_weights else {}
+    weights = dict(gguf_weights(reader.tensors, config, keep_blocks=False)[0]) if load_weights else {}
     tensor_types = {t.name: t.tensor_type.name for t in reader.tensors}
     del reader  # drops the memory map
     return GGUFModel(

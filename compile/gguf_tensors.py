@@ -3,7 +3,8 @@ name, or a Q8_0/Q4_1 tensor's raw blocks, with a ``llama`` GGUF's q/k rows un-pe
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import functools
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -50,12 +51,33 @@ def read_rope_freqs(tensors: Iterable[Any]) -> np.ndarray | None:
     return None
 
 
-def read_weights(tensors: Iterable[Any], config: LlamaConfig, *,
-                 keep_blocks: bool) -> tuple[dict[str, np.ndarray], RawTensors]:
-    """The weights of ``tensors`` (a ``GGUFReader``'s), one tensor at a time: float32 by GGUF name, or with
-    ``keep_blocks`` the Q8_0/Q4_1 ones as raw blocks; q/k rows un-permuted when the family's GGUFs permute them."""
+class LazyWeights(Mapping[str, np.ndarray]):
+    """Weights by GGUF name, each read from its file (float32, canonical layout) when looked up and not kept: a
+    compile holds one tensor at a time, never the whole model in float32."""
+
+    def __init__(self, loaders: dict[str, Callable[[], np.ndarray]]) -> None:
+        self._loaders = loaders
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self._loaders[name]()
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._loaders
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._loaders)
+
+    def __len__(self) -> int:
+        return len(self._loaders)
+
+
+def gguf_weights(tensors: Iterable[Any], config: LlamaConfig, *,
+                 keep_blocks: bool) -> tuple[LazyWeights, RawTensors]:
+    """The weights of ``tensors`` (a ``GGUFReader``'s, over its memory map): float32 by GGUF name, read when looked
+    up, or with ``keep_blocks`` the Q8_0/Q4_1 ones as raw blocks (copied: the stored bytes); q/k rows un-permuted
+    when the family's GGUFs permute them."""
     permuted = family_named(config.architecture).gguf_qk_permuted
-    weights: dict[str, np.ndarray] = {}
+    loaders: dict[str, Callable[[], np.ndarray]] = {}
     blocks: RawTensors = {}
     for tensor in tensors:
         if tensor.name == ROPE_FREQS:
@@ -66,6 +88,10 @@ def read_weights(tensors: Iterable[Any], config: LlamaConfig, *,
             blocks[tensor.name] = (tensor.tensor_type.name, data if heads is None else
                                    np.ascontiguousarray(unpermute_qk_rows(data, heads)))
         else:
-            array = dequantize_tensor(tensor)
-            weights[tensor.name] = array if heads is None else np.ascontiguousarray(unpermute_qk_rows(array, heads))
-    return weights, blocks
+            loaders[tensor.name] = functools.partial(_dense, tensor, heads)
+    return LazyWeights(loaders), blocks
+
+
+def _dense(tensor: Any, heads: int | None) -> np.ndarray:
+    array = dequantize_tensor(tensor)
+    return array if heads is None else np.ascontiguousarray(unpermute_qk_rows(array, heads))

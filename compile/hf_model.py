@@ -4,7 +4,8 @@ A directory with ``config.json``, one or more ``*.safetensors`` and ``tokenizer.
 is read for the chat template and ``generation_config.json`` for more EOS ids when present). ``load_hf_dir(path)``
 returns a ``GGUFModel`` whose config comes from ``hf_config.config_from_hf`` (the family from ``architectures``;
 every key read or refused) and whose weights carry the GGUF names (``ModelFamily.hf_to_gguf_names``), ``[out, in]``
-float32, in the canonical layout (``model_family``: Hugging Face's q/k order). The tokenizer is the directory's
+float32, in the canonical layout (``model_family``: Hugging Face's q/k order), each read from its file when looked
+up (``LazyWeights``: a compile holds one tensor at a time). The tokenizer is the directory's
 own: its JSON rides along in ``metadata["tokenizer.huggingface.json"]`` (the compiler saves it as is); the
 vocabulary and merges are also unpacked into ``tokens``/``merges``.
 
@@ -16,9 +17,10 @@ Safetensors are read one tensor at a time with the ``safetensors`` library's num
 
 from __future__ import annotations
 
+import functools
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,7 @@ import numpy as np
 
 from .families import family_named
 from .gguf_model import GGUFModel, build_tokenizer
+from .gguf_tensors import LazyWeights
 from .hf_config import config_from_hf
 
 GENERATION_CONFIG = "generation_config.json"
@@ -47,17 +50,26 @@ def hf_files(directory: str | os.PathLike[str]) -> list[Path]:
     return files + tensors
 
 
-def read_safetensors(path: str | os.PathLike[str]) -> Iterator[tuple[str, np.ndarray]]:
-    """The tensors of a ``.safetensors`` file, one at a time, as float32 numpy arrays (F32, F16, BF16)."""
+def _safetensors_names(path: Path) -> list[str]:
+    """The tensor names of a ``.safetensors`` file (its header only); a dtype other than F32/F16/BF16 is refused."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="np") as handle:
+        names = list(handle.keys())
+        for name in names:
+            dtype = handle.get_slice(name).get_dtype()
+            if dtype not in ("F32", "F16", "BF16"):
+                raise ValueError(f"{path.name}: tensor {name} has dtype {dtype} (F32, F16, BF16 only)")
+    return names
+
+
+def read_safetensor(path: Path, name: str) -> np.ndarray:
+    """One tensor of a ``.safetensors`` file as a float32 numpy array."""
     import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, which safetensors' numpy API needs for BF16)
     from safetensors import safe_open
 
     with safe_open(str(path), framework="np") as handle:
-        for name in handle.keys():  # noqa: SIM118  (a safe_open handle is not a mapping)
-            dtype = handle.get_slice(name).get_dtype()
-            if dtype not in ("F32", "F16", "BF16"):
-                raise ValueError(f"{Path(path).name}: tensor {name} has dtype {dtype} (F32, F16, BF16 only)")
-            yield name, np.ascontiguousarray(handle.get_tensor(name), dtype=np.float32)
+        return np.ascontiguousarray(handle.get_tensor(name), dtype=np.float32)
 
 
 def _vocabulary(tokenizer: dict[str, Any]) -> tuple[list[str], list[int], list[str]]:
@@ -94,16 +106,17 @@ def load_hf_dir(directory: str | os.PathLike[str]) -> GGUFModel:
     tokens, token_types, merges = _vocabulary(json.loads(tokenizer_text))
 
     names = family.hf_to_gguf_names(config.n_layers)
-    weights: dict[str, np.ndarray] = {}
+    loaders: dict[str, Callable[[], np.ndarray]] = {}
     for file in files:
         if file.suffix != ".safetensors":
             continue
-        for name, array in read_safetensors(file):
+        for name in _safetensors_names(file):
             if name not in names:
                 raise ValueError(f"{path.name}: tensor {name} is not part of the {family.name} family")
             if names[name] == "output.weight" and config.tied_embeddings:
                 continue  # a copy of the embedding
-            weights[names[name]] = array
+            loaders[names[name]] = functools.partial(read_safetensor, file, name)
+    weights = LazyWeights(loaders)
     expected = set(family.tensor_names(config.n_layers, config.tied_embeddings))
     if set(weights) != expected:
         missing = sorted(expected - set(weights))

@@ -7,11 +7,13 @@ blocks split).
 from __future__ import annotations
 
 import os
+import zipfile
+from collections.abc import Iterator
 
 import numpy as np
 
 from .gguf_model import GGUFModel
-from .gguf_tensors import RawTensors, read_weights
+from .gguf_tensors import LazyWeights, RawTensors, gguf_weights
 from .linear_kernels import QUANTISED
 from .model_config import LlamaConfig
 from .packed_matvec import pack_q4_1, pack_q8_0
@@ -19,15 +21,12 @@ from .relax_llama import GGUF_FORMATS, LlamaSpec
 
 
 def read_gguf_tensors(path: str | os.PathLike[str], config: LlamaConfig, *,
-                      keep_blocks: bool) -> tuple[dict[str, np.ndarray], RawTensors]:
-    """A GGUF's tensors (``gguf_tensors.read_weights``): float32 weights by name, and (with ``keep_blocks``) the
-    Q8_0/Q4_1 tensors as raw blocks instead: name -> (type name, uint8 ``[rows, bytes per row]``)."""
+                      keep_blocks: bool) -> tuple[LazyWeights, RawTensors]:
+    """A GGUF's tensors (``gguf_tensors.gguf_weights``): weights read when looked up (float32), and (with
+    ``keep_blocks``) the Q8_0/Q4_1 tensors as raw blocks instead: name -> (type name, uint8 ``[rows, bytes]``)."""
     from gguf import GGUFReader
 
-    reader = GGUFReader(path)
-    weights, blocks = read_weights(reader.tensors, config, keep_blocks=keep_blocks)
-    del reader
-    return weights, blocks
+    return gguf_weights(GGUFReader(path).tensors, config, keep_blocks=keep_blocks)
 
 
 def split_blocks(ggml_type: str, data: np.ndarray) -> dict[str, np.ndarray]:
@@ -56,9 +55,11 @@ def dequantize_blocks(ggml_type: str, data: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(dequantize(data, GGMLQuantizationType[ggml_type]), dtype=np.float32)
 
 
-def relax_weights(model: GGUFModel, spec: LlamaSpec, raw: RawTensors | None = None) -> dict[str, np.ndarray]:
-    """The module's parameters by name from the model's weights: q/k/v and gate/up fused, float kinds cast,
-    quantised kinds taken from ``raw`` (the GGUF's blocks, bit for bit)."""
+def iter_relax_weights(model: GGUFModel, spec: LlamaSpec,
+                       raw: RawTensors | None = None) -> Iterator[tuple[str, np.ndarray]]:
+    """The module's parameters, one at a time, from the model's weights: q/k/v and gate/up fused, float kinds cast,
+    quantised kinds taken from ``raw`` (the GGUF's blocks, bit for bit). Each weight is looked up once, so with
+    ``LazyWeights`` only the tensors of one parameter are in memory at a time (float32, then the stored type)."""
     w = model.weights
 
     def arrays(kind: str, names: list[str]) -> dict[str, np.ndarray]:
@@ -70,7 +71,7 @@ def relax_weights(model: GGUFModel, spec: LlamaSpec, raw: RawTensors | None = No
                     raise ValueError(f"{kind} is stored as {fmt} but the GGUF blocks of {name} are not given")
                 part = split_blocks(*raw[name])
             elif name in w:
-                part = {"weight": w[name].astype(fmt)}
+                part = {"weight": np.asarray(w[name], dtype=fmt)}
             elif raw is not None and name in raw:  # kept as blocks by the loader, needed dense here
                 part = {"weight": dequantize_blocks(*raw[name]).astype(fmt)}
             else:
@@ -81,26 +82,51 @@ def relax_weights(model: GGUFModel, spec: LlamaSpec, raw: RawTensors | None = No
             return joined
         return pack_q4_1(**joined) if fmt == "q4_1" else pack_q8_0(**joined)
 
-    def put(prefix: str, kind: str, names: list[str]) -> None:
+    def put(prefix: str, kind: str, names: list[str]) -> Iterator[tuple[str, np.ndarray]]:
         for suffix, array in arrays(kind, names).items():
-            params[f"{prefix}.{suffix}"] = array
+            yield f"{prefix}.{suffix}", array
 
-    params: dict[str, np.ndarray] = {"norm.weight": w["output_norm.weight"].astype(np.float32)}
-    put("embed_tokens", "embed", ["token_embd.weight"])
+    def vector(name: str) -> np.ndarray:
+        return np.asarray(w[name], dtype=np.float32)
+
+    yield "norm.weight", vector("output_norm.weight")
+    yield from put("embed_tokens", "embed", ["token_embd.weight"])
     if not spec.tied_embeddings:
-        put("lm_head.w", "lm_head", ["output.weight"])
+        yield from put("lm_head.w", "lm_head", ["output.weight"])
     for i in range(spec.n_layers):
         p = f"blk.{i}."
-        put(f"layers.{i}.attn.qkv.w", "qkv", [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"])
+        yield from put(f"layers.{i}.attn.qkv.w", "qkv",
+                       [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"])
         if spec.qkv_bias:
-            params[f"layers.{i}.attn.qkv.bias"] = np.concatenate(
-                [w[p + f"attn_{x}.bias"] for x in "qkv"]).astype(np.float32)
+            yield f"layers.{i}.attn.qkv.bias", np.concatenate([vector(p + f"attn_{x}.bias") for x in "qkv"])
         if spec.qk_norm:
-            params[f"layers.{i}.attn.q_norm.weight"] = w[p + "attn_q_norm.weight"].astype(np.float32)
-            params[f"layers.{i}.attn.k_norm.weight"] = w[p + "attn_k_norm.weight"].astype(np.float32)
-        put(f"layers.{i}.attn.o.w", "o", [p + "attn_output.weight"])
-        put(f"layers.{i}.mlp.gate_up.w", "gate_up", [p + "ffn_gate.weight", p + "ffn_up.weight"])
-        put(f"layers.{i}.mlp.down.w", "down", [p + "ffn_down.weight"])
-        params[f"layers.{i}.attn_norm.weight"] = w[p + "attn_norm.weight"].astype(np.float32)
-        params[f"layers.{i}.ffn_norm.weight"] = w[p + "ffn_norm.weight"].astype(np.float32)
-    return params
+            yield f"layers.{i}.attn.q_norm.weight", vector(p + "attn_q_norm.weight")
+            yield f"layers.{i}.attn.k_norm.weight", vector(p + "attn_k_norm.weight")
+        yield from put(f"layers.{i}.attn.o.w", "o", [p + "attn_output.weight"])
+        yield from put(f"layers.{i}.mlp.gate_up.w", "gate_up", [p + "ffn_gate.weight", p + "ffn_up.weight"])
+        yield from put(f"layers.{i}.mlp.down.w", "down", [p + "ffn_down.weight"])
+        yield f"layers.{i}.attn_norm.weight", vector(p + "attn_norm.weight")
+        yield f"layers.{i}.ffn_norm.weight", vector(p + "ffn_norm.weight")
+
+
+def relax_weights(model: GGUFModel, spec: LlamaSpec, raw: RawTensors | None = None) -> dict[str, np.ndarray]:
+    """Every parameter of ``iter_relax_weights`` at once, by name."""
+    return dict(iter_relax_weights(model, spec, raw))
+
+
+def save_params(path: str | os.PathLike[str], params: Iterator[tuple[str, np.ndarray]], names: list[str]) -> int:
+    """Write ``params`` (only those in ``names``, each exactly once) as an uncompressed ``.npz`` as ``np.savez``
+    writes it, one array at a time (none is kept); the bytes written. Raises ValueError naming missing ones."""
+    wanted, written, size = set(names), set(), 0
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
+        for name, array in params:
+            if name not in wanted:
+                continue
+            with archive.open(f"{name}.npy", "w", force_zip64=True) as entry:
+                np.lib.format.write_array(entry, np.ascontiguousarray(array), allow_pickle=False)
+            written.add(name)
+            size += array.nbytes
+    missing = sorted(wanted - written)
+    if missing:
+        raise ValueError(f"no weights for parameters {missing[:5]}")
+    return size

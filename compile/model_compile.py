@@ -62,7 +62,7 @@ from .kernel_library import (
     source_hash,
     write_manifest,
 )
-from .llama_weights import read_gguf_tensors, relax_weights
+from .llama_weights import iter_relax_weights, read_gguf_tensors, save_params
 from .packed_matvec import ACTIVATION_BITS, DEFAULT_ACTIVATION_BITS, has_vnni
 from .relax_llama import DEFAULT_KV_DTYPE, KV_DTYPES, LlamaSpec, export_llama
 from .targets import TargetSpec, build_features, resolve_target
@@ -258,14 +258,9 @@ def _build_into(source: _Source, model_hash: str, spec: TargetSpec, options: _Op
              f"{kernels.directory} in {time.perf_counter() - step:.1f}s")
 
     step = time.perf_counter()
-    weights = relax_weights(model, llama, raw)
-    missing = sorted(set(param_names) - set(weights))
-    if missing:
-        raise ValueError(f"{source.name}: no weights for parameters {missing}")
-    np.savez(out / PARAMS_FILE, **{name: weights[name] for name in param_names})
+    size = save_params(out / PARAMS_FILE, iter_relax_weights(model, llama, raw), param_names) / 1e6
     (out / TOKENIZER_FILE).write_text(_tokenizer_json(model))
     chatml, default_system = _default_system(model)
-    size = sum(a.nbytes for a in weights.values()) / 1e6
     progress(f"wrote weights ({size:.0f} MB) and tokenizer in {time.perf_counter() - step:.1f}s")
 
     return write_manifest(
