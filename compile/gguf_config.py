@@ -12,8 +12,9 @@ from .model_config import LlamaConfig
 from .model_family import GGUF_COMMON_KEYS
 from .rope import rope_from_gguf
 
-#: The tensor of Llama 3's RoPE scaling (read into the config, not a weight).
+#: The tensor of Llama 3's RoPE scaling and Phi-3's LongRoPE factors (read into the config, not weights).
 ROPE_FREQS = "rope_freqs.weight"
+ROPE_FACTORS_SHORT = "rope_factors_short.weight"
 #: Token ids that end a turn, in this order.
 _EOS_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 
@@ -27,15 +28,17 @@ def _positive(meta: dict[str, Any], key: str, default: int | None = None, source
     return value
 
 
-def config_from_gguf(meta: dict[str, Any], tensor_names: list[str], rope_freqs: np.ndarray | None, *,
+def config_from_gguf(meta: dict[str, Any], tensor_names: list[str], rope_tensors: dict[str, np.ndarray], *,
                      vocab_size: int, source: str = "GGUF") -> LlamaConfig:
-    """The ``LlamaConfig`` of a GGUF's metadata ``meta`` (Python values), its tensor names, its ``rope_freqs``
-    tensor (float32, or None) and the token count of its vocabulary; ``source`` (the file name) starts every
-    error. Raises ValueError naming an unsupported architecture, key, value or tensor."""
+    """The ``LlamaConfig`` of a GGUF's metadata ``meta`` (Python values), its tensor names, its RoPE tensors
+    (``rope_freqs``, ``rope_factors_*``: name -> float32 values) and the token count of its vocabulary; ``source``
+    (the file name) starts every error. Raises ValueError naming an unsupported architecture, key, value or
+    tensor."""
     arch = meta.get("general.architecture")
     family = family_for_gguf(str(arch))
     prefix = f"{arch}."
-    unknown = sorted(k for k in meta if k.startswith(prefix) and k[len(prefix):] not in GGUF_COMMON_KEYS)
+    known = GGUF_COMMON_KEYS | family.gguf_keys
+    unknown = sorted(k for k in meta if k.startswith(prefix) and k[len(prefix):] not in known)
     if unknown:
         raise ValueError(f"{source}: key(s) {unknown} are not understood for the {family.name} family; refusing "
                          f"rather than guessing what they change")
@@ -49,14 +52,18 @@ def config_from_gguf(meta: dict[str, Any], tensor_names: list[str], rope_freqs: 
     if value_dim != head_dim:
         raise ValueError(f"{source}: value length {value_dim} differs from key length {head_dim} (not supported)")
     rope_dim = _positive(meta, prefix + "rope.dimension_count", head_dim, source=source)
-    if rope_dim != head_dim:
-        raise ValueError(f"{source}: partial rotary embedding ({prefix}rope.dimension_count {rope_dim} of head size "
-                         f"{head_dim}) is not supported")
-    rope = rope_from_gguf(meta, str(arch), rope_dim, rope_freqs)
+    if rope_dim > head_dim or rope_dim % 2:
+        raise ValueError(f"{source}: {prefix}rope.dimension_count {rope_dim} must be even and at most the head size "
+                         f"{head_dim}")
+    unread = sorted(set(rope_tensors) - set(family.gguf_rope_tensors))
+    if unread:
+        raise ValueError(f"{source}: tensor(s) {unread} are not part of the {family.name} family")
+    rope = rope_from_gguf(meta, str(arch), rope_dim, rope_tensors.get(ROPE_FREQS),
+                          rope_tensors.get(ROPE_FACTORS_SHORT))
     n_layers = _positive(meta, prefix + "block_count", source=source)
     tied = "output.weight" not in tensor_names
-    expected = set(family.tensor_names(n_layers, tied))
-    present = set(tensor_names) - {ROPE_FREQS}
+    expected = set(family.gguf_file_tensors(n_layers, tied))
+    present = set(tensor_names) - set(rope_tensors)
     if present - expected:
         raise ValueError(f"{source}: tensor(s) {sorted(present - expected)[:5]} are not part of the {family.name} "
                          f"family (expected e.g. {sorted(expected)[:3]})")
@@ -77,7 +84,8 @@ def config_from_gguf(meta: dict[str, Any], tensor_names: list[str], rope_freqs: 
         n_kv_heads=n_kv,
         ffn=_positive(meta, prefix + "feed_forward_length", source=source),
         vocab=vocab,
-        context=_positive(meta, prefix + "context_length", source=source),
+        context=min(_positive(meta, prefix + "context_length", source=source), rope.max_context or 1 << 62,
+                    _positive(meta, prefix + "attention.sliding_window", 1 << 62, source=source)),
         rope_theta=rope.theta,
         rms_eps=float(meta[prefix + "attention.layer_norm_rms_epsilon"]),
         tied_embeddings=tied,
@@ -89,5 +97,6 @@ def config_from_gguf(meta: dict[str, Any], tensor_names: list[str], rope_freqs: 
         name=str(meta.get("general.name", "")),
         rope_factors=rope.factors,
         rope_scaling=rope.kind,
+        rope_attention_factor=rope.attention_factor,
         eos_ids=tuple(eos),
     )

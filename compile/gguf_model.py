@@ -31,7 +31,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 
 from .families import family_for_gguf
 from .gguf_config import config_from_gguf
-from .gguf_tensors import gguf_weights, read_rope_freqs
+from .gguf_tensors import gguf_weights, read_rope_tensors
 from .model_config import LlamaConfig
 
 IM_START = "<|im_start|>"
@@ -119,7 +119,7 @@ def load_gguf(path: str | os.PathLike[str], *, load_weights: bool = True) -> GGU
     token_types: list[int] = meta.pop("tokenizer.ggml.token_type", [1] * len(tokens))
     meta.pop("tokenizer.ggml.scores", None)
 
-    config = config_from_gguf(meta, [t.name for t in reader.tensors], read_rope_freqs(reader.tensors),
+    config = config_from_gguf(meta, [t.name for t in reader.tensors], read_rope_tensors(reader.tensors),
                               vocab_size=len(tokens), source=path.name)
     if len(tokens) != config.vocab:
         raise ValueError(f"{path.name}: {len(tokens)} tokens but vocab_size {config.vocab}")

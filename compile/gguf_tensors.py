@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 
 from .families import family_named
-from .gguf_config import ROPE_FREQS
 from .model_config import LlamaConfig
+from .model_family import canonical_rows
 
 #: Raw GGUF blocks of quantised tensors: name -> (GGML type name, uint8 array [rows, bytes per row]).
 RawTensors = dict[str, tuple[str, np.ndarray]]
@@ -43,12 +43,15 @@ def dequantize_tensor(tensor: Any) -> np.ndarray:
     return np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32, order="C", copy=True)
 
 
-def read_rope_freqs(tensors: Iterable[Any]) -> np.ndarray | None:
-    """The ``rope_freqs`` tensor's values (float32), or None."""
-    for tensor in tensors:
-        if tensor.name == ROPE_FREQS:
-            return dequantize_tensor(tensor).reshape(-1)
-    return None
+def is_rope_tensor(name: str) -> bool:
+    """Whether ``name`` is a model-level RoPE tensor (``rope_freqs``, ``rope_factors_short``, ...): config, not
+    weights."""
+    return name.startswith("rope_")
+
+
+def read_rope_tensors(tensors: Iterable[Any]) -> dict[str, np.ndarray]:
+    """The RoPE tensors' values (float32, flat) by name."""
+    return {t.name: dequantize_tensor(t).reshape(-1) for t in tensors if is_rope_tensor(t.name)}
 
 
 class LazyWeights(Mapping[str, np.ndarray]):
@@ -76,22 +79,29 @@ def gguf_weights(tensors: Iterable[Any], config: LlamaConfig, *,
     """The weights of ``tensors`` (a ``GGUFReader``'s, over its memory map): float32 by GGUF name, read when looked
     up, or with ``keep_blocks`` the Q8_0/Q4_1 ones as raw blocks (copied: the stored bytes); q/k rows un-permuted
     when the family's GGUFs permute them."""
-    permuted = family_named(config.architecture).gguf_qk_permuted
+    family = family_named(config.architecture)
+    parts_of = family.gguf_file_tensors(config.n_layers, config.tied_embeddings)
     loaders: dict[str, Callable[[], np.ndarray]] = {}
     blocks: RawTensors = {}
     for tensor in tensors:
-        if tensor.name == ROPE_FREQS:
+        if is_rope_tensor(tensor.name):
             continue
-        heads = _qk_heads(tensor.name, config) if permuted else None
-        if keep_blocks and tensor.tensor_type.name in BLOCK_TYPES:
-            data = np.array(tensor.data, dtype=np.uint8)
-            blocks[tensor.name] = (tensor.tensor_type.name, data if heads is None else
-                                   np.ascontiguousarray(unpermute_qk_rows(data, heads)))
-        else:
-            loaders[tensor.name] = functools.partial(_dense, tensor, heads)
+        start = 0
+        for name in parts_of[tensor.name]:  # a fused tensor's canonical parts, by rows (else the tensor itself)
+            rows = None if len(parts_of[tensor.name]) == 1 else canonical_rows(
+                name, config.n_heads, config.n_kv_heads, config.head_dim, config.ffn)
+            span = slice(start, None if rows is None else start + rows)
+            start += rows or 0
+            heads = _qk_heads(name, config) if family.gguf_qk_permuted else None
+            if keep_blocks and tensor.tensor_type.name in BLOCK_TYPES:
+                data = np.array(tensor.data[span], dtype=np.uint8)
+                blocks[name] = (tensor.tensor_type.name, data if heads is None else
+                                np.ascontiguousarray(unpermute_qk_rows(data, heads)))
+            else:
+                loaders[name] = functools.partial(_dense, tensor, span, heads)
     return LazyWeights(loaders), blocks
 
 
-def _dense(tensor: Any, heads: int | None) -> np.ndarray:
-    array = dequantize_tensor(tensor)
-    return array if heads is None else np.ascontiguousarray(unpermute_qk_rows(array, heads))
+def _dense(tensor: Any, rows: slice, heads: int | None) -> np.ndarray:
+    array = dequantize_tensor(tensor)[rows]
+    return np.ascontiguousarray(array if heads is None else unpermute_qk_rows(array, heads))

@@ -8,7 +8,7 @@ from typing import Any
 from .families import family_for_hf
 from .model_config import LlamaConfig
 from .model_family import HF_COMMON_KEYS, HF_INERT_KEYS, ModelFamily
-from .rope import rope_from_hf
+from .rope import RopeScaling, rope_from_hf, rotary_dim_from_hf
 
 
 def _ids(value: Any, key: str) -> list[int]:
@@ -38,7 +38,7 @@ def _check_keys(cfg: dict[str, Any], family: ModelFamily) -> None:
     for key, value in cfg.items():
         if key in HF_COMMON_KEYS or key in HF_INERT_KEYS:
             continue
-        if key not in family.hf_fixed_keys and key not in _WINDOW_KEYS:
+        if key not in family.hf_fixed_keys and key not in family.hf_keys and key not in _WINDOW_KEYS:
             raise ValueError(f"config.json: key {key!r} (= {value!r}) is not understood for the {family.name} "
                              f"family; refusing rather than guessing what it changes")
         allowed = family.hf_fixed_keys.get(key)
@@ -52,10 +52,11 @@ def _check_keys(cfg: dict[str, Any], family: ModelFamily) -> None:
         raise ValueError(f"config.json: layer_types {sorted(set(layer_types))} are not supported (full_attention)")
 
 
-def _context(cfg: dict[str, Any]) -> int:
-    """``max_position_embeddings``, cut to a sliding window that applies (Mistral v0.1's 4096): within the window
-    every token sees every earlier one, so the maths is exact for the whole context served."""
-    context = _int(cfg, "max_position_embeddings", 2048)
+def _context(cfg: dict[str, Any], rope: RopeScaling) -> int:
+    """``max_position_embeddings``, cut to a sliding window that applies (Mistral v0.1's 4096: within the window
+    every token sees every earlier one, so the maths is exact for the whole context served) and to the RoPE
+    scaling's ``max_context`` (LongRoPE's original context)."""
+    context = min(_int(cfg, "max_position_embeddings", 2048), rope.max_context or 1 << 62)
     window = cfg.get("sliding_window")
     if window is not None and cfg.get("use_sliding_window", True):
         if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
@@ -78,7 +79,8 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None
     head_dim = _int(cfg, "head_dim", hidden // n_heads) if cfg.get("head_dim") is not None else hidden // n_heads
     if head_dim % 2:
         raise ValueError(f"config.json: head_dim {head_dim} must be even for RoPE")
-    rope = rope_from_hf(cfg, head_dim)
+    rope_dim = rotary_dim_from_hf(cfg, head_dim)
+    rope = rope_from_hf(cfg, rope_dim)
     eos = _ids(cfg.get("eos_token_id"), "eos_token_id")
     for extra in _ids((generation or {}).get("eos_token_id"), "generation_config.json eos_token_id"):
         if extra not in eos:
@@ -97,17 +99,18 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None
         n_kv_heads=n_kv,
         ffn=_int(cfg, "intermediate_size"),
         vocab=_int(cfg, "vocab_size"),
-        context=_context(cfg),
+        context=_context(cfg, rope),
         rope_theta=rope.theta,
         rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         bos_id=bos[0] if bos else 0,
         eos_id=eos[0] if eos else 0,
         head_dim=head_dim,
-        rope_dim=head_dim,
+        rope_dim=rope_dim,
         chat_template=chat_template,
         name=name,
         rope_factors=rope.factors,
         rope_scaling=rope.kind,
+        rope_attention_factor=rope.attention_factor,
         eos_ids=tuple(eos),
     )

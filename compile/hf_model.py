@@ -30,6 +30,7 @@ from .families import family_named
 from .gguf_model import GGUFModel, build_tokenizer
 from .gguf_tensors import LazyWeights
 from .hf_config import config_from_hf
+from .model_family import canonical_rows
 
 GENERATION_CONFIG = "generation_config.json"
 
@@ -63,13 +64,13 @@ def _safetensors_names(path: Path) -> list[str]:
     return names
 
 
-def read_safetensor(path: Path, name: str) -> np.ndarray:
-    """One tensor of a ``.safetensors`` file as a float32 numpy array."""
+def read_safetensor(path: Path, name: str, rows: slice = slice(None)) -> np.ndarray:
+    """One tensor of a ``.safetensors`` file (its ``rows``) as a float32 numpy array."""
     import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, which safetensors' numpy API needs for BF16)
     from safetensors import safe_open
 
     with safe_open(str(path), framework="np") as handle:
-        return np.ascontiguousarray(handle.get_tensor(name), dtype=np.float32)
+        return np.ascontiguousarray(handle.get_slice(name)[rows], dtype=np.float32)
 
 
 def _vocabulary(tokenizer: dict[str, Any]) -> tuple[list[str], list[int], list[str]]:
@@ -113,9 +114,15 @@ def load_hf_dir(directory: str | os.PathLike[str]) -> GGUFModel:
         for name in _safetensors_names(file):
             if name not in names:
                 raise ValueError(f"{path.name}: tensor {name} is not part of the {family.name} family")
-            if names[name] == "output.weight" and config.tied_embeddings:
+            if names[name] == ("output.weight",) and config.tied_embeddings:
                 continue  # a copy of the embedding
-            loaders[names[name]] = functools.partial(read_safetensor, file, name)
+            start = 0
+            for part in names[name]:  # a fused tensor's canonical parts, by rows (else the tensor itself)
+                rows = None if len(names[name]) == 1 else canonical_rows(
+                    part, config.n_heads, config.n_kv_heads, config.head_dim, config.ffn)
+                loaders[part] = functools.partial(read_safetensor, file, name,
+                                                  slice(start, None if rows is None else start + rows))
+                start += rows or 0
     weights = LazyWeights(loaders)
     expected = set(family.tensor_names(config.n_layers, config.tied_embeddings))
     if set(weights) != expected:
@@ -142,7 +149,9 @@ def write_hf_dir(model: GGUFModel, directory: str | os.PathLike[str]) -> Path:
     family = family_named(cfg.architecture)
     if cfg.rope_factors:
         raise ValueError("write_hf_dir writes unscaled RoPE only")
-    to_hf = {gguf: hf for hf, gguf in family.hf_to_gguf_names(cfg.n_layers).items()}
+    if family.hf_fused:
+        raise ValueError(f"write_hf_dir does not fuse tensors ({family.name})")
+    to_hf = {gguf[0]: hf for hf, gguf in family.hf_to_gguf_names(cfg.n_layers).items()}
     save_file({to_hf[name]: np.ascontiguousarray(array, dtype=np.float32) for name, array in model.weights.items()},
               str(path / "model.safetensors"))
     config = {

@@ -35,6 +35,8 @@ class LlamaConfig:
     #: RoPE's per-frequency divisors (``rope.RopeScaling``; empty: none) and the scaling they came from
     rope_factors: tuple[float, ...] = ()
     rope_scaling: str = "default"
+    #: cos and sin multiplied by it (LongRoPE)
+    rope_attention_factor: float = 1.0
     #: every id that ends a turn: ``eos_token_id`` lists, ``generation_config.json``, GGUF ``eos``/``eot``/``eom``
     eos_ids: tuple[int, ...] = ()
 
@@ -46,7 +48,7 @@ class LlamaConfig:
     @property
     def rope(self) -> RopeScaling:
         """RoPE's base and per-frequency divisors."""
-        return RopeScaling(self.rope_theta, self.rope_factors, self.rope_scaling)
+        return RopeScaling(self.rope_theta, self.rope_factors, self.rope_scaling, self.rope_attention_factor)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> LlamaConfig:

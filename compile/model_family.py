@@ -59,12 +59,22 @@ TOP_TENSORS: dict[str, str] = {
     "output.weight": "lm_head.weight",
 }
 
+def canonical_rows(name: str, n_heads: int, n_kv_heads: int, head_dim: int, ffn: int) -> int:
+    """Rows of a canonical q/k/v or gate/up tensor (how a fused tensor splits)."""
+    suffix = name.split(".", 2)[-1]
+    rows = {"attn_q.weight": n_heads * head_dim, "attn_k.weight": n_kv_heads * head_dim,
+            "attn_v.weight": n_kv_heads * head_dim, "ffn_gate.weight": ffn, "ffn_up.weight": ffn}
+    if suffix not in rows:
+        raise ValueError(f"{name} is not a part of a fused tensor")
+    return rows[suffix]
+
+
 #: ``config.json`` keys every family reads (``hf_config.config_from_hf``).
 HF_COMMON_KEYS = frozenset({
     "architectures", "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
     "intermediate_size", "vocab_size", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings",
     "bos_token_id", "eos_token_id", "head_dim", "hidden_act", "rope_theta", "rope_scaling", "rope_parameters",
-    "_name_or_path",
+    "partial_rotary_factor", "_name_or_path",
 })
 #: ``config.json`` keys that never change the maths of inference (bookkeeping, training-only settings).
 HF_INERT_KEYS = frozenset({
@@ -72,6 +82,10 @@ HF_INERT_KEYS = frozenset({
     "pad_token_id", "pretraining_tp", "output_attentions", "output_hidden_states", "return_dict", "is_decoder",
     "tokenizer_class", "quantization_config_none", "unsloth_fixed", "unsloth_version", "auto_map",
 })
+#: The canonical tensors a fused one splits into, by rows in this order (``ModelFamily.hf_fused`` / ``gguf_fused``).
+QKV_SPLIT = ("attn_q.weight", "attn_k.weight", "attn_v.weight")
+GATE_UP_SPLIT = ("ffn_gate.weight", "ffn_up.weight")
+
 #: GGUF keys (``{arch}.`` prefix) every family reads (``gguf_config.config_from_gguf``).
 GGUF_COMMON_KEYS = frozenset({
     "context_length", "embedding_length", "block_count", "feed_forward_length", "attention.head_count",
@@ -104,6 +118,16 @@ class ModelFamily:
     #: ``config.json`` keys this family reads besides ``HF_COMMON_KEYS``, with the values they must have (a key
     #: whose value is not listed is refused): e.g. ``{"attention_bias": (False,)}``
     hf_fixed_keys: dict[str, tuple[object, ...]] = field(default_factory=dict)
+    #: ``config.json`` keys this family reads besides ``HF_COMMON_KEYS`` whatever their value (``hf_config``)
+    hf_keys: frozenset[str] = frozenset()
+    #: GGUF keys (after ``{arch}.``) this family reads besides ``GGUF_COMMON_KEYS``
+    gguf_keys: frozenset[str] = frozenset()
+    #: Hugging Face layer tensors that hold several canonical ones (rows in order): suffix -> canonical suffixes
+    hf_fused: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    #: GGUF layer tensors that hold several canonical ones (rows in order): file suffix -> canonical suffixes
+    gguf_fused: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    #: model-level GGUF tensors read into the config (RoPE factors), not weights
+    gguf_rope_tensors: tuple[str, ...] = ("rope_freqs.weight",)
 
     @property
     def layer_tensors(self) -> dict[str, str]:
@@ -120,9 +144,23 @@ class ModelFamily:
         names = [n for n in TOP_TENSORS if not (tied_embeddings and n == "output.weight")]
         return names + [f"blk.{i}.{suffix}" for i in range(n_layers) for suffix in self.layer_tensors]
 
-    def hf_to_gguf_names(self, n_layers: int) -> dict[str, str]:
-        """Hugging Face tensor name -> GGUF name, for every tensor the family may have."""
-        names = {hf: gguf for gguf, hf in TOP_TENSORS.items()}
+    def hf_to_gguf_names(self, n_layers: int) -> dict[str, tuple[str, ...]]:
+        """Hugging Face tensor name -> the canonical (GGUF) names it holds, for every tensor the family may have."""
+        names = {hf: (gguf,) for gguf, hf in TOP_TENSORS.items()}
+        fused_parts = {part for parts in self.hf_fused.values() for part in parts}
+        layer = {hf: (gguf,) for gguf, hf in self.layer_tensors.items() if gguf not in fused_parts}
+        layer.update(self.hf_fused)
         for i in range(n_layers):
-            names.update({f"model.layers.{i}.{hf}": f"blk.{i}.{gguf}" for gguf, hf in self.layer_tensors.items()})
+            names.update({f"model.layers.{i}.{hf}": tuple(f"blk.{i}.{g}" for g in parts)
+                          for hf, parts in layer.items()})
+        return names
+
+    def gguf_file_tensors(self, n_layers: int, tied_embeddings: bool) -> dict[str, tuple[str, ...]]:
+        """Every weight tensor of this family's GGUF file -> the canonical names it holds."""
+        names = {n: (n,) for n in TOP_TENSORS if not (tied_embeddings and n == "output.weight")}
+        fused_parts = {part for parts in self.gguf_fused.values() for part in parts}
+        layer = {g: (g,) for g in self.layer_tensors if g not in fused_parts}
+        layer.update(self.gguf_fused)
+        for i in range(n_layers):
+            names.update({f"blk.{i}.{file}": tuple(f"blk.{i}.{p}" for p in parts) for file, parts in layer.items()})
         return names

@@ -100,6 +100,9 @@ class LlamaSpec:
     #: RoPE's inverse frequencies, ``head_dim / 2`` of them (``RopeScaling.inverse_frequencies``); empty: unscaled
     #: ``rope_theta ** (-2 i / head_dim)``
     rope_inv_freq: tuple[float, ...] = ()
+    #: the rotated values of each head (``rope_dim`` <= ``head_dim``; 0: all) and cos/sin's factor (LongRoPE)
+    rope_dim: int = 0
+    rope_attention_factor: float = 1.0
     formats: tuple[tuple[str, str], ...] = ()
     #: decode matvecs of quantised weights by integer dot products (``integer_matvec``: the target has AVX2)
     int8_dot: bool = False
@@ -154,7 +157,8 @@ class LlamaSpec:
             head_dim=cfg.head_dim, ffn=cfg.ffn, vocab=cfg.vocab, rope_theta=float(cfg.rope_theta),
             rms_eps=float(cfg.rms_eps), tied_embeddings=cfg.tied_embeddings,
             qkv_bias=family.qkv_bias, qk_norm=family.qk_norm,
-            rope_inv_freq=tuple(float(f) for f in cfg.rope.inverse_frequencies(cfg.head_dim)),
+            rope_inv_freq=tuple(float(f) for f in cfg.rope.inverse_frequencies(cfg.rope_dim)),
+            rope_dim=cfg.rope_dim, rope_attention_factor=float(cfg.rope_attention_factor),
             formats=tuple(formats),
         )
 
@@ -165,7 +169,8 @@ class LlamaSpec:
         """RoPE's inverse frequencies (``rope_inv_freq``, or the unscaled ones of ``rope_theta``)."""
         if self.rope_inv_freq:
             return self.rope_inv_freq
-        return tuple(float(f) for f in self.rope_theta ** (-np.arange(0, self.head_dim, 2) / self.head_dim))
+        rope_dim = self.rope_dim or self.head_dim
+        return tuple(float(f) for f in self.rope_theta ** (-np.arange(0, rope_dim, 2) / rope_dim))
 
 
 class _Weights(nn.Module):
@@ -452,5 +457,5 @@ def export_llama(spec: LlamaSpec, target: tvm.target.Target) -> tuple[tvm.IRModu
     with target:
         mod, named_params = module.export_tvm(spec=module.export_spec())
     mod = replace_attention_kernels(mod, spec.n_kv_heads, spec.n_heads, spec.head_dim, spec.inverse_frequencies(),
-                                    spec.kv_dtype)
+                                    spec.kv_dtype, spec.rope_attention_factor)
     return mod, [name for name, _ in named_params]

@@ -8,8 +8,9 @@ For a model of any supported family (``logitproc.compile.families``) read by ``l
     q, k, v = h @ Wq.T, h @ Wk.T, h @ Wv.T            [T, n_heads, d], [T, n_kv, d], [T, n_kv, d]
                                                       (+ bq, bk, bv: the family's ``qkv_bias``)
     q, k = rmsnorm(q) * q_norm, rmsnorm(k) * k_norm   over each head (the family's ``qk_norm``)
-    q, k = rope(q), rope(k)                            pairs (i, i + d/2) rotated by pos * inv_freq[i]
-                                                      (inv_freq: ``RopeScaling.inverse_frequencies``)
+    q, k = rope(q), rope(k)                            pairs (i, i + r/2) of the first r = rope_dim values
+                                                      rotated by pos * inv_freq[i], cos and sin times the
+                                                      attention factor (``RopeScaling``); the rest unrotated
     append k, v to the cache; query head j reads KV head j // (n_heads / n_kv)   (grouped-query attention)
     x += softmax(q k^T / sqrt(d), causal) v @ Wo.T
     h = rmsnorm(x) * ffn_norm
@@ -56,19 +57,22 @@ def silu(x: np.ndarray) -> np.ndarray:
     return x * (0.5 + 0.5 * np.tanh(0.5 * x))
 
 
-def rope_tables(positions: np.ndarray, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """cos and sin ``[T, len(inv_freq)]`` (float32) of ``position * inv_freq``, computed in float64."""
+def rope_tables(positions: np.ndarray, inv_freq: np.ndarray,
+                attention_factor: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin ``[T, len(inv_freq)]`` (float32) of ``position * inv_freq``, times ``attention_factor``,
+    computed in float64."""
     angles = positions.astype(np.float64)[:, None] * np.asarray(inv_freq, dtype=np.float64)[None, :]
-    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    return ((np.cos(angles) * attention_factor).astype(np.float32),
+            (np.sin(angles) * attention_factor).astype(np.float32))
 
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-    """Rotate the pairs ``(x[i], x[i + d/2])`` of ``x`` ``[T, heads, d]`` by the angles of ``cos``/``sin``
-    (Hugging Face's rotate-half RoPE)."""
-    half = x.shape[-1] // 2
-    a, b = x[..., :half], x[..., half:]
+    """Rotate the pairs ``(x[i], x[i + r/2])`` of the first ``r = 2 cos.shape[-1]`` values of each head of ``x``
+    ``[T, heads, d]`` by the angles of ``cos``/``sin`` (Hugging Face's rotate-half RoPE); the rest unchanged."""
+    half = cos.shape[-1]
+    a, b, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
     c, s = cos[:, None, :], sin[:, None, :]
-    return np.concatenate([a * c - b * s, b * c + a * s], axis=-1)
+    return np.concatenate([a * c - b * s, b * c + a * s, rest], axis=-1)
 
 
 class NumpyLlama:
@@ -107,6 +111,7 @@ class NumpyLlama:
         self._qk_norms = [(w[f"blk.{i}.attn_q_norm.weight"], w[f"blk.{i}.attn_k_norm.weight"]) if family.qk_norm
                           else None for i in range(cfg.n_layers)]
         self._inv_freq = cfg.rope.inverse_frequencies(cfg.rope_dim)
+        self._rope_scale = float(cfg.rope_attention_factor)
         self._eps = float(cfg.rms_eps)
         self._scale = 1.0 / float(np.sqrt(cfg.head_dim))
         self._k_cache = np.zeros((0,), np.float32)
@@ -171,7 +176,7 @@ class NumpyLlama:
         cfg = self.config
         n_tok, n_kv, d, rep = ids.size, cfg.n_kv_heads, cfg.head_dim, cfg.n_rep
         end = start + n_tok
-        cos, sin = rope_tables(np.arange(start, end), self._inv_freq)
+        cos, sin = rope_tables(np.arange(start, end), self._inv_freq, self._rope_scale)
         # Query t sits at position start + t and sees cached positions 0 .. start + t.
         causal = np.where(np.arange(end)[None, :] <= np.arange(start, end)[:, None], 0.0, -np.inf).astype(np.float32)
 

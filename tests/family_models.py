@@ -6,8 +6,10 @@ Each model: 2 layers, hidden 64, 4 query / 2 KV heads, FFN 128, the tiny byte-le
 default init sets norms to 1 and biases to 0, which would hide a missing norm or bias), projections scaled so the
 logits have a standard deviation of about 2. The GGUF is written as llama.cpp's converter writes it (facts taken
 from ``convert_hf_to_gguf.py``, re-stated here, not shared with the loader): a ``llama`` GGUF's q/k rows permuted
-for adjacent-pair RoPE, ``qwen2``/``qwen3`` in Hugging Face's order; Llama 3's RoPE scaling as a ``rope_freqs``
-tensor of per-frequency divisors; the EOS, EOT and EOM ids as separate keys.
+for adjacent-pair RoPE, ``qwen2``/``qwen3``/``phi3`` in Hugging Face's order; Llama 3's RoPE scaling as a
+``rope_freqs`` tensor of per-frequency divisors; Phi-3's fused ``attn_qkv`` and gate+up ``ffn_up``, its LongRoPE
+factors as ``rope_factors_short/long`` tensors with the attention factor and original context as keys; the EOS,
+EOT and EOM ids as separate keys.
 """
 
 from __future__ import annotations
@@ -40,12 +42,20 @@ class FamilyCase:
     eos_ids: tuple[int, ...] = (2,)
 
 
+#: Phi-3's LongRoPE on tiny sizes: partial rotary 0.75 of head size 16 (12 rotated values, 6 frequencies), an
+#: original context of 128 in a max_position_embeddings of 512 (attention factor sqrt(1 + ln 4 / ln 128)).
+PHI3_ROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.2, 1.5, 2.0, 3.0, 4.5],
+             "long_factor": [2.0, 3.0, 4.0, 6.0, 8.0, 12.0]}
+
 CASES = {
     "llama3": FamilyCase("llama3", "llama", "llama",
                          {"rope_theta": 500000.0, "rope_scaling": LLAMA3_ROPE, "bos_token_id": 0,
                           "eos_token_id": [2, 0]}, eos_ids=(2, 0)),
     "qwen2": FamilyCase("qwen2", "qwen2", "qwen2", {"rope_theta": 1000000.0, "eos_token_id": 2}),
     "qwen3": FamilyCase("qwen3", "qwen3", "qwen3", {"head_dim": 32, "eos_token_id": 2}),
+    "phi3": FamilyCase("phi3", "phi3", "phi3",
+                       {"partial_rotary_factor": 0.75, "original_max_position_embeddings": 128,
+                        "rope_scaling": PHI3_ROPE, "bos_token_id": 0, "eos_token_id": 2, "pad_token_id": 1}),
 }
 
 
@@ -114,7 +124,8 @@ def _llama3_rope_freqs(theta: float, dim: int, rope: dict[str, Any]) -> np.ndarr
     return np.asarray(out, np.float32)
 
 
-_LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+_LAYER = {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",  # phi3's fused tensors
+          "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
           "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
           "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
           "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
@@ -139,6 +150,14 @@ def write_gguf(model: Any, case: FamilyCase, path: Path, *, extra_keys: dict[str
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     theta = float(cfg.rope_parameters["rope_theta"])
     writer.add_rope_freq_base(theta)
+    rope_dim = int(head_dim * cfg.rope_parameters.get("partial_rotary_factor", 1.0))
+    if rope_dim != head_dim:
+        writer.add_rope_dimension_count(rope_dim)
+    if cfg.rope_parameters.get("rope_type") == "longrope":
+        original = cfg.rope_parameters["original_max_position_embeddings"]
+        scale = cfg.max_position_embeddings / original
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
+        writer.add_rope_scaling_orig_ctx_len(original)
     if head_dim != cfg.hidden_size // cfg.num_attention_heads:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
@@ -159,6 +178,10 @@ def write_gguf(model: Any, case: FamilyCase, path: Path, *, extra_keys: dict[str
     writer.add_tensor("token_embd.weight", state["model.embed_tokens.weight"])
     if cfg.rope_parameters.get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", _llama3_rope_freqs(theta, head_dim, dict(cfg.rope_parameters)))
+    if cfg.rope_parameters.get("rope_type") == "longrope":
+        for kind in ("long", "short"):
+            writer.add_tensor(f"rope_factors_{kind}.weight",
+                              np.asarray(cfg.rope_parameters[f"{kind}_factor"], np.float32))
     for i in range(cfg.num_hidden_layers):
         for hf, ggml in _LAYER.items():
             for kind in ("weight", "bias"):

@@ -431,24 +431,30 @@ def test_swiglu_kernel_matches_numpy() -> None:
         np.testing.assert_allclose(out.numpy(), g / (1 + np.exp(-g)) * gu[:, 48:], rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("scaled", [False, True], ids=["unscaled", "llama3"])
-def test_rope_kernel_rotates_halves_like_numpy(scaled: bool) -> None:
-    """The KV cache's RoPE slot: q and k heads rotated (pairs i, i + d/2) at each token's position by the given
-    inverse frequencies (unscaled, or Llama 3's per-frequency divisors), v copied."""
+@pytest.mark.parametrize("scaling", ["unscaled", "llama3", "longrope-partial"])
+def test_rope_kernel_rotates_halves_like_numpy(scaling: str) -> None:
+    """The KV cache's RoPE slot: q and k heads rotated (pairs i, i + r/2 of the first r values) at each token's
+    position by the given inverse frequencies (unscaled, Llama 3's per-frequency divisors, or LongRoPE's short
+    factors with its attention factor on 12 of 16 values), the rest and v copied."""
     rng = np.random.default_rng(3)
     h_q, h_kv, d, theta = 4, 2, 16, 10000.0
-    factors = llama3_factors(theta, d, 8.0, 1.0, 4.0, 64) if scaled else ()
-    inv_freq = RopeScaling(theta, factors).inverse_frequencies(d)
-    run, dev = _cpu_kernel(rope_kernel(h_kv, h_q, d, tuple(inv_freq))), tvm.cpu()
+    rope_dim, factor, factors = d, 1.0, ()
+    if scaling == "llama3":
+        factors = llama3_factors(theta, d, 8.0, 1.0, 4.0, 64)
+    elif scaling == "longrope-partial":
+        rope_dim, factor, factors = 12, 1.13, (1.0, 1.2, 1.5, 2.0, 3.0, 4.5)
+    inv_freq = RopeScaling(theta, factors).inverse_frequencies(rope_dim)
+    run, dev = _cpu_kernel(rope_kernel(h_kv, h_q, d, tuple(inv_freq), attention_factor=factor)), tvm.cpu()
+    half = rope_dim // 2
     for n in (1, 3, 70):
         qkv = rng.standard_normal((n, h_q + 2 * h_kv, d)).astype(np.float32)
         positions = rng.integers(0, 500, n).astype(np.int32)
         outs = [tvm.runtime.tensor(np.full((n, h, d), np.nan, np.float32), dev) for h in (h_q, h_kv, h_kv)]
         run(tvm.runtime.tensor(qkv, dev), tvm.runtime.tensor(positions, dev), *outs, 1)
-        freq = positions[:, None] / theta ** (np.arange(d // 2) * 2 / d) / (np.asarray(factors) if scaled else 1)
-        cos, sin = np.cos(freq)[:, None, :], np.sin(freq)[:, None, :]
-        a, b = qkv[..., : d // 2], qkv[..., d // 2:]
-        rotated = np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
+        freq = positions[:, None] / theta ** (np.arange(half) * 2 / rope_dim) / (np.asarray(factors) if factors else 1)
+        cos, sin = factor * np.cos(freq)[:, None, :], factor * np.sin(freq)[:, None, :]
+        a, b = qkv[..., :half], qkv[..., half:rope_dim]
+        rotated = np.concatenate([a * cos - b * sin, b * cos + a * sin, qkv[..., rope_dim:]], axis=-1)
         expected = (rotated[:, :h_q], rotated[:, h_q:h_q + h_kv], qkv[:, h_q + h_kv:])
         for out, want in zip(outs, expected, strict=True):
             np.testing.assert_allclose(out.numpy(), want, rtol=0, atol=2e-4)

@@ -2,8 +2,8 @@
 
 For each family a tiny random-weight model is built with transformers once per session (``family_models.py``:
 Llama with Llama 3.1's RoPE scaling and an EOS list, Qwen2 with q/k/v biases, Qwen3 with QK-norm and a head size
-of its own), saved as a Hugging Face folder (safetensors) and written as a GGUF with gguf-py under llama.cpp's names
-and layout. Checked:
+of its own, Phi-3 with fused q/k/v and gate/up, LongRoPE and partial rotary), saved as a Hugging Face folder
+(safetensors) and written as a GGUF with gguf-py under llama.cpp's names and layout. Checked:
 
 * both loaders give the same config and, tensor by tensor, the same weights;
 * the numpy reference (``NumpyLlama``) from either format matches transformers' logits after every token of a
@@ -58,8 +58,9 @@ def test_gguf_and_hf_folder_load_the_same_model(families, name: str) -> None:
     _, folder, gguf_path = families[name]
     hf, gguf = load_hf_dir(folder), load_gguf(gguf_path)
     assert hf.config.architecture == gguf.config.architecture == CASES[name].model_type
-    skip = {"name", "chat_template", "rope_scaling", "rope_factors", "rms_eps"}  # the GGUF's eps is a float32
-    assert hf.config.rms_eps == pytest.approx(gguf.config.rms_eps, rel=1e-6)
+    skip = {"name", "chat_template", "rope_scaling", "rope_factors", "rms_eps", "rope_attention_factor"}
+    for key in ("rms_eps", "rope_attention_factor"):  # float32 in the GGUF
+        assert getattr(hf.config, key) == pytest.approx(getattr(gguf.config, key), rel=1e-6)
     assert {k: v for k, v in vars(hf.config).items() if k not in skip} == \
         {k: v for k, v in vars(gguf.config).items() if k not in skip}
     np.testing.assert_allclose(hf.config.rope_factors or 0, gguf.config.rope_factors or 0, rtol=1e-6)
@@ -173,12 +174,12 @@ def test_unsupported_gguf_key_is_refused_before_compiling(families, tmp_path: Pa
 
 
 def test_unknown_gguf_architecture_is_refused(families, tmp_path: Path) -> None:
-    case = family_models.FamilyCase("phi", "llama", "phi3", {"eos_token_id": 2})
-    path = family_models.write_gguf(families["llama3"][0], case, tmp_path / "phi.gguf")
-    with pytest.raises(ValueError, match="'phi3' is not supported"):
+    case = family_models.FamilyCase("gemma", "llama", "gemma2", {"eos_token_id": 2})
+    path = family_models.write_gguf(families["llama3"][0], case, tmp_path / "gemma.gguf")
+    with pytest.raises(ValueError, match="'gemma2' is not supported"):
         load_gguf(path)
 
 
 def test_every_family_is_listed_with_its_formats() -> None:
-    assert [f.name for f in FAMILIES] == ["llama", "qwen2", "qwen3"]
+    assert [f.name for f in FAMILIES] == ["llama", "qwen2", "qwen3", "phi3"]
     assert all(f.hf_architectures and f.gguf_architectures for f in FAMILIES)
