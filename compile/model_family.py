@@ -80,7 +80,7 @@ HF_COMMON_KEYS = frozenset({
 HF_INERT_KEYS = frozenset({
     "torch_dtype", "dtype", "transformers_version", "use_cache", "initializer_range", "attention_dropout",
     "pad_token_id", "pretraining_tp", "output_attentions", "output_hidden_states", "return_dict", "is_decoder",
-    "tokenizer_class", "quantization_config_none", "unsloth_fixed", "unsloth_version", "auto_map",
+    "tokenizer_class", "unsloth_version", "auto_map",
 })
 #: The canonical tensors a fused one splits into, by rows in this order (``ModelFamily.hf_fused`` / ``gguf_fused``).
 QKV_SPLIT = ("attn_q.weight", "attn_k.weight", "attn_v.weight")

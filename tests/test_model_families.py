@@ -150,6 +150,7 @@ REFUSED_CONFIGS = [
     ("llama3", {"attention_bias": True}, "attention_bias"),
     ("qwen3", {"hidden_act": "gelu"}, "gelu"),
     ("qwen3", {"layer_types": ["sliding_attention", "full_attention"]}, "sliding_attention"),
+    ("phi3", {"lm_head_bias": True}, "lm_head_bias"),
 ]
 
 

@@ -1,5 +1,5 @@
-"""Llama (Llama 2, Llama 3.x, Mistral without a sliding window, SmolLM2): the base decoder, no biases, no QK-norm;
-llama.cpp's ``llama`` GGUFs store q/k rows permuted for adjacent-pair RoPE."""
+"""Llama (Llama 2, Llama 3.x, Mistral, SmolLM2): the base decoder, no biases, no QK-norm; llama.cpp's ``llama``
+GGUFs store q/k rows permuted for adjacent-pair RoPE."""
 
 from ..model_family import ModelFamily
 

@@ -11,6 +11,9 @@ PHI3 = ModelFamily(
     gguf_architectures=("phi3",),
     # dropout rates (inference ignores them) and the original context LongRoPE reads
     hf_keys=frozenset({"embd_pdrop", "resid_pdrop", "original_max_position_embeddings"}),
+    # Phi-4-mini's config carries its original code's switches, at their neutral values
+    hf_fixed_keys={"attention_bias": (False,), "mlp_bias": (False,), "lm_head_bias": (False,),
+                   "full_attn_mod": (1,), "interpolate_factor": (1,)},
     gguf_keys=frozenset({"attention.sliding_window", "rope.scaling.attn_factor"}),
     hf_fused={"self_attn.qkv_proj.weight": QKV_SPLIT, "mlp.gate_up_proj.weight": GATE_UP_SPLIT},
     gguf_fused={"attn_qkv.weight": QKV_SPLIT, "ffn_up.weight": GATE_UP_SPLIT},
