@@ -131,14 +131,17 @@ _LAYER = {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",  # phi
           "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
 
 
-def write_gguf(model: Any, case: FamilyCase, path: Path, *, extra_keys: dict[str, int] | None = None) -> Path:
-    """The same weights as a GGUF (F32 tensors) as llama.cpp's converter lays them out (module doc)."""
+def write_gguf(model: Any, case: FamilyCase, path: Path, *, extra_keys: dict[str, int] | None = None,
+               q8_0: bool = False) -> Path:
+    """The same weights as a GGUF (F32 tensors; with ``q8_0`` the matrices quantised to Q8_0 by gguf-py) as
+    llama.cpp's converter lays them out (module doc)."""
     import gguf
 
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     tiny = make_tiny_model()
     arch = case.gguf_arch
+    Q8_0 = gguf.GGMLQuantizationType.Q8_0
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name(f"tiny-{case.name}")
     writer.add_context_length(cfg.max_position_embeddings)
@@ -192,7 +195,10 @@ def write_gguf(model: Any, case: FamilyCase, path: Path, *, extra_keys: dict[str
                 if arch == "llama" and ggml in ("attn_q", "attn_k"):
                     heads = cfg.num_attention_heads if ggml == "attn_q" else cfg.num_key_value_heads
                     array = _llama_cpp_permute(array, heads)
-                writer.add_tensor(f"blk.{i}.{ggml}.{kind}", np.ascontiguousarray(array))
+                if q8_0 and array.ndim == 2:
+                    writer.add_tensor(f"blk.{i}.{ggml}.{kind}", gguf.quants.quantize(array, Q8_0), raw_dtype=Q8_0)
+                else:
+                    writer.add_tensor(f"blk.{i}.{ggml}.{kind}", np.ascontiguousarray(array))
     writer.add_tensor("output_norm.weight", state["model.norm.weight"])
     writer.add_tensor("output.weight", state["lm_head.weight"])
     writer.write_header_to_file()

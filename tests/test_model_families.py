@@ -10,6 +10,7 @@ of its own, Phi-3 with fused q/k/v and gate/up, LongRoPE and partial rotary), sa
   prompt within 1e-4 (measured 3-5e-6; logits' standard deviation about 2);
 * the compiled model (one build per family, from the GGUF, float32 weights and KV cache) matches transformers after
   the prompt and 8 greedy decode steps within 1e-2;
+* a Q8_0 GGUF's blocks (kept for the kernels) are un-permuted and split as the dense weights are;
 * Mistral (a sliding window wider than the context), linear RoPE scaling and transformers 4's ``rope_theta`` /
   ``rope_scaling`` spelling read right (numpy against transformers);
 * an unknown architecture, RoPE type, ``config.json`` key or GGUF key is refused, naming it, before any compile.
@@ -29,6 +30,7 @@ from logitproc.compile.families import FAMILIES
 from logitproc.compile.gguf_model import load_gguf
 from logitproc.compile.hf_config import config_from_hf
 from logitproc.compile.hf_model import load_hf_dir
+from logitproc.compile.llama_weights import dequantize_blocks, read_gguf_tensors
 from logitproc.compile.model_compile import compile_model
 from logitproc.serve.compiled_model import CompiledModel
 from logitproc.serve.numpy_llama import NumpyLlama
@@ -94,6 +96,19 @@ def test_compiled_model_matches_transformers_over_greedy_decoding(families, name
         rows.append(compiled.decode([0], [tokens[-1]])[0])
     expected = family_models.reference_logits(model, tokens)[len(PROMPT) - 1:]
     np.testing.assert_allclose(np.stack(rows), expected, atol=TOL_COMPILED, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["llama3", "phi3"])
+def test_quantised_blocks_are_permuted_and_split_as_the_dense_weights(families, tmp_path: Path, name: str) -> None:
+    """A Q8_0 GGUF's blocks, kept for the kernels, hold each canonical tensor's rows in the order the dense weights
+    have (a llama GGUF's q/k rows un-permuted, Phi-3's fused q/k/v and gate/up split): dequantised, they are the
+    loader's float32 weights exactly."""
+    path = family_models.write_gguf(families[name][0], CASES[name], tmp_path / "q8.gguf", q8_0=True)
+    dense = load_gguf(path)
+    _, raw = read_gguf_tensors(path, dense.config, keep_blocks=True)
+    assert {"blk.1.attn_q.weight", "blk.1.attn_k.weight", "blk.1.ffn_gate.weight", "blk.1.ffn_up.weight"} <= set(raw)
+    for tensor, blocks in raw.items():
+        np.testing.assert_array_equal(dequantize_blocks(*blocks), dense.weights[tensor], err_msg=tensor)
 
 
 def _edited_folder(families, tmp_path: Path, name: str, **changes: object) -> Path:
