@@ -28,9 +28,10 @@ def _positive(meta: dict[str, Any], key: str, default: int | None = None, source
     return value
 
 
-def config_from_gguf(meta: dict[str, Any], tensor_names: list[str], rope_tensors: dict[str, np.ndarray], *,
-                     vocab_size: int, source: str = "GGUF") -> LlamaConfig:
-    """The ``LlamaConfig`` of a GGUF's metadata ``meta`` (Python values), its tensor names, its RoPE tensors
+def config_from_gguf(meta: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]],
+                     rope_tensors: dict[str, np.ndarray], *, vocab_size: int, source: str = "GGUF") -> LlamaConfig:
+    """The ``LlamaConfig`` of a GGUF's metadata ``meta`` (Python values), its tensors' shapes (``[out, in]``: a
+    ``GGUFReader`` tensor's ``shape`` reversed; each checked against the config), its RoPE tensors
     (``rope_freqs``, ``rope_factors_*``: name -> float32 values) and the token count of its vocabulary; ``source``
     (the file name) starts every error. Raises ValueError naming an unsupported architecture, key, value or
     tensor."""
@@ -61,9 +62,10 @@ def config_from_gguf(meta: dict[str, Any], tensor_names: list[str], rope_tensors
     rope = rope_from_gguf(meta, str(arch), rope_dim, rope_tensors.get(ROPE_FREQS),
                           rope_tensors.get(ROPE_FACTORS_SHORT))
     n_layers = _positive(meta, prefix + "block_count", source=source)
-    tied = "output.weight" not in tensor_names
-    expected = set(family.gguf_file_tensors(n_layers, tied))
-    present = set(tensor_names) - set(rope_tensors)
+    tied = "output.weight" not in tensor_shapes
+    stored = family.gguf_file_tensors(n_layers, tied)
+    expected = set(stored)
+    present = set(tensor_shapes) - set(rope_tensors)
     if present - expected:
         raise ValueError(f"{source}: tensor(s) {sorted(present - expected)[:5]} are not part of the {family.name} "
                          f"family (expected e.g. {sorted(expected)[:3]})")
@@ -76,7 +78,7 @@ def config_from_gguf(meta: dict[str, Any], tensor_names: list[str], rope_tensors
     if not eos:
         raise ValueError(f"{source}: tokenizer.ggml.eos_token_id is missing")
     vocab = _positive(meta, prefix + "vocab_size", vocab_size, source=source)
-    return LlamaConfig(
+    config = LlamaConfig(
         architecture=family.name,
         n_layers=n_layers,
         hidden=hidden,
@@ -100,3 +102,6 @@ def config_from_gguf(meta: dict[str, Any], tensor_names: list[str], rope_tensors
         rope_attention_factor=rope.attention_factor,
         eos_ids=tuple(eos),
     )
+    for name, parts in stored.items():
+        config.check_shape(name, parts, tensor_shapes[name], source)
+    return config

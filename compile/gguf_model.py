@@ -119,7 +119,8 @@ def load_gguf(path: str | os.PathLike[str], *, load_weights: bool = True) -> GGU
     token_types: list[int] = meta.pop("tokenizer.ggml.token_type", [1] * len(tokens))
     meta.pop("tokenizer.ggml.scores", None)
 
-    config = config_from_gguf(meta, [t.name for t in reader.tensors], read_rope_tensors(reader.tensors),
+    shapes = {t.name: tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors}
+    config = config_from_gguf(meta, shapes, read_rope_tensors(reader.tensors),
                               vocab_size=len(tokens), source=path.name)
     if len(tokens) != config.vocab:
         raise ValueError(f"{path.name}: {len(tokens)} tokens but vocab_size {config.vocab}")

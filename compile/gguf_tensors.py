@@ -11,7 +11,6 @@ import numpy as np
 
 from .families import family_named
 from .model_config import LlamaConfig
-from .model_family import canonical_rows
 
 #: Raw GGUF blocks of quantised tensors: name -> (GGML type name, uint8 array [rows, bytes per row]).
 RawTensors = dict[str, tuple[str, np.ndarray]]
@@ -88,8 +87,7 @@ def gguf_weights(tensors: Iterable[Any], config: LlamaConfig, *,
             continue
         start = 0
         for name in parts_of[tensor.name]:  # a fused tensor's canonical parts, by rows (else the tensor itself)
-            rows = None if len(parts_of[tensor.name]) == 1 else canonical_rows(
-                name, config.n_heads, config.n_kv_heads, config.head_dim, config.ffn)
+            rows = None if len(parts_of[tensor.name]) == 1 else config.tensor_shape(name)[0]
             span = slice(start, None if rows is None else start + rows)
             start += rows or 0
             heads = _qk_heads(name, config) if family.gguf_qk_permuted else None

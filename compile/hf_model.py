@@ -30,7 +30,6 @@ from .families import family_named
 from .gguf_model import GGUFModel, build_tokenizer
 from .gguf_tensors import LazyWeights
 from .hf_config import config_from_hf
-from .model_family import canonical_rows
 
 GENERATION_CONFIG = "generation_config.json"
 
@@ -51,17 +50,19 @@ def hf_files(directory: str | os.PathLike[str]) -> list[Path]:
     return files + tensors
 
 
-def _safetensors_names(path: Path) -> list[str]:
-    """The tensor names of a ``.safetensors`` file (its header only); a dtype other than F32/F16/BF16 is refused."""
+def _safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """The tensors of a ``.safetensors`` file by name -> shape (its header only); a dtype other than F32/F16/BF16
+    is refused."""
     from safetensors import safe_open
 
+    shapes = {}
     with safe_open(str(path), framework="np") as handle:
-        names = list(handle.keys())
-        for name in names:
-            dtype = handle.get_slice(name).get_dtype()
-            if dtype not in ("F32", "F16", "BF16"):
-                raise ValueError(f"{path.name}: tensor {name} has dtype {dtype} (F32, F16, BF16 only)")
-    return names
+        for name in handle.keys():  # noqa: SIM118  (a safe_open handle is not a mapping)
+            info = handle.get_slice(name)
+            if info.get_dtype() not in ("F32", "F16", "BF16"):
+                raise ValueError(f"{path.name}: tensor {name} has dtype {info.get_dtype()} (F32, F16, BF16 only)")
+            shapes[name] = tuple(info.get_shape())
+    return shapes
 
 
 def read_safetensor(path: Path, name: str, rows: slice = slice(None)) -> np.ndarray:
@@ -111,15 +112,15 @@ def load_hf_dir(directory: str | os.PathLike[str]) -> GGUFModel:
     for file in files:
         if file.suffix != ".safetensors":
             continue
-        for name in _safetensors_names(file):
+        for name, shape in _safetensors_shapes(file).items():
             if name not in names:
                 raise ValueError(f"{path.name}: tensor {name} is not part of the {family.name} family")
+            config.check_shape(name, names[name], shape, file.name)
             if names[name] == ("output.weight",) and config.tied_embeddings:
                 continue  # a copy of the embedding
             start = 0
             for part in names[name]:  # a fused tensor's canonical parts, by rows (else the tensor itself)
-                rows = None if len(names[name]) == 1 else canonical_rows(
-                    part, config.n_heads, config.n_kv_heads, config.head_dim, config.ffn)
+                rows = None if len(names[name]) == 1 else config.tensor_shape(part)[0]
                 loaders[part] = functools.partial(read_safetensor, file, name,
                                                   slice(start, None if rows is None else start + rows))
                 start += rows or 0

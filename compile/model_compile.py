@@ -205,13 +205,17 @@ def _slug(name: str) -> str:
 
 def eos_token_ids(model: GGUFModel) -> list[int]:
     """The ids that end a turn: the model's EOS list (``LlamaConfig.eos_ids``: config lists, generation config,
-    GGUF eos/eot/eom) plus ``<|im_end|>`` and ``<|endoftext|>`` when they are special tokens."""
-    ids = list(model.config.eos_ids or (model.config.eos_id,))
+    GGUF eos/eot/eom) plus ``<|im_end|>`` and ``<|endoftext|>`` when they are special tokens. Raises ValueError
+    when there is none (an answer would never end)."""
+    ids = list(model.config.eos_ids)
     for token in ("<|im_end|>", "<|endoftext|>"):
         if token in model.tokens:
             index = model.tokens.index(token)
             if index in model.special_token_ids and index not in ids:
                 ids.append(index)
+    if not ids:
+        raise ValueError(f"{model.config.name or model.path.name}: no end-of-sequence token (eos_token_id in "
+                         f"config.json or generation_config.json, or the GGUF's tokenizer.ggml.eos_token_id)")
     return ids
 
 
@@ -235,6 +239,7 @@ def _build_into(source: _Source, model_hash: str, spec: TargetSpec, options: _Op
     progress(f"loading {source.name} ({source.kind}) ...")
     weight_dtype, kv_dtype = options.weight_dtype, options.kv_dtype
     model, raw = source.load(keep_blocks=weight_dtype == "auto")
+    eos = eos_token_ids(model)  # refused here, before the compile, when there is none
     target = spec.tvm_target()
     features = build_features(target)
     llama = replace(LlamaSpec.from_model(model, weight_dtype, raw), int8_dot=has_int8_dot(features),
@@ -274,7 +279,7 @@ def _build_into(source: _Source, model_hash: str, spec: TargetSpec, options: _Op
             "sha256": model_hash,
             "config": asdict(model.config),
             "spec": llama.as_dict(),
-            "eos_token_ids": eos_token_ids(model),
+            "eos_token_ids": eos,
             "chatml": chatml,
             "default_system": default_system,
         },

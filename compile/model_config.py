@@ -50,6 +50,31 @@ class LlamaConfig:
         """RoPE's base and per-frequency divisors."""
         return RopeScaling(self.rope_theta, self.rope_factors, self.rope_scaling, self.rope_attention_factor)
 
+    def tensor_shape(self, name: str) -> tuple[int, ...]:
+        """The shape of canonical weight ``name`` (a GGUF name, ``[out, in]``); a name no family has is refused."""
+        suffix = name.split(".", 2)[-1] if name.startswith("blk.") else name
+        h, f, d = self.hidden, self.ffn, self.head_dim
+        q, kv = self.n_heads * d, self.n_kv_heads * d
+        shapes = {"token_embd.weight": (self.vocab, h), "output.weight": (self.vocab, h), "output_norm.weight": (h,),
+                  "attn_norm.weight": (h,), "ffn_norm.weight": (h,), "attn_q.weight": (q, h), "attn_k.weight": (kv, h),
+                  "attn_v.weight": (kv, h), "attn_output.weight": (h, q), "ffn_gate.weight": (f, h),
+                  "ffn_up.weight": (f, h), "ffn_down.weight": (h, f), "attn_q.bias": (q,), "attn_k.bias": (kv,),
+                  "attn_v.bias": (kv,), "attn_q_norm.weight": (d,), "attn_k_norm.weight": (d,)}
+        if suffix not in shapes:
+            raise ValueError(f"{name} is not a weight of any supported family")
+        return shapes[suffix]
+
+    def stored_shape(self, parts: tuple[str, ...]) -> tuple[int, ...]:
+        """The shape of a stored tensor holding the canonical ``parts`` by rows (one part: its own shape)."""
+        shapes = [self.tensor_shape(part) for part in parts]
+        return (sum(shape[0] for shape in shapes), *shapes[0][1:])
+
+    def check_shape(self, stored: str, parts: tuple[str, ...], shape: tuple[int, ...], source: str) -> None:
+        """Refuse a stored tensor whose shape is not the config's, naming both (``source``: the file, first)."""
+        want = self.stored_shape(parts)
+        if tuple(shape) != want:
+            raise ValueError(f"{source}: tensor {stored} has shape {list(shape)}, the config gives {list(want)}")
+
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> LlamaConfig:
         """The config from ``dataclasses.asdict`` output read back from JSON (lists become tuples); an unknown key

@@ -59,16 +59,6 @@ TOP_TENSORS: dict[str, str] = {
     "output.weight": "lm_head.weight",
 }
 
-def canonical_rows(name: str, n_heads: int, n_kv_heads: int, head_dim: int, ffn: int) -> int:
-    """Rows of a canonical q/k/v or gate/up tensor (how a fused tensor splits)."""
-    suffix = name.split(".", 2)[-1]
-    rows = {"attn_q.weight": n_heads * head_dim, "attn_k.weight": n_kv_heads * head_dim,
-            "attn_v.weight": n_kv_heads * head_dim, "ffn_gate.weight": ffn, "ffn_up.weight": ffn}
-    if suffix not in rows:
-        raise ValueError(f"{name} is not a part of a fused tensor")
-    return rows[suffix]
-
-
 #: ``config.json`` keys every family reads (``hf_config.config_from_hf``).
 HF_COMMON_KEYS = frozenset({
     "architectures", "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",

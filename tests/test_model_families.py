@@ -31,7 +31,7 @@ from logitproc.compile.gguf_model import load_gguf
 from logitproc.compile.hf_config import config_from_hf
 from logitproc.compile.hf_model import load_hf_dir
 from logitproc.compile.llama_weights import dequantize_blocks, read_gguf_tensors
-from logitproc.compile.model_compile import compile_model
+from logitproc.compile.model_compile import compile_model, eos_token_ids
 from logitproc.serve.compiled_model import CompiledModel
 from logitproc.serve.numpy_llama import NumpyLlama
 
@@ -166,16 +166,29 @@ REFUSED_CONFIGS = [
     ("qwen3", {"hidden_act": "gelu"}, "gelu"),
     ("qwen3", {"layer_types": ["sliding_attention", "full_attention"]}, "sliding_attention"),
     ("phi3", {"lm_head_bias": True}, "lm_head_bias"),
+    ("qwen2", {"intermediate_size": 96}, r"mlp\..*_proj.weight has shape \[.*\], the config gives \[.*96.*\]"),
 ]
 
 
-@pytest.mark.parametrize(("name", "changes", "named"), REFUSED_CONFIGS, ids=[c[2] for c in REFUSED_CONFIGS])
+@pytest.mark.parametrize(("name", "changes", "named"), REFUSED_CONFIGS, ids=[c[2][:24] for c in REFUSED_CONFIGS])
 def test_unsupported_config_is_refused_before_compiling(families, tmp_path: Path, name, changes, named) -> None:
     folder = _edited_folder(families, tmp_path, name, **changes)
+    (folder / "generation_config.json").unlink()
     lines: list[str] = []
     with pytest.raises(ValueError, match=named):
         compile_model(folder, progress=lines.append, weight_dtype="float32")
     assert not any("Relax" in line or "compil" in line for line in lines), lines
+
+
+def test_a_model_without_an_end_of_sequence_token_is_refused(families, tmp_path: Path) -> None:
+    folder = _edited_folder(families, tmp_path, "qwen3", eos_token_id=None)
+    (folder / "generation_config.json").unlink()
+    model = load_hf_dir(folder)
+    assert model.config.eos_ids == ()
+    assert eos_token_ids(model) == [2, 0]  # the tokenizer's special <|im_end|> and <|endoftext|>
+    model.token_types = [1] * len(model.token_types)  # no special tokens either
+    with pytest.raises(ValueError, match="no end-of-sequence token"):
+        eos_token_ids(model)
 
 
 @pytest.mark.parametrize(("key", "named"), [("llama.expert_count", "expert_count"),
