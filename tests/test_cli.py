@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -191,7 +192,10 @@ def test_tree_decode_file_given_on_the_command_line(tiny_compiled, tmp_path: Pat
 
 
 def test_tests_use_a_private_cache() -> None:
-    assert Path(os.environ["LOGITPROC_CACHE"]).name.startswith("logitproc-test-cache-")
+    cache = Path(os.environ["LOGITPROC_CACHE"]).resolve()
+    assert cache != (Path.home() / ".cache" / "logitproc").resolve()
+    assert Path(tempfile.gettempdir()).name == "tmp" and Path(tempfile.gettempdir()).parent.name.startswith(
+        "logitproc-test-run-")
 
 
 def test_speculative_option_reports_its_figures_and_refuses_bad_values(tiny_compiled) -> None:
