@@ -19,10 +19,11 @@ from typing import Any, TextIO
 from .cli_options import (
     add_model_arguments,
     add_sampling_arguments,
-    config_from_args,
+    config_from_options,
     cut_note,
     json_schema_format,
     open_engine,
+    options_from_args,
     read_schema,
 )
 from .model_defaults import ModelDefaults
@@ -355,9 +356,9 @@ def run(args: argparse.Namespace) -> int:
         import readline  # noqa: F401  (line editing and history for input())
     except ImportError:
         pass
-    config_from_args(args)  # bad options fail before the model loads
+    options = options_from_args(args)  # bad options fail before the model loads
     engine, defaults = open_engine(args)
-    config = config_from_args(args, defaults.values)
+    config = config_from_options(options, defaults.values)
     if args.think is not None:
         config = replace(config, max_thinking_tokens=args.think)
     session = ChatSession(engine, config, system=args.system, defaults=defaults)

@@ -93,9 +93,13 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
 
 def read_schema(spec: str, stdin: bool = False) -> Any:
     """A JSON schema from inline JSON text or from a file (a pipe such as ``<(...)`` works too; with ``stdin``,
-    ``-`` reads standard input); ValueError saying what is wrong."""
+    ``-`` reads standard input); ValueError saying what is wrong. A pipe or standard input can be read only once:
+    call this once per command (``options_from_args`` does)."""
     text = spec.strip()
-    if text == "-" and stdin:
+    if text == "-" and not stdin:
+        raise ValueError("--json-schema - reads standard input, which the chat needs for your messages: give the "
+                         "schema inline or as a file")
+    if text == "-":
         text = sys.stdin.read()
     elif not text.startswith(("{", "[")) and text not in ("true", "false"):
         path = Path(text).expanduser()
@@ -118,11 +122,10 @@ def json_schema_format(schema: Any) -> dict[str, Any]:
     return {"type": "json_schema", "json_schema": {"name": "schema", "schema": schema}}
 
 
-def config_from_args(args: argparse.Namespace, defaults: Mapping[str, Any] | None = None) -> Any:
-    """A GenerationConfig from the sampling options (unset ones keep ``defaults`` or the config's defaults)."""
-    from logitproc.runtime import GenerationConfig
-
-    values = dict(defaults or {})
+def options_from_args(args: argparse.Namespace, stdin: bool = False) -> dict[str, Any]:
+    """The GenerationConfig fields the command line sets, checked (ValueError naming the option, before any model
+    loads); ``--json-schema`` is read here, once, since a pipe or (with ``stdin``) ``-`` can be read only once."""
+    values: dict[str, Any] = {}
     for _, (name, _, _) in SAMPLING_OPTIONS.items():
         value = getattr(args, name)
         if value is not None:
@@ -130,14 +133,22 @@ def config_from_args(args: argparse.Namespace, defaults: Mapping[str, Any] | Non
     if args.json_schema is not None and args.regex is not None:
         raise ValueError("give either --json-schema or --regex, not both")
     if args.json_schema is not None:
-        values["response_format"] = json_schema_format(read_schema(args.json_schema, stdin=True))
+        values["response_format"] = json_schema_format(read_schema(args.json_schema, stdin=stdin))
     elif args.regex is not None:  # '' too: the answer must then be empty
         values["response_format"] = {"type": "regex", "regex": args.regex}
     if args.stop:
         values["stop"] = tuple(args.stop)
-    if getattr(args, "bad_word", None):
+    if args.bad_word:
         values["bad_words"] = tuple(args.bad_word)
-    return GenerationConfig(**values)
+    config_from_options(values)  # bad values fail now
+    return values
+
+
+def config_from_options(options: Mapping[str, Any], defaults: Mapping[str, Any] | None = None) -> Any:
+    """The GenerationConfig of ``options`` (from ``options_from_args``) over the model's ``defaults``."""
+    from logitproc.runtime import GenerationConfig
+
+    return GenerationConfig(**{**(defaults or {}), **options})
 
 
 def log(message: str) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -210,3 +211,21 @@ def test_speculative_option_reports_its_figures_and_refuses_bad_values(tiny_comp
                          ("ngram:0", "num_speculative_tokens must be an int in [1, 32], got 0")):
         refused = logitproc("generate", "--model", "tiny", "--prompt", "x", "--speculative", bad)
         assert refused.returncode == 2 and message in refused.stderr and "Traceback" not in refused.stderr
+
+
+def test_a_schema_read_from_standard_input_or_a_pipe_constrains_the_answer(tiny_compiled, tmp_path) -> None:
+    """``--json-schema -`` reads standard input (here redirected from a file) and ``<(...)`` a pipe, each once."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    common = ("generate", "--model", "tiny", "--prompt", "a number", "--max-tokens", "40", "--seed", "1")
+    with open(path) as stdin:
+        piped = logitproc(*common, "--json-schema", "-", stdin=stdin)
+    assert piped.returncode == 0, piped.stderr
+    assert set(json.loads(piped.stdout)) == {"n"} and "schema: the answer is valid" in piped.stderr
+    script = f"{shlex.quote(sys.executable)} -m logitproc {shlex.join(common)} --json-schema <(cat {path})"
+    via_pipe = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=dict(os.environ), timeout=300)
+    assert via_pipe.returncode == 0 and via_pipe.stdout == piped.stdout, via_pipe.stderr
+    chat = logitproc("chat", "--model", "tiny", "--json-schema", "-", stdin=subprocess.DEVNULL)
+    assert chat.returncode == 2 and "standard input" in chat.stderr and "Traceback" not in chat.stderr
