@@ -7,6 +7,7 @@ to quit; Ctrl-D quits. A bad command or value prints one line saying what is wro
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import shlex
@@ -297,6 +298,7 @@ class ChatSession:
         previous = signal.signal(signal.SIGINT, self.interrupt)
         parts: list[str] = []
         output = None
+        quiet = control_echo_off(sys.stdin)  # the terminal would echo Ctrl-C as "^C" into the answer's text
         try:
             while output is None:
                 if self._interrupted:
@@ -315,6 +317,7 @@ class ChatSession:
             raise
         finally:
             signal.signal(signal.SIGINT, previous)
+            quiet.close()
         cut = "closed to fit max_tokens" if output.closed_at_max_tokens and output.grammar_complete else cut_note(
             output, self.config)
         self.say(" [stopped]" if output.finish_reason == "abort" else f" [{cut}]" if cut else "")
@@ -324,6 +327,32 @@ class ChatSession:
             self.say(f"(the constraint failed: {output.error})")
         self.last_output = output
         self.history += [{"role": "user", "content": text}, {"role": "assistant", "content": "".join(parts)}]
+
+
+class control_echo_off(contextlib.AbstractContextManager):  # noqa: N801 (used like a function)
+    """While open, a terminal ``stream`` does not echo control characters (Ctrl-C's "^C"); nothing for a pipe."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._fd: int | None = None
+        if sys.platform == "win32" or not stream.isatty():
+            return  # a pipe, a file, a test's StringIO: nothing is echoed
+        import termios
+
+        self._fd = stream.fileno()
+        self._saved = termios.tcgetattr(self._fd)
+        quiet = list(self._saved)
+        quiet[3] &= ~termios.ECHOCTL
+        termios.tcsetattr(self._fd, termios.TCSANOW, quiet)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            import termios
+
+            termios.tcsetattr(self._fd, termios.TCSANOW, self._saved)
+            self._fd = None
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def run_repl(session: ChatSession) -> int:

@@ -59,7 +59,7 @@ def _devices(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from logitproc import __version__
 
-    parser = argparse.ArgumentParser(prog="logitproc", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="logitproc", description=__doc__.split("\n\n")[0].replace("``", ""))
     parser.add_argument("--version", action="version", version=f"logitproc {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 

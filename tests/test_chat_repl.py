@@ -76,6 +76,7 @@ def test_chat_repl_on_the_tiny_model(tiny_compiled) -> None:
         child.expect(r"story\.\r\n.")  # the answer has begun
         child.sendcontrol("c")
         child.expect_exact("[stopped]")
+        assert "^C" not in child.before  # the terminal does not echo the Ctrl-C into the answer's text
         child.expect_exact(PROMPT)
         assert "finish: abort" in say(child, "/stats")
         # Ctrl-C at the prompt does not quit
@@ -217,7 +218,7 @@ def test_schema_arguments_inline_file_pipe_and_stdin(tmp_path, monkeypatch) -> N
         os.close(r)
     monkeypatch.setattr(sys, "stdin", io.StringIO(json.dumps(schema)))
     assert read_schema("-", stdin=True) == schema
-    for bad, message in [("-", "neither inline JSON nor a file"), (str(tmp_path), "neither inline JSON nor a file"),
+    for bad, message in [("-", "reads standard input, which the chat needs"), (str(tmp_path), "neither inline JSON nor a file"),
                          ("{not json", "not valid JSON"), (str(tmp_path / "missing.json"), "neither")]:
         with pytest.raises(ValueError, match=message):
             read_schema(bad)
