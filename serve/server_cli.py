@@ -34,6 +34,10 @@ def add_parser(commands: Any) -> None:
                              "(default: $LOGITPROC_API_KEY, else none)")
     parser.add_argument("--served-model-name", default=None,
                         help="the model's name in the API (default: the model's own name)")
+    parser.add_argument("--logprobs-mode", choices=("auto", "raw_logprobs", "processed_logprobs"), default=None,
+                        help="what logprobs report when a request does not say (its logprobs_mode): the model's own "
+                             "distribution (raw_logprobs), the one sampled from (processed_logprobs), or auto: raw "
+                             "for greedy requests, processed when sampling (default: auto)")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="seconds running requests get to finish after SIGTERM (default: %(default)s)")
     parser.set_defaults(run=run)
@@ -82,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from .http_server import Server, ServerOptions
+    from .openai_protocol import parse_logprobs_mode
 
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     url = f"http://{args.host}:{args.port}"
@@ -93,6 +98,8 @@ def run(args: argparse.Namespace) -> int:
         engine = load_engine(args)
         defaults = sampling_defaults(args, engine.model)
         options.sampling_defaults = dict(defaults.values)
+        if args.logprobs_mode is not None:
+            options.sampling_defaults["logprobs_mode"] = parse_logprobs_mode(args.logprobs_mode, "--logprobs-mode")
         name = args.served_model_name or engine.model.name
         log(f"unset request fields take: {defaults.describe()}")
         log(f"ready: serving {name!r} at {url}/v1 (max batch {engine.max_batch}, context {engine.context_length})")

@@ -129,6 +129,20 @@ def test_logprobs_chat_and_completions(client, model_id) -> None:
     assert all(len(row) <= 2 for row in lp.top_logprobs) and lp.text_offset[0] == 0
 
 
+def test_logprobs_modes(client, model_id, server) -> None:
+    """Greedy answers report the model's own logprobs by default (not 0 and -9999); vLLM's mode names select."""
+    args = dict(model=model_id, messages=MESSAGES, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3)
+    raw_default = client.chat.completions.create(**args).choices[0].logprobs.content
+    raw_named = client.chat.completions.create(**args, extra_body={"logprobs_mode": "raw_logprobs"})
+    assert [e.logprob for e in raw_named.choices[0].logprobs.content] == [e.logprob for e in raw_default]
+    assert all(-30 < t.logprob < 0 for e in raw_default for t in e.top_logprobs)
+    processed = client.chat.completions.create(**args, extra_body={"logprobs_mode": "processed_logprobs"})
+    assert all(e.logprob == 0.0 for e in processed.choices[0].logprobs.content)
+    for value, says in [("raw_logits", "not supported"), ("final", "must be one of auto, raw_logprobs"), (3, "")]:
+        r = raw(server, CHAT, {"messages": MESSAGES, "logprobs": True, "logprobs_mode": value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs_mode" and says in r.text, r.text
+
+
 def test_stop_string_ends_the_answer_before_it(client, model_id) -> None:
     args = dict(model=model_id, prompt="The", max_tokens=40, temperature=0)
     text = client.completions.create(**args).choices[0].text
