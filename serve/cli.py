@@ -36,11 +36,12 @@ def _compile_model(args: argparse.Namespace) -> int:
     from logitproc.compile.model_compile import compile_model
 
     from .cli_options import TINY_MODEL, tiny_model
+    from .progress_line import ProgressLine
 
     started = time.perf_counter()
     model = tiny_model() if args.model == TINY_MODEL else args.model
-    out = compile_model(model, args.target, args.out, progress=lambda line: print(line, file=sys.stderr),
-                        weight_dtype=args.weight_dtype)
+    with ProgressLine(sys.stderr) as progress:
+        out = compile_model(model, args.target, args.out, progress=progress, weight_dtype=args.weight_dtype)
     print(f"done in {time.perf_counter() - started:.1f}s", file=sys.stderr)
     print(out)
     return 0

@@ -160,8 +160,11 @@ def open_model(spec: str, target: str) -> Any:
     """Open (fetching and compiling on first use, with visible progress on stderr) the model named by ``spec``."""
     from logitproc.serve.compiled_model import CompiledModel
 
+    from .progress_line import ProgressLine
+
     model: Any = tiny_model() if spec == TINY_MODEL else spec
-    return CompiledModel.open(model, target=target, progress=log)
+    with ProgressLine(sys.stderr) as progress:
+        return CompiledModel.open(model, target=target, progress=progress)
 
 
 def tiny_model() -> Any:

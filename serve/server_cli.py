@@ -60,9 +60,11 @@ def load_engine(args: argparse.Namespace) -> Any:
     from logitproc.serve.engine import Engine
 
     from .cli_options import tiny_model
+    from .progress_line import ProgressLine
 
     source: Any = tiny_model() if args.model == TINY_MODEL else args.model
-    model = CompiledModel.open(source, target=args.target, progress=log, max_num_sequences=args.max_batch)
+    with ProgressLine(sys.stderr) as progress:
+        model = CompiledModel.open(source, target=args.target, progress=progress, max_num_sequences=args.max_batch)
     path = Path(args.model)
     model_dir = (path if path.is_dir() else path.parent) if path.exists() else model.directory
     tree = load_tree_decode_config(args.tree_decode_config, model.vocab_size, os.environ, model_dir)

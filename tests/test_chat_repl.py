@@ -218,7 +218,8 @@ def test_schema_arguments_inline_file_pipe_and_stdin(tmp_path, monkeypatch) -> N
         os.close(r)
     monkeypatch.setattr(sys, "stdin", io.StringIO(json.dumps(schema)))
     assert read_schema("-", stdin=True) == schema
-    for bad, message in [("-", "reads standard input, which the chat needs"), (str(tmp_path), "neither inline JSON nor a file"),
+    for bad, message in [("-", "reads standard input, which the chat needs"),
+                         (str(tmp_path), "neither inline JSON nor a file"),
                          ("{not json", "not valid JSON"), (str(tmp_path / "missing.json"), "neither")]:
         with pytest.raises(ValueError, match=message):
             read_schema(bad)
