@@ -170,10 +170,11 @@ def test_the_defaults_make_a_valid_generation_config() -> None:
 
 def test_options_given_win_over_the_model_defaults(tiny_compiled) -> None:
     from logitproc.serve.cli import build_parser
-    from logitproc.serve.cli_options import config_from_args
+    from logitproc.serve.cli_options import config_from_options, options_from_args
 
     args = build_parser().parse_args(["generate", "--prompt", "x", "--temperature", "0.5", "--max-tokens", "7"])
-    config = config_from_args(args, {"temperature": 0.0, "repetition_penalty": 1.1, "max_tokens": 512})
+    config = config_from_options(options_from_args(args), {"temperature": 0.0, "repetition_penalty": 1.1,
+                                                           "max_tokens": 512})
     assert (config.temperature, config.repetition_penalty, config.max_tokens) == (0.5, 1.1, 7)
 
 
