@@ -153,7 +153,8 @@ def test_numpy_scalars_are_taken_alike_and_stored_as_python_numbers() -> None:
 
 
 @pytest.mark.parametrize(("fields", "kind", "says"), [
-    ({"repetition_penalty": 1e300}, ValueError, r"repetition_penalty must be in \(0.0, 1000.0\], got 1e\+300"),
+    ({"repetition_penalty": 1e300}, ValueError, r"repetition_penalty must be in \[0.001, 1000.0\], got 1e\+300"),
+    ({"repetition_penalty": 1e-300}, ValueError, r"repetition_penalty must be in \[0.001, 1000.0\], got 1e-300"),
     ({"top_k": 2**31}, ValueError, r"top_k must be -1 or 0 \(off\) or in \[1, 2147483647\], got 2147483648"),
     ({"logit_bias": {"²": 1.0}}, TypeError, "logit_bias key '²' must be a token id"),
     ({"logit_bias": {"1.5": 1.0}}, TypeError, "logit_bias key '1.5' must be a token id"),
