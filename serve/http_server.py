@@ -11,6 +11,7 @@ step).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import secrets
@@ -57,6 +58,8 @@ PAGE_POLICY = ("default-src 'none'; script-src 'self'; style-src 'self'; connect
                "base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
 
 log = logging.getLogger("logitproc.serve")
+#: How long a response cut short at shutdown may take to send its end (a client that never reads never takes it).
+SHUTDOWN_SEND_SECONDS = 0.5
 
 
 @dataclass
@@ -79,7 +82,8 @@ class StatusCounter:
 
     Starlette's error middleware answers an unexpected exception with a 500 (``server_error`` logs it once, with its
     traceback), then re-raises it for the ASGI server, which would log it again: it stops here. One that escapes
-    before any response started is answered with a 500 here."""
+    before any response started is answered with a 500 here. A response that uvicorn cancels because
+    ``--drain-timeout`` expired (a client that does not read its stream) ends with one log line, not a traceback."""
 
     def __init__(self, app: Any, metrics: ServerMetrics) -> None:
         self.app = app
@@ -90,13 +94,15 @@ class StatusCounter:
             await self.app(scope, receive, send)
             return
 
-        started = False
+        started = complete = False
 
         async def counted(message: Any) -> None:
-            nonlocal started
+            nonlocal started, complete
             if message["type"] == "http.response.start":
                 started = True
                 self.metrics.response(scope["path"], message["status"])
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                complete = True
             await send(message)
 
         try:
@@ -106,6 +112,14 @@ class StatusCounter:
                 log.error("unexpected error in %s: %s", ascii(scope["path"][:200]), _described(err))
                 error = APIError(500, f"internal error: {_described(err)}", kind="server_error")
                 await _ErrorResponse(error.body(), status_code=500)(scope, receive, counted)
+        except asyncio.CancelledError:  # the drain timeout expired: end what can be ended, without waiting long
+            log.warning("%s: cut short at shutdown (--drain-timeout expired)", ascii(scope["path"][:200]))
+            error = APIError(503, "the server is stopping", kind="server_error", code="model_not_ready")
+            end = (_ErrorResponse(error.body(), status_code=503)(scope, receive, counted) if not started else
+                   counted({"type": "http.response.body", "body": b"", "more_body": False}) if not complete else None)
+            if end is not None:
+                with contextlib.suppress(Exception, asyncio.TimeoutError):
+                    await asyncio.wait_for(end, SHUTDOWN_SEND_SECONDS)
 
 
 class _ErrorResponse(JSONResponse):
