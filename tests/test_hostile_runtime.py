@@ -19,8 +19,10 @@ import tvm_ffi
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from logitproc import GenerationConfig, LogitProcessor, Sampler
+from logitproc.runtime.answer_check import check_answer
 from logitproc.runtime.logits_io import empty_aligned, non_finite_rows
 from logitproc.runtime.request_state import DraftTree, RequestState
+from logitproc.runtime.response_format import parse_response_format
 from logitproc.tir_kernels import reference
 from pipeline_reference import process_row
 
@@ -267,3 +269,11 @@ def test_sampler_never_returns_a_masked_or_out_of_range_token(lib, temperature, 
     probs = sampler.renormalize(proc.compute_probs_from_logits(logits, states), states)
     tokens = sampler.sample(probs, states).token_ids
     assert 0 <= tokens[0] < V and tokens[1] % 2 == 1 and tokens[2] == 17
+
+
+@pytest.mark.parametrize("text", ["[" * 5000, "[" * 5000 + "]" * 5000, "[" * 400 + "]" * 400])
+def test_the_answer_check_never_raises_on_answers_too_deep_to_follow(text: str) -> None:
+    schema = {"anyOf": [{"type": "array", "items": {"$ref": "#"}}, {"type": "integer"}]}
+    fmt = parse_response_format({"type": "json_schema", "json_schema": {"name": "deep", "schema": schema}})
+    check = check_answer(fmt, text)
+    assert check.valid is None and "deeper than the checker can follow" in check.error
