@@ -2,10 +2,12 @@
 
 Routes: ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /health`` (503 while the
 model loads), ``GET /metrics``, ``POST /tokenize``, ``POST /detokenize``, ``GET /props`` (the model, its defaults and
-the server's features, for the page), and the chat page: ``GET /`` and its ``/static/`` files. Handlers never touch
-the engine: they submit to the ``EngineLoop`` and read deltas from a per-request asyncio queue. A client that
-disconnects, streaming or not, has its requests aborted at once (their batch slots and KV cache are freed at the next
-step).
+the server's features, for the page), and the chat page: ``GET /``, its ``/static/`` files and ``/favicon.ico``.
+Every request passes the request policy first (``request_policy.py``: Host, Origin, JSON-only POSTs); bodies are read
+by one parser within the model's limits (``request_body.py``, ``request_limits.py``). Handlers never touch the
+engine's state: they tokenize on a worker thread, submit to the ``EngineLoop`` and read deltas from a per-request
+asyncio queue. A client that disconnects, streaming or not, has its requests aborted at once (their batch slots and
+KV cache are freed at the next step).
 """
 
 from __future__ import annotations
@@ -221,13 +223,6 @@ class Server:
             text = self.loop.engine.model.tokenizer.decode([token], skip_special_tokens=False)
             self._token_texts[token] = text
         return text
-
-    async def _on_loop(self, fn: Callable[[Any], Any]) -> Any:
-        self._ready()
-        try:
-            return await asyncio.wrap_future(self.loop.call(fn))
-        except EngineUnavailable as err:
-            raise APIError(503, str(err), kind="server_error", code="model_not_ready") from None
 
     async def _tokenized(self, parsed: ParsedRequest, fields: tuple[str, ...]) -> list[Any]:
         """The prompts as token ids, tokenized on a worker thread (not the engine's stepping thread)."""
@@ -498,7 +493,7 @@ class Server:
                     isinstance(t, int) and not isinstance(t, bool) and 0 <= t < engine.vocab_size for t in tokens):
                 raise bad_request(f"tokens must be a list of token ids in [0, {engine.vocab_size})", "tokens")
             server._check_model(body.get("model"))
-            text = await server._on_loop(lambda e: e.model.tokenizer.decode(tokens))
+            text = await asyncio.to_thread(engine.model.tokenizer.decode, tokens)  # off the stepping thread
             return JSONResponse({"prompt": text})
 
         return app

@@ -1,9 +1,10 @@
 """``logitproc serve``: the OpenAI-compatible HTTP server's command line (options, model loading, uvicorn, SIGTERM).
 
 The socket is bound first, so ``/health`` answers 503 while the model is fetched and compiled (first use) and
-loaded; progress goes to stderr, then the URL. SIGTERM (or Ctrl-C) stops accepting connections, lets running
-requests finish for up to ``--drain-timeout`` seconds, then exits 0. FastAPI and uvicorn load only when the command
-runs.
+loaded; progress goes to stderr, then the URL. SIGTERM stops accepting connections, lets running requests finish
+for up to ``--drain-timeout`` seconds, then exits 0; Ctrl-C does the same, then exits 130 (``cli.main``: the shell's
+convention). ``--allowed-hosts`` and ``--allowed-origins`` widen the request policy (``request_policy.py``).
+FastAPI and uvicorn load only when the command runs.
 """
 
 from __future__ import annotations
