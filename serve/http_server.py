@@ -153,8 +153,9 @@ async def _until_disconnected(request: Request) -> None:
 async def _json_body(request: Request, max_bytes: int) -> Any:
     """The request's JSON body (``request_body.parse_json``), read while it stays within ``max_bytes``."""
     declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > max_bytes:
-        raise APIError(413, f"the request body has {int(declared)} bytes; this server accepts at most {max_bytes}",
+    if declared.isdigit() and (len(declared) > len(str(max_bytes)) or int(declared) > max_bytes):
+        shown = declared if len(declared) <= 20 else f"{declared[:20]}... ({len(declared)} digits)"
+        raise APIError(413, f"the request body has {shown} bytes; this server accepts at most {max_bytes}",
                        code="body_too_large")
     chunks, size = [], 0
     try:

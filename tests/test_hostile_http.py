@@ -98,6 +98,9 @@ def test_half_sent_bodies_and_broken_chunked_framing_end_without_a_500(server) -
     head = (f"POST {CHAT} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
             "Content-Type: application/json\r\n")
     raw_exchange(server.port, (head + "Content-Length: 1000\r\n\r\n{\"messages\": [").encode(), close_after_send=True)
+    for length in ("9" * 5000, "99999999999999999999", "-1", "1e3", "0x10"):
+        answer = raw_exchange(server.port, (head + f"Content-Length: {length}\r\n\r\n{{}}").encode())
+        assert not answer.startswith(b"HTTP/1.1 5"), answer[:200]
     for framing in (b"zz\r\nabc\r\n", b"5\r\nab", b"3\r\nabcdef\r\n0\r\n\r\n", b"-1\r\n"):
         answer = raw_exchange(server.port, (head + "Transfer-Encoding: chunked\r\n\r\n").encode() + framing,
                               close_after_send=framing == b"5\r\nab")
