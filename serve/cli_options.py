@@ -29,7 +29,7 @@ SAMPLING_OPTIONS: dict[str, tuple[str, type, str]] = {
     "--min-p": ("min_p", float, "keep tokens with prob >= min_p * max prob; 0 = off (default: the model's, else 0)"),
     "--presence-penalty": ("presence_penalty", float, "[-2, 2] (default: 0)"),
     "--frequency-penalty": ("frequency_penalty", float, "[-2, 2] (default: 0)"),
-    "--repetition-penalty": ("repetition_penalty", float, "(0, 1000]; 1 = off (default: the model's, as said above)"),
+    "--repetition-penalty": ("repetition_penalty", float, "[0.001, 1000]; 1 = off (default: the model's, as above)"),
     "--seed": ("seed", int, "seed of the sampling stream (default: none, a fresh stream)"),
     "--max-tokens": ("max_tokens", int, "at most this many tokens per answer (default: the model's, else 512)"),
     "--min-tokens": ("min_tokens", int, "no EOS, stop token or stop string before this many tokens (default: 0)"),

@@ -5,7 +5,7 @@ the engine), and ``engine.step()`` while anything is unfinished, handing each de
 callable, e.g. one that moves it onto an asyncio queue with ``call_soon_threadsafe``). Commands run between steps,
 so requests join and leave the running batch there. A request refused by the engine (its ValueError / TypeError) is
 refused to its caller only; a step that raises ends the requests then running with a ``RequestFailed`` item, and the
-loop goes on.
+loop goes on; so does a request that the engine forgot without its final delta (never expected), so none waits forever.
 """
 
 from __future__ import annotations
@@ -205,6 +205,7 @@ class EngineLoop:
         now = time.perf_counter()
         for delta in deltas:
             self._deliver(delta, now)
+        self._end_unreported()
         self._account_engine()
         self._update_gauges()
 
@@ -234,6 +235,15 @@ class EngineLoop:
                     m.prompt_tokens.inc(delta.output.stats.prompt_tokens)
                     m.cached_prompt_tokens.inc(delta.output.stats.cached_tokens)
                 del self._live[delta.request_id]
+
+    def _end_unreported(self) -> None:
+        """A request the engine has forgotten without handing over all its final deltas (never expected: a sequence
+        always ends with one) still ends for its client, with a RequestFailed, rather than waiting forever."""
+        for rid, live in list(self._live.items()):
+            if live.started and self.engine.scheduler.is_done(rid):  # (one not started yet has had no step)
+                log.error("request %s ended without its final answer", rid)
+                live.sink(RequestFailed(rid, "the request ended without its final answer"))
+                del self._live[rid]
 
     def _account_engine(self) -> None:
         stats, m = self.engine.stats, self.metrics

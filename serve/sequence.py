@@ -74,6 +74,8 @@ class GeneratedSequence:
         self.top_logprobs: list[list[tuple[int, float]]] | None = [] if cfg.top_logprobs else None
         #: The finished answer checked against its JSON response format (None: not one, or not finished).
         self.check: AnswerCheck | None = None
+        #: The sequence's final delta (finish reason and Output) has been made.
+        self.reported = False
         #: Speculative decoding's prompt-lookup drafter (made by the engine on first use).
         self.drafter: Drafter | None = None
 
@@ -135,22 +137,30 @@ class GeneratedSequence:
             if self.stops.stopped:  # the last bytes completed a stop string
                 reason, stop_reason = "stop", self.stops.matched
             self._emit(self.stops.flush(), delta)
-        self.finish_reason = reason
-        self.stop_reason = stop_reason
-        if reason not in ("abort", "error"):
-            self.check = check_answer(self.state.config.response_format, self._answer_text())
+        # checked before the sequence counts as finished: whatever raises up to here, fail() can still end it
+        check = check_answer(self.state.config.response_format, self._answer_text()) if reason not in (
+            "abort", "error") else None
+        self.finish_reason, self.stop_reason, self.check = reason, stop_reason, check
         delta.finish_reason = reason
         delta.output = self.output()
+        self.reported = True
 
     def fail(self, delta: Delta, error: str) -> None:
         """End the sequence with "error" and the message ``error``, even when its text cannot be flushed (a failing
-        detokenizer is one of the things that end a sequence this way)."""
-        try:
-            self.finish("error", delta, error=error)
-        except Exception as err:  # the held-back text is lost; the sequence still ends, with both messages
-            self.error = f"{error}; and its text could not be flushed: {type(err).__name__}: {err}"
-            self.finish_reason = delta.finish_reason = "error"
-            delta.output = self.output()
+        detokenizer is one of the things that end a sequence this way) or when ``finish`` failed after setting the
+        finish reason: the sequence gets exactly one final delta whatever failed (none more once it has one)."""
+        if self.reported:
+            return
+        if self.finish_reason is None:
+            try:
+                self.finish("error", delta, error=error)
+                return
+            except Exception as err:  # the held-back text is lost; the sequence still ends, with both messages
+                error = f"{error}; and its text could not be flushed: {type(err).__name__}: {err}"
+        self.finish_reason = delta.finish_reason = "error"
+        self.error, self.check = error, None
+        delta.output = self.output()
+        self.reported = True
 
     def _answer_text(self) -> str:
         """The answer the response format applies to: after the think block, when the request has one."""

@@ -1,9 +1,10 @@
 """``logitproc serve``: the OpenAI-compatible HTTP server's command line (options, model loading, uvicorn, SIGTERM).
 
 The socket is bound first, so ``/health`` answers 503 while the model is fetched and compiled (first use) and
-loaded; progress goes to stderr, then the URL. SIGTERM (or Ctrl-C) stops accepting connections, lets running
-requests finish for up to ``--drain-timeout`` seconds, then exits 0. FastAPI and uvicorn load only when the command
-runs.
+loaded; progress goes to stderr, then the URL. SIGTERM stops accepting connections, lets running requests finish
+for up to ``--drain-timeout`` seconds, then exits 0; Ctrl-C does the same, then exits 130 (``cli.main``: the shell's
+convention). ``--allowed-hosts`` and ``--allowed-origins`` widen the request policy (``request_policy.py``).
+FastAPI and uvicorn load only when the command runs.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -40,7 +42,18 @@ def add_parser(commands: Any) -> None:
                              "for greedy requests, processed when sampling (default: auto)")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="seconds running requests get to finish after SIGTERM (default: %(default)s)")
+    parser.add_argument("--allowed-hosts", action="append", default=[], metavar="NAMES",
+                        help="Host names accepted besides IP addresses, localhost and --host, against DNS "
+                             "rebinding (comma-separated or repeated; '*': any) (default: none)")
+    parser.add_argument("--allowed-origins", action="append", default=[], metavar="ORIGINS",
+                        help="web origins (scheme://host:port) whose pages may call the server, besides its own "
+                             "chat page (comma-separated or repeated; '*': any) (default: none)")
     parser.set_defaults(run=run)
+
+
+def _listed(values: list[str]) -> tuple[str, ...]:
+    """The names of a repeated, comma-separated option."""
+    return tuple(name.strip() for value in values for name in value.split(",") if name.strip())
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -51,6 +64,12 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     if args.drain_timeout < 0:
         raise ValueError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
+    for origin in _listed(args.allowed_origins):
+        if origin != "*" and not re.fullmatch(r"https?://[^/\s]+/?", origin):
+            raise ValueError(f"--allowed-origins: {origin!r} is not an origin like http://example.com:8080 (or '*')")
+    for host in _listed(args.allowed_hosts):
+        if host != "*" and not re.fullmatch(r"[^/\s:@]+|\[[0-9a-fA-F:.]+\]", host):
+            raise ValueError(f"--allowed-hosts: {host!r} is not a host name like example.com (or '*')")
 
 
 def load_engine(args: argparse.Namespace) -> Any:
@@ -89,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
 
     from .http_server import Server, ServerOptions
     from .openai_protocol import parse_logprobs_mode
+    from .request_policy import RequestPolicy
 
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     url = f"http://{args.host}:{args.port}"
@@ -111,8 +131,9 @@ def run(args: argparse.Namespace) -> int:
         failure.append(err)
         holder["uvicorn"].should_exit = True
 
+    policy = RequestPolicy(args.host, _listed(args.allowed_hosts), _listed(args.allowed_origins))
     options = ServerOptions(served_model_name=args.served_model_name, aliases=(args.model,), api_key=args.api_key,
-                            max_queue=args.max_queue)
+                            max_queue=args.max_queue, policy=policy)
     server = Server(load, options, on_failure)
     config = uvicorn.Config(server.app, host=args.host, port=args.port, log_level="warning", access_log=False,
                             timeout_graceful_shutdown=args.drain_timeout, lifespan="on")
