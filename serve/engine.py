@@ -6,10 +6,13 @@ One ``step()``, module by module::
                    would overflow the KV cache; waiting requests are admitted while slots and KV cache are free
     speculation.py with ``speculative``: decoding sequences propose prompt-lookup drafts; those expected to pay
                    are checked this step
-    model_step.py  the step's Batch is made (its masks start filling on worker threads), then the model runs
-                   (a new sequence forks the prefix cache entry sharing the longest prefix, if any):
-                   prefill (new prompts, forks of n > 1 requests, feeds left by a jump-forward), then decode,
-                   then verify (each drafting sequence's last token and drafts, logits after every one)
+    scheduler.py   the step's plan within ``max_num_batched_tokens``: every decoding sequence's token (and drafts
+                   while they fit), then prefill chunks of the prompts going in, in admission order
+    model_step.py  a new sequence forks the prefix cache entry sharing the longest prefix, if any; the step's
+                   Batch is made (its masks start filling on worker threads), then the model runs: prefill (the
+                   chunks: new prompts, the rest of long ones, feeds left by a jump-forward; a completed prompt's
+                   n > 1 forks), then decode, then verify (each drafting sequence's last token and drafts, logits
+                   after every one)
     processing.py  LogitProcessor -> Sampler on the Batch, once over every row
     commit.py      each row's token is committed (state, text deltas, finish rules); a drafting sequence commits
                    its rows while they agree with its drafts, and the rejected drafts leave the KV cache; with
@@ -51,12 +54,17 @@ from .outputs import Delta, EngineStats, Output, RequestStats
 from .prefix_cache import PrefixCache
 from .processing import process
 from .runner import Runner
-from .scheduler import Deltas, Scheduler, delta_of
+from .scheduler import Deltas, Scheduler, StepBudget, StepPlan, delta_of
 from .sequence import GeneratedSequence, Request
 from .speculation import Candidate, Drafter, SpeculationPlanner, SpeculativeConfig
 from .step_stats import account_step
 
 Prompt = str | Sequence[int] | Sequence[Mapping[str, str]]
+
+#: The default token budgets of one step (``Engine(max_num_batched_tokens=..., max_prefill_tokens_with_decode=...)``),
+#: measured on the 2-core CPU this was developed on: see docs/serving.md, "Chunked prefill".
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
+DEFAULT_MAX_PREFILL_TOKENS_WITH_DECODE = 16
 
 
 class Engine:
@@ -68,9 +76,15 @@ class Engine:
     ``tree_decode`` constrains every sequence to a Tree Decode map; ``prefix_cache`` keeps finished sequences' KV
     cache so that a prompt sharing a prefix with one (a conversation's earlier turns, a system prompt) prefills only
     the rest (``RequestStats.cached_tokens``; entries are evicted LRU when the KV cache or the model's sequence slots
-    run short). ``speculative`` turns on speculative decoding (``SpeculativeConfig``, or a dict of its fields in
-    vLLM's names, e.g. ``{"method": "ngram", "num_speculative_tokens": 5}``; None: off): prompt-lookup drafts
-    checked in one verify forward, kept only where they pay (``docs/serving.md``). An engine owns its model's KV
+    run short). ``max_num_batched_tokens`` bounds the tokens one step feeds the model (vLLM's name): the decoding
+    sequences' tokens first, then chunks of the prompts going in, so a long prompt is prefilled over several steps
+    (None: no bound; it must exceed ``max_batch``, so that a prefill chunk always fits beside the decode rows);
+    ``max_prefill_tokens_with_decode`` bounds the prefill chunks of a step that also decodes, so that a long prompt
+    never holds the running streams up for more than that (None: only ``max_num_batched_tokens`` does). Both None:
+    every prompt is prefilled whole in one step. ``speculative``
+    turns on speculative decoding (``SpeculativeConfig``, or a dict of its fields in vLLM's names, e.g.
+    ``{"method": "ngram", "num_speculative_tokens": 5}``; None: off): prompt-lookup drafts checked in one verify
+    forward, kept only where they pay (``docs/serving.md``). An engine owns its model's KV
     cache: making one frees the sequences an earlier engine left there.
     Logit processing runs on the CPU, with the kernels of the model's own library.
     """
@@ -78,11 +92,24 @@ class Engine:
     def __init__(self, model: Runner, max_batch: int = 8, jump_forward: bool = False,
                  grammar_backend: str = "llguidance", tree_decode: TreeDecodeConfig | None = None,
                  prefix_cache: bool = True, speculative: SpeculativeConfig | Mapping[str, Any] | str | None = None,
-                 ) -> None:
+                 max_num_batched_tokens: int | None = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                 max_prefill_tokens_with_decode: int | None = DEFAULT_MAX_PREFILL_TOKENS_WITH_DECODE) -> None:
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
         self.model = model
         self.max_batch = min(max_batch, int(model.max_num_sequences))
+        if max_num_batched_tokens is not None and (
+                isinstance(max_num_batched_tokens, bool) or not isinstance(max_num_batched_tokens, int)
+                or max_num_batched_tokens <= self.max_batch):
+            raise ValueError(f"max_num_batched_tokens must be None or an int above max_batch={self.max_batch} (the "
+                             f"decode rows and at least one prefill token), got {max_num_batched_tokens!r}")
+        if max_prefill_tokens_with_decode is not None and (
+                isinstance(max_prefill_tokens_with_decode, bool) or not isinstance(max_prefill_tokens_with_decode, int)
+                or max_prefill_tokens_with_decode < 1):
+            raise ValueError(f"max_prefill_tokens_with_decode must be None or an int >= 1, got "
+                             f"{max_prefill_tokens_with_decode!r}")
+        #: Tokens one step feeds the model at most, and prefill tokens of a step that also decodes (None: no bound).
+        self.budget = StepBudget(max_num_batched_tokens, max_prefill_tokens_with_decode)
         #: Speculative decoding's settings, or None (off).
         self.speculative = SpeculativeConfig.of(speculative)
         self._planner = SpeculationPlanner(self.speculative) if self.speculative is not None else None
@@ -324,7 +351,8 @@ class Engine:
         scheduler.make_room()
         scheduler.admit()
         drafts = self._plan_drafts() if self._planner is not None else {}
-        step, processing_s = self._forward_isolated(scheduler.live(), deltas, drafts)
+        plan = scheduler.plan(self.budget, drafts)
+        step, processing_s = self._forward_isolated(scheduler.live(), deltas, plan)
         if self.jump_forward:
             jump_forward(self.model, self.processor, scheduler.running, deltas, self.stats)
         scheduler.retire(deltas)
@@ -341,7 +369,7 @@ class Engine:
         """The drafts the decoding sequences check this step (``SpeculationPlanner.plan``)."""
         assert self._planner is not None and self.speculative is not None
         scheduler = self.scheduler
-        decoding = [s for s in scheduler.live() if s.in_model and len(s.feed) == 1 and s.forked_from is None]
+        decoding = [s for s in scheduler.live() if s.decoding]
         candidates = []
         for seq in decoding:
             if seq.drafter is None:
@@ -356,13 +384,13 @@ class Engine:
         return self._planner.plan(candidates, len(decoding), room)
 
     def _forward_isolated(self, live: list[GeneratedSequence], deltas: Deltas,
-                          drafts: dict[GeneratedSequence, list[int]]) -> tuple[ModelStep, float]:
-        """``_forward`` over every live sequence; when that fails, the sequences are put back as they were and each
-        request runs alone: those that fail alone end with "error", the others go on."""
+                          plan: StepPlan) -> tuple[ModelStep, float]:
+        """``_forward`` of the plan; when that fails, the live sequences are put back as they were and each request
+        runs its part of the plan alone: those that fail alone end with "error", the others go on."""
         kept = [_Placement(seq) for seq in live]
         step = ModelStep()
         try:
-            return self._forward(live, deltas, step, drafts)
+            return self._forward(plan, deltas, step)
         except Exception as err:
             first = f"{type(err).__name__}: {err}"
             kept = [p for p in kept if not self._undo(step, [p], first, deltas)]
@@ -374,7 +402,7 @@ class Engine:
             group = [p for p in group if p.seq.finish_reason is None]
             step = ModelStep()
             try:
-                alone, seconds = self._forward([p.seq for p in group], deltas, step, drafts)
+                alone, seconds = self._forward(plan.only(p.seq for p in group), deltas, step)
             except Exception as err:
                 message = f"{type(err).__name__}: {err}"
                 self._undo(step, group, message, deltas)
@@ -385,11 +413,10 @@ class Engine:
             processing_s += seconds
         return total, processing_s
 
-    def _forward(self, live: list[GeneratedSequence], deltas: Deltas, step: ModelStep,
-                 drafts: dict[GeneratedSequence, list[int]]) -> tuple[ModelStep, float]:
-        """Run the model over ``live``, process and sample, commit each sequence's rows (a sequence whose commit
+    def _forward(self, plan: StepPlan, deltas: Deltas, step: ModelStep) -> tuple[ModelStep, float]:
+        """Run the model over the ``plan``, process and sample, commit each sequence's rows (a sequence whose commit
         fails ends with "error"). An exception leaves the sequences' tokens uncommitted."""
-        run_model(self.model, self.processor, live, self.scheduler.place, step, drafts)
+        run_model(self.model, self.processor, plan, self.scheduler.place, step)
         if step.batch is None or step.logits is None:
             return step, 0.0
         # A drafting sequence's stream draws for all its rows; commit_verified keeps the committed rows' draws.
@@ -502,6 +529,7 @@ class _Placement:
         self.seq = seq
         self.in_model, self.kv_len, self.feed, self.forked_from = seq.in_model, seq.kv_len, list(seq.feed), \
             seq.forked_from
+        self.in_prefill = seq.in_prefill
 
     def restore(self, model: Runner) -> None:
         seq = self.seq
@@ -514,3 +542,4 @@ class _Placement:
                 if extra > 0:
                     model.popn(seq.seq_id, extra)
         seq.kv_len, seq.feed, seq.forked_from = self.kv_len, list(self.feed), self.forked_from
+        seq.in_prefill = self.in_prefill
