@@ -39,8 +39,9 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -131,7 +132,11 @@ class Engine:
         self._constraints: ConstraintFactory | None = None
         self._ids = itertools.count()
         self._arrivals = itertools.count()  # arrival order: the latest-arrived request is preempted first
-        self._add_lock = threading.Lock()  # add_request: ids, arrival order, the constraint factory
+        self._add_lock = threading.Lock()  # add_request: ids, arrival order, the constraint factory, compiling
+        # submit(): requests whose constraints compile on the grammar thread (id -> aborted meanwhile)
+        self._compiling: dict[str, bool] = {}
+        self._compiled = threading.Condition(self._add_lock)  # notified when one leaves the compiling state
+        self._grammar_pool: ThreadPoolExecutor | None = None
         # Stepping, under self._turn: one step at a time; each step's deltas routed to the stream of their request
         # (None: a closed stream, its deltas dropped), the others kept for the next step() call.
         self._turn = threading.Condition()
@@ -186,6 +191,13 @@ class Engine:
     def _add(self, prompt: Prompt, config: GenerationConfig | None, chat: bool | None, request_id: str | None,
              jump_forward: bool | None, watch: bool) -> str:
         """``add_request``; ``watch``: deltas go to the request's inbox (``stream``), not to ``step()``."""
+        request = self._build(self._new_request(prompt, config, chat, request_id, jump_forward))
+        self._enqueue(request, watch)
+        return request.request_id
+
+    def _new_request(self, prompt: Prompt, config: GenerationConfig | None, chat: bool | None,
+                     request_id: str | None, jump_forward: bool | None) -> _NewRequest:
+        """A request's checks (all but its grammar's), its token ids, id and arrival order."""
         config = GenerationConfig() if config is None else config
         if not isinstance(config, GenerationConfig):
             raise TypeError(f"config must be a GenerationConfig, got {type(config).__name__}")
@@ -213,24 +225,87 @@ class Engine:
         with self._add_lock:
             rid = request_id if request_id is not None else f"req-{next(self._ids)}"
             arrival = next(self._arrivals)
-        request = Request(rid, ids, RequestStats(prompt_tokens=len(ids), arrival=time.perf_counter()), arrival)
-        request.jump_forward = self.jump_forward if jump_forward is None else jump_forward
+        return _NewRequest(rid, ids, config, limit, self.jump_forward if jump_forward is None else jump_forward,
+                           RequestStats(prompt_tokens=len(ids), arrival=time.perf_counter()), arrival)
+
+    def _build(self, new: _NewRequest) -> Request:
+        """The request and its sequences, each with fresh mask sources (this compiles its grammar, if not cached)."""
+        config = new.config
+        request = Request(new.request_id, new.prompt_token_ids, new.stats, new.arrival)
+        request.jump_forward = new.jump_forward
         for index in range(config.n):
             cfg = config
             if config.n > 1 and config.seed is not None:  # each sequence its own stream, reproducibly
                 cfg = replace(config, seed=(config.seed + index) % 2**64)
-            state = RequestState(ids, cfg, mask_sources=self._mask_sources(cfg))
-            seq = GeneratedSequence(request, index, state, self.model.tokenizer, self.eos_token_ids, limit)
+            state = RequestState(new.prompt_token_ids, cfg, mask_sources=self._mask_sources(cfg))
+            seq = GeneratedSequence(request, index, state, self.model.tokenizer, self.eos_token_ids, new.limit)
             if index > 0:  # prefilled once, then forked from the first sequence
                 seq.forked_from = request.sequences[0]
             request.sequences.append(seq)
-        if watch:
-            with self._turn:
-                self.scheduler.add(request)  # under the turn lock: no step sees it before its inbox exists
-                self._inboxes[rid] = deque()
-        else:
+        return request
+
+    def _enqueue(self, request: Request, watch: bool) -> None:
+        """The request joins the scheduler's queue (its id must be free; ``watch``: its deltas go to its inbox)."""
+        rid = request.request_id
+        with self._add_lock:
+            if rid in self._compiling:
+                raise ValueError(f"request id {rid!r} is already in use")
+            if watch:
+                with self._turn:
+                    self.scheduler.add(request)  # under the turn lock: no step sees it before its inbox exists
+                    self._inboxes[rid] = deque()
+            else:
+                self.scheduler.add(request)
+
+    def submit(self, prompt: Prompt, config: GenerationConfig | None = None, *, chat: bool | None = None,
+               request_id: str | None = None, jump_forward: bool | None = None) -> PendingRequest:
+        """``add_request`` without waiting for the request's grammar: its constraints compile on the engine's
+        grammar thread while the steps go on, the request waiting meanwhile in the compiling state
+        (``num_compiling``); then it joins the queue. Everything ``add_request`` checks but the grammar raises here;
+        a grammar that cannot compile is the exception of ``PendingRequest.ready`` (the request then never ran and
+        gives no delta). Its deltas come from ``step()``. The grammar cache is shared and single-flight: a schema
+        is compiled once, however many requests ask for it at once."""
+        new = self._new_request(prompt, config, chat, request_id, jump_forward)
+        ready: Future[str] = Future()
+        with self._add_lock:
+            if new.request_id in self._compiling or not self.scheduler.is_done(new.request_id):
+                raise ValueError(f"request id {new.request_id!r} is already in use")
+            self._compiling[new.request_id] = False  # not aborted
+            if self._grammar_pool is None:
+                self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="logitproc-grammar")
+        self._grammar_pool.submit(self._compile, new, ready)
+        return PendingRequest(new.request_id, ready)
+
+    def _compile(self, new: _NewRequest, ready: Future[str]) -> None:
+        """On the grammar thread: build the request (compiling its grammar), then queue it; or fail ``ready``."""
+        rid = new.request_id
+        try:
+            request = self._build(new)
+        except BaseException as err:
+            with self._compiled:
+                del self._compiling[rid]
+                self._compiled.notify_all()
+            ready.set_exception(err)
+            return
+        with self._compiled:
+            aborted = self._compiling.pop(rid)
             self.scheduler.add(request)
-        return rid
+            if aborted:  # aborted while compiling: it ends with "abort" at the next step
+                self.scheduler.abort(rid)
+            self._compiled.notify_all()
+        ready.set_result(rid)
+
+    @property
+    def num_compiling(self) -> int:
+        """Requests added with ``submit`` whose constraints are compiling."""
+        with self._add_lock:
+            return len(self._compiling)
+
+    def _wait_for_compiles(self) -> None:
+        """With nothing to step but requests compiling, wait until one of them joins the queue (or fails)."""
+        with self._compiled:
+            while self._compiling and not self.scheduler.has_unfinished():
+                self._compiled.wait(0.1)
 
     def _check_thinking_mode(self, config: GenerationConfig) -> None:
         """A thinking budget needs a model with a thinking mode: its vocabulary has the think markers as tokens."""
@@ -258,10 +333,21 @@ class Engine:
 
     def abort(self, request_id: str) -> None:
         """Cancel a request (safe from another thread; not from a signal handler, which should set a flag that the
-        stepping loop turns into ``abort``); it ends with "abort" at the next step."""
+        stepping loop turns into ``abort``); it ends with "abort" at the next step (one compiling: at the first step
+        after its compile)."""
+        with self._add_lock:
+            if request_id in self._compiling:
+                self._compiling[request_id] = True
+                return
         self.scheduler.abort(request_id)
 
     def has_unfinished(self) -> bool:
+        """Whether any request has not ended (compiling ones included)."""
+        with self._add_lock:
+            return bool(self._compiling) or self.scheduler.has_unfinished()
+
+    def has_runnable(self) -> bool:
+        """Whether a step has something to do now: requests waiting, running or aborted (not compiling ones)."""
         return self.scheduler.has_unfinished()
 
     @property
@@ -343,6 +429,7 @@ class Engine:
             self._turn.notify_all()
 
     def _step(self) -> list[Delta]:
+        self._wait_for_compiles()
         started = time.perf_counter()
         deltas: Deltas = {}
         scheduler = self.scheduler
@@ -520,6 +607,28 @@ class Engine:
             if delta.output is not None:
                 outputs[delta.index] = delta.output
         return [outputs[i] for i in sorted(outputs)]
+
+
+@dataclass(frozen=True)
+class PendingRequest:
+    """A request added with ``Engine.submit``: its id, and ``ready``, a Future holding the id once its constraints
+    are compiled and it has joined the queue, or the ValueError of a grammar that cannot compile."""
+
+    request_id: str
+    ready: Future[str]
+
+
+@dataclass(frozen=True)
+class _NewRequest:
+    """A checked request, before its sequences and constraints are made."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    config: GenerationConfig
+    limit: int  # tokens each sequence may grow to (prompt and output)
+    jump_forward: bool
+    stats: RequestStats
+    arrival: int
 
 
 class _Placement:
