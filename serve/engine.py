@@ -64,7 +64,7 @@ Prompt = str | Sequence[int] | Sequence[Mapping[str, str]]
 
 #: The default token budgets of one step (``Engine(max_num_batched_tokens=..., max_prefill_tokens_with_decode=...)``),
 #: measured on the 2-core CPU this was developed on: see docs/serving.md, "Chunked prefill".
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 256
 DEFAULT_MAX_PREFILL_TOKENS_WITH_DECODE = 16
 
 
