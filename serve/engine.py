@@ -6,8 +6,8 @@ One ``step()``, module by module::
                    would overflow the KV cache; waiting requests are admitted while slots and KV cache are free
     speculation.py with ``speculative``: decoding sequences propose prompt-lookup drafts; those expected to pay
                    are checked this step
-    scheduler.py   the step's plan within ``max_num_batched_tokens``: every decoding sequence's token (and drafts
-                   while they fit), then prefill chunks of the prompts going in, in admission order
+    scheduler.py   the step's plan within its budget (``StepBudget``): every decoding sequence's token (and drafts
+                   while they fit), then prefill chunks of the prompts going in, the shortest rest first
     model_step.py  a new sequence forks the prefix cache entry sharing the longest prefix, if any; the step's
                    Batch is made (its masks start filling on worker threads), then the model runs: prefill (the
                    chunks: new prompts, the rest of long ones, feeds left by a jump-forward; a completed prompt's
@@ -20,10 +20,12 @@ One ``step()``, module by module::
     scheduler.py   finished sequences free their slots (or keep their KV cache as prefix cache entries);
     step_stats.py  the step's statistics
 
-Requests join (``add_request``) and leave (finish or ``abort``) between steps; everything about a bad request is
-checked in ``add_request`` (a ValueError there). Whatever still fails inside a step (a constraint, the runner, the
-detokenizer) ends only the requests it concerns, with finish reason "error": when the step's batch fails, its state
-is put back, each request is run alone, and those that fail alone end (``Output.error`` says why).
+Requests join (``add_request``, or ``submit``: its grammar compiled on the engine's grammar thread while the steps
+go on) and leave (finish or ``abort``) between steps; everything about a bad request is checked in ``add_request``
+(a ValueError there; with ``submit``, a grammar that cannot compile fails the request's ``ready`` Future). Whatever
+still fails inside a step (a constraint, the runner, the detokenizer) ends only the requests it concerns, with
+finish reason "error": when the step's batch fails, its state is put back, each request is run alone, and those
+that fail alone end (``Output.error`` says why).
 
 Threads: every method may be called from any number of threads. One step runs at a time (``step`` waits for a step
 running on another thread); ``stream`` and ``generate`` have no stepping thread of their own: whichever waiting
@@ -82,11 +84,11 @@ class Engine:
     (None: no bound; it must exceed ``max_batch``, so that a prefill chunk always fits beside the decode rows);
     ``max_prefill_tokens_with_decode`` bounds the prefill chunks of a step that also decodes, so that a long prompt
     never holds the running streams up for more than that (None: only ``max_num_batched_tokens`` does). Both None:
-    every prompt is prefilled whole in one step. ``speculative``
-    turns on speculative decoding (``SpeculativeConfig``, or a dict of its fields in vLLM's names, e.g.
-    ``{"method": "ngram", "num_speculative_tokens": 5}``; None: off): prompt-lookup drafts checked in one verify
-    forward, kept only where they pay (``docs/serving.md``). An engine owns its model's KV
-    cache: making one frees the sequences an earlier engine left there.
+    every prompt is prefilled whole in one step. ``speculative`` turns on speculative decoding
+    (``SpeculativeConfig``, or a dict of its fields in vLLM's names, e.g. ``{"method": "ngram",
+    "num_speculative_tokens": 5}``; None: off): prompt-lookup drafts checked in one verify forward, kept only where
+    they pay (``docs/serving.md``). An engine owns its model's KV cache: making one frees the sequences an earlier
+    engine left there.
     Logit processing runs on the CPU, with the kernels of the model's own library.
     """
 
