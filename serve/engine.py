@@ -37,6 +37,8 @@ including those of steps that a ``stream``/``generate`` caller ran in the meanti
 from __future__ import annotations
 
 import itertools
+import os
+import sys
 import threading
 import time
 from collections import deque
@@ -274,7 +276,8 @@ class Engine:
                 raise ValueError(f"request id {new.request_id!r} is already in use")
             self._compiling[new.request_id] = False  # not aborted
             if self._grammar_pool is None:
-                self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="logitproc-grammar")
+                self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="logitproc-grammar",
+                                                        initializer=_lower_thread_priority)
         self._grammar_pool.submit(self._compile, new, ready)
         return PendingRequest(new.request_id, ready)
 
@@ -609,6 +612,24 @@ class Engine:
             if delta.output is not None:
                 outputs[delta.index] = delta.output
         return [outputs[i] for i in sorted(outputs)]
+
+
+#: How much lower the grammar thread's CPU priority is than the engine's (Linux nice levels).
+GRAMMAR_THREAD_NICENESS = 5
+
+
+def _lower_thread_priority() -> None:
+    """On Linux, lower the calling thread's CPU priority (its own nice level: Linux threads are tasks) by
+    ``GRAMMAR_THREAD_NICENESS``, so that on a machine with few cores the model's threads are preferred while a
+    grammar compiles (on 2 cores a compile beside a step slows the step down: the model's thread pool then shares
+    the cores with it; docs/serving.md). Elsewhere (or when the system refuses), the thread keeps its priority."""
+    if sys.platform != "linux":
+        return
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + GRAMMAR_THREAD_NICENESS)
+    except OSError:
+        pass
 
 
 @dataclass(frozen=True)
