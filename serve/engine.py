@@ -268,9 +268,14 @@ class Engine:
         (``num_compiling``); then it joins the queue. Everything ``add_request`` checks but the grammar raises here;
         a grammar that cannot compile is the exception of ``PendingRequest.ready`` (the request then never ran and
         gives no delta). Its deltas come from ``step()``. The grammar cache is shared and single-flight: a schema
-        is compiled once, however many requests ask for it at once."""
+        is compiled once, however many requests ask for it at once. A request without a response format joins the
+        queue at once (its ``ready`` is done), never behind a compile."""
         new = self._new_request(prompt, config, chat, request_id, jump_forward)
         ready: Future[str] = Future()
+        if new.config.response_format is None:  # nothing to compile: it joins the queue now
+            self._enqueue(self._build(new), watch=False)
+            ready.set_result(new.request_id)
+            return PendingRequest(new.request_id, ready)
         with self._add_lock:
             if new.request_id in self._compiling or not self.scheduler.is_done(new.request_id):
                 raise ValueError(f"request id {new.request_id!r} is already in use")

@@ -44,6 +44,8 @@ def test_a_compiling_grammar_never_holds_up_a_running_stream(model) -> None:
     engine.step()
     schema = large_schema("off the step")
     pending = engine.submit("Some JSON:", constrained(schema))
+    plain = engine.submit("Plain text:", GenerationConfig(temperature=0.0, max_tokens=3))
+    assert plain.ready.done()  # nothing to compile: queued at once, not behind the compile
     assert engine.num_compiling == 1 and engine.has_unfinished()
     compiling_steps = 0
     outputs = {}
@@ -55,6 +57,7 @@ def test_a_compiling_grammar_never_holds_up_a_running_stream(model) -> None:
         compiling_steps += compiling and engine.num_compiling
         outputs.update({rid: d.output for rid, d in deltas.items() if d.output is not None})
     assert compiling_steps > 0  # steps ran while the grammar compiled
+    assert outputs[plain.request_id].finish_reason == "length"
     assert pending.ready.result() == pending.request_id
     [alone] = Engine(model).generate("Some JSON:", constrained(schema))
     assert outputs[pending.request_id].token_ids == alone.token_ids
