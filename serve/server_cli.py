@@ -29,6 +29,12 @@ def add_parser(commands: Any) -> None:
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
     parser.add_argument("--max-batch", type=int, default=16,
                         help="sequences generated at once (default: %(default)s)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=256,
+                        help="tokens one step feeds the model at most: decode rows first, then prefill chunks of "
+                             "the prompts going in (0: no bound; default: %(default)s)")
+    parser.add_argument("--max-prefill-tokens-with-decode", type=int, default=16,
+                        help="prefill tokens of a step that also decodes, which bounds how long a long prompt holds "
+                             "the running streams up (0: no bound; default: %(default)s; docs/serving.md)")
     parser.add_argument("--max-queue", type=int, default=256,
                         help="requests waiting to start before new ones get 429 (default: %(default)s)")
     parser.add_argument("--api-key", default=os.environ.get("LOGITPROC_API_KEY"),
@@ -57,7 +63,8 @@ def _listed(values: list[str]) -> tuple[str, ...]:
 
 
 def _check(args: argparse.Namespace) -> None:
-    for name, low in (("max_batch", 1), ("max_queue", 1), ("port", 0)):
+    for name, low in (("max_batch", 1), ("max_queue", 1), ("port", 0), ("max_num_batched_tokens", 0),
+                      ("max_prefill_tokens_with_decode", 0)):
         if getattr(args, name) < low:
             raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
     if args.port > 65535:
@@ -90,7 +97,9 @@ def load_engine(args: argparse.Namespace) -> Any:
     if tree is not None:
         log("tree decode: map loaded; it constrains every answer")
     return Engine(model, max_batch=args.max_batch, jump_forward=args.jump_forward,
-                  grammar_backend=args.grammar_backend, tree_decode=tree, speculative=args.speculative)
+                  grammar_backend=args.grammar_backend, tree_decode=tree, speculative=args.speculative,
+                  max_num_batched_tokens=args.max_num_batched_tokens or None,
+                  max_prefill_tokens_with_decode=args.max_prefill_tokens_with_decode or None)
 
 
 def sampling_defaults(args: argparse.Namespace, model: Any) -> Any:
