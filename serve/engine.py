@@ -356,6 +356,14 @@ class Engine:
         with self._add_lock:
             return bool(self._compiling) or self.scheduler.has_unfinished()
 
+    def prompt_progress(self, request_id: str) -> tuple[int, int] | None:
+        """(prompt tokens prefilled, prompt tokens) while the request's prompt is going in (by chunks of the step's
+        token budget); None once it decodes or ended (a compiling request: nothing in yet)."""
+        with self._add_lock:
+            if request_id in self._compiling:
+                return None
+        return self.scheduler.prompt_progress(request_id)
+
     def has_runnable(self) -> bool:
         """Whether a step has something to do now: requests waiting, running or aborted (not compiling ones)."""
         return self.scheduler.has_unfinished()

@@ -124,6 +124,22 @@ class Scheduler:
     def _known(self, request_id: str) -> bool:
         return request_id in self.requests or any(r.request_id == request_id for r in self.waiting)
 
+    def prompt_progress(self, request_id: str) -> tuple[int, int] | None:
+        """(prompt tokens in the KV cache, prompt tokens) while the request's prompt is going in (waiting included:
+        0 in); None once its first sequence decodes, or for a request it does not hold."""
+        with self.lock:
+            request = self.requests.get(request_id) or next(
+                (r for r in self.waiting if r.request_id == request_id), None)
+            if request is None:
+                return None
+            total = len(request.prompt_token_ids)
+            first = request.sequences[0] if request.sequences else None
+            if first is None:
+                return 0, total
+            if first.finish_reason is not None or not first.in_prefill:
+                return None
+            return min(first.kv_len, total), total
+
     def has_unfinished(self) -> bool:
         with self.lock:
             return bool(self.waiting or self.running or self._aborts)
