@@ -12,7 +12,9 @@ vocabulary into a tokenizer that encodes as llama.cpp does. Supported (``SUPPORT
 * ``tokenizer.ggml.model == "llama"``: SentencePiece BPE (Llama 2, Mistral, Phi-3): the merges are derived from the
   token scores (the pair whose concatenation scores highest merges first), characters outside the vocabulary fall back
   to the ``<0xNN>`` byte tokens, a space is ``▁``, and ``tokenizer.ggml.add_space_prefix`` (default true) puts a
-  ``▁`` before the text and after every special token, as llama.cpp does.
+  ``▁`` before the text and after every special token, as llama.cpp does;
+* ``tokenizer.ggml.model == "gemma4"``: the same text handling (``▁``, byte fallback; Gemma 4 sets
+  ``add_space_prefix`` false) with the GGUF's own merges instead of scores.
 
 Token types (``tokenizer.ggml.token_type``, ``TokenType``): control and unknown tokens become *special* added tokens
 (parsed only from trusted text: ``encode(..., add_special_tokens=...)`` with ``encode_special_tokens`` off),
@@ -61,7 +63,7 @@ BPE_PRE_TOKENIZERS = {
     "gpt-2": "gpt2", "gpt2": "gpt2", "default": "gpt2",
 }
 #: GGUF ``tokenizer.ggml.model`` values rebuilt here.
-SUPPORTED = {"gpt2": "byte-level BPE", "llama": "SentencePiece BPE"}
+SUPPORTED = {"gpt2": "byte-level BPE", "llama": "SentencePiece BPE", "gemma4": "SentencePiece-style BPE with merges"}
 
 _SPACE = "\u2581"  # SentencePiece's "▁"
 
@@ -111,8 +113,8 @@ class GGUFVocab:
         if model == "llama" and len(scores) != len(tokens):
             raise ValueError(f"{source}: a SentencePiece vocabulary needs tokenizer.ggml.scores, one per token "
                              f"({len(scores)} for {len(tokens)} tokens)")
-        if model == "gpt2" and not merges:
-            raise ValueError(f"{source}: a byte-level BPE vocabulary needs tokenizer.ggml.merges")
+        if model in ("gpt2", "gemma4") and not merges:
+            raise ValueError(f"{source}: a {SUPPORTED[model]} vocabulary needs tokenizer.ggml.merges")
 
         def token_id(key: str) -> int | None:
             value = meta.get(key)
@@ -130,7 +132,7 @@ class GGUFVocab:
 
         bos_id = token_id("tokenizer.ggml.bos_token_id")
         add_bos = flag("tokenizer.ggml.add_bos_token",
-                       model == "llama" or BPE_PRE_TOKENIZERS.get(pre) == "llama3")
+                       model != "gpt2" or BPE_PRE_TOKENIZERS.get(pre) == "llama3")
         add_eos = flag("tokenizer.ggml.add_eos_token", False)
         eos_id = token_id("tokenizer.ggml.eos_token_id")
         for wanted, key, value in ((add_bos, "bos", bos_id), (add_eos, "eos", eos_id)):
@@ -140,7 +142,7 @@ class GGUFVocab:
         return cls(model=model, pre=pre, tokens=tokens, token_types=types, scores=scores, merges=merges,
                    bos_id=bos_id, eos_id=eos_id, unk_id=token_id("tokenizer.ggml.unknown_token_id"),
                    add_bos=add_bos, add_eos=add_eos,
-                   add_space_prefix=flag("tokenizer.ggml.add_space_prefix", model == "llama"))
+                   add_space_prefix=flag("tokenizer.ggml.add_space_prefix", model != "gpt2"))
 
 
 def read_gguf_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -184,12 +186,7 @@ def build_tokenizer(source: GGUFVocab | GGUFModel) -> Tokenizer:
 
 def _bpe_tokenizer(vocab: GGUFVocab) -> Tokenizer:
     ids = {token: index for index, token in enumerate(vocab.tokens)}
-    merges = []
-    for merge in vocab.merges:
-        left, sep, right = merge.partition(" ")
-        if not sep:
-            raise ValueError(f"malformed merge {merge!r} in tokenizer.ggml.merges (two tokens separated by a space)")
-        merges.append((left, right))
+    merges = _gguf_merges(vocab)
     kind = BPE_PRE_TOKENIZERS[vocab.pre]
     tokenizer = Tokenizer(models.BPE(vocab=ids, merges=merges, unk_token=None, fuse_unk=False, byte_fallback=False,
                                      ignore_merges=kind == "llama3"))
@@ -207,6 +204,16 @@ def _bpe_tokenizer(vocab: GGUFVocab) -> Tokenizer:
         tokenizer.normalizer = normalizers.NFC()
     tokenizer.decoder = decoders.ByteLevel()
     return tokenizer
+
+
+def _gguf_merges(vocab: GGUFVocab) -> list[tuple[str, str]]:
+    merges = []
+    for merge in vocab.merges:
+        left, sep, right = merge.partition(" ")
+        if not sep:
+            raise ValueError(f"malformed merge {merge!r} in tokenizer.ggml.merges (two tokens separated by a space)")
+        merges.append((left, right))
+    return merges
 
 
 def _spm_merges(vocab: GGUFVocab) -> list[tuple[str, str]]:
@@ -231,8 +238,8 @@ def _spm_tokenizer(vocab: GGUFVocab) -> Tokenizer:
                          f"{bytes_missing[0]} is missing")
     ids = {token: index for index, token in enumerate(vocab.tokens)}
     unk = vocab.tokens[vocab.unk_id] if vocab.unk_id is not None else None
-    tokenizer = Tokenizer(models.BPE(vocab=ids, merges=_spm_merges(vocab), unk_token=unk, fuse_unk=True,
-                                     byte_fallback=True))
+    merges = _spm_merges(vocab) if vocab.model == "llama" else _gguf_merges(vocab)
+    tokenizer = Tokenizer(models.BPE(vocab=ids, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
     steps: list[Any] = [normalizers.Prepend(_SPACE)] if vocab.add_space_prefix else []
     tokenizer.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", _SPACE)])
     undo: list[Any] = [decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]

@@ -144,10 +144,12 @@ def vocab_metadata(name: str) -> dict:
 
 def vocab_cases(name: str) -> list[tuple[str, list[int]]]:
     """(text, token ids) of ``ggml-vocab-{name}.gguf.inp`` / ``.out``: texts separated by ``__ggml_vocab_test__``
-    lines, one line of space-separated ids per text."""
+    lines (and one after the last text, except in gemma-4's), one line of space-separated ids per text."""
     base = llama_cpp_models() / f"ggml-vocab-{name}.gguf"
     texts = base.with_name(base.name + ".inp").read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")
     ids = [[int(i) for i in line.split()] for line in base.with_name(base.name + ".out").read_text().splitlines()]
-    if len(texts) != len(ids) + 1 or texts[-1] != "":
-        raise ValueError(f"{base.name}: {len(texts) - 1} inputs but {len(ids)} outputs")
-    return list(zip(texts[:-1], ids, strict=True))
+    if len(texts) == len(ids) + 1 and texts[-1] == "":  # a separator after the last text (all but gemma-4's)
+        texts.pop()
+    if len(texts) != len(ids):
+        raise ValueError(f"{base.name}: {len(texts)} inputs but {len(ids)} outputs")
+    return list(zip(texts, ids, strict=True))

@@ -1,8 +1,8 @@
 """Tokenizers rebuilt from GGUF metadata against llama.cpp's own test material, and the checks made before compiling.
 
 The oracle: llama.cpp's ``models/ggml-vocab-*.gguf`` (real vocabularies: Llama 3, Llama 2 / Mistral, Qwen2, Phi-3,
-GPT-2) and, for each, ``.gguf.inp`` texts with the ids llama.cpp must give them in ``.gguf.out`` (read out of the
-llama-cpp-python sdist into the test-data cache by ``tests/material.py``).
+GPT-2, Gemma 4) and, for each, ``.gguf.inp`` texts with the ids llama.cpp must give them in ``.gguf.out`` (read out
+of the llama-cpp-python sdist into the test-data cache by ``tests/material.py``).
 """
 
 from __future__ import annotations
@@ -15,18 +15,19 @@ from logitproc.compile.gguf_tokenizer import GGUFVocab, build_tokenizer
 from logitproc.compile.tiny_model import make_tiny_model
 from logitproc.compile.tokenizer_source import from_hf_dir, from_model
 from material import vocab_cases, vocab_metadata
+from tokenizers import Tokenizer
 
-SUPPORTED_VOCABS = ["llama-bpe", "llama-spm", "qwen2", "phi-3", "gpt-2"]
+SUPPORTED_VOCABS = ["llama-bpe", "llama-spm", "qwen2", "phi-3", "gpt-2", "gemma-4"]
 
 
 @pytest.fixture(scope="module", params=SUPPORTED_VOCABS)
-def vocab(request) -> tuple[str, GGUFVocab]:
-    return request.param, GGUFVocab.from_metadata(vocab_metadata(request.param), request.param)
+def vocab(request) -> tuple[str, GGUFVocab, Tokenizer]:
+    parsed = GGUFVocab.from_metadata(vocab_metadata(request.param), request.param)
+    return request.param, parsed, build_tokenizer(parsed)
 
 
 def test_every_llama_cpp_case_encodes_to_its_ids(vocab) -> None:
-    name, parsed = vocab
-    tokenizer = build_tokenizer(parsed)
+    name, parsed, tokenizer = vocab
     cases = vocab_cases(name)
     assert len(cases) > 40
     wrong = [(text, tokenizer.encode(text, add_special_tokens=False).ids, ids) for text, ids in cases
@@ -34,20 +35,18 @@ def test_every_llama_cpp_case_encodes_to_its_ids(vocab) -> None:
     assert not wrong, f"{name}: {len(wrong)} of {len(cases)} differ, first {wrong[0]}"
 
 
-BOS_ADDED = {"llama-bpe": True, "llama-spm": True, "phi-3": True, "qwen2": False, "gpt-2": False}
+BOS_ADDED = {"llama-bpe": True, "llama-spm": True, "phi-3": True, "qwen2": False, "gpt-2": False, "gemma-4": True}
 
 
 def test_bos_is_added_as_the_gguf_says(vocab) -> None:
-    name, parsed = vocab
-    tokenizer = build_tokenizer(parsed)
+    name, parsed, tokenizer = vocab
     plain = tokenizer.encode("Hello world", add_special_tokens=False).ids
     full = tokenizer.encode("Hello world").ids
     assert full == ([parsed.bos_id] if BOS_ADDED[name] else []) + plain
 
 
 def test_control_tokens_are_special_and_text_round_trips(vocab) -> None:
-    name, parsed = vocab
-    tokenizer = build_tokenizer(parsed)
+    name, parsed, tokenizer = vocab
     eos = parsed.tokens[parsed.eos_id]
     ids = tokenizer.encode(f"Hi{eos}", add_special_tokens=False).ids
     assert ids[-1] == parsed.eos_id
@@ -56,7 +55,7 @@ def test_control_tokens_are_special_and_text_round_trips(vocab) -> None:
 
 
 @pytest.mark.parametrize(("name", "key", "value"), [
-    ("gemma-4", "tokenizer.ggml.model", "'gemma4'"),
+    ("bert-bge", "tokenizer.ggml.model", "'bert'"),
     ("qwen35", "tokenizer.ggml.pre", "'qwen35'"),
 ])
 def test_vocabularies_not_understood_are_refused_in_one_sentence(name: str, key: str, value: str) -> None:
