@@ -152,10 +152,8 @@ def read_gguf_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
     reader = GGUFReader(path)
     out: dict[str, Any] = {}
     for name, field in reader.fields.items():
-        if name.startswith("GGUF."):
-            continue
-        value = field.contents()
-        out[name] = value.item() if hasattr(value, "item") and not isinstance(value, list | str) else value
+        if not name.startswith("GGUF."):
+            out[name] = field.contents()  # Python values (gguf-py converts with tolist())
     del reader
     return out
 
