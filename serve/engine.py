@@ -161,14 +161,13 @@ class Engine:
             if chat:
                 prompt = [{"role": "user", "content": prompt}]
             else:
-                return list(self.model.tokenizer.encode(prompt, add_special_tokens=False).ids)
+                return list(self.model.tokenizer.encode(prompt).ids)  # BOS/EOS as the model's tokenizer adds them
         items = list(prompt)
         if items and all(isinstance(m, Mapping) for m in items):
             for m in items:
                 if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                     raise ValueError(f"chat messages need string 'role' and 'content', got {dict(m)!r}")
-            text = self.model.apply_chat_template(items, add_generation_prompt=True)
-            return list(self.model.tokenizer.encode(text, add_special_tokens=False).ids)
+            return self.model.chat_token_ids(items, add_generation_prompt=True)  # content never becomes control tokens
         ids = []
         for t in items:
             if isinstance(t, bool) or not isinstance(t, (int, np.integer)):

@@ -85,12 +85,14 @@ def load_engine(args: argparse.Namespace) -> Any:
     from logitproc.serve.compiled_model import CompiledModel
     from logitproc.serve.engine import Engine
 
-    from .cli_options import tiny_model
+    from .cli_options import read_chat_template, tiny_model, use_chat_template
     from .progress_line import ProgressLine
 
+    template = read_chat_template(args)
     source: Any = tiny_model() if args.model == TINY_MODEL else args.model
     with ProgressLine(sys.stderr) as progress:
         model = CompiledModel.open(source, target=args.target, progress=progress, max_num_sequences=args.max_batch)
+    use_chat_template(model, template)
     path = Path(args.model)
     model_dir = (path if path.is_dir() else path.parent) if path.exists() else model.directory
     tree = load_tree_decode_config(args.tree_decode_config, model.vocab_size, os.environ, model_dir)

@@ -193,6 +193,19 @@ def test_tree_decode_file_given_on_the_command_line(tiny_compiled, tmp_path: Pat
     assert missing.returncode == 2 and "--tree-decode-config" in missing.stderr and "no such file" in missing.stderr
 
 
+def test_a_chat_template_file_replaces_the_models(tiny_compiled, tmp_path: Path) -> None:
+    """``--chat-template FILE`` renders the chats (here a template that refuses, naming the message); a file that is
+    not jinja is refused before the model opens."""
+    refuse, broken = tmp_path / "refuse.jinja", tmp_path / "broken.jinja"
+    refuse.write_text("{{ raise_exception('custom template saw ' + messages[-1]['content']) }}")
+    done = logitproc("generate", "--model", "tiny", "--prompt", "hi", "--chat-template", str(refuse))
+    assert done.returncode == 2 and f"chat template: the chat template {refuse}" in done.stderr
+    assert "failed to render these messages: custom template saw hi" in done.stderr
+    broken.write_text("{% if %}")
+    refused = logitproc("generate", "--model", "tiny", "--prompt", "hi", "--chat-template", str(broken))
+    assert refused.returncode == 2 and "is not valid jinja" in refused.stderr and "loading" not in refused.stderr
+
+
 def test_tests_use_a_private_cache() -> None:
     cache = Path(os.environ["LOGITPROC_CACHE"]).resolve()
     assert cache != (Path.home() / ".cache" / "logitproc").resolve()
