@@ -1,12 +1,13 @@
-"""A Llama-family GGUF read into plain Python: config, float32 weights, the tokenizer and chat template metadata.
+"""A GGUF of a supported family read into plain Python: config, float32 weights, tokenizer and chat template data.
 
 ``load_gguf(path)`` reads the file with PyPI ``gguf`` (``GGUFReader``), turns the metadata into a ``LlamaConfig``
-(numpy scalars are cast to Python numbers: under NumPy 2 a float32 numpy scalar would silently promote float32
-activations to float64), and dequantises every tensor to a C-contiguous float32 numpy array with
-``gguf.quants.dequantize``. Weights keep their GGUF names and the PyTorch ``[out_features, in_features]`` layout
-(``token_embd.weight`` is ``[vocab, hidden]``, ``blk.{i}.attn_q.weight`` is ``[n_heads * head_dim, hidden]``, ...).
-The GGUF converter permuted the rows of ``attn_q``/``attn_k`` so that RoPE rotates *adjacent* pairs (0, 1), (2, 3), ...
-of each head, not the two halves as in the Hugging Face checkpoint.
+through the model's family (``gguf_config``; numpy scalars are cast to Python numbers: under NumPy 2 a float32 numpy
+scalar would silently promote float32 activations to float64), and dequantises every tensor to a C-contiguous
+float32 numpy array with ``gguf.quants.dequantize`` (``gguf_tensors``). Weights keep their GGUF names and the
+PyTorch ``[out_features, in_features]`` layout (``token_embd.weight`` is ``[vocab, hidden]``,
+``blk.{i}.attn_q.weight`` is ``[n_heads * head_dim, hidden]``, ...), in the canonical layout of ``model_family``:
+a ``llama`` GGUF's ``attn_q``/``attn_k`` rows, which llama.cpp's converter permuted for adjacent-pair RoPE, are put
+back in Hugging Face's half-rotation order.
 
 The tokenizer is rebuilt from the token list, types, merges and ``tokenizer.ggml.*`` metadata by
 ``logitproc.compile.gguf_tokenizer.build_tokenizer`` (re-exported here); the chat template
@@ -16,44 +17,23 @@ The tokenizer is rebuilt from the token list, types, merges and ``tokenizer.ggml
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from .families import family_for_gguf
+from .gguf_config import config_from_gguf
+from .gguf_tensors import gguf_weights, read_rope_tensors
 from .gguf_tokenizer import SUPPORTED as SUPPORTED_TOKENIZER_MODELS
 from .gguf_tokenizer import TokenType, build_tokenizer
+from .model_config import LlamaConfig
 
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 
-@dataclass(frozen=True)
-class LlamaConfig:
-    """Hyper-parameters of a Llama-architecture GGUF, as plain Python numbers."""
-
-    architecture: str
-    n_layers: int
-    hidden: int
-    n_heads: int
-    n_kv_heads: int
-    ffn: int
-    vocab: int
-    context: int
-    rope_theta: float
-    rms_eps: float
-    tied_embeddings: bool
-    bos_id: int
-    eos_id: int
-    head_dim: int
-    rope_dim: int
-    chat_template: str | None
-    name: str = ""
-
-    @property
-    def n_rep(self) -> int:
-        """Query heads per KV head (grouped-query attention)."""
-        return self.n_heads // self.n_kv_heads
 
 
 @dataclass
@@ -62,7 +42,8 @@ class GGUFModel:
 
     path: Path
     config: LlamaConfig
-    weights: dict[str, np.ndarray]
+    #: by GGUF name, float32, canonical layout (in a compile a ``gguf_tensors.LazyWeights``: read when looked up)
+    weights: Mapping[str, np.ndarray]
     tensor_types: dict[str, str]
     tokens: list[str]
     token_types: list[int]
@@ -100,25 +81,16 @@ def _field_value(reader_field: Any) -> Any:
     return scalar(reader_field.data[0], types[0])
 
 
-def _dequantize(tensor: Any) -> np.ndarray:
-    """A GGUF tensor as an owned, C-contiguous float32 array in numpy (row-major ``[out, in]``) order."""
-    from gguf.quants import dequantize
-
-    values = dequantize(tensor.data, tensor.tensor_type)
-    # F32/F16 come back as views of the memory map: copy so the file can be closed and the array written to.
-    return np.array(values, dtype=np.float32, order="C", copy=True)
-
-
 def load_gguf(path: str | os.PathLike[str], *, load_weights: bool = True) -> GGUFModel:
-    """Read a Llama-architecture GGUF: config, tokenizer data and (unless ``load_weights`` is False) float32 weights."""
+    """Read a GGUF of a supported family (``families``): config, tokenizer data and (unless ``load_weights`` is
+    False) float32 weights in the canonical layout (``gguf_tensors.gguf_weights``). Raises ValueError naming an
+    unsupported architecture, key, tensor or tokenizer."""
     from gguf import GGUFReader
 
     path = Path(path)
     reader = GGUFReader(path)
     meta = {name: _field_value(f) for name, f in reader.fields.items() if not name.startswith("GGUF.")}
-    arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise ValueError(f"{path.name}: architecture {arch!r} is not supported (only 'llama')")
+    family_for_gguf(str(meta.get("general.architecture")))  # an unknown architecture is refused first
     tokenizer_model = meta.get("tokenizer.ggml.model")
     if tokenizer_model not in SUPPORTED_TOKENIZER_MODELS:  # the rest is checked by gguf_tokenizer, before compiling
         raise ValueError(f"{path.name}: tokenizer model {tokenizer_model!r} is not supported "
@@ -128,35 +100,12 @@ def load_gguf(path: str | os.PathLike[str], *, load_weights: bool = True) -> GGU
     merges: list[str] = meta.pop("tokenizer.ggml.merges", [])  # none in a SentencePiece vocabulary
     token_types: list[int] = meta.pop("tokenizer.ggml.token_type", [1] * len(tokens))
 
-    tensor_names = {t.name for t in reader.tensors}
-    hidden = int(meta[f"{arch}.embedding_length"])
-    n_heads = int(meta[f"{arch}.attention.head_count"])
-    head_dim = hidden // n_heads
-    config = LlamaConfig(
-        architecture=arch,
-        n_layers=int(meta[f"{arch}.block_count"]),
-        hidden=hidden,
-        n_heads=n_heads,
-        n_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", n_heads)),
-        ffn=int(meta[f"{arch}.feed_forward_length"]),
-        vocab=int(meta.get(f"{arch}.vocab_size", len(tokens))),
-        context=int(meta[f"{arch}.context_length"]),
-        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
-        rms_eps=float(meta[f"{arch}.attention.layer_norm_rms_epsilon"]),
-        tied_embeddings="output.weight" not in tensor_names,
-        bos_id=int(meta["tokenizer.ggml.bos_token_id"]),
-        eos_id=int(meta["tokenizer.ggml.eos_token_id"]),
-        head_dim=head_dim,
-        rope_dim=int(meta.get(f"{arch}.rope.dimension_count", head_dim)),
-        chat_template=meta.get("tokenizer.chat_template"),
-        name=str(meta.get("general.name", "")),
-    )
-    if config.rope_dim != head_dim:
-        raise ValueError(f"{path.name}: partial rotary embedding (rope dim {config.rope_dim}) is not supported")
+    config = config_from_gguf(meta, [t.name for t in reader.tensors], read_rope_tensors(reader.tensors),
+                              vocab_size=len(tokens), source=path.name)
     if len(tokens) != config.vocab:
         raise ValueError(f"{path.name}: {len(tokens)} tokens but vocab_size {config.vocab}")
 
-    weights = {t.name: _dequantize(t) for t in reader.tensors} if load_weights else {}
+    weights = dict(gguf_weights(reader.tensors, config, keep_blocks=False)[0]) if load_weights else {}
     tensor_types = {t.name: t.tensor_type.name for t in reader.tensors}
     del reader  # drops the memory map
     return GGUFModel(

@@ -50,6 +50,7 @@ import tvm
 from logitproc.quiet_stderr import filtered_stderr
 
 from .gguf_model import GGUFModel, load_gguf
+from .gguf_tensors import RawTensors
 from .integer_matvec import has_int8_dot
 from .kernel_library import (
     KERNEL_OBJECT,
@@ -62,9 +63,9 @@ from .kernel_library import (
     source_hash,
     write_manifest,
 )
-from .llama_weights import read_gguf_tensors, relax_weights
+from .llama_weights import iter_relax_weights, read_gguf_tensors, save_params
 from .packed_matvec import ACTIVATION_BITS, DEFAULT_ACTIVATION_BITS, has_vnni
-from .relax_llama import DEFAULT_KV_DTYPE, KV_DTYPES, LlamaSpec, RawTensors, export_llama
+from .relax_llama import DEFAULT_KV_DTYPE, KV_DTYPES, LlamaSpec, export_llama
 from .targets import TargetSpec, build_features, resolve_target
 from .tokenizer_source import ModelTokenizer, from_gguf_file, from_hf_dir, from_model
 
@@ -86,8 +87,8 @@ def model_source_hash() -> str:
     """sha256 over every source of the model compiler (``compile/*.py``: model, weight loading, kernels, targets)
     and the logit-processing kernel sources (``kernel_library.source_hash``)."""
     digest = hashlib.sha256(source_hash().encode())
-    for path in sorted(_COMPILER_DIR.glob("*.py")):
-        digest.update(path.name.encode())
+    for path in sorted(_COMPILER_DIR.rglob("*.py")):
+        digest.update(str(path.relative_to(_COMPILER_DIR)).encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()
 
@@ -185,7 +186,7 @@ class _Source:
         assert self.path is not None
         if self.kind == "gguf":
             model = load_gguf(self.path, load_weights=False)
-            model.weights, raw = read_gguf_tensors(self.path, keep_blocks=keep_blocks)
+            model.weights, raw = read_gguf_tensors(self.path, model.config, keep_blocks=keep_blocks)
             return model, raw
         from .hf_model import load_hf_dir
 
@@ -212,8 +213,9 @@ def _slug(name: str) -> str:
 
 
 def eos_token_ids(model: GGUFModel) -> list[int]:
-    """The ids that end a turn: the model's EOS plus ``<|im_end|>`` and ``<|endoftext|>`` when they are special."""
-    ids = [model.config.eos_id]
+    """The ids that end a turn: the model's EOS list (``LlamaConfig.eos_ids``: config lists, generation config,
+    GGUF eos/eot/eom) plus ``<|im_end|>`` and ``<|endoftext|>`` when they are special tokens."""
+    ids = list(model.config.eos_ids or (model.config.eos_id,))
     for token in ("<|im_end|>", "<|endoftext|>"):
         if token in model.tokens:
             index = model.tokens.index(token)
@@ -252,13 +254,8 @@ def _build_into(source: _Source, model_hash: str, spec: TargetSpec, options: _Op
 
     step = time.perf_counter()
     progress("writing the weights and the tokenizer ...")
-    weights = relax_weights(model, llama, raw)
-    missing = sorted(set(param_names) - set(weights))
-    if missing:
-        raise ValueError(f"{source.name}: no weights for parameters {missing}")
-    np.savez(out / PARAMS_FILE, **{name: weights[name] for name in param_names})
+    size = save_params(out / PARAMS_FILE, iter_relax_weights(model, llama, raw), param_names) / 1e6
     (out / TOKENIZER_FILE).write_text(chat.tokenizer_json)
-    size = sum(a.nbytes for a in weights.values()) / 1e6
     progress(f"wrote weights ({size:.0f} MB) and tokenizer in {time.perf_counter() - step:.1f}s")
 
     return write_manifest(

@@ -69,7 +69,7 @@ class CompiledModel(ModelRunner):
         if self.manifest.get("kind") != "model":
             raise ValueError(f"{self.directory} is not a compiled model (no 'kind': 'model' in its manifest)")
         info = self.manifest["model"]
-        config = LlamaConfig(**info["config"])
+        config = LlamaConfig.from_dict(info["config"])
         max_total = int(max_total_tokens or min(config.context, 8192))
         if max_num_sequences < 1 or max_total < 1 or prefill_chunk_size < 1:
             raise ValueError("max_num_sequences, max_total_tokens and prefill_chunk_size must be positive")

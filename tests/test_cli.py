@@ -98,6 +98,18 @@ def test_devices_prints_no_driver_noise() -> None:
     assert "XDG_RUNTIME_DIR" not in done.stderr, done.stderr
 
 
+def test_models_lists_every_family_without_loading_tvm() -> None:
+    from logitproc.compile.families import FAMILIES
+
+    done = python("-c", "import sys; from logitproc.serve.cli import main; main(['models']); "
+                        "print('tvm' in sys.modules)")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    for family in FAMILIES:
+        assert any(line.startswith(family.name) and family.hf_architectures[0] in line for line in lines), lines
+    assert lines[-1] == "False"
+
+
 # ---------------------------------------------------------------------------------------------------- generate
 def test_an_answer_cut_by_max_tokens_is_said_on_stderr(tiny_compiled) -> None:
     done = logitproc("generate", "--model", "tiny", "--prompt", "hi", "--max-tokens", "3", "--min-tokens", "3")
