@@ -113,3 +113,14 @@ def test_hf_chat_template_sources(tmp_path) -> None:
     with pytest.raises(ValueError, match=r"none named 'default'"):
         from_hf_dir(_hf_folder(tmp_path, {"chat_template": named[:1]}))
     assert from_hf_dir(_hf_folder(tmp_path, {})).chat_template is None
+
+
+def test_a_gguf_file_gives_its_tokenizer_and_template_without_its_tensors() -> None:
+    from logitproc.compile.tokenizer_source import from_gguf_file
+    from material import llama_cpp_models
+
+    own = from_gguf_file(llama_cpp_models() / "ggml-vocab-phi-3.gguf")
+    assert (own.bos_token, own.eos_token) == ("<s>", "<|endoftext|>")
+    assert own.chat_template is not None and "<|assistant|>" in own.chat_template
+    tokenizer = own.tokenizer()
+    assert tokenizer.encode("Hello world").ids == [1, *tokenizer.encode("Hello world", add_special_tokens=False).ids]
