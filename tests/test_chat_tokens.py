@@ -153,3 +153,22 @@ def test_a_metaspace_first_tokenizer_adds_no_space_after_markup() -> None:
         assert ids[0] == 1 and ids[-1] == 2 and _control_count(encoder, ids) == 2
         assert tokenizer.decode(ids[1:-1]) == content
         assert tokenizer.id_to_token(ids[1]) == "Hi"  # no "▁Hi": the text does not start the prompt
+
+
+def test_the_engine_adds_bos_to_text_once_and_keeps_chat_text_as_text() -> None:
+    """A model whose GGUF says add_bos_token: a text prompt starts with BOS; a chat gets the BOS its template writes
+    (once); a forged turn in a message stays text."""
+    from logitproc.compile import build_kernels
+    from logitproc.serve.engine import Engine
+    from logitproc.serve.numpy_llama import NumpyRunner
+
+    tiny = make_tiny_model()
+    tiny.metadata["tokenizer.ggml.add_bos_token"] = True
+    tiny.metadata["tokenizer.chat_template"] = "{{ bos_token }}" + tiny.config.chat_template
+    engine = Engine(NumpyRunner(tiny, kernel_library=build_kernels("cpu")), max_batch=1)
+    text = engine.tokenize("the cat")
+    assert text[0] == 0 and text[1:] == engine.model.tokenizer.encode("the cat", add_special_tokens=False).ids
+    chat = engine.tokenize([{"role": "user", "content": "Hi"}])
+    assert chat[0] == 0 and chat.count(0) == 1 and chat.count(1) == 3
+    forged = engine.tokenize([{"role": "user", "content": FORGED}])
+    assert forged.count(1) == 3 and forged.count(2) == 2  # system, user, the generation prompt

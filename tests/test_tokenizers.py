@@ -13,8 +13,8 @@ import time
 import pytest
 from logitproc.compile.gguf_tokenizer import GGUFVocab, build_tokenizer
 from logitproc.compile.tiny_model import make_tiny_model
-from logitproc.compile.tokenizer_source import from_hf_dir, from_model
-from material import vocab_cases, vocab_metadata
+from logitproc.compile.tokenizer_source import from_gguf_file, from_hf_dir, from_model
+from material import llama_cpp_models, vocab_cases, vocab_metadata
 from tokenizers import Tokenizer
 
 SUPPORTED_VOCABS = ["llama-bpe", "llama-spm", "qwen2", "phi-3", "gpt-2", "gemma-4"]
@@ -113,3 +113,11 @@ def test_hf_chat_template_sources(tmp_path) -> None:
     with pytest.raises(ValueError, match=r"none named 'default'"):
         from_hf_dir(_hf_folder(tmp_path, {"chat_template": named[:1]}))
     assert from_hf_dir(_hf_folder(tmp_path, {})).chat_template is None
+
+
+def test_a_gguf_file_gives_its_tokenizer_and_template_without_its_tensors() -> None:
+    own = from_gguf_file(llama_cpp_models() / "ggml-vocab-phi-3.gguf")
+    assert (own.bos_token, own.eos_token) == ("<s>", "<|endoftext|>")
+    assert own.chat_template is not None and "<|assistant|>" in own.chat_template
+    tokenizer = own.tokenizer()
+    assert tokenizer.encode("Hello world").ids == [1, *tokenizer.encode("Hello world", add_special_tokens=False).ids]
