@@ -312,6 +312,8 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--max-batch", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--server-args", default="", help="more options for logitproc serve, e.g. "
+                                                          "'--max-prefill-tokens-with-decode 0'")
     parser.add_argument("--mixed", action="store_true", help="the mixed-load run (see the module doc)")
     parser.add_argument("--pause", type=float, default=10.0, help="--mixed: seconds between the two servers")
     parser.add_argument("--schemas", type=int, default=6, help="--mixed: schema requests (default: %(default)s)")
@@ -324,7 +326,7 @@ def main() -> int:
         return mixed(args)
     env = dict(os.environ)
     servers = [start("logitproc", [sys.executable, "-m", "logitproc", "serve", "--model", args.model,
-                                   "--max-batch", str(args.max_batch)], env)]
+                                   "--max-batch", str(args.max_batch), *args.server_args.split()], env)]
     try:
         if args.llama_cpp != "off":
             try:

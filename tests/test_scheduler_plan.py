@@ -8,11 +8,22 @@ import numpy as np
 import pytest
 from logitproc.compile.gguf_model import LlamaConfig
 from logitproc.runtime import GenerationConfig, RequestState
+from logitproc.serve.chat_template import ChatTemplate
 from logitproc.serve.outputs import Delta, EngineStats, RequestStats
 from logitproc.serve.prefix_cache import PrefixCache
 from logitproc.serve.runner import ModelRunner
 from logitproc.serve.scheduler import Scheduler, StepBudget
 from logitproc.serve.sequence import GeneratedSequence, Request
+
+
+class ByteDecoder:
+    """Text of byte tokens (id = 3 + byte), as the tiny vocabulary's: what a finished sequence's detokenizer reads."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(i - 3 for i in ids if 3 <= i < 259).decode("utf-8", errors="replace")
+
+    def get_added_tokens_decoder(self):
+        return {}  # no control tokens
 
 
 class LengthsOnly(ModelRunner):
@@ -22,9 +33,9 @@ class LengthsOnly(ModelRunner):
         config = LlamaConfig(architecture="llama", n_layers=1, hidden=8, n_heads=1, n_kv_heads=1, ffn=8, vocab=300,
                              context=4096, rope_theta=1e4, rms_eps=1e-5, tied_embeddings=True, bos_id=1, eos_id=0,
                              head_dim=8, rope_dim=8, chat_template=None)
-        super().__init__(config=config, tokenizer=None, eos_token_ids=[0], name="lengths-only",
+        super().__init__(config=config, tokenizer=ByteDecoder(), eos_token_ids=[0], name="lengths-only",
                          max_num_sequences=max_num_sequences, context_length=4096,
-                         max_total_tokens=max_total_tokens, chatml=False, default_system=None)
+                         max_total_tokens=max_total_tokens, chat_template=ChatTemplate())
 
     def _add(self, seq_id: int) -> None: ...
 
@@ -36,13 +47,6 @@ class LengthsOnly(ModelRunner):
 
     def _prefill(self, seq_ids: list[int], token_ids: list[np.ndarray]) -> np.ndarray:
         return np.zeros((len(seq_ids), self.vocab_size), np.float32)  # no model: the plan is what is checked
-
-
-class ByteDecoder:
-    """Text of byte tokens (id = 3 + byte), as the tiny vocabulary's: what a finished sequence's detokenizer reads."""
-
-    def decode(self, ids, skip_special_tokens=True):
-        return bytes(i - 3 for i in ids if 3 <= i < 259).decode("utf-8", errors="replace")
 
 
 _arrivals = iter(range(10**6))
