@@ -307,10 +307,10 @@ def _bodies(draw: st.DrawFn) -> bytes:
     return data
 
 
-def _exchange(server: ServerProcess, path: str, headers: list[tuple[str, str]], body: bytes, framing: str,
-              split: int) -> tuple[int | None, bool]:
+def _exchange(server: ServerProcess, method: str, path: str, headers: list[tuple[str, str]], body: bytes,
+              framing: str, split: int) -> tuple[int | None, bool]:
     """Send one request with this framing; (the response status or None, whether the response was complete)."""
-    head = f"POST {path} HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers) + "Connection: close\r\n"
+    head = f"{method} {path} HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers) + "Connection: close\r\n"
     if framing == "length":
         wire = f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body
     elif framing == "short":  # promises more than it sends, then closes its side
@@ -328,7 +328,7 @@ def _exchange(server: ServerProcess, path: str, headers: list[tuple[str, str]], 
         while chunk := sock.recv(65536):
             received.append(chunk)
     client = h11.Connection(h11.CLIENT)
-    client.send(h11.Request(method="POST", target=path, headers=[("Host", "x"), ("Content-Length", "0")]))
+    client.send(h11.Request(method=method, target="/", headers=[("Host", "x"), ("Content-Length", "0")]))
     client.send(h11.EndOfMessage())
     client.receive_data(b"".join(received))
     client.receive_data(b"")
@@ -352,9 +352,12 @@ def _requests(server: ServerProcess) -> st.SearchStrategy:
     types = st.sampled_from(["application/json", "application/json", "text/plain", None,
                              "application/json; charset=utf-16", "multipart/form-data; boundary=x"])
     keys = st.sampled_from([KEY, KEY, None, "wrong", "\u00e9"])
-    paths = st.sampled_from([CHAT, CHAT, "/v1/completions", "/v1/completions", "/tokenize", "/detokenize"])
+    paths = st.sampled_from([CHAT, CHAT, "/v1/completions", "/v1/completions", "/tokenize", "/detokenize",
+                             "/v1/models", "/health", "/metrics", "/props", "/", "/favicon.ico", "/static/chat.js",
+                             "/static/..%2fhttp_server.py", "/v1/nothing", "/%ff%fe", "/v1/completions?x=\u00e9"])
+    methods = st.sampled_from(["POST", "POST", "POST", "GET", "OPTIONS", "PUT", "HEAD"])
     framings = st.sampled_from(["length", "length", "length", "chunked", "broken", "short"])
-    return st.tuples(paths, hosts, origins, types, keys, _bodies(), framings, st.integers(0, 64))
+    return st.tuples(methods, paths, hosts, origins, types, keys, _bodies(), framings, st.integers(0, 64))
 
 
 def _fuzz(server: ServerProcess, examples: int) -> None:
@@ -362,12 +365,12 @@ def _fuzz(server: ServerProcess, examples: int) -> None:
               suppress_health_check=list(HealthCheck))
     @given(_requests(server))
     def one(case: tuple) -> None:
-        path, host, origin, content_type, key, body, framing, split = case
+        method, path, host, origin, content_type, key, body, framing, split = case
         headers = [("Host", host)]
         headers += [("Origin", origin)] if origin else []
         headers += [("Content-Type", content_type)] if content_type else []
         headers += [("Authorization", f"Bearer {key}".encode().decode("latin-1"))] if key else []
-        status, complete = _exchange(server, path, headers, body, framing, split)
+        status, complete = _exchange(server, method, path, headers, body, framing, split)
         assert status is None or status < 500, (status, case)
         if status == 200:  # accepted: the answer ended (a stream with its [DONE])
             assert complete, case
