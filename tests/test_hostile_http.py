@@ -381,8 +381,8 @@ def _fuzz(server: ServerProcess, examples: int) -> None:
 
 
 def test_fuzz_the_http_layer(server) -> None:
-    """Hypothesis over JSON shapes, encodings, headers and framing: no 5xx, no traceback, /health answering, every
-    accepted request ending, nothing left running (120 examples, ~10 s: CI)."""
+    """Hypothesis over methods, paths, JSON shapes, encodings, headers and framing: no 5xx, no traceback, /health
+    answering, every accepted request ending, nothing left running (120 examples, ~20 s: CI)."""
     _fuzz(server, 120)
 
 
