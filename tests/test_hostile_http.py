@@ -101,10 +101,21 @@ def test_half_sent_bodies_and_broken_chunked_framing_end_without_a_500(server) -
     for length in ("9" * 5000, "99999999999999999999", "-1", "1e3", "0x10"):
         answer = raw_exchange(server.port, (head + f"Content-Length: {length}\r\n\r\n{{}}").encode())
         assert not answer.startswith(b"HTTP/1.1 5"), answer[:200]
+    answer = raw_exchange(server.port, b"HEAD /health HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n\r\n"
+                                       b"zz\r\n")
+    assert not answer.startswith(b"HTTP/1.1 5")
     for framing in (b"zz\r\nabc\r\n", b"5\r\nab", b"3\r\nabcdef\r\n0\r\n\r\n", b"-1\r\n"):
         answer = raw_exchange(server.port, (head + "Transfer-Encoding: chunked\r\n\r\n").encode() + framing,
                               close_after_send=framing == b"5\r\nab")
         assert not answer.startswith(b"HTTP/1.1 5"), answer[:200]
+    for refused in ("Content-Type: text/plain\r\n", "Content-Type: application/json\r\nOrigin: null\r\n"):
+        # refused before the body is read; broken framing arriving after that must not break the answer
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+            sock.sendall(f"POST {CHAT} HTTP/1.1\r\nHost: 127.0.0.1\r\n{refused}Transfer-Encoding: chunked\r\n\r\n"
+                         .encode())
+            time.sleep(0.3)
+            sock.sendall(b"zz\r\n")
+            assert not sock.recv(65536).startswith(b"HTTP/1.1 5")
     time.sleep(0.5)  # the server has seen the disconnects
     assert_clean(server)
 
@@ -262,12 +273,14 @@ def test_ctrl_c_with_a_client_that_never_reads_drains_then_exits_130() -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- fuzz
-def _json_values() -> st.SearchStrategy:
-    scalars = (st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False,
-                                                                                  allow_infinity=False)
-               | st.text(max_size=12))
-    return st.recursive(scalars, lambda inner: st.lists(inner, max_size=4)
-                        | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=10)
+def _containers(inner: st.SearchStrategy) -> st.SearchStrategy:
+    return st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+
+
+#: Any JSON value (one strategy object: hypothesis validates a recursive strategy once).
+JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers(-(2**70), 2**70)
+                           | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=12),
+                           _containers, max_leaves=10)
 
 
 FIELDS = sorted(set(CHAT_FIELDS + COMPLETION_FIELDS))
@@ -278,7 +291,7 @@ ROLES = ["system", "developer", "user", "assistant", "tool", ""]
 def _bodies(draw: st.DrawFn) -> bytes:
     """A request body: a request-like object (known and unknown fields, small budgets) or any JSON value, written
     as JSON, then maybe re-encoded, cut or corrupted."""
-    values = _json_values()
+    values = JSON_VALUES
     if draw(st.booleans()):
         body: object = draw(values)
     else:
