@@ -17,7 +17,7 @@ import numpy as np
 
 from .response_format import parse_response_format
 
-LOGPROBS_MODES = ("processed", "raw")
+LOGPROBS_MODES = ("auto", "processed", "raw")
 MAX_TOP_LOGPROBS = 20
 MAX_N = 128
 MAX_STOP_STRINGS = 16
@@ -105,7 +105,9 @@ class GenerationConfig:
     seed               None, or an int in [0, 2**64): the same seed gives the same tokens whatever the batch
     logprobs           return the chosen token's log-probability
     top_logprobs       0..20 most likely alternatives per position (needs logprobs=True; at most the vocabulary)
-    logprobs_mode      "processed" (the distribution sampled from) or "raw" (the model's, before any processing)
+    logprobs_mode      "processed" (the distribution sampled from), "raw" (the model's, before any processing) or
+                       "auto" (the default): raw for greedy requests (the processed distribution of a greedy
+                       choice is 0 for the token and -inf for every other), processed when sampling
     max_tokens         None or >= 1
     min_tokens         >= 0 (<= max_tokens): EOS (unless ignore_eos) and stop_token_ids are banned, and stop strings
                        not looked for, until this many tokens are out
@@ -136,7 +138,7 @@ class GenerationConfig:
     seed: int | None = None
     logprobs: bool = False
     top_logprobs: int = 0
-    logprobs_mode: str = "processed"
+    logprobs_mode: str = "auto"
     max_tokens: int | None = None
     min_tokens: int = 0
     allowed_token_ids: tuple[int, ...] | None = None
@@ -254,6 +256,13 @@ class GenerationConfig:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def effective_logprobs_mode(self) -> str:
+        """"processed" or "raw": ``logprobs_mode`` with "auto" decided by ``greedy``."""
+        if self.logprobs_mode == "auto":
+            return "raw" if self.greedy else "processed"
+        return self.logprobs_mode
 
     @property
     def has_penalties(self) -> bool:

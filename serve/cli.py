@@ -36,13 +36,27 @@ def _compile_model(args: argparse.Namespace) -> int:
     from logitproc.compile.model_compile import compile_model
 
     from .cli_options import TINY_MODEL, tiny_model
+    from .progress_line import ProgressLine
 
     started = time.perf_counter()
     model = tiny_model() if args.model == TINY_MODEL else args.model
-    out = compile_model(model, args.target, args.out, progress=lambda line: print(line, file=sys.stderr),
-                        weight_dtype=args.weight_dtype)
+    with ProgressLine(sys.stderr) as progress:
+        out = compile_model(model, args.target, args.out, progress=progress, weight_dtype=args.weight_dtype)
     print(f"done in {time.perf_counter() - started:.1f}s", file=sys.stderr)
     print(out)
+    return 0
+
+
+def _models(args: argparse.Namespace) -> int:
+    from logitproc.compile.families import FAMILIES
+    from logitproc.compile.rope import SCALING_KEYS
+
+    print("family  models                                         Hugging Face architectures            GGUF")
+    for family in FAMILIES:
+        print(f"{family.name:<7} {family.models:<46} {', '.join(family.hf_architectures):<37} "
+              f"{', '.join(family.gguf_architectures)}")
+    print(f"\nformats: a GGUF file (--model path.gguf) or a Hugging Face folder (--model path/, safetensors "
+          f"F32/F16/BF16); RoPE scaling: {', '.join(SCALING_KEYS)} (and a GGUF's rope_freqs); docs/model.md")
     return 0
 
 
@@ -59,7 +73,7 @@ def _devices(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from logitproc import __version__
 
-    parser = argparse.ArgumentParser(prog="logitproc", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="logitproc", description=__doc__.split("\n\n")[0].replace("``", ""))
     parser.add_argument("--version", action="version", version=f"logitproc {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -84,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
                                help="auto: keep a GGUF's Q8_0/Q4_1 blocks (float16 for other tensors) "
                                     "(default: %(default)s)")
     compile_model.set_defaults(run=_compile_model)
+
+    models = commands.add_parser("models", help="list the supported model families and formats")
+    models.set_defaults(run=_models)
 
     devices = commands.add_parser("devices", help="list the devices found: backend and limits")
     devices.set_defaults(run=_devices)

@@ -33,9 +33,12 @@ CONFIG_FIELDS = ("temperature", "top_p", "n", "seed", "stop", "presence_penalty"
                  "allowed_token_ids")
 #: Fields read elsewhere, or accepted and without effect here (``user`` is for the client's own tracking).
 COMMON_FIELDS = CONFIG_FIELDS + ("model", "max_tokens", "stream", "stream_options", "response_format",
-                                 "structured_outputs", "user", "logprobs", "jump_forward")
+                                 "structured_outputs", "user", "logprobs", "jump_forward", "logprobs_mode")
 CHAT_FIELDS = COMMON_FIELDS + ("messages", "max_completion_tokens", "top_logprobs")
 COMPLETION_FIELDS = COMMON_FIELDS + ("prompt", "echo", "best_of", "suffix")
+#: ``logprobs_mode`` by vLLM's names (its ``--logprobs-mode``) -> GenerationConfig's; "auto" (the default): raw for
+#: greedy requests, processed when sampling.
+LOGPROBS_MODES = {"auto": "auto", "raw_logprobs": "raw", "processed_logprobs": "processed"}
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 #: OpenAI's ranges where they are narrower than GenerationConfig's (the OpenAI endpoints keep to them).
 OPENAI_RANGES = {"temperature": (0.0, 2.0)}
@@ -222,6 +225,8 @@ def _config(body: Mapping[str, Any], values: dict[str, Any], fields: tuple[str, 
     from logitproc.runtime.config import GenerationConfig
 
     values = {**defaults, **values}
+    if body.get("logprobs_mode") is not None:
+        values["logprobs_mode"] = parse_logprobs_mode(body["logprobs_mode"])
     for name in CONFIG_FIELDS:
         if body.get(name) is not None:
             values[name] = body[name]
@@ -240,6 +245,17 @@ def _config(body: Mapping[str, Any], values: dict[str, Any], fields: tuple[str, 
     except (ValueError, TypeError) as err:
         message = str(err)
         raise bad_request(message, param_of(message, fields)) from None
+
+
+def parse_logprobs_mode(value: Any, field: str = "logprobs_mode") -> str:
+    """GenerationConfig's logprobs_mode for one of vLLM's names (``LOGPROBS_MODES``); APIError(400) otherwise."""
+    if isinstance(value, str) and value in LOGPROBS_MODES:
+        return LOGPROBS_MODES[value]
+    allowed = ", ".join(LOGPROBS_MODES)
+    if value in ("raw_logits", "processed_logits"):
+        raise bad_request(f"{field} {value!r} is not supported (logits are not returned); use one of {allowed}",
+                          field)
+    raise bad_request(f"{field} must be one of {allowed}, got {_shown(value)}", field)
 
 
 def _stream_options(body: Mapping[str, Any]) -> tuple[bool, bool]:

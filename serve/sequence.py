@@ -2,7 +2,9 @@
 
 The engine keeps every running sequence in one invariant: ``kv_len`` tokens (a prefix of prompt + output) are in
 the model's KV cache and ``feed`` holds the rest, which go in before the next logits are computed: the prompt for a
-new sequence, the last sampled token for a decoding one, more after a jump-forward.
+new sequence, the last sampled token for a decoding one, more after a jump-forward. A sequence ``in_prefill`` puts
+its prompt (after a preemption: prompt and output) into the KV cache in chunks, one per step within the step's token
+budget; it is sampled only once its whole feed is in.
 
 ``commit(token)`` applies the finish rules to a token that is already in the state, in this order: EOS or a
 stop token id ("stop", the token kept in ``token_ids`` but not in the text), then the text (UTF-8 safe, through the
@@ -57,6 +59,8 @@ class GeneratedSequence:
         self.kv_len = 0
         self.feed: list[int] = list(state.prompt_token_ids) if index == 0 else []
         self.forked_from: GeneratedSequence | None = None
+        #: The feed is a prompt going in by prefill chunks (the rest of it goes through prefill, however short).
+        self.in_prefill = index == 0
         cfg = state.config
         #: Tokens that end the sequence (kept in token_ids, not in the text; the state is not advanced by them).
         self.stop_token_ids = frozenset(cfg.stop_token_ids) | frozenset(() if cfg.ignore_eos else eos_token_ids)
@@ -89,6 +93,17 @@ class GeneratedSequence:
         if self.forked_from is not None:
             return len(self.request.prompt_token_ids)
         return self.kv_len + len(self.feed)
+
+    @property
+    def prefilling(self) -> bool:
+        """Whether the next forward feeds this sequence by prefill: a prompt (or part of one) or a jump-forward's
+        tokens; a sequence still to fork from its request's first sequence is not (it is forked after that one)."""
+        return self.forked_from is None and (self.in_prefill or len(self.feed) > 1 or not self.in_model)
+
+    @property
+    def decoding(self) -> bool:
+        """Whether the next forward feeds this sequence its one last sampled token (by decode, or verify)."""
+        return self.in_model and not self.prefilling and len(self.feed) == 1
 
     @property
     def tokens_left(self) -> int:

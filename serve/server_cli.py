@@ -29,6 +29,12 @@ def add_parser(commands: Any) -> None:
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
     parser.add_argument("--max-batch", type=int, default=16,
                         help="sequences generated at once (default: %(default)s)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=256,
+                        help="tokens one step feeds the model at most: decode rows first, then prefill chunks of "
+                             "the prompts going in (0: no bound; default: %(default)s)")
+    parser.add_argument("--max-prefill-tokens-with-decode", type=int, default=16,
+                        help="prefill tokens of a step that also decodes, which bounds how long a long prompt holds "
+                             "the running streams up (0: no bound; default: %(default)s; docs/serving.md)")
     parser.add_argument("--max-queue", type=int, default=256,
                         help="requests waiting to start before new ones get 429 (default: %(default)s)")
     parser.add_argument("--api-key", default=os.environ.get("LOGITPROC_API_KEY"),
@@ -36,6 +42,10 @@ def add_parser(commands: Any) -> None:
                              "(default: $LOGITPROC_API_KEY, else none)")
     parser.add_argument("--served-model-name", default=None,
                         help="the model's name in the API (default: the model's own name)")
+    parser.add_argument("--logprobs-mode", choices=("auto", "raw_logprobs", "processed_logprobs"), default=None,
+                        help="what logprobs report when a request does not say (its logprobs_mode): the model's own "
+                             "distribution (raw_logprobs), the one sampled from (processed_logprobs), or auto: raw "
+                             "for greedy requests, processed when sampling (default: auto)")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="seconds running requests get to finish after SIGTERM (default: %(default)s)")
     parser.add_argument("--allowed-hosts", action="append", default=[], metavar="NAMES",
@@ -53,7 +63,8 @@ def _listed(values: list[str]) -> tuple[str, ...]:
 
 
 def _check(args: argparse.Namespace) -> None:
-    for name, low in (("max_batch", 1), ("max_queue", 1), ("port", 0)):
+    for name, low in (("max_batch", 1), ("max_queue", 1), ("port", 0), ("max_num_batched_tokens", 0),
+                      ("max_prefill_tokens_with_decode", 0)):
         if getattr(args, name) < low:
             raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
     if args.port > 65535:
@@ -74,17 +85,23 @@ def load_engine(args: argparse.Namespace) -> Any:
     from logitproc.serve.compiled_model import CompiledModel
     from logitproc.serve.engine import Engine
 
-    from .cli_options import tiny_model
+    from .cli_options import read_chat_template, tiny_model, use_chat_template
+    from .progress_line import ProgressLine
 
+    template = read_chat_template(args)
     source: Any = tiny_model() if args.model == TINY_MODEL else args.model
-    model = CompiledModel.open(source, target=args.target, progress=log, max_num_sequences=args.max_batch)
+    with ProgressLine(sys.stderr) as progress:
+        model = CompiledModel.open(source, target=args.target, progress=progress, max_num_sequences=args.max_batch)
+    use_chat_template(model, template)
     path = Path(args.model)
     model_dir = (path if path.is_dir() else path.parent) if path.exists() else model.directory
     tree = load_tree_decode_config(args.tree_decode_config, model.vocab_size, os.environ, model_dir)
     if tree is not None:
         log("tree decode: map loaded; it constrains every answer")
     return Engine(model, max_batch=args.max_batch, jump_forward=args.jump_forward,
-                  grammar_backend=args.grammar_backend, tree_decode=tree, speculative=args.speculative)
+                  grammar_backend=args.grammar_backend, tree_decode=tree, speculative=args.speculative,
+                  max_num_batched_tokens=args.max_num_batched_tokens or None,
+                  max_prefill_tokens_with_decode=args.max_prefill_tokens_with_decode or None)
 
 
 def sampling_defaults(args: argparse.Namespace, model: Any) -> Any:
@@ -101,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from .http_server import Server, ServerOptions
+    from .openai_protocol import parse_logprobs_mode
     from .request_policy import RequestPolicy
     from .uvicorn_protocol import QuietH11Protocol
 
@@ -114,6 +132,8 @@ def run(args: argparse.Namespace) -> int:
         engine = load_engine(args)
         defaults = sampling_defaults(args, engine.model)
         options.sampling_defaults = dict(defaults.values)
+        if args.logprobs_mode is not None:
+            options.sampling_defaults["logprobs_mode"] = parse_logprobs_mode(args.logprobs_mode, "--logprobs-mode")
         name = args.served_model_name or engine.model.name
         log(f"unset request fields take: {defaults.describe()}")
         log(f"ready: serving {name!r} at {url}/v1 (max batch {engine.max_batch}, context {engine.context_length})")

@@ -31,7 +31,8 @@ class FaultyRunner:
         self._model, self._at = model, at
         self._poisoned: dict[int, int] = {}  # seq_id -> decodes so far
         for name in ("name", "vocab_size", "context_length", "max_num_sequences", "max_total_tokens",
-                     "eos_token_ids", "tokenizer", "kernel_library", "apply_chat_template", "sequence_length",
+                     "eos_token_ids", "tokenizer", "kernel_library", "apply_chat_template", "chat_token_ids",
+                     "sequence_length",
                      "add_sequence", "popn"):
             setattr(self, name, getattr(model, name))
 
