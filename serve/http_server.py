@@ -62,6 +62,9 @@ PAGE_POLICY = ("default-src 'none'; script-src 'self'; style-src 'self'; connect
 log = logging.getLogger("logitproc.serve")
 #: How long a response cut short at shutdown may take to send its end (a client that never reads never takes it).
 SHUTDOWN_SEND_SECONDS = 0.5
+#: What of an unread request body is read before a response starts (StatusCounter), at most.
+DRAIN_BYTES = 1 << 20
+DRAIN_SECONDS = 2.0
 
 
 @dataclass
@@ -85,7 +88,11 @@ class StatusCounter:
     Starlette's error middleware answers an unexpected exception with a 500 (``server_error`` logs it once, with its
     traceback), then re-raises it for the ASGI server, which would log it again: it stops here. One that escapes
     before any response started is answered with a 500 here. A response that uvicorn cancels because
-    ``--drain-timeout`` expired (a client that does not read its stream) ends with one log line, not a traceback."""
+    ``--drain-timeout`` expired (a client that does not read its stream) ends with one log line, not a traceback.
+
+    A response that starts before the request's body was read (a refusal, a GET with a body) first reads what is left
+    of it (up to ``DRAIN_BYTES`` within ``DRAIN_SECONDS``): broken framing that arrived after a response had started
+    would make uvicorn answer 400 on a connection already answering, and log a traceback."""
 
     def __init__(self, app: Any, metrics: ServerMetrics) -> None:
         self.app = app
@@ -96,11 +103,26 @@ class StatusCounter:
             await self.app(scope, receive, send)
             return
 
-        started = complete = False
+        started = complete = received = False
+
+        async def tracked() -> Any:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.disconnect" or not message.get("more_body", False):
+                received = True
+            return message
+
+        async def drain() -> None:
+            size = 0
+            while not received and size <= DRAIN_BYTES:
+                size += len((await tracked()).get("body", b""))
 
         async def counted(message: Any) -> None:
             nonlocal started, complete
             if message["type"] == "http.response.start":
+                if not received:
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(drain(), DRAIN_SECONDS)
                 started = True
                 self.metrics.response(scope["path"], message["status"])
             elif message["type"] == "http.response.body" and not message.get("more_body", False):
@@ -108,7 +130,7 @@ class StatusCounter:
             await send(message)
 
         try:
-            await self.app(scope, receive, counted)
+            await self.app(scope, tracked, counted)
         except Exception as err:
             if not started:
                 log.error("unexpected error in %s: %s", ascii(scope["path"][:200]), _described(err))

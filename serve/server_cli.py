@@ -120,6 +120,7 @@ def run(args: argparse.Namespace) -> int:
     from .http_server import Server, ServerOptions
     from .openai_protocol import parse_logprobs_mode
     from .request_policy import RequestPolicy
+    from .uvicorn_protocol import QuietH11Protocol
 
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     url = f"http://{args.host}:{args.port}"
@@ -147,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
                             max_queue=args.max_queue, policy=policy)
     server = Server(load, options, on_failure)
     config = uvicorn.Config(server.app, host=args.host, port=args.port, log_level="warning", access_log=False,
-                            timeout_graceful_shutdown=args.drain_timeout, lifespan="on")
+                            timeout_graceful_shutdown=args.drain_timeout, lifespan="on", http=QuietH11Protocol)
     holder["uvicorn"] = uvicorn.Server(config)
     # uvicorn re-raises the signal that stopped it once it has drained; this handler makes SIGTERM end with 0.
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: log("stopped (SIGTERM)"))

@@ -101,10 +101,21 @@ def test_half_sent_bodies_and_broken_chunked_framing_end_without_a_500(server) -
     for length in ("9" * 5000, "99999999999999999999", "-1", "1e3", "0x10"):
         answer = raw_exchange(server.port, (head + f"Content-Length: {length}\r\n\r\n{{}}").encode())
         assert not answer.startswith(b"HTTP/1.1 5"), answer[:200]
+    answer = raw_exchange(server.port, b"HEAD /health HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n\r\n"
+                                       b"zz\r\n")
+    assert not answer.startswith(b"HTTP/1.1 5")
     for framing in (b"zz\r\nabc\r\n", b"5\r\nab", b"3\r\nabcdef\r\n0\r\n\r\n", b"-1\r\n"):
         answer = raw_exchange(server.port, (head + "Transfer-Encoding: chunked\r\n\r\n").encode() + framing,
                               close_after_send=framing == b"5\r\nab")
         assert not answer.startswith(b"HTTP/1.1 5"), answer[:200]
+    for refused in ("Content-Type: text/plain\r\n", "Content-Type: application/json\r\nOrigin: null\r\n"):
+        # refused before the body is read; broken framing arriving after that must not break the answer
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+            sock.sendall(f"POST {CHAT} HTTP/1.1\r\nHost: 127.0.0.1\r\n{refused}Transfer-Encoding: chunked\r\n\r\n"
+                         .encode())
+            time.sleep(0.3)
+            sock.sendall(b"zz\r\n")
+            assert not sock.recv(65536).startswith(b"HTTP/1.1 5")
     time.sleep(0.5)  # the server has seen the disconnects
     assert_clean(server)
 
@@ -262,12 +273,14 @@ def test_ctrl_c_with_a_client_that_never_reads_drains_then_exits_130() -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- fuzz
-def _json_values() -> st.SearchStrategy:
-    scalars = (st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False,
-                                                                                  allow_infinity=False)
-               | st.text(max_size=12))
-    return st.recursive(scalars, lambda inner: st.lists(inner, max_size=4)
-                        | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=10)
+def _containers(inner: st.SearchStrategy) -> st.SearchStrategy:
+    return st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+
+
+#: Any JSON value (one strategy object: hypothesis validates a recursive strategy once).
+JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers(-(2**70), 2**70)
+                           | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=12),
+                           _containers, max_leaves=10)
 
 
 FIELDS = sorted(set(CHAT_FIELDS + COMPLETION_FIELDS))
@@ -278,7 +291,7 @@ ROLES = ["system", "developer", "user", "assistant", "tool", ""]
 def _bodies(draw: st.DrawFn) -> bytes:
     """A request body: a request-like object (known and unknown fields, small budgets) or any JSON value, written
     as JSON, then maybe re-encoded, cut or corrupted."""
-    values = _json_values()
+    values = JSON_VALUES
     if draw(st.booleans()):
         body: object = draw(values)
     else:
@@ -307,10 +320,10 @@ def _bodies(draw: st.DrawFn) -> bytes:
     return data
 
 
-def _exchange(server: ServerProcess, path: str, headers: list[tuple[str, str]], body: bytes, framing: str,
-              split: int) -> tuple[int | None, bool]:
+def _exchange(server: ServerProcess, method: str, path: str, headers: list[tuple[str, str]], body: bytes,
+              framing: str, split: int) -> tuple[int | None, bool]:
     """Send one request with this framing; (the response status or None, whether the response was complete)."""
-    head = f"POST {path} HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers) + "Connection: close\r\n"
+    head = f"{method} {path} HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers) + "Connection: close\r\n"
     if framing == "length":
         wire = f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body
     elif framing == "short":  # promises more than it sends, then closes its side
@@ -328,7 +341,7 @@ def _exchange(server: ServerProcess, path: str, headers: list[tuple[str, str]], 
         while chunk := sock.recv(65536):
             received.append(chunk)
     client = h11.Connection(h11.CLIENT)
-    client.send(h11.Request(method="POST", target=path, headers=[("Host", "x"), ("Content-Length", "0")]))
+    client.send(h11.Request(method=method, target="/", headers=[("Host", "x"), ("Content-Length", "0")]))
     client.send(h11.EndOfMessage())
     client.receive_data(b"".join(received))
     client.receive_data(b"")
@@ -352,9 +365,12 @@ def _requests(server: ServerProcess) -> st.SearchStrategy:
     types = st.sampled_from(["application/json", "application/json", "text/plain", None,
                              "application/json; charset=utf-16", "multipart/form-data; boundary=x"])
     keys = st.sampled_from([KEY, KEY, None, "wrong", "\u00e9"])
-    paths = st.sampled_from([CHAT, CHAT, "/v1/completions", "/v1/completions", "/tokenize", "/detokenize"])
+    paths = st.sampled_from([CHAT, CHAT, "/v1/completions", "/v1/completions", "/tokenize", "/detokenize",
+                             "/v1/models", "/health", "/metrics", "/props", "/", "/favicon.ico", "/static/chat.js",
+                             "/static/..%2fhttp_server.py", "/v1/nothing", "/%ff%fe", "/v1/completions?x=\u00e9"])
+    methods = st.sampled_from(["POST", "POST", "POST", "GET", "OPTIONS", "PUT", "HEAD"])
     framings = st.sampled_from(["length", "length", "length", "chunked", "broken", "short"])
-    return st.tuples(paths, hosts, origins, types, keys, _bodies(), framings, st.integers(0, 64))
+    return st.tuples(methods, paths, hosts, origins, types, keys, _bodies(), framings, st.integers(0, 64))
 
 
 def _fuzz(server: ServerProcess, examples: int) -> None:
@@ -362,12 +378,12 @@ def _fuzz(server: ServerProcess, examples: int) -> None:
               suppress_health_check=list(HealthCheck))
     @given(_requests(server))
     def one(case: tuple) -> None:
-        path, host, origin, content_type, key, body, framing, split = case
+        method, path, host, origin, content_type, key, body, framing, split = case
         headers = [("Host", host)]
         headers += [("Origin", origin)] if origin else []
         headers += [("Content-Type", content_type)] if content_type else []
         headers += [("Authorization", f"Bearer {key}".encode().decode("latin-1"))] if key else []
-        status, complete = _exchange(server, path, headers, body, framing, split)
+        status, complete = _exchange(server, method, path, headers, body, framing, split)
         assert status is None or status < 500, (status, case)
         if status == 200:  # accepted: the answer ended (a stream with its [DONE])
             assert complete, case
@@ -378,8 +394,8 @@ def _fuzz(server: ServerProcess, examples: int) -> None:
 
 
 def test_fuzz_the_http_layer(server) -> None:
-    """Hypothesis over JSON shapes, encodings, headers and framing: no 5xx, no traceback, /health answering, every
-    accepted request ending, nothing left running (120 examples, ~10 s: CI)."""
+    """Hypothesis over methods, paths, JSON shapes, encodings, headers and framing: no 5xx, no traceback, /health
+    answering, every accepted request ending, nothing left running (120 examples, ~20 s: CI)."""
     _fuzz(server, 120)
 
 
