@@ -85,7 +85,9 @@ class ChatEncoder:
         """Prompt token ids of ``messages``; no control token comes from the client's text."""
         text, spans, breaks = self.render(messages, add_generation_prompt, **kwargs)
         with self._lock:  # a Tokenizer is not documented as safe for concurrent encodes
-            encoding = self.tokenizer.encode(text, add_special_tokens=False)
+            # encode_batch releases the GIL while it works (encode does not): other threads, the stepping one
+            # included, run meanwhile
+            encoding = self.tokenizer.encode_batch([text], add_special_tokens=False)[0]
             ids, offsets = encoding.ids, encoding.offsets
             controls = [(i, offsets[k]) for k, i in enumerate(ids) if i in self.control_ids]
             forged = [(i, (s, e)) for i, (s, e) in controls

@@ -161,7 +161,9 @@ class Engine:
             if chat:
                 prompt = [{"role": "user", "content": prompt}]
             else:
-                return list(self.model.tokenizer.encode(prompt).ids)  # BOS/EOS as the model's tokenizer adds them
+                # BOS/EOS as the model's tokenizer adds them; encode_batch lets other threads run while it works
+                # (encode holds the GIL: an 8 MB prompt stalled the stepping thread for seconds)
+                return list(self.model.tokenizer.encode_batch([prompt])[0].ids)
         items = list(prompt)
         if items and all(isinstance(m, Mapping) for m in items):
             for m in items:

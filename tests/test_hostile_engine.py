@@ -188,3 +188,29 @@ def test_the_server_loop_ends_a_request_whose_final_delta_was_lost(model) -> Non
         assert item.request_id == rid and "without its final answer" in item.message
     finally:
         loop.stop()
+
+
+def test_tokenizing_a_long_prompt_lets_other_threads_run(tiny_compiled) -> None:
+    """The stepping thread goes on while another thread tokenizes a huge prompt (the tokenizer releases the GIL)."""
+    import threading
+    import time
+
+    from logitproc.serve.engine import Engine
+
+    engine = Engine(tiny_compiled)
+    ticks, done = [0], threading.Event()
+
+    def tick() -> None:
+        while not done.is_set():
+            time.sleep(0.001)
+            ticks[0] += 1
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    started = time.perf_counter()
+    ids = engine.tokenize("hello world, a long paste " * 40000)
+    took = time.perf_counter() - started
+    done.set()
+    ticker.join()
+    assert len(ids) > 500_000
+    assert ticks[0] > 0.1 * took / 0.001 and ticks[0] > 20  # encode holding the GIL gave a handful
