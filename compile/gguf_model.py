@@ -9,39 +9,31 @@ PyTorch ``[out_features, in_features]`` layout (``token_embd.weight`` is ``[voca
 a ``llama`` GGUF's ``attn_q``/``attn_k`` rows, which llama.cpp's converter permuted for adjacent-pair RoPE, are put
 back in Hugging Face's half-rotation order.
 
-``build_tokenizer(model)`` rebuilds a Hugging Face ``tokenizers.Tokenizer`` from the GGUF's token list and merges:
-byte-level BPE, digits split individually first (the ``smollm`` pre-tokenizer), the control tokens added as special
-tokens, no BOS added (``tokenizer.ggml.add_bos_token`` is false for SmolLM2).
-
-``GGUFModel.chat_default_system()`` reads the default system prompt from the model's ChatML template
-(``tokenizer.chat_template``); rendering messages with it is the server's job (``logitproc.serve.chat_template``).
+The tokenizer is rebuilt from the token list, types, merges and ``tokenizer.ggml.*`` metadata by
+``logitproc.compile.gguf_tokenizer.build_tokenizer`` (re-exported here); the chat template
+(``tokenizer.chat_template``) is rendered by ``logitproc.serve.chat_template``.
 """
 
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from .families import family_for_gguf
 from .gguf_config import config_from_gguf
 from .gguf_tensors import gguf_weights, read_rope_tensors
+from .gguf_tokenizer import SUPPORTED as SUPPORTED_TOKENIZER_MODELS
+from .gguf_tokenizer import TokenType, build_tokenizer
 from .model_config import LlamaConfig
 
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 
-# llama.cpp token types (tokenizer.ggml.token_type): 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte.
-_TOKEN_TYPE_CONTROL = 3
-_TOKEN_TYPE_USER_DEFINED = 4
-# Pre-tokenizers (tokenizer.ggml.pre) rebuilt here: whether digits are split individually before the byte-level regex.
-_PRE_TOKENIZERS_SPLIT_DIGITS = {"smollm": True, "gpt2": False, "default": False}
 
 
 @dataclass
@@ -61,19 +53,8 @@ class GGUFModel:
     @property
     def special_token_ids(self) -> list[int]:
         """Ids of the control and user-defined tokens (``<|im_start|>``, ``<|endoftext|>``, ...)."""
-        keep = (_TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED)
+        keep = (TokenType.CONTROL, TokenType.USER_DEFINED)
         return [i for i, kind in enumerate(self.token_types) if kind in keep]
-
-    def chat_default_system(self) -> str | None:
-        """The system prompt the model's ChatML template inserts when none is given (None if it inserts none).
-
-        Raises ValueError when the template is not ChatML (the only format rendered here).
-        """
-        template = self.config.chat_template
-        if not template or IM_START not in template or IM_END not in template:
-            raise ValueError(f"{self.path.name}: chat template is not ChatML; only ChatML is rendered without jinja")
-        found = re.search(re.escape(IM_START) + r"system\n(.*?)" + re.escape(IM_END), template, flags=re.S)
-        return found.group(1) if found else None
 
 
 def _to_python(value: Any) -> Any:
@@ -111,13 +92,13 @@ def load_gguf(path: str | os.PathLike[str], *, load_weights: bool = True) -> GGU
     meta = {name: _field_value(f) for name, f in reader.fields.items() if not name.startswith("GGUF.")}
     family_for_gguf(str(meta.get("general.architecture")))  # an unknown architecture is refused first
     tokenizer_model = meta.get("tokenizer.ggml.model")
-    if tokenizer_model != "gpt2":
-        raise ValueError(f"{path.name}: tokenizer model {tokenizer_model!r} is not supported (only byte-level BPE)")
+    if tokenizer_model not in SUPPORTED_TOKENIZER_MODELS:  # the rest is checked by gguf_tokenizer, before compiling
+        raise ValueError(f"{path.name}: tokenizer model {tokenizer_model!r} is not supported "
+                         f"({', '.join(SUPPORTED_TOKENIZER_MODELS)})")
 
     tokens: list[str] = meta.pop("tokenizer.ggml.tokens")
-    merges: list[str] = meta.pop("tokenizer.ggml.merges")
+    merges: list[str] = meta.pop("tokenizer.ggml.merges", [])  # none in a SentencePiece vocabulary
     token_types: list[int] = meta.pop("tokenizer.ggml.token_type", [1] * len(tokens))
-    meta.pop("tokenizer.ggml.scores", None)
 
     shapes = {t.name: tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors}
     config = config_from_gguf(meta, shapes, read_rope_tensors(reader.tensors),
@@ -147,36 +128,4 @@ def load_default_model(*, load_weights: bool = True) -> GGUFModel:
     return load_gguf(fetch_default_model(), load_weights=load_weights)
 
 
-def build_tokenizer(model: GGUFModel) -> Tokenizer:
-    """A Hugging Face ``tokenizers.Tokenizer`` rebuilt from the GGUF's byte-level BPE vocabulary and merges.
-
-    Pre-tokenization: digits split one by one (for the ``smollm`` pre-tokenizer), then the GPT-2 byte-level regex
-    without a prefix space; control and user-defined tokens are special added tokens (matched before BPE, kept by
-    ``decode(..., skip_special_tokens=False)``); no BOS/EOS is added by ``encode``.
-    """
-    pre = model.metadata.get("tokenizer.ggml.pre", "default")
-    if pre not in _PRE_TOKENIZERS_SPLIT_DIGITS:
-        raise ValueError(f"pre-tokenizer {pre!r} is not supported (known: {sorted(_PRE_TOKENIZERS_SPLIT_DIGITS)})")
-
-    vocab = {token: index for index, token in enumerate(model.tokens)}
-    if len(vocab) != len(model.tokens):
-        raise ValueError("the GGUF token list holds duplicate tokens")
-    merges = []
-    for merge in model.merges:
-        left, sep, right = merge.partition(" ")
-        if not sep:
-            raise ValueError(f"malformed merge {merge!r}")
-        merges.append((left, right))
-
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=None, fuse_unk=False, byte_fallback=False))
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
-    if _PRE_TOKENIZERS_SPLIT_DIGITS[pre]:
-        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    else:
-        tokenizer.pre_tokenizer = byte_level
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
-    tokenizer.add_special_tokens(
-        [AddedToken(model.tokens[i], special=True, normalized=False) for i in model.special_token_ids]
-    )
-    return tokenizer
+__all__ = ["IM_END", "IM_START", "GGUFModel", "LlamaConfig", "build_tokenizer", "load_default_model", "load_gguf"]

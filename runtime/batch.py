@@ -127,7 +127,7 @@ class Batch:
             self.all_greedy = self.all_greedy and c.greedy
             if c.logprobs:
                 self.any_logprobs = True
-                self.any_raw_logprobs = self.any_raw_logprobs or c.logprobs_mode == "raw"
+                self.any_raw_logprobs = self.any_raw_logprobs or c.effective_logprobs_mode == "raw"
         #: Per row, (temperature, top_k, top_p, min_p) as the sampler's kernels take them (``sampling_row``), and the
         #: same as four arrays (float32, int32, float32, float32): gathered in the pass above, where the configs are
         #: read anyway, rather than by the sampler in a second pass over them.

@@ -17,7 +17,7 @@ import numpy as np
 
 from .response_format import parse_response_format
 
-LOGPROBS_MODES = ("processed", "raw")
+LOGPROBS_MODES = ("auto", "processed", "raw")
 MAX_TOP_LOGPROBS = 20
 MAX_N = 128
 MAX_STOP_STRINGS = 16
@@ -26,8 +26,11 @@ MAX_BAD_WORDS = 64
 MAX_LOGIT_BIAS_ENTRIES = 1024
 #: Token ids and top_k reach the kernels as int32.
 MAX_INT32 = 2**31 - 1
-#: repetition_penalty's upper end: beyond it float32 logits overflow to -inf or flush to 0.
+#: repetition_penalty's range: the float32 penalty kernel divides positive logits by it and multiplies negative ones,
+#: so beyond 1000 either way (a thousandfold change of a logit) logits overflow or flush to 0, and a penalty too
+#: small for float32 (1e-300 becomes 0.0) divides by zero.
 MAX_REPETITION_PENALTY = 1000.0
+MIN_REPETITION_PENALTY = 1.0 / MAX_REPETITION_PENALTY
 
 
 def _number(name: str, value: Any, *, integer: bool = False) -> Any:
@@ -96,13 +99,15 @@ class GenerationConfig:
     min_p              [0, 1]; 0 = off; keep tokens with prob >= min_p * max prob
     presence_penalty   [-2, 2]: subtracted once from every token already in the output
     frequency_penalty  [-2, 2]: subtracted once per occurrence in the output
-    repetition_penalty (0, 1000]; 1 = off; divides positive / multiplies negative logits of prompt and output tokens
+    repetition_penalty [0.001, 1000]; 1 = off; divides positive / multiplies negative logits of prompt and output tokens
     logit_bias         {token_id: bias in [-100, 100]}, at most 1024 entries; token ids are checked against the
                        vocabulary when a processor first sees the request
     seed               None, or an int in [0, 2**64): the same seed gives the same tokens whatever the batch
     logprobs           return the chosen token's log-probability
     top_logprobs       0..20 most likely alternatives per position (needs logprobs=True; at most the vocabulary)
-    logprobs_mode      "processed" (the distribution sampled from) or "raw" (the model's, before any processing)
+    logprobs_mode      "processed" (the distribution sampled from), "raw" (the model's, before any processing) or
+                       "auto" (the default): raw for greedy requests (the processed distribution of a greedy
+                       choice is 0 for the token and -inf for every other), processed when sampling
     max_tokens         None or >= 1
     min_tokens         >= 0 (<= max_tokens): EOS (unless ignore_eos) and stop_token_ids are banned, and stop strings
                        not looked for, until this many tokens are out
@@ -133,7 +138,7 @@ class GenerationConfig:
     seed: int | None = None
     logprobs: bool = False
     top_logprobs: int = 0
-    logprobs_mode: str = "processed"
+    logprobs_mode: str = "auto"
     max_tokens: int | None = None
     min_tokens: int = 0
     allowed_token_ids: tuple[int, ...] | None = None
@@ -162,8 +167,8 @@ class GenerationConfig:
         _in_range("min_p", self._field("min_p"), 0.0, 1.0)
         _in_range("presence_penalty", self._field("presence_penalty"), -2.0, 2.0)
         _in_range("frequency_penalty", self._field("frequency_penalty"), -2.0, 2.0)
-        _in_range("repetition_penalty", self._field("repetition_penalty"), 0.0, MAX_REPETITION_PENALTY,
-                  low_open=True)
+        _in_range("repetition_penalty", self._field("repetition_penalty"), MIN_REPETITION_PENALTY,
+                  MAX_REPETITION_PENALTY)
         object.__setattr__(self, "logit_bias", self._checked_bias(self.logit_bias))
         if self.seed is not None:
             _in_range("seed", self._field("seed", integer=True), 0, 2**64 - 1)
@@ -251,6 +256,13 @@ class GenerationConfig:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def effective_logprobs_mode(self) -> str:
+        """"processed" or "raw": ``logprobs_mode`` with "auto" decided by ``greedy``."""
+        if self.logprobs_mode == "auto":
+            return "raw" if self.greedy else "processed"
+        return self.logprobs_mode
 
     @property
     def has_penalties(self) -> bool:

@@ -12,9 +12,10 @@ row. Greedy rows (temperature 0) arrive as one-hot distributions and draw nothin
 masked has all-zero probabilities: it samples token -1 and is flagged in ``SampleResult.no_valid_token``.
 
 Logprobs are "processed" (of the distribution sampled from, after every stage) or "raw" (the model's own log-softmax
-before any processing), as each request's ``GenerationConfig.logprobs_mode`` says. Raw logprobs need the logits
-before processing: pass ``raw_logits`` (a numpy copy of the whole batch); they are computed by the
-``log_softmax_gather`` and ``top_n`` kernels, the one way logprobs are computed in this package.
+before any processing), as each request's ``GenerationConfig.logprobs_mode`` says ("auto", the default: raw when
+greedy, processed when sampling). Raw logprobs need the logits before processing: pass ``raw_logits`` (a numpy copy
+of the whole batch); they are computed by the ``log_softmax_gather`` and ``top_n`` kernels, the one way logprobs are
+computed in this package.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def _processed_top_counts(batch: Batch) -> list[int]:
     """Per row, how many processed top-n logprobs it asks for (0: none)."""
     if not batch.any_logprobs:
         return [0] * batch.num_rows
-    return [s.config.top_logprobs if s.config.logprobs and s.config.logprobs_mode == "processed" else 0
+    return [s.config.top_logprobs if s.config.logprobs and s.config.effective_logprobs_mode == "processed" else 0
             for s in batch.row_states]
 
 
@@ -243,7 +244,7 @@ class Sampler:
         no_valid = token_ids < 0
         logprobs = np.full(rows, np.nan, np.float32)
         top: list[list[tuple[int, float]] | None] = [None] * rows
-        wanted = [(r, s.config.logprobs_mode) for r, s in enumerate(batch.row_states)
+        wanted = [(r, s.config.effective_logprobs_mode) for r, s in enumerate(batch.row_states)
                   if s.config.logprobs] if batch.any_logprobs else []
         processed = [r for r, mode in wanted if mode == "processed"]
         raw = [r for r, mode in wanted if mode == "raw"]
@@ -286,7 +287,8 @@ class Sampler:
         """Raw logprobs through the same kernels as the processed ones: ``log_softmax_gather`` of the raw logits at the
         sampled tokens (and their log-sum-exp), ``top_n`` of the raw logits minus that log-sum-exp."""
         if raw_logits is None:
-            raise ValueError("logprobs_mode='raw' needs raw_logits: a copy of the logits before inplace_update_logits")
+            raise ValueError("logprobs_mode='raw' (or 'auto' on a greedy request) needs raw_logits: a copy of the "
+                             "logits before inplace_update_logits")
         raw = np.asarray(raw_logits, dtype=np.float32)
         rows = batch.num_rows
         if raw.shape != (rows, self.vocab_size):

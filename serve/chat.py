@@ -7,6 +7,7 @@ to quit; Ctrl-D quits. A bad command or value prints one line saying what is wro
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import shlex
@@ -19,15 +20,19 @@ from typing import Any, TextIO
 from .cli_options import (
     add_model_arguments,
     add_sampling_arguments,
-    config_from_args,
+    config_from_options,
     cut_note,
     json_schema_format,
     open_engine,
+    options_from_args,
     read_schema,
 )
 from .model_defaults import ModelDefaults
+from .progress_line import ProgressLine
 
 PROMPT = ">>> "
+#: A prompt this long shows its prefill's progress on a terminal.
+LONG_PROMPT_TOKENS = 512
 
 # command -> (GenerationConfig field, parser of the value; "off"/"none" sets None where the field allows it)
 NUMERIC_COMMANDS: dict[str, tuple[str, type]] = {
@@ -296,24 +301,36 @@ class ChatSession:
         previous = signal.signal(signal.SIGINT, self.interrupt)
         parts: list[str] = []
         output = None
+        quiet = control_echo_off(sys.stdin)  # the terminal would echo Ctrl-C as "^C" into the answer's text
+        reading: ProgressLine | None = None  # a long prompt's progress, on a terminal, until the answer begins
         try:
             while output is None:
                 if self._interrupted:
                     engine.abort(rid)
-                for delta in engine.step():
+                for delta in engine.step():  # a long prompt goes in by chunks: Ctrl-C acts between them
                     if delta.request_id != rid:
                         continue
                     if delta.text:
+                        if reading is not None:  # the answer begins: the progress line goes
+                            reading.close()
+                            reading = None
                         parts.append(delta.text)
                         self.out.write(delta.text)
                         self.out.flush()
                     if delta.output is not None:
                         output = delta.output
+                going_in = engine.prompt_progress(rid) if output is None and not parts else None
+                if going_in is not None and going_in[1] >= LONG_PROMPT_TOKENS:
+                    reading = reading or ProgressLine(self.out)
+                    reading.status(f"reading the prompt: {going_in[0]:,} of {going_in[1]:,} tokens")
         except BaseException:
             engine.abort(rid)  # never leave it running: the next step frees its slot
             raise
         finally:
             signal.signal(signal.SIGINT, previous)
+            quiet.close()
+            if reading is not None:
+                reading.close()
         cut = "closed to fit max_tokens" if output.closed_at_max_tokens and output.grammar_complete else cut_note(
             output, self.config)
         self.say(" [stopped]" if output.finish_reason == "abort" else f" [{cut}]" if cut else "")
@@ -323,6 +340,32 @@ class ChatSession:
             self.say(f"(the constraint failed: {output.error})")
         self.last_output = output
         self.history += [{"role": "user", "content": text}, {"role": "assistant", "content": "".join(parts)}]
+
+
+class control_echo_off(contextlib.AbstractContextManager):  # noqa: N801 (used like a function)
+    """While open, a terminal ``stream`` does not echo control characters (Ctrl-C's "^C"); nothing for a pipe."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._fd: int | None = None
+        if sys.platform == "win32" or not stream.isatty():
+            return  # a pipe, a file, a test's StringIO: nothing is echoed
+        import termios
+
+        self._fd = stream.fileno()
+        self._saved = termios.tcgetattr(self._fd)
+        quiet = list(self._saved)
+        quiet[3] &= ~termios.ECHOCTL
+        termios.tcsetattr(self._fd, termios.TCSANOW, quiet)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            import termios
+
+            termios.tcsetattr(self._fd, termios.TCSANOW, self._saved)
+            self._fd = None
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def run_repl(session: ChatSession) -> int:
@@ -355,9 +398,9 @@ def run(args: argparse.Namespace) -> int:
         import readline  # noqa: F401  (line editing and history for input())
     except ImportError:
         pass
-    config_from_args(args)  # bad options fail before the model loads
+    options = options_from_args(args)  # bad options fail before the model loads
     engine, defaults = open_engine(args)
-    config = config_from_args(args, defaults.values)
+    config = config_from_options(options, defaults.values)
     if args.think is not None:
         config = replace(config, max_thinking_tokens=args.think)
     session = ChatSession(engine, config, system=args.system, defaults=defaults)

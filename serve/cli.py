@@ -36,11 +36,12 @@ def _compile_model(args: argparse.Namespace) -> int:
     from logitproc.compile.model_compile import compile_model
 
     from .cli_options import TINY_MODEL, tiny_model
+    from .progress_line import ProgressLine
 
     started = time.perf_counter()
     model = tiny_model() if args.model == TINY_MODEL else args.model
-    out = compile_model(model, args.target, args.out, progress=lambda line: print(line, file=sys.stderr),
-                        weight_dtype=args.weight_dtype)
+    with ProgressLine(sys.stderr) as progress:
+        out = compile_model(model, args.target, args.out, progress=progress, weight_dtype=args.weight_dtype)
     print(f"done in {time.perf_counter() - started:.1f}s", file=sys.stderr)
     print(out)
     return 0
@@ -72,7 +73,7 @@ def _devices(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from logitproc import __version__
 
-    parser = argparse.ArgumentParser(prog="logitproc", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="logitproc", description=__doc__.split("\n\n")[0].replace("``", ""))
     parser.add_argument("--version", action="version", version=f"logitproc {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 

@@ -29,7 +29,7 @@ SAMPLING_OPTIONS: dict[str, tuple[str, type, str]] = {
     "--min-p": ("min_p", float, "keep tokens with prob >= min_p * max prob; 0 = off (default: the model's, else 0)"),
     "--presence-penalty": ("presence_penalty", float, "[-2, 2] (default: 0)"),
     "--frequency-penalty": ("frequency_penalty", float, "[-2, 2] (default: 0)"),
-    "--repetition-penalty": ("repetition_penalty", float, "(0, 1000]; 1 = off (default: the model's, as said above)"),
+    "--repetition-penalty": ("repetition_penalty", float, "[0.001, 1000]; 1 = off (default: the model's, as above)"),
     "--seed": ("seed", int, "seed of the sampling stream (default: none, a fresh stream)"),
     "--max-tokens": ("max_tokens", int, "at most this many tokens per answer (default: the model's, else 512)"),
     "--min-tokens": ("min_tokens", int, "no EOS, stop token or stop string before this many tokens (default: 0)"),
@@ -50,6 +50,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="speculative decoding: prompt-lookup drafts of up to K tokens (default K 5), checked in "
                              "one forward and kept only where they pay; faster on answers that repeat the prompt "
                              "(edits, quotes, JSON rewrites) (default: off)")
+    parser.add_argument("--chat-template", metavar="FILE", default=None,
+                        help="a jinja chat template to render chats with instead of the model's own (default: the "
+                             "model's, else ChatML)")
     parser.add_argument("--tree-decode-config", metavar="FILE", default=None,
                         help="Tree Decode map (JSON, docs/constrained_decoding.md) constraining every answer: a path "
                              "as given (absolute or relative to the working directory) (default: "
@@ -93,9 +96,13 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
 
 def read_schema(spec: str, stdin: bool = False) -> Any:
     """A JSON schema from inline JSON text or from a file (a pipe such as ``<(...)`` works too; with ``stdin``,
-    ``-`` reads standard input); ValueError saying what is wrong."""
+    ``-`` reads standard input); ValueError saying what is wrong. A pipe or standard input can be read only once:
+    call this once per command (``options_from_args`` does)."""
     text = spec.strip()
-    if text == "-" and stdin:
+    if text == "-" and not stdin:
+        raise ValueError("--json-schema - reads standard input, which the chat needs for your messages: give the "
+                         "schema inline or as a file")
+    if text == "-":
         text = sys.stdin.read()
     elif not text.startswith(("{", "[")) and text not in ("true", "false"):
         path = Path(text).expanduser()
@@ -118,11 +125,10 @@ def json_schema_format(schema: Any) -> dict[str, Any]:
     return {"type": "json_schema", "json_schema": {"name": "schema", "schema": schema}}
 
 
-def config_from_args(args: argparse.Namespace, defaults: Mapping[str, Any] | None = None) -> Any:
-    """A GenerationConfig from the sampling options (unset ones keep ``defaults`` or the config's defaults)."""
-    from logitproc.runtime import GenerationConfig
-
-    values = dict(defaults or {})
+def options_from_args(args: argparse.Namespace, stdin: bool = False) -> dict[str, Any]:
+    """The GenerationConfig fields the command line sets, checked (ValueError naming the option, before any model
+    loads); ``--json-schema`` is read here, once, since a pipe or (with ``stdin``) ``-`` can be read only once."""
+    values: dict[str, Any] = {}
     for _, (name, _, _) in SAMPLING_OPTIONS.items():
         value = getattr(args, name)
         if value is not None:
@@ -130,14 +136,22 @@ def config_from_args(args: argparse.Namespace, defaults: Mapping[str, Any] | Non
     if args.json_schema is not None and args.regex is not None:
         raise ValueError("give either --json-schema or --regex, not both")
     if args.json_schema is not None:
-        values["response_format"] = json_schema_format(read_schema(args.json_schema, stdin=True))
+        values["response_format"] = json_schema_format(read_schema(args.json_schema, stdin=stdin))
     elif args.regex is not None:  # '' too: the answer must then be empty
         values["response_format"] = {"type": "regex", "regex": args.regex}
     if args.stop:
         values["stop"] = tuple(args.stop)
-    if getattr(args, "bad_word", None):
+    if args.bad_word:
         values["bad_words"] = tuple(args.bad_word)
-    return GenerationConfig(**values)
+    config_from_options(values)  # bad values fail now
+    return values
+
+
+def config_from_options(options: Mapping[str, Any], defaults: Mapping[str, Any] | None = None) -> Any:
+    """The GenerationConfig of ``options`` (from ``options_from_args``) over the model's ``defaults``."""
+    from logitproc.runtime import GenerationConfig
+
+    return GenerationConfig(**{**(defaults or {}), **options})
 
 
 def log(message: str) -> None:
@@ -149,8 +163,27 @@ def open_model(spec: str, target: str) -> Any:
     """Open (fetching and compiling on first use, with visible progress on stderr) the model named by ``spec``."""
     from logitproc.serve.compiled_model import CompiledModel
 
+    from .progress_line import ProgressLine
+
     model: Any = tiny_model() if spec == TINY_MODEL else spec
-    return CompiledModel.open(model, target=target, progress=log)
+    with ProgressLine(sys.stderr) as progress:
+        return CompiledModel.open(model, target=target, progress=progress)
+
+
+def read_chat_template(args: argparse.Namespace) -> Any:
+    """``--chat-template FILE`` as a ChatTemplate (read and compiled before the model opens), or None."""
+    if args.chat_template is None:
+        return None
+    from logitproc.serve.chat_template import ChatTemplate
+
+    return ChatTemplate.from_file(args.chat_template)
+
+
+def use_chat_template(model: Any, template: Any) -> None:
+    """Render the model's chats with ``template`` (from ``read_chat_template``; None: keep the model's own)."""
+    if template is not None:
+        model.use_chat_template(model.chat_template.with_source(template))
+        log(f"chat template: {template.origin}")
 
 
 def tiny_model() -> Any:
@@ -169,7 +202,9 @@ def open_engine(args: argparse.Namespace) -> tuple[Any, ModelDefaults]:
 
     from .model_defaults import model_defaults
 
+    template = read_chat_template(args)
     model = open_model(args.model, args.target)
+    use_chat_template(model, template)
     source = Path(args.model)
     model_dir = (source if source.is_dir() else source.parent) if source.exists() else model.directory
     tree = load_tree_decode_config(args.tree_decode_config, model.vocab_size, os.environ, model_dir)

@@ -6,14 +6,22 @@ import argparse
 import sys
 from typing import Any
 
-from .cli_options import add_model_arguments, add_sampling_arguments, config_from_args, cut_note, log, open_engine
+from .cli_options import (
+    add_model_arguments,
+    add_sampling_arguments,
+    config_from_options,
+    cut_note,
+    log,
+    open_engine,
+    options_from_args,
+)
 
 
 def run(args: argparse.Namespace) -> int:
     """``logitproc generate``."""
-    config_from_args(args)  # bad options fail before the model loads
+    options = options_from_args(args, stdin=True)  # bad options fail before the model loads
     engine, defaults = open_engine(args)
-    config = config_from_args(args, defaults.values)
+    config = config_from_options(options, defaults.values)
     if args.no_chat_template:
         if args.system:
             raise ValueError("--system needs the chat template (drop --no-chat-template)")

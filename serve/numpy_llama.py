@@ -36,11 +36,12 @@ from typing import Any
 
 import numpy as np
 from logitproc.compile.families import family_named
-from logitproc.compile.gguf_model import GGUFModel, build_tokenizer, load_default_model, load_gguf
+from logitproc.compile.gguf_model import GGUFModel, load_default_model, load_gguf
 from logitproc.compile.packed_matvec import ACTIVATION_BITS, round_activations
 from logitproc.compile.relax_llama import DEFAULT_KV_DTYPE, KV_DTYPES
 from logitproc.runtime.kernel_library import KernelLibrary
 
+from .chat_template import ChatTemplate
 from .runner import ModelRunner
 
 _INITIAL_CACHE = 256
@@ -241,17 +242,15 @@ class NumpyRunner(ModelRunner):
     def __init__(self, model: GGUFModel, *, kernel_library: KernelLibrary, max_num_sequences: int = 16,
                  max_total_tokens: int | None = None, kv_dtype: str = DEFAULT_KV_DTYPE) -> None:
         from logitproc.compile.model_compile import eos_token_ids
+        from logitproc.compile.tokenizer_source import from_model
 
-        try:
-            chatml, default_system = True, model.chat_default_system()
-        except ValueError:
-            chatml, default_system = False, None
+        own = from_model(model)
         cfg = model.config
         max_total = int(max_total_tokens or min(cfg.context, 8192))
-        super().__init__(config=cfg, tokenizer=build_tokenizer(model), eos_token_ids=eos_token_ids(model),
+        super().__init__(config=cfg, tokenizer=own.tokenizer(), eos_token_ids=eos_token_ids(model),
                          name=cfg.name or model.path.stem, max_num_sequences=max_num_sequences,
-                         context_length=min(cfg.context, max_total), max_total_tokens=max_total, chatml=chatml,
-                         default_system=default_system)
+                         context_length=min(cfg.context, max_total), max_total_tokens=max_total,
+                         chat_template=ChatTemplate.for_model(own.chat_template, own.bos_token, own.eos_token))
         self.model = model
         #: The CPU kernel library the engine's processor and sampler use (``logitproc.compile.build_kernels("cpu")``).
         self.kernel_library = kernel_library

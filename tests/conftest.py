@@ -14,13 +14,17 @@ import time
 
 import pytest
 
-# Tests build kernel libraries and models into a private cache, never the user's (whatever $LOGITPROC_CACHE says).
-# ``$LOGITPROC_TEST_CACHE`` names one to reuse between runs (every build is keyed by its sources, so reuse is safe).
-if os.environ.get("LOGITPROC_TEST_CACHE"):
-    os.makedirs(os.environ["LOGITPROC_TEST_CACHE"], exist_ok=True)
-    os.environ["LOGITPROC_CACHE"] = os.environ["LOGITPROC_TEST_CACHE"]
-else:
-    os.environ["LOGITPROC_CACHE"] = tempfile.mkdtemp(prefix="logitproc-test-cache-")
+# Everything a run writes lives in one private folder of the system's temporary directory, removed when the run ends
+# (kept, and named, when it fails: its server logs and screenshots are the diagnosis): the build cache (never the
+# user's, whatever $LOGITPROC_CACHE says) and the temporary files of the tests and their subprocesses (pytest's
+# tmp_path, the cache locks). ``$LOGITPROC_TEST_CACHE`` names a build cache to reuse between runs instead (every build
+# is keyed by its sources, so reuse is safe).
+RUN_FOLDER = tempfile.mkdtemp(prefix="logitproc-test-run-")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # as the logitproc command sets it
+os.environ["TMPDIR"] = tempfile.tempdir = os.path.join(RUN_FOLDER, "tmp")
+os.mkdir(tempfile.tempdir)
+os.environ["LOGITPROC_CACHE"] = os.environ.get("LOGITPROC_TEST_CACHE") or os.path.join(RUN_FOLDER, "cache")
+os.makedirs(os.environ["LOGITPROC_CACHE"], exist_ok=True)
 
 MATRIX_DEVICES = ("cpu", "vulkan", "cuda")
 _unavailable: dict[str, str] = {}
@@ -31,13 +35,13 @@ _prebuild: subprocess.Popen | None = None
 
 
 def pytest_collection_finish(session) -> None:
-    """Start ``prebuild.py`` for a session of the whole suite (its log: ``prebuild.log`` in the private cache)."""
+    """Start ``prebuild.py`` for a session of the whole suite (its log: ``prebuild.log`` in the run's folder)."""
     global _prebuild
     wanted = os.environ.get("LOGITPROC_TEST_PREBUILD")
     modules = {item.path for item in session.items}
     if wanted == "0" or (wanted != "1" and len(modules) < PREBUILD_MIN_MODULES) or session.config.option.collectonly:
         return
-    log = open(os.path.join(os.environ["LOGITPROC_CACHE"], "prebuild.log"), "w")  # noqa: SIM115 (the child's)
+    log = open(os.path.join(RUN_FOLDER, "prebuild.log"), "w")  # noqa: SIM115 (the child's)
     _prebuild = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), "prebuild.py")],
                                  stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ),
                                  start_new_session=True)
@@ -45,10 +49,12 @@ def pytest_collection_finish(session) -> None:
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:
-    """The background builds end with the session."""
+    """The background builds end with the session; so does the run's private folder, unless a test failed."""
     if _prebuild is not None and _prebuild.poll() is None:
         os.killpg(_prebuild.pid, signal.SIGTERM)  # its group: a build it runs as a command ends with it
         _prebuild.wait(timeout=30)
+    if exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
+        shutil.rmtree(RUN_FOLDER, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -139,7 +145,9 @@ def default_model_in_cache():
     return open_model("default", "cpu")
 
 
-def pytest_terminal_summary(terminalreporter) -> None:
-    """No silent skips: say which devices the matrix could not run on, and why."""
+def pytest_terminal_summary(terminalreporter, exitstatus) -> None:
+    """No silent skips: say which devices the matrix could not run on, and why; name the kept folder of a failed run."""
+    if exitstatus not in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
+        terminalreporter.write_line(f"this run's logs, screenshots and builds are kept in {RUN_FOLDER}")
     for kind, reason in _unavailable.items():
         terminalreporter.write_line(f"device matrix: {kind} not run: {reason}")

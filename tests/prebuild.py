@@ -31,8 +31,8 @@ CLI_COMPILE_TINY = [sys.executable, "-m", "logitproc", "compile", "--model", "ti
 
 def cli_record() -> Path:
     """Where the background's run of ``CLI_COMPILE_TINY`` is recorded (its return code, stdout and stderr) for
-    ``tiny_model_compiled_by_cli``."""
-    return Path(os.environ["LOGITPROC_CACHE"]) / "prebuild-compile-tiny.json"
+    ``tiny_model_compiled_by_cli``: the run's temporary folder (conftest's), which a reused build cache outlives."""
+    return Path(tempfile.gettempdir()) / "prebuild-compile-tiny.json"
 
 
 def _cli_tiny() -> None:

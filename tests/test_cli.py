@@ -7,9 +7,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -180,10 +182,11 @@ def test_the_defaults_make_a_valid_generation_config() -> None:
 
 def test_options_given_win_over_the_model_defaults(tiny_compiled) -> None:
     from logitproc.serve.cli import build_parser
-    from logitproc.serve.cli_options import config_from_args
+    from logitproc.serve.cli_options import config_from_options, options_from_args
 
     args = build_parser().parse_args(["generate", "--prompt", "x", "--temperature", "0.5", "--max-tokens", "7"])
-    config = config_from_args(args, {"temperature": 0.0, "repetition_penalty": 1.1, "max_tokens": 512})
+    config = config_from_options(options_from_args(args), {"temperature": 0.0, "repetition_penalty": 1.1,
+                                                           "max_tokens": 512})
     assert (config.temperature, config.repetition_penalty, config.max_tokens) == (0.5, 1.1, 7)
 
 
@@ -202,8 +205,24 @@ def test_tree_decode_file_given_on_the_command_line(tiny_compiled, tmp_path: Pat
     assert missing.returncode == 2 and "--tree-decode-config" in missing.stderr and "no such file" in missing.stderr
 
 
+def test_a_chat_template_file_replaces_the_models(tiny_compiled, tmp_path: Path) -> None:
+    """``--chat-template FILE`` renders the chats (here a template that refuses, naming the message); a file that is
+    not jinja is refused before the model opens."""
+    refuse, broken = tmp_path / "refuse.jinja", tmp_path / "broken.jinja"
+    refuse.write_text("{{ raise_exception('custom template saw ' + messages[-1]['content']) }}")
+    done = logitproc("generate", "--model", "tiny", "--prompt", "hi", "--chat-template", str(refuse))
+    assert done.returncode == 2 and f"chat template: the chat template {refuse}" in done.stderr
+    assert "failed to render these messages: custom template saw hi" in done.stderr
+    broken.write_text("{% if %}")
+    refused = logitproc("generate", "--model", "tiny", "--prompt", "hi", "--chat-template", str(broken))
+    assert refused.returncode == 2 and "is not valid jinja" in refused.stderr and "loading" not in refused.stderr
+
+
 def test_tests_use_a_private_cache() -> None:
-    assert Path(os.environ["LOGITPROC_CACHE"]).name.startswith("logitproc-test-cache-")
+    cache = Path(os.environ["LOGITPROC_CACHE"]).resolve()
+    assert cache != (Path.home() / ".cache" / "logitproc").resolve()
+    assert Path(tempfile.gettempdir()).name == "tmp" and Path(tempfile.gettempdir()).parent.name.startswith(
+        "logitproc-test-run-")
 
 
 def test_speculative_option_reports_its_figures_and_refuses_bad_values(tiny_compiled) -> None:
@@ -218,3 +237,21 @@ def test_speculative_option_reports_its_figures_and_refuses_bad_values(tiny_comp
                          ("ngram:0", "num_speculative_tokens must be an int in [1, 32], got 0")):
         refused = logitproc("generate", "--model", "tiny", "--prompt", "x", "--speculative", bad)
         assert refused.returncode == 2 and message in refused.stderr and "Traceback" not in refused.stderr
+
+
+def test_a_schema_read_from_standard_input_or_a_pipe_constrains_the_answer(tiny_compiled, tmp_path) -> None:
+    """``--json-schema -`` reads standard input (here redirected from a file) and ``<(...)`` a pipe, each once."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    common = ("generate", "--model", "tiny", "--prompt", "a number", "--max-tokens", "40", "--seed", "1")
+    with open(path) as stdin:
+        piped = logitproc(*common, "--json-schema", "-", stdin=stdin)
+    assert piped.returncode == 0, piped.stderr
+    assert set(json.loads(piped.stdout)) == {"n"} and "schema: the answer is valid" in piped.stderr
+    script = f"{shlex.quote(sys.executable)} -m logitproc {shlex.join(common)} --json-schema <(cat {path})"
+    via_pipe = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=dict(os.environ), timeout=300)
+    assert via_pipe.returncode == 0 and via_pipe.stdout == piped.stdout, via_pipe.stderr
+    chat = logitproc("chat", "--model", "tiny", "--json-schema", "-", stdin=subprocess.DEVNULL)
+    assert chat.returncode == 2 and "standard input" in chat.stderr and "Traceback" not in chat.stderr

@@ -36,7 +36,7 @@ from logitproc.compile.model_compile import compile_model
 from logitproc.compile.rope import RopeScaling, llama3_factors
 from logitproc.compile.targets import resolve_target
 from logitproc.compile.tiny_model import make_tiny_model
-from logitproc.serve.chat_template import ChatTemplate
+from logitproc.serve.chat_template import model_chat_template
 from logitproc.serve.cli_options import TINY_CONTEXT, tiny_model
 from logitproc.serve.compiled_model import CompiledModel
 from logitproc.serve.numpy_llama import NumpyLlama, NumpyRunner
@@ -317,7 +317,7 @@ def test_logit_processing_kernels_run_from_the_model_library(m16, prompt) -> Non
 
 def test_tokenizer_and_chat_template(m16, tiny) -> None:
     text = m16.apply_chat_template(QUESTION)
-    assert text == ChatTemplate.for_model(tiny).render(QUESTION)
+    assert text == model_chat_template(tiny).render(QUESTION)
     ids = m16.tokenizer.encode(text).ids
     assert m16.tokenizer.decode(ids, skip_special_tokens=False) == text
     assert m16.eos_token_ids == (2, 0)

@@ -179,3 +179,11 @@ def test_the_examples_folder_holds_what_the_docs_name() -> None:
     for path in DOCS:
         for name in re.findall(r"docs/examples/[\w./-]+\w", path.read_text()):
             assert (ROOT / name).is_file(), f"{path.name} names {name}, which is missing"
+
+
+def test_the_files_the_docs_name_exist() -> None:
+    """A path in backticks (``compile/targets.py``, ``docs/examples/person.json``) names a file of the repository."""
+    named = re.compile(r"`([\w./-]+/[\w.-]+\.(?:py|md|json|sh|html|js|css|txt|toml))`")
+    missing = [f"{doc.name}: {match.group(1)}" for doc in DOCS for match in named.finditer(doc.read_text())
+               if not (ROOT / match.group(1)).exists()]
+    assert not missing, missing

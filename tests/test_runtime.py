@@ -336,6 +336,32 @@ def test_processed_and_raw_logprobs(proc, sampler) -> None:
         sampler.sample(probs, states)
 
 
+def test_auto_logprobs_are_raw_when_greedy_and_processed_when_sampling(proc, sampler) -> None:
+    """The default mode, "auto": a greedy row reports the model's distribution (its processed one would be 0 for the
+    chosen token and -inf elsewhere), a sampled row the distribution it was drawn from."""
+    greedy = GenerationConfig(temperature=0.0, logprobs=True, top_logprobs=3)
+    sampled = GenerationConfig(temperature=0.5, top_k=3, logprobs=True, top_logprobs=3, seed=1)
+    assert (greedy.logprobs_mode, greedy.effective_logprobs_mode, sampled.effective_logprobs_mode) == (
+        "auto", "raw", "processed")
+    states = [RequestState([1], greedy), RequestState([1], sampled)]
+    logits = np.tile(logits_for(1, seed=3), (2, 1))
+    raw = logits.copy()
+    proc.inplace_update_logits(logits, states)
+    probs = sampler.renormalize(proc.compute_probs_from_logits(logits, states), states)
+    final = probs.copy()
+    result = sampler.sample(probs, states, raw_logits=raw)
+    raw_log_softmax = raw[0].astype(np.float64) - np.log(np.exp(raw[0].astype(np.float64)).sum())
+    t = result.token_ids
+    assert t[0] == int(np.argmax(raw[0]))
+    assert result.logprobs[0] == pytest.approx(raw_log_softmax[t[0]], rel=1e-5) and result.logprobs[0] < 0
+    assert [tok for tok, _ in result.top_logprobs[0]] == np.argsort(-raw_log_softmax, kind="stable")[:3].tolist()
+    assert [lp for _, lp in result.top_logprobs[0]] == pytest.approx(
+        np.sort(raw_log_softmax)[::-1][:3].tolist(), rel=1e-5)
+    assert result.logprobs[1] == pytest.approx(math.log(final[1, t[1]]), rel=1e-5)
+    with pytest.raises(ValueError, match="'auto' on a greedy request"):
+        sampler.sample(probs, states)
+
+
 # ---- bad input --------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("kwargs", "error", "match"), [
