@@ -267,7 +267,9 @@ def test_ctrl_c_with_a_client_that_never_reads_drains_then_exits_130() -> None:
             proc.proc.send_signal(signal.SIGINT)
             assert proc.proc.wait(30) == 128 + signal.SIGINT
         log = proc.output()
-        assert "Traceback" not in log and "cut short at shutdown (--drain-timeout expired)" in log, log[-3000:]
+        # The stream is either blocked on the full socket when the drain timeout expires (then cut short: one line)
+        # or ended with the engine's stop (no line): which depends on the machine's speed; never a traceback.
+        assert "Traceback" not in log and log.count("cut short at shutdown (--drain-timeout expired)") <= 1, log[-3000:]
     finally:
         proc.stop()
 
