@@ -19,7 +19,7 @@ from .batch import Batch, DeferredMasks, DraftArg
 from .config import MAX_LOGIT_BIAS_ENTRIES
 from .device import Device, PrefixViews
 from .kernel_library import KernelLibrary, require_kernels
-from .logits_io import LogitsStaging
+from .logits_io import LogitsStaging, caller_array, refuse_read_only
 from .mask_filler import MaskFiller, MaskJob
 from .mask_source import JumpForward, TokenMaskSource
 from .paired_buffer import PairedBuffer
@@ -200,8 +200,7 @@ class LogitProcessor:
         it was. Masks started by ``start_masks`` for the same rows are used; the returned batch's ``mask_errors``
         says which rows' mask sources failed (those rows allow no token).
         """
-        if isinstance(logits, np.ndarray) and not logits.flags.writeable:
-            raise ValueError("logits is read-only: it is updated in place (pass a writable array, e.g. logits.copy())")
+        refuse_read_only(caller_array(logits))
         batch = self._batch_for(logits, states, cum_num_token, draft_trees)
         on_device, write_back = self._logits.to_device(logits)
         batch.remember_on_device(logits, on_device)
@@ -226,7 +225,7 @@ class LogitProcessor:
         batch = self._batch_for(logits, states, cum_num_token, draft_trees)
         on_device = batch.on_device(logits)
         if on_device is None:
-            on_device, _ = self._logits.to_device(logits)
+            on_device, _ = self._logits.to_device(logits, writes=False)
         if batch.deferred_masks is not None:  # inplace_update_logits(defer_masks=True), then the staged path
             deferred, batch.deferred_masks = batch.deferred_masks, None
             self.kernels[bitmask.NAME](on_device, deferred.row_ids_on_device, deferred.bitmask)

@@ -133,7 +133,7 @@ class Sampler:
     def _on_device(self, probs: Any, batch: Batch) -> Any:
         on_device = batch.on_device(probs)
         if on_device is None:
-            on_device, _ = self._probs.to_device(probs)
+            on_device, _ = self._probs.to_device(probs, writes=False)
             batch.remember_on_device(probs, on_device)
         return on_device
 
@@ -295,7 +295,7 @@ class Sampler:
             raise ValueError(f"raw_logits must have shape [{rows}, {self.vocab_size}], got {list(raw.shape)}")
         if self._raw is None:  # [capacity, V] more memory only for batches that ask for raw logprobs
             self._raw = LogitsStaging(self.device, self.max_num_token, self.vocab_size)
-        on_device, _ = self._raw.to_device(raw)
+        on_device, _ = self._raw.to_device(raw, writes=False)
         self._gather_ids.host_prefix(rows)[:] = np.maximum(token_ids, 0)
         ids = self._gather_ids.to_device(rows)
         self.device.wait_for_copies()
