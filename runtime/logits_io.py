@@ -56,8 +56,8 @@ def caller_array(x: Any, what: str = "logits") -> Any:
     if isinstance(x, (np.ndarray, tvm.runtime.Tensor, GPUArray)):
         return x
     if not isinstance(x, DLPackArray):
-        raise TypeError(f"{what} must be a float32 [num_rows, vocab] array: numpy.ndarray, a tensor with __dlpack__ "
-                        f"(torch, ...) or a device array; got {type(x).__name__}")
+        raise TypeError(f"{what} must be a float32 numpy.ndarray [num_rows, vocab], a tensor with __dlpack__ "
+                        f"(torch, ...) or a device array, got {type(x).__name__}")
     kind = int(x.__dlpack_device__()[0])
     try:
         if kind in (DLPACK_CPU, DLPACK_CUDA_HOST):
