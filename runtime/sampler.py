@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from logitproc.tir_kernels import log_softmax, multinomial, renormalize, sample_from_logits, top_n
@@ -33,6 +33,9 @@ from .kernel_library import KernelLibrary, require_kernels
 from .logits_io import LogitsStaging
 from .paired_buffer import PairedBuffer
 from .request_state import RequestState
+
+if TYPE_CHECKING:
+    from .logit_processor import LogitProcessor
 
 DEFAULT_MAX_ROWS = 256
 #: The kernels this sampler launches (names from each kernel module's NAME).
@@ -203,8 +206,13 @@ class Sampler:
         return self._result(batch, tokens, chosen, raw_logits, lambda n: self._top_n(on_device, rows, n))
 
     def sample_from_logits(self, logits: Any, states: BatchArg, cum_num_token: Any = None,
-                           draft_trees: DraftArg = None, raw_logits: np.ndarray | None = None) -> SampleResult:
+                           draft_trees: DraftArg = None, raw_logits: np.ndarray | None = None, *,
+                           processor: LogitProcessor | None = None) -> SampleResult:
         """One token per row straight from the processed logits ``[N, V]`` (after ``inplace_update_logits``).
+
+        With ``processor``, the whole step in one call: ``processor.inplace_update_logits(logits, batch,
+        defer_masks=True)`` first (bias and penalties written into ``logits`` in place, the masks left to this
+        kernel), on one Batch made by that processor (or ``states`` when it is one).
 
         The same tokens as ``sample(renormalize(compute_probs_from_logits(logits)))`` with the same seeds: the
         ``sample_from_logits`` kernel runs each row's temperature softmax, min-p / top-k / top-p and the draw in one
@@ -214,6 +222,11 @@ class Sampler:
         that ask for them. A row whose logits hold a NaN or a +inf is flagged by the kernel as it reads it
         (``SampleResult.non_finite_logits``, token -1, no logprobs) rather than sampled.
         """
+        if processor is not None:
+            if not isinstance(states, Batch):
+                states = processor.batch(states, cum_num_token, draft_trees)
+                cum_num_token = draft_trees = None
+            processor.inplace_update_logits(logits, states, defer_masks=True)
         batch = self._batch_for(logits, states, cum_num_token, draft_trees, "logits")
         rows = batch.num_rows
         self._renorm.host_prefix(rows)[:] = 1 if batch.any_filters else 0  # where the staged path renormalizes

@@ -209,3 +209,31 @@ def test_cuda_torch_tensor_is_used_on_the_device_without_a_host_copy(copies):
     proc.inplace_update_logits(logits, make_states())
     np.testing.assert_allclose(logits.cpu().numpy(), expected_logits(base), rtol=1e-5, atol=1e-5)
     assert copies == []
+
+
+def test_one_call_with_the_processor_equals_the_two_calls(runtime, copies):
+    from logitproc.runtime.token_rules import AllowedTokens
+
+    proc, sampler = runtime
+    allowed = [3, 17, 40, 41, 900]
+
+    def states() -> list[RequestState]:
+        made = make_states()
+        made[0] = RequestState(PROMPT, CONFIGS[0], mask_sources=[AllowedTokens(allowed, V)])
+        for t in OUTPUT:
+            made[0].append_token(t)
+        return made
+
+    two = fresh_logits(4)
+    proc.inplace_update_logits(two, states())
+    expected = sampler.sample_from_logits(two, states())
+    one = fresh_logits(4)
+    got = sampler.sample_from_logits(one, states(), processor=proc)
+    np.testing.assert_array_equal(got.token_ids, expected.token_ids)
+    assert got.token_ids[0] in allowed
+    # bias and penalties are written into the caller's logits; the masks were read by the sampling kernel instead
+    unmasked = [t for t in range(V) if t not in allowed]
+    np.testing.assert_allclose(one[1:], two[1:], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(one[0, allowed], two[0, allowed], rtol=1e-6, atol=1e-6)
+    assert np.isfinite(one[0, unmasked]).all() and np.isneginf(two[0, unmasked]).all()
+    assert copies == []
