@@ -200,9 +200,10 @@ class LogitProcessor:
         it was. Masks started by ``start_masks`` for the same rows are used; the returned batch's ``mask_errors``
         says which rows' mask sources failed (those rows allow no token).
         """
-        refuse_read_only(caller_array(logits))
-        batch = self._batch_for(logits, states, cum_num_token, draft_trees)
-        on_device, write_back = self._logits.to_device(logits)
+        array = caller_array(logits)  # (a numpy view of a torch tensor, once per call)
+        refuse_read_only(array)
+        batch = self._batch_for(array, states, cum_num_token, draft_trees)
+        on_device, write_back = self._logits.to_device(array)
         batch.remember_on_device(logits, on_device)
         if batch.any_bias:
             self._apply_logit_bias(on_device, batch)
@@ -222,10 +223,11 @@ class LogitProcessor:
         (valid until the next call), a numpy copy from other devices, else a device array. With this step's Batch,
         logits already on the device (``inplace_update_logits``) are not copied again.
         """
-        batch = self._batch_for(logits, states, cum_num_token, draft_trees)
+        array = caller_array(logits)
+        batch = self._batch_for(array, states, cum_num_token, draft_trees)
         on_device = batch.on_device(logits)
         if on_device is None:
-            on_device, _ = self._logits.to_device(logits, writes=False)
+            on_device, _ = self._logits.to_device(array, writes=False)
         if batch.deferred_masks is not None:  # inplace_update_logits(defer_masks=True), then the staged path
             deferred, batch.deferred_masks = batch.deferred_masks, None
             self.kernels[bitmask.NAME](on_device, deferred.row_ids_on_device, deferred.bitmask)

@@ -11,6 +11,7 @@ are uploaded and downloaded.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
@@ -37,6 +38,17 @@ class DLPackArray(Protocol):
     def __dlpack_device__(self) -> tuple[int, int]: ...
 
 
+@functools.cache
+def _dlpack_type(kind: type) -> bool:
+    """Whether arrays of type ``kind`` follow the DLPack protocol (once per type: a Protocol check costs tens of
+    microseconds)."""
+    return issubclass(kind, DLPackArray)
+
+
+def _is_dlpack(x: Any) -> bool:
+    return _dlpack_type(type(x))
+
+
 def empty_aligned(shape: tuple[int, ...], dtype: str | np.dtype = "float32") -> np.ndarray:
     """A numpy array in memory allocated by TVM (64-byte aligned, C-contiguous)."""
     return np.from_dlpack(tvm.runtime.empty(tuple(shape), str(np.dtype(dtype)), tvm.cpu()))
@@ -55,7 +67,7 @@ def caller_array(x: Any, what: str = "logits") -> Any:
     """
     if isinstance(x, (np.ndarray, tvm.runtime.Tensor, GPUArray)):
         return x
-    if not isinstance(x, DLPackArray):
+    if not _is_dlpack(x):
         raise TypeError(f"{what} must be a float32 numpy.ndarray [num_rows, vocab], a tensor with __dlpack__ "
                         f"(torch, ...) or a device array, got {type(x).__name__}")
     kind = int(x.__dlpack_device__()[0])
@@ -71,7 +83,7 @@ def is_host_array(x: Any) -> bool:
     """True for numpy arrays and CPU DLPack tensors (results come back as numpy for them)."""
     if isinstance(x, np.ndarray):
         return True
-    if isinstance(x, (tvm.runtime.Tensor, GPUArray)) or not isinstance(x, DLPackArray):
+    if isinstance(x, (tvm.runtime.Tensor, GPUArray)) or not _is_dlpack(x):
         return False
     return int(x.__dlpack_device__()[0]) in (DLPACK_CPU, DLPACK_CUDA_HOST)
 

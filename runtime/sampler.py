@@ -30,7 +30,7 @@ from logitproc.tir_kernels import log_softmax, multinomial, renormalize, sample_
 from .batch import Batch, DraftArg
 from .device import Device, PrefixViews
 from .kernel_library import KernelLibrary, require_kernels
-from .logits_io import LogitsStaging
+from .logits_io import LogitsStaging, caller_array
 from .paired_buffer import PairedBuffer
 from .request_state import RequestState
 
@@ -133,10 +133,11 @@ class Sampler:
         batch.check_array(probs, what, self.vocab_size, self.max_num_token, "the sampler's ")
         return batch
 
-    def _on_device(self, probs: Any, batch: Batch) -> Any:
+    def _on_device(self, probs: Any, batch: Batch, array: Any) -> Any:
+        """The device array of the caller's ``probs`` (``array``: it as ``caller_array`` gives it), once a step."""
         on_device = batch.on_device(probs)
         if on_device is None:
-            on_device, _ = self._probs.to_device(probs, writes=False)
+            on_device, _ = self._probs.to_device(array, writes=False)
             batch.remember_on_device(probs, on_device)
         return on_device
 
@@ -147,12 +148,13 @@ class Sampler:
         itself when no row filters anything (nothing is launched), else the sampler's buffer (numpy for numpy input,
         valid until the next call).
         """
-        batch = self._batch_for(probs, states, cum_num_token, draft_trees)
+        array = caller_array(probs, "probs")
+        batch = self._batch_for(array, states, cum_num_token, draft_trees)
         if not batch.any_filters:
             return probs
         rows = batch.num_rows
         args = self._filters_to_device(batch)
-        on_device = self._on_device(probs, batch)
+        on_device = self._on_device(probs, batch, array)
         self.device.wait_for_copies()
         out = self._renormalized(rows)
         self.kernels[renormalize.NAME](on_device, *args, out)
@@ -195,10 +197,11 @@ class Sampler:
     def sample(self, probs: Any, states: BatchArg, cum_num_token: Any = None, draft_trees: DraftArg = None,
                raw_logits: np.ndarray | None = None) -> SampleResult:
         """Draw one token per row from ``probs`` ``[N, V]`` (after ``renormalize``), with logprobs as requested."""
-        batch = self._batch_for(probs, states, cum_num_token, draft_trees)
+        array = caller_array(probs, "probs")
+        batch = self._batch_for(array, states, cum_num_token, draft_trees)
         rows = batch.num_rows
         u = self._uniform_to_device(batch)
-        on_device = self._on_device(probs, batch)
+        on_device = self._on_device(probs, batch, array)
         self.device.wait_for_copies()
         tokens = self._tokens(rows)
         chosen = self._chosen(rows)
@@ -227,12 +230,13 @@ class Sampler:
                 states = processor.batch(states, cum_num_token, draft_trees)
                 cum_num_token = draft_trees = None
             processor.inplace_update_logits(logits, states, defer_masks=True)
-        batch = self._batch_for(logits, states, cum_num_token, draft_trees, "logits")
+        array = caller_array(logits)
+        batch = self._batch_for(array, states, cum_num_token, draft_trees, "logits")
         rows = batch.num_rows
         self._renorm.host_prefix(rows)[:] = 1 if batch.any_filters else 0  # where the staged path renormalizes
         args = [*self._filters_to_device(batch, temperature=True), self._renorm.to_device(rows),
                 self._uniform_to_device(batch), *self._masks_to_device(batch)]
-        on_device = self._on_device(logits, batch)
+        on_device = self._on_device(logits, batch, array)
         self.device.wait_for_copies()
         tokens = self._tokens(rows)
         chosen = self._chosen(rows)
