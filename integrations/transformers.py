@@ -81,6 +81,9 @@ class LogitprocProcessor(LogitsProcessor):
     vocab_size: the model's logits width (``model.config.vocab_size``).
     tokenizer: a ``tokenizers.Tokenizer`` or HF fast tokenizer; needed for masks (grammar, bad words, think budget,
         min_tokens, Tree Decode), with ``eos_token_ids``.
+    constraints: a ``ConstraintFactory`` made once for the model (``ConstraintFactory(tokenizer, vocab_size,
+        eos_token_ids, tree_decode=...)``), instead of ``tokenizer`` / ``eos_token_ids`` / ``tree_decode``: the
+        grammar engine reads the tokenizer once (0.1-1 s) rather than once per processor.
     device: where the scores are ("cpu", or "cuda" for CUDA tensors with a CUDA kernel library).
 
     Raises
@@ -91,7 +94,7 @@ class LogitprocProcessor(LogitsProcessor):
     def __init__(self, library: KernelLibrary, config: GenerationConfig, vocab_size: int, *,
                  tokenizer: Tokenizer | PreTrainedTokenizerFast | None = None, eos_token_ids: Sequence[int] = (),
                  tree_decode: TreeDecodeConfig | None = None, grammar_backend: str = "llguidance",
-                 device: str = "cpu") -> None:
+                 constraints: ConstraintFactory | None = None, device: str = "cpu") -> None:
         if not isinstance(config, GenerationConfig):
             raise TypeError(f"config must be a logitproc GenerationConfig, got {type(config).__name__}")
         for name in NOT_PROCESSOR_FIELDS:
@@ -101,8 +104,8 @@ class LogitprocProcessor(LogitsProcessor):
                                  f"top_k, top_p, min_p) and leave {name} at its default")
         self.config = config
         self.library, self.vocab_size, self.device = library, vocab_size, device
-        self.factory: ConstraintFactory | None = None
-        if config.needs_mask_sources or tree_decode is not None:
+        self.factory: ConstraintFactory | None = constraints
+        if constraints is None and (config.needs_mask_sources or tree_decode is not None):
             if tokenizer is None or not eos_token_ids:
                 raise ValueError("config asks for token masks (response_format, max_thinking_tokens, min_tokens, "
                                  "allowed_token_ids, bad_words or a Tree Decode map): pass tokenizer= and "
@@ -112,7 +115,8 @@ class LogitprocProcessor(LogitsProcessor):
             self.factory = ConstraintFactory(tokenizer, vocab_size, eos_token_ids, backend=grammar_backend,
                                              tree_decode=tree_decode)
         config.check_vocab(vocab_size)
-        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        eos = constraints.tokenizer.eos_token_ids if constraints is not None else eos_token_ids
+        self.eos_token_ids = frozenset(int(t) for t in eos)
         self.processor: LogitProcessor | None = None  # made at the first call, with one row per sequence
         self.states: list[RequestState] = []
         self._ids: np.ndarray | None = None  # the input_ids of the previous call

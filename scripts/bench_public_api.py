@@ -3,7 +3,8 @@ CPU tensors, and logitproc's processor inside Hugging Face ``generate()`` next t
 
 Steps: each call of the public API with a list of states, as the README shows it, on logits the caller allocated
 (numpy's allocator: 16-byte aligned, or torch's): ``inplace_update_logits(logits, states)`` (bias, penalties, a
-grammar bitmask on half the rows) then ``sample_from_logits(logits, states)`` (temperature softmax, top-p, the draw).
+grammar bitmask on half the rows, filled in the calling thread: ``mask_workers=0``) then
+``sample_from_logits(logits, states)`` (temperature softmax, top-p, the draw).
 ``memcpy`` copies the float32 [B, V] logits once. Interleaved rounds: each round calls every contender once, each
 step starting from fresh logits copied in before the clock starts.
 
@@ -44,7 +45,9 @@ def bench_public_api(args: argparse.Namespace, lib) -> None:
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for vocab in args.vocab:
-        proc = LogitProcessor(lib, vocab, max(args.batch))
+        # masks filled in the calling thread: the bench's masks are precomputed rows (no work to spread), and on a
+        # loaded machine each handoff to a worker thread waits for the GIL (milliseconds)
+        proc = LogitProcessor(lib, vocab, max(args.batch), mask_workers=0)
         sampler = Sampler(lib, vocab, max_num_token=max(args.batch))
         for batch in args.batch:
             states = make_batch(batch, vocab, 128, rng)
@@ -93,6 +96,8 @@ def bench_hf_generate(args: argparse.Namespace, lib) -> None:
             self.calls += 1
             return out
 
+    from logitproc.runtime.constraints import ConstraintFactory
+
     gguf = make_tiny_model()
     tokenizer = build_tokenizer(gguf)
     eos = gguf.config.eos_id
@@ -105,15 +110,15 @@ def bench_hf_generate(args: argparse.Namespace, lib) -> None:
             bos_token_id=0, pad_token_id=0)
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(config).eval()
+        constraints = ConstraintFactory(tokenizer, vocab, [eos])  # made once per model, as a user would
         for batch in args.hf_batch:
             prompts = torch.randint(3, 200, (batch, 16))
+            ours = GenerationConfig(repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.3,
+                                    response_format=ResponseFormat.json_schema(SCHEMA), max_tokens=HF_NEW_TOKENS - 8)
             makers = {
                 "HF: RepetitionPenalty 1.1 + top-p 0.9": lambda: RepetitionPenaltyLogitsProcessor(1.1),
-                "logitproc: 3 penalties + JSON schema, HF top-p 0.9": lambda vocab=vocab: LogitprocProcessor(
-                    lib, GenerationConfig(repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.3,
-                                          response_format=ResponseFormat.json_schema(SCHEMA),
-                                          max_tokens=HF_NEW_TOKENS - 8),
-                    vocab, tokenizer=tokenizer, eos_token_ids=[eos]),
+                "logitproc: 3 penalties + JSON schema, HF top-p 0.9":
+                    lambda v=vocab, c=constraints, cfg=ours: LogitprocProcessor(lib, cfg, v, constraints=c),
             }
             results: dict[str, list[tuple[float, float, int]]] = {name: [] for name in makers}
             for round_ in range(args.hf_repeat + 1):  # interleaved; round 0 warms up
