@@ -195,7 +195,9 @@ class LogitProcessor:
         ``compute_probs_from_logits`` applies them first if the step takes the staged path after all.
 
         ``states`` is this step's Batch (``batch()``), or its states (and ``cum_num_token`` / ``draft_trees``), from
-        which a Batch is made. ``logits`` is a float32 numpy array or a device array of this processor's device.
+        which a Batch is made. ``logits`` is a float32 numpy array, a CPU tensor with ``__dlpack__`` (torch, ...)
+        or a device array of this processor's device; a C-contiguous one is written in place without a copy,
+        another one is copied once and written back (``logits_io``). A read-only array is refused.
         Row j of a sequence is processed as if its draft ancestors had been appended; every state is left exactly as
         it was. Masks started by ``start_masks`` for the same rows are used; the returned batch's ``mask_errors``
         says which rows' mask sources failed (those rows allow no token).

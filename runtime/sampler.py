@@ -3,8 +3,9 @@
 Two ways to sample: staged (``renormalize`` then ``sample``, on probabilities from
 ``LogitProcessor.compute_probs_from_logits``; each stage writes a full ``[N, V]`` array) for callers who want the
 probabilities, and fused (``sample_from_logits``: one kernel from the processed logits to the tokens, nothing
-``[N, V]`` written) for everyone else. With the same seeds both give the same tokens and the same logprobs (chosen
-token and top-n, processed or raw).
+``[N, V]`` written; with ``processor=`` it runs that LogitProcessor's stages first: the whole step in one call) for
+everyone else. With the same seeds both give the same tokens and the same logprobs (chosen token and top-n,
+processed or raw). Inputs are the caller's arrays (numpy, torch, ...), read in place (``logits_io``).
 
 Sampling draws one uniform number per row from the row's own request stream (``RequestState.rng``, seeded by
 ``GenerationConfig.seed``), so a seeded request gets the same tokens whatever else is in the batch and at whichever
