@@ -76,8 +76,8 @@ class LogitprocProcessor(LogitsProcessor):
     Parameters
     ----------
     library: a kernel library for ``device`` (``logitproc.compile.build_kernels("cpu")``).
-    config: the processing fields of a ``GenerationConfig``; ``max_tokens`` (set it to ``max_new_tokens``) lets a
-        grammar close its document in time.
+    config: the processing fields of a ``GenerationConfig``; ``max_tokens`` lets a grammar close its document in
+        time (give ``generate()``'s ``max_new_tokens`` a margin over it: see ``LateDocumentClosing``).
     vocab_size: the model's logits width (``model.config.vocab_size``).
     tokenizer: a ``tokenizers.Tokenizer`` or HF fast tokenizer; needed for masks (grammar, bad words, think budget,
         min_tokens, Tree Decode), with ``eos_token_ids``.
