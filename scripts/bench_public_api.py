@@ -12,7 +12,7 @@ HF: ``generate()`` on a tiny random Llama with a V-token head, B sequences, 32 n
 logitproc's processor (repetition, presence and frequency penalties and a JSON schema, its ``ConstraintFactory``
 made once per model) against HF's own processors (RepetitionPenalty; HF has no presence/frequency penalty, and no
 schema). Medians: of one processor call (timed around it) and of ``generate()``'s time per generated token over the
-rounds; the share is their ratio. The same top-p warper runs after both.
+rounds; the share is their ratio. The same top-p warper runs after both. torch gets as many threads as TVM.
 """
 
 from __future__ import annotations
@@ -97,8 +97,10 @@ def bench_hf_generate(args: argparse.Namespace, lib) -> None:
             self.calls.append(time.perf_counter() - start)
             return out
 
+    import tvm
     from logitproc.runtime.constraints import ConstraintFactory
 
+    torch.set_num_threads(tvm.get_global_func("runtime.NumThreads")())  # torch's pool as large as TVM's
     gguf = make_tiny_model()
     tokenizer = build_tokenizer(gguf)
     eos = gguf.config.eos_id

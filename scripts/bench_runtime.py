@@ -2,7 +2,7 @@
 
     python scripts/bench_runtime.py [--batch 1 8 64] [--vocab 32000 128256] [--repeat 9] [--markdown] [--top-logprobs N]
     python scripts/bench_runtime.py --host-overhead [--output-tokens 1000 32000]
-    python scripts/bench_runtime.py --public-api [--hf-batch 1 8] [--hf-repeat 3]   (bench_public_api.py)
+    python scripts/bench_runtime.py --public-api [--parts steps hf] [--hf-batch 1 8] [--hf-repeat 3]
 
 One step: logit bias (16 tokens per row), penalties (512 appeared tokens per row), a grammar bitmask on half the
 rows, temperature softmax, top-p 0.9, sampling. ``staged`` samples through ``compute_probs_from_logits`` ->
@@ -282,6 +282,8 @@ def main() -> None:
     parser.add_argument("--output-tokens", type=int, nargs="+", default=[1000, 32000])
     parser.add_argument("--public-api", action="store_true",
                         help="the public API on numpy and torch logits, and HF generate() (bench_public_api.py)")
+    parser.add_argument("--parts", nargs="+", choices=["steps", "hf"], default=["steps", "hf"],
+                        help="--public-api: the steps on numpy / torch, HF generate(), or both")
     parser.add_argument("--hf-batch", type=int, nargs="+", default=[1, 8], help="--public-api: generate() batches")
     parser.add_argument("--hf-repeat", type=int, default=3, help="--public-api: generate() rounds")
     args = parser.parse_args()
@@ -290,8 +292,10 @@ def main() -> None:
     if args.public_api:
         from bench_public_api import bench_hf_generate, bench_public_api
 
-        bench_public_api(args, lib)
-        bench_hf_generate(args, lib)
+        if "steps" in args.parts:
+            bench_public_api(args, lib)
+        if "hf" in args.parts:
+            bench_hf_generate(args, lib)
     elif args.host_overhead:
         bench_host_overhead(args, lib)
     else:

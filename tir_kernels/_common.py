@@ -28,7 +28,7 @@ CPU_LANES = 16
 #: probabilities given to the sampler): float32's own, so that any C-contiguous numpy array or torch tensor is used in
 #: place (numpy allocates at 16 bytes, a slice of rows may start at any multiple of 4). TVM's default (64) would let
 #: LLVM assume more than such arrays give; the CPU nests load these rows at row offsets anyway (any multiple of 4), so
-#: the generated code is the same speed (``scripts/bench_kernels.py``).
+#: the machine code is the same instruction for instruction (objdump of the znver4 library with 64 and with 4).
 CALLER_ARRAY_ALIGN = 4
 
 #: Threads per block for WebGPU/Vulkan unless the device raises its limits.
