@@ -189,3 +189,12 @@ def test_generate_with_a_thinking_budget_ends_thinking_in_time(lib, tiny, hf_mod
     with pytest.raises(ValueError, match="think_begin"):
         LogitprocProcessor(lib, config, hf_model.config.vocab_size, tokenizer=tokenizer, eos_token_ids=[eos])(
             torch.tensor([[1, 50, 60]]), torch.zeros((1, hf_model.config.vocab_size)))
+
+
+def test_beam_search_with_repetition_penalty_matches_hf(lib, hf_model):
+    prompt = torch.tensor([[1, 50, 60, 70, 80], [1, 90, 91, 92, 93]])
+    expected = hf_model.generate(prompt, max_new_tokens=10, do_sample=False, num_beams=3, repetition_penalty=1.4)
+    ours = LogitprocProcessor(lib, GenerationConfig(repetition_penalty=1.4), hf_model.config.vocab_size)
+    got = hf_model.generate(prompt, max_new_tokens=10, do_sample=False, num_beams=3,
+                            logits_processor=LogitsProcessorList([ours]))
+    assert got.tolist() == expected.tolist()
