@@ -85,6 +85,10 @@ class LogitprocProcessor(LogitsProcessor):
         eos_token_ids, tree_decode=...)``), instead of ``tokenizer`` / ``eos_token_ids`` / ``tree_decode``: the
         grammar engine reads the tokenizer once (0.1-1 s) rather than once per processor.
     device: where the scores are ("cpu", or "cuda" for CUDA tensors with a CUDA kernel library).
+    mask_workers: threads filling the rows' masks (``LogitProcessor``'s). 0, the default, fills them in the calling
+        thread: inside ``generate()`` nothing runs meanwhile to overlap them with (the engine fills them during the
+        model's forward), and a handoff to a thread waits for the GIL (measured: 1.3 ms a call with 0 workers, 2.7 ms
+        with 2, B=8, V=128256, JSON schema, 2-core machine at load 4).
 
     Raises
     ------
@@ -94,7 +98,7 @@ class LogitprocProcessor(LogitsProcessor):
     def __init__(self, library: KernelLibrary, config: GenerationConfig, vocab_size: int, *,
                  tokenizer: Tokenizer | PreTrainedTokenizerFast | None = None, eos_token_ids: Sequence[int] = (),
                  tree_decode: TreeDecodeConfig | None = None, grammar_backend: str = "llguidance",
-                 constraints: ConstraintFactory | None = None, device: str = "cpu") -> None:
+                 constraints: ConstraintFactory | None = None, device: str = "cpu", mask_workers: int = 0) -> None:
         if not isinstance(config, GenerationConfig):
             raise TypeError(f"config must be a logitproc GenerationConfig, got {type(config).__name__}")
         for name in NOT_PROCESSOR_FIELDS:
@@ -103,7 +107,7 @@ class LogitprocProcessor(LogitsProcessor):
                                  f"processor: pass sampling parameters to model.generate() (do_sample, temperature, "
                                  f"top_k, top_p, min_p) and leave {name} at its default")
         self.config = config
-        self.library, self.vocab_size, self.device = library, vocab_size, device
+        self.library, self.vocab_size, self.device, self.mask_workers = library, vocab_size, device, mask_workers
         self.factory: ConstraintFactory | None = constraints
         if constraints is None and (config.needs_mask_sources or tree_decode is not None):
             if tokenizer is None or not eos_token_ids:
@@ -150,7 +154,8 @@ class LogitprocProcessor(LogitsProcessor):
         return RequestState(ids, self.config, mask_sources=sources)
 
     def _start(self, ids: np.ndarray) -> None:
-        self.processor = LogitProcessor(self.library, self.vocab_size, ids.shape[0], device=self.device)
+        self.processor = LogitProcessor(self.library, self.vocab_size, ids.shape[0], device=self.device,
+                                        mask_workers=self.mask_workers)
         self.states = [self._new_state(row) for row in ids]
         self._done = [False] * ids.shape[0]
 
