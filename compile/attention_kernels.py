@@ -11,6 +11,7 @@ parallel).
 
 from __future__ import annotations
 
+import numpy as np
 import tvm
 from tvm import tirx
 from tvm.script import tirx as T
@@ -21,18 +22,36 @@ from .prefill_attention import PAGED_NAMES, RAGGED_NAMES, paged_prefill_kernel, 
 _CHUNKS = 64
 
 
-def rope_kernel(h_kv: int, h_q: int, d: int, theta: float, dtype: str = "float32") -> tirx.PrimFunc:
+def _table(values: tuple[float, ...], i: tirx.PrimExpr, lo: int = 0, hi: int | None = None) -> tirx.PrimExpr:
+    """``values[i]`` as a float32 expression of the loop variable ``i`` (a balanced tree of selects between
+    constants: the table lives in the code, no buffer needed)."""
+    hi = len(values) if hi is None else hi
+    if hi - lo == 1:
+        return tirx.const(values[lo], "float32")
+    mid = (lo + hi) // 2
+    return tirx.Select(i < mid, _table(values, i, lo, mid), _table(values, i, mid, hi))
+
+
+def rope_kernel(h_kv: int, h_q: int, d: int, inv_freq: tuple[float, ...],
+                dtype: str = "float32", attention_factor: float = 1.0) -> tirx.PrimFunc:
     """RoPE of the fused q/k/v rows: the ``tir_split_rotary`` slot of the KV cache (TVM's computes ``powf`` and
     ``sincosf`` for every element, serially: 35 ms of a 79-token SmolLM2 prefill). Per token ``s`` (tokens in
-    parallel chunks) at position ``p = position_map[s]``, with ``half = d / 2``::
+    parallel chunks) at position ``p = position_map[s]``, with ``inv_freq`` the ``half <= d / 2`` inverse
+    frequencies (``rope.RopeScaling.inverse_frequencies``: scaled or not, rounded to float32; ``2 half < d``: partial
+    rotary) and ``a = attention_factor`` (LongRoPE's; 1 otherwise)::
 
-        f[i] = p / theta ** (2 i / d);  c, n = cos(f), sin(f)             for i < half (once per token)
+        f[i] = p * inv_freq[i];  c, n = a cos(f), a sin(f)                for i < half (once per token)
         q[s, h, i] = x[h, i] c[i] - x[h, i + half] n[i];  q[s, h, i + half] = x[h, i + half] c[i] + x[h, i] n[i]
+        q[s, h, j] = x[h, j]                                              for 2 half <= j < d
         (k likewise for heads h_q .. h_q + h_kv - 1 of x = qkv[s]; v[s] = the last h_kv heads, copied)
 
-    When ``apply_rope == 0`` q and k are copied unrotated. The frequency is TVM's float32 expression; the rotation
-    is computed in float32 whatever ``dtype`` (the KV cache's: float32 or float16) and rounded to it once."""
-    half, heads = d // 2, h_q + 2 * h_kv
+    When ``apply_rope == 0`` q and k are copied unrotated. The angle and the rotation are computed in float32
+    whatever ``dtype`` (the KV cache's: float32 or float16) and rounded to it once."""
+    half, heads = len(inv_freq), h_q + 2 * h_kv
+    if not 0 < 2 * half <= d:
+        raise ValueError(f"rope_kernel: {half} inverse frequencies for head size {d} (need 1 to {d // 2})")
+    inv_freq = tuple(float(np.float32(f)) for f in inv_freq)
+    rest, factor = d - 2 * half, float(attention_factor)
 
     def wide(qkv, s, h, i):
         return T.Cast("float32", qkv[s, h, i])
@@ -46,6 +65,8 @@ def rope_kernel(h_kv: int, h_q: int, d: int, theta: float, dtype: str = "float32
             dst[s, h, i + half] = T.Cast(dtype, T.Select(
                 apply_rope > 0, wide(qkv, s, src_h, i + half) * cos[i] + wide(qkv, s, src_h, i) * sin[i],
                 wide(qkv, s, src_h, i + half)))
+        for j in range(rest):
+            dst[s, h, 2 * half + j] = qkv[s, src_h, 2 * half + j]
 
     @T.prim_func(private=True)
     def fused_rope(var_qkv: T.handle, var_position_map: T.handle, var_q: T.handle, var_k: T.handle,
@@ -62,10 +83,9 @@ def rope_kernel(h_kv: int, h_q: int, d: int, theta: float, dtype: str = "float32
             sin = T.alloc_buffer((half,), "float32", scope="local")
             for s in range(chunk * seq_len // _CHUNKS, (chunk + 1) * seq_len // _CHUNKS):
                 for i in range(half):
-                    freq: T.let = T.Cast("float32", position_map[s]) / T.pow(
-                        T.float32(theta), T.Cast("float32", i * 2 % d) / T.float32(d))
-                    cos[i] = T.cos(freq)
-                    sin[i] = T.sin(freq)
+                    freq: T.let = T.Cast("float32", position_map[s]) * _table(inv_freq, i)
+                    cos[i] = T.cos(freq) * T.float32(factor)
+                    sin[i] = T.sin(freq) * T.float32(factor)
                 for h in range(h_q):
                     rotate(q, s, h, h, qkv, cos, sin, apply_rope)
                 for h in range(h_kv):
@@ -81,16 +101,18 @@ ROPE_NAMES = ("fused_rope", "tir_split_rotary")
 
 
 def replace_attention_kernels(mod: tvm.IRModule, h_kv: int, h_q: int, d: int,
-                              rope_theta: float | None = None, dtype: str = "float32") -> tvm.IRModule:
+                              inv_freq: tuple[float, ...] | None = None, dtype: str = "float32",
+                              attention_factor: float = 1.0) -> tvm.IRModule:
     """``mod`` with the KV cache's CPU attention kernels (prefill, and decode: ``decode_attention.py``) replaced by
-    these (same names and signatures), and its RoPE kernel too when ``rope_theta`` is given (the cache must use
-    ``RopeMode.NORMAL`` with scale 1); ``dtype``: the cache's (its pages, q, k, v and the outputs)."""
+    these (same names and signatures), and its RoPE kernel too when ``inv_freq`` is given (``rope_kernel``; the
+    cache must use ``RopeMode.NORMAL``; ``attention_factor``: LongRoPE's); ``dtype``: the cache's (its pages, q, k,
+    v and the outputs)."""
     functions = {gv.name_hint: gv for gv in mod.get_global_vars()}
     replacements = [(RAGGED_NAMES, ragged_prefill_kernel(h_kv, h_q, d, dtype)),
                     (PAGED_NAMES, paged_prefill_kernel(h_kv, h_q, d, dtype)),
                     (DECODE_NAMES, decode_attention_kernel(h_kv, h_q, d, dtype))]
-    if rope_theta is not None:
-        replacements.append((ROPE_NAMES, rope_kernel(h_kv, h_q, d, rope_theta, dtype)))
+    if inv_freq is not None:
+        replacements.append((ROPE_NAMES, rope_kernel(h_kv, h_q, d, inv_freq, dtype, attention_factor)))
     for candidates, new in replacements:
         found = [name for name in candidates if name in functions]
         if not found:

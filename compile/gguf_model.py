@@ -1,68 +1,39 @@
-"""A Llama-family GGUF read into plain Python: config, float32 weights, the tokenizer and chat template metadata.
+"""A GGUF of a supported family read into plain Python: config, float32 weights, tokenizer and chat template data.
 
 ``load_gguf(path)`` reads the file with PyPI ``gguf`` (``GGUFReader``), turns the metadata into a ``LlamaConfig``
-(numpy scalars are cast to Python numbers: under NumPy 2 a float32 numpy scalar would silently promote float32
-activations to float64), and dequantises every tensor to a C-contiguous float32 numpy array with
-``gguf.quants.dequantize``. Weights keep their GGUF names and the PyTorch ``[out_features, in_features]`` layout
-(``token_embd.weight`` is ``[vocab, hidden]``, ``blk.{i}.attn_q.weight`` is ``[n_heads * head_dim, hidden]``, ...).
-The GGUF converter permuted the rows of ``attn_q``/``attn_k`` so that RoPE rotates *adjacent* pairs (0, 1), (2, 3), ...
-of each head, not the two halves as in the Hugging Face checkpoint.
+through the model's family (``gguf_config``; numpy scalars are cast to Python numbers: under NumPy 2 a float32 numpy
+scalar would silently promote float32 activations to float64), and dequantises every tensor to a C-contiguous
+float32 numpy array with ``gguf.quants.dequantize`` (``gguf_tensors``). Weights keep their GGUF names and the
+PyTorch ``[out_features, in_features]`` layout (``token_embd.weight`` is ``[vocab, hidden]``,
+``blk.{i}.attn_q.weight`` is ``[n_heads * head_dim, hidden]``, ...), in the canonical layout of ``model_family``:
+a ``llama`` GGUF's ``attn_q``/``attn_k`` rows, which llama.cpp's converter permuted for adjacent-pair RoPE, are put
+back in Hugging Face's half-rotation order.
 
-``build_tokenizer(model)`` rebuilds a Hugging Face ``tokenizers.Tokenizer`` from the GGUF's token list and merges:
-byte-level BPE, digits split individually first (the ``smollm`` pre-tokenizer), the control tokens added as special
-tokens, no BOS added (``tokenizer.ggml.add_bos_token`` is false for SmolLM2).
-
-``GGUFModel.chat_default_system()`` reads the default system prompt from the model's ChatML template
-(``tokenizer.chat_template``); rendering messages with it is the server's job (``logitproc.serve.chat_template``).
+The tokenizer is rebuilt from the token list, types, merges and ``tokenizer.ggml.*`` metadata by
+``logitproc.compile.gguf_tokenizer.build_tokenizer`` (re-exported here); the chat template
+(``tokenizer.chat_template``) is rendered by ``logitproc.serve.chat_template``.
 """
 
 from __future__ import annotations
 
 import os
-import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
+from .families import family_for_gguf
+from .gguf_config import config_from_gguf
+from .gguf_tensors import gguf_weights, read_rope_tensors
+from .gguf_tokenizer import SUPPORTED as SUPPORTED_TOKENIZER_MODELS
+from .gguf_tokenizer import TokenType, build_tokenizer
+from .model_config import LlamaConfig
 
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 
-# llama.cpp token types (tokenizer.ggml.token_type): 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte.
-_TOKEN_TYPE_CONTROL = 3
-_TOKEN_TYPE_USER_DEFINED = 4
-# Pre-tokenizers (tokenizer.ggml.pre) rebuilt here: whether digits are split individually before the byte-level regex.
-_PRE_TOKENIZERS_SPLIT_DIGITS = {"smollm": True, "gpt2": False, "default": False}
-
-
-@dataclass(frozen=True)
-class LlamaConfig:
-    """Hyper-parameters of a Llama-architecture GGUF, as plain Python numbers."""
-
-    architecture: str
-    n_layers: int
-    hidden: int
-    n_heads: int
-    n_kv_heads: int
-    ffn: int
-    vocab: int
-    context: int
-    rope_theta: float
-    rms_eps: float
-    tied_embeddings: bool
-    bos_id: int
-    eos_id: int
-    head_dim: int
-    rope_dim: int
-    chat_template: str | None
-    name: str = ""
-
-    @property
-    def n_rep(self) -> int:
-        """Query heads per KV head (grouped-query attention)."""
-        return self.n_heads // self.n_kv_heads
 
 
 @dataclass
@@ -71,7 +42,8 @@ class GGUFModel:
 
     path: Path
     config: LlamaConfig
-    weights: dict[str, np.ndarray]
+    #: by GGUF name, float32, canonical layout (in a compile a ``gguf_tensors.LazyWeights``: read when looked up)
+    weights: Mapping[str, np.ndarray]
     tensor_types: dict[str, str]
     tokens: list[str]
     token_types: list[int]
@@ -81,19 +53,8 @@ class GGUFModel:
     @property
     def special_token_ids(self) -> list[int]:
         """Ids of the control and user-defined tokens (``<|im_start|>``, ``<|endoftext|>``, ...)."""
-        keep = (_TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED)
+        keep = (TokenType.CONTROL, TokenType.USER_DEFINED)
         return [i for i, kind in enumerate(self.token_types) if kind in keep]
-
-    def chat_default_system(self) -> str | None:
-        """The system prompt the model's ChatML template inserts when none is given (None if it inserts none).
-
-        Raises ValueError when the template is not ChatML (the only format rendered here).
-        """
-        template = self.config.chat_template
-        if not template or IM_START not in template or IM_END not in template:
-            raise ValueError(f"{self.path.name}: chat template is not ChatML; only ChatML is rendered without jinja")
-        found = re.search(re.escape(IM_START) + r"system\n(.*?)" + re.escape(IM_END), template, flags=re.S)
-        return found.group(1) if found else None
 
 
 def _to_python(value: Any) -> Any:
@@ -120,63 +81,31 @@ def _field_value(reader_field: Any) -> Any:
     return scalar(reader_field.data[0], types[0])
 
 
-def _dequantize(tensor: Any) -> np.ndarray:
-    """A GGUF tensor as an owned, C-contiguous float32 array in numpy (row-major ``[out, in]``) order."""
-    from gguf.quants import dequantize
-
-    values = dequantize(tensor.data, tensor.tensor_type)
-    # F32/F16 come back as views of the memory map: copy so the file can be closed and the array written to.
-    return np.array(values, dtype=np.float32, order="C", copy=True)
-
-
 def load_gguf(path: str | os.PathLike[str], *, load_weights: bool = True) -> GGUFModel:
-    """Read a Llama-architecture GGUF: config, tokenizer data and (unless ``load_weights`` is False) float32 weights."""
+    """Read a GGUF of a supported family (``families``): config, tokenizer data and (unless ``load_weights`` is
+    False) float32 weights in the canonical layout (``gguf_tensors.gguf_weights``). Raises ValueError naming an
+    unsupported architecture, key, tensor or tokenizer."""
     from gguf import GGUFReader
 
     path = Path(path)
     reader = GGUFReader(path)
     meta = {name: _field_value(f) for name, f in reader.fields.items() if not name.startswith("GGUF.")}
-    arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise ValueError(f"{path.name}: architecture {arch!r} is not supported (only 'llama')")
+    family_for_gguf(str(meta.get("general.architecture")))  # an unknown architecture is refused first
     tokenizer_model = meta.get("tokenizer.ggml.model")
-    if tokenizer_model != "gpt2":
-        raise ValueError(f"{path.name}: tokenizer model {tokenizer_model!r} is not supported (only byte-level BPE)")
+    if tokenizer_model not in SUPPORTED_TOKENIZER_MODELS:  # the rest is checked by gguf_tokenizer, before compiling
+        raise ValueError(f"{path.name}: tokenizer model {tokenizer_model!r} is not supported "
+                         f"({', '.join(SUPPORTED_TOKENIZER_MODELS)})")
 
     tokens: list[str] = meta.pop("tokenizer.ggml.tokens")
-    merges: list[str] = meta.pop("tokenizer.ggml.merges")
+    merges: list[str] = meta.pop("tokenizer.ggml.merges", [])  # none in a SentencePiece vocabulary
     token_types: list[int] = meta.pop("tokenizer.ggml.token_type", [1] * len(tokens))
-    meta.pop("tokenizer.ggml.scores", None)
 
-    tensor_names = {t.name for t in reader.tensors}
-    hidden = int(meta[f"{arch}.embedding_length"])
-    n_heads = int(meta[f"{arch}.attention.head_count"])
-    head_dim = hidden // n_heads
-    config = LlamaConfig(
-        architecture=arch,
-        n_layers=int(meta[f"{arch}.block_count"]),
-        hidden=hidden,
-        n_heads=n_heads,
-        n_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", n_heads)),
-        ffn=int(meta[f"{arch}.feed_forward_length"]),
-        vocab=int(meta.get(f"{arch}.vocab_size", len(tokens))),
-        context=int(meta[f"{arch}.context_length"]),
-        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
-        rms_eps=float(meta[f"{arch}.attention.layer_norm_rms_epsilon"]),
-        tied_embeddings="output.weight" not in tensor_names,
-        bos_id=int(meta["tokenizer.ggml.bos_token_id"]),
-        eos_id=int(meta["tokenizer.ggml.eos_token_id"]),
-        head_dim=head_dim,
-        rope_dim=int(meta.get(f"{arch}.rope.dimension_count", head_dim)),
-        chat_template=meta.get("tokenizer.chat_template"),
-        name=str(meta.get("general.name", "")),
-    )
-    if config.rope_dim != head_dim:
-        raise ValueError(f"{path.name}: partial rotary embedding (rope dim {config.rope_dim}) is not supported")
+    config = config_from_gguf(meta, [t.name for t in reader.tensors], read_rope_tensors(reader.tensors),
+                              vocab_size=len(tokens), source=path.name)
     if len(tokens) != config.vocab:
         raise ValueError(f"{path.name}: {len(tokens)} tokens but vocab_size {config.vocab}")
 
-    weights = {t.name: _dequantize(t) for t in reader.tensors} if load_weights else {}
+    weights = dict(gguf_weights(reader.tensors, config, keep_blocks=False)[0]) if load_weights else {}
     tensor_types = {t.name: t.tensor_type.name for t in reader.tensors}
     del reader  # drops the memory map
     return GGUFModel(
@@ -198,36 +127,4 @@ def load_default_model(*, load_weights: bool = True) -> GGUFModel:
     return load_gguf(fetch_default_model(), load_weights=load_weights)
 
 
-def build_tokenizer(model: GGUFModel) -> Tokenizer:
-    """A Hugging Face ``tokenizers.Tokenizer`` rebuilt from the GGUF's byte-level BPE vocabulary and merges.
-
-    Pre-tokenization: digits split one by one (for the ``smollm`` pre-tokenizer), then the GPT-2 byte-level regex
-    without a prefix space; control and user-defined tokens are special added tokens (matched before BPE, kept by
-    ``decode(..., skip_special_tokens=False)``); no BOS/EOS is added by ``encode``.
-    """
-    pre = model.metadata.get("tokenizer.ggml.pre", "default")
-    if pre not in _PRE_TOKENIZERS_SPLIT_DIGITS:
-        raise ValueError(f"pre-tokenizer {pre!r} is not supported (known: {sorted(_PRE_TOKENIZERS_SPLIT_DIGITS)})")
-
-    vocab = {token: index for index, token in enumerate(model.tokens)}
-    if len(vocab) != len(model.tokens):
-        raise ValueError("the GGUF token list holds duplicate tokens")
-    merges = []
-    for merge in model.merges:
-        left, sep, right = merge.partition(" ")
-        if not sep:
-            raise ValueError(f"malformed merge {merge!r}")
-        merges.append((left, right))
-
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=None, fuse_unk=False, byte_fallback=False))
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
-    if _PRE_TOKENIZERS_SPLIT_DIGITS[pre]:
-        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    else:
-        tokenizer.pre_tokenizer = byte_level
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
-    tokenizer.add_special_tokens(
-        [AddedToken(model.tokens[i], special=True, normalized=False) for i in model.special_token_ids]
-    )
-    return tokenizer
+__all__ = ["IM_END", "IM_START", "GGUFModel", "LlamaConfig", "build_tokenizer", "load_default_model", "load_gguf"]

@@ -1,45 +1,32 @@
 # fmt: off
-"""The weight loader of the compiled Llama: a GGUF's (or a loaded model's) tensors as the parameters of
-``relax_llama.LlamaModule``, by name (q/k rows un-permuted, q/k/v and gate/up fused, quantised blocks split).
+"""The weight loader of the compiled model: a GGUF's (or a loaded model's) tensors, in the canonical layout of
+``model_family``, as the parameters of ``relax_llama.LlamaModule``, by name (q/k/v and gate/up fused, quantised
+blocks split).
 """
 
 from __future__ import annotations
 
 import os
+import zipfile
+from collections.abc import Iterator
 
 import numpy as np
 
 from .gguf_model import GGUFModel
+from .gguf_tensors import LazyWeights, RawTensors, gguf_weights
 from .linear_kernels import QUANTISED
+from .model_config import LlamaConfig
 from .packed_matvec import pack_q4_1, pack_q8_0
-from .relax_llama import GGUF_FORMATS, LlamaSpec, RawTensors
+from .relax_llama import GGUF_FORMATS, LlamaSpec
 
 
-def read_gguf_tensors(path: str | os.PathLike[str], *, keep_blocks: bool) -> tuple[dict[str, np.ndarray], RawTensors]:
-    """A GGUF's tensors: float32 weights by name, and (with ``keep_blocks``) the Q8_0/Q4_1 tensors as raw blocks
-    instead: name -> (type name, uint8 ``[rows, bytes per row]``)."""
+def read_gguf_tensors(path: str | os.PathLike[str], config: LlamaConfig, *,
+                      keep_blocks: bool) -> tuple[LazyWeights, RawTensors]:
+    """A GGUF's tensors (``gguf_tensors.gguf_weights``): weights read when looked up (float32), and (with
+    ``keep_blocks``) the Q8_0/Q4_1 tensors as raw blocks instead: name -> (type name, uint8 ``[rows, bytes]``)."""
     from gguf import GGUFReader
 
-    from .gguf_model import _dequantize
-
-    reader = GGUFReader(path)
-    weights: dict[str, np.ndarray] = {}
-    blocks: RawTensors = {}
-    for tensor in reader.tensors:
-        if keep_blocks and tensor.tensor_type.name in ("Q8_0", "Q4_1"):
-            blocks[tensor.name] = (tensor.tensor_type.name, np.array(tensor.data, dtype=np.uint8))
-        else:
-            weights[tensor.name] = _dequantize(tensor)
-    del reader
-    return weights, blocks
-
-
-def _unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Rows of a GGUF q/k projection (any per-row data: weights, codes, scales, bias) from GGML's adjacent-pair
-    order back to half-rotation order."""
-    head_dim = w.shape[0] // n_heads
-    rest = w.shape[1:]
-    return w.reshape(n_heads, head_dim // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
+    return gguf_weights(GGUFReader(path).tensors, config, keep_blocks=keep_blocks)
 
 
 def split_blocks(ggml_type: str, data: np.ndarray) -> dict[str, np.ndarray]:
@@ -68,53 +55,78 @@ def dequantize_blocks(ggml_type: str, data: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(dequantize(data, GGMLQuantizationType[ggml_type]), dtype=np.float32)
 
 
-def relax_weights(model: GGUFModel, spec: LlamaSpec, raw: RawTensors | None = None) -> dict[str, np.ndarray]:
-    """The module's parameters by name from the model's weights: q/k rows un-permuted, q/k/v and gate/up fused,
-    float kinds cast, quantised kinds taken from ``raw`` (the GGUF's blocks, bit for bit)."""
+def iter_relax_weights(model: GGUFModel, spec: LlamaSpec,
+                       raw: RawTensors | None = None) -> Iterator[tuple[str, np.ndarray]]:
+    """The module's parameters, one at a time, from the model's weights: q/k/v and gate/up fused, float kinds cast,
+    quantised kinds taken from ``raw`` (the GGUF's blocks, bit for bit). Each weight is looked up once, so with
+    ``LazyWeights`` only the tensors of one parameter are in memory at a time (float32, then the stored type)."""
     w = model.weights
-    cfg = model.config
 
-    def arrays(kind: str, names: list[str], heads: list[int | None]) -> dict[str, np.ndarray]:
+    def arrays(kind: str, names: list[str]) -> dict[str, np.ndarray]:
         fmt = spec.fmt(kind)
         parts: list[dict[str, np.ndarray]] = []
-        for name, n_heads in zip(names, heads, strict=True):
+        for name in names:
             if fmt in QUANTISED:
                 if raw is None or name not in raw:
                     raise ValueError(f"{kind} is stored as {fmt} but the GGUF blocks of {name} are not given")
                 part = split_blocks(*raw[name])
             elif name in w:
-                part = {"weight": w[name].astype(fmt)}
+                part = {"weight": np.asarray(w[name], dtype=fmt)}
             elif raw is not None and name in raw:  # kept as blocks by the loader, needed dense here
                 part = {"weight": dequantize_blocks(*raw[name]).astype(fmt)}
             else:
                 raise ValueError(f"the model has no weight {name}")
-            if n_heads is not None:
-                part = {k: _unpermute_rope_rows(v, n_heads) for k, v in part.items()}
             parts.append(part)
         joined = {k: np.ascontiguousarray(np.concatenate([p[k] for p in parts])) for k in parts[0]}
         if not spec.packed(kind):
             return joined
         return pack_q4_1(**joined) if fmt == "q4_1" else pack_q8_0(**joined)
 
-    def put(prefix: str, kind: str, names: list[str], heads: list[int | None] | None = None) -> None:
-        for suffix, array in arrays(kind, names, heads or [None] * len(names)).items():
-            params[f"{prefix}.{suffix}"] = array
+    def put(prefix: str, kind: str, names: list[str]) -> Iterator[tuple[str, np.ndarray]]:
+        for suffix, array in arrays(kind, names).items():
+            yield f"{prefix}.{suffix}", array
 
-    params: dict[str, np.ndarray] = {"norm.weight": w["output_norm.weight"].astype(np.float32)}
-    put("embed_tokens", "embed", ["token_embd.weight"])
+    def vector(name: str) -> np.ndarray:
+        return np.asarray(w[name], dtype=np.float32)
+
+    yield "norm.weight", vector("output_norm.weight")
+    yield from put("embed_tokens", "embed", ["token_embd.weight"])
     if not spec.tied_embeddings:
-        put("lm_head.w", "lm_head", ["output.weight"])
+        yield from put("lm_head.w", "lm_head", ["output.weight"])
     for i in range(spec.n_layers):
         p = f"blk.{i}."
-        put(f"layers.{i}.attn.qkv.w", "qkv", [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"],
-            [cfg.n_heads, cfg.n_kv_heads, None])
+        yield from put(f"layers.{i}.attn.qkv.w", "qkv",
+                       [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"])
         if spec.qkv_bias:
-            qb = _unpermute_rope_rows(w[p + "attn_q.bias"], spec.n_heads)
-            kb = _unpermute_rope_rows(w[p + "attn_k.bias"], spec.n_kv_heads)
-            params[f"layers.{i}.attn.qkv.bias"] = np.concatenate([qb, kb, w[p + "attn_v.bias"]]).astype(np.float32)
-        put(f"layers.{i}.attn.o.w", "o", [p + "attn_output.weight"])
-        put(f"layers.{i}.mlp.gate_up.w", "gate_up", [p + "ffn_gate.weight", p + "ffn_up.weight"])
-        put(f"layers.{i}.mlp.down.w", "down", [p + "ffn_down.weight"])
-        params[f"layers.{i}.attn_norm.weight"] = w[p + "attn_norm.weight"].astype(np.float32)
-        params[f"layers.{i}.ffn_norm.weight"] = w[p + "ffn_norm.weight"].astype(np.float32)
-    return params
+            yield f"layers.{i}.attn.qkv.bias", np.concatenate([vector(p + f"attn_{x}.bias") for x in "qkv"])
+        if spec.qk_norm:
+            yield f"layers.{i}.attn.q_norm.weight", vector(p + "attn_q_norm.weight")
+            yield f"layers.{i}.attn.k_norm.weight", vector(p + "attn_k_norm.weight")
+        yield from put(f"layers.{i}.attn.o.w", "o", [p + "attn_output.weight"])
+        yield from put(f"layers.{i}.mlp.gate_up.w", "gate_up", [p + "ffn_gate.weight", p + "ffn_up.weight"])
+        yield from put(f"layers.{i}.mlp.down.w", "down", [p + "ffn_down.weight"])
+        yield f"layers.{i}.attn_norm.weight", vector(p + "attn_norm.weight")
+        yield f"layers.{i}.ffn_norm.weight", vector(p + "ffn_norm.weight")
+
+
+def relax_weights(model: GGUFModel, spec: LlamaSpec, raw: RawTensors | None = None) -> dict[str, np.ndarray]:
+    """Every parameter of ``iter_relax_weights`` at once, by name."""
+    return dict(iter_relax_weights(model, spec, raw))
+
+
+def save_params(path: str | os.PathLike[str], params: Iterator[tuple[str, np.ndarray]], names: list[str]) -> int:
+    """Write ``params`` (only those in ``names``, each exactly once) as an uncompressed ``.npz`` as ``np.savez``
+    writes it, one array at a time (none is kept); the bytes written. Raises ValueError naming missing ones."""
+    wanted, written, size = set(names), set(), 0
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
+        for name, array in params:
+            if name not in wanted:
+                continue
+            with archive.open(f"{name}.npy", "w", force_zip64=True) as entry:
+                np.lib.format.write_array(entry, np.ascontiguousarray(array), allow_pickle=False)
+            written.add(name)
+            size += array.nbytes
+    missing = sorted(wanted - written)
+    if missing:
+        raise ValueError(f"no weights for parameters {missing[:5]}")
+    return size

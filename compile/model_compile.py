@@ -13,7 +13,8 @@ file, a Hugging Face directory (``config.json``, ``*.safetensors``, ``tokenizer.
                        here has prim_funcs())
     params.npz         the weights in the module's names and storage types (uncompressed: loaded in a fraction of a
                        second, where dequantising the GGUF again takes about 13 s for SmolLM2 on this machine)
-    tokenizer.json     the Hugging Face tokenizer (rebuilt from the GGUF, or the HF directory's own)
+    tokenizer.json     the Hugging Face tokenizer (rebuilt from the GGUF, or the HF directory's own), checked with
+                       the chat template (the manifest's ``chat``) before anything is compiled
 
 The manifest has the same ``format``, ``kernels`` and ``files`` keys as a kernel library's, plus ``module_file``
 (``model.so``), so ``KernelLibrary.load(directory)`` opens it and ``library[name]`` returns the kernels from the
@@ -48,7 +49,8 @@ import numpy as np
 import tvm
 from logitproc.quiet_stderr import filtered_stderr
 
-from .gguf_model import GGUFModel, build_tokenizer, load_gguf
+from .gguf_model import GGUFModel, load_gguf
+from .gguf_tensors import RawTensors
 from .integer_matvec import has_int8_dot
 from .kernel_library import (
     KERNEL_OBJECT,
@@ -61,10 +63,11 @@ from .kernel_library import (
     source_hash,
     write_manifest,
 )
-from .llama_weights import read_gguf_tensors, relax_weights
+from .llama_weights import iter_relax_weights, read_gguf_tensors, save_params
 from .packed_matvec import ACTIVATION_BITS, DEFAULT_ACTIVATION_BITS, has_vnni
-from .relax_llama import DEFAULT_KV_DTYPE, KV_DTYPES, LlamaSpec, RawTensors, export_llama
+from .relax_llama import DEFAULT_KV_DTYPE, KV_DTYPES, LlamaSpec, export_llama
 from .targets import TargetSpec, build_features, resolve_target
+from .tokenizer_source import ModelTokenizer, from_gguf_file, from_hf_dir, from_model
 
 ModelSource = str | os.PathLike[str] | GGUFModel | None
 Progress = Callable[[str], None]
@@ -84,8 +87,8 @@ def model_source_hash() -> str:
     """sha256 over every source of the model compiler (``compile/*.py``: model, weight loading, kernels, targets)
     and the logit-processing kernel sources (``kernel_library.source_hash``)."""
     digest = hashlib.sha256(source_hash().encode())
-    for path in sorted(_COMPILER_DIR.glob("*.py")):
-        digest.update(path.name.encode())
+    for path in sorted(_COMPILER_DIR.rglob("*.py")):
+        digest.update(str(path.relative_to(_COMPILER_DIR)).encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()
 
@@ -168,6 +171,13 @@ class _Source:
             digest.update(f"{file.name}:{file_sha256(file)}".encode())
         return digest.hexdigest()
 
+    def tokenizer(self) -> ModelTokenizer:
+        """The model's tokenizer and chat template, read without its weights (refused here when not understood)."""
+        if self.model is not None:
+            return from_model(self.model)
+        assert self.path is not None
+        return from_gguf_file(self.path) if self.kind == "gguf" else from_hf_dir(self.path)
+
     def load(self, keep_blocks: bool) -> tuple[GGUFModel, RawTensors | None]:
         """The model, and for a GGUF file with ``keep_blocks`` the raw blocks of its Q8_0/Q4_1 tensors (those are
         then not dequantised into ``model.weights``: that is most of a GGUF's loading time)."""
@@ -176,7 +186,7 @@ class _Source:
         assert self.path is not None
         if self.kind == "gguf":
             model = load_gguf(self.path, load_weights=False)
-            model.weights, raw = read_gguf_tensors(self.path, keep_blocks=keep_blocks)
+            model.weights, raw = read_gguf_tensors(self.path, model.config, keep_blocks=keep_blocks)
             return model, raw
         from .hf_model import load_hf_dir
 
@@ -203,8 +213,9 @@ def _slug(name: str) -> str:
 
 
 def eos_token_ids(model: GGUFModel) -> list[int]:
-    """The ids that end a turn: the model's EOS plus ``<|im_end|>`` and ``<|endoftext|>`` when they are special."""
-    ids = [model.config.eos_id]
+    """The ids that end a turn: the model's EOS list (``LlamaConfig.eos_ids``: config lists, generation config,
+    GGUF eos/eot/eom) plus ``<|im_end|>`` and ``<|endoftext|>`` when they are special tokens."""
+    ids = list(model.config.eos_ids or (model.config.eos_id,))
     for token in ("<|im_end|>", "<|endoftext|>"):
         if token in model.tokens:
             index = model.tokens.index(token)
@@ -213,22 +224,8 @@ def eos_token_ids(model: GGUFModel) -> list[int]:
     return ids
 
 
-def _tokenizer_json(model: GGUFModel) -> str:
-    """The tokenizer as JSON: an HF directory's own, else rebuilt from the GGUF vocabulary."""
-    own = model.metadata.get("tokenizer.huggingface.json")
-    return own if isinstance(own, str) else build_tokenizer(model).to_str()
-
-
-def _default_system(model: GGUFModel) -> tuple[bool, str | None]:
-    """(chat template is ChatML, its default system prompt)."""
-    try:
-        return True, model.chat_default_system()
-    except ValueError:
-        return False, None
-
-
 def _build_into(source: _Source, model_hash: str, spec: TargetSpec, options: _Options, out: Path,
-                progress: Progress, kernels: KernelLibrary) -> dict[str, Any]:
+                progress: Progress, kernels: KernelLibrary, chat: ModelTokenizer) -> dict[str, Any]:
     started = time.perf_counter()
     progress(f"loading {source.name} ({source.kind}) ...")
     weight_dtype, kv_dtype = options.weight_dtype, options.kv_dtype
@@ -257,14 +254,8 @@ def _build_into(source: _Source, model_hash: str, spec: TargetSpec, options: _Op
 
     step = time.perf_counter()
     progress("writing the weights and the tokenizer ...")
-    weights = relax_weights(model, llama, raw)
-    missing = sorted(set(param_names) - set(weights))
-    if missing:
-        raise ValueError(f"{source.name}: no weights for parameters {missing}")
-    np.savez(out / PARAMS_FILE, **{name: weights[name] for name in param_names})
-    (out / TOKENIZER_FILE).write_text(_tokenizer_json(model))
-    chatml, default_system = _default_system(model)
-    size = sum(a.nbytes for a in weights.values()) / 1e6
+    size = save_params(out / PARAMS_FILE, iter_relax_weights(model, llama, raw), param_names) / 1e6
+    (out / TOKENIZER_FILE).write_text(chat.tokenizer_json)
     progress(f"wrote weights ({size:.0f} MB) and tokenizer in {time.perf_counter() - step:.1f}s")
 
     return write_manifest(
@@ -279,8 +270,7 @@ def _build_into(source: _Source, model_hash: str, spec: TargetSpec, options: _Op
             "config": asdict(model.config),
             "spec": llama.as_dict(),
             "eos_token_ids": eos_token_ids(model),
-            "chatml": chatml,
-            "default_system": default_system,
+            "chat": {"template": chat.chat_template, "bos_token": chat.bos_token, "eos_token": chat.eos_token},
         },
         params=param_names,
         module_file=MODULE_FILE,
@@ -343,16 +333,18 @@ def compile_model(
     say(f"model {source.name}: sha256 {model_hash[:16]}... ({time.perf_counter() - step:.1f}s)")
 
     if not cache:
+        chat = source.tokenizer()  # an unsupported tokenizer or template is refused before anything is compiled
         built = Path(tempfile.mkdtemp(prefix="logitproc-model-"))
-        _build_into(source, model_hash, spec, options, built, say, _kernel_library(spec, say, cache=False))
+        _build_into(source, model_hash, spec, options, built, say, _kernel_library(spec, say, cache=False), chat)
     else:
         built = cache_root() / "models" / f"{_slug(source.name)}-{_cache_key(model_hash, spec, options)}"
         if (built / MANIFEST).is_file():
             say(f"using the cached build {built}")
         else:
+            chat = source.tokenizer()  # an unsupported tokenizer or template is refused before anything is compiled
             kernels = _kernel_library(spec, say, cache=True)
             build_in_cache(built, lambda staging: _build_into(source, model_hash, spec, options, staging, say,
-                                                              kernels))
+                                                              kernels, chat))
             say(f"cached at {built}")
     if out is None:
         return built

@@ -12,17 +12,19 @@ The module (``LlamaModule``) exports five functions (``export_llama``):
 * ``verify(input_ids[n] int32, kv_cache, params) -> logits[n, vocab] float32``: packed tokens as for ``prefill``, with
   the logits after every token, the matmuls run as decode runs them (speculative decoding's check of drafts).
 
-Per layer (as ``serve/numpy_llama.py``)::
+Per layer (as ``serve/numpy_llama.py``; what differs between families is read from the ``LlamaSpec``, which
+``from_model`` fills from the model's ``ModelFamily``)::
 
     h = rmsnorm(x) * attn_norm;  q, k, v = split(h @ Wqkv.T [+ bqkv])
-    x += attention(rope(q), rope(k), v) @ Wo.T        the KV cache applies RoPE (rotating halves) and stores k, v
+    [q, k = rmsnorm(q) * q_norm, rmsnorm(k) * k_norm over each head]       (QK-norm: Qwen3)
+    x += attention(rope(q), rope(k), v) @ Wo.T        the KV cache applies RoPE (rotating halves, ``rope_kernel``
+                                                      with the spec's inverse frequencies) and stores k, v
     h = rmsnorm(x) * ffn_norm;   g, u = split(h @ Wgate_up.T)
     x += (silu(g) * u) @ Wdown.T
 
-Layout: a GGUF's q/k rows are permuted for GGML's adjacent-pair RoPE; ``llama_weights.relax_weights`` (the weight
-loader, a module of its own) un-permutes them into the Hugging Face half-rotation order that the KV cache's RoPE
-uses, so the model rotates exactly the pairs the numpy reference rotates. q, k, v are fused into one projection,
-gate and up into another.
+Layout: the loaders give q/k rows in Hugging Face's half-rotation order (``model_family``), the order the KV
+cache's RoPE rotates; ``llama_weights.relax_weights`` (the weight loader, a module of its own) fuses q, k, v into
+one projection, gate and up into another.
 
 Matmuls and the embedding lookup are the TIR kernels of ``linear_kernels.py``, one per weight storage format:
 ``float32``, ``float16``, or the GGUF's own ``q8_0``/``q4_1`` blocks decoded inside the matmul (``weight_dtype="auto"``
@@ -46,7 +48,9 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedKVCache
 
 from .attention_kernels import replace_attention_kernels
+from .families import family_named
 from .gguf_model import GGUFModel
+from .gguf_tensors import RawTensors
 from .linear_kernels import embed_kernel, integer_linear_kernel, linear_kernel, param_shapes, swiglu_kernel
 from .packed_matvec import (
     DEFAULT_ACTIVATION_BITS,
@@ -56,9 +60,6 @@ from .packed_matvec import (
     packed_q8_0_shapes,
     packed_shapes,
 )
-
-#: Raw GGUF blocks of quantised tensors: name -> (GGML type name, uint8 array [rows, bytes per row]).
-RawTensors = dict[str, tuple[str, np.ndarray]]
 
 #: Weight formats stored as the GGUF's quantised blocks.
 QUANTISED = ("q4_1", "q8_0")
@@ -94,6 +95,14 @@ class LlamaSpec:
     rms_eps: float
     tied_embeddings: bool
     qkv_bias: bool = False
+    #: RMS norm of each q and k head before RoPE (``ModelFamily.qk_norm``)
+    qk_norm: bool = False
+    #: RoPE's inverse frequencies, ``head_dim / 2`` of them (``RopeScaling.inverse_frequencies``); empty: unscaled
+    #: ``rope_theta ** (-2 i / head_dim)``
+    rope_inv_freq: tuple[float, ...] = ()
+    #: the rotated values of each head (``rope_dim`` <= ``head_dim``; 0: all) and cos/sin's factor (LongRoPE)
+    rope_dim: int = 0
+    rope_attention_factor: float = 1.0
     formats: tuple[tuple[str, str], ...] = ()
     #: decode matvecs of quantised weights by integer dot products (``integer_matvec``: the target has AVX2)
     int8_dot: bool = False
@@ -127,8 +136,9 @@ class LlamaSpec:
     def from_model(cls, model: GGUFModel, weight_dtype: str = "auto", raw: RawTensors | None = None) -> LlamaSpec:
         """The spec of a loaded model. ``weight_dtype``: ``float16`` or ``float32`` for every matrix, or ``auto``:
         a kind whose GGUF tensors are all Q8_0 (or all Q4_1) and present in ``raw`` keeps that format, the others
-        are float16. ``qkv_bias`` when the model has ``blk.0.attn_q.bias``."""
+        are float16. Biases, QK-norm and RoPE's frequencies from the model's family and config."""
         cfg = model.config
+        family = family_named(cfg.architecture)
         if weight_dtype not in ("auto", "float16", "float32"):
             raise ValueError(f"weight_dtype {weight_dtype!r} is not supported (auto, float16 or float32)")
         formats = []
@@ -146,11 +156,21 @@ class LlamaSpec:
             n_layers=cfg.n_layers, hidden=cfg.hidden, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
             head_dim=cfg.head_dim, ffn=cfg.ffn, vocab=cfg.vocab, rope_theta=float(cfg.rope_theta),
             rms_eps=float(cfg.rms_eps), tied_embeddings=cfg.tied_embeddings,
-            qkv_bias="blk.0.attn_q.bias" in model.weights, formats=tuple(formats),
+            qkv_bias=family.qkv_bias, qk_norm=family.qk_norm,
+            rope_inv_freq=tuple(float(f) for f in cfg.rope.inverse_frequencies(cfg.rope_dim)),
+            rope_dim=cfg.rope_dim, rope_attention_factor=float(cfg.rope_attention_factor),
+            formats=tuple(formats),
         )
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def inverse_frequencies(self) -> tuple[float, ...]:
+        """RoPE's inverse frequencies (``rope_inv_freq``, or the unscaled ones of ``rope_theta``)."""
+        if self.rope_inv_freq:
+            return self.rope_inv_freq
+        rope_dim = self.rope_dim or self.head_dim
+        return tuple(float(f) for f in self.rope_theta ** (-np.arange(0, rope_dim, 2) / rope_dim))
 
 
 class _Weights(nn.Module):
@@ -261,12 +281,21 @@ class Attention(nn.Module):
         self.o = Linear(spec.n_heads * spec.head_dim, spec.hidden, spec.fmt("o"), int8_dot=spec.int8_dot,
                         packed=spec.packed("o"), activation_bits=spec.activation_bits,
                           vnni=spec.vnni)
+        self.q_norm = RMSNorm(spec.head_dim, spec.rms_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(spec.head_dim, spec.rms_eps) if spec.qk_norm else None
 
     def forward(self, x: nn.Tensor, kv_cache: PagedKVCache, layer: int, b: Any, t: Any, mode: str) -> nn.Tensor:
         """``x[b t, hidden]`` (the tokens of ``b`` sequences of ``t`` each, flat) -> ``[b t, hidden]``."""
         s = self.spec
         # The cache takes q, k, v in its own type (TVM checks qkv's against its pages') and returns that type.
-        qkv = self.qkv(x, mode, s.kv_dtype).reshape(b, t, s.n_heads + 2 * s.n_kv_heads, s.head_dim)
+        heads = s.n_heads + 2 * s.n_kv_heads
+        if self.q_norm is not None and self.k_norm is not None:  # QK-norm in float32, then the cache's type
+            q, k, v = nn.op.split(self.qkv(x, mode).reshape(x.shape[0], heads, s.head_dim),
+                                  [s.n_heads, s.n_heads + s.n_kv_heads], axis=1)
+            qkv = nn.op.concat([self.q_norm(q), self.k_norm(k), v], dim=1)
+            qkv = (qkv if s.kv_dtype == "float32" else qkv.astype(s.kv_dtype)).reshape(b, t, heads, s.head_dim)
+        else:
+            qkv = self.qkv(x, mode, s.kv_dtype).reshape(b, t, heads, s.head_dim)
         out = kv_cache.attention_with_fused_qkv(layer, qkv, s.n_heads, sm_scale=1.0 / math.sqrt(s.head_dim))
         return self.o(out.reshape(x.shape[0], s.n_heads * s.head_dim), mode)
 
@@ -427,6 +456,6 @@ def export_llama(spec: LlamaSpec, target: tvm.target.Target) -> tuple[tvm.IRModu
     module = LlamaModule(spec)
     with target:
         mod, named_params = module.export_tvm(spec=module.export_spec())
-    mod = replace_attention_kernels(mod, spec.n_kv_heads, spec.n_heads, spec.head_dim, spec.rope_theta,
-                                    spec.kv_dtype)
+    mod = replace_attention_kernels(mod, spec.n_kv_heads, spec.n_heads, spec.head_dim, spec.inverse_frequencies(),
+                                    spec.kv_dtype, spec.rope_attention_factor)
     return mod, [name for name, _ in named_params]

@@ -1,8 +1,8 @@
 """A tiny random Llama with a real byte-level BPE tokenizer, for fast tests of the compiled model and the engine.
 
 ``make_tiny_model(...)`` returns a ``GGUFModel`` (the structure ``load_gguf`` produces) that holds no file: float32
-random weights by GGUF name in the GGUF layout (``[out, in]``, q/k rows in GGML's adjacent-pair RoPE order), a
-``LlamaConfig``, and a vocabulary that ``build_tokenizer`` turns into a working tokenizer:
+random weights by GGUF name in the canonical layout (``model_family``: ``[out, in]``, q/k rows in Hugging Face's
+half-rotation order), a ``LlamaConfig``, and a vocabulary that ``build_tokenizer`` turns into a working tokenizer:
 
 * ids 0, 1, 2: the special tokens ``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>`` (as in SmolLM2);
 * ids 3 .. 258: the 256 byte tokens, spelled with the GPT-2 byte-to-unicode alphabet (``Ġ`` is the space byte);
@@ -68,13 +68,6 @@ def tiny_vocabulary(merges: tuple[str, ...] = _MERGES) -> tuple[list[str], list[
     return tokens, types, list(merges)
 
 
-def _permute_for_adjacent_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Rows of a q/k projection reordered from half-rotation order to GGML's adjacent-pair order (as the GGUF
-    converter does), so a tiny model carries the same layout as a real GGUF."""
-    out_features = w.shape[0]
-    return w.reshape(n_heads, 2, out_features // n_heads // 2, -1).swapaxes(1, 2).reshape(w.shape)
-
-
 def make_tiny_model(
     seed: int = 0,
     n_layers: int = 2,
@@ -114,10 +107,8 @@ def make_tiny_model(
     weights: dict[str, np.ndarray] = {"token_embd.weight": normal((vocab, hidden), embed_scale / np.sqrt(hidden))}
     for i in range(n_layers):
         weights[f"blk.{i}.attn_norm.weight"] = norm()
-        weights[f"blk.{i}.attn_q.weight"] = _permute_for_adjacent_rope(linear(n_heads * head_dim, hidden), n_heads)
-        weights[f"blk.{i}.attn_k.weight"] = _permute_for_adjacent_rope(
-            linear(n_kv_heads * head_dim, hidden), n_kv_heads
-        )
+        weights[f"blk.{i}.attn_q.weight"] = linear(n_heads * head_dim, hidden)
+        weights[f"blk.{i}.attn_k.weight"] = linear(n_kv_heads * head_dim, hidden)
         weights[f"blk.{i}.attn_v.weight"] = linear(n_kv_heads * head_dim, hidden)
         weights[f"blk.{i}.attn_output.weight"] = linear(hidden, n_heads * head_dim)
         weights[f"blk.{i}.ffn_norm.weight"] = norm()
@@ -143,6 +134,7 @@ def make_tiny_model(
         tied_embeddings=tied_embeddings,
         bos_id=0,
         eos_id=SPECIAL_TOKENS.index(IM_END),
+        eos_ids=(SPECIAL_TOKENS.index(IM_END),),
         head_dim=head_dim,
         rope_dim=head_dim,
         chat_template=TINY_CHAT_TEMPLATE,

@@ -6,6 +6,9 @@ schema (the draft it declares; 2020-12 when it declares none), whatever the gram
 ``format`` stays an annotation (as the JSON Schema spec has it): it is not checked here and never makes an answer
 invalid. An answer cut by ``max_tokens`` is usually not a whole document: it is reported invalid, with why. Nothing
 is fetched: a schema that refers outside itself (``$ref`` to a URL) cannot be checked (``valid`` None, and why).
+``check_answer`` never raises: an answer or a schema that the checker cannot handle (one nested deeper than Python's
+recursion allows, e.g. a recursive schema and an answer nested ~1,000 deep) is reported not checked (``valid`` None,
+and why), since the check runs when the answer has already ended.
 """
 
 from __future__ import annotations
@@ -27,9 +30,18 @@ class AnswerCheck:
 
 def check_answer(fmt: ResponseFormat | None, text: str) -> AnswerCheck | None:
     """Validate ``text`` against a json_object / json_schema format; None for other formats (regexes and grammars
-    are enforced exactly while generating)."""
+    are enforced exactly while generating). Never raises (what cannot be checked says so)."""
     if fmt is None or fmt.kind not in ("json_object", "json_schema"):
         return None
+    try:
+        return _check(fmt, text)
+    except RecursionError:
+        return AnswerCheck(None, "not checked: the answer or the schema nests deeper than the checker can follow")
+    except Exception as err:  # a checker fault must not keep the answer from ending
+        return AnswerCheck(None, f"not checked: {type(err).__name__}: {str(err)[:200]}")
+
+
+def _check(fmt: ResponseFormat, text: str) -> AnswerCheck:
     try:
         document = json.loads(text)
     except json.JSONDecodeError as err:

@@ -26,8 +26,11 @@ MAX_BAD_WORDS = 64
 MAX_LOGIT_BIAS_ENTRIES = 1024
 #: Token ids and top_k reach the kernels as int32.
 MAX_INT32 = 2**31 - 1
-#: repetition_penalty's upper end: beyond it float32 logits overflow to -inf or flush to 0.
+#: repetition_penalty's range: the float32 penalty kernel divides positive logits by it and multiplies negative ones,
+#: so beyond 1000 either way (a thousandfold change of a logit) logits overflow or flush to 0, and a penalty too
+#: small for float32 (1e-300 becomes 0.0) divides by zero.
 MAX_REPETITION_PENALTY = 1000.0
+MIN_REPETITION_PENALTY = 1.0 / MAX_REPETITION_PENALTY
 
 
 def _number(name: str, value: Any, *, integer: bool = False) -> Any:
@@ -96,7 +99,7 @@ class GenerationConfig:
     min_p              [0, 1]; 0 = off; keep tokens with prob >= min_p * max prob
     presence_penalty   [-2, 2]: subtracted once from every token already in the output
     frequency_penalty  [-2, 2]: subtracted once per occurrence in the output
-    repetition_penalty (0, 1000]; 1 = off; divides positive / multiplies negative logits of prompt and output tokens
+    repetition_penalty [0.001, 1000]; 1 = off; divides positive / multiplies negative logits of prompt and output tokens
     logit_bias         {token_id: bias in [-100, 100]}, at most 1024 entries; token ids are checked against the
                        vocabulary when a processor first sees the request
     seed               None, or an int in [0, 2**64): the same seed gives the same tokens whatever the batch
@@ -164,8 +167,8 @@ class GenerationConfig:
         _in_range("min_p", self._field("min_p"), 0.0, 1.0)
         _in_range("presence_penalty", self._field("presence_penalty"), -2.0, 2.0)
         _in_range("frequency_penalty", self._field("frequency_penalty"), -2.0, 2.0)
-        _in_range("repetition_penalty", self._field("repetition_penalty"), 0.0, MAX_REPETITION_PENALTY,
-                  low_open=True)
+        _in_range("repetition_penalty", self._field("repetition_penalty"), MIN_REPETITION_PENALTY,
+                  MAX_REPETITION_PENALTY)
         object.__setattr__(self, "logit_bias", self._checked_bias(self.logit_bias))
         if self.seed is not None:
             _in_range("seed", self._field("seed", integer=True), 0, 2**64 - 1)

@@ -11,6 +11,16 @@ over the rounds.
     python scripts/bench_serve.py                          # SmolLM2 default GGUF; llama.cpp when it is installed
     python scripts/bench_serve.py --llama-cpp off --max-tokens 64
 
+``--mixed`` measures instead how other arrivals disturb a running stream (issue 31): one greedy stream runs while a
+1k-token prompt, then a 4k-token prompt, then ``--schemas`` requests with the largest JSON schemas of
+``--schema-dir`` (maskbench-dev) arrive, each once the previous has its first token (the schema requests during the
+4k prompt's prefill). It reports the running stream's median and largest gap between tokens while the arrivals come
+in, and each arrival's time to first token, for logitproc with its default step budgets and with every prompt
+prefilled whole in one step (``--max-num-batched-tokens 0 --max-prefill-tokens-with-decode 0``: the engine before
+chunked prefill)::
+
+    python scripts/bench_serve.py --mixed
+
 llama.cpp runs as ``python -m llama_cpp.server`` (llama-cpp-python[server], the ``bench`` extra:
 ``pip install -e ".[bench]"``) on the same GGUF with ``--threads`` threads; logitproc with ``TVM_NUM_THREADS`` set to
 the same number.
@@ -20,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -137,6 +148,153 @@ async def run_level(url: str, concurrency: int, requests: int, max_tokens: int) 
     return level
 
 
+FILLER = ("The keeper climbed the {n} steps of the lighthouse, trimmed the wick, wrote the weather in the log and "
+          "watched ship number {n} pass the rocks. ")
+STORY = "Tell me a long story about a lighthouse keeper and the ships she watches."
+
+
+async def long_prompt(url: str, tokens: int) -> str:
+    """A user message of about ``tokens`` tokens (filler sentences, counted by the server's /tokenize)."""
+    async with httpx.AsyncClient(timeout=60) as http:
+        async def count(text: str) -> int:
+            reply = await http.post(url + "/tokenize", json={"messages": [{"role": "user", "content": text}]})
+            return reply.json()["count"]
+
+        unit = await count(FILLER.format(n=1) * 10) / 10
+        sentences = max(int(tokens / unit), 1)
+        text = "".join(FILLER.format(n=i) for i in range(sentences)) + "Summarise the log in one sentence."
+        while await count(text) > tokens:
+            sentences -= 1
+            text = "".join(FILLER.format(n=i) for i in range(sentences)) + "Summarise the log in one sentence."
+        return text
+
+
+@dataclass
+class Mixed:
+    """The running stream's token times and each arrival's time to first token."""
+
+    times: list[float] = field(default_factory=list)
+    window: tuple[float, float] = (0.0, 0.0)  # from the first arrival to the end of the last one
+    ttft: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def gaps(self) -> list[float]:
+        """Every gap between two of the running stream's tokens."""
+        return [b - a for a, b in zip(self.times, self.times[1:], strict=False)]
+
+    @property
+    def quiet_gaps(self) -> list[float]:
+        """The gaps before the first arrival (decode steps alone)."""
+        return [b - a for a, b in zip(self.times, self.times[1:], strict=False) if b <= self.window[0]]
+
+    @property
+    def busy_gaps(self) -> list[float]:
+        """The gaps while the arrivals came in and were prefilled."""
+        start, end = self.window
+        return [b - a for a, b in zip(self.times, self.times[1:], strict=False) if b > start and a < end]
+
+
+async def arrival(client: openai.AsyncOpenAI, model: str, name: str, messages: list[dict[str, str]],
+                  result: Mixed, **extra: object) -> None:
+    started = time.perf_counter()
+    stream = await client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0,
+                                                  stream=True, **extra)
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content and name not in result.ttft:
+            result.ttft[name] = time.perf_counter() - started
+
+
+async def run_mixed(url: str, schemas: list[tuple[str, dict]]) -> Mixed:
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=1200)
+    model = (await client.models.list()).data[0].id
+    prompts = {n: await long_prompt(url, n) for n in (1000, 4000)}
+    result = Mixed()
+    done = asyncio.Event()
+
+    async def running() -> None:
+        stream = await client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": STORY}], max_tokens=2000, temperature=0,
+            logit_bias=EOS_BIAS, stream=True)
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                result.times.append(time.perf_counter())
+            if done.is_set():
+                break
+        await stream.close()
+
+    async def tokens_seen(n: int) -> None:
+        target = len(result.times) + n
+        while len(result.times) < target:
+            await asyncio.sleep(0.005)
+
+    async def arrivals() -> None:
+        await tokens_seen(30)
+        start = time.perf_counter()
+        await arrival(client, model, "1k-token prompt", [{"role": "user", "content": prompts[1000]}], result)
+        await tokens_seen(10)
+        long = asyncio.create_task(arrival(client, model, "4k-token prompt",
+                                           [{"role": "user", "content": prompts[4000]}], result))
+        await tokens_seen(10)
+        await asyncio.gather(*(arrival(client, model, name, [
+            {"role": "user", "content": "Write a JSON document for this schema."}], result,
+            response_format={"type": "json_schema", "json_schema": {"name": "doc", "schema": schema}})
+            for name, schema in schemas))
+        await long
+        result.window = (start, time.perf_counter())
+        await tokens_seen(10)
+        done.set()
+
+    await asyncio.gather(running(), arrivals())
+    await client.close()
+    return result
+
+
+def largest_schemas(directory: str, count: int) -> list[tuple[str, dict]]:
+    files = sorted((os.path.join(directory, f) for f in os.listdir(directory) if f.endswith(".json")),
+                   key=os.path.getsize, reverse=True)[:count]
+    schemas = []
+    for path in files:
+        with open(path) as f:
+            schemas.append((f"schema {len(schemas) + 1}", json.load(f)["schema"]))
+    print("schemas: " + ", ".join(f"{name} = {os.path.basename(path)} ({os.path.getsize(path) // 1024} KiB)"
+                                  for (name, _), path in zip(schemas, files, strict=True)), file=sys.stderr)
+    return schemas
+
+
+def mixed(args: argparse.Namespace) -> int:
+    schemas = largest_schemas(args.schema_dir, args.schemas)
+    settings = {"chunked (defaults)": [], "whole prompts in one step": ["--max-num-batched-tokens", "0",
+                                                                       "--max-prefill-tokens-with-decode", "0"]}
+    results: dict[str, Mixed] = {}
+    for label, extra in settings.items():
+        server = start("logitproc", [sys.executable, "-m", "logitproc", "serve", "--model", args.model,
+                                     "--max-batch", str(args.max_batch), *extra], dict(os.environ))
+        try:
+            results[label] = asyncio.run(run_mixed(server.url, schemas))
+        finally:
+            server.stop()
+        gaps = results[label].gaps
+        print(f"{label}: median gap {statistics.median(gaps) * 1e3:.0f} ms, largest {max(gaps) * 1e3:.0f} ms",
+              file=sys.stderr)
+        time.sleep(args.pause)  # the machine settles between the two servers
+
+    from bench_common import machine_line
+
+    print(f"{machine_line()}; load average {os.getloadavg()[0]:.1f}; greedy; {len(schemas)} schemas from "
+          f"{args.schema_dir}\n")
+    names = list(next(iter(results.values())).ttft)
+    print("| engine | running stream: median gap (ms) | before arrivals / while they arrive (ms) | "
+          "largest gap (ms) | largest / median | " + " | ".join(f"TTFT {n} (s)" for n in names) + " |")
+    print("| --- | --- | --- | --- | --- | " + " | ".join("---" for _ in names) + " |")
+    for label, result in results.items():
+        gaps = result.gaps
+        median, largest = statistics.median(gaps), max(gaps)
+        print(f"| {label} | {median * 1e3:.0f} | {statistics.median(result.quiet_gaps) * 1e3:.0f} / "
+              f"{statistics.median(result.busy_gaps) * 1e3:.0f} | {largest * 1e3:.0f} | {largest / median:.1f}x | "
+              + " | ".join(f"{result.ttft.get(n, float('nan')):.1f}" for n in names) + " |")
+    return 0
+
+
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(int(q * len(ordered)), len(ordered) - 1)] if ordered else float("nan")
@@ -154,12 +312,21 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--max-batch", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--server-args", default="", help="more options for logitproc serve, e.g. "
+                                                          "'--max-prefill-tokens-with-decode 0'")
+    parser.add_argument("--mixed", action="store_true", help="the mixed-load run (see the module doc)")
+    parser.add_argument("--pause", type=float, default=10.0, help="--mixed: seconds between the two servers")
+    parser.add_argument("--schemas", type=int, default=6, help="--mixed: schema requests (default: %(default)s)")
+    parser.add_argument("--schema-dir", default="/work/shared/data/maskbench-dev",
+                        help="--mixed: a folder of maskbench JSON files ({'schema': ...}) (default: %(default)s)")
     args = parser.parse_args()
 
     os.environ["TVM_NUM_THREADS"] = str(args.threads)  # the servers' (and the machine line's) thread count
+    if args.mixed:
+        return mixed(args)
     env = dict(os.environ)
     servers = [start("logitproc", [sys.executable, "-m", "logitproc", "serve", "--model", args.model,
-                                   "--max-batch", str(args.max_batch)], env)]
+                                   "--max-batch", str(args.max_batch), *args.server_args.split()], env)]
     try:
         if args.llama_cpp != "off":
             try:

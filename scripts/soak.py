@@ -42,7 +42,8 @@ class PoisonRunner:
         self._poison_at: dict[int, int] = {}  # seq_id -> position of POISON in the sequence
         self._decodes: dict[int, int] = {}
         for name in ("name", "vocab_size", "context_length", "max_num_sequences", "max_total_tokens",
-                     "eos_token_ids", "tokenizer", "kernel_library", "apply_chat_template", "sequence_length",
+                     "eos_token_ids", "tokenizer", "kernel_library", "apply_chat_template", "chat_token_ids",
+                     "sequence_length",
                      "add_sequence", "popn"):
             setattr(self, name, getattr(model, name))
 

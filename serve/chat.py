@@ -28,8 +28,11 @@ from .cli_options import (
     read_schema,
 )
 from .model_defaults import ModelDefaults
+from .progress_line import ProgressLine
 
 PROMPT = ">>> "
+#: A prompt this long shows its prefill's progress on a terminal.
+LONG_PROMPT_TOKENS = 512
 
 # command -> (GenerationConfig field, parser of the value; "off"/"none" sets None where the field allows it)
 NUMERIC_COMMANDS: dict[str, tuple[str, type]] = {
@@ -299,25 +302,35 @@ class ChatSession:
         parts: list[str] = []
         output = None
         quiet = control_echo_off(sys.stdin)  # the terminal would echo Ctrl-C as "^C" into the answer's text
+        reading: ProgressLine | None = None  # a long prompt's progress, on a terminal, until the answer begins
         try:
             while output is None:
                 if self._interrupted:
                     engine.abort(rid)
-                for delta in engine.step():
+                for delta in engine.step():  # a long prompt goes in by chunks: Ctrl-C acts between them
                     if delta.request_id != rid:
                         continue
                     if delta.text:
+                        if reading is not None:  # the answer begins: the progress line goes
+                            reading.close()
+                            reading = None
                         parts.append(delta.text)
                         self.out.write(delta.text)
                         self.out.flush()
                     if delta.output is not None:
                         output = delta.output
+                going_in = engine.prompt_progress(rid) if output is None and not parts else None
+                if going_in is not None and going_in[1] >= LONG_PROMPT_TOKENS:
+                    reading = reading or ProgressLine(self.out)
+                    reading.status(f"reading the prompt: {going_in[0]:,} of {going_in[1]:,} tokens")
         except BaseException:
             engine.abort(rid)  # never leave it running: the next step frees its slot
             raise
         finally:
             signal.signal(signal.SIGINT, previous)
             quiet.close()
+            if reading is not None:
+                reading.close()
         cut = "closed to fit max_tokens" if output.closed_at_max_tokens and output.grammar_complete else cut_note(
             output, self.config)
         self.say(" [stopped]" if output.finish_reason == "abort" else f" [{cut}]" if cut else "")

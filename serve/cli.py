@@ -47,6 +47,19 @@ def _compile_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _models(args: argparse.Namespace) -> int:
+    from logitproc.compile.families import FAMILIES
+    from logitproc.compile.rope import SCALING_KEYS
+
+    print("family  models                                         Hugging Face architectures            GGUF")
+    for family in FAMILIES:
+        print(f"{family.name:<7} {family.models:<46} {', '.join(family.hf_architectures):<37} "
+              f"{', '.join(family.gguf_architectures)}")
+    print(f"\nformats: a GGUF file (--model path.gguf) or a Hugging Face folder (--model path/, safetensors "
+          f"F32/F16/BF16); RoPE scaling: {', '.join(SCALING_KEYS)} (and a GGUF's rope_freqs); docs/model.md")
+    return 0
+
+
 def _devices(args: argparse.Namespace) -> int:
     from logitproc.runtime.device import Device
 
@@ -85,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
                                help="auto: keep a GGUF's Q8_0/Q4_1 blocks (float16 for other tensors) "
                                     "(default: %(default)s)")
     compile_model.set_defaults(run=_compile_model)
+
+    models = commands.add_parser("models", help="list the supported model families and formats")
+    models.set_defaults(run=_models)
 
     devices = commands.add_parser("devices", help="list the devices found: backend and limits")
     devices.set_defaults(run=_devices)

@@ -29,7 +29,7 @@ SAMPLING_OPTIONS: dict[str, tuple[str, type, str]] = {
     "--min-p": ("min_p", float, "keep tokens with prob >= min_p * max prob; 0 = off (default: the model's, else 0)"),
     "--presence-penalty": ("presence_penalty", float, "[-2, 2] (default: 0)"),
     "--frequency-penalty": ("frequency_penalty", float, "[-2, 2] (default: 0)"),
-    "--repetition-penalty": ("repetition_penalty", float, "(0, 1000]; 1 = off (default: the model's, as said above)"),
+    "--repetition-penalty": ("repetition_penalty", float, "[0.001, 1000]; 1 = off (default: the model's, as above)"),
     "--seed": ("seed", int, "seed of the sampling stream (default: none, a fresh stream)"),
     "--max-tokens": ("max_tokens", int, "at most this many tokens per answer (default: the model's, else 512)"),
     "--min-tokens": ("min_tokens", int, "no EOS, stop token or stop string before this many tokens (default: 0)"),
@@ -50,6 +50,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="speculative decoding: prompt-lookup drafts of up to K tokens (default K 5), checked in "
                              "one forward and kept only where they pay; faster on answers that repeat the prompt "
                              "(edits, quotes, JSON rewrites) (default: off)")
+    parser.add_argument("--chat-template", metavar="FILE", default=None,
+                        help="a jinja chat template to render chats with instead of the model's own (default: the "
+                             "model's, else ChatML)")
     parser.add_argument("--tree-decode-config", metavar="FILE", default=None,
                         help="Tree Decode map (JSON, docs/constrained_decoding.md) constraining every answer: a path "
                              "as given (absolute or relative to the working directory) (default: "
@@ -167,6 +170,22 @@ def open_model(spec: str, target: str) -> Any:
         return CompiledModel.open(model, target=target, progress=progress)
 
 
+def read_chat_template(args: argparse.Namespace) -> Any:
+    """``--chat-template FILE`` as a ChatTemplate (read and compiled before the model opens), or None."""
+    if args.chat_template is None:
+        return None
+    from logitproc.serve.chat_template import ChatTemplate
+
+    return ChatTemplate.from_file(args.chat_template)
+
+
+def use_chat_template(model: Any, template: Any) -> None:
+    """Render the model's chats with ``template`` (from ``read_chat_template``; None: keep the model's own)."""
+    if template is not None:
+        model.use_chat_template(model.chat_template.with_source(template))
+        log(f"chat template: {template.origin}")
+
+
 def tiny_model() -> Any:
     """The model ``--model tiny`` names (a GGUFModel in memory; compiled once into the cache)."""
     from logitproc.compile.tiny_model import make_tiny_model
@@ -183,7 +202,9 @@ def open_engine(args: argparse.Namespace) -> tuple[Any, ModelDefaults]:
 
     from .model_defaults import model_defaults
 
+    template = read_chat_template(args)
     model = open_model(args.model, args.target)
+    use_chat_template(model, template)
     source = Path(args.model)
     model_dir = (source if source.is_dir() else source.parent) if source.exists() else model.directory
     tree = load_tree_decode_config(args.tree_decode_config, model.vocab_size, os.environ, model_dir)

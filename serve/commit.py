@@ -111,7 +111,7 @@ def jump_forward(model: Runner, processor: LogitProcessor, running: list[Generat
     """Append the tokens the constraints force; make the KV cache agree with the re-tokenized state."""
     for seq in running:
         if (seq.finish_reason is not None or not seq.request.jump_forward or not seq.state.mask_sources
-                or len(seq.feed) != 1):
+                or not seq.decoding):
             continue
         try:
             forced = processor.jump_forward(seq.state)

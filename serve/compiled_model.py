@@ -39,6 +39,7 @@ from logitproc.runtime.kernel_library import MANIFEST, KernelLibrary
 from tokenizers import Tokenizer
 from tvm import relax
 
+from .chat_template import ChatTemplate
 from .runner import ModelRunner
 
 _PAGE_SIZE = 16
@@ -46,6 +47,15 @@ _PAGE_SIZE = 16
 
 def _shape(values: list[int]) -> Any:
     return tvm.runtime.ShapeTuple([int(v) for v in values])
+
+
+def _chat_template(info: dict[str, Any], directory: Path) -> ChatTemplate:
+    """The manifest's chat template (the model's own, or ChatML when it has none)."""
+    chat = info.get("chat")
+    if not isinstance(chat, dict):
+        raise ValueError(f"{directory} was compiled by an older logitproc (its manifest has no chat template): "
+                         "compile the model again")
+    return ChatTemplate.for_model(chat["template"], chat["bos_token"], chat["eos_token"])
 
 
 class CompiledModel(ModelRunner):
@@ -59,15 +69,15 @@ class CompiledModel(ModelRunner):
         if self.manifest.get("kind") != "model":
             raise ValueError(f"{self.directory} is not a compiled model (no 'kind': 'model' in its manifest)")
         info = self.manifest["model"]
-        config = LlamaConfig(**info["config"])
+        config = LlamaConfig.from_dict(info["config"])
         max_total = int(max_total_tokens or min(config.context, 8192))
         if max_num_sequences < 1 or max_total < 1 or prefill_chunk_size < 1:
             raise ValueError("max_num_sequences, max_total_tokens and prefill_chunk_size must be positive")
         super().__init__(
             config=config, tokenizer=Tokenizer.from_file(str(self.directory / TOKENIZER_FILE)),
             eos_token_ids=info["eos_token_ids"], name=info["name"], max_num_sequences=max_num_sequences,
-            context_length=min(config.context, max_total), max_total_tokens=max_total, chatml=info["chatml"],
-            default_system=info["default_system"],
+            context_length=min(config.context, max_total), max_total_tokens=max_total,
+            chat_template=_chat_template(info, self.directory),
         )
         self.prefill_chunk_size = int(prefill_chunk_size)
         self.kernel_library = KernelLibrary.load(self.directory)

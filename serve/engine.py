@@ -6,10 +6,13 @@ One ``step()``, module by module::
                    would overflow the KV cache; waiting requests are admitted while slots and KV cache are free
     speculation.py with ``speculative``: decoding sequences propose prompt-lookup drafts; those expected to pay
                    are checked this step
-    model_step.py  the step's Batch is made (its masks start filling on worker threads), then the model runs
-                   (a new sequence forks the prefix cache entry sharing the longest prefix, if any):
-                   prefill (new prompts, forks of n > 1 requests, feeds left by a jump-forward), then decode,
-                   then verify (each drafting sequence's last token and drafts, logits after every one)
+    scheduler.py   the step's plan within its budget (``StepBudget``): every decoding sequence's token (and drafts
+                   while they fit), then prefill chunks of the prompts going in, the shortest rest first
+    model_step.py  a new sequence forks the prefix cache entry sharing the longest prefix, if any; the step's
+                   Batch is made (its masks start filling on worker threads), then the model runs: prefill (the
+                   chunks: new prompts, the rest of long ones, feeds left by a jump-forward; a completed prompt's
+                   n > 1 forks), then decode, then verify (each drafting sequence's last token and drafts, logits
+                   after every one)
     processing.py  LogitProcessor -> Sampler on the Batch, once over every row
     commit.py      each row's token is committed (state, text deltas, finish rules); a drafting sequence commits
                    its rows while they agree with its drafts, and the rejected drafts leave the KV cache; with
@@ -17,10 +20,12 @@ One ``step()``, module by module::
     scheduler.py   finished sequences free their slots (or keep their KV cache as prefix cache entries);
     step_stats.py  the step's statistics
 
-Requests join (``add_request``) and leave (finish or ``abort``) between steps; everything about a bad request is
-checked in ``add_request`` (a ValueError there). Whatever still fails inside a step (a constraint, the runner, the
-detokenizer) ends only the requests it concerns, with finish reason "error": when the step's batch fails, its state
-is put back, each request is run alone, and those that fail alone end (``Output.error`` says why).
+Requests join (``add_request``, or ``submit``: its grammar compiled on the engine's grammar thread while the steps
+go on) and leave (finish or ``abort``) between steps; everything about a bad request is checked in ``add_request``
+(a ValueError there; with ``submit``, a grammar that cannot compile fails the request's ``ready`` Future). Whatever
+still fails inside a step (a constraint, the runner, the detokenizer) ends only the requests it concerns, with
+finish reason "error": when the step's batch fails, its state is put back, each request is run alone, and those
+that fail alone end (``Output.error`` says why).
 
 Threads: every method may be called from any number of threads. One step runs at a time (``step`` waits for a step
 running on another thread); ``stream`` and ``generate`` have no stepping thread of their own: whichever waiting
@@ -32,12 +37,15 @@ including those of steps that a ``stream``/``generate`` caller ran in the meanti
 from __future__ import annotations
 
 import itertools
+import os
+import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -51,12 +59,17 @@ from .outputs import Delta, EngineStats, Output, RequestStats
 from .prefix_cache import PrefixCache
 from .processing import process
 from .runner import Runner
-from .scheduler import Deltas, Scheduler, delta_of
+from .scheduler import Deltas, Scheduler, StepBudget, StepPlan, delta_of
 from .sequence import GeneratedSequence, Request
 from .speculation import Candidate, Drafter, SpeculationPlanner, SpeculativeConfig
 from .step_stats import account_step
 
 Prompt = str | Sequence[int] | Sequence[Mapping[str, str]]
+
+#: The default token budgets of one step (``Engine(max_num_batched_tokens=..., max_prefill_tokens_with_decode=...)``),
+#: measured on the 2-core CPU this was developed on: see docs/serving.md, "Chunked prefill".
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 256
+DEFAULT_MAX_PREFILL_TOKENS_WITH_DECODE = 16
 
 
 class Engine:
@@ -68,21 +81,40 @@ class Engine:
     ``tree_decode`` constrains every sequence to a Tree Decode map; ``prefix_cache`` keeps finished sequences' KV
     cache so that a prompt sharing a prefix with one (a conversation's earlier turns, a system prompt) prefills only
     the rest (``RequestStats.cached_tokens``; entries are evicted LRU when the KV cache or the model's sequence slots
-    run short). ``speculative`` turns on speculative decoding (``SpeculativeConfig``, or a dict of its fields in
-    vLLM's names, e.g. ``{"method": "ngram", "num_speculative_tokens": 5}``; None: off): prompt-lookup drafts
-    checked in one verify forward, kept only where they pay (``docs/serving.md``). An engine owns its model's KV
-    cache: making one frees the sequences an earlier engine left there.
+    run short). ``max_num_batched_tokens`` bounds the tokens one step feeds the model (vLLM's name): the decoding
+    sequences' tokens first, then chunks of the prompts going in, so a long prompt is prefilled over several steps
+    (None: no bound; it must exceed ``max_batch``, so that a prefill chunk always fits beside the decode rows);
+    ``max_prefill_tokens_with_decode`` bounds the prefill chunks of a step that also decodes, so that a long prompt
+    never holds the running streams up for more than that (None: only ``max_num_batched_tokens`` does). Both None:
+    every prompt is prefilled whole in one step. ``speculative`` turns on speculative decoding
+    (``SpeculativeConfig``, or a dict of its fields in vLLM's names, e.g. ``{"method": "ngram",
+    "num_speculative_tokens": 5}``; None: off): prompt-lookup drafts checked in one verify forward, kept only where
+    they pay (``docs/serving.md``). An engine owns its model's KV cache: making one frees the sequences an earlier
+    engine left there.
     Logit processing runs on the CPU, with the kernels of the model's own library.
     """
 
     def __init__(self, model: Runner, max_batch: int = 8, jump_forward: bool = False,
                  grammar_backend: str = "llguidance", tree_decode: TreeDecodeConfig | None = None,
                  prefix_cache: bool = True, speculative: SpeculativeConfig | Mapping[str, Any] | str | None = None,
-                 ) -> None:
+                 max_num_batched_tokens: int | None = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                 max_prefill_tokens_with_decode: int | None = DEFAULT_MAX_PREFILL_TOKENS_WITH_DECODE) -> None:
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
         self.model = model
         self.max_batch = min(max_batch, int(model.max_num_sequences))
+        if max_num_batched_tokens is not None and (
+                isinstance(max_num_batched_tokens, bool) or not isinstance(max_num_batched_tokens, int)
+                or max_num_batched_tokens <= self.max_batch):
+            raise ValueError(f"max_num_batched_tokens must be None or an int above max_batch={self.max_batch} (the "
+                             f"decode rows and at least one prefill token), got {max_num_batched_tokens!r}")
+        if max_prefill_tokens_with_decode is not None and (
+                isinstance(max_prefill_tokens_with_decode, bool) or not isinstance(max_prefill_tokens_with_decode, int)
+                or max_prefill_tokens_with_decode < 1):
+            raise ValueError(f"max_prefill_tokens_with_decode must be None or an int >= 1, got "
+                             f"{max_prefill_tokens_with_decode!r}")
+        #: Tokens one step feeds the model at most, and prefill tokens of a step that also decodes (None: no bound).
+        self.budget = StepBudget(max_num_batched_tokens, max_prefill_tokens_with_decode)
         #: Speculative decoding's settings, or None (off).
         self.speculative = SpeculativeConfig.of(speculative)
         self._planner = SpeculationPlanner(self.speculative) if self.speculative is not None else None
@@ -104,7 +136,11 @@ class Engine:
         self._constraints: ConstraintFactory | None = None
         self._ids = itertools.count()
         self._arrivals = itertools.count()  # arrival order: the latest-arrived request is preempted first
-        self._add_lock = threading.Lock()  # add_request: ids, arrival order, the constraint factory
+        self._add_lock = threading.Lock()  # add_request: ids, arrival order, the constraint factory, compiling
+        # submit(): requests whose constraints compile on the grammar thread (id -> aborted meanwhile)
+        self._compiling: dict[str, bool] = {}
+        self._compiled = threading.Condition(self._add_lock)  # notified when one leaves the compiling state
+        self._grammar_pool: ThreadPoolExecutor | None = None
         # Stepping, under self._turn: one step at a time; each step's deltas routed to the stream of their request
         # (None: a closed stream, its deltas dropped), the others kept for the next step() call.
         self._turn = threading.Condition()
@@ -125,14 +161,15 @@ class Engine:
             if chat:
                 prompt = [{"role": "user", "content": prompt}]
             else:
-                return list(self.model.tokenizer.encode(prompt, add_special_tokens=False).ids)
+                # BOS/EOS as the model's tokenizer adds them; encode_batch lets other threads run while it works
+                # (encode holds the GIL: an 8 MB prompt stalled the stepping thread for seconds)
+                return list(self.model.tokenizer.encode_batch([prompt])[0].ids)
         items = list(prompt)
         if items and all(isinstance(m, Mapping) for m in items):
             for m in items:
                 if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                     raise ValueError(f"chat messages need string 'role' and 'content', got {dict(m)!r}")
-            text = self.model.apply_chat_template(items, add_generation_prompt=True)
-            return list(self.model.tokenizer.encode(text, add_special_tokens=False).ids)
+            return self.model.chat_token_ids(items, add_generation_prompt=True)  # content never becomes control tokens
         ids = []
         for t in items:
             if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
@@ -159,6 +196,13 @@ class Engine:
     def _add(self, prompt: Prompt, config: GenerationConfig | None, chat: bool | None, request_id: str | None,
              jump_forward: bool | None, watch: bool) -> str:
         """``add_request``; ``watch``: deltas go to the request's inbox (``stream``), not to ``step()``."""
+        request = self._build(self._new_request(prompt, config, chat, request_id, jump_forward))
+        self._enqueue(request, watch)
+        return request.request_id
+
+    def _new_request(self, prompt: Prompt, config: GenerationConfig | None, chat: bool | None,
+                     request_id: str | None, jump_forward: bool | None) -> _NewRequest:
+        """A request's checks (all but its grammar's), its token ids, id and arrival order."""
         config = GenerationConfig() if config is None else config
         if not isinstance(config, GenerationConfig):
             raise TypeError(f"config must be a GenerationConfig, got {type(config).__name__}")
@@ -186,24 +230,93 @@ class Engine:
         with self._add_lock:
             rid = request_id if request_id is not None else f"req-{next(self._ids)}"
             arrival = next(self._arrivals)
-        request = Request(rid, ids, RequestStats(prompt_tokens=len(ids), arrival=time.perf_counter()), arrival)
-        request.jump_forward = self.jump_forward if jump_forward is None else jump_forward
+        return _NewRequest(rid, ids, config, limit, self.jump_forward if jump_forward is None else jump_forward,
+                           RequestStats(prompt_tokens=len(ids), arrival=time.perf_counter()), arrival)
+
+    def _build(self, new: _NewRequest) -> Request:
+        """The request and its sequences, each with fresh mask sources (this compiles its grammar, if not cached)."""
+        config = new.config
+        request = Request(new.request_id, new.prompt_token_ids, new.stats, new.arrival)
+        request.jump_forward = new.jump_forward
         for index in range(config.n):
             cfg = config
             if config.n > 1 and config.seed is not None:  # each sequence its own stream, reproducibly
                 cfg = replace(config, seed=(config.seed + index) % 2**64)
-            state = RequestState(ids, cfg, mask_sources=self._mask_sources(cfg))
-            seq = GeneratedSequence(request, index, state, self.model.tokenizer, self.eos_token_ids, limit)
+            state = RequestState(new.prompt_token_ids, cfg, mask_sources=self._mask_sources(cfg))
+            seq = GeneratedSequence(request, index, state, self.model.tokenizer, self.eos_token_ids, new.limit)
             if index > 0:  # prefilled once, then forked from the first sequence
                 seq.forked_from = request.sequences[0]
             request.sequences.append(seq)
-        if watch:
-            with self._turn:
-                self.scheduler.add(request)  # under the turn lock: no step sees it before its inbox exists
-                self._inboxes[rid] = deque()
-        else:
+        return request
+
+    def _enqueue(self, request: Request, watch: bool) -> None:
+        """The request joins the scheduler's queue (its id must be free; ``watch``: its deltas go to its inbox)."""
+        rid = request.request_id
+        with self._add_lock:
+            if rid in self._compiling:
+                raise ValueError(f"request id {rid!r} is already in use")
+            if watch:
+                with self._turn:
+                    self.scheduler.add(request)  # under the turn lock: no step sees it before its inbox exists
+                    self._inboxes[rid] = deque()
+            else:
+                self.scheduler.add(request)
+
+    def submit(self, prompt: Prompt, config: GenerationConfig | None = None, *, chat: bool | None = None,
+               request_id: str | None = None, jump_forward: bool | None = None) -> PendingRequest:
+        """``add_request`` without waiting for the request's grammar: its constraints compile on the engine's
+        grammar thread while the steps go on, the request waiting meanwhile in the compiling state
+        (``num_compiling``); then it joins the queue. Everything ``add_request`` checks but the grammar raises here;
+        a grammar that cannot compile is the exception of ``PendingRequest.ready`` (the request then never ran and
+        gives no delta). Its deltas come from ``step()``. The grammar cache is shared and single-flight: a schema
+        is compiled once, however many requests ask for it at once. A request without a response format joins the
+        queue at once (its ``ready`` is done), never behind a compile."""
+        new = self._new_request(prompt, config, chat, request_id, jump_forward)
+        ready: Future[str] = Future()
+        if new.config.response_format is None:  # nothing to compile: it joins the queue now
+            self._enqueue(self._build(new), watch=False)
+            ready.set_result(new.request_id)
+            return PendingRequest(new.request_id, ready)
+        with self._add_lock:
+            if new.request_id in self._compiling or not self.scheduler.is_done(new.request_id):
+                raise ValueError(f"request id {new.request_id!r} is already in use")
+            self._compiling[new.request_id] = False  # not aborted
+            if self._grammar_pool is None:
+                self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="logitproc-grammar",
+                                                        initializer=_lower_thread_priority)
+        self._grammar_pool.submit(self._compile, new, ready)
+        return PendingRequest(new.request_id, ready)
+
+    def _compile(self, new: _NewRequest, ready: Future[str]) -> None:
+        """On the grammar thread: build the request (compiling its grammar), then queue it; or fail ``ready``."""
+        rid = new.request_id
+        try:
+            request = self._build(new)
+        except BaseException as err:
+            with self._compiled:
+                del self._compiling[rid]
+                self._compiled.notify_all()
+            ready.set_exception(err)
+            return
+        with self._compiled:
+            aborted = self._compiling.pop(rid)
             self.scheduler.add(request)
-        return rid
+            if aborted:  # aborted while compiling: it ends with "abort" at the next step
+                self.scheduler.abort(rid)
+            self._compiled.notify_all()
+        ready.set_result(rid)
+
+    @property
+    def num_compiling(self) -> int:
+        """Requests added with ``submit`` whose constraints are compiling."""
+        with self._add_lock:
+            return len(self._compiling)
+
+    def _wait_for_compiles(self) -> None:
+        """With nothing to step but requests compiling, wait until one of them joins the queue (or fails)."""
+        with self._compiled:
+            while self._compiling and not self.scheduler.has_unfinished():
+                self._compiled.wait(0.1)
 
     def _check_thinking_mode(self, config: GenerationConfig) -> None:
         """A thinking budget needs a model with a thinking mode: its vocabulary has the think markers as tokens."""
@@ -231,10 +344,29 @@ class Engine:
 
     def abort(self, request_id: str) -> None:
         """Cancel a request (safe from another thread; not from a signal handler, which should set a flag that the
-        stepping loop turns into ``abort``); it ends with "abort" at the next step."""
+        stepping loop turns into ``abort``); it ends with "abort" at the next step (one compiling: at the first step
+        after its compile)."""
+        with self._add_lock:
+            if request_id in self._compiling:
+                self._compiling[request_id] = True
+                return
         self.scheduler.abort(request_id)
 
     def has_unfinished(self) -> bool:
+        """Whether any request has not ended (compiling ones included)."""
+        with self._add_lock:
+            return bool(self._compiling) or self.scheduler.has_unfinished()
+
+    def prompt_progress(self, request_id: str) -> tuple[int, int] | None:
+        """(prompt tokens prefilled, prompt tokens) while the request's prompt is going in (by chunks of the step's
+        token budget); None once it decodes or ended (a compiling request: nothing in yet)."""
+        with self._add_lock:
+            if request_id in self._compiling:
+                return None
+        return self.scheduler.prompt_progress(request_id)
+
+    def has_runnable(self) -> bool:
+        """Whether a step has something to do now: requests waiting, running or aborted (not compiling ones)."""
         return self.scheduler.has_unfinished()
 
     @property
@@ -316,6 +448,7 @@ class Engine:
             self._turn.notify_all()
 
     def _step(self) -> list[Delta]:
+        self._wait_for_compiles()
         started = time.perf_counter()
         deltas: Deltas = {}
         scheduler = self.scheduler
@@ -324,7 +457,8 @@ class Engine:
         scheduler.make_room()
         scheduler.admit()
         drafts = self._plan_drafts() if self._planner is not None else {}
-        step, processing_s = self._forward_isolated(scheduler.live(), deltas, drafts)
+        plan = scheduler.plan(self.budget, drafts)
+        step, processing_s = self._forward_isolated(scheduler.live(), deltas, plan)
         if self.jump_forward:
             jump_forward(self.model, self.processor, scheduler.running, deltas, self.stats)
         scheduler.retire(deltas)
@@ -341,7 +475,7 @@ class Engine:
         """The drafts the decoding sequences check this step (``SpeculationPlanner.plan``)."""
         assert self._planner is not None and self.speculative is not None
         scheduler = self.scheduler
-        decoding = [s for s in scheduler.live() if s.in_model and len(s.feed) == 1 and s.forked_from is None]
+        decoding = [s for s in scheduler.live() if s.decoding]
         candidates = []
         for seq in decoding:
             if seq.drafter is None:
@@ -356,13 +490,13 @@ class Engine:
         return self._planner.plan(candidates, len(decoding), room)
 
     def _forward_isolated(self, live: list[GeneratedSequence], deltas: Deltas,
-                          drafts: dict[GeneratedSequence, list[int]]) -> tuple[ModelStep, float]:
-        """``_forward`` over every live sequence; when that fails, the sequences are put back as they were and each
-        request runs alone: those that fail alone end with "error", the others go on."""
+                          plan: StepPlan) -> tuple[ModelStep, float]:
+        """``_forward`` of the plan; when that fails, the live sequences are put back as they were and each request
+        runs its part of the plan alone: those that fail alone end with "error", the others go on."""
         kept = [_Placement(seq) for seq in live]
         step = ModelStep()
         try:
-            return self._forward(live, deltas, step, drafts)
+            return self._forward(plan, deltas, step)
         except Exception as err:
             first = f"{type(err).__name__}: {err}"
             kept = [p for p in kept if not self._undo(step, [p], first, deltas)]
@@ -374,7 +508,7 @@ class Engine:
             group = [p for p in group if p.seq.finish_reason is None]
             step = ModelStep()
             try:
-                alone, seconds = self._forward([p.seq for p in group], deltas, step, drafts)
+                alone, seconds = self._forward(plan.only(p.seq for p in group), deltas, step)
             except Exception as err:
                 message = f"{type(err).__name__}: {err}"
                 self._undo(step, group, message, deltas)
@@ -385,11 +519,10 @@ class Engine:
             processing_s += seconds
         return total, processing_s
 
-    def _forward(self, live: list[GeneratedSequence], deltas: Deltas, step: ModelStep,
-                 drafts: dict[GeneratedSequence, list[int]]) -> tuple[ModelStep, float]:
-        """Run the model over ``live``, process and sample, commit each sequence's rows (a sequence whose commit
+    def _forward(self, plan: StepPlan, deltas: Deltas, step: ModelStep) -> tuple[ModelStep, float]:
+        """Run the model over the ``plan``, process and sample, commit each sequence's rows (a sequence whose commit
         fails ends with "error"). An exception leaves the sequences' tokens uncommitted."""
-        run_model(self.model, self.processor, live, self.scheduler.place, step, drafts)
+        run_model(self.model, self.processor, plan, self.scheduler.place, step)
         if step.batch is None or step.logits is None:
             return step, 0.0
         # A drafting sequence's stream draws for all its rows; commit_verified keeps the committed rows' draws.
@@ -495,6 +628,46 @@ class Engine:
         return [outputs[i] for i in sorted(outputs)]
 
 
+#: How much lower the grammar thread's CPU priority is than the engine's (Linux nice levels).
+GRAMMAR_THREAD_NICENESS = 5
+
+
+def _lower_thread_priority() -> None:
+    """On Linux, lower the calling thread's CPU priority (its own nice level: Linux threads are tasks) by
+    ``GRAMMAR_THREAD_NICENESS``, so that on a machine with few cores the model's threads are preferred while a
+    grammar compiles (on 2 cores a compile beside a step slows the step down: the model's thread pool then shares
+    the cores with it; docs/serving.md). Elsewhere (or when the system refuses), the thread keeps its priority."""
+    if sys.platform != "linux":
+        return
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + GRAMMAR_THREAD_NICENESS)
+    except OSError:
+        pass
+
+
+@dataclass(frozen=True)
+class PendingRequest:
+    """A request added with ``Engine.submit``: its id, and ``ready``, a Future holding the id once its constraints
+    are compiled and it has joined the queue, or the ValueError of a grammar that cannot compile."""
+
+    request_id: str
+    ready: Future[str]
+
+
+@dataclass(frozen=True)
+class _NewRequest:
+    """A checked request, before its sequences and constraints are made."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    config: GenerationConfig
+    limit: int  # tokens each sequence may grow to (prompt and output)
+    jump_forward: bool
+    stats: RequestStats
+    arrival: int
+
+
 class _Placement:
     """A sequence's place in the model before a step (KV length, pending feed), to put it back if the step fails."""
 
@@ -502,6 +675,7 @@ class _Placement:
         self.seq = seq
         self.in_model, self.kv_len, self.feed, self.forked_from = seq.in_model, seq.kv_len, list(seq.feed), \
             seq.forked_from
+        self.in_prefill = seq.in_prefill
 
     def restore(self, model: Runner) -> None:
         seq = self.seq
@@ -514,3 +688,4 @@ class _Placement:
                 if extra > 0:
                     model.popn(seq.seq_id, extra)
         seq.kv_len, seq.feed, seq.forked_from = self.kv_len, list(self.feed), self.forked_from
+        seq.in_prefill = self.in_prefill

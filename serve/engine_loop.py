@@ -3,9 +3,11 @@
 The thread loads the model (``load()``), then repeats: run the queued commands (add requests, abort, any call on
 the engine), and ``engine.step()`` while anything is unfinished, handing each delta to its request's sink (a
 callable, e.g. one that moves it onto an asyncio queue with ``call_soon_threadsafe``). Commands run between steps,
-so requests join and leave the running batch there. A request refused by the engine (its ValueError / TypeError) is
-refused to its caller only; a step that raises ends the requests then running with a ``RequestFailed`` item, and the
-loop goes on.
+so requests join and leave the running batch there; a request's grammar compiles on the engine's grammar thread
+(``Engine.submit``), so the steps go on meanwhile, and the request is answered (its ids) once it compiled. A request
+refused by the engine (its ValueError / TypeError, a grammar that cannot compile included) is refused to its caller
+only; a step that raises ends the requests then running with a ``RequestFailed`` item, and the loop goes on; so does a
+request that the engine forgot without its final delta (never expected), so none waits forever.
 """
 
 from __future__ import annotations
@@ -18,10 +20,13 @@ import traceback
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .outputs import Delta
 from .server_metrics import ServerMetrics
+
+if TYPE_CHECKING:
+    from .engine import PendingRequest
 
 log = logging.getLogger("logitproc.serve")
 
@@ -109,28 +114,66 @@ class EngineLoop:
     def submit(self, prompts: Sequence[Any], config: Any, chat: bool, sink: Sink,
                jump_forward: bool | None = None) -> Future:
         """Add one engine request per prompt (all or none), all delivering into ``sink``; the Future holds their
-        ids, or QueueFull, or the engine's ValueError / TypeError for a bad request."""
-        def add(engine: Any) -> list[str]:
+        ids once their grammars are compiled, or QueueFull, or the engine's ValueError / TypeError for a bad
+        request (a grammar that cannot compile included). Grammars compile off the loop thread
+        (``Engine.submit``): the running requests go on stepping meanwhile."""
+        result: Future = Future()
+
+        def add(engine: Any) -> list[PendingRequest]:
             waiting = sum(1 for live in self._live.values() if not live.started)
             if waiting + len(prompts) > self.max_queue:
                 raise QueueFull(f"the waiting queue is full ({waiting} of {self.max_queue} requests)")
-            ids: list[str] = []
+            pending: list[PendingRequest] = []
             try:
                 for prompt in prompts:
-                    ids.append(engine.add_request(prompt, config, chat=chat, jump_forward=jump_forward))
+                    pending.append(engine.submit(prompt, config, chat=chat, jump_forward=jump_forward))
             except BaseException:
-                for rid in ids:
-                    engine.abort(rid)
+                for p in pending:
+                    engine.abort(p.request_id)
                 raise
             now = time.perf_counter()
-            for rid in ids:
-                self._live[rid] = _Live(sink, config.n, now, config.response_format is not None)
+            for p in pending:
+                self._live[p.request_id] = _Live(sink, config.n, now, config.response_format is not None)
                 if config.response_format is not None:
                     self.metrics.grammar_requests.inc()
             self._update_gauges()
-            return ids
+            return pending
 
-        return self.call(add)
+        def added(future: Future) -> None:
+            if future.exception() is not None:
+                result.set_exception(future.exception())
+                return
+            pending: list[PendingRequest] = future.result()
+            left = [len(pending)]
+            lock = threading.Lock()
+
+            def compiled(_: Future) -> None:  # on the grammar thread: the loop settles it between steps
+                with lock:
+                    left[0] -= 1
+                    last = left[0] == 0
+                if last:
+                    self._commands.put(lambda: self._settle(pending, result))
+
+            for p in pending:
+                p.ready.add_done_callback(compiled)
+
+        self.call(add).add_done_callback(added)
+        return result
+
+    def _settle(self, pending: list[PendingRequest], result: Future) -> None:
+        """On the loop thread, once every request of a submit has compiled (or failed to): its ids, or the first
+        error, the others then aborted and the failed ones forgotten (they never ran)."""
+        errors = [p.ready.exception() for p in pending if p.ready.exception() is not None]
+        if not errors:
+            result.set_result([p.request_id for p in pending])
+            return
+        for p in pending:
+            if p.ready.exception() is not None:
+                self._live.pop(p.request_id, None)
+            elif self.engine is not None:
+                self.engine.abort(p.request_id)
+        self._update_gauges()
+        result.set_exception(errors[0])
 
     def abort(self, request_ids: Sequence[str]) -> None:
         """Abort requests (finished ones are ignored); they leave the batch at the next step."""
@@ -154,11 +197,11 @@ class EngineLoop:
             return
         self.metrics.kv_capacity.set(getattr(self.engine, "max_total_tokens", 0))
         self.state = self.READY
-        while True:
-            busy = self.engine.has_unfinished()
+        while True:  # (requests whose grammar compiles wake the loop when they are ready: a command)
+            busy = self.engine.has_runnable()
             if not self._run_commands(block=not busy):
                 break
-            if self.engine.has_unfinished():
+            if self.engine.has_runnable():
                 self._step()
         self._shutdown()
 
@@ -205,6 +248,7 @@ class EngineLoop:
         now = time.perf_counter()
         for delta in deltas:
             self._deliver(delta, now)
+        self._end_unreported()
         self._account_engine()
         self._update_gauges()
 
@@ -234,6 +278,15 @@ class EngineLoop:
                     m.prompt_tokens.inc(delta.output.stats.prompt_tokens)
                     m.cached_prompt_tokens.inc(delta.output.stats.cached_tokens)
                 del self._live[delta.request_id]
+
+    def _end_unreported(self) -> None:
+        """A request the engine has forgotten without handing over all its final deltas (never expected: a sequence
+        always ends with one) still ends for its client, with a RequestFailed, rather than waiting forever."""
+        for rid, live in list(self._live.items()):
+            if live.started and self.engine.scheduler.is_done(rid):  # (one not started yet has had no step)
+                log.error("request %s ended without its final answer", rid)
+                live.sink(RequestFailed(rid, "the request ended without its final answer"))
+                del self._live[rid]
 
     def _account_engine(self) -> None:
         stats, m = self.engine.stats, self.metrics

@@ -2,15 +2,18 @@
 
 Routes: ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /health`` (503 while the
 model loads), ``GET /metrics``, ``POST /tokenize``, ``POST /detokenize``, ``GET /props`` (the model, its defaults and
-the server's features, for the page), and the chat page: ``GET /`` and its ``/static/`` files. Handlers never touch
-the engine: they submit to the ``EngineLoop`` and read deltas from a per-request asyncio queue. A client that
-disconnects, streaming or not, has its requests aborted at once (their batch slots and KV cache are freed at the next
-step).
+the server's features, for the page), and the chat page: ``GET /``, its ``/static/`` files and ``/favicon.ico``.
+Every request passes the request policy first (``request_policy.py``: Host, Origin, JSON-only POSTs); bodies are read
+by one parser within the model's limits (``request_body.py``, ``request_limits.py``). Handlers never touch the
+engine's state: they tokenize on a worker thread, submit to the ``EngineLoop`` and read deltas from a per-request
+asyncio queue. A client that disconnects, streaming or not, has its requests aborted at once (their batch slots and
+KV cache are freed at the next step).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import secrets
@@ -23,6 +26,7 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from .engine_loop import EngineLoop, EngineUnavailable, QueueFull, RequestFailed
 from .openai_protocol import (
@@ -45,31 +49,50 @@ from .openai_responses import (
     usage_chunk,
 )
 from .outputs import Output, RequestStats
+from .request_body import BodyError, parse_json
+from .request_limits import RequestLimits, text_bytes
+from .request_policy import PolicyMiddleware, RequestPolicy
 from .server_metrics import ServerMetrics
-from .web_page import FILES, read
+from .web_page import FAVICON, FILES, read
 
 #: The page runs only its own script and style: nothing an answer contains can run even if it reached the DOM.
 PAGE_POLICY = ("default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self' data:; "
                "base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
 
 log = logging.getLogger("logitproc.serve")
+#: How long a response cut short at shutdown may take to send its end (a client that never reads never takes it).
+SHUTDOWN_SEND_SECONDS = 0.5
+#: What of an unread request body is read before a response starts (StatusCounter), at most.
+DRAIN_BYTES = 1 << 20
+DRAIN_SECONDS = 2.0
 
 
 @dataclass
 class ServerOptions:
-    """How the app serves: the names the model answers to, the API key, the waiting-queue bound."""
+    """How the app serves: the names the model answers to, the API key, the waiting-queue bound, the Host names and
+    web origins it accepts (``RequestPolicy``)."""
 
     served_model_name: str | None = None  # default: the model's own name
     aliases: tuple[str, ...] = ()  # other names accepted in requests (e.g. the --model value)
     api_key: str | None = None
     max_queue: int = 256
+    policy: RequestPolicy = field(default_factory=RequestPolicy)
     #: GenerationConfig values for the fields a request leaves unset (the model's defaults; set by the loader).
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     created: int = field(default_factory=lambda: int(time.time()))
 
 
 class StatusCounter:
-    """ASGI middleware counting responses by endpoint and status (it only watches ``send``)."""
+    """The outermost ASGI middleware: counts responses by endpoint and status (it watches ``send``), 500s included.
+
+    Starlette's error middleware answers an unexpected exception with a 500 (``server_error`` logs it once, with its
+    traceback), then re-raises it for the ASGI server, which would log it again: it stops here. One that escapes
+    before any response started is answered with a 500 here. A response that uvicorn cancels because
+    ``--drain-timeout`` expired (a client that does not read its stream) ends with one log line, not a traceback.
+
+    A response that starts before the request's body was read (a refusal, a GET with a body) first reads what is left
+    of it (up to ``DRAIN_BYTES`` within ``DRAIN_SECONDS``): broken framing that arrived after a response had started
+    would make uvicorn answer 400 on a connection already answering, and log a traceback."""
 
     def __init__(self, app: Any, metrics: ServerMetrics) -> None:
         self.app = app
@@ -80,12 +103,58 @@ class StatusCounter:
             await self.app(scope, receive, send)
             return
 
+        started = complete = received = False
+
+        async def tracked() -> Any:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.disconnect" or not message.get("more_body", False):
+                received = True
+            return message
+
+        async def drain() -> None:
+            size = 0
+            while not received and size <= DRAIN_BYTES:
+                size += len((await tracked()).get("body", b""))
+
         async def counted(message: Any) -> None:
+            nonlocal started, complete
             if message["type"] == "http.response.start":
+                if not received:
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(drain(), DRAIN_SECONDS)
+                started = True
                 self.metrics.response(scope["path"], message["status"])
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                complete = True
             await send(message)
 
-        await self.app(scope, receive, counted)
+        try:
+            await self.app(scope, tracked, counted)
+        except Exception as err:
+            if not started:
+                log.error("unexpected error in %s: %s", ascii(scope["path"][:200]), _described(err))
+                error = APIError(500, f"internal error: {_described(err)}", kind="server_error")
+                await _ErrorResponse(error.body(), status_code=500)(scope, receive, counted)
+        except asyncio.CancelledError:  # the drain timeout expired: end what can be ended, without waiting long
+            log.warning("%s: cut short at shutdown (--drain-timeout expired)", ascii(scope["path"][:200]))
+            error = APIError(503, "the server is stopping", kind="server_error", code="model_not_ready")
+            end = (_ErrorResponse(error.body(), status_code=503)(scope, receive, counted) if not started else
+                   counted({"type": "http.response.body", "body": b"", "more_body": False}) if not complete else None)
+            if end is not None:
+                with contextlib.suppress(Exception, asyncio.TimeoutError):
+                    await asyncio.wait_for(end, SHUTDOWN_SEND_SECONDS)
+
+
+class _ErrorResponse(JSONResponse):
+    """An error body written in ASCII (``\\uXXXX`` escapes): whatever text it holds, it can be encoded."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
+def _described(err: BaseException) -> str:
+    return f"{type(err).__name__}: {str(err)[:500]}"
 
 
 def _prompt_usage(stats: dict[str, RequestStats]) -> tuple[int, int]:
@@ -103,12 +172,28 @@ async def _until_disconnected(request: Request) -> None:
         pass
 
 
-async def _json_body(request: Request) -> Any:
-    raw = await request.body()
+async def _json_body(request: Request, max_bytes: int) -> Any:
+    """The request's JSON body (``request_body.parse_json``), read while it stays within ``max_bytes``."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and (len(declared) > len(str(max_bytes)) or int(declared) > max_bytes):
+        shown = declared if len(declared) <= 20 else f"{declared[:20]}... ({len(declared)} digits)"
+        raise APIError(413, f"the request body has {shown} bytes; this server accepts at most {max_bytes}",
+                       code="body_too_large")
+    chunks, size = [], 0
     try:
-        return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise bad_request(f"the request body is not valid JSON: {err}") from None
+        async for part in request.stream():
+            size += len(part)
+            if size > max_bytes:
+                raise APIError(413, f"the request body has over {max_bytes} bytes; this server accepts at most "
+                                    f"{max_bytes}", code="body_too_large")
+            chunks.append(part)
+    except ClientDisconnect:  # half a body, then gone (or framing the ASGI server gave up on): nobody reads an answer
+        raise APIError(499, "the client closed the request before its body was complete",
+                       code="client_closed_request") from None
+    try:
+        return parse_json(b"".join(chunks), max_bytes)
+    except BodyError as err:
+        raise APIError(err.status, err.message, code="body_too_large" if err.status == 413 else None) from None
 
 
 class Server:
@@ -120,7 +205,9 @@ class Server:
         self.metrics = ServerMetrics()
         self.loop = EngineLoop(load, self.metrics, options.max_queue, on_failure)
         self._token_texts: dict[int, str] = {}
-        self.app = self._make_app()
+        self._limits: RequestLimits | None = None
+        #: The ASGI application: the FastAPI app inside the request policy, inside the status counter.
+        self.app = StatusCounter(PolicyMiddleware(self._make_app(), options.policy), self.metrics)
 
     # ---------------------------------------------------------------------------------------------- helpers
     @property
@@ -133,6 +220,18 @@ class Server:
             raise APIError(503, f"the model is {self.loop.state}{detail}", kind="server_error",
                            code="model_not_ready")
         return self.loop.engine
+
+    @property
+    def limits(self) -> RequestLimits:
+        """The served model's input limits (read from its tokenizer once it is loaded)."""
+        if self._limits is None:
+            engine = self._ready()
+            self._limits = RequestLimits.of(engine.model.tokenizer, engine.context_length, self.options.max_queue)
+        return self._limits
+
+    async def body(self, request: Request) -> Any:
+        """The request's JSON body within the model's limits (503 while the model loads)."""
+        return await _json_body(request, self.limits.body_bytes)
 
     def _check_model(self, name: str | None) -> str:
         served = self.model_name
@@ -148,21 +247,30 @@ class Server:
             self._token_texts[token] = text
         return text
 
-    async def _on_loop(self, fn: Callable[[Any], Any]) -> Any:
-        self._ready()
-        try:
-            return await asyncio.wrap_future(self.loop.call(fn))
-        except EngineUnavailable as err:
-            raise APIError(503, str(err), kind="server_error", code="model_not_ready") from None
+    async def _tokenized(self, parsed: ParsedRequest, fields: tuple[str, ...]) -> list[Any]:
+        """The prompts as token ids, tokenized on a worker thread (not the engine's stepping thread)."""
+        engine = self.loop.engine
+        prompts = []
+        for prompt in parsed.prompts:
+            if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+                prompts.append(prompt)  # token ids already (the engine checks them)
+                continue
+            try:
+                prompts.append(await asyncio.to_thread(engine.tokenize, prompt, parsed.chat))
+            except (ValueError, TypeError) as err:
+                message = " ".join(str(err).split())
+                raise bad_request(message, self._param_for(message, parsed, fields)) from None
+        return prompts
 
-    async def _submit(self, parsed: ParsedRequest, fields: tuple[str, ...]) -> tuple[list[str], asyncio.Queue]:
+    async def _submit(self, parsed: ParsedRequest, prompts: list[Any],
+                      fields: tuple[str, ...]) -> tuple[list[str], asyncio.Queue]:
         items: asyncio.Queue = asyncio.Queue()
         aloop = asyncio.get_running_loop()
 
         def sink(item: Any) -> None:
             aloop.call_soon_threadsafe(items.put_nowait, item)
 
-        submitted = self.loop.submit(parsed.prompts, parsed.config, parsed.chat, sink, parsed.jump_forward)
+        submitted = self.loop.submit(prompts, parsed.config, parsed.chat, sink, parsed.jump_forward)
         try:
             ids = await asyncio.wrap_future(submitted)
         except asyncio.CancelledError:  # the client left while the request was being added: abort it once added
@@ -193,13 +301,15 @@ class Server:
     # ---------------------------------------------------------------------------------------------- generation
     async def generate(self, request: Request, chat: bool) -> Response:
         self._ready()
-        body = await _json_body(request)
+        body = await self.body(request)
         defaults = self.options.sampling_defaults
         parsed = parse_chat_request(body, defaults) if chat else parse_completion_request(body, defaults)
         model = self._check_model(parsed.model)
+        self.limits.check(parsed)
         fields = CHAT_FIELDS if chat else COMPLETION_FIELDS
         echo = [self._prompt_text(p) for p in parsed.prompts for _ in range(parsed.n)] if parsed.echo else []
-        ids, items = await self._submit(parsed, fields)
+        prompts = await self._tokenized(parsed, fields)
+        ids, items = await self._submit(parsed, prompts, fields)
         head = ResponseHead(chat, model)
         choice_of = {rid: p * parsed.n for p, rid in enumerate(ids)}
         if parsed.stream:
@@ -304,18 +414,22 @@ class Server:
 
         @app.exception_handler(APIError)
         async def api_error(request: Request, err: APIError) -> JSONResponse:
-            return JSONResponse(err.body(), status_code=err.status)
+            return _ErrorResponse(err.body(), status_code=err.status)
 
         @app.exception_handler(StarletteHTTPException)
         async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
             error = APIError(err.status_code, str(err.detail), kind="invalid_request_error")
-            return JSONResponse(error.body(), status_code=err.status_code)
+            return _ErrorResponse(error.body(), status_code=err.status_code)
+
+        @app.exception_handler(ClientDisconnect)
+        async def client_gone(request: Request, err: ClientDisconnect) -> Response:
+            return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
 
         @app.exception_handler(Exception)
         async def server_error(request: Request, err: Exception) -> JSONResponse:
-            log.exception("unexpected error in %s", request.url.path)
-            error = APIError(500, f"internal error: {type(err).__name__}: {err}", kind="server_error")
-            return JSONResponse(error.body(), status_code=500)
+            log.exception("unexpected error in %s", ascii(request.url.path[:200]))
+            error = APIError(500, f"internal error: {_described(err)}", kind="server_error")
+            return _ErrorResponse(error.body(), status_code=500)
 
         @app.get("/health")
         async def health() -> Response:
@@ -338,6 +452,10 @@ class Server:
         @app.get("/static/{name}")
         async def static(name: str) -> Response:
             return page_file(name)
+
+        @app.get("/favicon.ico")
+        async def favicon() -> Response:
+            return page_file(FAVICON)
 
         @app.get("/props", dependencies=guarded)
         async def props() -> JSONResponse:
@@ -374,7 +492,7 @@ class Server:
         @app.post("/tokenize", dependencies=guarded)
         async def tokenize(request: Request) -> JSONResponse:
             engine = server._ready()
-            body = await _json_body(request)
+            body = await server.body(request)
             if not isinstance(body, dict) or ("prompt" in body) == ("messages" in body):
                 raise bad_request("give either prompt (text or token ids) or messages")
             server._check_model(body.get("model"))
@@ -382,8 +500,9 @@ class Server:
             prompt = parse_messages(body["messages"]) if chat else body["prompt"]
             if not isinstance(prompt, (str, list)):
                 raise bad_request("prompt must be a string or a list of token ids", "prompt")
+            server.limits.check_text(text_bytes(prompt), "messages" if chat else "prompt")
             try:
-                tokens = await server._on_loop(lambda e: e.tokenize(prompt, chat=chat))
+                tokens = await asyncio.to_thread(engine.tokenize, prompt, chat)
             except (ValueError, TypeError) as err:
                 raise bad_request(str(err), "messages" if chat else "prompt") from None
             return JSONResponse({"count": len(tokens), "max_model_len": engine.context_length, "tokens": tokens})
@@ -391,13 +510,13 @@ class Server:
         @app.post("/detokenize", dependencies=guarded)
         async def detokenize(request: Request) -> JSONResponse:
             engine = server._ready()
-            body = await _json_body(request)
+            body = await server.body(request)
             tokens = body.get("tokens") if isinstance(body, dict) else None
             if not isinstance(tokens, list) or not all(
                     isinstance(t, int) and not isinstance(t, bool) and 0 <= t < engine.vocab_size for t in tokens):
                 raise bad_request(f"tokens must be a list of token ids in [0, {engine.vocab_size})", "tokens")
             server._check_model(body.get("model"))
-            text = await server._on_loop(lambda e: e.model.tokenizer.decode(tokens))
+            text = await asyncio.to_thread(engine.model.tokenizer.decode, tokens)  # off the stepping thread
             return JSONResponse({"prompt": text})
 
         return app

@@ -1,8 +1,13 @@
-"""The model runner calls of one step: prefill (with forks), decode, verify, giving the rows to sample and their logits.
+"""The model runner calls of one step's plan: prefill chunks (with forks), decode, verify, giving the rows to sample
+and their logits.
 
-Rows are in this order: each prefilled sequence followed by the sequences forked from it (a request with n > 1
-prefills once), then every decoding sequence, then the sequences that check drafts (speculative decoding): their
-last token and drafts go through ``Runner.verify`` in one forward, one row per token (``1 + len(drafts)`` rows).
+Rows are in this order: each sequence whose prefill chunk completes its feed, followed by the sequences forked from
+it (a request with n > 1 prefills once), then every decoding sequence, then the sequences that check drafts
+(speculative decoding): their last token and drafts go through ``Runner.verify`` in one forward, one row per token
+(``1 + len(drafts)`` rows). A chunk that leaves part of a prompt for later steps gives no row. Every chunk goes
+through one ``Runner.prefill`` call (the paged KV cache takes sequences with different appended lengths in one
+forward); decode rows keep their own ``Runner.decode`` call: the compiled prefill runs its matmuls and attention
+with other kernels, so a decode row inside it would get other floats than decoding gives it.
 The step's ``Batch`` is made from those rows before the model runs, and sequences with mask sources start filling
 their masks on worker threads while the model computes.
 """
@@ -19,6 +24,7 @@ from logitproc.runtime.batch import Batch
 from logitproc.runtime.mask_filler import MaskJob
 
 from .runner import Runner
+from .scheduler import StepPlan
 from .sequence import GeneratedSequence
 
 
@@ -32,7 +38,8 @@ class ModelStep:
     drafts: dict[GeneratedSequence, list[int]] = field(default_factory=dict)
     batch: Batch | None = None
     logits: np.ndarray | None = None
-    started: set[str] = field(default_factory=set)  # requests prefilled for the first time
+    prefilled: set[str] = field(default_factory=set)  # requests that fed a prompt chunk
+    chunked: list[GeneratedSequence] = field(default_factory=list)  # sequences whose chunk left part of their feed
     prefill_tokens: int = 0
     prefill_seconds: float = 0.0
     decode_tokens: int = 0
@@ -46,7 +53,8 @@ class ModelStep:
         """Count ``other`` (a step over other rows, e.g. one request run alone) as part of this step."""
         self.sequences.extend(other.sequences)
         self.drafts.update(other.drafts)
-        self.started |= other.started
+        self.prefilled |= other.prefilled
+        self.chunked.extend(other.chunked)
         self.prefill_tokens += other.prefill_tokens
         self.prefill_seconds += other.prefill_seconds
         self.decode_tokens += other.decode_tokens
@@ -61,30 +69,28 @@ class ModelStep:
         return len(self.sequences) + sum(len(d) for d in self.drafts.values())
 
 
-def run_model(model: Runner, processor: LogitProcessor, live: list[GeneratedSequence],
-              place: Callable[[GeneratedSequence], None], step: ModelStep | None = None,
-              drafts: dict[GeneratedSequence, list[int]] | None = None) -> ModelStep:
-    """Feed every live sequence's pending tokens through the model; return the step's rows and logits.
+def run_model(model: Runner, processor: LogitProcessor, plan: StepPlan,
+              place: Callable[[GeneratedSequence], None], step: ModelStep | None = None) -> ModelStep:
+    """Feed the ``plan``'s tokens through the model; return the step's rows and logits.
     ``place(seq)`` starts a sequence that is not in the model yet (empty, or forked from the prefix cache).
     ``step`` is filled in as the call goes (given by a caller that needs to see how far a failed call got).
-    ``drafts``: decoding sequences that check draft tokens this step, with their drafts."""
+    A prefill chunk that leaves part of its sequence's feed for a later step gives no row."""
     step = ModelStep() if step is None else step
-    drafts = drafts or {}
-    prefill = [s for s in live if s.forked_from is None and (len(s.feed) > 1 or not s.in_model)]
-    decoding = [s for s in live if s.in_model and len(s.feed) == 1]
-    decode = [s for s in decoding if s not in drafts]
-    verify = [s for s in decoding if s in drafts]
-    order = [r for s in prefill for r in [s, *(c for c in s.request.sequences if c.forked_from is s)]] + decode
-    order += verify
-    if not order:
-        return step
-    trees = [drafts.get(s) for s in order] if verify else None
-    step.batch = processor.batch([s.state for s in order], draft_trees=trees)
-    if step.batch.any_masks:  # grammar masks fill on worker threads during the forward
-        step.masks = processor.start_masks(step.batch)
+    for seq, _ in plan.chunks:
+        if not seq.in_model:
+            place(seq)
+    chunks = [(seq, min(take, len(seq.feed))) for seq, take in plan.chunks]  # a prefix cache hit shortens a feed
+    decode, verify, drafts = plan.decode, list(plan.drafts), plan.drafts
+    order = [r for s, take in chunks if take == len(s.feed)
+             for r in [s, *(c for c in s.request.sequences if c.forked_from is s)]] + decode + verify
+    if order:
+        trees = [drafts.get(s) for s in order] if verify else None
+        step.batch = processor.batch([s.state for s in order], draft_trees=trees)
+        if step.batch.any_masks:  # grammar masks fill on worker threads during the forward
+            step.masks = processor.start_masks(step.batch)
     blocks: list[np.ndarray] = []
-    if prefill:
-        blocks += _prefill(model, prefill, step, place)
+    if chunks:
+        blocks += _prefill(model, chunks, step)
     if decode:
         t0 = time.perf_counter()
         out = np.asarray(model.decode([s.seq_id for s in decode], [s.feed[0] for s in decode]))
@@ -106,25 +112,28 @@ def run_model(model: Runner, processor: LogitProcessor, live: list[GeneratedSequ
             step.sequences.append(seq)
             step.drafts[seq] = drafts[seq]
             blocks.append(np.asarray(out))
-    step.logits = empty_aligned((step.batch.num_rows, processor.vocab_size))
-    np.concatenate(blocks, axis=0, out=step.logits)
+    if step.batch is not None:
+        step.logits = empty_aligned((step.batch.num_rows, processor.vocab_size))
+        np.concatenate(blocks, axis=0, out=step.logits)
     return step
 
 
-def _prefill(model: Runner, prefill: list[GeneratedSequence], step: ModelStep,
-             place: Callable[[GeneratedSequence], None]) -> list[np.ndarray]:
-    for seq in prefill:
-        if not seq.in_model:
-            place(seq)
-            step.started.add(seq.request_id)
+def _prefill(model: Runner, chunks: list[tuple[GeneratedSequence, int]], step: ModelStep) -> list[np.ndarray]:
+    """One prefill call over every chunk; the rows of the sequences whose feed is now all in (each followed by
+    the sequences forked from it)."""
     t0 = time.perf_counter()
-    out = np.asarray(model.prefill([s.seq_id for s in prefill], [s.feed for s in prefill]))
+    out = np.asarray(model.prefill([s.seq_id for s, _ in chunks], [s.feed[:take] for s, take in chunks]))
     step.prefill_seconds = time.perf_counter() - t0
     blocks = []
-    for i, seq in enumerate(prefill):
-        step.prefill_tokens += len(seq.feed)
-        seq.kv_len += len(seq.feed)
-        seq.feed = []
+    for i, (seq, take) in enumerate(chunks):
+        step.prefill_tokens += take
+        step.prefilled.add(seq.request_id)
+        seq.kv_len += take
+        seq.feed = seq.feed[take:]
+        if seq.feed:  # more of its prompt goes in at a later step
+            step.chunked.append(seq)
+            continue
+        seq.in_prefill = False
         step.sequences.append(seq)
         blocks.append(out[i : i + 1])
         for child in [c for c in seq.request.sequences if c.forked_from is seq]:

@@ -1,19 +1,23 @@
 """A plain numpy float32 Llama forward pass with a KV cache: the reference the compiled model is checked against.
 
-For a GGUF read by ``logitproc.compile.gguf_model.load_gguf`` (weights ``[out, in]``, float32). Per layer, for the
-tokens ``x`` ``[T, hidden]`` at positions ``p0 .. p0+T-1``::
+For a model of any supported family (``logitproc.compile.families``) read by ``load_gguf`` or ``load_hf_dir``
+(weights ``[out, in]``, float32, the canonical layout of ``model_family``). Per layer, for the tokens ``x``
+``[T, hidden]`` at positions ``p0 .. p0+T-1``::
 
     h = rmsnorm(x) * attn_norm                        rmsnorm(x) = x / sqrt(mean(x*x, last axis) + eps)
     q, k, v = h @ Wq.T, h @ Wk.T, h @ Wv.T            [T, n_heads, d], [T, n_kv, d], [T, n_kv, d]
-    q, k = rope(q), rope(k)                            adjacent pairs (2i, 2i+1) rotated by pos * theta^(-2i/d)
+                                                      (+ bq, bk, bv: the family's ``qkv_bias``)
+    q, k = rmsnorm(q) * q_norm, rmsnorm(k) * k_norm   over each head (the family's ``qk_norm``)
+    q, k = rope(q), rope(k)                            pairs (i, i + r/2) of the first r = rope_dim values
+                                                      rotated by pos * inv_freq[i], cos and sin times the
+                                                      attention factor (``RopeScaling``); the rest unrotated
     append k, v to the cache; query head j reads KV head j // (n_heads / n_kv)   (grouped-query attention)
     x += softmax(q k^T / sqrt(d), causal) v @ Wo.T
     h = rmsnorm(x) * ffn_norm
     x += (silu(h @ Wgate.T) * (h @ Wup.T)) @ Wdown.T
 
 then ``logits = (rmsnorm(x[-1]) * output_norm) @ token_embd.T`` (tied output embedding; ``output.weight`` when the
-GGUF has one). RoPE rotates adjacent pairs because the GGUF converter permuted the q/k rows of the Hugging Face
-checkpoint (which rotates the two halves of each head) into GGML's layout. Everything stays float32: the scalars
+model has one). Everything stays float32: the scalars
 taken from the GGUF metadata are Python numbers, which NumPy 2 does not let promote float32 arrays to float64.
 
 ``kv_dtype="float16"`` rounds q, k and v to float16 before RoPE, q and k again after it, and the attention's output,
@@ -31,11 +35,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from logitproc.compile.gguf_model import GGUFModel, build_tokenizer, load_default_model, load_gguf
+from logitproc.compile.families import family_named
+from logitproc.compile.gguf_model import GGUFModel, load_default_model, load_gguf
 from logitproc.compile.packed_matvec import ACTIVATION_BITS, round_activations
 from logitproc.compile.relax_llama import DEFAULT_KV_DTYPE, KV_DTYPES
 from logitproc.runtime.kernel_library import KernelLibrary
 
+from .chat_template import ChatTemplate
 from .runner import ModelRunner
 
 _INITIAL_CACHE = 256
@@ -52,21 +58,22 @@ def silu(x: np.ndarray) -> np.ndarray:
     return x * (0.5 + 0.5 * np.tanh(0.5 * x))
 
 
-def rope_tables(positions: np.ndarray, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
-    """cos and sin ``[T, head_dim // 2]`` (float32) of ``position * theta^(-2i/head_dim)``, computed in float64."""
-    inv_freq = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    angles = positions.astype(np.float64)[:, None] * inv_freq[None, :]
-    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+def rope_tables(positions: np.ndarray, inv_freq: np.ndarray,
+                attention_factor: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin ``[T, len(inv_freq)]`` (float32) of ``position * inv_freq``, times ``attention_factor``,
+    computed in float64."""
+    angles = positions.astype(np.float64)[:, None] * np.asarray(inv_freq, dtype=np.float64)[None, :]
+    return ((np.cos(angles) * attention_factor).astype(np.float32),
+            (np.sin(angles) * attention_factor).astype(np.float32))
 
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-    """Rotate the adjacent pairs ``(x[2i], x[2i+1])`` of ``x`` ``[T, heads, d]`` by the angles of ``cos``/``sin``."""
-    even, odd = x[..., 0::2], x[..., 1::2]
+    """Rotate the pairs ``(x[i], x[i + r/2])`` of the first ``r = 2 cos.shape[-1]`` values of each head of ``x``
+    ``[T, heads, d]`` by the angles of ``cos``/``sin`` (Hugging Face's rotate-half RoPE); the rest unchanged."""
+    half = cos.shape[-1]
+    a, b, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
     c, s = cos[:, None, :], sin[:, None, :]
-    out = np.empty_like(x)
-    out[..., 0::2] = even * c - odd * s
-    out[..., 1::2] = even * s + odd * c
-    return out
+    return np.concatenate([a * c - b * s, b * c + a * s, rest], axis=-1)
 
 
 class NumpyLlama:
@@ -98,10 +105,14 @@ class NumpyLlama:
         self._output_norm = w["output_norm.weight"]
         names = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
         self._layers = [tuple(w[f"blk.{i}.{name}.weight"] for name in names) for i in range(cfg.n_layers)]
-        # Optional q/k/v biases (Qwen2-style checkpoints); zeros where absent.
-        self._biases = [
-            tuple(w.get(f"blk.{i}.attn_{p}.bias", np.float32(0)) for p in "qkv") for i in range(cfg.n_layers)
-        ]
+        family = family_named(cfg.architecture)
+        zero = np.float32(0)
+        self._biases = [tuple(w[f"blk.{i}.attn_{p}.bias"] if family.qkv_bias else zero for p in "qkv")
+                        for i in range(cfg.n_layers)]
+        self._qk_norms = [(w[f"blk.{i}.attn_q_norm.weight"], w[f"blk.{i}.attn_k_norm.weight"]) if family.qk_norm
+                          else None for i in range(cfg.n_layers)]
+        self._inv_freq = cfg.rope.inverse_frequencies(cfg.rope_dim)
+        self._rope_scale = float(cfg.rope_attention_factor)
         self._eps = float(cfg.rms_eps)
         self._scale = 1.0 / float(np.sqrt(cfg.head_dim))
         self._k_cache = np.zeros((0,), np.float32)
@@ -166,7 +177,7 @@ class NumpyLlama:
         cfg = self.config
         n_tok, n_kv, d, rep = ids.size, cfg.n_kv_heads, cfg.head_dim, cfg.n_rep
         end = start + n_tok
-        cos, sin = rope_tables(np.arange(start, end), d, cfg.rope_theta)
+        cos, sin = rope_tables(np.arange(start, end), self._inv_freq, self._rope_scale)
         # Query t sits at position start + t and sees cached positions 0 .. start + t.
         causal = np.where(np.arange(end)[None, :] <= np.arange(start, end)[:, None], 0.0, -np.inf).astype(np.float32)
 
@@ -174,8 +185,13 @@ class NumpyLlama:
         for layer, (attn_norm, wq, wk, wv, wo, ffn_norm, w_gate, w_up, w_down) in enumerate(self._layers):
             h = self._act(rms_norm(x, attn_norm, self._eps))
             bq, bk, bv = self._biases[layer]
-            q = self._round_kv(apply_rope(self._round_kv((h @ wq.T + bq).reshape(n_tok, cfg.n_heads, d)), cos, sin))
-            k = self._round_kv(apply_rope(self._round_kv((h @ wk.T + bk).reshape(n_tok, n_kv, d)), cos, sin))
+            q = (h @ wq.T + bq).reshape(n_tok, cfg.n_heads, d)
+            k = (h @ wk.T + bk).reshape(n_tok, n_kv, d)
+            if self._qk_norms[layer] is not None:
+                q_norm, k_norm = self._qk_norms[layer]
+                q, k = rms_norm(q, q_norm, self._eps), rms_norm(k, k_norm, self._eps)
+            q = self._round_kv(apply_rope(self._round_kv(q), cos, sin))
+            k = self._round_kv(apply_rope(self._round_kv(k), cos, sin))
             v = self._round_kv((h @ wv.T + bv).reshape(n_tok, n_kv, d))
             self._k_cache[layer, :, start:end] = k.transpose(1, 0, 2)
             self._v_cache[layer, :, start:end] = v.transpose(1, 0, 2)
@@ -226,17 +242,15 @@ class NumpyRunner(ModelRunner):
     def __init__(self, model: GGUFModel, *, kernel_library: KernelLibrary, max_num_sequences: int = 16,
                  max_total_tokens: int | None = None, kv_dtype: str = DEFAULT_KV_DTYPE) -> None:
         from logitproc.compile.model_compile import eos_token_ids
+        from logitproc.compile.tokenizer_source import from_model
 
-        try:
-            chatml, default_system = True, model.chat_default_system()
-        except ValueError:
-            chatml, default_system = False, None
+        own = from_model(model)
         cfg = model.config
         max_total = int(max_total_tokens or min(cfg.context, 8192))
-        super().__init__(config=cfg, tokenizer=build_tokenizer(model), eos_token_ids=eos_token_ids(model),
+        super().__init__(config=cfg, tokenizer=own.tokenizer(), eos_token_ids=eos_token_ids(model),
                          name=cfg.name or model.path.stem, max_num_sequences=max_num_sequences,
-                         context_length=min(cfg.context, max_total), max_total_tokens=max_total, chatml=chatml,
-                         default_system=default_system)
+                         context_length=min(cfg.context, max_total), max_total_tokens=max_total,
+                         chat_template=ChatTemplate.for_model(own.chat_template, own.bos_token, own.eos_token))
         self.model = model
         #: The CPU kernel library the engine's processor and sampler use (``logitproc.compile.build_kernels("cpu")``).
         self.kernel_library = kernel_library

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -39,7 +40,26 @@ COMPLETION_FIELDS = COMMON_FIELDS + ("prompt", "echo", "best_of", "suffix")
 #: greedy requests, processed when sampling.
 LOGPROBS_MODES = {"auto": "auto", "raw_logprobs": "raw", "processed_logprobs": "processed"}
 CHAT_ROLES = ("system", "developer", "user", "assistant")
+#: OpenAI's ranges where they are narrower than GenerationConfig's (the OpenAI endpoints keep to them).
+OPENAI_RANGES = {"temperature": (0.0, 2.0)}
+#: Unknown field names a log line shows (each cut to UNKNOWN_NAME_CHARS, escaped); the rest are counted.
+UNKNOWN_NAMES_SHOWN = 10
+UNKNOWN_NAME_CHARS = 40
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9_.\-]+")
+def _shown(value: Any) -> str:
+    """A client's value in an error message: its repr (escaped), bounded in length and depth."""
+    return _REPR.repr(value)
+
+
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 80
+_REPR.maxlist = _REPR.maxdict = 6
+_REPR.maxlevel = 3
 STRUCTURED_OUTPUT_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+#: The longest error message answered.
+MAX_MESSAGE_CHARS = 2000
 
 
 class APIError(Exception):
@@ -55,7 +75,9 @@ class APIError(Exception):
         self.code = code
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+        """The error's JSON body (the message cut to MAX_MESSAGE_CHARS: it may quote the client's values)."""
+        return {"error": {"message": self.message[:MAX_MESSAGE_CHARS], "type": self.kind, "param": self.param,
+                          "code": self.code}}
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:
@@ -92,16 +114,27 @@ def _typed(body: Mapping[str, Any], name: str, kinds: type | tuple[type, ...], w
     if value is None:
         return None
     if isinstance(value, bool) and bool not in (kinds if isinstance(kinds, tuple) else (kinds,)):
-        raise bad_request(f"{name} must be {what}, got {value!r}", name)
+        raise bad_request(f"{name} must be {what}, got {_shown(value)}", name)
     if not isinstance(value, kinds):
-        raise bad_request(f"{name} must be {what}, got {json.dumps(value)[:80]}", name)
+        raise bad_request(f"{name} must be {what}, got {_shown(value)}", name)
     return value
 
 
+def _shown_name(name: str) -> str:
+    """A client's field name for a log line: as it is when plain, else escaped (``ascii``); cut to a bounded length."""
+    cut = name[:UNKNOWN_NAME_CHARS]
+    shown = cut if _PLAIN_NAME.fullmatch(cut) else ascii(cut)
+    return shown + ("..." if len(name) > UNKNOWN_NAME_CHARS else "")
+
+
 def _ignore_unknown(body: Mapping[str, Any], known: tuple[str, ...], endpoint: str) -> None:
-    unknown = sorted(k for k in body if k not in known)
+    """Log the unknown fields of a request in one bounded line: how many, and the first few names, escaped (a
+    newline in a name cannot forge a log line, 20,000 names do not write a megabyte)."""
+    unknown = [k for k in body if k not in known]
     if unknown:
-        log.info("%s: ignoring unknown field(s) %s", endpoint, ", ".join(unknown))
+        shown = ", ".join(_shown_name(k) for k in unknown[:UNKNOWN_NAMES_SHOWN])
+        more = f" and {len(unknown) - UNKNOWN_NAMES_SHOWN} more" if len(unknown) > UNKNOWN_NAMES_SHOWN else ""
+        log.info("%s: ignoring %d unknown field(s): %s%s", endpoint, len(unknown), shown, more)
 
 
 def _message_text(index: int, content: Any) -> str:
@@ -114,7 +147,7 @@ def _message_text(index: int, content: Any) -> str:
         for part in content:
             if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise bad_request(f"{where}: only text parts ({{'type': 'text', 'text': ...}}) are supported, got "
-                                  f"{json.dumps(part)[:80]}", "messages")
+                                  f"{_shown(part)}", "messages")
             texts.append(part["text"])
         return "".join(texts)
     if content is None:
@@ -132,7 +165,8 @@ def parse_messages(value: Any) -> list[dict[str, str]]:
             raise bad_request(f"messages[{index}] must be an object with role and content", "messages")
         role = message.get("role")
         if role not in CHAT_ROLES:
-            raise bad_request(f"messages[{index}].role must be one of {list(CHAT_ROLES)}, got {role!r}", "messages")
+            raise bad_request(f"messages[{index}].role must be one of {list(CHAT_ROLES)}, got {_shown(role)}",
+                              "messages")
         messages.append({"role": "system" if role == "developer" else role,
                          "content": _message_text(index, message.get("content"))})
     return messages
@@ -196,6 +230,10 @@ def _config(body: Mapping[str, Any], values: dict[str, Any], fields: tuple[str, 
     for name in CONFIG_FIELDS:
         if body.get(name) is not None:
             values[name] = body[name]
+    for name, (low, high) in OPENAI_RANGES.items():
+        value = body.get(name)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and not low <= value <= high:
+            raise bad_request(f"{name} must be in [{low}, {high}] (OpenAI's range), got {_shown(value)}", name)
     response_format = body.get("response_format")
     if body.get("structured_outputs") is not None:
         if response_format is not None:
@@ -217,7 +255,7 @@ def parse_logprobs_mode(value: Any, field: str = "logprobs_mode") -> str:
     if value in ("raw_logits", "processed_logits"):
         raise bad_request(f"{field} {value!r} is not supported (logits are not returned); use one of {allowed}",
                           field)
-    raise bad_request(f"{field} must be one of {allowed}, got {json.dumps(value)[:80]}", field)
+    raise bad_request(f"{field} must be one of {allowed}, got {_shown(value)}", field)
 
 
 def _stream_options(body: Mapping[str, Any]) -> tuple[bool, bool]:
@@ -227,7 +265,8 @@ def _stream_options(body: Mapping[str, Any]) -> tuple[bool, bool]:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
     include_usage = options.get("include_usage", False)
     if not isinstance(include_usage, bool):
-        raise bad_request(f"stream_options.include_usage must be a boolean, got {include_usage!r}", "stream_options")
+        raise bad_request(f"stream_options.include_usage must be a boolean, got {_shown(include_usage)}",
+                          "stream_options")
     return stream, include_usage
 
 
@@ -236,7 +275,7 @@ def _max_tokens(body: Mapping[str, Any], names: tuple[str, ...]) -> dict[str, An
         if body.get(name) is not None:
             value = body[name]
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise bad_request(f"{name} must be an integer >= 1, got {value!r}", name)
+                raise bad_request(f"{name} must be an integer >= 1, got {_shown(value)}", name)
             return {"max_tokens": value}
     return {}
 
@@ -246,7 +285,7 @@ def _body(body: Any) -> Mapping[str, Any]:
         raise bad_request("the request body must be a JSON object")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
-        raise bad_request(f"model must be a string, got {model!r}", "model")
+        raise bad_request(f"model must be a string, got {_shown(model)}", "model")
     _typed(body, "user", str, "a string")
     return body
 

@@ -60,9 +60,10 @@ class PrefixCache:
         """Tokens held by all entries (each counted in full, although forks share pages)."""
         return self._tokens
 
-    def match(self, prompt: Sequence[int], limit: int | None = None) -> PrefixMatch | None:
+    def match(self, prompt: Sequence[int], limit: int | None = None, touch: bool = True) -> PrefixMatch | None:
         """The entry sharing the longest prefix with ``prompt`` (at most ``limit`` tokens of it), or None when no
-        entry shares a token; on ties the most recently used. The entry becomes the most recently used."""
+        entry shares a token; on ties the most recently used. The entry becomes the most recently used (unless
+        ``touch`` is False: a look that uses nothing)."""
         tokens = np.asarray(prompt, dtype=np.int64)
         if limit is not None:
             tokens = tokens[:max(limit, 0)]
@@ -73,7 +74,7 @@ class PrefixCache:
             length = int(differ[0]) if differ.size else n
             if length and (best is None or length > best.length):
                 best = PrefixMatch(seq_id, length, len(cached))
-        if best is not None:
+        if best is not None and touch:
             self._entries.move_to_end(best.seq_id)
         return best
 

@@ -31,7 +31,8 @@ import numpy as np
 from logitproc.compile.gguf_model import LlamaConfig
 from logitproc.runtime.kernel_library import KernelLibrary
 
-from .chat_template import apply_chat_template
+from .chat_template import ChatTemplate
+from .chat_tokens import ChatEncoder
 
 
 class Runner(Protocol):
@@ -48,8 +49,11 @@ class Runner(Protocol):
     #: The kernel library the engine's processor and sampler load (CPU).
     kernel_library: KernelLibrary
 
-    def apply_chat_template(self, messages: Iterable[Mapping[str, str]],
-                            add_generation_prompt: bool = True) -> str: ...
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                            **kwargs: Any) -> str: ...
+
+    def chat_token_ids(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                       **kwargs: Any) -> list[int]: ...
 
     @property
     def sequence_ids(self) -> tuple[int, ...]: ...
@@ -89,7 +93,7 @@ class ModelRunner:
 
     def __init__(self, *, config: LlamaConfig, tokenizer: Any, eos_token_ids: Iterable[int], name: str,
                  max_num_sequences: int, context_length: int, max_total_tokens: int,
-                 chatml: bool, default_system: str | None) -> None:
+                 chat_template: ChatTemplate) -> None:
         self.config = config
         self.vocab_size = int(config.vocab)
         self.tokenizer = tokenizer
@@ -98,16 +102,27 @@ class ModelRunner:
         self.max_num_sequences = int(max_num_sequences)
         self.context_length = int(context_length)
         self.max_total_tokens = int(max_total_tokens)
-        self._chatml = chatml
-        self._default_system = default_system
+        self.use_chat_template(chat_template)
         self._lengths: dict[int, int] = {}
 
     # ---------------------------------------------------------------- chat template
-    def apply_chat_template(self, messages: Iterable[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
-        """The model's ChatML prompt for ``messages`` (dicts with ``role`` and ``content``)."""
-        if not self._chatml:
-            raise ValueError(f"{self.name}: chat template is not ChatML; only ChatML is rendered")
-        return apply_chat_template(messages, add_generation_prompt, default_system=self._default_system)
+    def use_chat_template(self, template: ChatTemplate) -> None:
+        """Render chats with ``template`` from now on (``--chat-template FILE``)."""
+        self.chat_template = template
+        self._chat_encoder = ChatEncoder(self.tokenizer, template)
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                            **kwargs: Any) -> str:
+        """The prompt text of ``messages`` (dicts with ``role``, ``content``, ...) in the model's chat template;
+        ``kwargs`` (``tools``, ``documents``, ``enable_thinking``, ...) go to the template. ChatTemplateError (a
+        ValueError) when the template fails on them."""
+        return self.chat_template.render(messages, add_generation_prompt, **kwargs)
+
+    def chat_token_ids(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                       **kwargs: Any) -> list[int]:
+        """The prompt token ids of ``messages``: the template's markup may hold control tokens, the messages' text
+        never becomes one (``logitproc.serve.chat_tokens``)."""
+        return self._chat_encoder.encode(messages, add_generation_prompt, **kwargs)
 
     # ---------------------------------------------------------------- sequences
     @property

@@ -8,6 +8,12 @@ prefilled again (prompt + output so far, its state untouched) when there is room
 ``retire`` frees the slots of finished sequences and forgets finished requests. Everything that other threads may
 call (``add``, ``abort``, ``has_unfinished``, ``is_done``) takes the lock.
 
+``plan`` decides what the next forward feeds, within a token budget per step (``StepBudget``: vLLM's
+``max_num_batched_tokens``, and a smaller bound on the prefill of a step that also decodes): every decoding
+sequence's token first (with its drafts, while they fit), then prefill chunks of the prompts still going in, the
+shortest rest first, as many tokens as the budget has left. A prompt longer than that goes in over several steps
+(chunked prefill), so a long prompt never holds up the running streams for more than one step's budget.
+
 With a ``PrefixCache``, a finished sequence keeps its KV cache and model slot as a cache entry, and ``place`` starts a
 new sequence as a fork of the entry that shares the longest prefix with its tokens, so only the rest is prefilled
 (a conversation's earlier turns, a shared system prompt). Entries count against the KV budget and the model's
@@ -19,6 +25,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 from .outputs import Delta, EngineStats
 from .prefix_cache import PrefixCache
@@ -31,6 +39,49 @@ Deltas = dict[GeneratedSequence, Delta]
 def delta_of(deltas: Deltas, seq: GeneratedSequence) -> Delta:
     """The step's delta of ``seq`` (made on first use)."""
     return deltas.setdefault(seq, Delta(seq.request_id, seq.index))
+
+
+@dataclass
+class StepPlan:
+    """What one forward feeds: a chunk of each prefilling sequence's feed (its first ``take`` tokens), the decoding
+    sequences' last tokens, and the verifying sequences' last tokens and drafts (speculative decoding)."""
+
+    chunks: list[tuple[GeneratedSequence, int]] = field(default_factory=list)
+    decode: list[GeneratedSequence] = field(default_factory=list)
+    drafts: dict[GeneratedSequence, list[int]] = field(default_factory=dict)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens the forward feeds: each chunk, one per decoding sequence, one plus its drafts per verifying one."""
+        return (sum(take for _, take in self.chunks) + len(self.decode)
+                + sum(1 + len(d) for d in self.drafts.values()))
+
+    def only(self, sequences: Iterable[GeneratedSequence]) -> StepPlan:
+        """The part of the plan that concerns ``sequences`` (a request run alone after a failed step)."""
+        keep = set(sequences)
+        return StepPlan([(s, take) for s, take in self.chunks if s in keep], [s for s in self.decode if s in keep],
+                        {s: d for s, d in self.drafts.items() if s in keep})
+
+    def __bool__(self) -> bool:
+        return bool(self.chunks or self.decode or self.drafts)
+
+
+@dataclass(frozen=True)
+class StepBudget:
+    """The tokens one forward may feed: ``max_tokens`` in all (vLLM's ``max_num_batched_tokens``; None: no bound),
+    and at most ``prefill_with_decode`` of them to prefill chunks when the forward also decodes (None: only
+    ``max_tokens`` bounds them). Decoding streams wait for the step's prefill: the second bound keeps their gaps
+    short, while a step with nothing to decode prefills as fast as ``max_tokens`` allows."""
+
+    max_tokens: int | None = None
+    prefill_with_decode: int | None = None
+
+    def prefill_room(self, decode_tokens: int) -> int | None:
+        """Prefill tokens left to a forward that decodes ``decode_tokens`` tokens (None: no bound)."""
+        rooms = [] if self.max_tokens is None else [self.max_tokens - decode_tokens]
+        if decode_tokens and self.prefill_with_decode is not None:
+            rooms.append(self.prefill_with_decode)
+        return min(rooms) if rooms else None
 
 
 class Scheduler:
@@ -73,6 +124,22 @@ class Scheduler:
     def _known(self, request_id: str) -> bool:
         return request_id in self.requests or any(r.request_id == request_id for r in self.waiting)
 
+    def prompt_progress(self, request_id: str) -> tuple[int, int] | None:
+        """(prompt tokens in the KV cache, prompt tokens) while the request's prompt is going in (waiting included:
+        0 in); None once its first sequence decodes, or for a request it does not hold."""
+        with self.lock:
+            request = self.requests.get(request_id) or next(
+                (r for r in self.waiting if r.request_id == request_id), None)
+            if request is None:
+                return None
+            total = len(request.prompt_token_ids)
+            first = request.sequences[0] if request.sequences else None
+            if first is None:
+                return 0, total
+            if first.finish_reason is not None or not first.in_prefill:
+                return None
+            return min(first.kv_len, total), total
+
     def has_unfinished(self) -> bool:
         with self.lock:
             return bool(self.waiting or self.running or self._aborts)
@@ -98,6 +165,37 @@ class Scheduler:
                 if seq.finish_reason is None:
                     seq.finish("abort", delta_of(deltas, seq))
             request.stats.finish_time = time.perf_counter()
+
+    def plan(self, budget: StepBudget, drafts: dict[GeneratedSequence, list[int]]) -> StepPlan:
+        """The next forward's work within ``budget``: each decoding sequence's token, with its ``drafts`` while they
+        fit (the last planned lose theirs first), then prefill chunks with the tokens left, the shortest rest of a
+        feed first (a short prompt arriving during a long one is not held up by it; ties in admission order). A
+        sequence not in the model yet counts its feed without the prefix a prefix cache entry will give it."""
+        live = self.live()
+        decoding = [s for s in live if s.decoding]
+        verify = {s: drafts[s] for s in decoding if drafts.get(s)}
+        prefilling = sorted((s for s in live if s.prefilling), key=self._feed_to_prefill)
+        while verify and budget.max_tokens is not None and (  # drafts give way to a prefill token at least
+                len(decoding) + sum(len(d) for d in verify.values()) + bool(prefilling) > budget.max_tokens):
+            verify.pop(next(reversed(verify)))
+        plan = StepPlan(decode=[s for s in decoding if s not in verify], drafts=verify)
+        left = budget.prefill_room(plan.tokens)
+        for seq in prefilling:
+            if left is not None and left < 1:
+                break
+            take = self._feed_to_prefill(seq) if left is None else min(self._feed_to_prefill(seq), left)
+            plan.chunks.append((seq, take))
+            if left is not None:
+                left -= take
+        return plan
+
+    def _feed_to_prefill(self, seq: GeneratedSequence) -> int:
+        """The tokens of ``seq``'s feed still to prefill: those that ``place`` will not take from a prefix cache
+        entry."""
+        if seq.in_model or self.prefix_cache is None or len(seq.feed) < 2:
+            return len(seq.feed)
+        match = self.prefix_cache.match(seq.feed, limit=len(seq.feed) - 1, touch=False)
+        return len(seq.feed) - (0 if match is None else match.length)
 
     def kv_needed(self) -> int:
         """KV cache tokens the running sequences hold once the next forward has fed them."""
@@ -127,6 +225,7 @@ class Scheduler:
             self._free(seq)
             state = seq.state
             seq.feed, seq.kv_len, seq.forked_from = state.prompt_token_ids + state.output_token_ids, 0, None
+            seq.in_prefill = True
         self.running = [s for s in self.running if s.request is not request or s.finish_reason is not None]
         request.stats.preemptions += 1
         self.stats.preemptions += 1

@@ -2,7 +2,9 @@
 
 The engine keeps every running sequence in one invariant: ``kv_len`` tokens (a prefix of prompt + output) are in
 the model's KV cache and ``feed`` holds the rest, which go in before the next logits are computed: the prompt for a
-new sequence, the last sampled token for a decoding one, more after a jump-forward.
+new sequence, the last sampled token for a decoding one, more after a jump-forward. A sequence ``in_prefill`` puts
+its prompt (after a preemption: prompt and output) into the KV cache in chunks, one per step within the step's token
+budget; it is sampled only once its whole feed is in.
 
 ``commit(token)`` applies the finish rules to a token that is already in the state, in this order: EOS or a
 stop token id ("stop", the token kept in ``token_ids`` but not in the text), then the text (UTF-8 safe, through the
@@ -57,6 +59,8 @@ class GeneratedSequence:
         self.kv_len = 0
         self.feed: list[int] = list(state.prompt_token_ids) if index == 0 else []
         self.forked_from: GeneratedSequence | None = None
+        #: The feed is a prompt going in by prefill chunks (the rest of it goes through prefill, however short).
+        self.in_prefill = index == 0
         cfg = state.config
         #: Tokens that end the sequence (kept in token_ids, not in the text; the state is not advanced by them).
         self.stop_token_ids = frozenset(cfg.stop_token_ids) | frozenset(() if cfg.ignore_eos else eos_token_ids)
@@ -74,6 +78,8 @@ class GeneratedSequence:
         self.top_logprobs: list[list[tuple[int, float]]] | None = [] if cfg.top_logprobs else None
         #: The finished answer checked against its JSON response format (None: not one, or not finished).
         self.check: AnswerCheck | None = None
+        #: The sequence's final delta (finish reason and Output) has been made.
+        self.reported = False
         #: Speculative decoding's prompt-lookup drafter (made by the engine on first use).
         self.drafter: Drafter | None = None
 
@@ -87,6 +93,17 @@ class GeneratedSequence:
         if self.forked_from is not None:
             return len(self.request.prompt_token_ids)
         return self.kv_len + len(self.feed)
+
+    @property
+    def prefilling(self) -> bool:
+        """Whether the next forward feeds this sequence by prefill: a prompt (or part of one) or a jump-forward's
+        tokens; a sequence still to fork from its request's first sequence is not (it is forked after that one)."""
+        return self.forked_from is None and (self.in_prefill or len(self.feed) > 1 or not self.in_model)
+
+    @property
+    def decoding(self) -> bool:
+        """Whether the next forward feeds this sequence its one last sampled token (by decode, or verify)."""
+        return self.in_model and not self.prefilling and len(self.feed) == 1
 
     @property
     def tokens_left(self) -> int:
@@ -135,22 +152,30 @@ class GeneratedSequence:
             if self.stops.stopped:  # the last bytes completed a stop string
                 reason, stop_reason = "stop", self.stops.matched
             self._emit(self.stops.flush(), delta)
-        self.finish_reason = reason
-        self.stop_reason = stop_reason
-        if reason not in ("abort", "error"):
-            self.check = check_answer(self.state.config.response_format, self._answer_text())
+        # checked before the sequence counts as finished: whatever raises up to here, fail() can still end it
+        check = check_answer(self.state.config.response_format, self._answer_text()) if reason not in (
+            "abort", "error") else None
+        self.finish_reason, self.stop_reason, self.check = reason, stop_reason, check
         delta.finish_reason = reason
         delta.output = self.output()
+        self.reported = True
 
     def fail(self, delta: Delta, error: str) -> None:
         """End the sequence with "error" and the message ``error``, even when its text cannot be flushed (a failing
-        detokenizer is one of the things that end a sequence this way)."""
-        try:
-            self.finish("error", delta, error=error)
-        except Exception as err:  # the held-back text is lost; the sequence still ends, with both messages
-            self.error = f"{error}; and its text could not be flushed: {type(err).__name__}: {err}"
-            self.finish_reason = delta.finish_reason = "error"
-            delta.output = self.output()
+        detokenizer is one of the things that end a sequence this way) or when ``finish`` failed after setting the
+        finish reason: the sequence gets exactly one final delta whatever failed (none more once it has one)."""
+        if self.reported:
+            return
+        if self.finish_reason is None:
+            try:
+                self.finish("error", delta, error=error)
+                return
+            except Exception as err:  # the held-back text is lost; the sequence still ends, with both messages
+                error = f"{error}; and its text could not be flushed: {type(err).__name__}: {err}"
+        self.finish_reason = delta.finish_reason = "error"
+        self.error, self.check = error, None
+        delta.output = self.output()
+        self.reported = True
 
     def _answer_text(self) -> str:
         """The answer the response format applies to: after the think block, when the request has one."""

@@ -1,9 +1,10 @@
 """``logitproc serve``: the OpenAI-compatible HTTP server's command line (options, model loading, uvicorn, SIGTERM).
 
 The socket is bound first, so ``/health`` answers 503 while the model is fetched and compiled (first use) and
-loaded; progress goes to stderr, then the URL. SIGTERM (or Ctrl-C) stops accepting connections, lets running
-requests finish for up to ``--drain-timeout`` seconds, then exits 0. FastAPI and uvicorn load only when the command
-runs.
+loaded; progress goes to stderr, then the URL. SIGTERM stops accepting connections, lets running requests finish
+for up to ``--drain-timeout`` seconds, then exits 0; Ctrl-C does the same, then exits 130 (``cli.main``: the shell's
+convention). ``--allowed-hosts`` and ``--allowed-origins`` widen the request policy (``request_policy.py``).
+FastAPI and uvicorn load only when the command runs.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -27,6 +29,12 @@ def add_parser(commands: Any) -> None:
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
     parser.add_argument("--max-batch", type=int, default=16,
                         help="sequences generated at once (default: %(default)s)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=256,
+                        help="tokens one step feeds the model at most: decode rows first, then prefill chunks of "
+                             "the prompts going in (0: no bound; default: %(default)s)")
+    parser.add_argument("--max-prefill-tokens-with-decode", type=int, default=16,
+                        help="prefill tokens of a step that also decodes, which bounds how long a long prompt holds "
+                             "the running streams up (0: no bound; default: %(default)s; docs/serving.md)")
     parser.add_argument("--max-queue", type=int, default=256,
                         help="requests waiting to start before new ones get 429 (default: %(default)s)")
     parser.add_argument("--api-key", default=os.environ.get("LOGITPROC_API_KEY"),
@@ -40,17 +48,35 @@ def add_parser(commands: Any) -> None:
                              "for greedy requests, processed when sampling (default: auto)")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="seconds running requests get to finish after SIGTERM (default: %(default)s)")
+    parser.add_argument("--allowed-hosts", action="append", default=[], metavar="NAMES",
+                        help="Host names accepted besides IP addresses, localhost and --host, against DNS "
+                             "rebinding (comma-separated or repeated; '*': any) (default: none)")
+    parser.add_argument("--allowed-origins", action="append", default=[], metavar="ORIGINS",
+                        help="web origins (scheme://host:port) whose pages may call the server, besides its own "
+                             "chat page (comma-separated or repeated; '*': any) (default: none)")
     parser.set_defaults(run=run)
 
 
+def _listed(values: list[str]) -> tuple[str, ...]:
+    """The names of a repeated, comma-separated option."""
+    return tuple(name.strip() for value in values for name in value.split(",") if name.strip())
+
+
 def _check(args: argparse.Namespace) -> None:
-    for name, low in (("max_batch", 1), ("max_queue", 1), ("port", 0)):
+    for name, low in (("max_batch", 1), ("max_queue", 1), ("port", 0), ("max_num_batched_tokens", 0),
+                      ("max_prefill_tokens_with_decode", 0)):
         if getattr(args, name) < low:
             raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
     if args.port > 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     if args.drain_timeout < 0:
         raise ValueError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
+    for origin in _listed(args.allowed_origins):
+        if origin != "*" and not re.fullmatch(r"https?://[^/\s]+/?", origin):
+            raise ValueError(f"--allowed-origins: {origin!r} is not an origin like http://example.com:8080 (or '*')")
+    for host in _listed(args.allowed_hosts):
+        if host != "*" and not re.fullmatch(r"[^/\s:@]+|\[[0-9a-fA-F:.]+\]", host):
+            raise ValueError(f"--allowed-hosts: {host!r} is not a host name like example.com (or '*')")
 
 
 def load_engine(args: argparse.Namespace) -> Any:
@@ -59,19 +85,23 @@ def load_engine(args: argparse.Namespace) -> Any:
     from logitproc.serve.compiled_model import CompiledModel
     from logitproc.serve.engine import Engine
 
-    from .cli_options import tiny_model
+    from .cli_options import read_chat_template, tiny_model, use_chat_template
     from .progress_line import ProgressLine
 
+    template = read_chat_template(args)
     source: Any = tiny_model() if args.model == TINY_MODEL else args.model
     with ProgressLine(sys.stderr) as progress:
         model = CompiledModel.open(source, target=args.target, progress=progress, max_num_sequences=args.max_batch)
+    use_chat_template(model, template)
     path = Path(args.model)
     model_dir = (path if path.is_dir() else path.parent) if path.exists() else model.directory
     tree = load_tree_decode_config(args.tree_decode_config, model.vocab_size, os.environ, model_dir)
     if tree is not None:
         log("tree decode: map loaded; it constrains every answer")
     return Engine(model, max_batch=args.max_batch, jump_forward=args.jump_forward,
-                  grammar_backend=args.grammar_backend, tree_decode=tree, speculative=args.speculative)
+                  grammar_backend=args.grammar_backend, tree_decode=tree, speculative=args.speculative,
+                  max_num_batched_tokens=args.max_num_batched_tokens or None,
+                  max_prefill_tokens_with_decode=args.max_prefill_tokens_with_decode or None)
 
 
 def sampling_defaults(args: argparse.Namespace, model: Any) -> Any:
@@ -89,6 +119,8 @@ def run(args: argparse.Namespace) -> int:
 
     from .http_server import Server, ServerOptions
     from .openai_protocol import parse_logprobs_mode
+    from .request_policy import RequestPolicy
+    from .uvicorn_protocol import QuietH11Protocol
 
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     url = f"http://{args.host}:{args.port}"
@@ -111,11 +143,12 @@ def run(args: argparse.Namespace) -> int:
         failure.append(err)
         holder["uvicorn"].should_exit = True
 
+    policy = RequestPolicy(args.host, _listed(args.allowed_hosts), _listed(args.allowed_origins))
     options = ServerOptions(served_model_name=args.served_model_name, aliases=(args.model,), api_key=args.api_key,
-                            max_queue=args.max_queue)
+                            max_queue=args.max_queue, policy=policy)
     server = Server(load, options, on_failure)
     config = uvicorn.Config(server.app, host=args.host, port=args.port, log_level="warning", access_log=False,
-                            timeout_graceful_shutdown=args.drain_timeout, lifespan="on")
+                            timeout_graceful_shutdown=args.drain_timeout, lifespan="on", http=QuietH11Protocol)
     holder["uvicorn"] = uvicorn.Server(config)
     # uvicorn re-raises the signal that stopped it once it has drained; this handler makes SIGTERM end with 0.
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: log("stopped (SIGTERM)"))

@@ -7,9 +7,9 @@ from .outputs import EngineStats
 
 
 def account_step(stats: EngineStats, step: ModelStep, processing_seconds: float, step_seconds: float) -> None:
-    """Add a step's tokens and times: a request prefilled for the first time counts the prefill as its own, every
-    other request in the step counts the step's forward time as decode time."""
-    if not step.sequences:
+    """Add a step's tokens and times: a request that fed a prompt chunk counts the prefill as its own, every other
+    request in the step counts the step's forward time as decode time."""
+    if not step.sequences and not step.prefill_tokens:
         return
     stats.steps += 1
     stats.prefill_tokens += step.prefill_tokens
@@ -19,8 +19,8 @@ def account_step(stats: EngineStats, step: ModelStep, processing_seconds: float,
     stats.processing_seconds += processing_seconds
     stats.step_seconds += step_seconds
     stats.sampled_tokens += step.rows
-    for request in {id(s.request): s.request for s in step.sequences}.values():
-        if request.request_id in step.started:
+    for request in {id(s.request): s.request for s in step.sequences + step.chunked}.values():
+        if request.request_id in step.prefilled:
             request.stats.prefill_seconds += step.prefill_seconds
         else:
             request.stats.decode_seconds += step.decode_seconds + step.verify_seconds + step.prefill_seconds

@@ -10,7 +10,10 @@ FILES = {
     "index.html": "text/html; charset=utf-8",
     "chat.js": "text/javascript; charset=utf-8",
     "chat.css": "text/css; charset=utf-8",
+    "favicon.svg": "image/svg+xml",
 }
+#: The page's icon, also served at ``/favicon.ico`` (where browsers and other clients look without a link).
+FAVICON = "favicon.svg"
 
 
 @cache

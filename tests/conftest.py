@@ -20,6 +20,7 @@ import pytest
 # tmp_path, the cache locks). ``$LOGITPROC_TEST_CACHE`` names a build cache to reuse between runs instead (every build
 # is keyed by its sources, so reuse is safe).
 RUN_FOLDER = tempfile.mkdtemp(prefix="logitproc-test-run-")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # as the logitproc command sets it
 os.environ["TMPDIR"] = tempfile.tempdir = os.path.join(RUN_FOLDER, "tmp")
 os.mkdir(tempfile.tempdir)
 os.environ["LOGITPROC_CACHE"] = os.environ.get("LOGITPROC_TEST_CACHE") or os.path.join(RUN_FOLDER, "cache")

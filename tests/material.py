@@ -95,3 +95,61 @@ def vendored_schemas() -> dict[str, dict]:
                         (staging / Path(name).name).write_bytes(archive.read(name))
             staging.rename(out)
     return {path.stem: json.loads(path.read_text()) for path in sorted(out.glob("*.json"))}
+
+
+LLAMA_CPP_SPEC = "llama-cpp-python==0.3.36"
+_LLAMA_CPP_MODELS = "vendor/llama.cpp/models/"
+
+
+def llama_cpp_models() -> Path:
+    """llama.cpp's test material (MIT) from the ``llama-cpp-python`` sdist: ``models/ggml-vocab-*.gguf`` with their
+    ``.gguf.inp`` / ``.gguf.out`` (texts and the ids llama.cpp must give them) and ``models/templates/*.jinja`` (real
+    chat templates). Only those files are extracted; the sdist's metadata is prepared in pip's build isolation."""
+    out = data_root() / "llama-cpp-models-0.3.36"
+    if not (out / "templates").is_dir():
+        with tempfile.TemporaryDirectory() as tmp:
+            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "--no-binary", ":all:", "-d", tmp,
+                   LLAMA_CPP_SPEC]
+            subprocess.run(cmd, check=True, capture_output=True, text=True)
+            (sdist,) = Path(tmp).iterdir()
+            staging = Path(tempfile.mkdtemp(dir=data_root()))
+            with tarfile.open(sdist) as archive:
+                for member in archive.getmembers():
+                    name = member.name.split("/", 1)[-1]
+                    if not (member.isfile() and name.startswith(_LLAMA_CPP_MODELS)):
+                        continue
+                    rel = name[len(_LLAMA_CPP_MODELS):]
+                    if rel.startswith("ggml-vocab-") or (rel.startswith("templates/") and rel.endswith(".jinja")):
+                        target = staging / rel
+                        target.parent.mkdir(parents=True, exist_ok=True)
+                        target.write_bytes(archive.extractfile(member).read())  # type: ignore[union-attr]
+            staging.rename(out)
+    return out
+
+
+def vocab_metadata(name: str) -> dict:
+    """The ``tokenizer.*`` metadata of ``ggml-vocab-{name}.gguf``, kept as JSON beside it (gguf-py reads a 128k
+    vocabulary in about 10 s)."""
+    from logitproc.compile.gguf_tokenizer import read_gguf_metadata
+
+    gguf = llama_cpp_models() / f"ggml-vocab-{name}.gguf"
+    cached = gguf.with_name(gguf.name + ".tokenizer.json")
+    if not cached.is_file():
+        meta = {k: v for k, v in read_gguf_metadata(gguf).items() if k.startswith("tokenizer.")}
+        partial = cached.with_suffix(".partial")
+        partial.write_text(json.dumps(meta))
+        partial.rename(cached)
+    return json.loads(cached.read_text())
+
+
+def vocab_cases(name: str) -> list[tuple[str, list[int]]]:
+    """(text, token ids) of ``ggml-vocab-{name}.gguf.inp`` / ``.out``: texts separated by ``__ggml_vocab_test__``
+    lines (and one after the last text, except in gemma-4's), one line of space-separated ids per text."""
+    base = llama_cpp_models() / f"ggml-vocab-{name}.gguf"
+    texts = base.with_name(base.name + ".inp").read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")
+    ids = [[int(i) for i in line.split()] for line in base.with_name(base.name + ".out").read_text().splitlines()]
+    if len(texts) == len(ids) + 1 and texts[-1] == "":  # a separator after the last text (all but gemma-4's)
+        texts.pop()
+    if len(texts) != len(ids):
+        raise ValueError(f"{base.name}: {len(texts)} inputs but {len(ids)} outputs")
+    return list(zip(texts, ids, strict=True))

@@ -223,3 +223,43 @@ def test_schema_arguments_inline_file_pipe_and_stdin(tmp_path, monkeypatch) -> N
                          ("{not json", "not valid JSON"), (str(tmp_path / "missing.json"), "neither")]:
         with pytest.raises(ValueError, match=message):
             read_schema(bad)
+
+
+def test_ctrl_c_during_a_long_prompt_stops_it_within_a_chunk(tiny_compiled) -> None:
+    """A long prompt goes in by chunks of the step's budget, and Ctrl-C (SIGINT) is seen between them: the answer
+    ends as stopped long before the prompt is in (counted in prompt tokens, and within 2 s)."""
+    import io
+    import signal
+    import threading
+    import time
+
+    from logitproc.runtime import GenerationConfig
+    from logitproc.serve.chat import ChatSession
+    from logitproc.serve.engine import Engine
+
+    engine = Engine(tiny_compiled, max_num_batched_tokens=16)
+    out = io.StringIO()
+    session = ChatSession(engine, GenerationConfig(temperature=0.0, max_tokens=8), out=out)
+    seen: list[tuple[int, int] | None] = []
+    original = engine.prompt_progress
+
+    def progress(request_id: str) -> tuple[int, int] | None:  # what the chat asks between chunks, recorded
+        seen.append(original(request_id))
+        return seen[-1]
+
+    engine.prompt_progress = progress
+    sent: list[float] = []
+
+    def interrupt() -> None:
+        while not any(s is not None and s[0] > 0 for s in seen):
+            time.sleep(0.005)
+        sent.append(time.perf_counter())
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=interrupt, daemon=True).start()
+    session.answer("a b c d e f g h " * 200)
+    stopped = time.perf_counter()
+    assert session.last_output.finish_reason == "abort" and out.getvalue().strip() == "[stopped]"
+    done, total = max((s for s in seen if s is not None), key=lambda s: s[0])
+    assert total > 2000 and done < total / 2  # most of the prompt never went in
+    assert stopped - sent[0] < 2.0

@@ -98,6 +98,18 @@ def test_devices_prints_no_driver_noise() -> None:
     assert "XDG_RUNTIME_DIR" not in done.stderr, done.stderr
 
 
+def test_models_lists_every_family_without_loading_tvm() -> None:
+    from logitproc.compile.families import FAMILIES
+
+    done = python("-c", "import sys; from logitproc.serve.cli import main; main(['models']); "
+                        "print('tvm' in sys.modules)")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    for family in FAMILIES:
+        assert any(line.startswith(family.name) and family.hf_architectures[0] in line for line in lines), lines
+    assert lines[-1] == "False"
+
+
 # ---------------------------------------------------------------------------------------------------- generate
 def test_an_answer_cut_by_max_tokens_is_said_on_stderr(tiny_compiled) -> None:
     done = logitproc("generate", "--model", "tiny", "--prompt", "hi", "--max-tokens", "3", "--min-tokens", "3")
@@ -170,10 +182,11 @@ def test_the_defaults_make_a_valid_generation_config() -> None:
 
 def test_options_given_win_over_the_model_defaults(tiny_compiled) -> None:
     from logitproc.serve.cli import build_parser
-    from logitproc.serve.cli_options import config_from_args
+    from logitproc.serve.cli_options import config_from_options, options_from_args
 
     args = build_parser().parse_args(["generate", "--prompt", "x", "--temperature", "0.5", "--max-tokens", "7"])
-    config = config_from_args(args, {"temperature": 0.0, "repetition_penalty": 1.1, "max_tokens": 512})
+    config = config_from_options(options_from_args(args), {"temperature": 0.0, "repetition_penalty": 1.1,
+                                                           "max_tokens": 512})
     assert (config.temperature, config.repetition_penalty, config.max_tokens) == (0.5, 1.1, 7)
 
 
@@ -190,6 +203,19 @@ def test_tree_decode_file_given_on_the_command_line(tiny_compiled, tmp_path: Pat
     missing = logitproc("generate", "--model", "tiny", "--prompt", "hi", "--tree-decode-config", "nope.json",
                         cwd=tmp_path)
     assert missing.returncode == 2 and "--tree-decode-config" in missing.stderr and "no such file" in missing.stderr
+
+
+def test_a_chat_template_file_replaces_the_models(tiny_compiled, tmp_path: Path) -> None:
+    """``--chat-template FILE`` renders the chats (here a template that refuses, naming the message); a file that is
+    not jinja is refused before the model opens."""
+    refuse, broken = tmp_path / "refuse.jinja", tmp_path / "broken.jinja"
+    refuse.write_text("{{ raise_exception('custom template saw ' + messages[-1]['content']) }}")
+    done = logitproc("generate", "--model", "tiny", "--prompt", "hi", "--chat-template", str(refuse))
+    assert done.returncode == 2 and f"chat template: the chat template {refuse}" in done.stderr
+    assert "failed to render these messages: custom template saw hi" in done.stderr
+    broken.write_text("{% if %}")
+    refused = logitproc("generate", "--model", "tiny", "--prompt", "hi", "--chat-template", str(broken))
+    assert refused.returncode == 2 and "is not valid jinja" in refused.stderr and "loading" not in refused.stderr
 
 
 def test_tests_use_a_private_cache() -> None:

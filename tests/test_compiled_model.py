@@ -33,12 +33,13 @@ from logitproc.compile.hf_model import load_hf_dir
 from logitproc.compile.kernel_library import KernelLibrary
 from logitproc.compile.linear_kernels import FORMATS, linear_kernel, param_shapes, swiglu_kernel
 from logitproc.compile.model_compile import compile_model
+from logitproc.compile.rope import RopeScaling, llama3_factors
 from logitproc.compile.targets import resolve_target
 from logitproc.compile.tiny_model import make_tiny_model
-from logitproc.serve.chat_template import ChatTemplate
+from logitproc.serve.chat_template import model_chat_template
 from logitproc.serve.cli_options import TINY_CONTEXT, tiny_model
 from logitproc.serve.compiled_model import CompiledModel
-from logitproc.serve.numpy_llama import NumpyLlama, NumpyRunner, apply_rope, rope_tables
+from logitproc.serve.numpy_llama import NumpyLlama, NumpyRunner
 from logitproc.tir_kernels import KERNEL_FACTORIES
 
 TOL_F32 = 1e-4
@@ -316,7 +317,7 @@ def test_logit_processing_kernels_run_from_the_model_library(m16, prompt) -> Non
 
 def test_tokenizer_and_chat_template(m16, tiny) -> None:
     text = m16.apply_chat_template(QUESTION)
-    assert text == ChatTemplate.for_model(tiny).render(QUESTION)
+    assert text == model_chat_template(tiny).render(QUESTION)
     ids = m16.tokenizer.encode(text).ids
     assert m16.tokenizer.decode(ids, skip_special_tokens=False) == text
     assert m16.eos_token_ids == (2, 0)
@@ -430,20 +431,30 @@ def test_swiglu_kernel_matches_numpy() -> None:
         np.testing.assert_allclose(out.numpy(), g / (1 + np.exp(-g)) * gu[:, 48:], rtol=1e-6, atol=1e-6)
 
 
-def test_rope_kernel_rotates_halves_like_numpy() -> None:
-    """The KV cache's RoPE slot: q and k heads rotated (pairs i, i + d/2) at each token's position, v copied."""
+@pytest.mark.parametrize("scaling", ["unscaled", "llama3", "longrope-partial"])
+def test_rope_kernel_rotates_halves_like_numpy(scaling: str) -> None:
+    """The KV cache's RoPE slot: q and k heads rotated (pairs i, i + r/2 of the first r values) at each token's
+    position by the given inverse frequencies (unscaled, Llama 3's per-frequency divisors, or LongRoPE's short
+    factors with its attention factor on 12 of 16 values), the rest and v copied."""
     rng = np.random.default_rng(3)
     h_q, h_kv, d, theta = 4, 2, 16, 10000.0
-    run, dev = _cpu_kernel(rope_kernel(h_kv, h_q, d, theta)), tvm.cpu()
+    rope_dim, factor, factors = d, 1.0, ()
+    if scaling == "llama3":
+        factors = llama3_factors(theta, d, 8.0, 1.0, 4.0, 64)
+    elif scaling == "longrope-partial":
+        rope_dim, factor, factors = 12, 1.13, (1.0, 1.2, 1.5, 2.0, 3.0, 4.5)
+    inv_freq = RopeScaling(theta, factors).inverse_frequencies(rope_dim)
+    run, dev = _cpu_kernel(rope_kernel(h_kv, h_q, d, tuple(inv_freq), attention_factor=factor)), tvm.cpu()
+    half = rope_dim // 2
     for n in (1, 3, 70):
         qkv = rng.standard_normal((n, h_q + 2 * h_kv, d)).astype(np.float32)
         positions = rng.integers(0, 500, n).astype(np.int32)
         outs = [tvm.runtime.tensor(np.full((n, h, d), np.nan, np.float32), dev) for h in (h_q, h_kv, h_kv)]
         run(tvm.runtime.tensor(qkv, dev), tvm.runtime.tensor(positions, dev), *outs, 1)
-        freq = positions[:, None] / theta ** (np.arange(d // 2) * 2 / d)
-        cos, sin = np.cos(freq)[:, None, :], np.sin(freq)[:, None, :]
-        a, b = qkv[..., : d // 2], qkv[..., d // 2:]
-        rotated = np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
+        freq = positions[:, None] / theta ** (np.arange(half) * 2 / rope_dim) / (np.asarray(factors) if factors else 1)
+        cos, sin = factor * np.cos(freq)[:, None, :], factor * np.sin(freq)[:, None, :]
+        a, b = qkv[..., :half], qkv[..., half:rope_dim]
+        rotated = np.concatenate([a * cos - b * sin, b * cos + a * sin, qkv[..., rope_dim:]], axis=-1)
         expected = (rotated[:, :h_q], rotated[:, h_q:h_q + h_kv], qkv[:, h_q + h_kv:])
         for out, want in zip(outs, expected, strict=True):
             np.testing.assert_allclose(out.numpy(), want, rtol=0, atol=2e-4)
@@ -470,26 +481,6 @@ def test_numpy_runner_matches_the_compiled_model(qwen_tiny, m32, prompt, lib) ->
 
 
 # ---------------------------------------------------------------- Hugging Face directories
-
-
-def test_adjacent_pair_layout_gives_the_same_attention_scores_as_half_rotation() -> None:
-    """The loader's q/k permutation turns HF's rotate-half RoPE into the GGUF's adjacent-pair RoPE (same scores)."""
-    rng = np.random.default_rng(0)
-    heads, d, hidden, positions = 2, 8, 16, np.arange(5)
-    w_hf = rng.standard_normal((heads * d, hidden)).astype(np.float32)
-    x = rng.standard_normal((5, hidden)).astype(np.float32)
-    cos, sin = rope_tables(positions, d, 10000.0)
-
-    def rope_half(v: np.ndarray) -> np.ndarray:  # Hugging Face: rotate (v[i], v[i + d/2])
-        a, b = v[..., : d // 2], v[..., d // 2:]
-        c, s = cos[:, None, :], sin[:, None, :]
-        return np.concatenate([a * c - b * s, b * c + a * s], axis=-1)
-
-    hf = rope_half((x @ w_hf.T).reshape(5, heads, d))
-    from logitproc.compile.hf_model import _to_adjacent
-
-    gguf = apply_rope((x @ _to_adjacent(w_hf, heads).T).reshape(5, heads, d), cos, sin)
-    np.testing.assert_allclose(np.einsum("qhd,khd->hqk", hf, hf), np.einsum("qhd,khd->hqk", gguf, gguf), atol=1e-4)
 
 
 def test_hf_directory_equals_the_in_memory_model(qwen_tiny, hf_directory, m32, prompt) -> None:

@@ -61,3 +61,15 @@ def test_output_closed_before_or_after_the_answer(tiny_compiled, redirect) -> No
 def test_an_empty_regex_is_not_ignored() -> None:
     """``--regex ''`` reaches the config (which refuses it, naming the field) instead of being dropped."""
     assert_one_error_line(run([*GENERATE, "--prompt", "hi", "--regex", ""]), "regex")
+
+
+@pytest.mark.parametrize(("option", "value", "says"), [
+    ("--allowed-origins", "evil.example", "is not an origin like http://example.com:8080"),
+    ("--allowed-origins", "http://a.example/path", "is not an origin"),
+    ("--allowed-hosts", "http://box.lan", "is not a host name like example.com"),
+    ("--allowed-hosts", "a.lan,b lan", "'b lan' is not a host name"),
+])
+def test_serve_refuses_a_policy_it_cannot_read(option, value, says) -> None:
+    """Checked before anything loads: one line naming the option and the value."""
+    done = run([sys.executable, "-m", "logitproc", "serve", "--model", "tiny", "--port", "0", option, value])
+    assert_one_error_line(done, option, says)

@@ -31,7 +31,8 @@ class FaultyRunner:
         self._model, self._at = model, at
         self._poisoned: dict[int, int] = {}  # seq_id -> decodes so far
         for name in ("name", "vocab_size", "context_length", "max_num_sequences", "max_total_tokens",
-                     "eos_token_ids", "tokenizer", "kernel_library", "apply_chat_template", "sequence_length",
+                     "eos_token_ids", "tokenizer", "kernel_library", "apply_chat_template", "chat_token_ids",
+                     "sequence_length",
                      "add_sequence", "popn"):
             setattr(self, name, getattr(model, name))
 
@@ -148,3 +149,68 @@ def test_prompt_of_a_wrong_type_is_a_type_error_naming_it(model, prompt) -> None
 def test_request_id_of_a_wrong_type(model) -> None:
     with pytest.raises(TypeError, match="request_id must be a str"):
         Engine(model, max_batch=2).add_request("hi", request_id=5)
+
+
+def test_an_answer_too_deep_to_check_still_ends_with_one_final_delta(model) -> None:
+    """A recursive schema and an answer nested 300 deep: the final check cannot follow it (jsonschema recurses) and
+    says so; the sequence still ends with exactly one final delta (before, ``generate`` raised "ended without a
+    final delta" and a server request hung)."""
+    schema = {"anyOf": [{"type": "array", "items": {"$ref": "#"}}, {"type": "integer"}]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "deep", "schema": schema}}
+    config = GenerationConfig(temperature=0.0, max_tokens=600, logit_bias={3 + ord("["): 100.0}, response_format=fmt)
+    deltas = list(Engine(model, max_batch=2).stream("x", config))
+    [final] = [d for d in deltas if d.finish_reason is not None]
+    assert final is deltas[-1] and final.output.text.startswith("[" * 200)
+    assert final.output.schema_valid is None and "deeper than the checker can follow" in final.output.schema_error
+
+
+class FinalDeltaDropper(Engine):
+    """The engine, except that its step() loses every final delta (a fault the engine never has): the request ends
+    inside the engine while its caller never hears of it."""
+
+    def step(self):
+        return [d for d in super().step() if d.finish_reason is None]
+
+
+def test_the_server_loop_ends_a_request_whose_final_delta_was_lost(model) -> None:
+    import queue
+
+    from logitproc.serve.engine_loop import EngineLoop, RequestFailed
+    from logitproc.serve.server_metrics import ServerMetrics
+
+    loop = EngineLoop(lambda: FinalDeltaDropper(model, max_batch=2), ServerMetrics())
+    loop.start()
+    try:
+        items: queue.SimpleQueue = queue.SimpleQueue()
+        [rid] = loop.submit(["Hello"], GREEDY, False, items.put).result(timeout=60)
+        while not isinstance(item := items.get(timeout=60), RequestFailed):
+            assert item.finish_reason is None
+        assert item.request_id == rid and "without its final answer" in item.message
+    finally:
+        loop.stop()
+
+
+def test_tokenizing_a_long_prompt_lets_other_threads_run(tiny_compiled) -> None:
+    """The stepping thread goes on while another thread tokenizes a huge prompt (the tokenizer releases the GIL)."""
+    import threading
+    import time
+
+    from logitproc.serve.engine import Engine
+
+    engine = Engine(tiny_compiled)
+    ticks, done = [0], threading.Event()
+
+    def tick() -> None:
+        while not done.is_set():
+            time.sleep(0.001)
+            ticks[0] += 1
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    started = time.perf_counter()
+    ids = engine.tokenize("hello world, a long paste " * 40000)
+    took = time.perf_counter() - started
+    done.set()
+    ticker.join()
+    assert len(ids) > 500_000
+    assert ticks[0] > 0.1 * took / 0.001 and ticks[0] > 20  # encode holding the GIL gave a handful

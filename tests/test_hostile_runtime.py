@@ -19,8 +19,10 @@ import tvm_ffi
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from logitproc import GenerationConfig, LogitProcessor, Sampler
+from logitproc.runtime.answer_check import check_answer
 from logitproc.runtime.logits_io import empty_aligned, non_finite_rows
 from logitproc.runtime.request_state import DraftTree, RequestState
+from logitproc.runtime.response_format import parse_response_format
 from logitproc.tir_kernels import reference
 from pipeline_reference import process_row
 
@@ -153,7 +155,8 @@ def test_numpy_scalars_are_taken_alike_and_stored_as_python_numbers() -> None:
 
 
 @pytest.mark.parametrize(("fields", "kind", "says"), [
-    ({"repetition_penalty": 1e300}, ValueError, r"repetition_penalty must be in \(0.0, 1000.0\], got 1e\+300"),
+    ({"repetition_penalty": 1e300}, ValueError, r"repetition_penalty must be in \[0.001, 1000.0\], got 1e\+300"),
+    ({"repetition_penalty": 1e-300}, ValueError, r"repetition_penalty must be in \[0.001, 1000.0\], got 1e-300"),
     ({"top_k": 2**31}, ValueError, r"top_k must be -1 or 0 \(off\) or in \[1, 2147483647\], got 2147483648"),
     ({"logit_bias": {"²": 1.0}}, TypeError, "logit_bias key '²' must be a token id"),
     ({"logit_bias": {"1.5": 1.0}}, TypeError, "logit_bias key '1.5' must be a token id"),
@@ -266,3 +269,11 @@ def test_sampler_never_returns_a_masked_or_out_of_range_token(lib, temperature, 
     probs = sampler.renormalize(proc.compute_probs_from_logits(logits, states), states)
     tokens = sampler.sample(probs, states).token_ids
     assert 0 <= tokens[0] < V and tokens[1] % 2 == 1 and tokens[2] == 17
+
+
+@pytest.mark.parametrize("text", ["[" * 5000, "[" * 5000 + "]" * 5000, "[" * 400 + "]" * 400])
+def test_the_answer_check_never_raises_on_answers_too_deep_to_follow(text: str) -> None:
+    schema = {"anyOf": [{"type": "array", "items": {"$ref": "#"}}, {"type": "integer"}]}
+    fmt = parse_response_format({"type": "json_schema", "json_schema": {"name": "deep", "schema": schema}})
+    check = check_answer(fmt, text)
+    assert check.valid is None and "deeper than the checker can follow" in check.error

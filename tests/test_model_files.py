@@ -25,7 +25,7 @@ from logitproc.compile.model_fetch import (
     fetch_default_model,
     sha256_file,
 )
-from logitproc.serve.chat_template import ChatTemplate, apply_chat_template
+from logitproc.serve.chat_template import model_chat_template
 from logitproc.serve.numpy_llama import NumpyLlama
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -167,7 +167,7 @@ def test_tokenizer_round_trips(tokenizer, text: str) -> None:
 
 
 def test_tokenizer_round_trips_the_chat_template(model: GGUFModel, tokenizer) -> None:
-    prompt = ChatTemplate.for_model(model).render(QUESTION + [{"role": "assistant", "content": "Paris."}], False)
+    prompt = model_chat_template(model).render(QUESTION + [{"role": "assistant", "content": "Paris."}], False)
     ids = tokenizer.encode(prompt).ids
     assert tokenizer.decode(ids, skip_special_tokens=False) == prompt
     assert ids.count(1) == 3 and ids.count(2) == 3  # <|im_start|> / <|im_end|> as single special tokens
@@ -212,15 +212,14 @@ def test_chat_template_matches_the_gguf_jinja_template(
     expected = env.from_string(model.config.chat_template).render(
         messages=messages, add_generation_prompt=add_generation_prompt
     )
-    assert ChatTemplate.for_model(model).render(messages, add_generation_prompt) == expected
-    assert apply_chat_template(messages, add_generation_prompt) == expected
+    assert model_chat_template(model).render(messages, add_generation_prompt) == expected
 
 
 # ---------------------------------------------------------------- numpy reference model
 
 
 def test_greedy_answer_names_paris(model: GGUFModel, tokenizer, llama: NumpyLlama) -> None:
-    prompt_ids = tokenizer.encode(ChatTemplate.for_model(model).render(QUESTION)).ids
+    prompt_ids = tokenizer.encode(model_chat_template(model).render(QUESTION)).ids
     answer_ids = llama.generate_greedy(prompt_ids, max_new_tokens=16, stop_ids=[model.config.eos_id])
     answer = tokenizer.decode(answer_ids, skip_special_tokens=True)
     assert "Paris" in answer, answer
@@ -228,7 +227,7 @@ def test_greedy_answer_names_paris(model: GGUFModel, tokenizer, llama: NumpyLlam
 
 
 def test_prefill_equals_prefill_plus_decode(model: GGUFModel, tokenizer, llama: NumpyLlama) -> None:
-    ids = tokenizer.encode(ChatTemplate.for_model(model).render(QUESTION)).ids
+    ids = tokenizer.encode(model_chat_template(model).render(QUESTION)).ids
     full = llama.prefill(ids)
     assert full.shape == (model.config.vocab,) and full.dtype == np.float32
     llama.prefill(ids[:-1])

@@ -129,6 +129,19 @@ def test_the_page_is_served_with_its_files_and_a_strict_policy(server: ServerPro
     assert props["features"] == {"jump_forward": True, "speculative": None} and props["max_model_len"] > 0
 
 
+def test_the_icon_is_served_and_the_key_placeholder_is_not_cut_off(server: ServerProcess, page: WebDriver) -> None:
+    for path in ("/favicon.ico", "/static/favicon.svg"):
+        r = httpx.get(server.url + path, timeout=10)
+        assert r.status_code == 200 and r.headers["content-type"] == "image/svg+xml" and b"<svg" in r.content
+    assert not [e for e in page.get_log("browser") if "favicon" in e["message"] or "404" in e["message"]]
+    width, room = page.execute_script(
+        "const e = document.getElementById('api-key'), s = getComputedStyle(e);"
+        "const c = document.createElement('canvas').getContext('2d'); c.font = s.font;"
+        "return [c.measureText(e.placeholder).width,"
+        "        e.clientWidth - parseFloat(s.paddingLeft) - parseFloat(s.paddingRight)];")
+    assert 0 < width <= room, (width, room)
+
+
 # The tiny random model's bytes are seldom valid UTF-8 (the server holds them back until they decode): a regex keeps
 # its answers to letters, so that they stream token by token.
 LETTERS = "[a-z]+( [a-z]+)*"

@@ -3,6 +3,7 @@ that ``prebuild.py`` compiles exactly what the tests will ask for."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +22,8 @@ HF_DIRECTORY_NAME = "hf-tiny"
 def qwen_tiny() -> GGUFModel:
     """A tiny model with what the default one lacks: Qwen2-style q/k/v biases and an output head of its own."""
     model = make_tiny_model(seed=3, tied_embeddings=False, context=TINY_CONTEXT)
+    model.config = replace(model.config, architecture="qwen2")
+    model.metadata["general.architecture"] = "qwen2"
     rng = np.random.default_rng(7)
     for i in range(model.config.n_layers):
         for name in ("q", "k", "v"):

@@ -1,0 +1,102 @@
+"""A GGUF's metadata and tensor list read into a ``LlamaConfig`` through the model's ``ModelFamily``: every
+``{arch}.*`` key is read or refused, every tensor is one the family has (or ``rope_freqs.weight``), none missing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .families import family_for_gguf
+from .model_config import LlamaConfig
+from .model_family import GGUF_COMMON_KEYS
+from .rope import rope_from_gguf
+
+#: The tensor of Llama 3's RoPE scaling and Phi-3's LongRoPE factors (read into the config, not weights).
+ROPE_FREQS = "rope_freqs.weight"
+ROPE_FACTORS_SHORT = "rope_factors_short.weight"
+#: Token ids that end a turn, in this order.
+_EOS_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+
+
+def _positive(meta: dict[str, Any], key: str, default: int | None = None, source: str = "GGUF") -> int:
+    value = meta.get(key, default)
+    if value is None:
+        raise ValueError(f"{source}: {key} is missing")
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{source}: {key} must be a positive integer, got {value!r}")
+    return value
+
+
+def config_from_gguf(meta: dict[str, Any], tensor_names: list[str], rope_tensors: dict[str, np.ndarray], *,
+                     vocab_size: int, source: str = "GGUF") -> LlamaConfig:
+    """The ``LlamaConfig`` of a GGUF's metadata ``meta`` (Python values), its tensor names, its RoPE tensors
+    (``rope_freqs``, ``rope_factors_*``: name -> float32 values) and the token count of its vocabulary; ``source``
+    (the file name) starts every error. Raises ValueError naming an unsupported architecture, key, value or
+    tensor."""
+    arch = meta.get("general.architecture")
+    family = family_for_gguf(str(arch))
+    prefix = f"{arch}."
+    known = GGUF_COMMON_KEYS | family.gguf_keys
+    unknown = sorted(k for k in meta if k.startswith(prefix) and k[len(prefix):] not in known)
+    if unknown:
+        raise ValueError(f"{source}: key(s) {unknown} are not understood for the {family.name} family; refusing "
+                         f"rather than guessing what they change")
+    hidden = _positive(meta, prefix + "embedding_length", source=source)
+    n_heads = _positive(meta, prefix + "attention.head_count", source=source)
+    n_kv = _positive(meta, prefix + "attention.head_count_kv", n_heads, source=source)
+    if n_heads % n_kv:
+        raise ValueError(f"{source}: {n_heads} attention heads are not a multiple of {n_kv} KV heads")
+    head_dim = _positive(meta, prefix + "attention.key_length", hidden // n_heads, source=source)
+    value_dim = _positive(meta, prefix + "attention.value_length", head_dim, source=source)
+    if value_dim != head_dim:
+        raise ValueError(f"{source}: value length {value_dim} differs from key length {head_dim} (not supported)")
+    rope_dim = _positive(meta, prefix + "rope.dimension_count", head_dim, source=source)
+    if rope_dim > head_dim or rope_dim % 2:
+        raise ValueError(f"{source}: {prefix}rope.dimension_count {rope_dim} must be even and at most the head size "
+                         f"{head_dim}")
+    unread = sorted(set(rope_tensors) - set(family.gguf_rope_tensors))
+    if unread:
+        raise ValueError(f"{source}: tensor(s) {unread} are not part of the {family.name} family")
+    rope = rope_from_gguf(meta, str(arch), rope_dim, rope_tensors.get(ROPE_FREQS),
+                          rope_tensors.get(ROPE_FACTORS_SHORT))
+    n_layers = _positive(meta, prefix + "block_count", source=source)
+    tied = "output.weight" not in tensor_names
+    expected = set(family.gguf_file_tensors(n_layers, tied))
+    present = set(tensor_names) - set(rope_tensors)
+    if present - expected:
+        raise ValueError(f"{source}: tensor(s) {sorted(present - expected)[:5]} are not part of the {family.name} "
+                         f"family (expected e.g. {sorted(expected)[:3]})")
+    if expected - present:
+        raise ValueError(f"{source}: tensor(s) {sorted(expected - present)[:5]} are missing")
+    eos: list[int] = []
+    for key in _EOS_KEYS:
+        if key in meta and int(meta[key]) not in eos:
+            eos.append(int(meta[key]))
+    if not eos:
+        raise ValueError(f"{source}: tokenizer.ggml.eos_token_id is missing")
+    vocab = _positive(meta, prefix + "vocab_size", vocab_size, source=source)
+    return LlamaConfig(
+        architecture=family.name,
+        n_layers=n_layers,
+        hidden=hidden,
+        n_heads=n_heads,
+        n_kv_heads=n_kv,
+        ffn=_positive(meta, prefix + "feed_forward_length", source=source),
+        vocab=vocab,
+        context=min(_positive(meta, prefix + "context_length", source=source), rope.max_context or 1 << 62,
+                    _positive(meta, prefix + "attention.sliding_window", 1 << 62, source=source)),
+        rope_theta=rope.theta,
+        rms_eps=float(meta[prefix + "attention.layer_norm_rms_epsilon"]),
+        tied_embeddings=tied,
+        bos_id=int(meta.get("tokenizer.ggml.bos_token_id", 0)),
+        eos_id=eos[0],
+        head_dim=head_dim,
+        rope_dim=rope_dim,
+        chat_template=meta.get("tokenizer.chat_template"),
+        name=str(meta.get("general.name", "")),
+        rope_factors=rope.factors,
+        rope_scaling=rope.kind,
+        rope_attention_factor=rope.attention_factor,
+        eos_ids=tuple(eos),
+    )

@@ -1,0 +1,116 @@
+"""A Hugging Face ``config.json`` (and ``generation_config.json``) read into a ``LlamaConfig`` through the model's
+``ModelFamily``; every key is either read, known not to change the maths, or refused naming it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .families import family_for_hf
+from .model_config import LlamaConfig
+from .model_family import HF_COMMON_KEYS, HF_INERT_KEYS, ModelFamily
+from .rope import RopeScaling, rope_from_hf, rotary_dim_from_hf
+
+
+def _ids(value: Any, key: str) -> list[int]:
+    """A token id or a list of them (``eos_token_id`` may be either); None gives none."""
+    if value is None:
+        return []
+    values = value if isinstance(value, list) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        raise ValueError(f"config.json: {key} must be a token id or a list of them, got {value!r}")
+    return list(values)
+
+
+def _int(cfg: dict[str, Any], key: str, default: int | None = None) -> int:
+    value = cfg.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"config.json: {key} must be a positive integer, got {value!r}")
+    return value
+
+
+#: Sliding-window keys, read for every family (``_context``, ``layer_types`` below); ``max_window_layers`` only
+#: matters with ``use_sliding_window``, which a family that reads it fixes to false.
+_WINDOW_KEYS = ("sliding_window", "use_sliding_window", "layer_types", "max_window_layers")
+
+
+def _check_keys(cfg: dict[str, Any], family: ModelFamily) -> None:
+    """Refuse a key the family does not read, or a fixed key with another value (see ``ModelFamily``)."""
+    for key, value in cfg.items():
+        if key in HF_COMMON_KEYS or key in HF_INERT_KEYS:
+            continue
+        if key not in family.hf_fixed_keys and key not in family.hf_keys and key not in _WINDOW_KEYS:
+            raise ValueError(f"config.json: key {key!r} (= {value!r}) is not understood for the {family.name} "
+                             f"family; refusing rather than guessing what it changes")
+        allowed = family.hf_fixed_keys.get(key)
+        if allowed is not None and value not in allowed:
+            raise ValueError(f"config.json: {key} = {value!r} is not supported for the {family.name} family "
+                             f"(supported: {', '.join(map(repr, allowed))})")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"config.json: hidden_act {cfg['hidden_act']!r} is not supported (silu)")
+    layer_types = cfg.get("layer_types")
+    if layer_types is not None and set(layer_types) != {"full_attention"}:
+        raise ValueError(f"config.json: layer_types {sorted(set(layer_types))} are not supported (full_attention)")
+
+
+def _context(cfg: dict[str, Any], rope: RopeScaling) -> int:
+    """``max_position_embeddings``, cut to a sliding window that applies (Mistral v0.1's 4096: within the window
+    every token sees every earlier one, so the maths is exact for the whole context served) and to the RoPE
+    scaling's ``max_context`` (LongRoPE's original context)."""
+    context = min(_int(cfg, "max_position_embeddings", 2048), rope.max_context or 1 << 62)
+    window = cfg.get("sliding_window")
+    if window is not None and cfg.get("use_sliding_window", True):
+        if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+            raise ValueError(f"config.json: sliding_window must be a positive integer or null, got {window!r}")
+        context = min(context, window)
+    return context
+
+
+def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None, *, name: str = "",
+                   chat_template: str | None = None) -> LlamaConfig:
+    """The ``LlamaConfig`` of a ``config.json`` (``cfg``) and ``generation_config.json`` (``generation``, whose
+    ``eos_token_id`` adds to the EOS list). Raises ValueError naming any architecture, key or value not supported."""
+    architectures = cfg.get("architectures") or []
+    if not isinstance(architectures, list) or len(architectures) != 1:
+        raise ValueError(f"config.json: architectures must name one class, got {architectures!r}")
+    family = family_for_hf(architectures[0])
+    _check_keys(cfg, family)
+    n_heads = _int(cfg, "num_attention_heads")
+    hidden = _int(cfg, "hidden_size")
+    head_dim = _int(cfg, "head_dim", hidden // n_heads) if cfg.get("head_dim") is not None else hidden // n_heads
+    if head_dim % 2:
+        raise ValueError(f"config.json: head_dim {head_dim} must be even for RoPE")
+    rope_dim = rotary_dim_from_hf(cfg, head_dim)
+    rope = rope_from_hf(cfg, rope_dim)
+    eos = _ids(cfg.get("eos_token_id"), "eos_token_id")
+    for extra in _ids((generation or {}).get("eos_token_id"), "generation_config.json eos_token_id"):
+        if extra not in eos:
+            eos.append(extra)
+    bos = _ids(cfg.get("bos_token_id"), "bos_token_id")
+    if len(bos) > 1:
+        raise ValueError(f"config.json: bos_token_id must be one id, got {bos}")
+    n_kv = _int(cfg, "num_key_value_heads", n_heads)
+    if n_heads % n_kv:
+        raise ValueError(f"config.json: {n_heads} attention heads are not a multiple of {n_kv} KV heads")
+    return LlamaConfig(
+        architecture=family.name,
+        n_layers=_int(cfg, "num_hidden_layers"),
+        hidden=hidden,
+        n_heads=n_heads,
+        n_kv_heads=n_kv,
+        ffn=_int(cfg, "intermediate_size"),
+        vocab=_int(cfg, "vocab_size"),
+        context=_context(cfg, rope),
+        rope_theta=rope.theta,
+        rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        bos_id=bos[0] if bos else 0,
+        eos_id=eos[0] if eos else 0,
+        head_dim=head_dim,
+        rope_dim=rope_dim,
+        chat_template=chat_template,
+        name=name,
+        rope_factors=rope.factors,
+        rope_scaling=rope.kind,
+        rope_attention_factor=rope.attention_factor,
+        eos_ids=tuple(eos),
+    )

@@ -1,0 +1,111 @@
+"""Grammars compiled off the step (``Engine.submit``): a request whose schema compiles waits in the compiling state
+while the running streams get a token every step; a schema that cannot compile fails its request only; the grammar
+cache compiles a schema once however many requests ask for it. On the tiny compiled model; counted in steps."""
+
+from __future__ import annotations
+
+import pytest
+from logitproc.runtime import GenerationConfig
+from logitproc.runtime.grammar import GLOBAL_CACHE
+from logitproc.serve.engine import Engine
+
+RUNNING = GenerationConfig(temperature=0.0, max_tokens=400, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model():
+    from logitproc.serve.cli_options import tiny_model
+    from logitproc.serve.compiled_model import CompiledModel
+
+    return CompiledModel.open(tiny_model(), target="cpu")
+
+
+def large_schema(tag: str, fields: int = 400) -> dict:
+    """An object schema of ``fields`` nested objects (a few hundred ms to compile for the tiny vocabulary); ``tag``
+    makes it a schema no other test compiled (the grammar cache is per process)."""
+    return {"type": "object", "description": tag, "properties": {f"field_{i}": {
+        "type": "object", "properties": {
+            "name": {"type": "string", "pattern": f"^[a-z]{{{i % 7 + 1},{i % 7 + 9}}}$"},
+            "kind": {"enum": [f"k{i}_{j}" for j in range(8)]},
+            "n": {"type": "integer", "minimum": i, "maximum": 10 * i + 5}},
+        "required": ["name", "kind"]} for i in range(fields)}, "required": [f"field_{i}" for i in range(0, fields, 3)]}
+
+
+def constrained(schema: dict) -> GenerationConfig:
+    return GenerationConfig(temperature=0.0, max_tokens=8,
+                            response_format={"type": "json_schema", "json_schema": {"schema": schema}})
+
+
+def test_a_compiling_grammar_never_holds_up_a_running_stream(model) -> None:
+    """While a large schema compiles, every step gives the running stream its next token; the request then runs and
+    answers as it does when added with add_request."""
+    engine = Engine(model)
+    running = engine.add_request("Hello there", RUNNING)
+    engine.step()
+    schema = large_schema("off the step")
+    pending = engine.submit("Some JSON:", constrained(schema))
+    plain = engine.submit("Plain text:", GenerationConfig(temperature=0.0, max_tokens=3))
+    assert plain.ready.done()  # nothing to compile: queued at once, not behind the compile
+    assert engine.num_compiling == 1 and engine.has_unfinished()
+    compiling_steps = 0
+    outputs = {}
+    while engine.has_unfinished():
+        compiling = engine.num_compiling
+        deltas = {d.request_id: d for d in engine.step()}
+        if running not in outputs:
+            assert len(deltas[running].token_ids) == 1  # its next token, every step
+        compiling_steps += compiling and engine.num_compiling
+        outputs.update({rid: d.output for rid, d in deltas.items() if d.output is not None})
+    assert compiling_steps > 0  # steps ran while the grammar compiled
+    assert outputs[plain.request_id].finish_reason == "length"
+    assert pending.ready.result() == pending.request_id
+    [alone] = Engine(model).generate("Some JSON:", constrained(schema))
+    assert outputs[pending.request_id].token_ids == alone.token_ids
+
+
+def test_a_grammar_that_cannot_compile_fails_only_its_request(model) -> None:
+    engine = Engine(model)
+    running = engine.add_request("abc", GenerationConfig(temperature=0.0, max_tokens=20, ignore_eos=True))
+    bad = {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}
+    pending = engine.submit("abc", constrained(bad))
+    finished = {}
+    while engine.has_unfinished():
+        finished.update({d.request_id: d.output for d in engine.step() if d.output is not None})
+    with pytest.raises(ValueError):
+        pending.ready.result()
+    assert list(finished) == [running] and finished[running].finish_reason == "length"
+    assert engine.num_compiling == 0 and engine.num_running == 0
+
+
+def test_checks_other_than_the_grammar_raise_at_submit(model) -> None:
+    engine = Engine(model, max_batch=2)
+    with pytest.raises(ValueError, match="n=3 sequences do not fit in max_batch=2"):
+        engine.submit("abc", GenerationConfig(n=3))
+    engine.submit("abc", GenerationConfig(max_tokens=2), request_id="same")
+    with pytest.raises(ValueError, match="request id 'same' is already in use"):
+        engine.submit("abc", GenerationConfig(max_tokens=2), request_id="same")
+    while engine.has_unfinished():
+        engine.step()
+
+
+def test_a_request_aborted_while_compiling_ends_with_abort(model) -> None:
+    engine = Engine(model)
+    pending = engine.submit("abc", constrained(large_schema("aborted while compiling", 200)))
+    engine.abort(pending.request_id)
+    deltas = []
+    while engine.has_unfinished():
+        deltas += engine.step()
+    [delta] = deltas
+    assert delta.request_id == pending.request_id and delta.finish_reason == "abort"
+    assert delta.output.token_ids == []
+
+
+def test_the_grammar_cache_compiles_a_schema_once_for_many_requests(model) -> None:
+    engine = Engine(model)
+    schema = large_schema("asked for by four requests", 100)
+    before = GLOBAL_CACHE.compiles
+    pending = [engine.submit("abc", constrained(schema)) for _ in range(4)]
+    while engine.has_unfinished():
+        engine.step()
+    assert [p.ready.result() for p in pending] == [p.request_id for p in pending]
+    assert GLOBAL_CACHE.compiles == before + 1

@@ -1,0 +1,201 @@
+"""Every supported family (``compile/families``) against transformers, from a Hugging Face folder and from a GGUF.
+
+For each family a tiny random-weight model is built with transformers once per session (``family_models.py``:
+Llama with Llama 3.1's RoPE scaling and an EOS list, Qwen2 with q/k/v biases, Qwen3 with QK-norm and a head size
+of its own, Phi-3 with fused q/k/v and gate/up, LongRoPE and partial rotary), saved as a Hugging Face folder
+(safetensors) and written as a GGUF with gguf-py under llama.cpp's names and layout. Checked:
+
+* both loaders give the same config and, tensor by tensor, the same weights;
+* the numpy reference (``NumpyLlama``) from either format matches transformers' logits after every token of a
+  prompt within 1e-4 (measured 3-5e-6; logits' standard deviation about 2);
+* the compiled model (one build per family, from the GGUF, float32 weights and KV cache) matches transformers after
+  the prompt and 8 greedy decode steps within 1e-2;
+* a Q8_0 GGUF's blocks (kept for the kernels) are un-permuted and split as the dense weights are;
+* Mistral (a sliding window wider than the context), linear RoPE scaling and transformers 4's ``rope_theta`` /
+  ``rope_scaling`` spelling read right (numpy against transformers);
+* an unknown architecture, RoPE type, ``config.json`` key or GGUF key is refused, naming it, before any compile.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import family_models
+import numpy as np
+import pytest
+from family_models import CASES
+from logitproc.compile.families import FAMILIES
+from logitproc.compile.gguf_model import load_gguf
+from logitproc.compile.hf_config import config_from_hf
+from logitproc.compile.hf_model import load_hf_dir
+from logitproc.compile.llama_weights import dequantize_blocks, read_gguf_tensors
+from logitproc.compile.model_compile import compile_model
+from logitproc.serve.compiled_model import CompiledModel
+from logitproc.serve.numpy_llama import NumpyLlama
+
+pytest.importorskip("transformers")
+
+TOL_NUMPY = 1e-4
+TOL_COMPILED = 1e-2
+PROMPT = [0, 1, 5, 80, 91, 7, 200, 150, 12, 260, 33, 101, 2, 45, 46, 47, 3, 270]
+DECODE_STEPS = 8
+
+
+@pytest.fixture(scope="session")
+def families(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[object, Path, Path]]:
+    """case name -> (transformers model, Hugging Face folder, GGUF path)."""
+    root = tmp_path_factory.mktemp("families")
+    out = {}
+    for name, case in CASES.items():
+        model = family_models.build_transformers_model(case)
+        folder = family_models.write_hf_folder(model, case, root / f"hf-{name}")
+        out[name] = (model, folder, family_models.write_gguf(model, case, root / f"tiny-{name}.gguf"))
+    return out
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_gguf_and_hf_folder_load_the_same_model(families, name: str) -> None:
+    _, folder, gguf_path = families[name]
+    hf, gguf = load_hf_dir(folder), load_gguf(gguf_path)
+    assert hf.config.architecture == gguf.config.architecture == CASES[name].model_type
+    skip = {"name", "chat_template", "rope_scaling", "rope_factors", "rms_eps", "rope_attention_factor"}
+    for key in ("rms_eps", "rope_attention_factor"):  # float32 in the GGUF
+        assert getattr(hf.config, key) == pytest.approx(getattr(gguf.config, key), rel=1e-6)
+    assert {k: v for k, v in vars(hf.config).items() if k not in skip} == \
+        {k: v for k, v in vars(gguf.config).items() if k not in skip}
+    np.testing.assert_allclose(hf.config.rope_factors or 0, gguf.config.rope_factors or 0, rtol=1e-6)
+    assert hf.config.eos_ids == gguf.config.eos_ids == CASES[name].eos_ids
+    assert set(hf.weights) == set(gguf.weights)
+    for tensor, array in hf.weights.items():
+        np.testing.assert_array_equal(gguf.weights[tensor], array, err_msg=tensor)
+
+
+@pytest.mark.parametrize("fmt", ["hf", "gguf"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_numpy_reference_matches_transformers(families, name: str, fmt: str) -> None:
+    model, folder, gguf_path = families[name]
+    loaded = load_hf_dir(folder) if fmt == "hf" else load_gguf(gguf_path)
+    expected = family_models.reference_logits(model, PROMPT)
+    got = NumpyLlama(loaded).extend_all(PROMPT)
+    assert 1.5 < expected.std() < 3
+    np.testing.assert_allclose(got, expected, atol=TOL_NUMPY, rtol=0)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_compiled_model_matches_transformers_over_greedy_decoding(families, name: str) -> None:
+    model, _, gguf_path = families[name]
+    compiled = CompiledModel.open(gguf_path, weight_dtype="float32", kv_dtype="float32", max_num_sequences=2)
+    assert compiled.eos_token_ids[:len(CASES[name].eos_ids)] == CASES[name].eos_ids
+    compiled.add_sequence(0)
+    rows = [compiled.prefill([0], [PROMPT])[0]]
+    tokens = list(PROMPT)
+    for _ in range(DECODE_STEPS):
+        tokens.append(int(rows[-1].argmax()))
+        rows.append(compiled.decode([0], [tokens[-1]])[0])
+    expected = family_models.reference_logits(model, tokens)[len(PROMPT) - 1:]
+    np.testing.assert_allclose(np.stack(rows), expected, atol=TOL_COMPILED, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["llama3", "phi3"])
+def test_quantised_blocks_are_permuted_and_split_as_the_dense_weights(families, tmp_path: Path, name: str) -> None:
+    """A Q8_0 GGUF's blocks, kept for the kernels, hold each canonical tensor's rows in the order the dense weights
+    have (a llama GGUF's q/k rows un-permuted, Phi-3's fused q/k/v and gate/up split): dequantised, they are the
+    loader's float32 weights exactly."""
+    path = family_models.write_gguf(families[name][0], CASES[name], tmp_path / "q8.gguf", q8_0=True)
+    dense = load_gguf(path)
+    _, raw = read_gguf_tensors(path, dense.config, keep_blocks=True)
+    assert {"blk.1.attn_q.weight", "blk.1.attn_k.weight", "blk.1.ffn_gate.weight", "blk.1.ffn_up.weight"} <= set(raw)
+    for tensor, blocks in raw.items():
+        np.testing.assert_array_equal(dequantize_blocks(*blocks), dense.weights[tensor], err_msg=tensor)
+
+
+def _edited_folder(families, tmp_path: Path, name: str, **changes: object) -> Path:
+    """A copy of family ``name``'s folder with ``config.json`` keys changed (a value of None removes the key)."""
+    folder = shutil.copytree(families[name][1], tmp_path / f"edited-{name}")
+    cfg = json.loads((folder / "config.json").read_text())
+    for key, value in changes.items():
+        if value is None:
+            cfg.pop(key, None)
+        else:
+            cfg[key] = value
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+def test_mistral_folder_reads_as_llama_with_its_window(tmp_path: Path) -> None:
+    """MistralForCausalLM is the llama family; its sliding window (wider than the context here) caps the context."""
+    case = family_models.FamilyCase("mistral", "mistral", "llama", {"sliding_window": 256, "eos_token_id": 2})
+    model = family_models.build_transformers_model(case, seed=1)
+    loaded = load_hf_dir(family_models.write_hf_folder(model, case, tmp_path / "mistral"))
+    assert loaded.config.architecture == "llama" and loaded.config.context == 256
+    np.testing.assert_allclose(NumpyLlama(loaded).extend_all(PROMPT), family_models.reference_logits(model, PROMPT),
+                               atol=TOL_NUMPY, rtol=0)
+
+
+def test_linear_rope_scaling_matches_transformers(tmp_path: Path) -> None:
+    case = family_models.FamilyCase("linear", "llama", "llama",
+                                    {"rope_scaling": {"rope_type": "linear", "factor": 4.0}, "eos_token_id": 2})
+    model = family_models.build_transformers_model(case, seed=2)
+    loaded = load_hf_dir(family_models.write_hf_folder(model, case, tmp_path / "linear"))
+    assert loaded.config.rope_scaling == "linear"
+    np.testing.assert_allclose(NumpyLlama(loaded).extend_all(PROMPT), family_models.reference_logits(model, PROMPT),
+                               atol=TOL_NUMPY, rtol=0)
+
+
+def test_transformers_4_rope_spelling_reads_as_rope_parameters(families) -> None:
+    cfg = json.loads((families["llama3"][1] / "config.json").read_text())
+    params = dict(cfg["rope_parameters"])
+    legacy = {k: v for k, v in cfg.items() if k != "rope_parameters"}
+    legacy["rope_theta"] = params.pop("rope_theta")
+    legacy["rope_scaling"] = {"type" if k == "rope_type" else k: v for k, v in params.items()}
+    assert config_from_hf(legacy) == config_from_hf(cfg)
+    assert config_from_hf(cfg).rope_scaling == "llama3" and config_from_hf(cfg).rope_theta == 500000.0
+
+
+# ---------------------------------------------------------------- refusals, before any compile
+
+REFUSED_CONFIGS = [
+    ("qwen2", {"architectures": ["GPTNeoXForCausalLM"]}, "GPTNeoXForCausalLM"),
+    ("qwen2", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}}, "yarn"),
+    ("llama3", {"rope_parameters": {**family_models.LLAMA3_ROPE, "rope_theta": 5e5, "beta": 2}}, "beta"),
+    ("qwen2", {"attn_logit_softcapping": 30.0}, "attn_logit_softcapping"),
+    ("qwen2", {"use_sliding_window": True}, "use_sliding_window"),
+    ("llama3", {"attention_bias": True}, "attention_bias"),
+    ("qwen3", {"hidden_act": "gelu"}, "gelu"),
+    ("qwen3", {"layer_types": ["sliding_attention", "full_attention"]}, "sliding_attention"),
+    ("phi3", {"lm_head_bias": True}, "lm_head_bias"),
+]
+
+
+@pytest.mark.parametrize(("name", "changes", "named"), REFUSED_CONFIGS, ids=[c[2] for c in REFUSED_CONFIGS])
+def test_unsupported_config_is_refused_before_compiling(families, tmp_path: Path, name, changes, named) -> None:
+    folder = _edited_folder(families, tmp_path, name, **changes)
+    lines: list[str] = []
+    with pytest.raises(ValueError, match=named):
+        compile_model(folder, progress=lines.append, weight_dtype="float32")
+    assert not any("Relax" in line or "compil" in line for line in lines), lines
+
+
+@pytest.mark.parametrize(("key", "named"), [("llama.expert_count", "expert_count"),
+                                            ("llama.attention.sliding_window", "sliding_window")])
+def test_unsupported_gguf_key_is_refused_before_compiling(families, tmp_path: Path, key: str, named: str) -> None:
+    model = families["llama3"][0]
+    path = family_models.write_gguf(model, CASES["llama3"], tmp_path / "extra.gguf", extra_keys={key: 4})
+    lines: list[str] = []
+    with pytest.raises(ValueError, match=named):
+        compile_model(path, progress=lines.append, weight_dtype="float32")
+    assert not any("Relax" in line or "compil" in line for line in lines), lines
+
+
+def test_unknown_gguf_architecture_is_refused(families, tmp_path: Path) -> None:
+    case = family_models.FamilyCase("gemma", "llama", "gemma2", {"eos_token_id": 2})
+    path = family_models.write_gguf(families["llama3"][0], case, tmp_path / "gemma.gguf")
+    with pytest.raises(ValueError, match="'gemma2' is not supported"):
+        load_gguf(path)
+
+
+def test_every_family_is_listed_with_its_formats() -> None:
+    assert [f.name for f in FAMILIES] == ["llama", "qwen2", "qwen3", "phi3"]
+    assert all(f.hf_architectures and f.gguf_architectures for f in FAMILIES)

@@ -1,0 +1,162 @@
+"""The scheduler's plan of a step on data: which tokens one forward feeds within its budget (decode rows first, their
+drafts while they fit, then prefill chunks, the shortest rest of a prompt first), over a runner that keeps only the
+KV bookkeeping (lengths), so that no model runs: the plan is data, checked as vLLM checks its scheduler."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from logitproc.compile.gguf_model import LlamaConfig
+from logitproc.runtime import GenerationConfig, RequestState
+from logitproc.serve.chat_template import ChatTemplate
+from logitproc.serve.outputs import Delta, EngineStats, RequestStats
+from logitproc.serve.prefix_cache import PrefixCache
+from logitproc.serve.runner import ModelRunner
+from logitproc.serve.scheduler import Scheduler, StepBudget
+from logitproc.serve.sequence import GeneratedSequence, Request
+
+
+class ByteDecoder:
+    """Text of byte tokens (id = 3 + byte), as the tiny vocabulary's: what a finished sequence's detokenizer reads."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(i - 3 for i in ids if 3 <= i < 259).decode("utf-8", errors="replace")
+
+    def get_added_tokens_decoder(self):
+        return {}  # no control tokens
+
+
+class LengthsOnly(ModelRunner):
+    """The runner interface's bookkeeping (sequences and their lengths, every check) with no KV cache behind it."""
+
+    def __init__(self, max_num_sequences: int = 8, max_total_tokens: int = 4096) -> None:
+        config = LlamaConfig(architecture="llama", n_layers=1, hidden=8, n_heads=1, n_kv_heads=1, ffn=8, vocab=300,
+                             context=4096, rope_theta=1e4, rms_eps=1e-5, tied_embeddings=True, bos_id=1, eos_id=0,
+                             head_dim=8, rope_dim=8, chat_template=None)
+        super().__init__(config=config, tokenizer=ByteDecoder(), eos_token_ids=[0], name="lengths-only",
+                         max_num_sequences=max_num_sequences, context_length=4096,
+                         max_total_tokens=max_total_tokens, chat_template=ChatTemplate())
+
+    def _add(self, seq_id: int) -> None: ...
+
+    def _remove(self, seq_id: int) -> None: ...
+
+    def _fork(self, parent: int, child: int, length: int) -> None: ...
+
+    def _popn(self, seq_id: int, n: int) -> None: ...
+
+    def _prefill(self, seq_ids: list[int], token_ids: list[np.ndarray]) -> np.ndarray:
+        return np.zeros((len(seq_ids), self.vocab_size), np.float32)  # no model: the plan is what is checked
+
+
+_arrivals = iter(range(10**6))
+
+
+def request(rid: str, prompt_len: int) -> GeneratedSequence:
+    ids = [3 + i % 200 for i in range(prompt_len)]
+    req = Request(rid, ids, RequestStats(prompt_tokens=prompt_len), next(_arrivals))
+    seq = GeneratedSequence(req, 0, RequestState(ids, GenerationConfig()), ByteDecoder(), [0], 4096)
+    req.sequences.append(seq)
+    return seq
+
+
+def feed(scheduler: Scheduler, plan) -> None:
+    """Put the plan's chunks into the (bookkeeping) KV cache as the model step does, without logits."""
+    for seq, _ in plan.chunks:
+        if not seq.in_model:
+            scheduler.place(seq)
+    for seq, take in plan.chunks:
+        take = min(take, len(seq.feed))
+        scheduler.model.prefill([seq.seq_id], [seq.feed[:take]])
+        seq.kv_len += take
+        seq.feed = seq.feed[take:]
+        if not seq.feed:
+            seq.in_prefill = False
+            seq.feed = [7]  # as if its first token was sampled: it decodes from the next step on
+
+
+@pytest.fixture()
+def scheduler() -> Scheduler:
+    return Scheduler(LengthsOnly(), max_batch=4, max_total_tokens=4096, stats=EngineStats(),
+                     prefix_cache=PrefixCache(4096, 8))
+
+
+def admit(scheduler: Scheduler, *seqs: GeneratedSequence) -> None:
+    for seq in seqs:
+        scheduler.add(seq.request)
+    scheduler.admit()
+
+
+def test_chunks_go_in_shortest_rest_first_within_the_budget(scheduler) -> None:
+    long, short = request("long", 300), request("short", 40)
+    admit(scheduler, long, short)
+    budget = StepBudget(max_tokens=64, prefill_with_decode=16)
+    plan = scheduler.plan(budget, {})
+    assert [(s.request_id, take) for s, take in plan.chunks] == [("short", 40), ("long", 24)] and not plan.decode
+    feed(scheduler, plan)
+    # "short" now decodes: one token first, then at most 16 prefill tokens beside it
+    plan = scheduler.plan(budget, {})
+    assert plan.decode == [short] and [(s.request_id, take) for s, take in plan.chunks] == [("long", 16)]
+    assert plan.tokens == 17
+    chunks = []
+    while long.in_prefill:
+        plan = scheduler.plan(budget, {})
+        chunks.append(plan.chunks[0][1])
+        feed(scheduler, plan)
+    assert sum(chunks) == 300 - 24 and set(chunks[:-1]) == {16} and 0 < chunks[-1] <= 16
+
+
+def test_drafts_fit_in_the_budget_and_give_way_to_one_prefill_token(scheduler) -> None:
+    a, b, waiting = request("a", 5), request("b", 5), request("waiting", 50)
+    admit(scheduler, a, b)
+    feed(scheduler, scheduler.plan(StepBudget(), {}))
+    drafts = {a: [1, 2, 3, 4], b: [5, 6, 7, 8]}
+    plan = scheduler.plan(StepBudget(max_tokens=10), drafts)
+    assert plan.drafts == drafts and plan.tokens == 10 and not plan.chunks  # nothing to prefill: all drafts fit
+    admit(scheduler, waiting)
+    plan = scheduler.plan(StepBudget(max_tokens=10), drafts)
+    assert plan.drafts == {a: [1, 2, 3, 4]} and plan.decode == [b]  # the last planned lost its drafts
+    assert [(s.request_id, take) for s, take in plan.chunks] == [("waiting", 4)] and plan.tokens == 10
+
+
+def test_no_budget_prefills_every_prompt_whole(scheduler) -> None:
+    seqs = [request(f"r{i}", n) for i, n in enumerate([700, 3, 90])]
+    admit(scheduler, *seqs)
+    plan = scheduler.plan(StepBudget(), {})
+    assert sorted(take for _, take in plan.chunks) == [3, 90, 700]
+
+
+def test_a_prefix_cache_hit_is_counted_out_of_the_budget(scheduler) -> None:
+    """A prompt sharing 250 tokens with a cache entry plans chunks of the other 50: the budget is not spent on what
+    the cache gives."""
+    first = request("first", 300)
+    admit(scheduler, first)
+    feed(scheduler, scheduler.plan(StepBudget(), {}))
+    first.finish("length", Delta("first", 0))
+    scheduler.retire({})
+    assert scheduler.cached_tokens == 300
+    second = request("second", 300)
+    second.feed = second.feed[:250] + [299] * 50
+    second.state = RequestState(second.feed, GenerationConfig())
+    admit(scheduler, second)
+    plan = scheduler.plan(StepBudget(max_tokens=32), {})
+    assert [(s.request_id, take) for s, take in plan.chunks] == [("second", 32)]
+    feed(scheduler, plan)
+    assert second.kv_len == 250 + 32 and second.request.stats.cached_tokens == 250
+    plan = scheduler.plan(StepBudget(max_tokens=32), {})
+    assert [take for _, take in plan.chunks] == [18]
+
+
+def test_a_sequence_preempted_mid_prefill_starts_its_prompt_again(scheduler) -> None:
+    small = Scheduler(LengthsOnly(max_total_tokens=200), max_batch=4, max_total_tokens=200, stats=EngineStats())
+    running, late = request("running", 20), request("late", 150)
+    admit(small, running)
+    feed(small, small.plan(StepBudget(), {}))
+    admit(small, late)
+    feed(small, small.plan(StepBudget(max_tokens=64, prefill_with_decode=8), {}))
+    assert late.kv_len == 8 and late.in_prefill
+    running.kv_len += 40  # the running answer grew: the late prompt no longer fits beside it
+    small.model.prefill([running.seq_id], [[5] * 40])
+    small.make_room()
+    assert small.stats.preemptions == 1 and late.kv_len == 0 and len(late.feed) == 150 and late.in_prefill
+    assert late.seq_id is None and list(small.waiting) == [late.request]
