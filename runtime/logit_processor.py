@@ -19,7 +19,7 @@ from .batch import Batch, DeferredMasks, DraftArg
 from .config import MAX_LOGIT_BIAS_ENTRIES
 from .device import Device, PrefixViews
 from .kernel_library import KernelLibrary, require_kernels
-from .logits_io import LogitsStaging
+from .logits_io import LogitsStaging, caller_array, refuse_read_only
 from .mask_filler import MaskFiller, MaskJob
 from .mask_source import JumpForward, TokenMaskSource
 from .paired_buffer import PairedBuffer
@@ -195,15 +195,17 @@ class LogitProcessor:
         ``compute_probs_from_logits`` applies them first if the step takes the staged path after all.
 
         ``states`` is this step's Batch (``batch()``), or its states (and ``cum_num_token`` / ``draft_trees``), from
-        which a Batch is made. ``logits`` is a float32 numpy array or a device array of this processor's device.
+        which a Batch is made. ``logits`` is a float32 numpy array, a CPU tensor with ``__dlpack__`` (torch, ...)
+        or a device array of this processor's device; a C-contiguous one is written in place without a copy,
+        another one is copied once and written back (``logits_io``). A read-only array is refused.
         Row j of a sequence is processed as if its draft ancestors had been appended; every state is left exactly as
         it was. Masks started by ``start_masks`` for the same rows are used; the returned batch's ``mask_errors``
         says which rows' mask sources failed (those rows allow no token).
         """
-        if isinstance(logits, np.ndarray) and not logits.flags.writeable:
-            raise ValueError("logits is read-only: it is updated in place (pass a writable array, e.g. logits.copy())")
-        batch = self._batch_for(logits, states, cum_num_token, draft_trees)
-        on_device, write_back = self._logits.to_device(logits)
+        array = caller_array(logits)  # (a numpy view of a torch tensor, once per call)
+        refuse_read_only(array)
+        batch = self._batch_for(array, states, cum_num_token, draft_trees)
+        on_device, write_back = self._logits.to_device(array)
         batch.remember_on_device(logits, on_device)
         if batch.any_bias:
             self._apply_logit_bias(on_device, batch)
@@ -223,10 +225,11 @@ class LogitProcessor:
         (valid until the next call), a numpy copy from other devices, else a device array. With this step's Batch,
         logits already on the device (``inplace_update_logits``) are not copied again.
         """
-        batch = self._batch_for(logits, states, cum_num_token, draft_trees)
+        array = caller_array(logits)
+        batch = self._batch_for(array, states, cum_num_token, draft_trees)
         on_device = batch.on_device(logits)
         if on_device is None:
-            on_device, _ = self._logits.to_device(logits)
+            on_device, _ = self._logits.to_device(array, writes=False)
         if batch.deferred_masks is not None:  # inplace_update_logits(defer_masks=True), then the staged path
             deferred, batch.deferred_masks = batch.deferred_masks, None
             self.kernels[bitmask.NAME](on_device, deferred.row_ids_on_device, deferred.bitmask)

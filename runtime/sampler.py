@@ -3,8 +3,9 @@
 Two ways to sample: staged (``renormalize`` then ``sample``, on probabilities from
 ``LogitProcessor.compute_probs_from_logits``; each stage writes a full ``[N, V]`` array) for callers who want the
 probabilities, and fused (``sample_from_logits``: one kernel from the processed logits to the tokens, nothing
-``[N, V]`` written) for everyone else. With the same seeds both give the same tokens and the same logprobs (chosen
-token and top-n, processed or raw).
+``[N, V]`` written; with ``processor=`` it runs that LogitProcessor's stages first: the whole step in one call) for
+everyone else. With the same seeds both give the same tokens and the same logprobs (chosen token and top-n,
+processed or raw). Inputs are the caller's arrays (numpy, torch, ...), read in place (``logits_io``).
 
 Sampling draws one uniform number per row from the row's own request stream (``RequestState.rng``, seeded by
 ``GenerationConfig.seed``), so a seeded request gets the same tokens whatever else is in the batch and at whichever
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from logitproc.tir_kernels import log_softmax, multinomial, renormalize, sample_from_logits, top_n
@@ -30,9 +31,12 @@ from logitproc.tir_kernels import log_softmax, multinomial, renormalize, sample_
 from .batch import Batch, DraftArg
 from .device import Device, PrefixViews
 from .kernel_library import KernelLibrary, require_kernels
-from .logits_io import LogitsStaging
+from .logits_io import LogitsStaging, caller_array
 from .paired_buffer import PairedBuffer
 from .request_state import RequestState
+
+if TYPE_CHECKING:
+    from .logit_processor import LogitProcessor
 
 DEFAULT_MAX_ROWS = 256
 #: The kernels this sampler launches (names from each kernel module's NAME).
@@ -130,10 +134,11 @@ class Sampler:
         batch.check_array(probs, what, self.vocab_size, self.max_num_token, "the sampler's ")
         return batch
 
-    def _on_device(self, probs: Any, batch: Batch) -> Any:
+    def _on_device(self, probs: Any, batch: Batch, array: Any) -> Any:
+        """The device array of the caller's ``probs`` (``array``: it as ``caller_array`` gives it), once a step."""
         on_device = batch.on_device(probs)
         if on_device is None:
-            on_device, _ = self._probs.to_device(probs)
+            on_device, _ = self._probs.to_device(array, writes=False)
             batch.remember_on_device(probs, on_device)
         return on_device
 
@@ -144,12 +149,13 @@ class Sampler:
         itself when no row filters anything (nothing is launched), else the sampler's buffer (numpy for numpy input,
         valid until the next call).
         """
-        batch = self._batch_for(probs, states, cum_num_token, draft_trees)
+        array = caller_array(probs, "probs")
+        batch = self._batch_for(array, states, cum_num_token, draft_trees)
         if not batch.any_filters:
             return probs
         rows = batch.num_rows
         args = self._filters_to_device(batch)
-        on_device = self._on_device(probs, batch)
+        on_device = self._on_device(probs, batch, array)
         self.device.wait_for_copies()
         out = self._renormalized(rows)
         self.kernels[renormalize.NAME](on_device, *args, out)
@@ -192,10 +198,11 @@ class Sampler:
     def sample(self, probs: Any, states: BatchArg, cum_num_token: Any = None, draft_trees: DraftArg = None,
                raw_logits: np.ndarray | None = None) -> SampleResult:
         """Draw one token per row from ``probs`` ``[N, V]`` (after ``renormalize``), with logprobs as requested."""
-        batch = self._batch_for(probs, states, cum_num_token, draft_trees)
+        array = caller_array(probs, "probs")
+        batch = self._batch_for(array, states, cum_num_token, draft_trees)
         rows = batch.num_rows
         u = self._uniform_to_device(batch)
-        on_device = self._on_device(probs, batch)
+        on_device = self._on_device(probs, batch, array)
         self.device.wait_for_copies()
         tokens = self._tokens(rows)
         chosen = self._chosen(rows)
@@ -203,8 +210,13 @@ class Sampler:
         return self._result(batch, tokens, chosen, raw_logits, lambda n: self._top_n(on_device, rows, n))
 
     def sample_from_logits(self, logits: Any, states: BatchArg, cum_num_token: Any = None,
-                           draft_trees: DraftArg = None, raw_logits: np.ndarray | None = None) -> SampleResult:
+                           draft_trees: DraftArg = None, raw_logits: np.ndarray | None = None, *,
+                           processor: LogitProcessor | None = None) -> SampleResult:
         """One token per row straight from the processed logits ``[N, V]`` (after ``inplace_update_logits``).
+
+        With ``processor``, the whole step in one call: ``processor.inplace_update_logits(logits, batch,
+        defer_masks=True)`` first (bias and penalties written into ``logits`` in place, the masks left to this
+        kernel), on one Batch made by that processor (or ``states`` when it is one).
 
         The same tokens as ``sample(renormalize(compute_probs_from_logits(logits)))`` with the same seeds: the
         ``sample_from_logits`` kernel runs each row's temperature softmax, min-p / top-k / top-p and the draw in one
@@ -214,12 +226,18 @@ class Sampler:
         that ask for them. A row whose logits hold a NaN or a +inf is flagged by the kernel as it reads it
         (``SampleResult.non_finite_logits``, token -1, no logprobs) rather than sampled.
         """
-        batch = self._batch_for(logits, states, cum_num_token, draft_trees, "logits")
+        if processor is not None:
+            if not isinstance(states, Batch):
+                states = processor.batch(states, cum_num_token, draft_trees)
+                cum_num_token = draft_trees = None
+            processor.inplace_update_logits(logits, states, defer_masks=True)
+        array = caller_array(logits)
+        batch = self._batch_for(array, states, cum_num_token, draft_trees, "logits")
         rows = batch.num_rows
         self._renorm.host_prefix(rows)[:] = 1 if batch.any_filters else 0  # where the staged path renormalizes
         args = [*self._filters_to_device(batch, temperature=True), self._renorm.to_device(rows),
                 self._uniform_to_device(batch), *self._masks_to_device(batch)]
-        on_device = self._on_device(logits, batch)
+        on_device = self._on_device(logits, batch, array)
         self.device.wait_for_copies()
         tokens = self._tokens(rows)
         chosen = self._chosen(rows)
@@ -295,7 +313,7 @@ class Sampler:
             raise ValueError(f"raw_logits must have shape [{rows}, {self.vocab_size}], got {list(raw.shape)}")
         if self._raw is None:  # [capacity, V] more memory only for batches that ask for raw logprobs
             self._raw = LogitsStaging(self.device, self.max_num_token, self.vocab_size)
-        on_device, _ = self._raw.to_device(raw)
+        on_device, _ = self._raw.to_device(raw, writes=False)
         self._gather_ids.host_prefix(rows)[:] = np.maximum(token_ids, 0)
         ids = self._gather_ids.to_device(rows)
         self.device.wait_for_copies()

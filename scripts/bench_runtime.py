@@ -2,6 +2,7 @@
 
     python scripts/bench_runtime.py [--batch 1 8 64] [--vocab 32000 128256] [--repeat 9] [--markdown] [--top-logprobs N]
     python scripts/bench_runtime.py --host-overhead [--output-tokens 1000 32000]
+    python scripts/bench_runtime.py --public-api [--parts steps hf] [--hf-batch 1 8] [--hf-repeat 3]
 
 One step: logit bias (16 tokens per row), penalties (512 appeared tokens per row), a grammar bitmask on half the
 rows, temperature softmax, top-p 0.9, sampling. ``staged`` samples through ``compute_probs_from_logits`` ->
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -278,10 +280,23 @@ def main() -> None:
     parser.add_argument("--host-overhead", action="store_true")
     parser.add_argument("--top-logprobs", type=int, default=0, help="processed top-n logprobs on every row")
     parser.add_argument("--output-tokens", type=int, nargs="+", default=[1000, 32000])
+    parser.add_argument("--public-api", action="store_true",
+                        help="the public API on numpy and torch logits, and HF generate() (bench_public_api.py)")
+    parser.add_argument("--parts", nargs="+", choices=["steps", "hf"], default=["steps", "hf"],
+                        help="--public-api: the steps on numpy / torch, HF generate(), or both")
+    parser.add_argument("--hf-batch", type=int, nargs="+", default=[1, 8], help="--public-api: generate() batches")
+    parser.add_argument("--hf-repeat", type=int, default=3, help="--public-api: generate() rounds")
     args = parser.parse_args()
     lib = build_kernels("cpu")
-    print(f"# machine: {machine_line()}")
-    if args.host_overhead:
+    print(f"# machine: {machine_line()}; load average {os.getloadavg()[0]:.1f} at the start")
+    if args.public_api:
+        from bench_public_api import bench_hf_generate, bench_public_api
+
+        if "steps" in args.parts:
+            bench_public_api(args, lib)
+        if "hf" in args.parts:
+            bench_hf_generate(args, lib)
+    elif args.host_overhead:
         bench_host_overhead(args, lib)
     else:
         bench_steps(args, lib)

@@ -23,7 +23,7 @@ import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ._common import is_cpu, max_threads
+from ._common import CALLER_ARRAY_ALIGN, is_cpu, max_threads
 from ._reductions import row_of
 from ._select import CPU_WIDTH, NO_INDEX, row_best_cpu, row_best_gpu
 
@@ -40,7 +40,7 @@ def _cpu() -> tirx.PrimFunc:
     def argmax(var_x: T.handle, var_index: T.handle, var_value: T.handle):
         T.func_attr({"tirx.noalias": True})
         batch, vocab = T.int32(), T.int32()
-        x = T.match_buffer(var_x, (batch, vocab), "float32")
+        x = T.match_buffer(var_x, (batch, vocab), "float32", align=CALLER_ARRAY_ALIGN)
         index = T.match_buffer(var_index, (batch,), "int32")
         value = T.match_buffer(var_value, (batch,), "float32")
         for r in T.parallel(batch):
@@ -60,7 +60,7 @@ def _gpu(threads: int) -> tirx.PrimFunc:
     def argmax(var_x: T.handle, var_index: T.handle, var_value: T.handle):
         T.func_attr({"tirx.noalias": True})
         batch, vocab = T.int32(), T.int32()
-        x = T.match_buffer(var_x, (batch, vocab), "float32")
+        x = T.match_buffer(var_x, (batch, vocab), "float32", align=CALLER_ARRAY_ALIGN)
         index = T.match_buffer(var_index, (batch,), "int32")
         value = T.match_buffer(var_value, (batch,), "float32")
         for r in T.thread_binding(batch, thread="blockIdx.x"):

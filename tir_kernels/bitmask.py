@@ -22,7 +22,7 @@ import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ._common import is_cpu, max_threads, neg_inf
+from ._common import CALLER_ARRAY_ALIGN, is_cpu, max_threads, neg_inf
 
 NAME = "apply_bitmask_inplace"
 
@@ -38,7 +38,7 @@ def _cpu() -> tirx.PrimFunc:
     def apply_bitmask_inplace(var_logits: T.handle, var_row_ids: T.handle, var_bitmask: T.handle):
         T.func_attr({"tirx.noalias": True})
         batch, vocab, num_rows, num_words = T.int32(), T.int32(), T.int32(), T.int32()
-        logits = T.match_buffer(var_logits, (batch, vocab), "float32")
+        logits = T.match_buffer(var_logits, (batch, vocab), "float32", align=CALLER_ARRAY_ALIGN)
         row_ids = T.match_buffer(var_row_ids, (num_rows,), "int32")
         bitmask = T.match_buffer(var_bitmask, (num_rows, num_words), "int32")
         for i in T.parallel(num_rows):
@@ -60,7 +60,7 @@ def _gpu(threads: int) -> tirx.PrimFunc:
     def apply_bitmask_inplace(var_logits: T.handle, var_row_ids: T.handle, var_bitmask: T.handle):
         T.func_attr({"tirx.noalias": True})
         batch, vocab, num_rows, num_words = T.int32(), T.int32(), T.int32(), T.int32()
-        logits = T.match_buffer(var_logits, (batch, vocab), "float32")
+        logits = T.match_buffer(var_logits, (batch, vocab), "float32", align=CALLER_ARRAY_ALIGN)
         row_ids = T.match_buffer(var_row_ids, (num_rows,), "int32")
         bitmask = T.match_buffer(var_bitmask, (num_rows, num_words), "int32")
         for i in T.thread_binding(num_rows, thread="blockIdx.y"):

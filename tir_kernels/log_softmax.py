@@ -28,7 +28,7 @@ import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ._common import is_cpu, max_threads, neg_inf
+from ._common import CALLER_ARRAY_ALIGN, is_cpu, max_threads, neg_inf
 from ._reductions import CPU_WORD, cpu_row_max, cpu_row_sum_exp, gpu_row_max, gpu_row_sum_exp, safe_shift
 
 NAME = "log_softmax_gather"
@@ -55,7 +55,7 @@ def _cpu() -> tirx.PrimFunc:
                            var_logsumexp: T.handle):
         T.func_attr({"tirx.noalias": True})
         batch, vocab = T.int32(), T.int32()
-        logits = T.match_buffer(var_logits, (batch, vocab), "float32")
+        logits = T.match_buffer(var_logits, (batch, vocab), "float32", align=CALLER_ARRAY_ALIGN)
         target_ids = T.match_buffer(var_target_ids, (batch,), "int32")
         logprob = T.match_buffer(var_logprob, (batch,), "float32")
         logsumexp = T.match_buffer(var_logsumexp, (batch,), "float32")
@@ -79,7 +79,7 @@ def _gpu(threads: int) -> tirx.PrimFunc:
                            var_logsumexp: T.handle):
         T.func_attr({"tirx.noalias": True})
         batch, vocab = T.int32(), T.int32()
-        logits = T.match_buffer(var_logits, (batch, vocab), "float32")
+        logits = T.match_buffer(var_logits, (batch, vocab), "float32", align=CALLER_ARRAY_ALIGN)
         target_ids = T.match_buffer(var_target_ids, (batch,), "int32")
         logprob = T.match_buffer(var_logprob, (batch,), "float32")
         logsumexp = T.match_buffer(var_logsumexp, (batch,), "float32")

@@ -17,7 +17,7 @@ import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ._common import is_cpu, max_threads
+from ._common import CALLER_ARRAY_ALIGN, is_cpu, max_threads
 
 NAME = "apply_logit_bias_inplace"
 
@@ -29,7 +29,7 @@ def _cpu() -> tirx.PrimFunc:
                                  var_bias: T.handle):
         T.func_attr({"tirx.noalias": True})
         batch, vocab, num_entries = T.int32(), T.int32(), T.int32()
-        logits = T.match_buffer(var_logits, (batch, vocab), "float32")
+        logits = T.match_buffer(var_logits, (batch, vocab), "float32", align=CALLER_ARRAY_ALIGN)
         pos2seq = T.match_buffer(var_pos2seq, (num_entries,), "int32")
         token_ids = T.match_buffer(var_token_ids, (num_entries,), "int32")
         bias = T.match_buffer(var_bias, (num_entries,), "float32")
@@ -46,7 +46,7 @@ def _gpu(threads: int) -> tirx.PrimFunc:
                                  var_bias: T.handle):
         T.func_attr({"tirx.noalias": True})
         batch, vocab, num_entries = T.int32(), T.int32(), T.int32()
-        logits = T.match_buffer(var_logits, (batch, vocab), "float32")
+        logits = T.match_buffer(var_logits, (batch, vocab), "float32", align=CALLER_ARRAY_ALIGN)
         pos2seq = T.match_buffer(var_pos2seq, (num_entries,), "int32")
         token_ids = T.match_buffer(var_token_ids, (num_entries,), "int32")
         bias = T.match_buffer(var_bias, (num_entries,), "float32")

@@ -35,7 +35,7 @@ import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ._common import CPU_LANES, is_cpu, max_threads
+from ._common import CALLER_ARRAY_ALIGN, CPU_LANES, is_cpu, max_threads
 from ._reductions import row_of
 
 NAME = "multinomial_from_uniform"
@@ -238,7 +238,7 @@ def _cpu() -> tirx.PrimFunc:
                                  var_chosen: T.handle):
         T.func_attr({"tirx.noalias": True})
         batch, vocab = T.int32(), T.int32()
-        probs = T.match_buffer(var_probs, (batch, vocab), "float32")
+        probs = T.match_buffer(var_probs, (batch, vocab), "float32", align=CALLER_ARRAY_ALIGN)
         uniform = T.match_buffer(var_uniform, (batch,), "float32")
         token = T.match_buffer(var_token, (batch,), "int32")
         chosen = T.match_buffer(var_chosen, (batch,), "float32")
@@ -328,7 +328,7 @@ def _gpu(threads: int) -> tirx.PrimFunc:
                                  var_chosen: T.handle):
         T.func_attr({"tirx.noalias": True})
         batch, vocab = T.int32(), T.int32()
-        probs = T.match_buffer(var_probs, (batch, vocab), "float32")
+        probs = T.match_buffer(var_probs, (batch, vocab), "float32", align=CALLER_ARRAY_ALIGN)
         uniform = T.match_buffer(var_uniform, (batch,), "float32")
         token = T.match_buffer(var_token, (batch,), "int32")
         chosen = T.match_buffer(var_chosen, (batch,), "float32")

@@ -25,7 +25,7 @@ import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ._common import is_cpu, max_threads
+from ._common import CALLER_ARRAY_ALIGN, is_cpu, max_threads
 from ._reductions import prefetch
 
 NAME = "apply_penalty_inplace"
@@ -48,7 +48,7 @@ def _cpu() -> tirx.PrimFunc:
                               var_token_cnt: T.handle, var_penalties: T.handle):
         T.func_attr({"tirx.noalias": True})
         batch, vocab, num_entries = T.int32(), T.int32(), T.int32()
-        logits = T.match_buffer(var_logits, (batch, vocab), "float32")
+        logits = T.match_buffer(var_logits, (batch, vocab), "float32", align=CALLER_ARRAY_ALIGN)
         pos2seq = T.match_buffer(var_pos2seq, (num_entries,), "int32")
         token_ids = T.match_buffer(var_token_ids, (num_entries,), "int32")
         token_cnt = T.match_buffer(var_token_cnt, (num_entries,), "int32")
@@ -71,7 +71,7 @@ def _gpu(threads: int) -> tirx.PrimFunc:
                               var_token_cnt: T.handle, var_penalties: T.handle):
         T.func_attr({"tirx.noalias": True})
         batch, vocab, num_entries = T.int32(), T.int32(), T.int32()
-        logits = T.match_buffer(var_logits, (batch, vocab), "float32")
+        logits = T.match_buffer(var_logits, (batch, vocab), "float32", align=CALLER_ARRAY_ALIGN)
         pos2seq = T.match_buffer(var_pos2seq, (num_entries,), "int32")
         token_ids = T.match_buffer(var_token_ids, (num_entries,), "int32")
         token_cnt = T.match_buffer(var_token_cnt, (num_entries,), "int32")

@@ -75,7 +75,7 @@ import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ._common import CPU_LANES, is_cpu, max_threads
+from ._common import CALLER_ARRAY_ALIGN, CPU_LANES, is_cpu, max_threads
 from ._reductions import row_of
 
 NAME = "renormalize_probs"
@@ -539,7 +539,7 @@ def _cpu() -> tirx.PrimFunc:
                           var_out: T.handle):
         T.func_attr({"tirx.noalias": True})
         batch, vocab = T.int32(), T.int32()
-        probs = T.match_buffer(var_probs, (batch, vocab), "float32")
+        probs = T.match_buffer(var_probs, (batch, vocab), "float32", align=CALLER_ARRAY_ALIGN)
         top_k = T.match_buffer(var_top_k, (batch,), "int32")
         top_p = T.match_buffer(var_top_p, (batch,), "float32")
         min_p = T.match_buffer(var_min_p, (batch,), "float32")
@@ -701,7 +701,7 @@ def _gpu(threads: int, uniform_loops: bool) -> tirx.PrimFunc:
                           var_out: T.handle):
         T.func_attr({"tirx.noalias": True})
         batch, vocab = T.int32(), T.int32()
-        probs = T.match_buffer(var_probs, (batch, vocab), "float32")
+        probs = T.match_buffer(var_probs, (batch, vocab), "float32", align=CALLER_ARRAY_ALIGN)
         top_k = T.match_buffer(var_top_k, (batch,), "int32")
         top_p = T.match_buffer(var_top_p, (batch,), "float32")
         min_p = T.match_buffer(var_min_p, (batch,), "float32")

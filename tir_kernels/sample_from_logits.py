@@ -57,7 +57,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from . import multinomial, renormalize
-from ._common import is_cpu, max_threads, neg_inf, pos_inf
+from ._common import CALLER_ARRAY_ALIGN, is_cpu, max_threads, neg_inf, pos_inf
 from ._reductions import (
     CPU_CHUNK,
     CPU_WORD,
@@ -325,7 +325,7 @@ def _kernel(rows: Callable[..., None]) -> tirx.PrimFunc:
                            var_top_count: T.handle, var_top_values: T.handle, var_top_ids: T.handle):
         T.func_attr({"tirx.noalias": True})
         batch, vocab, num_masks, num_words, n = T.int32(), T.int32(), T.int32(), T.int32(), T.int32()
-        logits = T.match_buffer(var_logits, (batch, vocab), "float32")
+        logits = T.match_buffer(var_logits, (batch, vocab), "float32", align=CALLER_ARRAY_ALIGN)
         temperature = T.match_buffer(var_temperature, (batch,), "float32")
         top_k = T.match_buffer(var_top_k, (batch,), "int32")
         top_p = T.match_buffer(var_top_p, (batch,), "float32")

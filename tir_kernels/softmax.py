@@ -38,7 +38,7 @@ import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ._common import is_cpu, max_threads, neg_inf
+from ._common import CALLER_ARRAY_ALIGN, is_cpu, max_threads, neg_inf
 from ._reductions import (
     CPU_CHUNK,
     CPU_WORD,
@@ -109,7 +109,7 @@ def _cpu() -> tirx.PrimFunc:
     def softmax_with_temperature(var_logits: T.handle, var_temperature: T.handle, var_probs: T.handle):
         T.func_attr({"tirx.noalias": True})
         batch, vocab = T.int32(), T.int32()
-        logits = T.match_buffer(var_logits, (batch, vocab), "float32")
+        logits = T.match_buffer(var_logits, (batch, vocab), "float32", align=CALLER_ARRAY_ALIGN)
         temperature = T.match_buffer(var_temperature, (batch,), "float32")
         probs = T.match_buffer(var_probs, (batch, vocab), "float32")
         for r in T.parallel(batch):
@@ -161,7 +161,7 @@ def _gpu(threads: int) -> tirx.PrimFunc:
     def softmax_with_temperature(var_logits: T.handle, var_temperature: T.handle, var_probs: T.handle):
         T.func_attr({"tirx.noalias": True})
         batch, vocab = T.int32(), T.int32()
-        logits = T.match_buffer(var_logits, (batch, vocab), "float32")
+        logits = T.match_buffer(var_logits, (batch, vocab), "float32", align=CALLER_ARRAY_ALIGN)
         temperature = T.match_buffer(var_temperature, (batch,), "float32")
         probs = T.match_buffer(var_probs, (batch, vocab), "float32")
         for bx in T.thread_binding(batch, thread="blockIdx.x"):

@@ -32,7 +32,7 @@ import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ._common import is_cpu, max_threads
+from ._common import CALLER_ARRAY_ALIGN, is_cpu, max_threads
 from ._reductions import row_of
 from ._select import row_top_cpu, row_top_gpu
 
@@ -44,7 +44,7 @@ def _cpu() -> tirx.PrimFunc:
     def top_n(var_x: T.handle, var_values: T.handle, var_indices: T.handle):
         T.func_attr({"tirx.noalias": True})
         batch, vocab, n = T.int32(), T.int32(), T.int32()
-        x = T.match_buffer(var_x, (batch, vocab), "float32")
+        x = T.match_buffer(var_x, (batch, vocab), "float32", align=CALLER_ARRAY_ALIGN)
         values = T.match_buffer(var_values, (batch, n), "float32")
         indices = T.match_buffer(var_indices, (batch, n), "int32")
         for r in T.parallel(batch):
@@ -57,7 +57,7 @@ def _gpu(threads: int) -> tirx.PrimFunc:
     def top_n(var_x: T.handle, var_values: T.handle, var_indices: T.handle):
         T.func_attr({"tirx.noalias": True})
         batch, vocab, n = T.int32(), T.int32(), T.int32()
-        x = T.match_buffer(var_x, (batch, vocab), "float32")
+        x = T.match_buffer(var_x, (batch, vocab), "float32", align=CALLER_ARRAY_ALIGN)
         values = T.match_buffer(var_values, (batch, n), "float32")
         indices = T.match_buffer(var_indices, (batch, n), "int32")
         for r in T.thread_binding(batch, thread="blockIdx.x"):
