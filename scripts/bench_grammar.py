@@ -5,7 +5,15 @@ validate (``coverage``); how often answers end as whole documents at small max_t
 step (``closing``).
 
     python scripts/bench_grammar.py [--only masks|coverage|closing] [--generations 20] [--batch 16 64]
-                                    [--forward-ms 8]
+                                    [--forward-ms 8] [--maskbench ../shared/data/maskbench-dev]
+
+``coverage`` also runs over a MaskBench sample when ``--maskbench`` names its folder (files ``{"schema": ...,
+"tests": [{"data": ..., "valid": ...}]}``): each schema compiled as a request's would be, each labelled instance's
+compact JSON text, tokenised by the real tokenizer, fed to a fresh matcher (a mask computed before every token, as
+in generation): compile errors, valid instances refused (told apart: refused only for their key order, which
+llguidance fixes to the schema's; refused by llguidance on the unrewritten schema too; refused only after the
+fallback chain's rewrites), invalid ones accepted (and how many of those the answer's validation reports), engine
+failures, mask time per token and compile times.
 
 Generations are driven by random logits (tests/grammar_driver.py). The "forward" of the overlap measurement is a
 stand-in for a device computing the logits (the host waits; a sleep of --forward-ms), which is what the overlap is
@@ -15,6 +23,7 @@ for: masks are filled by the host while the GPU runs the model.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -26,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import material  # noqa: E402
 from bench_common import machine_line  # noqa: E402
-from grammar_driver import accepts_value, allowed_ids, closer_bonus, drive  # noqa: E402
+from grammar_driver import accepts_value, allowed_ids, closer_bonus, drive, maskbench_folder  # noqa: E402
 from logitproc import GenerationConfig, LogitProcessor, RequestState  # noqa: E402
 from logitproc.compile import build_kernels  # noqa: E402
 from logitproc.runtime.answer_check import check_answer  # noqa: E402
@@ -34,6 +43,7 @@ from logitproc.runtime.constraints import ConstraintFactory  # noqa: E402
 from logitproc.runtime.grammar import GrammarError, GrammarSource, TokenizerAdapter, get_backend  # noqa: E402
 from logitproc.runtime.grammar.closing import DocumentClosing, shortest_completion  # noqa: E402
 from logitproc.runtime.grammar.completion_hints import completion_hints  # noqa: E402
+from logitproc.runtime.grammar.llguidance_backend import LLGuidanceMatcher  # noqa: E402
 from logitproc.runtime.response_format import ResponseFormat, parse_response_format  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
@@ -67,6 +77,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--forward-ms", type=float, default=8.0)
     parser.add_argument("--only", choices=["masks", "coverage", "closing"], help="run one part (default: all)")
+    parser.add_argument("--maskbench", type=Path, default=maskbench_folder(),
+                        help="a MaskBench sample's folder (coverage; default: shared/data/maskbench-dev beside the "
+                        "checkout; skipped when there is none)")
     args = parser.parse_args()
 
     adapter = TokenizerAdapter(Tokenizer.from_file(str(material.deepseek_tokenizer_path())), V, [EOS])
@@ -74,6 +87,10 @@ def main() -> None:
     print(machine_line())
     if args.only in (None, "coverage"):
         coverage(adapter, bonus)
+        if args.maskbench is not None and args.maskbench.is_dir():
+            maskbench(args.maskbench, adapter)
+        else:
+            print("\n(no MaskBench sample: skipped)")
     if args.only in (None, "closing"):
         closing(adapter, bonus)
     if args.only in (None, "masks"):
@@ -132,6 +149,106 @@ def coverage(adapter: TokenizerAdapter, bonus: np.ndarray) -> None:
         ms = f"{1000 * statistics.median(times):.1f}, {1000 * max(times):.0f}"
         print(f"| {label} | {len(schemas)} | {strict} | {relaxed} | {refused} ({refused_valid}) | {ms} | "
               f"{f'{accepted}/{instances}' if instances else '-'} | {answers} |")
+
+
+class _Feed:
+    """What feeding one instance's text gave: accepted, or the engine failed (a GrammarError mid-text)."""
+
+    def __init__(self, accepted: bool, failure: str | None = None) -> None:
+        self.accepted = accepted
+        self.failure = failure
+
+
+def feed_text(matcher, adapter: TokenizerAdapter, text: str, mask_times: list[float]) -> _Feed:
+    """Feed ``text`` (the real tokenizer's tokens) to ``matcher`` as generation would: a mask before each token,
+    its seconds appended to ``mask_times``; accepted when every token is taken and the grammar accepts at the end."""
+    row = np.zeros((adapter.vocab_size + 31) // 32, np.int32)
+    try:
+        for token in adapter.encode(text):
+            started = time.perf_counter()
+            matcher.fill_next_token_bitmask(row)
+            mask_times.append(time.perf_counter() - started)
+            if not matcher.try_accept_token(token):
+                return _Feed(False)
+        return _Feed(matcher.is_accepting())
+    except GrammarError as err:
+        return _Feed(False, str(err))
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def maskbench(folder: Path, adapter: TokenizerAdapter) -> None:
+    """The MaskBench sample (see the module doc): one table of counts, then mask and compile times; the refused
+    valid instances are listed by file."""
+    backend = get_backend("llguidance", adapter)
+    files = sorted(folder.glob("*.json"))
+    counts = dict.fromkeys(("schemas", "compile errors", "valid", "valid refused", "key order", "llguidance itself",
+                            "after rewrites", "invalid", "invalid accepted", "reported", "engine failures"), 0)
+    compile_times: list[float] = []
+    mask_times: list[float] = []
+    listed: list[str] = []
+    for path in files:
+        data = json.loads(path.read_text())
+        counts["schemas"] += 1
+        fmt = ResponseFormat.json_schema(data["schema"])
+        started = time.perf_counter()
+        try:
+            compiled = backend.compile(fmt)
+        except GrammarError as err:
+            counts["compile errors"] += 1
+            listed.append(f"{path.name}: compile error: {err}")
+            continue
+        finally:
+            compile_times.append(time.perf_counter() - started)
+        for test in data["tests"]:
+            text = json.dumps(test["data"], separators=(",", ":"), ensure_ascii=False)
+            fed = feed_text(backend.matcher(compiled), adapter, text, mask_times)
+            if fed.failure is not None:
+                counts["engine failures"] += 1
+                listed.append(f"{path.name}: engine failure: {fed.failure}")
+                continue
+            if not test["valid"]:
+                counts["invalid"] += 1
+                if fed.accepted:
+                    counts["invalid accepted"] += 1
+                    check = check_answer(fmt, text)
+                    counts["reported"] += bool(check and check.valid is False)
+                continue
+            counts["valid"] += 1
+            if fed.accepted:
+                continue
+            counts["valid refused"] += 1
+            if accepts_value(backend.matcher(compiled), adapter, test["data"]):
+                counts["key order"] += 1
+                continue
+            raw = backend.unrewritten(fmt)
+            if raw is None or accepts_value(LLGuidanceMatcher(raw, adapter), adapter, test["data"]):
+                counts["after rewrites"] += 1
+                why = "llguidance alone cannot compile it" if raw is None else "llguidance alone accepts it"
+                listed.append(f"{path.name}: a valid instance refused after the rewrites ({why}); relaxed: "
+                              f"{', '.join(backend.relaxed_keywords(compiled))}")
+            else:
+                counts["llguidance itself"] += 1
+                listed.append(f"{path.name}: a valid instance refused by llguidance on the unrewritten schema too")
+    print(f"\n## MaskBench sample ({folder.name}: {counts['schemas']} schemas, llguidance, vocabulary "
+          f"{adapter.vocab_size})\n")
+    print("| compile errors | valid instances | refused as written | of which: key order only | llguidance itself | "
+          "after the rewrites | invalid instances | accepted | of which reported by schema_valid | engine failures |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    c = counts
+    print(f"| {c['compile errors']} | {c['valid']} | {c['valid refused']} | {c['key order']} | "
+          f"{c['llguidance itself']} | {c['after rewrites']} | {c['invalid']} | {c['invalid accepted']} | "
+          f"{c['reported']} | {c['engine failures']} |")
+    us = [t * 1e6 for t in mask_times]
+    print(f"\nmask per token: p50 {_percentile(us, 0.5):.0f} us, mean {statistics.mean(us):.0f} us, p99 "
+          f"{_percentile(us, 0.99):.0f} us over {len(us)} tokens; compile: p50 "
+          f"{1000 * _percentile(compile_times, 0.5):.1f} ms, p99 {1000 * _percentile(compile_times, 0.99):.0f} ms, "
+          f"max {1000 * max(compile_times):.0f} ms")
+    for line in listed:
+        print("  " + line)
 
 
 def closing(adapter: TokenizerAdapter, bonus: np.ndarray) -> None:

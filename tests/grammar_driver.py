@@ -11,8 +11,10 @@ is applied with the grammar's, and each chosen token goes through ``closable_tok
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 from logitproc.runtime.grammar import GrammarMatcher, GrammarSource, TokenizerAdapter
@@ -131,6 +133,35 @@ class _Members:
         self.first = first
 
 
+class _Stop:
+    """The end of a partial feed: taken as it is, accepting or not."""
+
+
+_STOP = _Stop()
+
+
+def _open_keys(matcher: GrammarMatcher, singles: dict[int, int], key: str, item: object,
+               others: list[tuple[str, object]], first: bool) -> int | None:
+    """How many of ``others``' keys the grammar allows right after the member ``key: item`` (None: it refuses the
+    member); the matcher is left as it was. A grammar that fixes the order of properties (llguidance writes them in
+    the schema's order) allows the most after the member that comes first, so members are tried in that order."""
+    head = _feed(matcher, singles, (b"" if first else b",") + json.dumps(key, ensure_ascii=False).encode() + b":")
+    if head is None:
+        return None
+    value = _run(matcher, singles, [item, _STOP])
+    if value is None:
+        matcher.rollback(head)
+        return None
+    count = 0
+    for other, _ in others:
+        taken = _feed(matcher, singles, b"," + json.dumps(other, ensure_ascii=False).encode() + b":")
+        if taken is not None:
+            count += 1
+            matcher.rollback(taken)
+    matcher.rollback(head + value)
+    return count
+
+
 def _run(matcher: GrammarMatcher, singles: dict[int, int], todo: list[object]) -> int | None:
     """Feed the items of ``todo`` (bytes, JSON values, object members) in some spelling the grammar takes, ending in
     an accepting state: object keys in any order, integral numbers with or without ``.0``; the bytes taken (the
@@ -139,16 +170,22 @@ def _run(matcher: GrammarMatcher, singles: dict[int, int], todo: list[object]) -
         return 0 if matcher.is_accepting() else None
     head, rest = todo[0], todo[1:]
     options: list[tuple[bytes, list[object]]]
+    if isinstance(head, _Stop):
+        return 0
     if isinstance(head, bytes):
         options = [(head, rest)]
     elif isinstance(head, _Members):
         if not head.members:
             options = [(b"}", rest)]
         else:
-            options = []
+            ranked = []
             for i, (key, item) in enumerate(head.members):
-                text = (b"" if head.first else b",") + json.dumps(key, ensure_ascii=False).encode() + b":"
-                options.append((text, [item, _Members(head.members[:i] + head.members[i + 1:], False), *rest]))
+                others = head.members[:i] + head.members[i + 1:]
+                count = _open_keys(matcher, singles, key, item, others, head.first) if len(head.members) > 1 else 0
+                if count is not None:
+                    text = (b"" if head.first else b",") + json.dumps(key, ensure_ascii=False).encode() + b":"
+                    ranked.append((-count, i, (text, [item, _Members(others, False), *rest])))
+            options = [option for *_, option in sorted(ranked, key=lambda r: r[:2])]
     elif isinstance(head, dict):
         options = [(b"{", [_Members(list(head.items()), True), *rest])]
     elif isinstance(head, list):
@@ -177,3 +214,16 @@ def accepts_value(matcher: GrammarMatcher, adapter: TokenizerAdapter, value: obj
         return False
     matcher.rollback(taken)
     return True
+
+
+def maskbench_folder() -> Path | None:
+    """The MaskBench development sample (``shared/data/maskbench-dev`` beside the checkout, or
+    ``$LOGITPROC_MASKBENCH``), or None when this machine has none."""
+    named = os.environ.get("LOGITPROC_MASKBENCH")
+    if named:
+        return Path(named) if Path(named).is_dir() else None
+    for parent in Path(__file__).resolve().parents:
+        candidate = parent / "shared" / "data" / "maskbench-dev"
+        if candidate.is_dir():
+            return candidate
+    return None

@@ -30,6 +30,7 @@ from .backend import GrammarBackend, GrammarError, GrammarMatcher
 from .schema_rewrite import (
     DATA_KEYWORDS,
     NAMED_SUBSCHEMAS,
+    UNENFORCED,
     drop_patterns,
     normalize,
     relax_subschemas,
@@ -48,9 +49,7 @@ REWRITABLE_ERRORS = ("min/maxProperties", "circular references with sibling keys
 #: A refusal that no relaxation answers: the schema has no valid instance.
 UNSATISFIABLE = "Unsatisfiable schema"
 #: Keywords that only validate (a relaxed grammar drops them); reported when the schema holds them.
-VALIDATION_KEYWORDS = ("uniqueItems", "if", "then", "else", "not", "contains", "minContains", "maxContains",
-                       "dependentSchemas", "dependentRequired", "dependencies", "unevaluatedProperties",
-                       "unevaluatedItems", "propertyNames")
+VALIDATION_KEYWORDS = UNENFORCED
 
 #: llguidance's parser limits: the grammar size raised for large real-world schemas (default 500,000); the lexer's
 #: limits stay (raised, ``a{1000000}`` passes the probe and then costs seconds per mask).
@@ -295,6 +294,16 @@ class LLGuidanceBackend(GrammarBackend):
 
     def relaxed_keywords(self, compiled: LLGuidanceGrammar) -> tuple[str, ...]:
         return compiled.relaxed
+
+    def unrewritten(self, fmt: ResponseFormat) -> llguidance.LLMatcher | None:
+        """llguidance alone on the schema as given (relaxed: lenient, ``oneOf`` as ``anyOf``; none of the chain's
+        rewrites), a fresh matcher; None when it cannot compile it. The reference for what the chain's rewrites
+        change (``scripts/bench_grammar.py``, ``tests/test_grammar_rewrites.py``)."""
+        try:
+            matcher = self._compile(fmt, relaxed=True)
+        except GrammarError:
+            return None
+        return None if matcher.is_error() else matcher
 
     def _probe(self, compiled: llguidance.LLMatcher, response_format: ResponseFormat) -> None:
         """Refuse, before any request starts, a grammar no output can satisfy (no first token and nothing to accept)
