@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import material  # noqa: E402
 from bench_common import machine_line  # noqa: E402
-from grammar_driver import accepts_value, allowed_ids, closer_bonus, drive, maskbench_folder  # noqa: E402
+from grammar_driver import OutOfBudget, accepts_value, allowed_ids, closer_bonus, drive, maskbench_folder  # noqa: E402
 from logitproc import GenerationConfig, LogitProcessor, RequestState  # noqa: E402
 from logitproc.compile import build_kernels  # noqa: E402
 from logitproc.runtime.answer_check import check_answer  # noqa: E402
@@ -89,6 +89,7 @@ def main() -> None:
         coverage(adapter, bonus)
         if args.maskbench is not None and args.maskbench.is_dir():
             maskbench(args.maskbench, adapter)
+            maskbench_masks(args.maskbench, smollm2_adapter())
         else:
             print("\n(no MaskBench sample: skipped)")
     if args.only in (None, "closing"):
@@ -180,17 +181,24 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+#: Texts the search for a refused instance's key order may feed before it gives up (``undecided``).
+FEEDS = 20_000
+
+
 def maskbench(folder: Path, adapter: TokenizerAdapter) -> None:
     """The MaskBench sample (see the module doc): one table of counts, then mask and compile times; the refused
     valid instances are listed by file."""
     backend = get_backend("llguidance", adapter)
     files = sorted(folder.glob("*.json"))
     counts = dict.fromkeys(("schemas", "compile errors", "valid", "valid refused", "key order", "llguidance itself",
-                            "after rewrites", "invalid", "invalid accepted", "reported", "engine failures"), 0)
+                            "after rewrites", "undecided", "invalid", "invalid accepted", "reported",
+                            "engine failures"), 0)
     compile_times: list[float] = []
     mask_times: list[float] = []
     listed: list[str] = []
-    for path in files:
+    for index, path in enumerate(files):
+        if index % 100 == 0:
+            print(f"  ... {index}/{len(files)}", file=sys.stderr, flush=True)
         data = json.loads(path.read_text())
         counts["schemas"] += 1
         fmt = ResponseFormat.json_schema(data["schema"])
@@ -221,11 +229,19 @@ def maskbench(folder: Path, adapter: TokenizerAdapter) -> None:
             if fed.accepted:
                 continue
             counts["valid refused"] += 1
-            if accepts_value(backend.matcher(compiled), adapter, test["data"]):
-                counts["key order"] += 1
+            try:
+                if accepts_value(backend.matcher(compiled), adapter, test["data"], max_feeds=FEEDS):
+                    counts["key order"] += 1
+                    continue
+                raw = backend.unrewritten(fmt)
+                alone = raw is not None and accepts_value(LLGuidanceMatcher(raw, adapter), adapter, test["data"],
+                                                          max_feeds=FEEDS)
+            except OutOfBudget:
+                counts["undecided"] += 1
+                listed.append(f"{path.name}: a valid instance refused as written; the search for its key order gave "
+                              f"up after {FEEDS} feeds")
                 continue
-            raw = backend.unrewritten(fmt)
-            if raw is None or accepts_value(LLGuidanceMatcher(raw, adapter), adapter, test["data"]):
+            if raw is None or alone:
                 counts["after rewrites"] += 1
                 why = "llguidance alone cannot compile it" if raw is None else "llguidance alone accepts it"
                 listed.append(f"{path.name}: a valid instance refused after the rewrites ({why}); relaxed: "
@@ -236,12 +252,13 @@ def maskbench(folder: Path, adapter: TokenizerAdapter) -> None:
     print(f"\n## MaskBench sample ({folder.name}: {counts['schemas']} schemas, llguidance, vocabulary "
           f"{adapter.vocab_size})\n")
     print("| compile errors | valid instances | refused as written | of which: key order only | llguidance itself | "
-          "after the rewrites | invalid instances | accepted | of which reported by schema_valid | engine failures |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "after the rewrites | undecided | invalid instances | accepted | of which reported by schema_valid | "
+          "engine failures |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     c = counts
     print(f"| {c['compile errors']} | {c['valid']} | {c['valid refused']} | {c['key order']} | "
-          f"{c['llguidance itself']} | {c['after rewrites']} | {c['invalid']} | {c['invalid accepted']} | "
-          f"{c['reported']} | {c['engine failures']} |")
+          f"{c['llguidance itself']} | {c['after rewrites']} | {c['undecided']} | {c['invalid']} | "
+          f"{c['invalid accepted']} | {c['reported']} | {c['engine failures']} |")
     us = [t * 1e6 for t in mask_times]
     print(f"\nmask per token: p50 {_percentile(us, 0.5):.0f} us, mean {statistics.mean(us):.0f} us, p99 "
           f"{_percentile(us, 0.99):.0f} us over {len(us)} tokens; compile: p50 "
@@ -249,6 +266,34 @@ def maskbench(folder: Path, adapter: TokenizerAdapter) -> None:
           f"max {1000 * max(compile_times):.0f} ms")
     for line in listed:
         print("  " + line)
+
+
+def smollm2_adapter() -> TokenizerAdapter:
+    """SmolLM2-135M's tokenizer (49,152 tokens), rebuilt from the default model's GGUF (weights not read)."""
+    from logitproc.compile.gguf_model import build_tokenizer, load_default_model
+    from logitproc.compile.model_compile import eos_token_ids
+
+    model = load_default_model(load_weights=False)
+    return TokenizerAdapter(build_tokenizer(model), len(model.tokens), eos_token_ids(model))
+
+
+def maskbench_masks(folder: Path, adapter: TokenizerAdapter) -> None:
+    """Mask time per token on another vocabulary: every valid instance of the sample fed as in ``maskbench``."""
+    backend = get_backend("llguidance", adapter)
+    mask_times: list[float] = []
+    for path in sorted(folder.glob("*.json")):
+        data = json.loads(path.read_text())
+        try:
+            compiled = backend.compile(ResponseFormat.json_schema(data["schema"]))
+        except GrammarError:
+            continue
+        for test in data["tests"]:
+            if test["valid"]:
+                text = json.dumps(test["data"], separators=(",", ":"), ensure_ascii=False)
+                feed_text(backend.matcher(compiled), adapter, text, mask_times)
+    us = [t * 1e6 for t in mask_times]
+    print(f"\nmask per token at vocabulary {adapter.vocab_size} (valid instances): p50 {_percentile(us, 0.5):.0f} us, "
+          f"mean {statistics.mean(us):.0f} us, p99 {_percentile(us, 0.99):.0f} us over {len(us)} tokens")
 
 
 def closing(adapter: TokenizerAdapter, bonus: np.ndarray) -> None:

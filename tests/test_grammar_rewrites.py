@@ -12,7 +12,7 @@ from typing import Any
 import jsonschema
 import material
 import pytest
-from grammar_driver import accepts_value, maskbench_folder
+from grammar_driver import OutOfBudget, accepts_value, maskbench_folder
 from logitproc.runtime.grammar import TokenizerAdapter, get_backend
 from logitproc.runtime.grammar.backend import GrammarError
 from logitproc.runtime.grammar.llguidance_backend import LLGuidanceMatcher
@@ -38,6 +38,8 @@ EVERY_REFUSAL = "min/maxProperties circular references with sibling keys is not 
                 "digits are not disjoint does not exist"
 #: Relaxations tried per schema (a fixed sample where a large schema has more).
 RELAXATIONS_PER_SCHEMA = 40
+#: Texts the search for an instance's key order may feed (``accepts_value``).
+FEEDS = 20_000
 #: MaskBench files of the sample (every n-th, sorted by name).
 MASKBENCH_STRIDE = 8
 
@@ -150,7 +152,7 @@ def test_compiled_real_world_schemas_accept_their_valid_instances(adapter) -> No
     order), unless llguidance alone refuses it on the unrewritten schema too (its own departures: the ``format``s
     it enforces)."""
     backend = get_backend("llguidance", adapter)
-    refused = []
+    refused, undecided = [], []
     for name, data in _maskbench_sample():
         schema = data["schema"]
         fmt = ResponseFormat.json_schema(schema)
@@ -163,13 +165,24 @@ def test_compiled_real_world_schemas_accept_their_valid_instances(adapter) -> No
         for test in data["tests"]:
             if not test["valid"] or not _valid(cls, schema, test["data"]):
                 continue
-            if accepts_value(backend.matcher(compiled), adapter, test["data"]):
+            text = json.dumps(test["data"], separators=(",", ":"), ensure_ascii=False).encode()
+            matcher = backend.matcher(compiled)
+            if matcher.try_accept_tokens([adapter.byte_tokens[b] for b in text]) == len(text) \
+                    and matcher.is_accepting():
+                continue  # as written
+            try:
+                if accepts_value(backend.matcher(compiled), adapter, test["data"], max_feeds=FEEDS):
+                    continue
+                alone = backend.unrewritten(fmt)
+                if alone is not None and not accepts_value(LLGuidanceMatcher(alone, adapter), adapter,
+                                                           test["data"], max_feeds=FEEDS):
+                    continue  # llguidance's own refusal, rewrites or not
+            except OutOfBudget:
+                undecided.append(name)
                 continue
-            alone = backend.unrewritten(fmt)
-            if alone is not None and not accepts_value(LLGuidanceMatcher(alone, adapter), adapter, test["data"]):
-                continue  # llguidance's own refusal, rewrites or not
             refused.append(f"{name}: {json.dumps(test['data'])[:80]}")
     assert refused == []
+    assert undecided == []  # (the whole sample has 7, in 5 schemas outside this part: scripts/bench_grammar.py)
 
 
 def test_unrewritten_is_llguidance_alone(adapter) -> None:
