@@ -8,6 +8,12 @@ Accepted forms (a dict, as in the OpenAI API, or a ResponseFormat)::
     {"type": "regex", "regex": "[0-9]{3}-[0-9]{4}"}                   extension: the whole output matches the regex
     {"type": "grammar", "grammar": "start: ...", "syntax": "lark"}    extension: a Lark (default) or GBNF/EBNF grammar
 
+JSON formats take an optional ``"whitespace"`` (extension; ``WHITESPACE_POLICIES``): ``"compact"`` (the default, as
+OpenAI returns JSON: no whitespace outside strings), ``"indented"`` (``json.dumps(value, indent=2)``'s layout) or
+``"flexible"`` (any whitespace between tokens, at most 16 characters in a row)::
+
+    {"type": "json_schema", "json_schema": {...}, "whitespace": "indented"}
+
 Only the shape is checked here (types, required keys, unknown keys refused); whether the engine can compile the
 schema, regex or grammar is decided when a request is started, as an error for that request alone.
 ``key`` is a canonical text of the constraint, used to cache compiled grammars.
@@ -38,6 +44,9 @@ def nesting_depth(value: Any) -> int:
             stack.extend((child, depth + 1) for child in children)
     return deepest
 GRAMMAR_SYNTAXES = ("lark", "ebnf")
+#: How a JSON answer is laid out (the first is the default).
+WHITESPACE_POLICIES = ("compact", "indented", "flexible")
+JSON_KINDS = ("json_object", "json_schema")
 #: A JSON schema may be an object or, per the JSON Schema spec, the booleans true (anything) and false (nothing).
 _SCHEMA_KINDS = (dict, bool)
 
@@ -50,10 +59,11 @@ class ResponseFormat:
     text: str  # canonical JSON of the schema, the regex, or the grammar text
     syntax: str = ""  # grammar: lark or ebnf
     name: str = ""  # json_schema: the schema's name
+    whitespace: str = ""  # json_object / json_schema: one of WHITESPACE_POLICIES
 
     @property
     def key(self) -> str:
-        return f"{self.kind}:{self.syntax}:{self.text}"
+        return f"{self.kind}:{self.syntax}:{self.whitespace}:{self.text}"
 
     @property
     def schema(self) -> Any:
@@ -63,8 +73,10 @@ class ResponseFormat:
         return json.loads(self.text)
 
     @classmethod
-    def json_schema(cls, schema: Mapping[str, Any] | bool, name: str = "schema") -> ResponseFormat:
-        return parse_response_format({"type": "json_schema", "json_schema": {"name": name, "schema": schema}})
+    def json_schema(cls, schema: Mapping[str, Any] | bool, name: str = "schema",
+                    whitespace: str = WHITESPACE_POLICIES[0]) -> ResponseFormat:
+        return parse_response_format({"type": "json_schema", "json_schema": {"name": name, "schema": schema},
+                                      "whitespace": whitespace})
 
     @classmethod
     def regex(cls, pattern: str) -> ResponseFormat:
@@ -92,6 +104,26 @@ def _text(where: str, value: Any) -> str:
     return value
 
 
+def _whitespace(value: Mapping[str, Any]) -> str:
+    policy = value.get("whitespace", WHITESPACE_POLICIES[0])
+    if policy not in WHITESPACE_POLICIES:
+        raise ValueError(f"response_format.whitespace must be one of {list(WHITESPACE_POLICIES)}, got {policy!r}")
+    return policy
+
+
+def with_whitespace(value: Any, policy: str | None) -> Any:
+    """The response_format ``value`` (a mapping as in the API, or a ResponseFormat) with the whitespace ``policy``
+    where it is a JSON format that does not name one itself (a request's own choice wins); other formats as given.
+    A ValueError for a policy not in ``WHITESPACE_POLICIES``."""
+    if policy is None:
+        return value
+    if policy not in WHITESPACE_POLICIES:
+        raise ValueError(f"json_whitespace must be one of {list(WHITESPACE_POLICIES)}, got {policy!r}")
+    if isinstance(value, Mapping) and value.get("type") in JSON_KINDS and "whitespace" not in value:
+        return {**value, "whitespace": policy}
+    return value
+
+
 def parse_response_format(value: Any) -> ResponseFormat | None:
     """The ResponseFormat for ``value`` (None for no constraint); a ValueError/TypeError naming what is wrong."""
     if value is None or isinstance(value, ResponseFormat):
@@ -105,10 +137,10 @@ def parse_response_format(value: Any) -> ResponseFormat | None:
         _keys("response_format", value, ("type",), ())
         return None
     if kind == "json_object":
-        _keys("response_format", value, ("type",), ())
-        return ResponseFormat("json_object", '{"type":"object"}')
+        _keys("response_format", value, ("type",), ("whitespace",))
+        return ResponseFormat("json_object", '{"type":"object"}', whitespace=_whitespace(value))
     if kind == "json_schema":
-        _keys("response_format", value, ("type", "json_schema"), ())
+        _keys("response_format", value, ("type", "json_schema"), ("whitespace",))
         spec = value["json_schema"]
         if not isinstance(spec, Mapping):
             raise TypeError(f"response_format.json_schema must be a mapping, got {type(spec).__name__}")
@@ -137,7 +169,7 @@ def parse_response_format(value: Any) -> ResponseFormat | None:
             text = json.dumps(schema, separators=(",", ":"), allow_nan=False)
         except (TypeError, ValueError) as err:
             raise ValueError(f"response_format.json_schema.schema cannot be written as JSON: {err}") from None
-        return ResponseFormat("json_schema", text, name=name)
+        return ResponseFormat("json_schema", text, name=name, whitespace=_whitespace(value))
     if kind == "regex":
         _keys("response_format", value, ("type", "regex"), ())
         return ResponseFormat("regex", _text("response_format.regex", value["regex"]))

@@ -4,8 +4,17 @@ worker threads during the forward saves (``masks``); how many real-world schemas
 validate (``coverage``); how often answers end as whole documents at small max_tokens and what the closing costs per
 step (``closing``).
 
-    python scripts/bench_grammar.py [--only masks|coverage|closing] [--generations 20] [--batch 16 64]
-                                    [--forward-ms 8]
+    python scripts/bench_grammar.py [--only masks|coverage|closing|answers] [--generations 20] [--batch 16 64]
+                                    [--forward-ms 8] [--maskbench ../shared/data/maskbench-dev]
+                                    [--whitespace compact|indented|flexible]
+
+``coverage`` also runs over a MaskBench sample when ``--maskbench`` names its folder (files ``{"schema": ...,
+"tests": [{"data": ..., "valid": ...}]}``): each schema compiled as a request's would be, each labelled instance's
+compact JSON text, tokenised by the real tokenizer, fed to a fresh matcher (a mask computed before every token, as
+in generation): compile errors, valid instances refused (told apart: refused only for their key order, which
+llguidance fixes to the schema's; refused by llguidance on the unrewritten schema too; refused only after the
+fallback chain's rewrites), invalid ones accepted (and how many of those the answer's validation reports), engine
+failures, mask time per token and compile times.
 
 Generations are driven by random logits (tests/grammar_driver.py). The "forward" of the overlap measurement is a
 stand-in for a device computing the logits (the host waits; a sleep of --forward-ms), which is what the overlap is
@@ -15,6 +24,7 @@ for: masks are filled by the host while the GPU runs the model.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -26,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import material  # noqa: E402
 from bench_common import machine_line  # noqa: E402
-from grammar_driver import accepts_value, allowed_ids, closer_bonus, drive  # noqa: E402
+from grammar_driver import OutOfBudget, accepts_value, allowed_ids, closer_bonus, drive, maskbench_folder  # noqa: E402
 from logitproc import GenerationConfig, LogitProcessor, RequestState  # noqa: E402
 from logitproc.compile import build_kernels  # noqa: E402
 from logitproc.runtime.answer_check import check_answer  # noqa: E402
@@ -34,6 +44,7 @@ from logitproc.runtime.constraints import ConstraintFactory  # noqa: E402
 from logitproc.runtime.grammar import GrammarError, GrammarSource, TokenizerAdapter, get_backend  # noqa: E402
 from logitproc.runtime.grammar.closing import DocumentClosing, shortest_completion  # noqa: E402
 from logitproc.runtime.grammar.completion_hints import completion_hints  # noqa: E402
+from logitproc.runtime.grammar.llguidance_backend import LLGuidanceMatcher  # noqa: E402
 from logitproc.runtime.response_format import ResponseFormat, parse_response_format  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
@@ -66,14 +77,27 @@ def main() -> None:
     parser.add_argument("--generations", type=int, default=20)
     parser.add_argument("--batch", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--forward-ms", type=float, default=8.0)
-    parser.add_argument("--only", choices=["masks", "coverage", "closing"], help="run one part (default: all)")
+    parser.add_argument("--only", choices=["masks", "coverage", "closing", "answers"],
+                        help="run one part (default: all but answers)")
+    parser.add_argument("--whitespace", default="compact", help="answers: the JSON whitespace policy")
+    parser.add_argument("--maskbench", type=Path, default=maskbench_folder(),
+                        help="a MaskBench sample's folder (coverage; default: shared/data/maskbench-dev beside the "
+                        "checkout; skipped when there is none)")
     args = parser.parse_args()
 
+    if args.only == "answers":
+        answers(args.maskbench, args.whitespace)
+        return
     adapter = TokenizerAdapter(Tokenizer.from_file(str(material.deepseek_tokenizer_path())), V, [EOS])
     bonus = closer_bonus(adapter)
     print(machine_line())
     if args.only in (None, "coverage"):
         coverage(adapter, bonus)
+        if args.maskbench is not None and args.maskbench.is_dir():
+            maskbench(args.maskbench, adapter)
+            maskbench_masks(args.maskbench, smollm2_adapter())
+        else:
+            print("\n(no MaskBench sample: skipped)")
     if args.only in (None, "closing"):
         closing(adapter, bonus)
     if args.only in (None, "masks"):
@@ -132,6 +156,180 @@ def coverage(adapter: TokenizerAdapter, bonus: np.ndarray) -> None:
         ms = f"{1000 * statistics.median(times):.1f}, {1000 * max(times):.0f}"
         print(f"| {label} | {len(schemas)} | {strict} | {relaxed} | {refused} ({refused_valid}) | {ms} | "
               f"{f'{accepted}/{instances}' if instances else '-'} | {answers} |")
+
+
+class _Feed:
+    """What feeding one instance's text gave: accepted, or the engine failed (a GrammarError mid-text)."""
+
+    def __init__(self, accepted: bool, failure: str | None = None) -> None:
+        self.accepted = accepted
+        self.failure = failure
+
+
+def feed_text(matcher, adapter: TokenizerAdapter, text: str, mask_times: list[float]) -> _Feed:
+    """Feed ``text`` (the real tokenizer's tokens) to ``matcher`` as generation would: a mask before each token,
+    its seconds appended to ``mask_times``; accepted when every token is taken and the grammar accepts at the end."""
+    row = np.zeros((adapter.vocab_size + 31) // 32, np.int32)
+    try:
+        for token in adapter.encode(text):
+            started = time.perf_counter()
+            matcher.fill_next_token_bitmask(row)
+            mask_times.append(time.perf_counter() - started)
+            if not matcher.try_accept_token(token):
+                return _Feed(False)
+        return _Feed(matcher.is_accepting())
+    except GrammarError as err:
+        return _Feed(False, str(err))
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+#: Texts the search for a refused instance's key order may feed before it gives up (``undecided``).
+FEEDS = 20_000
+
+
+def maskbench(folder: Path, adapter: TokenizerAdapter) -> None:
+    """The MaskBench sample (see the module doc): one table of counts, then mask and compile times; the refused
+    valid instances are listed by file."""
+    backend = get_backend("llguidance", adapter)
+    files = sorted(folder.glob("*.json"))
+    counts = dict.fromkeys(("schemas", "compile errors", "valid", "valid refused", "key order", "llguidance itself",
+                            "after rewrites", "undecided", "invalid", "invalid accepted", "reported",
+                            "engine failures"), 0)
+    compile_times: list[float] = []
+    mask_times: list[float] = []
+    listed: list[str] = []
+    for index, path in enumerate(files):
+        if index % 100 == 0:
+            print(f"  ... {index}/{len(files)}", file=sys.stderr, flush=True)
+        data = json.loads(path.read_text())
+        counts["schemas"] += 1
+        fmt = ResponseFormat.json_schema(data["schema"])
+        started = time.perf_counter()
+        try:
+            compiled = backend.compile(fmt)
+        except GrammarError as err:
+            counts["compile errors"] += 1
+            listed.append(f"{path.name}: compile error: {err}")
+            continue
+        finally:
+            compile_times.append(time.perf_counter() - started)
+        for test in data["tests"]:
+            text = json.dumps(test["data"], separators=(",", ":"), ensure_ascii=False)
+            fed = feed_text(backend.matcher(compiled), adapter, text, mask_times)
+            if fed.failure is not None:
+                counts["engine failures"] += 1
+                listed.append(f"{path.name}: engine failure: {fed.failure}")
+                continue
+            if not test["valid"]:
+                counts["invalid"] += 1
+                if fed.accepted:
+                    counts["invalid accepted"] += 1
+                    check = check_answer(fmt, text)
+                    counts["reported"] += bool(check and check.valid is False)
+                continue
+            counts["valid"] += 1
+            if fed.accepted:
+                continue
+            counts["valid refused"] += 1
+            try:
+                if accepts_value(backend.matcher(compiled), adapter, test["data"], max_feeds=FEEDS):
+                    counts["key order"] += 1
+                    continue
+                raw = backend.unrewritten(fmt)
+                alone = raw is not None and accepts_value(LLGuidanceMatcher(raw, adapter), adapter, test["data"],
+                                                          max_feeds=FEEDS)
+            except OutOfBudget:
+                counts["undecided"] += 1
+                listed.append(f"{path.name}: a valid instance refused as written; the search for its key order gave "
+                              f"up after {FEEDS} feeds")
+                continue
+            if raw is None or alone:
+                counts["after rewrites"] += 1
+                why = "llguidance alone cannot compile it" if raw is None else "llguidance alone accepts it"
+                listed.append(f"{path.name}: a valid instance refused after the rewrites ({why}); relaxed: "
+                              f"{', '.join(backend.relaxed_keywords(compiled))}")
+            else:
+                counts["llguidance itself"] += 1
+                listed.append(f"{path.name}: a valid instance refused by llguidance on the unrewritten schema too")
+    print(f"\n## MaskBench sample ({folder.name}: {counts['schemas']} schemas, llguidance, vocabulary "
+          f"{adapter.vocab_size})\n")
+    print("| compile errors | valid instances | refused as written | of which: key order only | llguidance itself | "
+          "after the rewrites | undecided | invalid instances | accepted | of which reported by schema_valid | "
+          "engine failures |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    c = counts
+    print(f"| {c['compile errors']} | {c['valid']} | {c['valid refused']} | {c['key order']} | "
+          f"{c['llguidance itself']} | {c['after rewrites']} | {c['undecided']} | {c['invalid']} | "
+          f"{c['invalid accepted']} | {c['reported']} | {c['engine failures']} |")
+    us = [t * 1e6 for t in mask_times]
+    print(f"\nmask per token: p50 {_percentile(us, 0.5):.0f} us, mean {statistics.mean(us):.0f} us, p99 "
+          f"{_percentile(us, 0.99):.0f} us over {len(us)} tokens; compile: p50 "
+          f"{1000 * _percentile(compile_times, 0.5):.1f} ms, p99 {1000 * _percentile(compile_times, 0.99):.0f} ms, "
+          f"max {1000 * max(compile_times):.0f} ms")
+    for line in listed:
+        print("  " + line)
+
+
+def smollm2_adapter() -> TokenizerAdapter:
+    """SmolLM2-135M's tokenizer (49,152 tokens), rebuilt from the default model's GGUF (weights not read)."""
+    from logitproc.compile.gguf_model import build_tokenizer, load_default_model
+    from logitproc.compile.model_compile import eos_token_ids
+
+    model = load_default_model(load_weights=False)
+    return TokenizerAdapter(build_tokenizer(model), len(model.tokens), eos_token_ids(model))
+
+
+def maskbench_masks(folder: Path, adapter: TokenizerAdapter) -> None:
+    """Mask time per token on another vocabulary: every valid instance of the sample fed as in ``maskbench``."""
+    backend = get_backend("llguidance", adapter)
+    mask_times: list[float] = []
+    for path in sorted(folder.glob("*.json")):
+        data = json.loads(path.read_text())
+        try:
+            compiled = backend.compile(ResponseFormat.json_schema(data["schema"]))
+        except GrammarError:
+            continue
+        for test in data["tests"]:
+            if test["valid"]:
+                text = json.dumps(test["data"], separators=(",", ":"), ensure_ascii=False)
+                feed_text(backend.matcher(compiled), adapter, text, mask_times)
+    us = [t * 1e6 for t in mask_times]
+    print(f"\nmask per token at vocabulary {adapter.vocab_size} (valid instances): p50 {_percentile(us, 0.5):.0f} us, "
+          f"mean {statistics.mean(us):.0f} us, p99 {_percentile(us, 0.99):.0f} us over {len(us)} tokens")
+
+
+def answers(folder: Path, whitespace: str, count: int = 30, max_tokens: int = 256) -> None:
+    """SmolLM2-135M's greedy answers (the engine, as ``logitproc generate --json-schema``) to ``count`` schemas of the
+    MaskBench sample (every 27th file), asked to write a document for the schema: how many parse as JSON and how many
+    ``schema_valid`` finds valid."""
+    from logitproc.serve.compiled_model import CompiledModel
+    from logitproc.serve.engine import Engine
+
+    print(machine_line())
+    engine = Engine(CompiledModel.open("default", target="cpu"), max_batch=4)
+    files = sorted(folder.glob("*.json"))[::27][:count]
+    parsed = valid = 0
+    started = time.perf_counter()
+    for path in files:
+        schema = json.loads(path.read_text())["schema"]
+        fmt = {"type": "json_schema", "json_schema": {"schema": schema}, "whitespace": whitespace}
+        prompt = [{"role": "user", "content": "Write one JSON document for this JSON schema: "
+                   + json.dumps(schema)[:1500]}]
+        out = engine.generate(prompt, GenerationConfig(max_tokens=max_tokens, temperature=0.0,
+                                                       response_format=fmt))[0]
+        try:
+            json.loads(out.text)
+            parsed += 1
+        except ValueError:
+            pass
+        valid += bool(out.schema_valid)
+        print(f"  {path.name}: {out.finish_reason}, {len(out.token_ids)} tokens, valid {out.schema_valid}")
+    print(f"\nSmolLM2, {whitespace} JSON, max_tokens {max_tokens}: {parsed}/{len(files)} parse, {valid}/{len(files)} "
+          f"valid against the schema, {time.perf_counter() - started:.0f} s")
 
 
 def closing(adapter: TokenizerAdapter, bonus: np.ndarray) -> None:

@@ -89,9 +89,21 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
         group.add_argument(option, type=int32 if option in INT32_OPTIONS else kind, default=None, help=text)
     group.add_argument("--json-schema", metavar="FILE_OR_JSON",
                        help="constrain the answer to this JSON schema (default: none)")
+    add_json_whitespace_argument(group)
     group.add_argument("--regex", help="constrain the answer to match this regular expression (default: none)")
     group.add_argument("--stop", action="append", help="a stop string (may be repeated) (default: none)")
     group.add_argument("--bad-word", action="append", help="a word never to write (may be repeated) (default: none)")
+
+
+#: ``--json-whitespace`` choices (``runtime.response_format.WHITESPACE_POLICIES``, written here so that ``--help``
+#: does not load the runtime).
+JSON_WHITESPACE = ("compact", "indented", "flexible")
+
+
+def add_json_whitespace_argument(parser: Any) -> None:
+    parser.add_argument("--json-whitespace", choices=JSON_WHITESPACE, default=None,
+                        help="layout of a JSON answer: compact (no whitespace, as OpenAI returns JSON), indented "
+                             "(json.dumps indent=2) or flexible (any whitespace between tokens) (default: compact)")
 
 
 def read_schema(spec: str, stdin: bool = False) -> Any:
@@ -139,6 +151,10 @@ def options_from_args(args: argparse.Namespace, stdin: bool = False) -> dict[str
         values["response_format"] = json_schema_format(read_schema(args.json_schema, stdin=stdin))
     elif args.regex is not None:  # '' too: the answer must then be empty
         values["response_format"] = {"type": "regex", "regex": args.regex}
+    if args.json_whitespace is not None:
+        if args.json_schema is None:
+            raise ValueError("--json-whitespace lays out the answer of --json-schema: give a schema too")
+        values["response_format"]["whitespace"] = args.json_whitespace
     if args.stop:
         values["stop"] = tuple(args.stop)
     if args.bad_word:

@@ -4,8 +4,10 @@ Fields follow the OpenAI API (messages / prompt, max_tokens and max_completion_t
 stop, presence/frequency penalties, logit_bias, logprobs + top_logprobs for chat, logprobs as an int for completions,
 stream, stream_options.include_usage, response_format, user) plus vLLM's extensions under their vLLM names (top_k,
 min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids, bad_words, allowed_token_ids, structured_outputs
-with one of json / regex / choice / grammar / json_object), and ``jump_forward`` (a boolean: this request with or
-without the server's ``--jump-forward``). Unknown fields are ignored with a log line, as vLLM does.
+with one of json / regex / choice / grammar / json_object), ``jump_forward`` (a boolean: this request with or
+without the server's ``--jump-forward``) and ``json_whitespace`` (compact / indented / flexible: the layout of a JSON
+answer, default the server's ``--json-whitespace``, else compact). Unknown fields are ignored with a log line, as
+vLLM does.
 Everything wrong with a request is an ``APIError`` (status 400) whose message names the field and what is allowed;
 the ranges are GenerationConfig's. Fields a request leaves unset take the model's sampling defaults (as vLLM applies
 a model's generation config), else GenerationConfig's.
@@ -33,7 +35,8 @@ CONFIG_FIELDS = ("temperature", "top_p", "n", "seed", "stop", "presence_penalty"
                  "allowed_token_ids")
 #: Fields read elsewhere, or accepted and without effect here (``user`` is for the client's own tracking).
 COMMON_FIELDS = CONFIG_FIELDS + ("model", "max_tokens", "stream", "stream_options", "response_format",
-                                 "structured_outputs", "user", "logprobs", "jump_forward", "logprobs_mode")
+                                 "structured_outputs", "user", "logprobs", "jump_forward", "logprobs_mode",
+                                 "json_whitespace")
 CHAT_FIELDS = COMMON_FIELDS + ("messages", "max_completion_tokens", "top_logprobs")
 COMPLETION_FIELDS = COMMON_FIELDS + ("prompt", "echo", "best_of", "suffix")
 #: ``logprobs_mode`` by vLLM's names (its ``--logprobs-mode``) -> GenerationConfig's; "auto" (the default): raw for
@@ -223,8 +226,10 @@ def structured_output_format(value: Any) -> dict[str, Any]:
 def _config(body: Mapping[str, Any], values: dict[str, Any], fields: tuple[str, ...],
             defaults: Mapping[str, Any]) -> GenerationConfig:
     from logitproc.runtime.config import GenerationConfig
+    from logitproc.runtime.response_format import with_whitespace
 
     values = {**defaults, **values}
+    whitespace = values.pop("json_whitespace", None)  # the server's default (serve --json-whitespace)
     if body.get("logprobs_mode") is not None:
         values["logprobs_mode"] = parse_logprobs_mode(body["logprobs_mode"])
     for name in CONFIG_FIELDS:
@@ -239,7 +244,16 @@ def _config(body: Mapping[str, Any], values: dict[str, Any], fields: tuple[str, 
         if response_format is not None:
             raise bad_request("give either response_format or structured_outputs, not both", "structured_outputs")
         response_format = structured_output_format(body["structured_outputs"])
-    values["response_format"] = response_format
+    if body.get("json_whitespace") is not None:  # the layout of a JSON answer (extension)
+        whitespace = body["json_whitespace"]
+        kind = response_format.get("type") if isinstance(response_format, Mapping) else None
+        if kind not in ("json_object", "json_schema"):
+            raise bad_request("json_whitespace lays out a JSON answer: it needs a response_format of type "
+                              "json_object or json_schema", "json_whitespace")
+    try:
+        values["response_format"] = with_whitespace(response_format, whitespace)
+    except ValueError as err:
+        raise bad_request(str(err), "json_whitespace") from None
     try:
         return GenerationConfig(**values)
     except (ValueError, TypeError) as err:

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .cli_options import TINY_MODEL, add_model_arguments, log
+from .cli_options import TINY_MODEL, add_json_whitespace_argument, add_model_arguments, log
 
 
 def add_parser(commands: Any) -> None:
@@ -42,6 +42,7 @@ def add_parser(commands: Any) -> None:
                              "(default: $LOGITPROC_API_KEY, else none)")
     parser.add_argument("--served-model-name", default=None,
                         help="the model's name in the API (default: the model's own name)")
+    add_json_whitespace_argument(parser)  # the default of requests that do not set json_whitespace
     parser.add_argument("--logprobs-mode", choices=("auto", "raw_logprobs", "processed_logprobs"), default=None,
                         help="what logprobs report when a request does not say (its logprobs_mode): the model's own "
                              "distribution (raw_logprobs), the one sampled from (processed_logprobs), or auto: raw "
@@ -134,6 +135,8 @@ def run(args: argparse.Namespace) -> int:
         options.sampling_defaults = dict(defaults.values)
         if args.logprobs_mode is not None:
             options.sampling_defaults["logprobs_mode"] = parse_logprobs_mode(args.logprobs_mode, "--logprobs-mode")
+        if args.json_whitespace is not None:
+            options.sampling_defaults["json_whitespace"] = args.json_whitespace
         name = args.served_model_name or engine.model.name
         log(f"unset request fields take: {defaults.describe()}")
         log(f"ready: serving {name!r} at {url}/v1 (max batch {engine.max_batch}, context {engine.context_length})")

@@ -11,8 +11,10 @@ is applied with the grammar's, and each chosen token goes through ``closable_tok
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 from logitproc.runtime.grammar import GrammarMatcher, GrammarSource, TokenizerAdapter
@@ -106,8 +108,20 @@ def drive(source: GrammarSource, adapter: TokenizerAdapter, rng: np.random.Gener
     return result(False)
 
 
-def _feed(matcher: GrammarMatcher, singles: dict[int, int], text: bytes) -> int | None:
+class OutOfBudget(Exception):
+    """``accepts_value`` gave up: its search fed more than its budget of texts."""
+
+
+class _Budget:
+    def __init__(self, feeds: int) -> None:
+        self.left = feeds
+
+
+def _feed(matcher: GrammarMatcher, singles: dict[int, int], budget: _Budget, text: bytes) -> int | None:
     """Feed ``text`` byte by byte; the bytes taken, or None (nothing left taken) when the grammar refuses one."""
+    budget.left -= 1
+    if budget.left < 0:
+        raise OutOfBudget
     taken = matcher.try_accept_tokens([singles[b] for b in text])
     if taken == len(text):
         return taken
@@ -131,7 +145,42 @@ class _Members:
         self.first = first
 
 
-def _run(matcher: GrammarMatcher, singles: dict[int, int], todo: list[object]) -> int | None:
+#: Members tried at each position of an object, best ranked first (``_open_keys``): the member a fixed-order grammar
+#: wants ranks first, and a search that tried every one would grow exponentially with the document.
+BRANCHES = 2
+
+
+class _Stop:
+    """The end of a partial feed: taken as it is, accepting or not."""
+
+
+_STOP = _Stop()
+
+
+def _open_keys(matcher: GrammarMatcher, singles: dict[int, int], budget: _Budget, key: str, item: object,
+               others: list[tuple[str, object]], first: bool) -> int | None:
+    """How many of ``others``' keys the grammar allows right after the member ``key: item`` (None: it refuses the
+    member); the matcher is left as it was. A grammar that fixes the order of properties (llguidance writes them in
+    the schema's order) allows the most after the member that comes first, so members are tried in that order."""
+    key_text = (b"" if first else b",") + json.dumps(key, ensure_ascii=False).encode() + b":"
+    head = _feed(matcher, singles, budget, key_text)
+    if head is None:
+        return None
+    value = _run(matcher, singles, budget, [item, _STOP])
+    if value is None:
+        matcher.rollback(head)
+        return None
+    count = 0
+    for other, _ in others:
+        taken = _feed(matcher, singles, budget, b"," + json.dumps(other, ensure_ascii=False).encode() + b":")
+        if taken is not None:
+            count += 1
+            matcher.rollback(taken)
+    matcher.rollback(head + value)
+    return count
+
+
+def _run(matcher: GrammarMatcher, singles: dict[int, int], budget: _Budget, todo: list[object]) -> int | None:
     """Feed the items of ``todo`` (bytes, JSON values, object members) in some spelling the grammar takes, ending in
     an accepting state: object keys in any order, integral numbers with or without ``.0``; the bytes taken (the
     matcher holds them) or None (nothing left taken)."""
@@ -139,16 +188,23 @@ def _run(matcher: GrammarMatcher, singles: dict[int, int], todo: list[object]) -
         return 0 if matcher.is_accepting() else None
     head, rest = todo[0], todo[1:]
     options: list[tuple[bytes, list[object]]]
+    if isinstance(head, _Stop):
+        return 0
     if isinstance(head, bytes):
         options = [(head, rest)]
     elif isinstance(head, _Members):
         if not head.members:
             options = [(b"}", rest)]
         else:
-            options = []
+            ranked = []
             for i, (key, item) in enumerate(head.members):
-                text = (b"" if head.first else b",") + json.dumps(key, ensure_ascii=False).encode() + b":"
-                options.append((text, [item, _Members(head.members[:i] + head.members[i + 1:], False), *rest]))
+                others = head.members[:i] + head.members[i + 1:]
+                count = 0 if len(head.members) == 1 else \
+                    _open_keys(matcher, singles, budget, key, item, others, head.first)
+                if count is not None:
+                    text = (b"" if head.first else b",") + json.dumps(key, ensure_ascii=False).encode() + b":"
+                    ranked.append((-count, i, (text, [item, _Members(others, False), *rest])))
+            options = [option for *_, option in sorted(ranked, key=lambda r: r[:2])][:BRANCHES]
     elif isinstance(head, dict):
         options = [(b"{", [_Members(list(head.items()), True), *rest])]
     elif isinstance(head, list):
@@ -159,21 +215,37 @@ def _run(matcher: GrammarMatcher, singles: dict[int, int], todo: list[object]) -
     else:
         options = [(text, rest) for text in _spellings(head)]
     for text, after in options:
-        taken = _feed(matcher, singles, text)
+        taken = _feed(matcher, singles, budget, text)
         if taken is None:
             continue
-        more = _run(matcher, singles, after)
+        more = _run(matcher, singles, budget, after)
         if more is not None:
             return taken + more
         matcher.rollback(taken)
     return None
 
 
-def accepts_value(matcher: GrammarMatcher, adapter: TokenizerAdapter, value: object) -> bool:
+def accepts_value(matcher: GrammarMatcher, adapter: TokenizerAdapter, value: object,
+                  max_feeds: int = 100_000) -> bool:
     """Whether the grammar takes the JSON value ``value`` as a whole document in some spelling (keys in any order,
-    integral numbers with or without ``.0``); the matcher is left as it was."""
-    taken = _run(matcher, adapter.byte_tokens, [value])
+    integral numbers with or without ``.0``); the matcher is left as it was. ``OutOfBudget`` when the search feeds
+    more than ``max_feeds`` texts (a large document that the grammar refuses in every order; the matcher is then
+    left where the search was)."""
+    taken = _run(matcher, adapter.byte_tokens, _Budget(max_feeds), [value])
     if taken is None:
         return False
     matcher.rollback(taken)
     return True
+
+
+def maskbench_folder() -> Path | None:
+    """The MaskBench development sample (``shared/data/maskbench-dev`` beside the checkout, or
+    ``$LOGITPROC_MASKBENCH``), or None when this machine has none."""
+    named = os.environ.get("LOGITPROC_MASKBENCH")
+    if named:
+        return Path(named) if Path(named).is_dir() else None
+    for parent in Path(__file__).resolve().parents:
+        candidate = parent / "shared" / "data" / "maskbench-dev"
+        if candidate.is_dir():
+            return candidate
+    return None

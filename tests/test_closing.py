@@ -332,7 +332,9 @@ def test_the_plan_respects_bad_words_and_allowed_token_ids(adapter, rule) -> Non
     from logitproc.runtime import GenerationConfig
 
     schema = {"type": "object", "required": ["a"], "properties": {"a": {"type": "string"}}}
-    fmt = {"type": "json_schema", "json_schema": {"schema": schema}}
+    # flexible: a compact grammar forces '{"a":"' from the start, and llguidance then allows only the tokenizer's
+    # own tokens for it ('{"'), none of them a one-byte token
+    fmt = {"type": "json_schema", "json_schema": {"schema": schema}, "whitespace": "flexible"}
     rules = {"bad_words": {"bad_words": ['"}']},
              "allowed_token_ids": {"allowed_token_ids": sorted({*adapter.byte_tokens.values(), EOS})}}[rule]
     banned = set(adapter.encode('"}'))

@@ -139,7 +139,7 @@ def test_adapter_checks_vocab_size_and_eos(adapter: TokenizerAdapter) -> None:
 @pytest.mark.parametrize("engine", ENGINES)
 def test_padded_and_special_ids_are_never_allowed(adapter: TokenizerAdapter, engine: str) -> None:
     src = source(adapter, engine, parse_response_format({"type": "json_object"}))
-    for text in ["", "{", '"a": "x']:  # at the start, between tokens, inside a string
+    for text in ["", "{", '"a":"x']:  # at the start, between tokens, inside a string
         if text:
             feed(src, adapter, text)
         allowed = allowed_ids(mask(src), V)
@@ -282,7 +282,8 @@ def test_suite_outputs_validate_with_jump_forward(adapter, bonus, llguidance_sui
 XGRAMMAR_APPROXIMATES = ("maximum", "minimum", "exclusiveMaximum", "exclusiveMinimum", "multipleOf", "oneOf",
                          "contains", "minContains", "maxContains", "uniqueItems", "if-then-else", "not",
                          "unevaluated", "dynamicRef", "anchor", "ref", "defs", "anyOf", "allOf", "format",
-                         "propertyNames", "dependentSchemas", "patternProperties", "pattern", "const", "enum")
+                         "propertyNames", "dependentSchemas", "patternProperties", "pattern", "const", "enum",
+                         "items: items and subitems")  # a required key in a $ref'd prefixItems: [[],[{}],[]] taken
 
 
 @pytest.mark.parametrize("engine", [e for e in ENGINES if "xgrammar" in str(e)])
@@ -338,9 +339,9 @@ def test_both_engines_allow_the_same_tokens(adapter, bonus, name) -> None:
 @pytest.mark.parametrize("engine", ENGINES)
 def test_draft_masks_leave_the_state_exactly_as_it_was(adapter, engine) -> None:
     src = source(adapter, engine, ResponseFormat.json_schema(PERSON))
-    feed(src, adapter, '{"name": "Al')
+    feed(src, adapter, '{"name":"Al')
     before = mask(src)
-    draft = adapter.encode('ice", "age": 3')
+    draft = adapter.encode('ice","age":3')
     rows = [mask(src, draft[:k]) for k in range(len(draft) + 1)]
     assert np.array_equal(rows[0], before) and np.array_equal(mask(src), before)
     # each draft row equals the mask after committing that prefix
@@ -360,12 +361,12 @@ def test_request_state_rollback_restores_masks_and_penalties(adapter) -> None:
                               response_format={"type": "json_schema", "json_schema": {"schema": PERSON}})
     prompt = factory.open_think_block(adapter.encode("Say it."), config)
     state = RequestState(prompt, config, mask_sources=factory.sources_for(config))
-    for t in adapter.encode("hmm") + factory.marker_ids("</think>") + adapter.encode('{"name": "x'):
+    for t in adapter.encode("hmm") + factory.marker_ids("</think>") + adapter.encode('{"name":"x'):
         state.append_token(t)
     row_before = np.empty((V + 31) // 32, np.int32)
     state.mask_sources[0].fill_bitmask(row_before, [])
     snapshot = (state.appeared_token_ids.copy(), state.output_counts.copy(), list(state.output_token_ids))
-    extra = adapter.encode('yz", "age": 41')
+    extra = adapter.encode('yz","age":41')
     for t in extra:
         state.append_token(t)
     state.rollback(len(extra))
@@ -429,7 +430,7 @@ def test_masks_started_early_on_threads_equal_masks_filled_in_line(adapter, lib)
                GenerationConfig(response_format={"type": "regex", "regex": "[a-z]+"}), GenerationConfig()]
     states = [RequestState([5], c, mask_sources=factory.sources_for(c)) for c in configs * 6]
     for i, state in enumerate(states):
-        for t in adapter.encode(['{"name": "Al', "abc", "free text"][i % 3])[: 1 + i % 4]:
+        for t in adapter.encode(['{"name":"Al', "abc", "free text"][i % 3])[: 1 + i % 4]:
             state.append_token(t)
     logits = np.random.default_rng(1).standard_normal((len(states), V)).astype(np.float32)
     inline, early = logits.copy(), logits.copy()

@@ -50,6 +50,11 @@ class GrammarMatcher(ABC):
     def forced_bytes(self) -> bytes:
         """The bytes every continuation starts with (b"" when the next byte is not determined)."""
 
+    def closing_bytes(self) -> bytes:
+        """Bytes the completion search (``closing.py``) tries first, before its usual order of preference: b""
+        unless a layout closes structures with more than their closers (the indented layout's newline)."""
+        return b""
+
     def try_accept_tokens(self, token_ids: Sequence[int]) -> int:
         """Consume tokens in order until one is refused; the number consumed."""
         for count, token in enumerate(token_ids):

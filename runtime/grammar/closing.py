@@ -163,7 +163,8 @@ def _complete_bytes(matcher: GrammarMatcher, singles: dict[int, int], max_tries:
     """The depth-first search of the module doc, over bytes; the matcher is restored before returning. With
     ``novelty`` the byte classes are tried least recently used first, and in a class the bytes least recently used
     first (a pattern that needs a byte late in the order of preference), the order of preference breaking ties."""
-    order = [b for b in PREFERENCE if b in singles]
+    first = matcher.closing_bytes()  # bytes a layout closes structures with (the indented layout's newline)
+    order = [b for b in first if b in singles] + [b for b in PREFERENCE if b in singles and b not in first]
     path = bytearray()
     # One frame per position: (candidates: byte values or whole keys, next index to try, bytes taken there).
     frames: list[tuple[list[int | bytes], int, int]] = []
@@ -173,6 +174,8 @@ def _complete_bytes(matcher: GrammarMatcher, singles: dict[int, int], max_tries:
             if matcher.is_accepting():
                 return bytes(path)
             forced = matcher.forced_bytes() if len(path) < max_bytes else b""
+            if macros is not None and macros.by_letter and b'"' in forced:  # the keys are tried whole at a quote
+                forced = forced[:forced.index(b'"')]  # (compact JSON forces '{"a' when every key starts with a)
             forced_ids = [singles.get(b) for b in forced]
             if forced and None not in forced_ids:
                 taken = matcher.try_accept_tokens(forced_ids)  # type: ignore[arg-type]

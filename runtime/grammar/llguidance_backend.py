@@ -27,9 +27,11 @@ from llguidance.gbnf_to_lark import gbnf_to_lark
 
 from ..response_format import ResponseFormat
 from .backend import GrammarBackend, GrammarError, GrammarMatcher
+from .json_layout import IndentedMatcher, JsonLayout
 from .schema_rewrite import (
     DATA_KEYWORDS,
     NAMED_SUBSCHEMAS,
+    UNENFORCED,
     drop_patterns,
     normalize,
     relax_subschemas,
@@ -48,9 +50,7 @@ REWRITABLE_ERRORS = ("min/maxProperties", "circular references with sibling keys
 #: A refusal that no relaxation answers: the schema has no valid instance.
 UNSATISFIABLE = "Unsatisfiable schema"
 #: Keywords that only validate (a relaxed grammar drops them); reported when the schema holds them.
-VALIDATION_KEYWORDS = ("uniqueItems", "if", "then", "else", "not", "contains", "minContains", "maxContains",
-                       "dependentSchemas", "dependentRequired", "dependencies", "unevaluatedProperties",
-                       "unevaluatedItems", "propertyNames")
+VALIDATION_KEYWORDS = UNENFORCED
 
 #: llguidance's parser limits: the grammar size raised for large real-world schemas (default 500,000); the lexer's
 #: limits stay (raised, ``a{1000000}`` passes the probe and then costs seconds per mask).
@@ -71,9 +71,19 @@ def first_line(error: str | None) -> str:
     return (error or "unknown error").strip().splitlines()[0] if (error or "").strip() else "unknown error"
 
 
-def json_options(relaxed: bool = False) -> dict[str, Any]:
-    options: dict[str, Any] = {"whitespace_flexible": True,
-                               "whitespace_pattern": f"[\\x20\\x0A\\x0D\\x09]{{0,{MAX_JSON_WHITESPACE}}}"}
+def json_options(relaxed: bool = False, whitespace: str = "flexible") -> dict[str, Any]:
+    """llguidance's JSON options for a whitespace policy (``response_format.WHITESPACE_POLICIES``): compact, no
+    whitespace; flexible, any (at most ``MAX_JSON_WHITESPACE`` in a row); indented, spaces and newlines anywhere,
+    held to the layout by ``json_layout.IndentedMatcher``. ``relaxed``: unimplemented keywords ignored, ``oneOf`` as
+    ``anyOf``."""
+    options: dict[str, Any]
+    if whitespace == "compact":
+        options = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+    elif whitespace == "indented":
+        options = {"whitespace_flexible": True, "whitespace_pattern": "[\\x20\\x0A]+"}
+    else:
+        options = {"whitespace_flexible": True,
+                   "whitespace_pattern": f"[\\x20\\x0A\\x0D\\x09]{{0,{MAX_JSON_WHITESPACE}}}"}
     if relaxed:
         options.update(lenient=True, coerce_one_of=True)
     return options
@@ -108,13 +118,15 @@ def relaxed_keywords(schema: Any, error: str) -> tuple[str, ...]:
 
 
 class LLGuidanceGrammar:
-    """A compiled grammar: the pristine matcher and what its compile relaxed."""
+    """A compiled grammar: the pristine matcher, what its compile relaxed, and whether its matchers are held to the
+    indented layout."""
 
-    __slots__ = ("matcher", "relaxed")
+    __slots__ = ("matcher", "relaxed", "indented")
 
-    def __init__(self, matcher: llguidance.LLMatcher, relaxed: tuple[str, ...] = ()) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, relaxed: tuple[str, ...] = (), indented: bool = False) -> None:
         self.matcher = matcher
         self.relaxed = relaxed
+        self.indented = indented
 
 
 class LLGuidanceMatcher(GrammarMatcher):
@@ -186,7 +198,7 @@ class LLGuidanceBackend(GrammarBackend):
     def grammar_text(self, fmt: ResponseFormat, relaxed: bool = False, schema: Any = None) -> str:
         if fmt.kind in ("json_object", "json_schema"):
             text = fmt.text if schema is None else json.dumps(schema)
-            return llguidance.LLMatcher.grammar_from_json_schema(text, overrides=json_options(relaxed))
+            return llguidance.LLMatcher.grammar_from_json_schema(text, overrides=json_options(relaxed, fmt.whitespace))
         if fmt.kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(fmt.text)
         lark = fmt.text if fmt.syntax == "lark" else gbnf_to_lark(fmt.text)
@@ -214,7 +226,7 @@ class LLGuidanceBackend(GrammarBackend):
                 raise GrammarError(f"llguidance cannot compile this {response_format.kind}: "
                                    f"{first_line(matcher.get_error())}")
             self._probe(matcher, response_format)
-            return LLGuidanceGrammar(matcher)
+            return LLGuidanceGrammar(matcher, indented=response_format.whitespace == "indented")
         matcher, relaxed, schema = self._compile_schema(response_format)
         broken = {p for p in risky_patterns(schema) if not self._pattern_survives(p)}
         if broken:  # llguidance's lexer limits would end an answer mid-way: relaxed before the request starts
@@ -223,7 +235,7 @@ class LLGuidanceBackend(GrammarBackend):
                 raise GrammarError(f"llguidance cannot compile this json_schema: {first_line(matcher.get_error())}")
             relaxed = tuple(sorted({*relaxed, *(f"pattern {p} (llguidance's lexer limits)" for p in broken)}))
         self._probe(matcher, response_format)
-        return LLGuidanceGrammar(matcher, relaxed)
+        return LLGuidanceGrammar(matcher, relaxed, indented=response_format.whitespace == "indented")
 
     def _pattern_survives(self, pattern: str, seeds: int = 2, steps: int = PATTERN_WALK) -> bool:
         """Whether random walks over a string of ``pattern`` alone (``seeds`` walks of ``steps`` tokens, fixed
@@ -296,6 +308,16 @@ class LLGuidanceBackend(GrammarBackend):
     def relaxed_keywords(self, compiled: LLGuidanceGrammar) -> tuple[str, ...]:
         return compiled.relaxed
 
+    def unrewritten(self, fmt: ResponseFormat) -> llguidance.LLMatcher | None:
+        """llguidance alone on the schema as given (relaxed: lenient, ``oneOf`` as ``anyOf``; none of the chain's
+        rewrites), a fresh matcher; None when it cannot compile it. The reference for what the chain's rewrites
+        change (``scripts/bench_grammar.py``, ``tests/test_grammar_rewrites.py``)."""
+        try:
+            matcher = self._compile(fmt, relaxed=True)
+        except GrammarError:
+            return None
+        return None if matcher.is_error() else matcher
+
     def _probe(self, compiled: llguidance.LLMatcher, response_format: ResponseFormat) -> None:
         """Refuse, before any request starts, a grammar no output can satisfy (no first token and nothing to accept)
         or one whose first token already breaks llguidance's limits (``a{1000000}``): the first mask, and its
@@ -316,8 +338,14 @@ class LLGuidanceBackend(GrammarBackend):
             raise GrammarError(f"llguidance cannot use {what}: {first_line(probe.get_error())} (its limits; "
                                "write the pattern with fewer repetitions)")
 
-    def matcher(self, compiled: LLGuidanceGrammar) -> LLGuidanceMatcher:
+    @cached_property
+    def layout(self) -> JsonLayout:
+        """The indented layout's rows for this tokenizer (made on first use)."""
+        return JsonLayout(self.tokenizer)
+
+    def matcher(self, compiled: LLGuidanceGrammar) -> GrammarMatcher:
         with self._lock:
             copy = compiled.matcher.deep_copy()
-        return LLGuidanceMatcher(copy, self.tokenizer)
+        matcher = LLGuidanceMatcher(copy, self.tokenizer)
+        return IndentedMatcher(matcher, self.layout) if compiled.indented else matcher
 

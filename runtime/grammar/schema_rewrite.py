@@ -30,6 +30,16 @@ LISTED_SUBSCHEMAS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
 #: Keywords whose value is one subschema.
 SINGLE_SUBSCHEMAS = ("items", "additionalItems", "additionalProperties", "not", "if", "then", "else", "contains",
                      "propertyNames", "unevaluatedItems", "unevaluatedProperties")
+#: Single-subschema keywords that ``{}`` would narrow (``not: {}`` refuses everything, ``if: {}`` always applies
+#: ``then``, ``contains: {}`` needs an item): the relaxation drops them instead.
+NARROWED_BY_ANY = ("not", "if", "contains")
+#: Keywords llguidance does not implement: its lenient compile ignores them (the answer's validation checks them).
+UNENFORCED = ("uniqueItems", "if", "then", "else", "not", "contains", "minContains", "maxContains",
+              "dependentSchemas", "dependentRequired", "dependencies", "unevaluatedProperties", "unevaluatedItems",
+              "propertyNames")
+#: Keywords that name a subschema (``$dynamicRef``, ``$recursiveRef`` and ``$ref`` resolve through them): a subschema
+#: relaxed to any JSON keeps them.
+IDENTIFIERS = ("$id", "$anchor", "$dynamicAnchor", "$recursiveAnchor")
 #: Keywords whose value is data (never a subschema).
 DATA_KEYWORDS = ("enum", "const", "examples", "default")
 #: Counting keywords, whose integral float values (``2.0``, valid JSON Schema) llguidance refuses.
@@ -71,6 +81,42 @@ def _anchor_name(ref: str) -> str | None:
 
 def _pointer(path: Path) -> str:
     return "#" + "".join("/" + str(p).replace("~", "~0").replace("/", "~1") for p in path)
+
+
+def _subschemas(schema: Any) -> Iterator[tuple[Path, dict]]:
+    """Every subschema that is an object, with its path: only at schema positions (the values of ``properties``,
+    never the map itself, so a property named ``not`` or ``minProperties`` is not read as a keyword). A subschema
+    may be changed when it is yielded: its children are read after."""
+    stack: list[tuple[Path, Any]] = [((), schema)]
+    while stack:
+        path, item = stack.pop()
+        if not isinstance(item, dict):
+            continue
+        yield path, item
+        for key, value in item.items():
+            if key in NAMED_SUBSCHEMAS and isinstance(value, dict):
+                stack.extend((path + (key, name), sub) for name, sub in value.items())
+            elif key in LISTED_SUBSCHEMAS and isinstance(value, list):
+                stack.extend((path + (key, i), sub) for i, sub in enumerate(value))
+            elif key in SINGLE_SUBSCHEMAS:
+                stack.append((path + (key,), value))
+
+
+def lenient_reading(schema: Any) -> Any:
+    """``schema`` (changed in place) as llguidance's relaxed compile reads it: without the ``UNENFORCED`` keywords,
+    ``oneOf`` as ``anyOf`` (``coerce_one_of``). It accepts everything ``schema`` accepts, and compiles to the same
+    grammar; every relaxed rewrite starts from it, so that dropping a part never narrows what is valid (a part
+    under ``not``, a branch of a ``oneOf``, or one whose annotations ``unevaluatedProperties`` read)."""
+    for _path, item in _subschemas(schema):
+        for key in UNENFORCED:
+            item.pop(key, None)
+        if isinstance(item.get("oneOf"), list):
+            branches = item.pop("oneOf")
+            if "anyOf" in item:
+                item["allOf"] = [*item.get("allOf", []), {"anyOf": branches}]
+            else:
+                item["anyOf"] = branches
+    return schema
 
 
 def normalize(schema: Any) -> Any:
@@ -140,11 +186,11 @@ def rewrite_schema(schema: Any, error: str) -> tuple[Any, tuple[str, ...]]:
     """A copy of ``schema`` without what llguidance refused (``error``) and cannot build a grammar for, and what was
     dropped (see the module doc)."""
     notes: set[str] = set()
-    copy = resolve_anchors(schema) if "does not exist" in error else copy_of(schema)
+    copy = lenient_reading(resolve_anchors(schema) if "does not exist" in error else copy_of(schema))
     if isinstance(copy, dict) and "$schema" in copy and not any(m in str(copy["$schema"]) for m in KNOWN_META):
         del copy["$schema"]
         notes.add("$schema (a custom meta-schema)")
-    for _path, item in _dicts(copy):
+    for _path, item in _subschemas(copy):
         for key in ("minProperties", "maxProperties"):
             if key in item:
                 del item[key]
@@ -174,7 +220,7 @@ def risky_patterns(schema: Any) -> list[str]:
     """The string patterns of ``schema`` (``pattern`` and ``patternProperties`` keys) that repeat a group
     ``RISKY_REPEAT`` times or more: those whose lexer state can outgrow llguidance's limits mid-answer."""
     found: list[str] = []
-    for _path, item in _dicts(schema):
+    for _path, item in _subschemas(schema):
         patterns = [item["pattern"]] if isinstance(item.get("pattern"), str) else []
         if isinstance(item.get("patternProperties"), dict):
             patterns += list(item["patternProperties"])
@@ -188,8 +234,8 @@ def risky_patterns(schema: Any) -> list[str]:
 def drop_patterns(schema: Any, patterns: set[str]) -> Any:
     """A copy of ``schema`` without the ``pattern`` keywords (and ``patternProperties`` entries, whose names then
     fall to ``additionalProperties``: dropped too) holding one of ``patterns``."""
-    copy = copy_of(schema)
-    for _path, item in _dicts(copy):
+    copy = lenient_reading(copy_of(schema))
+    for _path, item in _subschemas(copy):
         if item.get("pattern") in patterns:
             del item["pattern"]
         named = item.get("patternProperties")
@@ -201,15 +247,28 @@ def drop_patterns(schema: Any, patterns: set[str]) -> Any:
 
 
 def _children(path: Path, item: dict) -> Iterator[tuple[Path, str]]:
-    """The parts of the subschema at ``path`` that the search may relax: ``(path, "drop")`` removes a keyword that
-    combines subschemas (anyOf, allOf, ...) from its object, ``(path, "any")`` replaces one subschema by ``{}``."""
+    """The parts of the subschema at ``path`` that the search may relax, each only widening what is valid:
+    ``(path, "drop")`` removes a keyword that combines subschemas (anyOf, allOf, ...), or one that ``{}`` would
+    narrow (``NARROWED_BY_ANY``), from its object; ``(path, "any")`` replaces one subschema by ``{}``."""
     for key, value in item.items():
         if key in NAMED_SUBSCHEMAS and isinstance(value, dict):
             yield from ((path + (key, name), "any") for name, sub in value.items() if isinstance(sub, dict))
         elif key in LISTED_SUBSCHEMAS and isinstance(value, list):
             yield path + (key,), "drop"
         elif key in SINGLE_SUBSCHEMAS and isinstance(value, dict):
-            yield path + (key,), "any"
+            yield path + (key,), "drop" if key in NARROWED_BY_ANY else "any"
+
+
+def relaxations(schema: Any) -> Iterator[tuple[Path, str]]:
+    """Every relaxation the search of :func:`relax_subschemas` may choose in ``schema`` (it goes down only into the
+    subschemas it would replace by ``{}``, never into ``not``, ``if`` or ``contains``)."""
+    stack: list[Path] = [()] if isinstance(schema, dict) else []
+    while stack:
+        frontier = stack.pop()
+        for path, action in _children(frontier, _at(schema, frontier)):
+            yield path, action
+            if action == "any" and isinstance(_at(schema, path), dict):
+                stack.append(path)
 
 
 def _at(schema: Any, path: Path) -> Any:
@@ -218,7 +277,8 @@ def _at(schema: Any, path: Path) -> Any:
     return schema
 
 
-def _apply(schema: Any, relaxations: list[tuple[Path, str]]) -> Any:
+def apply_relaxations(schema: Any, relaxations: list[tuple[Path, str]]) -> Any:
+    """A copy of ``schema`` with each ``(path, action)`` of :func:`relaxations` applied."""
     copy = copy_of(schema)
     for path, action in relaxations:
         if not path:
@@ -226,8 +286,11 @@ def _apply(schema: Any, relaxations: list[tuple[Path, str]]) -> Any:
         parent = _at(copy, path[:-1])
         if action == "drop":
             parent.pop(path[-1], None)
+            if path[-1] == "prefixItems":  # 2020-12's items would then apply to every item, not only the rest
+                parent.pop("items", None)
         else:
-            parent[path[-1]] = {}
+            kept = _at(copy, path)
+            parent[path[-1]] = {k: v for k, v in kept.items() if k in IDENTIFIERS} if isinstance(kept, dict) else {}
     return copy
 
 
@@ -243,7 +306,9 @@ def relax_subschemas(schema: Any, error_of: Callable[[Any], str | None],
     Top-down: at a subschema, each of its parts is tried relaxed (largest first); the first one that makes the whole
     schema compile is kept and the search goes into it, looking for a smaller part that suffices; when none of its
     own parts does, that part is relaxed whole. A part of a list keyword (one branch of an anyOf) is not tried alone:
-    the keyword is dropped whole."""
+    the keyword is dropped whole. The search runs on the schema's :func:`lenient_reading` (what it relaxes is
+    never under a ``not`` nor a ``oneOf`` branch)."""
+    schema = lenient_reading(copy_of(schema))
     tries = 0
     chosen: list[tuple[Path, str]] = []
     frontier: Path | None = ()
@@ -255,7 +320,7 @@ def relax_subschemas(schema: Any, error_of: Callable[[Any], str | None],
             if tries >= max_tries:
                 break
             tries += 1
-            if error_of(_apply(schema, [path_action for path_action in chosen if path_action[0] != frontier]
+            if error_of(apply_relaxations(schema, [path_action for path_action in chosen if path_action[0] != frontier]
                                + [(path, action)])) is None:
                 found = (path, action)
                 break
@@ -265,7 +330,7 @@ def relax_subschemas(schema: Any, error_of: Callable[[Any], str | None],
         frontier = found[0] if found[1] == "any" and isinstance(_at(schema, found[0]), dict) else None
     if not chosen:
         return None
-    relaxed = _apply(schema, chosen)
+    relaxed = apply_relaxations(schema, chosen)
     notes = tuple(sorted(f"{_pointer(path)[1:] or '/'}: {'dropped' if action == 'drop' else 'any JSON'}"
                          for path, action in chosen))
     return relaxed, notes

@@ -2,8 +2,9 @@
 cache, compiled once per grammar by a ``GrammarCompiler`` (itself caching).
 
 The vocabulary given to xgrammar has "" for special tokens and padded ids (so they are never allowed) and the
-model's EOS ids as stop tokens. JSON uses the same whitespace rule as the llguidance backend (any whitespace, at most
-``MAX_JSON_WHITESPACE`` characters in a row) so that both engines allow the same tokens.
+model's EOS ids as stop tokens. JSON follows the response format's whitespace policy as the llguidance backend does:
+compact (no whitespace), indented (xgrammar's own ``indent=2``) or flexible (any whitespace, at most
+``MAX_JSON_WHITESPACE`` characters in a row), so that both engines allow the same tokens.
 """
 
 from __future__ import annotations
@@ -71,8 +72,14 @@ class XGrammarBackend(GrammarBackend):
         fmt = response_format
         try:
             if fmt.kind in ("json_object", "json_schema"):
-                return self.compiler.compile_json_schema(fmt.text, any_whitespace=True,
-                                                         max_whitespace_cnt=MAX_JSON_WHITESPACE, strict_mode=False)
+                if fmt.whitespace == "flexible":
+                    return self.compiler.compile_json_schema(fmt.text, any_whitespace=True,
+                                                             max_whitespace_cnt=MAX_JSON_WHITESPACE,
+                                                             strict_mode=False)
+                indent = 2 if fmt.whitespace == "indented" else None  # its indentation is json.dumps's
+                return self.compiler.compile_json_schema(fmt.text, any_whitespace=False, indent=indent,
+                                                         separators=(",", ": " if indent else ":"),
+                                                         strict_mode=False)
             if fmt.kind == "regex":
                 return self.compiler.compile_regex(fmt.text)
             if fmt.syntax == "lark":
