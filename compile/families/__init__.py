@@ -3,6 +3,8 @@ and by GGUF architecture; an unknown one is refused naming what is supported."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ..model_family import ModelFamily
 from .llama import LLAMA
 from .phi3 import PHI3
@@ -23,17 +25,18 @@ def family_named(name: str) -> ModelFamily:
 
 def family_for_hf(architecture: str) -> ModelFamily:
     """The family of a Hugging Face ``config.json``'s ``architectures[0]``."""
-    for family in FAMILIES:
-        if architecture in family.hf_architectures:
-            return family
-    known = ", ".join(a for f in FAMILIES for a in f.hf_architectures)
-    raise ValueError(f"Hugging Face architecture {architecture!r} is not supported (supported: {known})")
+    return _family_by(architecture, "Hugging Face", lambda family: family.hf_architectures)
 
 
 def family_for_gguf(architecture: str) -> ModelFamily:
     """The family of a GGUF's ``general.architecture``."""
+    return _family_by(architecture, "GGUF", lambda family: family.gguf_architectures)
+
+
+def _family_by(architecture: str, source: str, names: Callable[[ModelFamily], tuple[str, ...]]) -> ModelFamily:
+    """The family whose ``names`` hold ``architecture``; ValueError listing the supported names of ``source``."""
     for family in FAMILIES:
-        if architecture in family.gguf_architectures:
+        if architecture in names(family):
             return family
-    known = ", ".join(a for f in FAMILIES for a in f.gguf_architectures)
-    raise ValueError(f"GGUF architecture {architecture!r} is not supported (supported: {known})")
+    known = ", ".join(name for family in FAMILIES for name in names(family))
+    raise ValueError(f"{source} architecture {architecture!r} is not supported (supported: {known})")
