@@ -7,11 +7,13 @@
   ``python scripts/X.py ...`` command answers ``--help``; blocks marked ``bash run`` are run and must succeed.
 - ``json`` blocks parse.
 - A block marked ``illustrative`` after its language (```` ```python illustrative ````) is not run: it shows a shape
-  with placeholders. Blocks without a language are plain text.
+  with placeholders. A python block marked ``needs=torch,transformers`` runs where those optional packages are
+  installed (CI's second step) and is left out elsewhere. Blocks without a language are plain text.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -70,7 +72,8 @@ def workdir(tmp_path_factory) -> Path:
 def test_every_code_block_has_a_known_language_or_is_text() -> None:
     for block in ALL_BLOCKS:
         assert block.language in CHECKED_LANGUAGES | {""}, f"{block.where}: unknown block language {block.language!r}"
-        assert block.flags <= {"illustrative", "run"}, f"{block.where}: unknown marks {set(block.flags)}"
+        marks = {flag for flag in block.flags if not flag.startswith("needs=")}
+        assert marks <= {"illustrative", "run"}, f"{block.where}: unknown marks {marks}"
 
 
 # ---------------------------------------------------------------------------------------------------- python
@@ -87,14 +90,20 @@ for where, code in json.load(sys.stdin):
 """
 
 
+def runnable(block: Block) -> bool:
+    """A python block that runs here: not illustrative, and every module its ``needs=`` mark names is installed."""
+    needs = [name for flag in block.flags if flag.startswith("needs=") for name in flag[len("needs="):].split(",")]
+    return (block.language == "python" and "illustrative" not in block.flags
+            and all(importlib.util.find_spec(name) is not None for name in needs))
+
+
 def python_files() -> list[Path]:
-    return [path for path in DOCS if any(b.language == "python" and "illustrative" not in b.flags
-                                         for b in blocks(path))]
+    return [path for path in DOCS if any(runnable(b) for b in blocks(path))]
 
 
 @pytest.mark.parametrize("path", python_files(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_python_blocks_run(path: Path, workdir: Path, default_model_in_cache) -> None:
-    code = [(f"{b.where}", b.code) for b in blocks(path) if b.language == "python" and "illustrative" not in b.flags]
+    code = [(f"{b.where}", b.code) for b in blocks(path) if runnable(b)]
     done = subprocess.run([sys.executable, "-c", RUNNER], input=json.dumps(code), capture_output=True, text=True,
                           cwd=workdir, env=snippet_env(), timeout=900)
     assert done.returncode == 0, f"{done.stderr[-4000:]}"
