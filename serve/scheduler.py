@@ -174,7 +174,8 @@ class Scheduler:
         live = self.live()
         decoding = [s for s in live if s.decoding]
         verify = {s: drafts[s] for s in decoding if drafts.get(s)}
-        prefilling = sorted((s for s in live if s.prefilling), key=self._feed_to_prefill)
+        rest = {s: self._feed_to_prefill(s) for s in live if s.prefilling}  # (a prefix cache lookup each: once)
+        prefilling = sorted(rest, key=rest.__getitem__)
         while verify and budget.max_tokens is not None and (  # drafts give way to a prefill token at least
                 len(decoding) + sum(len(d) for d in verify.values()) + bool(prefilling) > budget.max_tokens):
             verify.pop(next(reversed(verify)))
@@ -183,7 +184,7 @@ class Scheduler:
         for seq in prefilling:
             if left is not None and left < 1:
                 break
-            take = self._feed_to_prefill(seq) if left is None else min(self._feed_to_prefill(seq), left)
+            take = rest[seq] if left is None else min(rest[seq], left)
             plan.chunks.append((seq, take))
             if left is not None:
                 left -= take
