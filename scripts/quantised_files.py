@@ -45,7 +45,7 @@ def write_tiny_f32(path: Path) -> Path:
     writer.add_layer_norm_rms_eps(cfg.rms_eps)
     writer.add_rope_freq_base(cfg.rope_theta)
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt2")
+    writer.add_tokenizer_pre("default")
     writer.add_token_list(model.tokens)
     writer.add_token_types([1 if t == 6 else t for t in model.token_types])
     writer.add_token_merges(model.merges)
