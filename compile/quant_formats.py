@@ -1,8 +1,9 @@
-"""The GGUF block types that ``quant_matvec`` reads (Q4_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K): their blocks unpacked
-into integer codes and scales, repacked 8 rows to a vector, and dequantised (numpy) exactly as gguf-py does.
+"""The GGUF block types that ``quant_matvec`` reads (Q4_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS): blocks
+unpacked into integer codes and scales, repacked 8 rows to a vector, and dequantised (numpy) exactly as gguf-py does.
 
 Every one of these types stores weight ``k`` of row ``o`` as ``W[o, k] = S * (q - off) + M`` with an integer code
-``q`` of ``bits`` bits, a fixed offset ``off`` (Q4_0 8, Q5_0 16, Q6_K 32, else 0) and, per sub-block of 32 weights
+``q`` of ``bits`` bits (IQ4: ``lut[i]``, one of 16 values plus 128, for a 4-bit index ``i``), a fixed offset ``off``
+(Q4_0 8, Q5_0 16, Q6_K 32, IQ4 128, else 0) and, per sub-block of 32 weights
 (Q6_K: of 16), a float32 scale ``S`` and min ``M`` (0 for types without one) that are exact products of the
 stored numbers: ``S = d`` (Q4_0, Q5_0, Q5_1: the block's float16 scale) or ``S = d * sc`` (K-quants: the 256-weight
 super-block's float16 ``d`` times the sub-block's 6-bit (Q6_K: signed 8-bit) scale), ``M = m`` (Q5_1's float16 min)
@@ -18,11 +19,13 @@ block of 32 weights):
 * ``high[g, b, 32 h]`` uint8 (``h = bits - 4`` planes, Q5: 1, Q6: 2): bit ``p`` of byte ``32 i + c`` is bit
   ``4 + i`` of the code whose low bits are at position ``c`` of nibble plane ``p``;
 * ``d[g, b, 8]`` float16 (Q4_0, Q5_0, Q5_1) or ``d[g, b // 8, 8]`` (K-quants): the rows' scales;
-* ``sc[g, b, 8]`` uint8 (Q4_K, Q5_K) or ``sc[g, b, 16]`` int8 (Q6_K: ``[half, row]``): the sub-block scales;
-* ``m[g, b, 8]`` float16 (Q5_1) or ``dmin[g, b // 8, 8]`` float16 and ``mq[g, b, 8]`` uint8 (Q4_K, Q5_K): mins.
+* ``sc[g, b, 8]`` uint8 (Q4_K, Q5_K), int8 (IQ4_XS: ``ls - 32``) or ``sc[g, b, 16]`` int8 (Q6_K: ``[half, row]``): the
+  sub-block scales;
+* ``m[g, b, 8]`` float16 (Q5_1) or ``dmin[g, b // 8, 8]`` float16 and ``mq[g, b, 8]`` uint8 (Q4_K, Q5_K): mins;
+* ``lut[32]`` uint8 (IQ4): the 16 values plus 128, twice.
 
 Sizes against the GGUF (bytes per 256 weights): Q4_0 144 (GGUF 144), Q5_0 176 (176), Q5_1 192 (192), Q4_K 148
-(144), Q5_K 180 (176), Q6_K 212 (210).
+(144), Q5_K 180 (176), Q6_K 212 (210), IQ4_NL 144 (144), IQ4_XS 138 (136).
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ import numpy as np
 ROWS = 8
 QBLOCK = 32
 SUPER = 256
+#: IQ4_NL / IQ4_XS's 16 weight values (GGML's ``kvalues_iq4nl``)
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,9 @@ class QuantLayout:
     min: str         #: "none", "block" (float16 ``m`` per block) or "super" (``dmin`` per 256 times ``mq``)
     block_bytes: int  #: GGUF bytes per block
     block_weights: int  #: weights per GGUF block
+    sc_dtype: str = "uint8"  #: the sub-block scales' type (signed for Q6_K and IQ4_XS)
+    #: a non-linear type's 16 values (IQ4): a weight's 4-bit code indexes them (``lut``, plus ``offset`` 128)
+    codebook: tuple[int, ...] = ()
 
     @property
     def high_planes(self) -> int:
@@ -64,11 +72,13 @@ class QuantLayout:
             out.append(("high", (groups, blocks, QBLOCK * self.high_planes), "uint8"))
         out.append(("d", (groups, supers, ROWS), "float16"))
         if self.superblock:
-            out.append(("sc", (groups, blocks, ROWS * self.halves), "int8" if self.halves == 2 else "uint8"))
+            out.append(("sc", (groups, blocks, ROWS * self.halves), self.sc_dtype))
         if self.min == "block":
             out.append(("m", (groups, blocks, ROWS), "float16"))
         elif self.min == "super":
             out += [("dmin", (groups, supers, ROWS), "float16"), ("mq", (groups, blocks, ROWS), "uint8")]
+        if self.codebook:
+            out.append(("lut", (2 * len(self.codebook),), "uint8"))
         return out
 
 
@@ -78,7 +88,9 @@ LAYOUTS: dict[str, QuantLayout] = {layout.ggml: layout for layout in (
     QuantLayout("Q5_1", "q5_1", 5, 0, False, 1, "block", 24, 32),
     QuantLayout("Q4_K", "q4_k", 4, 0, True, 1, "super", 144, 256),
     QuantLayout("Q5_K", "q5_k", 5, 0, True, 1, "super", 176, 256),
-    QuantLayout("Q6_K", "q6_k", 6, 32, True, 2, "none", 210, 256),
+    QuantLayout("Q6_K", "q6_k", 6, 32, True, 2, "none", 210, 256, "int8"),
+    QuantLayout("IQ4_NL", "iq4_nl", 4, 128, False, 1, "none", 18, 32, codebook=IQ4_VALUES),
+    QuantLayout("IQ4_XS", "iq4_xs", 4, 128, True, 1, "none", 136, 256, "int8", codebook=IQ4_VALUES),
 )}
 #: the weight formats of these layouts, by name
 BY_FORMAT: dict[str, QuantLayout] = {layout.fmt: layout for layout in LAYOUTS.values()}
@@ -116,6 +128,18 @@ def unpack_gguf(layout: QuantLayout, raw: np.ndarray) -> dict[str, np.ndarray]:
         raise ValueError(f"{layout.ggml} rows are whole blocks of {layout.block_bytes} bytes, got {raw.shape[1]}")
     blk = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows, -1, layout.block_bytes)
     out: dict[str, np.ndarray] = {}
+    if layout.ggml == "IQ4_NL":
+        out["d"], out["codes"] = _halves16(blk, 0), _nibbles_split(blk[..., 2:]).reshape(rows, -1)
+        return out
+    if layout.ggml == "IQ4_XS":  # d, scales_h (uint16), scales_l[4], qs[128]: 8 sub-blocks of 16 nibble bytes
+        out["d"] = _halves16(blk, 0)
+        high = np.ascontiguousarray(blk[..., 2:4]).view("<u2")  # [rows, blocks, 1]
+        low = blk[..., 4:8]
+        low = np.stack([low & 15, low >> 4], axis=-1).reshape(rows, -1, 8)
+        high = ((high >> (2 * np.arange(8, dtype=np.uint16))) & 3).astype(np.uint8)
+        out["sc"] = ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8).reshape(rows, -1)
+        out["codes"] = _nibbles_split(blk[..., 8:].reshape(rows, -1, 8, 16)).reshape(rows, -1)
+        return out
     if layout.ggml in ("Q4_0", "Q5_0", "Q5_1"):
         out["d"] = _halves16(blk, 0)
         at = 2
@@ -160,7 +184,8 @@ def dequantize_unpacked(layout: QuantLayout, parts: dict[str, np.ndarray]) -> np
         s = np.repeat(d, SUPER // per, axis=1) * parts["sc"].astype(np.float32)
     else:
         s = d
-    w = np.repeat(s, per, axis=1) * (codes.astype(np.float32) - np.float32(layout.offset))
+    q = np.asarray(layout.codebook, np.int16)[codes] + layout.offset if layout.codebook else codes
+    w = np.repeat(s, per, axis=1) * (q.astype(np.float32) - np.float32(layout.offset))
     if layout.min == "block":
         w = w + np.repeat(parts["m"].astype(np.float32), QBLOCK, axis=1)
     elif layout.min == "super":
@@ -203,6 +228,8 @@ def pack(layout: QuantLayout, parts: dict[str, np.ndarray]) -> dict[str, np.ndar
         out["m"] = _rows(parts["m"], pad)
     elif layout.min == "super":
         out["dmin"], out["mq"] = _rows(parts["dmin"], pad), _rows(parts["mq"], pad)
+    if layout.codebook:  # the 16 values plus the offset, twice (a table per 128-bit lane of ``vpshufb``)
+        out["lut"] = np.tile(np.asarray(layout.codebook, np.int16) + layout.offset, 2).astype(np.uint8)
     return out
 
 
@@ -245,7 +272,7 @@ def dequantize_packed(layout: QuantLayout, packed: dict[str, np.ndarray], out_fe
 
 #: exact widenings: a tensor of the key type is stored as the value type with the same weights
 _WIDER = {"Q4_0": ("Q5_0", "Q8_0"), "Q5_0": ("Q8_0",), "Q5_1": (), "Q4_K": ("Q5_K",), "Q5_K": (), "Q6_K": (),
-          "Q8_0": (), "Q4_1": ("Q5_1",)}
+          "Q8_0": (), "Q4_1": ("Q5_1",), "IQ4_NL": (), "IQ4_XS": ()}
 
 
 def common_type(types: set[str]) -> tuple[str, bool]:

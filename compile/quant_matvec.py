@@ -50,18 +50,23 @@ from .packed_matvec import (
 from .quant_formats import QBLOCK, QuantLayout
 
 _CHUNKS = 64
+_PSHUFB = "llvm.x86.avx2.pshuf.b"
 _MIN_KINDS = {"none": 0, "block": 1, "super": 2}
-_ARRAYS = ("codes", "high", "d", "sc", "m", "dmin", "mq")  # every layout's arrays in parameter order
+_ARRAYS = ("codes", "high", "d", "sc", "m", "dmin", "mq", "lut")  # every layout's arrays in parameter order
 
 
-def _codes(raw: Any, high: Any, g: Any, b: Any, v: Any, half: int, planes: int) -> Any:
-    """uint8x32 codes of nibble plane ``2 v + half``: the nibbles plus ``planes`` high bits (bits 4, 5)."""
+def _codes(raw: Any, high: Any, lut: Any, g: Any, b: Any, v: Any, half: int, planes: int, codebook: bool) -> Any:
+    """uint8x32 codes of nibble plane ``2 v + half``: the nibbles plus ``planes`` high bits (bits 4, 5), or with
+    ``codebook`` the ``lut`` values the nibbles index (``vpshufb``)."""
     out = T.bitwise_and(raw, T.broadcast(T.uint8(15), 32)) if half == 0 else T.shift_right(
         raw, T.broadcast(T.uint8(4), 32))
     for i in range(planes):
         bits = T.bitwise_and(T.shift_right(high.vload([g, b, QBLOCK * i], "uint8x32"),
                                            T.broadcast(T.Cast("uint8", 2 * v + half), 32)), T.broadcast(T.uint8(1), 32))
         out = T.bitwise_or(out, T.shift_left(bits, T.broadcast(T.uint8(4 + i), 32)))
+    if codebook:
+        table = T.reinterpret("int8x32", lut.vload([0], "uint8x32"))
+        out = T.reinterpret("uint8x32", _intrin(_PSHUFB, "int8x32", table, T.reinterpret("int8x32", out)))
     return out
 
 
@@ -91,8 +96,8 @@ def _sums(iacc: Any, s: Any, size: int, h: Any, planes: int) -> Any:
 
 
 @T.macro
-def _tile(y, xq4, xd, xs, xc, t0, size, g, blocks, out_features, codes, high, dd, sc, mm, dmin, mq, iacc, facc,
-          planes, hb, halves, off, superblock, sc_type, min_kind, vnni):
+def _tile(y, xq4, xd, xs, xc, t0, size, g, blocks, out_features, codes, high, dd, sc, mm, dmin, mq, lut, iacc, facc,
+          planes, hb, halves, off, superblock, sc_type, min_kind, vnni, codebook):
     """``y[t0 + s, 8 g: 8 g + 8]`` for the ``size`` tokens of a tile (module doc). ``iacc``: int32, 8 lanes per
     (plane, token, accumulator); accumulator ``h`` is the sub-block (Q6_K) or, with one scale a block, the low
     (high) nibbles with VNNI, the even (odd) vectors on AVX2."""
@@ -103,8 +108,8 @@ def _tile(y, xq4, xd, xs, xc, t0, size, g, blocks, out_features, codes, high, dd
             iacc[T.ramp(a * ROWS, 1, ROWS)] = T.broadcast(T.int32(0), ROWS)
         for v in T.unroll(4):
             raw: T.let = codes.vload([g, b, v * 32], "uint8x32")
-            low: T.let = _codes(raw, high, g, b, v, 0, hb)
-            hig: T.let = _codes(raw, high, g, b, v, 1, hb)
+            low: T.let = _codes(raw, high, lut, g, b, v, 0, hb, codebook)
+            hig: T.let = _codes(raw, high, lut, g, b, v, 1, hb, codebook)
             for p in T.unroll(planes):
                 for s in T.unroll(size):
                     xlo: T.let = T.reinterpret("int8x32", T.broadcast(xq4[p, t0 + s, b * 8 + v * 2], ROWS))
@@ -161,8 +166,10 @@ def _code_sums(xq, xc, t, blocks, halves, planes):
 
 
 def _validate(layout: QuantLayout, out_features: int, in_features: int, x_dtype: str, y_dtype: str,
-              xbits: int) -> None:
+              xbits: int, vnni: bool) -> None:
     layout.shapes(out_features, in_features)  # raises on a bad shape
+    if layout.codebook and not vnni:  # codes up to 241 would saturate vpmaddubsw's int16 pairs
+        raise ValueError(f"{layout.ggml} weights need AVX512-VNNI (the AVX2 tile cannot multiply their codes)")
     _check(layout.ggml, in_features, out_features, x_dtype, y_dtype, xbits)
 
 
@@ -173,16 +180,16 @@ def quant_matmul_kernel(layout: QuantLayout, out_features: int, in_features: int
     """``y[t, o] = sum_k x[t, k] * W[o, k]`` (module doc) for ``x[n, K]`` of ``x_dtype`` and ``y[n, N]`` of
     ``y_dtype`` (float32 or float16); parameters ``x``, the packed arrays (``layout.shapes``), ``y``. ``xbits``:
     the activation codes' bits (8 or 16); ``vnni``: the AVX512-VNNI tile (else AVX2; the same outputs)."""
-    _validate(layout, out_features, in_features, x_dtype, y_dtype, xbits)
+    _validate(layout, out_features, in_features, x_dtype, y_dtype, xbits, vnni)
     N, K, blocks, groups = out_features, in_features, in_features // QBLOCK, -(-out_features // ROWS)
     chunks = min(_CHUNKS, groups)
     planes, qmax, tile = (1, _QMAX, _TILE) if xbits == 8 else (2, SPLIT_QMAX, _SPLIT_TILE)
     hb, halves, off, superblock = layout.high_planes, layout.halves, layout.offset, layout.superblock
-    sc_type, min_kind = "int8" if halves == 2 else "uint8", _MIN_KINDS[layout.min]
+    sc_type, min_kind, codebook = layout.sc_dtype, _MIN_KINDS[layout.min], bool(layout.codebook)
     xc_width = blocks * halves if off else 1
 
     @T.macro
-    def body(x, y, n, codes, high, dd, sc, mm, dmin, mq):
+    def body(x, y, n, codes, high, dd, sc, mm, dmin, mq, lut):
         xq = T.alloc_buffer((planes, n, K), "int8")
         xq4 = T.decl_buffer((planes, n, K // 4), "int32", data=xq.data)
         xd = T.alloc_buffer((n, blocks), "float32")
@@ -208,26 +215,27 @@ def quant_matmul_kernel(layout: QuantLayout, out_features: int, in_features: int
                 for g in range(chunk * groups // chunks, (chunk + 1) * groups // chunks):
                     for tt in range((t1 - span * _SPAN) // tile):
                         _tile(y, xq4, xd, xs, xc, span * _SPAN + tt * tile, tile, g, blocks, N, codes, high, dd, sc,
-                              mm, dmin, mq, iacc, facc, planes, hb, halves, off, superblock, sc_type, min_kind, vnni)
+                              mm, dmin, mq, lut, iacc, facc, planes, hb, halves, off, superblock, sc_type, min_kind,
+                              vnni, codebook)
                     if (t1 - span * _SPAN) % tile >= 2:
                         _tile(y, xq4, xd, xs, xc, t1 - (t1 - span * _SPAN) % tile, 2, g, blocks, N, codes, high, dd,
-                              sc, mm, dmin, mq, iacc, facc, planes, hb, halves, off, superblock, sc_type, min_kind,
-                              vnni)
+                              sc, mm, dmin, mq, lut, iacc, facc, planes, hb, halves, off, superblock, sc_type,
+                              min_kind, vnni, codebook)
                     if (t1 - span * _SPAN) % tile % 2 == 1:
-                        _tile(y, xq4, xd, xs, xc, t1 - 1, 1, g, blocks, N, codes, high, dd, sc, mm, dmin, mq, iacc,
-                              facc, planes, hb, halves, off, superblock, sc_type, min_kind, vnni)
+                        _tile(y, xq4, xd, xs, xc, t1 - 1, 1, g, blocks, N, codes, high, dd, sc, mm, dmin, mq, lut,
+                              iacc, facc, planes, hb, halves, off, superblock, sc_type, min_kind, vnni, codebook)
 
-    _codes_, _high, _d, _sc, _m, _dmin, _mq = _param_shapes(layout, N, K)
+    _codes_, _high, _d, _sc, _m, _dmin, _mq, _lut = _param_shapes(layout, N, K)
 
     @T.prim_func(private=True)
     def quant_matmul(var_x: T.handle, codes: T.Buffer(*_codes_), high: T.Buffer(*_high),
                      d: T.Buffer(*_d), sc: T.Buffer(*_sc), m: T.Buffer(*_m),
-                     dmin: T.Buffer(*_dmin), mq: T.Buffer(*_mq), var_y: T.handle):
+                     dmin: T.Buffer(*_dmin), mq: T.Buffer(*_mq), lut: T.Buffer(*_lut), var_y: T.handle):
         T.func_attr({"tirx.noalias": True})
         n = T.int64()
         x = T.match_buffer(var_x, (n, K), x_dtype)
         y = T.match_buffer(var_y, (n, N), y_dtype)
-        body(x, y, n, codes, high, d, sc, m, dmin, mq)
+        body(x, y, n, codes, high, d, sc, m, dmin, mq, lut)
 
     return _drop_unused(quant_matmul, layout)
 
@@ -252,25 +260,26 @@ def _drop_unused(func: tirx.PrimFunc, layout: QuantLayout) -> tirx.PrimFunc:
 def quant_embed_kernel(layout: QuantLayout, vocab: int, hidden: int) -> tirx.PrimFunc:
     """``out[t, h] = W[ids[t], h]`` (float32, ``S * (q - off) + M``) from the packed layout: parameters ``ids``
     int32 ``[n]``, the packed arrays, ``out``."""
-    _codes_, _high, _d, _sc, _m, _dmin, _mq = _param_shapes(layout, vocab, hidden)
+    _codes_, _high, _d, _sc, _m, _dmin, _mq, _lut = _param_shapes(layout, vocab, hidden)
     hb, halves, off, superblock = layout.high_planes, layout.halves, layout.offset, layout.superblock
     min_kind = _MIN_KINDS[layout.min]
 
-    def code(codes: Any, high: Any, g: Any, r: Any, h: Any) -> Any:
+    def code(codes: Any, high: Any, lut: Any, g: Any, r: Any, h: Any) -> Any:
         b, j = h // QBLOCK, h % QBLOCK
         v, half, jj = j // 8, j % 8 // 4, j % 4
         q = T.bitwise_and(T.shift_right(codes[g, b, v * 32 + r * 4 + jj], T.Cast("uint8", half * 4)), T.uint8(15))
         for i in range(hb):
             q = T.bitwise_or(q, T.shift_left(T.bitwise_and(T.shift_right(
                 high[g, b, QBLOCK * i + r * 4 + jj], T.Cast("uint8", 2 * v + half)), T.uint8(1)), T.uint8(4 + i)))
-        return T.Cast("float32", q)
+        return T.Cast("float32", lut[q] if layout.codebook else q)
 
-    def weight(codes: Any, high: Any, dd: Any, sc: Any, mm: Any, dmin: Any, mq: Any, row: Any, h: Any) -> Any:
+    def weight(codes: Any, high: Any, dd: Any, sc: Any, mm: Any, dmin: Any, mq: Any, lut: Any, row: Any,
+               h: Any) -> Any:
         g, r, b = row // ROWS, row % ROWS, h // QBLOCK
         s = (T.Cast("float32", dd[g, b // 8, r]) * T.Cast("float32", sc[g, b, (h % QBLOCK) // 16 * ROWS + r]
                                                           if halves == 2 else sc[g, b, r])
              if superblock else T.Cast("float32", dd[g, b, r]))
-        w = s * (code(codes, high, g, r, h) - T.float32(off))
+        w = s * (code(codes, high, lut, g, r, h) - T.float32(off))
         if min_kind == 1:
             return w + T.Cast("float32", mm[g, b, r])
         if min_kind == 2:
@@ -280,13 +289,13 @@ def quant_embed_kernel(layout: QuantLayout, vocab: int, hidden: int) -> tirx.Pri
     @T.prim_func(private=True)
     def quant_embed(var_ids: T.handle, codes: T.Buffer(*_codes_), high: T.Buffer(*_high),
                     d: T.Buffer(*_d), sc: T.Buffer(*_sc), m: T.Buffer(*_m),
-                    dmin: T.Buffer(*_dmin), mq: T.Buffer(*_mq), var_out: T.handle):
+                    dmin: T.Buffer(*_dmin), mq: T.Buffer(*_mq), lut: T.Buffer(*_lut), var_out: T.handle):
         T.func_attr({"tirx.noalias": True})
         n = T.int64()
         ids = T.match_buffer(var_ids, (n,), "int32")
         out = T.match_buffer(var_out, (n, hidden), "float32")
         for t in range(n):
             for h in range(hidden):
-                out[t, h] = weight(codes, high, d, sc, m, dmin, mq, ids[t], h)
+                out[t, h] = weight(codes, high, d, sc, m, dmin, mq, lut, ids[t], h)
 
     return _drop_unused(quant_embed, layout)

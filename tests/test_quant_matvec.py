@@ -1,4 +1,5 @@
-"""The packed kernels of the GGUF block types Q4_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K (``compile/quant_formats.py``,
+"""The packed kernels of the GGUF block types Q4_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS (the last two:
+AVX512-VNNI only, ``compile/quant_formats.py``,
 ``compile/quant_matvec.py``): unpacked and repacked blocks dequantise to gguf-py's ``dequantize`` bit for bit, exact
 widenings keep every weight, the matmul equals float64 numpy on the activations rounded as
 ``quantise_activations`` rounds them (within 1e-5 of the output's scale) on rows not a multiple of 8, a single row,
@@ -55,8 +56,10 @@ def random_blocks(ggml: str, rows: int, in_features: int, rng: np.random.Generat
     elif ggml in ("Q4_K", "Q5_K"):
         f16(0, 0.0001, 0.002)
         f16(2, 0.0001, 0.003)
-    else:
+    elif ggml == "Q6_K":
         f16(208, -0.002, 0.002)
+    else:  # IQ4_NL, IQ4_XS
+        f16(0, -0.002, 0.002)
     return raw.reshape(rows, -1)
 
 
@@ -134,6 +137,10 @@ def _check_kernel(ggml: str, n_out: int, vnni: bool, xbits: int, rng: np.random.
 @pytest.mark.parametrize("vnni", TILES)
 @pytest.mark.parametrize("ggml", list(LAYOUTS))
 def test_matmul_matches_numpy_and_is_batch_invariant(ggml: str, vnni: bool) -> None:
+    if LAYOUTS[ggml].codebook and not vnni:
+        with pytest.raises(ValueError, match=f"{ggml} weights need AVX512-VNNI"):
+            quant_matmul_kernel(LAYOUTS[ggml], 37, _in_features(ggml))
+        return
     _check_kernel(ggml, 37, vnni, 16, np.random.default_rng(2))
 
 
