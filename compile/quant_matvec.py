@@ -60,10 +60,12 @@ def _codes(raw: Any, high: Any, lut: Any, g: Any, b: Any, v: Any, half: int, pla
     ``codebook`` the ``lut`` values the nibbles index (``vpshufb``)."""
     out = T.bitwise_and(raw, T.broadcast(T.uint8(15), 32)) if half == 0 else T.shift_right(
         raw, T.broadcast(T.uint8(4), 32))
-    for i in range(planes):
-        bits = T.bitwise_and(T.shift_right(high.vload([g, b, QBLOCK * i], "uint8x32"),
-                                           T.broadcast(T.Cast("uint8", 2 * v + half), 32)), T.broadcast(T.uint8(1), 32))
-        out = T.bitwise_or(out, T.shift_left(bits, T.broadcast(T.uint8(4 + i), 32)))
+    for i in range(planes):  # in 16-bit lanes (x86 has no byte shifts): bit p of each byte to bit 4 + i of it
+        words = T.reinterpret("uint16x16", high.vload([g, b, QBLOCK * i], "uint8x32"))
+        moved = T.shift_left(T.shift_right(words, T.broadcast(T.Cast("uint16", 2 * v + half), 16)),
+                             T.broadcast(T.uint16(4 + i), 16))
+        out = T.bitwise_or(out, T.reinterpret("uint8x32", T.bitwise_and(moved, T.broadcast(T.uint16(0x0101 << (4 + i)),
+                                                                                           16))))
     if codebook:
         table = T.reinterpret("int8x32", lut.vload([0], "uint8x32"))
         out = T.reinterpret("uint8x32", _intrin(_PSHUFB, "int8x32", table, T.reinterpret("int8x32", out)))

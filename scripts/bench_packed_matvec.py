@@ -127,7 +127,7 @@ def _random_blocks(ggml: str, rows: int, in_features: int, rng: np.random.Genera
     """GGUF blocks of random bytes with small finite float16 scales (every float16 field at its offset)."""
     layout = LAYOUTS[ggml]
     raw = rng.integers(0, 256, (rows, in_features // layout.block_weights, layout.block_bytes)).astype(np.uint8)
-    halves = {"Q4_0": (0,), "Q5_0": (0,), "Q5_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}[ggml]
+    halves = {"Q5_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}.get(ggml, (0,))
     for at in halves:
         raw[..., at: at + 2] = rng.uniform(0.001, 0.01, (*raw.shape[:2], 1)).astype(np.float16).view(np.uint8)
     return raw.reshape(rows, -1)
@@ -149,7 +149,7 @@ def types(shape: tuple[int, int], tokens: list[int], rounds: int) -> None:
             rng.integers(-127, 128, (n_out, n_in)).astype(np.int8),
             rng.uniform(0.001, 0.02, (n_out, n_in // 32)).astype(np.float16)).values()])
     for ggml, layout in LAYOUTS.items():
-        if n_in % layout.block_weights == 0:
+        if n_in % layout.block_weights == 0 and (vnni or not layout.codebook):
             arrays = pack(layout, unpack_gguf(layout, _random_blocks(ggml, n_out, n_in, rng)))
             kernels[ggml] = (build(quant_matmul_kernel(layout, n_out, n_in, vnni=vnni)),
                              [tvm.runtime.tensor(a) for a in arrays.values()])
