@@ -24,7 +24,7 @@ from .relax_llama import FORMAT_TYPES, GGUF_FORMATS, SPLIT, LlamaSpec
 def read_gguf_tensors(path: str | os.PathLike[str], config: LlamaConfig, *,
                       keep_blocks: bool) -> tuple[LazyWeights, RawTensors]:
     """A GGUF's tensors (``gguf_tensors.gguf_weights``): weights read when looked up (float32), and (with
-    ``keep_blocks``) the Q8_0/Q4_1 tensors as raw blocks instead: name -> (type name, uint8 ``[rows, bytes]``)."""
+    ``keep_blocks``) the quantised tensors as raw blocks instead: name -> (type name, uint8 ``[rows, bytes]``)."""
     from gguf import GGUFReader
 
     return gguf_weights(GGUFReader(path).tensors, config, keep_blocks=keep_blocks)

@@ -27,9 +27,10 @@ cache's RoPE rotates; ``llama_weights.relax_weights`` (the weight loader, a modu
 one projection, gate and up into another.
 
 Matmuls and the embedding lookup are the TIR kernels of ``linear_kernels.py``, one per weight storage format:
-``float32``, ``float16``, or the GGUF's own ``q8_0``/``q4_1`` blocks decoded inside the matmul (``weight_dtype="auto"``
-keeps a GGUF's Q8_0/Q4_1 tensors as they are and stores the others as float16). Norms, activations, the KV cache
-and the accumulation are float32. The KV cache holds ``LlamaSpec.kv_dtype`` (float32 by default; float16, as
+``float32``, ``float16``, or the GGUF's own quantised blocks (``GGUF_FORMATS``: Q8_0, Q4_1 and the
+``quant_formats`` types) read by integer-dot kernels (``weight_dtype="auto"`` keeps a GGUF's quantised tensors as
+blocks, formats per layer where the layers differ, and stores float tensors as float16). Norms, activations, the KV
+cache and the accumulation are float32. The KV cache holds ``LlamaSpec.kv_dtype`` (float32 by default; float16, as
 llama.cpp's, on request): q, k and v are rounded to it before RoPE, and the attention's output comes back in it.
 """
 
