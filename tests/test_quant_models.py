@@ -19,6 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from logitproc.compile.gguf_model import load_gguf
+from logitproc.compile.llama_weights import dequantize_blocks, read_gguf_tensors
+from logitproc.compile.relax_llama import GGUF_FORMATS
 from logitproc.serve.compiled_model import CompiledModel
 from logitproc.serve.numpy_llama import NumpyLlama
 
@@ -72,6 +74,23 @@ def test_tiny_file_matches_numpy_and_llama_cpp(quantised, file_type: str) -> Non
     assert (got.argmax(axis=1) == theirs.argmax(axis=1)).all()
     # llama.cpp quantises the activations to 8 bits (its logits here: up to 0.24 from ours, a mean of about 0.05)
     assert np.abs(got - theirs).mean() < 0.05 * theirs.std()
+
+
+def test_a_type_without_a_kernel_is_requantised_to_q8_0_with_one_line(quantised, capsys) -> None:
+    """A Q3_K_M file's Q3_K tensors become Q8_0 blocks at load (one line on stderr for the type), within Q8_0's
+    rounding (half a step, 1/254 of a block's largest weight, plus its float16 scale's rounding: within a step) of
+    the file's weights; its other tensors keep their
+    own types."""
+    path = quantised("tiny", "Q3_K_M")
+    config = load_gguf(path, load_weights=False).config
+    _, raw = read_gguf_tensors(path, config, keep_blocks=True)
+    lines = [line for line in capsys.readouterr().err.splitlines() if "no kernel reads these blocks" in line]
+    assert len(lines) == 1 and lines[0].startswith("Q3_K: ") and "requantised to Q8_0" in lines[0], lines
+    assert {kind for kind, _ in raw.values()} <= set(GGUF_FORMATS) and "Q8_0" in {kind for kind, _ in raw.values()}
+    dense = load_gguf(path).weights
+    for name, blocks in raw.items():
+        error = np.abs(dequantize_blocks(*blocks) - dense[name]).max()
+        assert error <= np.abs(dense[name]).max() / 127, name
 
 
 #: run in a process of its own, so that its resident memory is the model's
