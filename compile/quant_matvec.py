@@ -16,7 +16,8 @@ Per row group, block and nibble-plane vector: the codes are rebuilt from the low
 (``(high >> p) & 1`` moved to bit 4 or 5: two or four vector operations a vector, shared by the tile's tokens),
 then, per plane of activation codes and token, AVX512-VNNI's ``vpdpbusd`` adds each row's 4 products into its int32
 lane (on AVX2: ``vpmaddubsw`` for the low and the high nibbles, added, then ``vpmaddwd`` with ones: the same exact
-int32 sums, so both tiles give the same outputs bit for bit; at most 2 x 2 x 63 x 128 < 2^15 per int16 lane). The
+int32 sums, so both tiles give the same outputs bit for bit; at most 2 x 2 x 63 x 128 < 2^15 per int16 lane; IQ4's
+looked-up codes, up to 241, as ``16 x (code >> 4) + (code & 15)``: two such products, the first shifted by 4). The
 offset comes off the int32 sums (exact), then one FMA per sub-block with ``S x xd`` (``S`` rebuilt from ``d`` and
 ``sc`` for the 8 rows: one convert and multiply per block, not per token) and one with ``M x xs``. Tokens in tiles of
 3 (16-bit codes) or 4, then 2, then 1; row groups in 64 parallel chunks, tokens in spans of 128: a token's
@@ -70,6 +71,13 @@ def _codes(raw: Any, high: Any, lut: Any, g: Any, b: Any, v: Any, half: int, pla
         table = T.reinterpret("int8x32", lut.vload([0], "uint8x32"))
         out = T.reinterpret("uint8x32", _intrin(_PSHUFB, "int8x32", table, T.reinterpret("int8x32", out)))
     return out
+
+
+def _nibble(codes: Any, high: int) -> Any:
+    """The low (``high`` 0) or high nibble of each byte of uint8x32 ``codes``."""
+    if high:
+        return T.shift_right(codes, T.broadcast(T.uint8(4), 32))
+    return T.bitwise_and(codes, T.broadcast(T.uint8(15), 32))
 
 
 def _scale(dd: Any, sc: Any, g: Any, b: Any, h: int, superblock: bool, sc_type: str) -> Any:
@@ -126,6 +134,14 @@ def _tile(y, xq4, xd, xs, xc, t0, size, g, blocks, out_features, codes, high, dd
                                                                 low, xlo)
                             iacc[T.ramp(at + ROWS, 1, ROWS)] = _intrin(_DPBUSD, "int32x8",
                                                                        iacc[T.ramp(at + ROWS, 1, ROWS)], hig, xhi)
+                    elif codebook:  # codes up to 241: as 16 x (code >> 4) + (code & 15), each within int16
+                        a3: T.let = at + v % 2 * ROWS
+                        iacc[T.ramp(a3, 1, ROWS)] = iacc[T.ramp(a3, 1, ROWS)] + T.shift_left(_intrin(
+                            _MADDWD, "int32x8", _intrin(_MADDUBS, "int16x16", _nibble(low, 1), xlo)
+                            + _intrin(_MADDUBS, "int16x16", _nibble(hig, 1), xhi), T.broadcast(T.int16(1), 16)),
+                            T.broadcast(T.int32(4), ROWS)) + _intrin(
+                            _MADDWD, "int32x8", _intrin(_MADDUBS, "int16x16", _nibble(low, 0), xlo)
+                            + _intrin(_MADDUBS, "int16x16", _nibble(hig, 0), xhi), T.broadcast(T.int16(1), 16))
                     else:
                         a2: T.let = at + (0 if halves == 2 else v % 2 * ROWS)
                         iacc[T.ramp(a2, 1, ROWS)] = iacc[T.ramp(a2, 1, ROWS)] + _intrin(
@@ -168,10 +184,8 @@ def _code_sums(xq, xc, t, blocks, halves, planes):
 
 
 def _validate(layout: QuantLayout, out_features: int, in_features: int, x_dtype: str, y_dtype: str,
-              xbits: int, vnni: bool) -> None:
+              xbits: int) -> None:
     layout.shapes(out_features, in_features)  # raises on a bad shape
-    if layout.codebook and not vnni:  # codes up to 241 would saturate vpmaddubsw's int16 pairs
-        raise ValueError(f"{layout.ggml} weights need AVX512-VNNI (the AVX2 tile cannot multiply their codes)")
     _check(layout.ggml, in_features, out_features, x_dtype, y_dtype, xbits)
 
 
@@ -182,7 +196,7 @@ def quant_matmul_kernel(layout: QuantLayout, out_features: int, in_features: int
     """``y[t, o] = sum_k x[t, k] * W[o, k]`` (module doc) for ``x[n, K]`` of ``x_dtype`` and ``y[n, N]`` of
     ``y_dtype`` (float32 or float16); parameters ``x``, the packed arrays (``layout.shapes``), ``y``. ``xbits``:
     the activation codes' bits (8 or 16); ``vnni``: the AVX512-VNNI tile (else AVX2; the same outputs)."""
-    _validate(layout, out_features, in_features, x_dtype, y_dtype, xbits, vnni)
+    _validate(layout, out_features, in_features, x_dtype, y_dtype, xbits)
     N, K, blocks, groups = out_features, in_features, in_features // QBLOCK, -(-out_features // ROWS)
     chunks = min(_CHUNKS, groups)
     planes, qmax, tile = (1, _QMAX, _TILE) if xbits == 8 else (2, SPLIT_QMAX, _SPLIT_TILE)
