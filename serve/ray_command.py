@@ -71,7 +71,8 @@ def serve_on_ray(args: argparse.Namespace) -> int:
         log(f"deploying {scaling} replica(s) of {plan.threads} thread(s) each, routing: {args.routing} "
             "(each replica loads the model; the first use compiles it)")
         try:
-            serve.run(build_application(args, plan, server_options(args)), name=APP_NAME, route_prefix="/")
+            serve.run(build_application(args, plan, server_options(args)), name=APP_NAME, route_prefix="/",
+                      logging_config={"log_level": "WARNING", "enable_access_log": False})
         except RuntimeError as err:
             raise RuntimeError(f"the replicas did not start: {err}") from None
         if not _proxy_answers(f"{url}/health", PROXY_WAIT_SECONDS):
