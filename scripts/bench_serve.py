@@ -21,13 +21,13 @@ chunked prefill)::
 
     python scripts/bench_serve.py --mixed
 
-``--ray`` measures ``logitproc serve --replicas`` on Ray Serve (the ``ray`` extra; issue 35): first the ingress's
-overhead, one replica through Ray against the single-process server (streamed chat, concurrency 1 and 4, as
-above); then a shared-prefix load (``--groups`` system prompts of about ``--prefix-tokens`` tokens, 8 questions
-each, interleaved, at concurrency 4, answers of 32 tokens) on one engine of ``--threads`` threads (in process and
-through Ray), and on ``--threads`` replicas of one thread each with the prefix-affinity router and with Ray's
-power-of-two choices: throughput, TTFT, and the prefix-cache hit rate (cached / prompt tokens, from each answer's
-``usage.prompt_tokens_details.cached_tokens``)::
+``--ray`` measures ``logitproc serve --replicas`` on Ray Serve (the ``ray`` extra; issue 35): first the
+ingress's overhead, one replica through Ray against the single-process server (both running, levels interleaved;
+streamed chat, concurrency 1 and 4, as above); then a shared-prefix load (``--groups`` system prompts of about
+``--prefix-tokens`` tokens, 8 questions each, interleaved, at concurrency 4, answers of 32 tokens) on one engine of
+``--threads`` threads (in process and through Ray), and on ``--threads`` replicas of one thread each with the
+prefix-affinity router and with Ray's power-of-two choices: throughput, TTFT, and the prefix-cache hit rate (cached
+/ prompt tokens, from each answer's ``usage.prompt_tokens_details.cached_tokens``)::
 
     python scripts/bench_serve.py --ray --threads 2
 
@@ -380,21 +380,25 @@ def ray_bench(args: argparse.Namespace) -> int:
         return server
 
     overhead: dict[tuple[str, int], list[Level]] = {}
-    for name, extra in ((f"single process, {threads} threads", []),
-                        (f"Ray, 1 replica x {threads} threads", ["--replicas", "1", "--replica-threads", threads])):
-        server = served(name, extra, threads)
-        try:
-            for concurrency in (1, 4):
+    servers = []
+    try:  # both up at once, levels interleaved: the machine's load drifts less between the two
+        for name, extra in ((f"single process, {threads} threads", []),
+                            (f"Ray, 1 replica x {threads} threads", ["--replicas", "1", "--replica-threads", threads])):
+            servers.append(served(name, extra, threads))
+        for concurrency in (1, 4):
+            for server in servers:
                 asyncio.run(run_level(server.url, concurrency, concurrency, 8))  # warm-up
-                for _ in range(args.rounds):
+            for _ in range(args.rounds):
+                for server in servers:
                     level = asyncio.run(run_level(server.url, concurrency, args.requests or 4 * concurrency,
                                                   args.max_tokens))
-                    overhead.setdefault((name, concurrency), []).append(level)
-                    print(f"{name} c={concurrency}: {level.tok_per_s:.1f} tok/s, TTFT p50 "
+                    overhead.setdefault((server.name, concurrency), []).append(level)
+                    print(f"{server.name} c={concurrency}: {level.tok_per_s:.1f} tok/s, TTFT p50 "
                           f"{pct(level.ttft, 0.5) * 1e3:.0f} ms", file=sys.stderr)
-        finally:
+    finally:
+        for server in servers:
             server.stop()
-        time.sleep(args.pause)
+    time.sleep(args.pause)
 
     prefix: dict[str, PrefixRun] = {}
     one_thread = ["--replica-threads", "1"]

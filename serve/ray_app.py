@@ -28,6 +28,9 @@ APP_NAME = "logitproc"
 REPLICA_DEPLOYMENT = "EngineReplica"
 #: Requests one ingress replica holds at once (streams included); each engine replica bounds its own queue.
 INGRESS_MAX_ONGOING = 10_000
+#: Ray Serve settings of the replicas' processes: the deployments' code on the replica's own event loop (no extra
+#: thread hop per call, per streamed item: measured with scripts/bench_serve.py --ray, docs/benchmarks.md).
+SERVE_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
 #: How often Ray checks a replica's health (seconds), and how long a check may take.
 HEALTH_CHECK_PERIOD_S = 2.0
 HEALTH_CHECK_TIMEOUT_S = 30.0
@@ -56,7 +59,7 @@ def build_application(args: argparse.Namespace, plan: ReplicaPlan, options: Serv
     """The bound application: ``Ingress`` over ``plan``'s ``EngineReplica`` deployment."""
     engine_options: dict[str, Any] = {
         "name": REPLICA_DEPLOYMENT,
-        "ray_actor_options": {"num_cpus": plan.threads},
+        "ray_actor_options": {"num_cpus": plan.threads, "runtime_env": {"env_vars": SERVE_ENV}},
         # the replica's own queue answers 429 (--max-queue): Ray never holds a request back for it
         "max_ongoing_requests": args.max_batch + args.max_queue,
         "health_check_period_s": HEALTH_CHECK_PERIOD_S,
@@ -75,6 +78,7 @@ def build_application(args: argparse.Namespace, plan: ReplicaPlan, options: Serv
             "request_router_class": "logitproc.serve.ray_router.PrefixAffinityRouter"}
     engine = serve.deployment(EngineReplica).options(**engine_options)
     ingress = serve.deployment(Ingress).options(
-        name="Ingress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=INGRESS_MAX_ONGOING,
+        name="Ingress", ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": SERVE_ENV}},
+        max_ongoing_requests=INGRESS_MAX_ONGOING,
         graceful_shutdown_timeout_s=args.drain_timeout)
     return ingress.bind(engine.bind(args, plan.threads), options, plan.wanted)

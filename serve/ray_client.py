@@ -235,9 +235,10 @@ class RayEngineClient:
                 return
             elif isinstance(item, MetricsSnapshot):
                 self._metrics.update(item)
-            else:  # a Delta or a RequestFailed of the engine
+            else:  # a list of the engine's Deltas (or a RequestFailed)
                 call.delivered = True
-                call.sink(replace(item, request_id=call.names[item.request_id]))
+                for delta in item:
+                    call.sink(replace(delta, request_id=call.names[delta.request_id]))
 
     def _fail(self, call: _Call, reason: str) -> None:
         log.warning("%s: the request ends with a 503", reason)

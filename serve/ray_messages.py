@@ -1,8 +1,9 @@
 """What crosses between the Ray ingress and the engine replicas (pickled by Ray): requests, answers, model facts.
 
-A replica's ``generate`` stream yields ``Accepted`` (the engine's request ids) or ``Rejected`` first, then the
-engine's ``Delta`` / ``RequestFailed`` items, then one ``MetricsSnapshot`` (the replica's Prometheus text, for
-the ingress's ``/metrics``). No Ray import here: the ingress and the replicas share these plain dataclasses.
+A replica's ``generate`` stream yields ``Accepted`` (the engine's request ids) or ``Rejected`` first, then lists
+of the engine's ``Delta`` / ``RequestFailed`` items (what came since the last list), then one ``MetricsSnapshot``
+(the replica's Prometheus text, for the ingress's ``/metrics``). No Ray import here: the ingress and the replicas
+share these plain dataclasses.
 """
 
 from __future__ import annotations

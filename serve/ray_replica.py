@@ -61,8 +61,9 @@ class EngineReplica:
             defaults_described=described, max_batch=engine.max_batch)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[Any]:
-        """The request's stream: ``Accepted`` or ``Rejected``, then every delta (or a ``RequestFailed``) until each
-        of its sequences has finished, then this replica's ``MetricsSnapshot``."""
+        """The request's stream: ``Accepted`` or ``Rejected``, then lists of deltas (or a ``RequestFailed``), each
+        list what arrived since the last, until each of its sequences has finished, then this replica's
+        ``MetricsSnapshot``."""
         items: asyncio.Queue = asyncio.Queue()
         aloop = asyncio.get_running_loop()
 
@@ -90,12 +91,13 @@ class EngineReplica:
         left = len(ids) * request.config.n
         try:
             while left:
-                item = await items.get()
-                yield item
-                if isinstance(item, RequestFailed):
+                batch = [await items.get()]  # and whatever else has come meanwhile: one message for them all
+                while not items.empty():
+                    batch.append(items.get_nowait())
+                yield batch
+                if any(isinstance(item, RequestFailed) for item in batch):
                     break
-                if item.finish_reason is not None:
-                    left -= 1
+                left -= sum(item.finish_reason is not None for item in batch)
         finally:
             if left:  # cancelled (the client left), or failed: free the engine's slots now
                 self.loop.abort(ids)

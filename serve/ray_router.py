@@ -10,8 +10,9 @@ stands for the whole prefix up to it), the replica it last sent that prefix to, 
     else:                                                         rank the least loaded first (ties at random)
     then the other replicas, least loaded first (Ray tries the next rank when one is full)
 
-``in_flight`` counts this router's requests sent to each replica and not yet completed. The prompt's blocks are
-then remembered for the replica ranked first (the one the request goes to unless it is full). Requests are the
+``in_flight`` counts this router's requests ranked first for each replica and not yet completed (counted when
+chosen, so that requests routed together see each other). The prompt's blocks are then remembered for the replica
+ranked first (the one the request goes to unless it is full). Requests are the
 ``EngineRequest`` of ``EngineReplica.generate`` (token ids); any other call (``facts``) goes to the least loaded.
 It is Ray Serve's ``RequestRouter`` API (``ray.serve.request_router``), configured by ``request_router_kwargs``
 (``block_tokens``, ``imbalance``, ``max_blocks``). Each ingress replica routes with its own table.
@@ -50,6 +51,7 @@ class PrefixAffinityRouter(RequestRouter):
         self._max_blocks = max_blocks
         self._owner: OrderedDict[int, ReplicaID] = OrderedDict()  # prefix block hash -> replica, least recent first
         self._in_flight: dict[ReplicaID, int] = {}
+        self._counted: dict[str, ReplicaID] = {}  # a request's internal id -> the replica it is counted on
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -63,6 +65,8 @@ class PrefixAffinityRouter(RequestRouter):
         if owner is not None and load[owner] <= load[first.replica_id] + self._imbalance:
             first = next(r for r in candidate_replicas if r.replica_id == owner)
         self._remember(blocks, first.replica_id)
+        if pending_request is not None:
+            self._count(pending_request.metadata.internal_request_id, first.replica_id)
         return [[first]] + [[r] for r in by_load if r.replica_id != first.replica_id]
 
     def _blocks(self, pending_request: PendingRequest | None) -> list[int]:
@@ -88,13 +92,19 @@ class PrefixAffinityRouter(RequestRouter):
         while len(self._owner) > self._max_blocks:
             self._owner.popitem(last=False)
 
-    def on_send_request(self, replica_id: ReplicaID) -> None:
-        super().on_send_request(replica_id)
-        self._in_flight[replica_id] = self._in_flight.get(replica_id, 0) + 1
+    def _count(self, request: str, replica: ReplicaID) -> None:
+        self._uncount(request)  # (chosen again: a retry)
+        self._counted[request] = replica
+        self._in_flight[replica] = self._in_flight.get(replica, 0) + 1
+
+    def _uncount(self, request: str) -> None:
+        replica = self._counted.pop(request, None)
+        if replica is not None and replica in self._in_flight:
+            self._in_flight[replica] = max(0, self._in_flight[replica] - 1)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         super().on_request_completed(replica_id, internal_request_id)
-        self._in_flight[replica_id] = max(0, self._in_flight.get(replica_id, 0) - 1)
+        self._uncount(internal_request_id)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)

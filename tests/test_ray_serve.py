@@ -34,7 +34,7 @@ REPLICA_TITLE = b"ServeReplica:logitproc:EngineReplica"
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
     proc = ServerProcess("--model", "tiny", "--replicas", "2", "--replica-threads", "1", "--max-batch", "8",
-                         "--max-queue", "4")
+                         "--max-queue", "8")  # the 16 streams of the kill test fit on one replica
     wait_healthy(proc)  # (/health is 200 "degraded" while the second replica still loads)
     yield proc
     assert proc.stop() == 0
@@ -149,7 +149,7 @@ def test_n_choices_seeds_and_a_json_schema(client, model_id) -> None:
 
 
 def test_the_same_tokens_as_the_single_process_server(server, model_id) -> None:
-    plain = ServerProcess("--model", "tiny", "--max-batch", "8", "--max-queue", "4")
+    plain = ServerProcess("--model", "tiny", "--max-batch", "8", "--max-queue", "8")
     try:
         for seed in (1, 2, 3):
             body = {"prompt": f"Tell me {seed}", "max_tokens": 24, "temperature": 1.0, "seed": seed,
@@ -184,13 +184,14 @@ def test_api_key_unknown_model_and_route(server, client, model_id) -> None:
 
 
 def test_full_queues_answer_429(server, model_id) -> None:
-    body = {"model": model_id, "prompt": "q", "max_tokens": 600, "ignore_eos": True, "temperature": 0}
-    with ThreadPoolExecutor(48) as pool:  # 2 replicas x (8 running + 4 waiting) = 24 at most
-        answers = list(pool.map(lambda _: raw(server, "/v1/completions", body, timeout=120), range(48)))
+    # each request fills a replica's batch (n = --max-batch), so the next 8 on a replica wait and any more is refused
+    body = {"model": model_id, "prompt": "q", "n": 8, "max_tokens": 300, "ignore_eos": True, "temperature": 0}
+    with ThreadPoolExecutor(24) as pool:  # 2 replicas x (1 running + 8 waiting) = 18 at most
+        answers = list(pool.map(lambda _: raw(server, "/v1/completions", body, timeout=120), range(24)))
     codes = sorted(r.status_code for r in answers)
-    assert codes.count(429) >= 1 and set(codes) == {200, 429}, codes
+    assert codes.count(429) >= 6 and set(codes) == {200, 429}, codes
     assert next(r for r in answers if r.status_code == 429).json()["error"]["code"] == "queue_full"
-    assert all(r.json()["usage"]["completion_tokens"] == 600 for r in answers if r.status_code == 200)
+    assert all(r.json()["usage"]["completion_tokens"] == 8 * 300 for r in answers if r.status_code == 200)
 
 
 # ---------------------------------------------------------------------------------------------------- routing
@@ -239,12 +240,15 @@ def test_a_killed_replica_during_16_streams(server, model_id) -> None:
 
     results = asyncio.run(run())
     errors = [message for outcome, message in results if outcome == "error"]
-    assert all("the replica serving the request went away" in message for message in errors), errors
+    assert all("the replica serving the request went away" in message for message in errors), "\n".join(errors)
     assert len(errors) < 16
     status, body = health(server)
     assert status == 200 and body["status"] in ("degraded", "ok"), body
     wait_healthy(server)  # Ray started a replica in its place
-    assert victims[0] not in replica_pids(server) and len(replica_pids(server)) == 2
+    deadline = time.monotonic() + 30
+    while len(replica_pids(server)) != 2 and time.monotonic() < deadline:  # (its process title comes a bit later)
+        time.sleep(0.5)
+    assert victims[0] not in replica_pids(server) and len(replica_pids(server)) == 2, replica_pids(server)
     with ThreadPoolExecutor(8) as pool:  # both replicas serve again
         answers = list(pool.map(lambda i: raw(server, "/v1/completions", {"prompt": f"again {i}", "max_tokens": 8}),
                                 range(8)))
