@@ -1,17 +1,18 @@
 """``logitproc serve --replicas N`` / ``--autoscale MIN:MAX``: the server as a Ray Serve application.
 
 Without ``--ray-address`` a local Ray instance is started (its CPUs: enough for the replicas' threads; no
-dashboard) and stopped with the command; with it, the command joins that cluster, deploys the application there and
-deletes it on exit (the cluster and its Serve instance stay). Ray Serve's HTTP proxy listens on ``--host:--port``.
-The command returns once the application runs (every replica has loaded its model), prints the URL, then waits:
-SIGTERM stops it (exit 0) after Ray Serve has let running requests finish for up to ``--drain-timeout`` seconds;
-Ctrl-C does the same and exits 130 (``cli.main``).
+dashboard; its workers at the command's CPU priority) and stopped with the command; with it, the command joins that
+cluster, deploys the application there and deletes it on exit (the cluster and its Serve instance stay). Ray
+Serve's HTTP proxy listens on ``--host:--port``. The command returns once the application runs (every replica has
+loaded its model), prints the URL, then waits: SIGTERM stops it (exit 0) after Ray Serve has let running requests
+finish for up to ``--drain-timeout`` seconds; Ctrl-C does the same and exits 130 (``cli.main``).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
@@ -55,6 +56,9 @@ def serve_on_ray(args: argparse.Namespace) -> int:
     plan = replica_plan(args, physical_cores())
     local = args.ray_address is None
     if local:
+        # Ray lowers its workers' CPU priority (worker_niceness) below the raylet's; here the replicas are the
+        # workload, as the engine is in the single-process server: they keep the command's priority.
+        os.environ.setdefault("RAY_worker_niceness", "0")
         cpus = max(physical_cores(), plan.maximum * plan.threads)
         ray.init(num_cpus=cpus, include_dashboard=False, object_store_memory=OBJECT_STORE_BYTES,
                  logging_level=logging.WARNING, log_to_driver=True)
