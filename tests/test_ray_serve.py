@@ -213,6 +213,32 @@ def test_a_shared_prefix_is_served_from_one_replicas_cache(server, client, model
     assert len(cached_by_replica(server)) == 2
 
 
+def aborted_everywhere(server: ServerProcess) -> float:
+    prefix = 'logitproc_sequences_finished_total{reason="abort",replica="'
+    return sum(value for key, value in metrics(server).items() if key.startswith(prefix))
+
+
+def both_replicas_report(client: openai.OpenAI, model_id: str) -> None:
+    """Requests enough at once that both replicas serve some, each then sending its metrics."""
+    with ThreadPoolExecutor(12) as pool:
+        list(pool.map(lambda i: client.completions.create(model=model_id, prompt=f"{i} report", max_tokens=20,
+                                                          temperature=0), range(12)))
+
+
+def test_a_dropped_stream_is_aborted_on_its_replica(server, client, model_id) -> None:
+    both_replicas_report(client, model_id)
+    before = aborted_everywhere(server)
+    stream = client.chat.completions.create(model=model_id, messages=MESSAGES, max_tokens=4000, stream=True,
+                                            extra_body={"ignore_eos": True})
+    for got, _ in enumerate(stream):
+        if got == 5:
+            break
+    stream.close()
+    time.sleep(1.0)
+    both_replicas_report(client, model_id)
+    assert aborted_everywhere(server) == before + 1
+
+
 # ---------------------------------------------------------------------------------------------------- faults
 def test_a_killed_replica_during_16_streams(server, model_id) -> None:
     wait_healthy(server)
