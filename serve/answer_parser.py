@@ -7,7 +7,8 @@ message as the non-streamed response.
 
 * Reasoning (``ReasoningMarkers``): the text inside the think block, which the answer either starts inside (the
   prompt opened it) or opens first (leading whitespace, then the begin marker). Text that may be the start of a
-  marker is held back until it is known; whitespace right after the end marker is dropped.
+  marker is held back until it is known; whitespace around the reasoning and right after the end marker is
+  dropped (templates strip it when they render the turn again).
 * Calls (``CallSyntax``; only when calls are expected, i.e. the grammar of ``tool_syntax.call_grammar`` made them):
   a call's first piece carries its index, a new id (``call_`` + 24 hex digits) and the function's name, as soon as
   the name is complete; then the arguments' JSON text comes in fragments, exactly as generated (the grammar wrote it
@@ -191,12 +192,13 @@ class AnswerParser:
             if not self.reasoning:  # whitespace right after the begin marker is dropped
                 buf = self._buffer = buf.lstrip()
             end = buf.find(self.markers.end)
-            if end < 0:
-                keep = _held(buf, self.markers.end)
-                self._add_reasoning(delta, buf[: len(buf) - keep])
-                self._buffer = buf[len(buf) - keep:]
+            if end < 0:  # held back: what may start the end marker, and the whitespace before it
+                body = buf[: len(buf) - _held(buf, self.markers.end)]
+                body = body.rstrip()
+                self._add_reasoning(delta, body)
+                self._buffer = buf[len(body):]
                 return False
-            self._add_reasoning(delta, buf[:end])
+            self._add_reasoning(delta, buf[:end].rstrip())
             self._buffer = buf[end + len(self.markers.end):]
             self._phase = _Phase.AFTER_REASONING
             return True

@@ -1,0 +1,270 @@
+"""Tools, tool calls and reasoning through ``logitproc serve`` and the official openai client.
+
+One server for the module: the tiny random model with Qwen3's real chat template (llama.cpp's copy, from the
+llama-cpp-python sdist), which writes Hermes ``<tool_call>`` calls and has a think block. The model is random: the
+grammar does the work, and every call the server returns must parse and validate against its function's schema.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import jsonschema
+import material
+import openai
+import pytest
+from logitproc.serve.answer_parser import AnswerParser
+from logitproc.serve.chat_template import ChatTemplate
+from logitproc.serve.tool_syntax import CallSyntax, ReasoningMarkers
+from server_process import KEY, ServerProcess
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+           "required": ["city", "days"]}
+ADD = {"type": "object", "properties": {"a": {"type": "integer", "minimum": -99, "maximum": 99},
+                                        "b": {"type": "number", "maximum": 10},
+                                        "op": {"enum": ["plus", "minus"]}, "exact": {"type": "boolean"}},
+       "required": ["a", "b", "op"], "additionalProperties": False}
+SCHEMAS = {"get_weather": WEATHER, "add": ADD}
+TOOLS = [{"type": "function", "function": {"name": name, "description": f"the {name} tool", "parameters": schema}}
+         for name, schema in SCHEMAS.items()]
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris, and 2 + 3?"}]
+
+
+@pytest.fixture(scope="module")
+def template_path():
+    return material.llama_cpp_models() / "templates" / "Qwen-Qwen3-0.6B.jinja"
+
+
+@pytest.fixture(scope="module")
+def server(template_path) -> Iterator[ServerProcess]:
+    proc = ServerProcess("--model", "tiny", "--max-batch", "16", "--chat-template", str(template_path))
+    yield proc
+    assert proc.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def model_id(client: openai.OpenAI) -> str:
+    return client.models.list().data[0].id
+
+
+def _calls(message) -> list[tuple[str, str]]:
+    return [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
+
+
+def _assert_valid(message) -> None:
+    """Every call names a function given and its arguments parse and validate against its schema."""
+    for call in message.tool_calls or []:
+        assert call.type == "function" and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+# ---------------------------------------------------------------------------------------------------- choices
+def test_required_and_named_calls_come_from_the_first_token(client, model_id) -> None:
+    r = client.chat.completions.create(model=model_id, messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                                       max_tokens=200, temperature=1.0, seed=3)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert choice.message.tool_calls and choice.model_extra["tool_calls_valid"] is True
+    _assert_valid(choice.message)
+    named = {"type": "function", "function": {"name": "add"}}
+    r = client.chat.completions.create(model=model_id, messages=MESSAGES, tools=TOOLS, tool_choice=named,
+                                       max_tokens=200, temperature=1.0, seed=4, n=3)
+    for choice in r.choices:
+        assert choice.finish_reason == "tool_calls"
+        assert {c.function.name for c in choice.message.tool_calls} == {"add"}
+        _assert_valid(choice.message)
+
+
+def test_auto_lets_the_model_answer_with_text_or_calls(client, model_id) -> None:
+    r = client.chat.completions.create(model=model_id, messages=MESSAGES, tools=TOOLS, max_tokens=60,
+                                       temperature=1.0, seed=0, n=3)
+    for choice in r.choices:
+        _assert_valid(choice.message)
+        if choice.message.tool_calls:
+            assert choice.finish_reason == "tool_calls"
+        else:
+            assert isinstance(choice.message.content, str)
+    assert any(not c.message.tool_calls and c.message.content for c in r.choices)  # the random model writes text
+
+
+def test_none_parses_no_calls(client, model_id) -> None:
+    r = client.chat.completions.create(model=model_id, messages=MESSAGES, tools=TOOLS, tool_choice="none",
+                                       max_tokens=30, temperature=1.0, seed=1)
+    assert r.choices[0].message.tool_calls == [] and isinstance(r.choices[0].message.content, str)
+    assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_the_tools_reach_the_template(client, model_id) -> None:
+    plain = client.chat.completions.create(model=model_id, messages=MESSAGES, max_tokens=1)
+    with_tools = client.chat.completions.create(model=model_id, messages=MESSAGES, tools=TOOLS, tool_choice="none",
+                                                max_tokens=1)
+    # Qwen3's template writes the tools' JSON into the system prompt (the tiny vocabulary: about a token a byte)
+    assert with_tools.usage.prompt_tokens - plain.usage.prompt_tokens > len(json.dumps(TOOLS)) // 2
+
+
+def test_fifty_seeded_samples_at_temperature_one_all_parse_and_validate(client, model_id) -> None:
+    """51 answers (17 requests of n=3, seeded) with every call of them valid; the calls that close within
+    max_tokens are most of them (the rest end with finish_reason "length" and no call)."""
+    complete = 0
+    for seed in range(17):  # 51 answers
+        r = client.chat.completions.create(model=model_id, messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                                           max_tokens=200, temperature=1.0, seed=100 + seed, n=3)
+        for choice in r.choices:
+            _assert_valid(choice.message)
+            assert choice.model_extra["tool_calls_valid"] is (choice.finish_reason == "tool_calls")
+            if choice.finish_reason == "tool_calls":
+                complete += 1
+                assert choice.message.tool_calls
+            else:
+                assert choice.finish_reason == "length" and choice.message.tool_calls == []
+    assert complete >= 46, complete
+
+
+def test_parallel_tool_calls_false_gives_one_call(client, model_id) -> None:
+    r = client.chat.completions.create(model=model_id, messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                                       parallel_tool_calls=False, max_tokens=200, temperature=1.0, seed=7, n=3)
+    assert all(len(c.message.tool_calls) <= 1 for c in r.choices)
+    assert sum(c.finish_reason == "tool_calls" for c in r.choices) >= 2
+
+
+def test_streamed_calls_accumulate_to_the_non_streamed_ones(client, model_id) -> None:
+    for seed in (11, 12, 13):
+        kwargs = dict(model=model_id, messages=MESSAGES, tools=TOOLS, tool_choice="required", max_tokens=200,
+                      temperature=1.0, seed=seed)
+        whole = client.chat.completions.create(**kwargs).choices[0]
+        first_pieces = []
+        with client.chat.completions.stream(**kwargs) as stream:
+            for event in stream:
+                if event.type == "chunk" and event.chunk.choices and event.chunk.choices[0].delta.tool_calls:
+                    piece = event.chunk.choices[0].delta.tool_calls[0]
+                    if piece.id is not None:
+                        first_pieces.append(piece)
+            final = stream.get_final_completion().choices[0]
+        assert final.finish_reason == whole.finish_reason == "tool_calls"
+        assert _calls(final.message) == _calls(whole.message)
+        assert [p.function.name for p in first_pieces] == [c.function.name for c in whole.message.tool_calls]
+        assert all(p.function.arguments == "" for p in first_pieces)  # the name first, then the arguments
+
+
+# ---------------------------------------------------------------------------------------------------- a loop
+def test_an_agent_loop_call_result_answer(client, model_id) -> None:
+    messages = list(MESSAGES)
+    first = client.chat.completions.create(model=model_id, messages=messages, tools=TOOLS,
+                                           tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                           max_tokens=200, temperature=1.0, seed=21).choices[0]
+    assert first.finish_reason == "tool_calls"
+    call = first.message.tool_calls[0]
+    messages.append(first.message.model_dump(exclude_none=True, include={"role", "content", "tool_calls"}))
+    messages.append({"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 21})})
+    final = client.chat.completions.create(model=model_id, messages=messages, tools=TOOLS, tool_choice="none",
+                                           max_tokens=20, temperature=1.0, seed=22)
+    assert final.choices[0].message.tool_calls == [] and final.choices[0].message.content
+    # the call and its result were rendered (Qwen3: <tool_call> in the assistant turn, <tool_response> after it)
+    assert final.usage.prompt_tokens > len(call.function.arguments) + len('{"temperature": 21}')
+
+
+# ---------------------------------------------------------------------------------------------------- errors
+@pytest.mark.parametrize(("change", "param"), [
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"type": "integr"}}}}}]}, "tools[0].function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+     "tools[0].function.parameters"),
+    ({"tools": TOOLS + [TOOLS[0]]}, "tools[2].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "tools[0].function.name"),
+    ({"tools": [{"type": "code_interpreter"}]}, "tools[0]"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"messages": MESSAGES + [{"role": "tool", "tool_call_id": "call_1", "content": "21"}]}, "messages"),
+    ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "response_format"),
+    ({"parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+    ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
+    ({"thinking_token_budget": 5}, "thinking_token_budget"),  # the tiny vocabulary has no <think> token
+])
+def test_bad_tool_requests_are_400s_naming_the_field(client, model_id, change, param) -> None:
+    body = {"messages": MESSAGES, "max_tokens": 5, **change}
+    extra = {k: body.pop(k) for k in ("chat_template_kwargs", "thinking_token_budget") if k in body}
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=model_id, extra_body=extra, **body)
+    assert caught.value.body["param"] == param, caught.value.body
+
+
+# ---------------------------------------------------------------------------------------------------- reasoning
+def test_reasoning_content_is_split_from_the_answer(client, model_id) -> None:
+    """A grammar makes the random model think first: the think block comes back as reasoning_content, the rest as
+    content, streamed or not."""
+    grammar = 'start: "<think>\\n" /[a-z]{3,8}/ "\\n</think>\\n\\n" /[a-z]{3,8}/'
+    kwargs = dict(model=model_id, messages=MESSAGES, max_tokens=40, temperature=1.0, seed=5,
+                  response_format={"type": "grammar", "grammar": grammar})
+    message = client.chat.completions.create(**kwargs).choices[0].message
+    assert message.reasoning_content.isalpha() and message.content.isalpha()
+    reasoning = content = ""
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        delta = chunk.choices[0].delta
+        reasoning += (delta.model_extra or {}).get("reasoning_content") or ""
+        content += delta.content or ""
+    assert (reasoning, content) == (message.reasoning_content, message.content)
+
+
+def test_chat_template_kwargs_reach_the_template(client, model_id) -> None:
+    """Qwen3's enable_thinking=false writes an empty think block into the prompt."""
+    on = client.chat.completions.create(model=model_id, messages=MESSAGES, max_tokens=1)
+    off = client.chat.completions.create(model=model_id, messages=MESSAGES, max_tokens=1,
+                                         extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert off.usage.prompt_tokens > on.usage.prompt_tokens
+
+
+# ---------------------------------------------------------------------------------------------------- prefill
+def test_continue_final_message_continues_the_assistant_text(client, model_id, template_path) -> None:
+    """Greedy: the continued chat answers as a text completion of the template's rendering cut after the final
+    message's text (transformers' continue_final_message)."""
+    messages = [*MESSAGES, {"role": "assistant", "content": "The weather is"}]
+    r = client.chat.completions.create(model=model_id, messages=messages, max_tokens=12, temperature=0,
+                                       extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    rendered = ChatTemplate.from_file(template_path).render(messages, add_generation_prompt=False)
+    prompt = rendered[: rendered.rfind("The weather is") + len("The weather is")]
+    text = client.completions.create(model=model_id, prompt=prompt, max_tokens=12, temperature=0).choices[0].text
+    assert r.choices[0].message.content == text
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=model_id, messages=MESSAGES, max_tokens=1,
+                                       extra_body={"continue_final_message": True})
+    assert caught.value.body["param"] == "continue_final_message"
+
+
+# ---------------------------------------------------------------------------------------------------- the parser
+TWO_CALLS = ('<think>\nweigh it </thin> up\n</think>\n\nSure. <tool_call>\n{"name": "get_weather", "arguments": '
+             '{"city": "Pa\\"}ris", "n": [1, {"a": "}"}]}}\n</tool_call>\n<tool_call>\n{"name": "add", "arguments": '
+             '{}}\n</tool_call>')
+
+
+@pytest.mark.parametrize("step", [1, 2, 5, len(TWO_CALLS)])
+def test_the_answer_parser_gives_the_same_message_however_the_text_is_cut(step) -> None:
+    parser = AnswerParser(CallSyntax.HERMES, ReasoningMarkers())
+    reasoning = content = ""
+    calls: dict[int, list[str]] = {}
+    for start in range(0, len(TWO_CALLS), step):
+        for piece in (parser.feed(TWO_CALLS[start:start + step]),):
+            reasoning += piece.reasoning
+            content += piece.content
+            for call in piece.calls:
+                entry = calls.setdefault(call.index, [call.name, ""])
+                entry[1] += call.arguments
+    rest = parser.finish()
+    assert (reasoning + rest.reasoning, content + rest.content) == ("weigh it </thin> up", "Sure. ")
+    assert [tuple(v) for v in calls.values()] == [
+        ("get_weather", '{"city": "Pa\\"}ris", "n": [1, {"a": "}"}]}'), ("add", "{}")]
+    assert [(c.name, c.arguments) for c in parser.tool_calls] == [tuple(v) for v in calls.values()]
+    assert parser.finish_reason("stop") == "tool_calls"
+
+
+def test_a_call_cut_short_is_not_a_call() -> None:
+    parser = AnswerParser(CallSyntax.HERMES)
+    parser.feed('<tool_call>\n{"name": "add", "arguments": {"a": 1')
+    parser.finish()
+    assert parser.tool_calls == [] and parser.incomplete and parser.finish_reason("length") == "length"
