@@ -268,3 +268,29 @@ def test_a_call_cut_short_is_not_a_call() -> None:
     parser.feed('<tool_call>\n{"name": "add", "arguments": {"a": 1')
     parser.finish()
     assert parser.tool_calls == [] and parser.incomplete and parser.finish_reason("length") == "length"
+
+
+# ---------------------------------------------------------------------------------------------------- Llama 3.1
+def test_llama_3_1_json_calls(template_path) -> None:
+    """Llama 3.1's template (tools in the first user message; a call is the whole answer, ``{"name": ...,
+    "parameters": ...}``): required calls from the first token, auto answers in text or a call."""
+    proc = ServerProcess("--model", "tiny", "--chat-template",
+                         str(template_path.with_name("meta-llama-Llama-3.1-8B-Instruct.jinja")))
+    try:
+        client = openai.OpenAI(base_url=proc.url + "/v1", api_key=KEY, max_retries=0, timeout=300)
+        model = client.models.list().data[0].id
+        for seed in range(3):
+            r = client.chat.completions.create(model=model, messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                                               max_tokens=150, temperature=1.0, seed=seed)
+            choice = r.choices[0]
+            assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+            _assert_valid(choice.message)
+        texts = []
+        for seed in range(4, 8):
+            message = client.chat.completions.create(model=model, messages=MESSAGES, tools=TOOLS, max_tokens=20,
+                                                     temperature=1.0, seed=seed).choices[0].message
+            _assert_valid(message)
+            texts.append(message.content if not message.tool_calls else None)
+        assert any(texts), texts  # the random model answers in text too
+    finally:
+        assert proc.stop() == 0
