@@ -39,6 +39,7 @@ from .openai_protocol import (
     ChatOptions,
     ParsedRequest,
     bad_request,
+    chat_options,
     param_of,
     parse_chat_request,
     parse_completion_request,
@@ -563,7 +564,10 @@ class Server:
                 raise bad_request("prompt must be a string or a list of token ids", "prompt")
             server.limits.check_text(text_bytes(prompt), "messages" if chat else "prompt")
             try:
-                tokens = await asyncio.to_thread(engine.tokenize, prompt, chat)
+                if chat:  # rendered as a chat request's prompt (tools, template keywords, prefill)
+                    tokens = await asyncio.to_thread(server._chat_ids, prompt, chat_options(body, prompt))
+                else:
+                    tokens = await asyncio.to_thread(engine.tokenize, prompt, chat)
             except (ValueError, TypeError) as err:
                 raise bad_request(str(err), "messages" if chat else "prompt") from None
             return JSONResponse({"count": len(tokens), "max_model_len": engine.context_length, "tokens": tokens})

@@ -87,7 +87,8 @@ class ChatOptions:
 RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "documents", "add_generation_prompt", "bos_token", "eos_token")
 
 
-def _chat_options(body: Mapping[str, Any], messages: list[dict[str, Any]]) -> ChatOptions:
+def chat_options(body: Mapping[str, Any], messages: list[dict[str, Any]]) -> ChatOptions:
+    """A chat request's (or ``/tokenize``'s) rendering options; APIError(400) naming the field."""
     kwargs = _typed(body, "chat_template_kwargs", dict, "an object of template keywords") or {}
     reserved = sorted(k for k in kwargs if k in RESERVED_TEMPLATE_KWARGS or not isinstance(k, str))
     if reserved:
@@ -390,7 +391,7 @@ def parse_chat_request(body: Any, defaults: Mapping[str, Any] = MappingProxyType
         if budget < 0:
             raise bad_request(f"thinking_token_budget must be an integer >= 0, got {budget}", "thinking_token_budget")
         values["max_thinking_tokens"] = budget
-    options = _chat_options(body, messages)
+    options = chat_options(body, messages)
     config = _config(body, values, CHAT_FIELDS, defaults)
     return ParsedRequest(True, body.get("model"), [messages], config, stream, include_usage,
                          jump_forward=_typed(body, "jump_forward", bool, "a boolean"), chat_options=options)

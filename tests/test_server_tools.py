@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 
+import httpx
 import jsonschema
 import material
 import openai
@@ -168,6 +169,35 @@ def test_an_agent_loop_call_result_answer(client, model_id) -> None:
     assert final.choices[0].message.tool_calls == [] and final.choices[0].message.content
     # the call and its result were rendered (Qwen3: <tool_call> in the assistant turn, <tool_response> after it)
     assert final.usage.prompt_tokens > len(call.function.arguments) + len('{"temperature": 21}')
+
+
+def test_tool_turns_render_as_transformers_renders_them(server, template_path) -> None:
+    """/tokenize of a conversation with tools, a call (arguments as OpenAI's JSON string) and its result gives the
+    ids of transformers' apply_chat_template given the same turns with the arguments as a dict."""
+    transformers = pytest.importorskip("transformers")
+    from logitproc.compile.tiny_model import make_tiny_model
+    from logitproc.compile.tokenizer_source import from_model
+
+    arguments = {"city": "Paris", "days": 2}
+    wire = [*MESSAGES, {"role": "assistant", "content": "", "tool_calls": [
+                {"id": "call_1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": json.dumps(arguments)}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "21 C"}]
+    hf_turns = [*wire[:1], {**wire[1], "tool_calls": [{**wire[1]["tool_calls"][0], "function": {
+        "name": "get_weather", "arguments": arguments}}]}, wire[2]]
+    tokenizer = from_model(make_tiny_model(seed=0)).tokenizer()
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer)
+    for kwargs in ({}, {"enable_thinking": False}):
+        text = hf.apply_chat_template(hf_turns, tools=TOOLS, chat_template=template_path.read_text(),
+                                      add_generation_prompt=True, tokenize=False, **kwargs)
+        r = raw_post(server, "/tokenize", {"messages": wire, "tools": TOOLS, "chat_template_kwargs": kwargs})
+        assert r["tokens"] == tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def raw_post(server: ServerProcess, path: str, body: dict) -> dict:
+    r = httpx.post(server.url + path, json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
 
 
 # ---------------------------------------------------------------------------------------------------- errors
