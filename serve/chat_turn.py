@@ -1,8 +1,9 @@
 """One assistant turn of a chat request: what the model's template can do (tool-call syntax, a think block), the
 generation config that constrains its calls, and the parser that splits each answer into OpenAI's message parts.
 
-``ChatTraits.of(template_source)`` reads a template once: its call syntax (``tool_syntax.detect_syntax``) and whether
-it is a thinking template (it writes ``<think>`` ... ``</think>``). ``TurnPlan.make`` decides per request:
+``ChatTraits.of(template)`` reads a template once: its call syntax (``tool_syntax.detect_syntax``, from a probe call
+rendered through it) and whether it is a thinking template (its source writes ``<think>`` ... ``</think>``).
+``TurnPlan.make`` decides per request:
 
 * tools with ``tool_choice`` other than none need a known call syntax (a 400 naming ``tools`` otherwise: refused,
   never guessed); their grammar (``tool_syntax.call_grammar``) becomes the request's response format. A parameter
@@ -20,8 +21,9 @@ from typing import TYPE_CHECKING, Any
 
 from .answer_parser import AnswerParser
 from .api_error import bad_request
+from .chat_template import ChatTemplate
 from .tool_definitions import ToolRequest
-from .tool_syntax import JSON_LAYOUT, CallSyntax, ReasoningMarkers, arguments_problem, call_grammar
+from .tool_syntax import JSON_LAYOUT, CallSyntax, ReasoningMarkers, arguments_problem, call_grammar, detect_syntax
 
 if TYPE_CHECKING:
     from logitproc.runtime.config import GenerationConfig
@@ -37,10 +39,9 @@ class ChatTraits:
     thinking: bool
 
     @classmethod
-    def of(cls, template_source: str) -> ChatTraits:
-        from .tool_syntax import detect_syntax
-
-        return cls(detect_syntax(template_source), THINK_BEGIN in template_source and THINK_END in template_source)
+    def of(cls, template: ChatTemplate) -> ChatTraits:
+        source = template.source
+        return cls(detect_syntax(template), THINK_BEGIN in source and THINK_END in source)
 
 
 def ends_inside_think(prompt_tail: str) -> bool:

@@ -286,7 +286,7 @@ class Server:
     def chat_traits(self) -> ChatTraits:
         """What the served model's chat template supports (tool-call syntax, a think block), read once."""
         if self._traits is None:
-            self._traits = ChatTraits.of(self.loop.engine.model.chat_template.source)
+            self._traits = ChatTraits.of(self.loop.engine.model.chat_template)
         return self._traits
 
     def _turn_plan(self, parsed: ParsedRequest, prompt: list[int]) -> TurnPlan:

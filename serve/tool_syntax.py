@@ -1,6 +1,8 @@
 """How a model family writes tool calls, read from its chat template, and the grammar that makes its calls valid.
 
-Families (``CallSyntax``), recognised by what their template writes for an assistant's ``tool_calls``:
+Families (``CallSyntax``), recognised by what their template writes for an assistant's ``tool_calls`` when it renders
+a probe call (``detect_syntax``; a template that writes calls in another form, e.g. Qwen3-Coder's XML inside
+``<tool_call>``, is none of them):
 
 ``hermes``       Hermes 2/3, Qwen2.5, Qwen3, QwQ: ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``,
                  several calls one per block, separated by a newline.
@@ -31,6 +33,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
+from .chat_template import ChatTemplate
 from .tool_definitions import FunctionTool, ToolChoice, ToolRequest
 
 #: llguidance's JSON options inside ``%json``: the separators templates write with ``tojson``, no other whitespace.
@@ -54,17 +57,29 @@ class CallSyntax(Enum):
         return "arguments" if self is CallSyntax.HERMES else "parameters"
 
 
-#: What a template's source holds for each family (all must be present), most specific first.
-_SIGNATURES = ((CallSyntax.HERMES, ("<tool_call>", "tool_calls")),
-               (CallSyntax.LLAMA3_JSON, ('"parameters": ', "tool_calls", "<|python_tag|>")))
+#: The probe conversation a template renders to show its call syntax: a call of ``probe_fn`` with {"x": 1}, answered.
+PROBE_TOOL = {"type": "function", "function": {
+    "name": "probe_fn", "description": "a probe",
+    "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}}}}
+PROBE_MESSAGES = (
+    {"role": "user", "content": "probe question"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_probe", "type": "function", "function": {"name": "probe_fn", "arguments": {"x": 1}}}]},
+    {"role": "tool", "tool_call_id": "call_probe", "name": "probe_fn", "content": "probe result"},
+)
+#: What each family's template writes for the probe call.
+PROBE_CALLS = ((CallSyntax.HERMES, '<tool_call>\n{"name": "probe_fn", "arguments": {"x": 1}}\n</tool_call>'),
+               (CallSyntax.LLAMA3_JSON, '{"name": "probe_fn", "parameters": {"x": 1}}'))
 
 
-def detect_syntax(template_source: str) -> CallSyntax | None:
-    """The call syntax a chat template writes assistant ``tool_calls`` in; None when it is none of the known ones."""
-    for syntax, needles in _SIGNATURES:
-        if all(n in template_source for n in needles):
-            return syntax
-    return None
+def detect_syntax(template: ChatTemplate) -> CallSyntax | None:
+    """The call syntax a chat template writes an assistant's ``tool_calls`` in, seen by rendering a probe call
+    through it; None when it writes none of the known ones (or cannot render the probe)."""
+    try:
+        text = template.render(list(PROBE_MESSAGES), add_generation_prompt=False, tools=[PROBE_TOOL])
+    except ValueError:
+        return None
+    return next((syntax for syntax, call in PROBE_CALLS if call in text), None)
 
 
 @dataclass(frozen=True)

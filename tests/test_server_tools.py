@@ -17,7 +17,7 @@ import openai
 import pytest
 from logitproc.serve.answer_parser import AnswerParser
 from logitproc.serve.chat_template import ChatTemplate
-from logitproc.serve.tool_syntax import CallSyntax, ReasoningMarkers
+from logitproc.serve.tool_syntax import CallSyntax, ReasoningMarkers, detect_syntax
 from server_process import KEY, ServerProcess
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6},
@@ -265,6 +265,20 @@ def test_continue_final_message_continues_the_assistant_text(client, model_id, t
         client.chat.completions.create(model=model_id, messages=MESSAGES, max_tokens=1,
                                        extra_body={"continue_final_message": True})
     assert caught.value.body["param"] == "continue_final_message"
+
+
+# ---------------------------------------------------------------------------------------------------- the syntax
+@pytest.mark.parametrize(("name", "syntax"), [
+    ("Qwen-Qwen2.5-7B-Instruct", CallSyntax.HERMES), ("Qwen-Qwen3-0.6B", CallSyntax.HERMES),
+    ("NousResearch-Hermes-3-Llama-3.1-8B-tool_use", CallSyntax.HERMES), ("Qwen-QwQ-32B", CallSyntax.HERMES),
+    ("meta-llama-Llama-3.1-8B-Instruct", CallSyntax.LLAMA3_JSON),
+    ("meta-llama-Llama-3.3-70B-Instruct", CallSyntax.LLAMA3_JSON),
+    ("Qwen3-Coder", None), ("GLM-4.6", None),  # <tool_call> with another form inside
+    ("mistralai-Mistral-Nemo-Instruct-2407", None), ("google-gemma-2-2b-it", None),
+])
+def test_the_call_syntax_is_what_the_template_writes(template_path, name, syntax) -> None:
+    template = ChatTemplate.from_file(template_path.with_name(f"{name}.jinja"), "<s>", "</s>")
+    assert detect_syntax(template) is syntax
 
 
 # ---------------------------------------------------------------------------------------------------- the parser
