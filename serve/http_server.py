@@ -524,12 +524,15 @@ class Server:
             engine = server._ready()
             from logitproc.runtime.config import MAX_TOP_LOGPROBS
 
+            traits = server.chat_traits
             return JSONResponse({
                 "model": server.model_name, "max_model_len": engine.context_length,
                 "default_generation_settings": dict(server.options.sampling_defaults),
                 "max_top_logprobs": MAX_TOP_LOGPROBS,
                 "features": {"jump_forward": bool(engine.jump_forward),
-                             "speculative": None if engine.speculative is None else asdict(engine.speculative)}})
+                             "speculative": None if engine.speculative is None else asdict(engine.speculative),
+                             "tools": None if traits.syntax is None else traits.syntax.value,
+                             "reasoning": traits.thinking}})
 
         @app.get("/metrics")
         async def metrics() -> Response:
