@@ -84,7 +84,8 @@ class ChatOptions:
 
 
 #: Template keywords a request may not set through chat_template_kwargs (the server sets them).
-RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "documents", "add_generation_prompt", "bos_token", "eos_token")
+RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
+                            "bos_token", "eos_token")
 
 
 def chat_options(body: Mapping[str, Any], messages: list[dict[str, Any]]) -> ChatOptions:

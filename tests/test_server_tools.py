@@ -250,6 +250,26 @@ def test_chat_template_kwargs_reach_the_template(client, model_id) -> None:
     assert off.usage.prompt_tokens > on.usage.prompt_tokens
 
 
+def test_thinking_token_budget_is_the_engines_think_budget() -> None:
+    """vLLM's thinking_token_budget becomes the config's max_thinking_tokens (the engine's ThinkBudget, tested on a
+    vocabulary with marker tokens in tests/test_engine.py); the engine then opens the think block, so the answer is
+    read as starting inside it, and a tool grammar starts after it (the ThinkBudget holds it until then)."""
+    from logitproc.serve.chat_turn import ChatTraits, TurnPlan
+    from logitproc.serve.openai_protocol import parse_chat_request
+
+    parsed = parse_chat_request({"messages": MESSAGES, "thinking_token_budget": 7, "tools": TOOLS,
+                                 "tool_choice": "required"})
+    assert parsed.config.max_thinking_tokens == 7
+    plan = TurnPlan.make(ChatTraits(CallSyntax.HERMES, thinking=True), parsed.config, parsed.chat_options.tools, "")
+    assert plan.markers == ReasoningMarkers(starts_inside=True)
+    assert "thought" not in plan.config.response_format.text  # the grammar is the calls alone
+    parser = plan.parser()
+    parser.feed('weighing\n</think>\n\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2, "op": "plus"}}'
+                "\n</tool_call>")
+    parser.finish()
+    assert parser.reasoning == "weighing" and [c.name for c in parser.tool_calls] == ["add"]
+
+
 # ---------------------------------------------------------------------------------------------------- prefill
 def test_continue_final_message_continues_the_assistant_text(client, model_id, template_path) -> None:
     """Greedy: the continued chat answers as a text completion of the template's rendering cut after the final
