@@ -15,6 +15,8 @@ import jsonschema
 import material
 import openai
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from logitproc.serve.answer_parser import AnswerParser
 from logitproc.serve.chat_template import ChatTemplate
 from logitproc.serve.tool_syntax import CallSyntax, ReasoningMarkers, detect_syntax
@@ -358,3 +360,55 @@ def test_llama_3_1_json_calls(template_path) -> None:
         assert any(texts), texts  # the random model answers in text too
     finally:
         assert proc.stop() == 0
+
+
+PIECES = ["<tool_call>", "\n", '{"name": "f", "arguments": ', '{"name": "g\\"", "arguments": ', "{", "}", '"', "\\",
+          "</tool_call>", "<think>", "</think>", " ", "a", ",", "[", "]", '"k": ', "1", "<tool_", "</thi"]
+
+
+def _split(parser: AnswerParser, text: str, cuts: list[int]) -> tuple[str, str, list[tuple[str, str]], str | None]:
+    reasoning = content = ""
+    calls: dict[int, list[str]] = {}
+    bounds = sorted({0, len(text), *(c % (len(text) + 1) for c in cuts)})
+    pieces = [parser.feed(text[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)] + [parser.finish()]
+    for piece in pieces:
+        reasoning += piece.reasoning
+        content += piece.content
+        for call in piece.calls:
+            calls.setdefault(call.index, [call.name or "", ""])[1] += call.arguments
+    return reasoning, content, [tuple(v) for v in calls.values()], parser.finish_reason("stop")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(PIECES), max_size=40), st.lists(st.integers(0, 400), max_size=12),
+       st.sampled_from([CallSyntax.HERMES, CallSyntax.LLAMA3_JSON, None]), st.booleans(), st.booleans())
+def test_any_text_cut_anywhere_splits_as_the_whole_text(pieces, cuts, syntax, thinking, inside) -> None:
+    """The parser never fails on any text, and a stream cut anywhere gives the non-streamed message."""
+    text = "".join(pieces)
+    markers = ReasoningMarkers(starts_inside=inside) if thinking else None
+    whole = _split(AnswerParser(syntax, markers), text, [])
+    assert _split(AnswerParser(syntax, markers), text, cuts) == whole
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(st.sampled_from(["tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs",
+                                        "continue_final_message", "add_generation_prompt", "thinking_token_budget"]),
+                       st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+                                    lambda inner: st.lists(inner, max_size=3)
+                                    | st.dictionaries(st.sampled_from(["type", "function", "name", "parameters",
+                                                                       "properties", "required", "x"]), inner,
+                                                      max_size=4), max_leaves=12)),
+       st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "tool"]),
+                                        "content": st.text(max_size=5)},
+                                       optional={"tool_calls": st.just([{"id": "c1", "type": "function", "function": {
+                                           "name": "f", "arguments": "{}"}}]), "tool_call_id": st.just("c1")}),
+                min_size=1, max_size=3))
+def test_any_tool_fields_parse_or_are_400s(fields, messages) -> None:
+    from logitproc.serve.openai_protocol import APIError, parse_chat_request
+
+    try:
+        parsed = parse_chat_request({"messages": messages, **fields})
+    except APIError as err:
+        assert err.status == 400 and err.param
+        return
+    assert parsed.chat_options.tools is None or parsed.chat_options.tools.functions
