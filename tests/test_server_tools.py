@@ -412,3 +412,32 @@ def test_any_tool_fields_parse_or_are_400s(fields, messages) -> None:
         assert err.status == 400 and err.param
         return
     assert parsed.chat_options.tools is None or parsed.chat_options.tools.functions
+
+
+# ---------------------------------------------------------------------------------------------------- SmolLM2
+@pytest.mark.slow  # a real model's server (about 50 s here): the tiny model's tests above are the fast variant
+def test_smollm2_calls_a_tool_through_qwen_s_template(template_path) -> None:
+    """A real model (SmolLM2-135M, whose own ChatML template has no tools) given Qwen2.5's tool template: its greedy
+    calls for a weather question parse and validate, streamed as not."""
+    import os
+
+    from logitproc.compile.model_fetch import fetch_default_model
+    from logitproc.serve.cli_options import open_model
+
+    kept = os.environ.get("LOGITPROC_TEST_MODEL_CACHE")
+    path = str(fetch_default_model(kept)) if kept else "default"
+    open_model(path, "cpu")  # compiled here (or found in the cache); the server then opens it from the cache
+    qwen = str(template_path.with_name("Qwen-Qwen2.5-7B-Instruct.jinja"))
+    proc = ServerProcess("--model", path, "--max-batch", "2", "--chat-template", qwen, api_key=None)
+    try:
+        client = openai.OpenAI(base_url=proc.url + "/v1", api_key="none", max_retries=0, timeout=300)
+        kwargs = dict(model=path, messages=[{"role": "user", "content": "What is the weather in Paris tomorrow?"}],
+                      tools=TOOLS, tool_choice="required", temperature=0, max_tokens=60)
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        _assert_valid(choice.message)
+        with client.chat.completions.stream(**kwargs) as stream:
+            final = stream.get_final_completion().choices[0]
+        assert _calls(final.message) == _calls(choice.message)
+    finally:
+        assert proc.stop() == 0
