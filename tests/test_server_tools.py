@@ -156,6 +156,24 @@ def test_streamed_calls_accumulate_to_the_non_streamed_ones(client, model_id) ->
         assert all(p.function.arguments == "" for p in first_pieces)  # the name first, then the arguments
 
 
+def test_a_relaxed_schema_is_reported_and_its_calls_validated_after(client, model_id) -> None:
+    """uniqueItems is not enforced while generating (the grammar is relaxed, and says so): every call is still
+    checked against the whole schema, and the check is reported on the choice."""
+    schema = {"type": "object", "properties": {"picks": {"type": "array", "items": {"enum": [1, 2, 3]}, "minItems": 2,
+                                                         "maxItems": 2, "uniqueItems": True}},
+              "required": ["picks"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "pick", "parameters": schema}}]
+    r = client.chat.completions.create(model=model_id, messages=MESSAGES, tools=tools, tool_choice="required",
+                                       parallel_tool_calls=False, max_tokens=80, temperature=1.0, seed=9, n=3)
+    for choice in r.choices:
+        assert choice.finish_reason == "tool_calls" and choice.model_extra["tool_calls_relaxed"] is True
+        picks = json.loads(choice.message.tool_calls[0].function.arguments)["picks"]
+        assert len(picks) == 2 and set(picks) <= {1, 2, 3}  # what the grammar enforced
+        valid = len(set(picks)) == 2
+        assert choice.model_extra["tool_calls_valid"] is valid
+        assert ("tool_call_errors" in choice.model_extra) is not valid
+
+
 # ---------------------------------------------------------------------------------------------------- a loop
 def test_an_agent_loop_call_result_answer(client, model_id) -> None:
     messages = list(MESSAGES)
