@@ -130,6 +130,23 @@ def test_fifty_seeded_samples_at_temperature_one_all_parse_and_validate(client, 
     assert complete >= 46, complete
 
 
+def test_parallel_calls_come_numbered_streamed_as_not(client, model_id) -> None:
+    """min_tokens (vLLM's) keeps the model from ending after its first call: it goes on with more calls (the
+    default parallel_tool_calls), numbered by index in the stream, each valid."""
+    kwargs = dict(model=model_id, messages=MESSAGES, tools=TOOLS, tool_choice="required", max_tokens=300,
+                  temperature=1.0, seed=8, extra_body={"min_tokens": 120})
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    assert whole.finish_reason == "tool_calls" and len(whole.message.tool_calls) >= 2
+    _assert_valid(whole.message)
+    assert len({c.id for c in whole.message.tool_calls}) == len(whole.message.tool_calls)
+    with client.chat.completions.stream(**kwargs) as stream:
+        indices = [piece.index for event in stream if event.type == "chunk" and event.chunk.choices
+                   for piece in event.chunk.choices[0].delta.tool_calls or []]
+        final = stream.get_final_completion().choices[0]
+    assert _calls(final.message) == _calls(whole.message)
+    assert sorted(set(indices)) == list(range(len(whole.message.tool_calls)))
+
+
 def test_parallel_tool_calls_false_gives_one_call(client, model_id) -> None:
     r = client.chat.completions.create(model=model_id, messages=MESSAGES, tools=TOOLS, tool_choice="required",
                                        parallel_tool_calls=False, max_tokens=200, temperature=1.0, seed=7, n=3)
