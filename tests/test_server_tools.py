@@ -279,6 +279,19 @@ def test_reasoning_content_is_split_from_the_answer(client, model_id) -> None:
     assert (reasoning, content) == (message.reasoning_content, message.content)
 
 
+def test_an_answer_that_starts_inside_a_think_block(client, model_id) -> None:
+    """A prompt that leaves a think block open (here a prefilled assistant message that opened one): the answer is
+    read as reasoning up to </think>."""
+    messages = [*MESSAGES, {"role": "assistant", "content": "<think>\nLet me see"}]
+    grammar = 'start: /[a-z]{3,8}/ "\\n</think>\\n\\n" /[a-z]{3,8}/'
+    r = client.chat.completions.create(model=model_id, messages=messages, max_tokens=40, temperature=1.0, seed=6,
+                                       response_format={"type": "grammar", "grammar": grammar},
+                                       extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    message = r.choices[0].message
+    assert message.reasoning_content.isalpha()
+    assert message.content.isalpha()
+
+
 def test_chat_template_kwargs_reach_the_template(client, model_id) -> None:
     """Qwen3's enable_thinking=false writes an empty think block into the prompt."""
     on = client.chat.completions.create(model=model_id, messages=MESSAGES, max_tokens=1)
