@@ -7,7 +7,7 @@ Two implementations: ``EngineLoop`` (``engine_loop.py``: the engine in this proc
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any, Protocol
 
@@ -16,10 +16,15 @@ Sink = Callable[[Any], None]
 
 
 class ServedModel(Protocol):
-    """The model facts the app reads: its name and its ``tokenizers.Tokenizer``."""
+    """The model facts the app reads: its name, its ``tokenizers.Tokenizer`` and chat template, and a chat's
+    prompt ids (``runner.Runner.chat_token_ids``)."""
 
     name: str
     tokenizer: Any
+    chat_template: Any  # ChatTemplate
+
+    def chat_token_ids(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                       **kwargs: Any) -> list[int]: ...
 
 
 class ServedEngine(Protocol):
@@ -27,6 +32,7 @@ class ServedEngine(Protocol):
 
     model: ServedModel
     context_length: int
+    max_total_tokens: int
     vocab_size: int
     jump_forward: bool
     speculative: Any  # SpeculativeConfig or None

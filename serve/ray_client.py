@@ -62,6 +62,7 @@ class RemoteEngine:
     def __init__(self, facts: ModelFacts) -> None:
         self.model = RemoteModel(facts)
         self.context_length = facts.context_length
+        self.max_total_tokens = facts.max_total_tokens
         self.vocab_size = facts.vocab_size
         self.jump_forward = facts.jump_forward
         self.speculative = facts.speculative

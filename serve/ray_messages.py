@@ -64,6 +64,7 @@ class ModelFacts:
     chat_template: tuple[str, str | None, str | None, str]  # ChatTemplate's source, bos, eos, origin
     vocab_size: int
     context_length: int
+    max_total_tokens: int
     jump_forward: bool
     speculative: Any  # SpeculativeConfig or None
     sampling_defaults: dict[str, Any]

@@ -57,6 +57,7 @@ class EngineReplica:
             name=engine.model.name, tokenizer_json=engine.model.tokenizer.to_str(),
             chat_template=(template.source, template.bos_token, template.eos_token, template.origin),
             vocab_size=engine.vocab_size, context_length=engine.context_length,
+            max_total_tokens=engine.max_total_tokens,
             jump_forward=bool(engine.jump_forward), speculative=engine.speculative, sampling_defaults=defaults,
             defaults_described=described, max_batch=engine.max_batch)
 
