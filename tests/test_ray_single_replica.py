@@ -1,24 +1,27 @@
 """``logitproc serve --replicas 1`` (one engine replica behind the Ray Serve ingress) answers the same tokens as the
-single-process server for the same seeds: chat and completions, streamed or not, with ``n``."""
+single-process server for the same seeds: chat and completions, streamed or not, with ``n``, and tool calls (both
+serve the tiny model with Qwen3's chat template, whose tool-call syntax the ingress reads as the server does)."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
 
+import material
 import pytest
 
 pytest.importorskip("ray.serve")
 
 from server_process import ServerProcess  # noqa: E402
 from test_server import raw  # noqa: E402
-
-SERVER_OPTIONS = ("--model", "tiny", "--max-batch", "8", "--max-queue", "8")
+from test_server_tools import MESSAGES, TOOLS  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def servers() -> Iterator[tuple[ServerProcess, ServerProcess]]:
-    ray, plain = ServerProcess(*SERVER_OPTIONS, "--replicas", "1"), ServerProcess(*SERVER_OPTIONS)
+    template = material.llama_cpp_models() / "templates" / "Qwen-Qwen3-0.6B.jinja"
+    options = ("--model", "tiny", "--max-batch", "8", "--max-queue", "8", "--chat-template", str(template))
+    ray, plain = ServerProcess(*options, "--replicas", "1"), ServerProcess(*options)
     yield ray, plain
     assert ray.stop() == 0 and plain.stop() == 0
 
@@ -47,3 +50,13 @@ def test_the_same_tokens_as_the_single_process_server(servers, seed) -> None:
         assert [c.get("logprobs") for c in ours["choices"]] == [c.get("logprobs") for c in theirs["choices"]]
         assert [c.get("text", c.get("message")) for c in ours["choices"]] == [
             c.get("text", c.get("message")) for c in theirs["choices"]]
+
+
+def test_the_same_tool_calls_as_the_single_process_server(servers) -> None:
+    body = {"messages": MESSAGES, "tools": TOOLS, "tool_choice": "required", "max_tokens": 200, "temperature": 1.0,
+            "seed": 3}
+    ours, theirs = (raw(server, "/v1/chat/completions", body).json() for server in servers)
+    message = ours["choices"][0]["message"]
+    assert ours["choices"][0]["finish_reason"] == "tool_calls" and message["tool_calls"]
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]] == [
+        (c["function"]["name"], c["function"]["arguments"]) for c in theirs["choices"][0]["message"]["tool_calls"]]
