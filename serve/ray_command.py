@@ -64,7 +64,12 @@ def serve_on_ray(args: argparse.Namespace) -> int:
                  logging_level=logging.WARNING, log_to_driver=True)
         log(f"ray: started a local instance ({cpus} CPUs)")
     else:
-        ray.init(address=args.ray_address, logging_level=logging.WARNING)
+        try:
+            ray.init(address=args.ray_address, logging_level=logging.WARNING)
+        except (ConnectionError, RuntimeError) as err:
+            raise RuntimeError(f"cannot join the Ray cluster at --ray-address {args.ray_address}: {err} (with "
+                               "token authentication, set RAY_AUTH_MODE=token and the cluster's token: "
+                               "docs/server.md)") from None
         log(f"ray: joined the cluster at {args.ray_address}")
     url = f"http://{args.host}:{args.port}"
     stop = threading.Event()
