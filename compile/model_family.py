@@ -20,15 +20,18 @@ from dataclasses import dataclass, field
 
 
 class Activation(enum.Enum):
-    """The MLP's gate activation."""
+    """The MLP's gate activation: ``SILU`` (SwiGLU) or ``GELU_TANH`` (GeGLU, gelu's tanh approximation)."""
 
     SILU = "silu"
+    GELU_TANH = "gelu_pytorch_tanh"
 
 
 class NormPlacement(enum.Enum):
-    """Where the RMS norms sit in a block: ``PRE`` = before attention and before the MLP (Llama)."""
+    """Where the RMS norms sit in a block: ``PRE`` = before attention and before the MLP (Llama); ``SANDWICH`` =
+    also after each, on its output before the residual add (Gemma 2/3: ``post_attention_norm``, ``post_ffw_norm``)."""
 
     PRE = "pre"
+    SANDWICH = "sandwich"
 
 
 #: Per-layer tensors every family has: GGUF suffix -> Hugging Face suffix (under ``model.layers.{i}.``).
@@ -51,6 +54,13 @@ QKV_BIAS_TENSORS: dict[str, str] = {
 QK_NORM_TENSORS: dict[str, str] = {
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
+}
+#: The norms after attention and after the MLP of a ``SANDWICH`` block, and Gemma's names for all four norms.
+SANDWICH_TENSORS: dict[str, str] = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
 #: Model-level tensors: GGUF name -> Hugging Face name (``output.weight`` only without tied embeddings).
 TOP_TENSORS: dict[str, str] = {
@@ -118,11 +128,36 @@ class ModelFamily:
     gguf_fused: dict[str, tuple[str, ...]] = field(default_factory=dict)
     #: model-level GGUF tensors read into the config (RoPE factors), not weights
     gguf_rope_tensors: tuple[str, ...] = ("rope_freqs.weight",)
+    #: added to every RMS norm weight read from a Hugging Face checkpoint: Gemma's norms multiply by ``1 + w`` and
+    #: store ``w``; llama.cpp's converter stores ``w + 1`` in the GGUF, which is the canonical form (plain RMSNorm)
+    hf_norm_offset: float = 0.0
+    #: the token embeddings are multiplied by ``sqrt(hidden)`` before the first layer (Gemma)
+    embed_scaled: bool = False
+    #: layers have sliding windows of their own (Gemma 2/3; without it a window caps the served context instead:
+    #: Mistral v0.1, exact within the window): by ``layer_types`` (Hugging Face) or the GGUF's
+    #: ``attention.sliding_window_pattern``, else this default: in each run of ``window_pattern`` layers all but
+    #: the last slide (transformers' and llama.cpp's rule); 0: no per-layer windows
+    window_pattern: int = 0
+    #: GGUF keys (after ``{arch}.``) a file of this family must have (where llama.cpp would fall back to a default)
+    gguf_required_keys: frozenset[str] = frozenset()
+    #: GGUF block counts whose q is scaled by ``(hidden / heads) ** -0.5`` rather than ``head_dim ** -0.5``
+    #: (llama.cpp's rule for Gemma's 27B models, whose GGUFs do not store ``query_pre_attn_scalar``)
+    gguf_wide_scale_layers: tuple[int, ...] = ()
+
+    def window_layers(self, n_layers: int, pattern: int | None = None) -> tuple[int, ...]:
+        """The sliding-window layers of ``n_layers`` under ``pattern`` (default: the family's ``window_pattern``):
+        in each run of ``pattern`` layers all but the last (``pattern`` 1: none)."""
+        pattern = self.window_pattern if pattern is None else pattern
+        if pattern < 1:
+            raise ValueError(f"a sliding-window pattern must be a positive layer count, got {pattern}")
+        return tuple(i for i in range(n_layers) if (i + 1) % pattern)
 
     @property
     def layer_tensors(self) -> dict[str, str]:
         """Per-layer tensors: GGUF suffix -> Hugging Face suffix."""
         tensors = dict(BASE_LAYER_TENSORS)
+        if self.norm_placement is NormPlacement.SANDWICH:
+            tensors.update(SANDWICH_TENSORS)
         if self.qkv_bias:
             tensors.update(QKV_BIAS_TENSORS)
         if self.qk_norm:
