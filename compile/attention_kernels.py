@@ -102,15 +102,16 @@ ROPE_NAMES = ("fused_rope", "tir_split_rotary")
 
 def replace_attention_kernels(mod: tvm.IRModule, h_kv: int, h_q: int, d: int,
                               inv_freq: tuple[float, ...] | None = None, dtype: str = "float32",
-                              attention_factor: float = 1.0) -> tvm.IRModule:
+                              attention_factor: float = 1.0, softcap: float = 0.0, window: int = 0) -> tvm.IRModule:
     """``mod`` with the KV cache's CPU attention kernels (prefill, and decode: ``decode_attention.py``) replaced by
     these (same names and signatures), and its RoPE kernel too when ``inv_freq`` is given (``rope_kernel``; the
     cache must use ``RopeMode.NORMAL``; ``attention_factor``: LongRoPE's); ``dtype``: the cache's (its pages, q, k,
-    v and the outputs)."""
+    v and the outputs); ``softcap`` and ``window``: the scores' soft-cap and the sliding window of the layers that
+    pass a negative ``sm_scale`` (``decode_attention.py``; 0: none)."""
     functions = {gv.name_hint: gv for gv in mod.get_global_vars()}
-    replacements = [(RAGGED_NAMES, ragged_prefill_kernel(h_kv, h_q, d, dtype)),
-                    (PAGED_NAMES, paged_prefill_kernel(h_kv, h_q, d, dtype)),
-                    (DECODE_NAMES, decode_attention_kernel(h_kv, h_q, d, dtype))]
+    replacements = [(RAGGED_NAMES, ragged_prefill_kernel(h_kv, h_q, d, dtype, softcap, window)),
+                    (PAGED_NAMES, paged_prefill_kernel(h_kv, h_q, d, dtype, softcap, window)),
+                    (DECODE_NAMES, decode_attention_kernel(h_kv, h_q, d, dtype, softcap, window))]
     if inv_freq is not None:
         replacements.append((ROPE_NAMES, rope_kernel(h_kv, h_q, d, inv_freq, dtype, attention_factor)))
     for candidates, new in replacements:
