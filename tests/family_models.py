@@ -146,9 +146,9 @@ _SANDWICH = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_a
 
 
 def write_gguf(model: Any, case: FamilyCase, path: Path, *, extra_keys: dict[str, int] | None = None,
-               q8_0: bool = False) -> Path:
+               q8_0: bool = False, without_window: bool = False) -> Path:
     """The same weights as a GGUF (F32 tensors; with ``q8_0`` the matrices quantised to Q8_0 by gguf-py) as
-    llama.cpp's converter lays them out (module doc)."""
+    llama.cpp's converter lays them out (module doc); ``without_window``: no ``attention.sliding_window`` key."""
     import gguf
 
     cfg = model.config
@@ -179,7 +179,8 @@ def write_gguf(model: Any, case: FamilyCase, path: Path, *, extra_keys: dict[str
     if arch in ("gemma2",):
         writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
         writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
-        writer.add_sliding_window(cfg.sliding_window)
+        if not without_window:
+            writer.add_sliding_window(cfg.sliding_window)
     if head_dim != cfg.hidden_size // cfg.num_attention_heads or arch in ("gemma2",):
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import family_models
@@ -167,6 +168,10 @@ REFUSED_CONFIGS = [
     ("qwen3", {"layer_types": ["sliding_attention", "full_attention"]}, "sliding_attention"),
     ("phi3", {"lm_head_bias": True}, "lm_head_bias"),
     ("qwen2", {"intermediate_size": 96}, r"mlp\..*_proj.weight has shape \[.*\], the config gives \[.*96.*\]"),
+    ("gemma2", {"hidden_activation": "gelu"}, "hidden_activation"),
+    ("gemma2", {"layer_types": ["sliding_attention", "chunked_attention"]}, "layer_types"),
+    ("gemma2", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    ("gemma2", {"sliding_window": None}, "sliding_window"),
 ]
 
 
@@ -203,12 +208,53 @@ def test_unsupported_gguf_key_is_refused_before_compiling(families, tmp_path: Pa
 
 
 def test_unknown_gguf_architecture_is_refused(families, tmp_path: Path) -> None:
-    case = family_models.FamilyCase("gemma", "llama", "gemma2", {"eos_token_id": 2})
-    path = family_models.write_gguf(families["llama3"][0], case, tmp_path / "gemma.gguf")
-    with pytest.raises(ValueError, match="'gemma2' is not supported"):
+    case = family_models.FamilyCase("falcon", "llama", "falcon", {"eos_token_id": 2})
+    path = family_models.write_gguf(families["llama3"][0], case, tmp_path / "falcon.gguf")
+    with pytest.raises(ValueError, match="'falcon' is not supported"):
+        load_gguf(path)
+
+
+def test_gemma2_windows_and_soft_caps_bite(families) -> None:
+    """The tiny Gemma 2's window, soft-caps and attention scale each change its logits (so the agreement above
+    checks them): the numpy reference without any one of them is more than 1e-2 off transformers."""
+    model, folder, _ = families["gemma2"]
+    loaded = load_hf_dir(folder)
+    expected = family_models.reference_logits(model, PROMPT)
+    assert loaded.config.window_layers == (0,) and loaded.config.sliding_window == 6 < len(PROMPT)
+    for change in ({"window_layers": ()}, {"attn_softcap": 0.0}, {"final_softcap": 0.0}, {"query_scale": None}):
+        loaded.config = replace(load_hf_dir(folder).config, **change)
+        if change == {"query_scale": None}:  # head_dim 32 is the scalar: a head_dim of 16 changes the scale
+            loaded.config = replace(loaded.config, query_scale=16 ** -0.5)
+        assert np.abs(NumpyLlama(loaded).extend_all(PROMPT) - expected).max() > 1e-2, change
+
+
+def test_gemma2_query_pre_attn_scalar_scales_the_scores(tmp_path: Path) -> None:
+    """A ``query_pre_attn_scalar`` other than head_dim (Gemma 2 27B's hidden / heads) from a Hugging Face folder."""
+    case = family_models.FamilyCase("gemma2-27b", "gemma2", "gemma2",
+                                    {**CASES["gemma2"].overrides, "query_pre_attn_scalar": 20})
+    model = family_models.build_transformers_model(case, seed=3)
+    loaded = load_hf_dir(family_models.write_hf_folder(model, case, tmp_path / "gemma2"))
+    assert loaded.config.sm_scale == pytest.approx(20 ** -0.5)
+    np.testing.assert_allclose(NumpyLlama(loaded).extend_all(PROMPT), family_models.reference_logits(model, PROMPT),
+                               atol=TOL_NUMPY, rtol=0)
+
+
+def test_compiled_gemma2_prefill_in_chunks_keeps_the_window(families) -> None:
+    """A prompt fed in three chunks: the later chunks' queries read the window partly from the cached pages."""
+    model, _, gguf_path = families["gemma2"]
+    compiled = CompiledModel.open(gguf_path, weight_dtype="float32", kv_dtype="float32", max_num_sequences=2)
+    compiled.add_sequence(0)
+    for chunk in (PROMPT[:5], PROMPT[5:9], PROMPT[9:]):
+        last = compiled.prefill([0], [chunk])[0]
+    np.testing.assert_allclose(last, family_models.reference_logits(model, PROMPT)[-1], atol=TOL_COMPILED, rtol=0)
+
+
+def test_gemma2_gguf_without_its_window_is_refused(families, tmp_path: Path) -> None:
+    path = family_models.write_gguf(families["gemma2"][0], CASES["gemma2"], tmp_path / "g.gguf", without_window=True)
+    with pytest.raises(ValueError, match=r"gemma2\.attention\.sliding_window.*missing"):
         load_gguf(path)
 
 
 def test_every_family_is_listed_with_its_formats() -> None:
-    assert [f.name for f in FAMILIES] == ["llama", "qwen2", "qwen3", "phi3"]
+    assert [f.name for f in FAMILIES] == ["llama", "qwen2", "qwen3", "phi3", "gemma2"]
     assert all(f.hf_architectures and f.gguf_architectures for f in FAMILIES)
