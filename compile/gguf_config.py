@@ -135,6 +135,8 @@ def config_from_gguf(meta: dict[str, Any], tensor_shapes: dict[str, tuple[int, .
         final_softcap=float(meta.get(prefix + "final_logit_softcapping", 0.0)),
         window_layers=window_layers,
         sliding_window=window,
+        # llama.cpp's default base of the sliding layers (``rope_freq_base_train_swa``), unscaled
+        local_rope_theta=float(meta.get(prefix + "rope.freq_base_swa", 10000.0)) if family.local_rope else 0.0,
     )
     for name, parts in stored.items():
         config.check_shape(name, parts, tensor_shapes[name], source)

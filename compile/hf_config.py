@@ -31,6 +31,8 @@ def _int(cfg: dict[str, Any], key: str, default: int | None = None) -> int:
 #: Sliding-window keys, read for every family (``_context``, ``layer_types`` below); ``max_window_layers`` only
 #: matters with ``use_sliding_window``, which a family that reads it fixes to false.
 _WINDOW_KEYS = ("sliding_window", "use_sliding_window", "layer_types", "max_window_layers")
+#: a layer's attention kind in ``layer_types`` (the sliding ones for a family with ``window_pattern``)
+_LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
 def _check_keys(cfg: dict[str, Any], family: ModelFamily) -> None:
@@ -64,14 +66,48 @@ def _windows(cfg: dict[str, Any], family: ModelFamily, n_layers: int) -> tuple[t
     if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
         raise ValueError(f"config.json: sliding_window must be a positive integer for the {family.name} family, "
                          f"got {window!r}")
+    patterns = {key: _int(cfg, key) for key in ("sliding_window_pattern", "_sliding_window_pattern") if key in cfg}
+    if len(set(patterns.values())) > 1:
+        raise ValueError(f"config.json: sliding-window patterns {patterns} disagree")
     layer_types = cfg.get("layer_types")
     if layer_types is None:
-        return family.window_layers(n_layers, _int(cfg, "sliding_window_pattern", family.window_pattern)), window
-    kinds = ("sliding_attention", "full_attention")
-    if not isinstance(layer_types, list) or len(layer_types) != n_layers or not set(layer_types) <= set(kinds):
-        raise ValueError(f"config.json: layer_types must list {' or '.join(kinds)} for each of the {n_layers} "
+        return family.window_layers(n_layers, next(iter(patterns.values()), family.window_pattern)), window
+    if not isinstance(layer_types, list) or len(layer_types) != n_layers or not set(layer_types) <= set(_LAYER_TYPES):
+        raise ValueError(f"config.json: layer_types must list {' or '.join(_LAYER_TYPES)} for each of the {n_layers} "
                          f"layers, got {layer_types!r}")
-    return tuple(i for i, kind in enumerate(layer_types) if kind == "sliding_attention"), window
+    layers = tuple(i for i, kind in enumerate(layer_types) if kind == "sliding_attention")
+    for key, pattern in patterns.items():  # transformers 5 writes both; they must say the same
+        if family.window_layers(n_layers, pattern) != layers:
+            raise ValueError(f"config.json: {key} {pattern} disagrees with layer_types {layer_types}")
+    return layers, window
+
+
+#: transformers' local RoPE base of Gemma 3 when ``rope_local_base_freq`` is absent (``Gemma3TextConfig``)
+_LOCAL_ROPE_THETA = 10000.0
+
+
+def _layer_type_ropes(cfg: dict[str, Any], rope_dim: int) -> tuple[RopeScaling, float]:
+    """The global layers' RoPE and the sliding layers' (unscaled) base of a family with a local RoPE: transformers
+    5's ``rope_parameters`` per layer type, or transformers 4's ``rope_theta`` / ``rope_scaling`` (global) and
+    ``rope_local_base_freq`` (local; absent: transformers' 10000). Refuses a scaled local RoPE."""
+    params = cfg.get("rope_parameters")
+    if params is None:
+        rope = rope_from_hf({k: v for k, v in cfg.items() if k != "rope_local_base_freq"}, rope_dim)
+        local = RopeScaling(float(cfg.get("rope_local_base_freq", _LOCAL_ROPE_THETA)))
+    else:
+        if not isinstance(params, dict) or set(params) != set(_LAYER_TYPES):
+            raise ValueError(f"config.json: rope_parameters must hold {' and '.join(_LAYER_TYPES)} (one RoPE per "
+                             f"layer type), got {params!r}")
+        rest = {k: v for k, v in cfg.items() if k not in ("rope_parameters", "rope_local_base_freq")}
+        rope = rope_from_hf({**rest, "rope_parameters": params["full_attention"]}, rope_dim)
+        bare = {k: v for k, v in rest.items() if k not in ("rope_theta", "rope_scaling")}
+        local = rope_from_hf({**bare, "rope_parameters": params["sliding_attention"]}, rope_dim)
+        if "rope_local_base_freq" in cfg and cfg["rope_local_base_freq"] != local.theta:
+            raise ValueError(f"config.json: rope_local_base_freq {cfg['rope_local_base_freq']} disagrees with "
+                             f"rope_parameters {params['sliding_attention']}")
+    if local.kind != "default" or local.factors:
+        raise ValueError(f"config.json: a scaled RoPE for the sliding layers ({local.kind}) is not supported")
+    return rope, local.theta
 
 
 def _positive_number(cfg: dict[str, Any], key: str) -> float | None:
@@ -112,7 +148,7 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None
     if head_dim % 2:
         raise ValueError(f"config.json: head_dim {head_dim} must be even for RoPE")
     rope_dim = rotary_dim_from_hf(cfg, head_dim)
-    rope = rope_from_hf(cfg, rope_dim)
+    rope, local_theta = _layer_type_ropes(cfg, rope_dim) if family.local_rope else (rope_from_hf(cfg, rope_dim), 0.0)
     eos = _ids(cfg.get("eos_token_id"), "eos_token_id")
     for extra in _ids((generation or {}).get("eos_token_id"), "generation_config.json eos_token_id"):
         if extra not in eos:
@@ -153,4 +189,5 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None
         final_softcap=_positive_number(cfg, "final_logit_softcapping") or 0.0,
         window_layers=window_layers,
         sliding_window=window,
+        local_rope_theta=local_theta,
     )

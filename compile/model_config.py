@@ -49,11 +49,19 @@ class LlamaConfig:
     #: (a key at position j is seen from position i when ``i - j < sliding_window``); the others see every position
     window_layers: tuple[int, ...] = ()
     sliding_window: int = 0
+    #: the RoPE base of the ``window_layers``, unscaled (Gemma 3's local base); 0: every layer takes ``rope``
+    local_rope_theta: float = 0.0
 
     @property
     def sm_scale(self) -> float:
         """The factor of the attention scores ``q . k`` (``query_scale``, else ``1 / sqrt(head_dim)``)."""
         return float(self.query_scale) if self.query_scale is not None else 1.0 / float(self.head_dim) ** 0.5
+
+    def layer_rope(self, layer: int) -> RopeScaling:
+        """The RoPE of layer ``layer``: the local one of a sliding layer (``local_rope_theta``), else ``rope``."""
+        if self.local_rope_theta and layer in self.window_layers:
+            return RopeScaling(self.local_rope_theta)
+        return self.rope
 
     def layer_window(self, layer: int) -> int:
         """The sliding window of layer ``layer`` (0: it sees every earlier position)."""

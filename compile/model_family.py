@@ -138,6 +138,9 @@ class ModelFamily:
     #: ``attention.sliding_window_pattern``, else this default: in each run of ``window_pattern`` layers all but
     #: the last slide (transformers' and llama.cpp's rule); 0: no per-layer windows
     window_pattern: int = 0
+    #: the sliding-window layers rotate by a RoPE of their own: an unscaled base (Gemma 3's ``rope_local_base_freq``;
+    #: transformers 5: ``rope_parameters["sliding_attention"]``), the global layers by the model's RoPE
+    local_rope: bool = False
     #: GGUF keys (after ``{arch}.``) a file of this family must have (where llama.cpp would fall back to a default)
     gguf_required_keys: frozenset[str] = frozenset()
     #: GGUF block counts whose q is scaled by ``(hidden / heads) ** -0.5`` rather than ``head_dim ** -0.5``

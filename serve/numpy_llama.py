@@ -11,7 +11,8 @@ For a model of any supported family (``logitproc.compile.families``) read by ``l
     q, k = rmsnorm(q) * q_norm, rmsnorm(k) * k_norm   over each head (the family's ``qk_norm``)
     q, k = rope(q), rope(k)                            pairs (i, i + r/2) of the first r = rope_dim values
                                                       rotated by pos * inv_freq[i], cos and sin times the
-                                                      attention factor (``RopeScaling``); the rest unrotated
+                                                      attention factor (``RopeScaling``; ``layer_rope``: the
+                                                      layer's own); the rest unrotated
     append k, v to the cache; query head j reads KV head j // (n_heads / n_kv)   (grouped-query attention)
     s = q k^T * sm_scale                              (``config.sm_scale``: 1 / sqrt(d) or Gemma's scalar)
     s = cap * tanh(s / cap)                           (``config.attn_softcap``; Gemma 2)
@@ -131,8 +132,9 @@ class NumpyLlama:
                         for i in range(cfg.n_layers)]
         self._qk_norms = [(w[f"blk.{i}.attn_q_norm.weight"], w[f"blk.{i}.attn_k_norm.weight"]) if family.qk_norm
                           else None for i in range(cfg.n_layers)]
-        self._inv_freq = cfg.rope.inverse_frequencies(cfg.rope_dim)
-        self._rope_scale = float(cfg.rope_attention_factor)
+        #: each layer's RoPE (Gemma 3's sliding layers: a base of their own): inverse frequencies, attention factor
+        self._ropes = [(cfg.layer_rope(i).inverse_frequencies(cfg.rope_dim), float(cfg.layer_rope(i).attention_factor))
+                       for i in range(cfg.n_layers)]
         self._eps = float(cfg.rms_eps)
         self._scale = cfg.sm_scale
         self._k_cache = np.zeros((0,), np.float32)
@@ -197,7 +199,7 @@ class NumpyLlama:
         cfg = self.config
         n_tok, n_kv, d, rep = ids.size, cfg.n_kv_heads, cfg.head_dim, cfg.n_rep
         end = start + n_tok
-        cos, sin = rope_tables(np.arange(start, end), self._inv_freq, self._rope_scale)
+        tables = [rope_tables(np.arange(start, end), *rope) for rope in self._ropes]
         # Query t sits at position start + t and sees cached positions 0 .. start + t.
         behind = np.arange(start, end)[:, None] - np.arange(end)[None, :]  # query position - key position
         causal = np.where(behind >= 0, 0.0, -np.inf).astype(np.float32)
@@ -212,6 +214,7 @@ class NumpyLlama:
             if self._qk_norms[layer] is not None:
                 q_norm, k_norm = self._qk_norms[layer]
                 q, k = rms_norm(q, q_norm, self._eps), rms_norm(k, k_norm, self._eps)
+            cos, sin = tables[layer]
             q = self._round_kv(apply_rope(self._round_kv(q), cos, sin))
             k = self._round_kv(apply_rope(self._round_kv(k), cos, sin))
             v = self._round_kv((h @ wv.T + bv).reshape(n_tok, n_kv, d))

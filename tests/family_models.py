@@ -14,6 +14,7 @@ EOT and EOM ids as separate keys.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from dataclasses import dataclass
@@ -51,6 +52,10 @@ PLUS_ONE_NORMS = ("gemma2", "gemma3_text")
 PHI3_ROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.2, 1.5, 2.0, 3.0, 4.5],
              "long_factor": [2.0, 3.0, 4.0, 6.0, 8.0, 12.0]}
 
+#: Gemma 3's RoPE per layer type (transformers 5's spelling): a theta of 1e4 locally, 1e6 scaled by 8 globally.
+GEMMA3_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+               "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}}
+
 CASES = {
     "llama3": FamilyCase("llama3", "llama", "llama",
                          {"rope_theta": 500000.0, "rope_scaling": LLAMA3_ROPE, "bos_token_id": 0,
@@ -65,6 +70,12 @@ CASES = {
                          {"head_dim": 32, "query_pre_attn_scalar": 32, "sliding_window": 6,
                           "attn_logit_softcapping": 2.0, "final_logit_softcapping": 6.0,
                           "tie_word_embeddings": True, "bos_token_id": 0, "eos_token_id": 2, "pad_token_id": 1}),
+    # 3 layers, two sliding (window 6) and one global; the global RoPE scaled as Gemma 3 4B's, the local one not
+    "gemma3": FamilyCase("gemma3", "gemma3_text", "gemma3",
+                         {"num_hidden_layers": 3, "sliding_window_pattern": 3, "head_dim": 32,
+                          "query_pre_attn_scalar": 32, "sliding_window": 6, "rope_parameters": GEMMA3_ROPE,
+                          "tie_word_embeddings": True, "bos_token_id": 0, "eos_token_id": [2, 3],
+                          "pad_token_id": 1}, eos_ids=(2, 3)),
 }
 
 
@@ -76,7 +87,7 @@ def build_transformers_model(case: FamilyCase, seed: int = 0) -> Any:
     sizes = {"vocab_size": VOCAB, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
              "num_key_value_heads": 2, "intermediate_size": 128, "max_position_embeddings": 512,
              "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
-    cfg = AutoConfig.for_model(case.model_type, **{**sizes, **case.overrides})
+    cfg = AutoConfig.for_model(case.model_type, **{**sizes, **copy.deepcopy(case.overrides)})
     generator = torch.Generator().manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():
@@ -165,13 +176,20 @@ def write_gguf(model: Any, case: FamilyCase, path: Path, *, extra_keys: dict[str
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    theta = float(cfg.rope_parameters["rope_theta"])
+    rope = dict(cfg.rope_parameters.get("full_attention", cfg.rope_parameters))  # Gemma 3: the global layers'
+    theta = float(rope["rope_theta"])
     if arch not in ("gemma2",):  # Gemma 2's converter writes no base (llama.cpp's default 10000)
         writer.add_rope_freq_base(theta)
-    rope_dim = int(head_dim * cfg.rope_parameters.get("partial_rotary_factor", 1.0))
+    if arch == "gemma3":  # the local base, the global scaling, the window and (llama.cpp reads it) the pattern
+        writer.add_rope_freq_base_swa(float(cfg.rope_parameters["sliding_attention"]["rope_theta"]))
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_sliding_window(cfg.sliding_window)
+        writer.add_sliding_window_pattern(3)
+    rope_dim = int(head_dim * rope.get("partial_rotary_factor", 1.0))
     if rope_dim != head_dim:
         writer.add_rope_dimension_count(rope_dim)
-    if cfg.rope_parameters.get("rope_type") == "longrope":
+    if rope.get("rope_type") == "longrope":
         original = cfg.rope_parameters["original_max_position_embeddings"]
         scale = cfg.max_position_embeddings / original
         writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
@@ -181,7 +199,7 @@ def write_gguf(model: Any, case: FamilyCase, path: Path, *, extra_keys: dict[str
         writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
         if not without_window:
             writer.add_sliding_window(cfg.sliding_window)
-    if head_dim != cfg.hidden_size // cfg.num_attention_heads or arch in ("gemma2",):
+    if head_dim != cfg.hidden_size // cfg.num_attention_heads or arch in ("gemma2", "gemma3"):
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     writer.add_tokenizer_model("gpt2")
