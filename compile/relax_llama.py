@@ -47,7 +47,7 @@ from tvm import tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedKVCache
 
-from .attention_kernels import replace_attention_kernels
+from .attention_kernels import replace_attention_kernels, rope_kernel
 from .families import family_named
 from .gguf_model import GGUFModel
 from .gguf_tensors import RawTensors
@@ -61,6 +61,7 @@ from .packed_matvec import (
     packed_q8_0_shapes,
     packed_shapes,
 )
+from .rope import RopeScaling
 
 #: Weight formats stored as the GGUF's quantised blocks.
 QUANTISED = ("q4_1", "q8_0")
@@ -128,6 +129,9 @@ class LlamaSpec:
     #: the sliding window of the layers ``window_layers`` (``LlamaConfig``); 0: none
     sliding_window: int = 0
     window_layers: tuple[int, ...] = ()
+    #: the inverse frequencies of the ``window_layers``' own RoPE (Gemma 3's local base); set, every layer rotates q
+    #: and k itself (``attention_kernels.rope_kernel(in_model=True)``) and the cache's RoPE only copies
+    local_rope_inv_freq: tuple[float, ...] = ()
 
     def packed(self, kind: str) -> bool:
         """Whether weight kind ``kind`` is stored repacked for ``packed_matvec``: Q4_1 on an AVX2 target (not the
@@ -178,6 +182,8 @@ class LlamaSpec:
             embed_scale=float(np.float32(np.sqrt(cfg.hidden))) if family.embed_scaled else 1.0,
             sm_scale=cfg.sm_scale, attn_softcap=float(cfg.attn_softcap), final_softcap=float(cfg.final_softcap),
             sliding_window=cfg.sliding_window if cfg.window_layers else 0, window_layers=cfg.window_layers,
+            local_rope_inv_freq=tuple(float(f) for f in RopeScaling(cfg.local_rope_theta).inverse_frequencies(
+                cfg.rope_dim)) if cfg.local_rope_theta and cfg.window_layers else (),
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -302,8 +308,10 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(spec.head_dim, spec.rms_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_eps) if spec.qk_norm else None
 
-    def forward(self, x: nn.Tensor, kv_cache: PagedKVCache, layer: int, b: Any, t: Any, mode: str) -> nn.Tensor:
-        """``x[b t, hidden]`` (the tokens of ``b`` sequences of ``t`` each, flat) -> ``[b t, hidden]``."""
+    def forward(self, x: nn.Tensor, kv_cache: PagedKVCache, layer: int, b: Any, t: Any, mode: str,
+                positions: nn.Tensor | None = None) -> nn.Tensor:
+        """``x[b t, hidden]`` (the tokens of ``b`` sequences of ``t`` each, flat) -> ``[b t, hidden]``;
+        ``positions``: the tokens' positions when the model applies RoPE itself (``spec.local_rope_inv_freq``)."""
         s = self.spec
         # The cache takes q, k, v in its own type (TVM checks qkv's against its pages') and returns that type.
         heads = s.n_heads + 2 * s.n_kv_heads
@@ -311,9 +319,21 @@ class Attention(nn.Module):
             q, k, v = nn.op.split(self.qkv(x, mode).reshape(x.shape[0], heads, s.head_dim),
                                   [s.n_heads, s.n_heads + s.n_kv_heads], axis=1)
             qkv = nn.op.concat([self.q_norm(q), self.k_norm(k), v], dim=1)
-            qkv = (qkv if s.kv_dtype == "float32" else qkv.astype(s.kv_dtype)).reshape(b, t, heads, s.head_dim)
+            qkv = qkv if s.kv_dtype == "float32" else qkv.astype(s.kv_dtype)
         else:
-            qkv = self.qkv(x, mode, s.kv_dtype).reshape(b, t, heads, s.head_dim)
+            qkv = self.qkv(x, mode, s.kv_dtype).reshape(x.shape[0], heads, s.head_dim)
+        if positions is not None:  # this layer's RoPE (the sliding layers' own frequencies, or the model's)
+            local = layer in s.window_layers
+            inv_freq = s.local_rope_inv_freq if local else s.inverse_frequencies()
+            factor = 1.0 if local else s.rope_attention_factor
+            n = x.shape[0]
+            q, k, v = nn.op.tensor_ir_op(
+                rope_kernel(s.n_kv_heads, s.n_heads, s.head_dim, inv_freq, s.kv_dtype, factor, in_model=True),
+                f"rope_{'local' if local else 'global'}", args=[qkv, positions],
+                out=[nn.Tensor.placeholder([n, h, s.head_dim], s.kv_dtype)
+                     for h in (s.n_heads, s.n_kv_heads, s.n_kv_heads)])
+            qkv = nn.op.concat([q, k, v], dim=1)
+        qkv = qkv.reshape(b, t, heads, s.head_dim)
         # a sliding-window layer passes its scale negated: the kernels' window switch (``decode_attention.py``)
         scale = s.sm_scale or 1.0 / math.sqrt(s.head_dim)
         out = kv_cache.attention_with_fused_qkv(layer, qkv, s.n_heads,
@@ -360,9 +380,10 @@ class Block(nn.Module):
         self.post_attn_norm = RMSNorm(spec.hidden, spec.rms_eps) if spec.sandwich_norms else None
         self.post_ffn_norm = RMSNorm(spec.hidden, spec.rms_eps) if spec.sandwich_norms else None
 
-    def forward(self, x: nn.Tensor, kv_cache: PagedKVCache, b: Any, t: Any, mode: str) -> nn.Tensor:
+    def forward(self, x: nn.Tensor, kv_cache: PagedKVCache, b: Any, t: Any, mode: str,
+                positions: nn.Tensor | None = None) -> nn.Tensor:
         """The residual stream ``x[b t, hidden]`` (flat: no reshapes between the kernels) after this layer."""
-        out = self.attn(self.attn_norm(x), kv_cache, self.layer, b, t, mode)
+        out = self.attn(self.attn_norm(x), kv_cache, self.layer, b, t, mode, positions)
         x = x + (out if self.post_attn_norm is None else self.post_attn_norm(out))
         out = self.mlp(self.ffn_norm(x), mode)
         return x + (out if self.post_ffn_norm is None else self.post_ffn_norm(out))
@@ -393,8 +414,9 @@ class LlamaModule(nn.Module):
         return logits if not cap else nn.op.tanh(logits / cap) * cap
 
     def _layers(self, x: nn.Tensor, kv_cache: PagedKVCache, b: Any, t: Any, mode: str) -> nn.Tensor:
+        positions = kv_cache.get_query_positions(x.shape[0]) if self.spec.local_rope_inv_freq else None
         for block in self.layers:
-            x = block(x, kv_cache, b, t, mode)
+            x = block(x, kv_cache, b, t, mode, positions)
         return x
 
     # Batch invariance: prefill runs the layers' matmuls as the GEMM and decode as dot products whatever the token
@@ -440,7 +462,7 @@ class LlamaModule(nn.Module):
             v_head_dim=s.head_dim,
             mla_original_qk_head_dim=0,
             mla_original_v_head_dim=0,
-            rope_mode=RopeMode.NORMAL,
+            rope_mode=RopeMode.NONE if s.local_rope_inv_freq else RopeMode.NORMAL,  # NONE: the model rotates
             rope_scale=1,
             rope_theta=s.rope_theta,
             rope_scaling={},
