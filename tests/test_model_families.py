@@ -255,6 +255,47 @@ def test_gemma2_gguf_without_its_window_is_refused(families, tmp_path: Path) -> 
         load_gguf(path)
 
 
+def test_gemma3_transformers_4_spelling_reads_as_rope_parameters_per_layer_type(families) -> None:
+    """Gemma 3's transformers 4 config (``rope_theta`` + ``rope_scaling`` for the global layers,
+    ``rope_local_base_freq`` for the sliding ones, ``sliding_window_pattern`` instead of ``layer_types``) reads as
+    transformers 5's ``rope_parameters`` per layer type."""
+    cfg = json.loads((families["gemma3"][1] / "config.json").read_text())
+    params = cfg["rope_parameters"]
+    legacy = {k: v for k, v in cfg.items() if k not in ("rope_parameters", "layer_types", "_sliding_window_pattern")}
+    legacy.update(rope_theta=params["full_attention"]["rope_theta"], rope_local_base_freq=10000.0,
+                  rope_scaling={"rope_type": "linear", "factor": 8.0})
+    assert config_from_hf(legacy) == config_from_hf(cfg)
+    read = config_from_hf(cfg)
+    assert read.window_layers == (0, 1) and read.local_rope_theta == 10000.0 and read.rope_scaling == "linear"
+
+
+def test_gemma3_local_rope_and_window_bite(families) -> None:
+    model, folder, _ = families["gemma3"]
+    expected = family_models.reference_logits(model, PROMPT)
+    for change in ({"window_layers": ()}, {"local_rope_theta": 0.0}):
+        loaded = load_hf_dir(folder)
+        loaded.config = replace(loaded.config, **change)
+        assert np.abs(NumpyLlama(loaded).extend_all(PROMPT) - expected).max() > 1e-2, change
+
+
+GEMMA3_REFUSED = [
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}, "one RoPE per layer type"),
+    ({"rope_parameters": {**family_models.GEMMA3_ROPE,
+                          "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}},
+     "sliding layers"),
+    ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+    ({"sliding_window_pattern": 2}, "sliding_window_pattern.* 2.*disagree"),
+    ({"sliding_window_pattern": 2, "_sliding_window_pattern": 2}, "disagrees with layer_types"),
+    ({"rope_local_base_freq": 5000.0}, "rope_local_base_freq"),
+]
+
+
+@pytest.mark.parametrize(("changes", "named"), GEMMA3_REFUSED, ids=[c[1][:20] for c in GEMMA3_REFUSED])
+def test_gemma3_config_not_understood_is_refused(families, tmp_path: Path, changes, named) -> None:
+    with pytest.raises(ValueError, match=named):
+        load_hf_dir(_edited_folder(families, tmp_path, "gemma3", **changes))
+
+
 def test_every_family_is_listed_with_its_formats() -> None:
-    assert [f.name for f in FAMILIES] == ["llama", "qwen2", "qwen3", "phi3", "gemma2"]
+    assert [f.name for f in FAMILIES] == ["llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"]
     assert all(f.hf_architectures and f.gguf_architectures for f in FAMILIES)
