@@ -1,16 +1,19 @@
 """The declarative description of a decoder family (``ModelFamily``) that every loader, the numpy reference and the
 Relax builder read instead of special cases.
 
-A family is what differs between the Llama-like decoders this project runs: the optional q/k/v biases, the per-head
-RMS norm of q and k (QK-norm), whether llama.cpp stores q/k rows permuted for adjacent-pair RoPE, the tensor names
-in Hugging Face checkpoints, and the ``config.json`` / GGUF keys the family understands. Everything else is shared
-(``docs/model.md``): pre-norm RMSNorm blocks, SwiGLU MLP, RoPE rotating the two halves of each head, grouped-query
-attention, an optional separate output head. A family is one small file in ``compile/families/`` naming a
-``ModelFamily``; ``compile/families/__init__.py`` lists them.
+A family is what differs between the decoders this project runs: the optional q/k/v biases, the per-head RMS norm
+of q and k (QK-norm), whether llama.cpp stores q/k rows permuted for adjacent-pair RoPE, the MLP's activation (SiLU
+or gelu-tanh), where the norms sit (before, or before and after: Gemma), ``(1 + w)`` norms stored as ``w`` by
+Hugging Face, the scaled embedding, per-layer sliding windows and a local RoPE (Gemma 2/3), the tensor names in
+Hugging Face checkpoints, and the ``config.json`` / GGUF keys the family understands. Numbers (attention scale,
+soft-caps, windows) are the config's (``LlamaConfig``). Everything else is shared (``docs/model.md``): RMSNorm blocks,
+a gated MLP, RoPE rotating the two halves of each head, grouped-query attention, an optional separate output head. A
+family is one small file in ``compile/families/`` naming a ``ModelFamily``; ``compile/families/__init__.py`` lists
+them.
 
 Canonical weights: every loader gives tensors by llama.cpp's GGUF names (``token_embd.weight``,
 ``blk.{i}.attn_q.weight``, ...), ``[out, in]``, with q/k rows in Hugging Face's half-rotation order (a ``llama``
-GGUF's adjacent-pair rows are un-permuted when read).
+GGUF's adjacent-pair rows are un-permuted when read) and Gemma's norm weights as ``w + 1``, as llama.cpp stores them.
 """
 
 from __future__ import annotations

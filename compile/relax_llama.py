@@ -22,6 +22,12 @@ Per layer (as ``serve/numpy_llama.py``; what differs between families is read fr
     h = rmsnorm(x) * ffn_norm;   g, u = split(h @ Wgate_up.T)
     x += (silu(g) * u) @ Wdown.T
 
+Gemma (the spec's ``sandwich_norms``, ``activation``, ``embed_scale``, ``sm_scale``, soft-caps, ``window_layers``,
+``local_rope_inv_freq``): the embedding times ``sqrt(hidden)``; each block's attention and MLP outputs normed again
+before the add; ``gelu_tanh(g) * u``; the attention scale ``query_pre_attn_scalar ** -0.5``, its scores soft-capped
+and a sliding layer's window applied in the attention kernels (``decode_attention.py``: the layer passes its scale
+negated); Gemma 3's layers rotate q and k themselves, each by its own frequencies; the logits soft-capped.
+
 Layout: the loaders give q/k rows in Hugging Face's half-rotation order (``model_family``), the order the KV
 cache's RoPE rotates; ``llama_weights.relax_weights`` (the weight loader, a module of its own) fuses q, k, v into
 one projection, gate and up into another.
