@@ -249,6 +249,16 @@ def test_compiled_gemma2_prefill_in_chunks_keeps_the_window(families) -> None:
     np.testing.assert_allclose(last, family_models.reference_logits(model, PROMPT)[-1], atol=TOL_COMPILED, rtol=0)
 
 
+def test_gemma_end_of_turn_ends_an_answer(families) -> None:
+    """A Gemma GGUF whose metadata names only ``<eos>``: its ``<end_of_turn>`` control token stops answers too (as
+    llama.cpp's end-of-generation list has it)."""
+    model = load_gguf(families["gemma2"][2])
+    model.tokens[107] = "<end_of_turn>"
+    assert 107 not in eos_token_ids(model)  # a plain token of that text does not
+    model.token_types[107] = 3  # control
+    assert eos_token_ids(model)[-1] == 107
+
+
 def test_gemma2_gguf_without_its_window_is_refused(families, tmp_path: Path) -> None:
     path = family_models.write_gguf(families["gemma2"][0], CASES["gemma2"], tmp_path / "g.gguf", without_window=True)
     with pytest.raises(ValueError, match=r"gemma2\.attention\.sliding_window.*missing"):
