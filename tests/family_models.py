@@ -203,7 +203,7 @@ def write_gguf(model: Any, case: FamilyCase, path: Path, *, extra_keys: dict[str
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt2")
+    writer.add_tokenizer_pre("gpt-2")  # llama.cpp's name (it refuses "gpt2")
     writer.add_token_list(tiny.tokens)
     writer.add_token_types([1 if t == 6 else t for t in tiny.token_types])
     writer.add_token_merges(tiny.merges)
