@@ -81,10 +81,22 @@ def _offset(read: Callable[[], np.ndarray], offset: float) -> np.ndarray:
 
 
 def _vocabulary(tokenizer: dict[str, Any]) -> tuple[list[str], list[int], list[str]]:
+    """Tokens by id, their types (3: special added tokens, 1: the others) and the merges (a Unigram model has
+    none) of a ``tokenizer.json`` whose model is ``BPE`` (byte-level or SentencePiece-style) or ``Unigram``
+    (``[piece, score]`` pairs in id order)."""
     model = tokenizer["model"]
-    if model.get("type") != "BPE":
-        raise ValueError(f"tokenizer model {model.get('type')!r} is not supported (byte-level BPE only)")
-    vocab: dict[str, int] = dict(model["vocab"])
+    kind = model.get("type")
+    if kind == "BPE":
+        vocab: dict[str, int] = dict(model["vocab"])
+    elif kind == "Unigram":
+        vocab = {}
+        for index, entry in enumerate(model["vocab"]):
+            if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str)):
+                raise ValueError(f"tokenizer.json: Unigram vocab entry {index} must be [piece, score], got "
+                                 f"{entry!r:.60}")
+            vocab.setdefault(entry[0], index)
+    else:
+        raise ValueError(f"tokenizer model {kind!r} is not supported (BPE or Unigram)")
     special: set[int] = set()
     for added in tokenizer.get("added_tokens", []):
         vocab[added["content"]] = added["id"]
