@@ -9,7 +9,7 @@ from ..model_family import Activation, ModelFamily, NormPlacement
 
 GEMMA3 = ModelFamily(
     name="gemma3",
-    models="Gemma 3 text (270M, 1B; 4B, 12B, 27B from GGUF)",
+    models="Gemma 3 text (1B; 4B-27B from GGUF)",
     hf_architectures=("Gemma3ForCausalLM",),
     gguf_architectures=("gemma3",),
     qk_norm=True,
