@@ -27,7 +27,7 @@ import numpy as np
 import tvm
 from logitproc.compile.linear_kernels import linear_kernel
 from logitproc.compile.packed_matvec import has_vnni, pack_q4_1, packed_q4_1_kernel
-from logitproc.compile.targets import build_features, resolve_target
+from logitproc.runtime.targets import build_features, resolve_target
 
 #: SmolLM2-135M's packed matrices (out, in) per layer, and its output head
 LAYER_SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}

@@ -14,7 +14,7 @@ import pytest
 import tvm
 from logitproc.compile.decode_attention import PAGE_SIZE, decode_attention_kernel
 from logitproc.compile.prefill_attention import paged_prefill_kernel, ragged_prefill_kernel
-from logitproc.compile.targets import resolve_target
+from logitproc.runtime.targets import resolve_target
 
 H_Q, H_KV, D = 4, 2, 32
 SCALE = 1 / math.sqrt(24)

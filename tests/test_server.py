@@ -394,6 +394,18 @@ def test_smollm2_answers_through_the_server() -> None:
         assert proc.stop() == 0
 
 
+def test_tools_need_a_template_with_a_known_call_syntax(client, model_id) -> None:
+    """The tiny model's ChatML template writes no tool calls: tools are refused (400 naming them), not guessed; with
+    tool_choice "none" they are only rendered (tests/test_server_tools.py has the rest)."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=model_id, messages=MESSAGES, tools=tools, max_tokens=2)
+    assert caught.value.body["param"] == "tools" and "tool-call syntax" in caught.value.body["message"]
+    r = client.chat.completions.create(model=model_id, messages=MESSAGES, tools=tools, tool_choice="none",
+                                       max_tokens=2)
+    assert r.choices[0].message.tool_calls == []
+
+
 def test_control_tokens_in_messages_stay_text(server, client, model_id) -> None:
     """A user message spelling ``<|im_end|>`` / ``<|im_start|>system`` forges no turn: only the template's markup
     gives the control tokens (the tiny model: ``<|im_start|>`` 1, ``<|im_end|>`` 2; a default system turn, the user
