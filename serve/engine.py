@@ -48,7 +48,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
-import numpy as np
 from logitproc.runtime import GenerationConfig, LogitProcessor, RequestState, Sampler, TokenMaskSource
 from logitproc.runtime.constraints import ConstraintFactory
 from logitproc.runtime.tree_decode import TreeDecodeConfig
@@ -58,6 +57,7 @@ from .model_step import ModelStep, run_model
 from .outputs import Delta, EngineStats, Output, RequestStats
 from .prefix_cache import PrefixCache
 from .processing import process
+from .prompt_tokens import prompt_token_ids
 from .runner import Runner
 from .scheduler import Deltas, Scheduler, StepBudget, StepPlan, delta_of
 from .sequence import GeneratedSequence, Request
@@ -152,32 +152,7 @@ class Engine:
     # ---------------------------------------------------------------------------------------------- requests
     def tokenize(self, prompt: Prompt, chat: bool | None = None) -> list[int]:
         """Token ids of a prompt: text, token ids, or chat messages (rendered with the model's chat template)."""
-        if isinstance(prompt, (bytes, bytearray, memoryview, Mapping)) or not isinstance(prompt, (str, Sequence,
-                                                                                                np.ndarray)):
-            raise TypeError(f"prompt must be text (str), token ids (a list of ints) or chat messages (a list of "
-                            f"{{'role': ..., 'content': ...}} dicts), got {type(prompt).__name__}"
-                            + (" (decode bytes to str first)" if isinstance(prompt, (bytes, bytearray)) else ""))
-        if isinstance(prompt, str):
-            if chat:
-                prompt = [{"role": "user", "content": prompt}]
-            else:
-                # BOS/EOS as the model's tokenizer adds them; encode_batch lets other threads run while it works
-                # (encode holds the GIL: an 8 MB prompt stalled the stepping thread for seconds)
-                return list(self.model.tokenizer.encode_batch([prompt])[0].ids)
-        items = list(prompt)
-        if items and all(isinstance(m, Mapping) for m in items):
-            for m in items:
-                if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                    raise ValueError(f"chat messages need string 'role' and 'content', got {dict(m)!r}")
-            return self.model.chat_token_ids(items, add_generation_prompt=True)  # content never becomes control tokens
-        ids = []
-        for t in items:
-            if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
-                raise ValueError(f"a prompt is text, token ids or chat messages; got an item {t!r}")
-            if not 0 <= t < self.vocab_size:
-                raise ValueError(f"prompt token id {t} is outside the vocabulary [0, {self.vocab_size})")
-            ids.append(int(t))
-        return ids
+        return prompt_token_ids(self.model, prompt, chat)
 
     def add_request(self, prompt: Prompt, config: GenerationConfig | None = None, *, chat: bool | None = None,
                     request_id: str | None = None, jump_forward: bool | None = None) -> str:

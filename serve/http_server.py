@@ -31,6 +31,7 @@ from starlette.requests import ClientDisconnect
 
 from .answer_parser import AnswerParser
 from .chat_turn import ChatTraits, TurnPlan
+from .engine_client import EngineClient
 from .engine_loop import EngineLoop, EngineUnavailable, QueueFull, RequestFailed
 from .openai_protocol import (
     CHAT_FIELDS,
@@ -204,13 +205,21 @@ async def _json_body(request: Request, max_bytes: int) -> Any:
 
 
 class Server:
-    """The app's state: options, metrics, the engine loop; ``app`` is the FastAPI application."""
+    """The app's state: options, metrics, the engine client; ``app`` is the FastAPI application.
 
-    def __init__(self, load: Callable[[], Any], options: ServerOptions,
-                 on_failure: Callable[[BaseException], None] | None = None) -> None:
+    The engine client is an ``EngineLoop`` over ``load()`` (the engine in this process), unless ``client`` gives
+    another ``EngineClient`` (Ray replicas: ``ray_client.py``; ``load`` and ``on_failure`` are then unused)."""
+
+    def __init__(self, load: Callable[[], Any] | None, options: ServerOptions,
+                 on_failure: Callable[[BaseException], None] | None = None, *, client: EngineClient | None = None,
+                 metrics: ServerMetrics | None = None) -> None:
         self.options = options
-        self.metrics = ServerMetrics()
-        self.loop = EngineLoop(load, self.metrics, options.max_queue, on_failure)
+        self.metrics = metrics if metrics is not None else ServerMetrics()
+        if client is None:
+            if load is None:
+                raise ValueError("Server needs a load function or an engine client")
+            client = EngineLoop(load, self.metrics, options.max_queue, on_failure)
+        self.loop: EngineClient = client
         self._token_texts: dict[int, str] = {}
         self._limits: RequestLimits | None = None
         self._traits: ChatTraits | None = None
@@ -394,7 +403,7 @@ class Server:
             item = await items.get()
             if isinstance(item, RequestFailed):
                 self.loop.abort(ids)
-                raise APIError(500, item.message, kind="server_error")
+                raise APIError(item.status, item.message, kind="server_error")
             if item.output is not None:
                 outputs.append((choice_of[item.request_id] + item.index, item.output))
                 prompt_stats[item.request_id] = item.output.stats
@@ -414,7 +423,7 @@ class Server:
             while finished < total:
                 item = await items.get()
                 if isinstance(item, RequestFailed):
-                    yield _sse(APIError(500, item.message, kind="server_error").body())
+                    yield _sse(APIError(item.status, item.message, kind="server_error").body())
                     break
                 index = choice_of[item.request_id] + item.index
                 text = item.text
@@ -495,9 +504,8 @@ class Server:
 
         @app.get("/health")
         async def health() -> Response:
-            if server.loop.state == EngineLoop.READY:
-                return JSONResponse({"status": "ok"})
-            return JSONResponse({"status": server.loop.state, "error": server.loop.error}, status_code=503)
+            status, body = await server.loop.health()
+            return JSONResponse(body, status_code=status)
 
         def page_file(name: str) -> Response:
             if name not in FILES:
