@@ -214,10 +214,11 @@ def _slug(name: str) -> str:
 
 def eos_token_ids(model: GGUFModel) -> list[int]:
     """The ids that end a turn: the model's EOS list (``LlamaConfig.eos_ids``: config lists, generation config,
-    GGUF eos/eot/eom) plus ``<|im_end|>`` and ``<|endoftext|>`` when they are special tokens. Raises ValueError
-    when there is none (an answer would never end)."""
+    GGUF eos/eot/eom) plus ``<|im_end|>``, ``<|endoftext|>`` and Gemma's ``<end_of_turn>`` when they are special
+    tokens (llama.cpp ends a generation at them too). Raises ValueError when there is none (an answer would never
+    end)."""
     ids = list(model.config.eos_ids)
-    for token in ("<|im_end|>", "<|endoftext|>"):
+    for token in ("<|im_end|>", "<|endoftext|>", "<end_of_turn>"):
         if token in model.tokens:
             index = model.tokens.index(token)
             if index in model.special_token_ids and index not in ids:
