@@ -50,6 +50,7 @@ from typing import Any
 
 from logitproc.runtime import GenerationConfig, LogitProcessor, RequestState, Sampler, TokenMaskSource
 from logitproc.runtime.constraints import ConstraintFactory
+from logitproc.runtime.field_error import FieldTypeError, FieldValueError
 from logitproc.runtime.tree_decode import TreeDecodeConfig
 
 from .commit import commit_row, commit_verified, jump_forward
@@ -182,15 +183,15 @@ class Engine:
         if not isinstance(config, GenerationConfig):
             raise TypeError(f"config must be a GenerationConfig, got {type(config).__name__}")
         if jump_forward is not None and not isinstance(jump_forward, bool):
-            raise TypeError(f"jump_forward must be a boolean or None, got {jump_forward!r}")
+            raise FieldTypeError("jump_forward", f"jump_forward must be a boolean or None, got {jump_forward!r}")
         if jump_forward and not self.jump_forward:
-            raise ValueError("jump_forward=True needs an engine created with jump_forward=True "
+            raise FieldValueError("jump_forward", "jump_forward=True needs an engine created with jump_forward=True "
                              "(logitproc serve --jump-forward)")
         ids = self.tokenize(prompt, chat)
         if not ids:
-            raise ValueError("the prompt is empty")
+            raise FieldValueError("prompt", "the prompt is empty")
         if config.n > self.max_batch:
-            raise ValueError(f"n={config.n} sequences do not fit in max_batch={self.max_batch}")
+            raise FieldValueError("n", f"n={config.n} sequences do not fit in max_batch={self.max_batch}")
         config.check_vocab(self.vocab_size)
         if config.max_thinking_tokens is not None:  # generation starts inside the think block
             self._check_thinking_mode(config)
@@ -198,7 +199,7 @@ class Engine:
         # Each sequence may grow to `limit` tokens: the context, or its share of the KV cache when n > 1.
         limit = min(self.context_length, self.max_total_tokens // config.n)
         if len(ids) >= limit:
-            raise ValueError(f"the prompt has {len(ids)} tokens; the context holds {limit} per sequence "
+            raise FieldValueError("prompt", f"the prompt has {len(ids)} tokens; the context holds {limit} per sequence "
                              "(prompt and output together)")
         if request_id is not None and not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
@@ -298,7 +299,8 @@ class Engine:
         for field_name in ("think_begin", "think_end"):
             marker = getattr(config, field_name)
             if self.model.tokenizer.token_to_id(marker) is None:
-                raise ValueError(
+                raise FieldValueError(
+                    "max_thinking_tokens",
                     f"max_thinking_tokens={config.max_thinking_tokens}: {self.model.name} has no thinking mode "
                     f"({field_name}={marker!r} is not a token of its vocabulary); leave max_thinking_tokens unset, "
                     "or set think_begin/think_end to the markers the model has")

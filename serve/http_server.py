@@ -41,10 +41,10 @@ from .openai_protocol import (
     ParsedRequest,
     bad_request,
     chat_options,
-    param_of,
     parse_chat_request,
     parse_completion_request,
     parse_messages,
+    request_param,
 )
 from .openai_responses import (
     ResponseHead,
@@ -277,9 +277,9 @@ class Server:
                     prompts.append(await asyncio.to_thread(self._chat_ids, prompt, parsed.chat_options))
                 else:
                     prompts.append(await asyncio.to_thread(engine.tokenize, prompt, parsed.chat))
-            except (ValueError, TypeError) as err:
-                message = " ".join(str(err).split())
-                raise bad_request(message, self._param_for(message, parsed, fields)) from None
+            except (ValueError, TypeError) as err:  # a template's refusal, or the prompt's
+                param = request_param(err, fields) or ("messages" if parsed.chat else "prompt")
+                raise bad_request(" ".join(str(err).split()), param) from None
         return prompts
 
     def _chat_ids(self, messages: list[dict[str, Any]], options: ChatOptions) -> list[int]:
@@ -331,23 +331,17 @@ class Server:
         except EngineUnavailable as err:
             raise APIError(503, str(err), kind="server_error", code="model_not_ready") from None
         except (ValueError, TypeError) as err:  # the engine refused the request: the client's input
-            message = " ".join(str(err).split())
-            raise bad_request(message, self._param_for(message, parsed, fields)) from None
+            raise bad_request(" ".join(str(err).split()), self._param_for(err, parsed, fields)) from None
         return ids, items
 
     @staticmethod
-    def _param_for(message: str, parsed: ParsedRequest, fields: tuple[str, ...]) -> str | None:
-        if message.startswith(("the prompt", "prompt", "chat messages")):
-            return "messages" if parsed.chat else "prompt"
-        if message.startswith("n="):
-            return "n"
-        if message.startswith("jump_forward"):
-            return "jump_forward"
-        if message.startswith("max_thinking_tokens"):
-            return "thinking_token_budget"
-        if parsed.config.response_format is not None and param_of(message, fields) is None:
-            return "response_format"  # the engine could not compile the schema, regex or grammar
-        return param_of(message, fields)
+    def _param_for(err: Exception, parsed: ParsedRequest, fields: tuple[str, ...]) -> str | None:
+        """The field an engine refusal is about: the one its ``FieldError`` names; otherwise the constraint (its
+        schema, regex or grammar did not compile) where the request has one."""
+        param = request_param(err, fields)
+        if param is None and parsed.config.response_format is not None:
+            return "response_format"
+        return param
 
     # ---------------------------------------------------------------------------------------------- generation
     async def generate(self, request: Request, chat: bool) -> Response:

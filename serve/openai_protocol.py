@@ -59,10 +59,22 @@ _PLAIN_NAME = re.compile(r"[A-Za-z0-9_.\-]+")
 STRUCTURED_OUTPUT_KEYS = ("json", "regex", "choice", "grammar", "json_object")
 
 
-def param_of(message: str, fields: tuple[str, ...]) -> str | None:
-    """The request field an error message starts with (GenerationConfig's messages name their field first)."""
-    match = re.match(r"[a-z_]+", message)
-    return match.group(0) if match and match.group(0) in fields else None
+#: GenerationConfig's and the engine's names for what a request calls otherwise.
+_REQUEST_NAMES = {"max_thinking_tokens": "thinking_token_budget"}
+
+
+def request_param(err: Exception, fields: tuple[str, ...]) -> str | None:
+    """The request field an error from GenerationConfig or the engine is about: the field a ``FieldError`` names, in
+    the spelling of the request whose ``fields`` are given (the prompt is ``messages`` in a chat); None for other
+    errors or fields the request does not have."""
+    from logitproc.runtime.field_error import FieldError  # the runtime (and TVM) load on first use
+
+    if not isinstance(err, FieldError):
+        return None
+    if err.param == "prompt":
+        return "messages" if "messages" in fields else "prompt"
+    name = _REQUEST_NAMES.get(err.param, err.param)
+    return name if name in fields else None
 
 
 @dataclass(frozen=True)
@@ -325,8 +337,7 @@ def _config(body: Mapping[str, Any], values: dict[str, Any], fields: tuple[str, 
     try:
         return GenerationConfig(**values)
     except (ValueError, TypeError) as err:
-        message = str(err)
-        raise bad_request(message, param_of(message, fields)) from None
+        raise bad_request(str(err), request_param(err, fields)) from None
 
 
 def parse_logprobs_mode(value: Any, field: str = "logprobs_mode") -> str:

@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
+from logitproc.runtime.field_error import FieldTypeError, FieldValueError
 
 
 class PromptModel(Protocol):
@@ -27,9 +28,9 @@ def prompt_token_ids(model: PromptModel, prompt: Any, chat: bool | None = None) 
     wraps a text prompt as one user message. TypeError for a prompt of another type, ValueError for bad items."""
     if isinstance(prompt, (bytes, bytearray, memoryview, Mapping)) or not isinstance(prompt, (str, Sequence,
                                                                                             np.ndarray)):
-        raise TypeError(f"prompt must be text (str), token ids (a list of ints) or chat messages (a list of "
-                        f"{{'role': ..., 'content': ...}} dicts), got {type(prompt).__name__}"
-                        + (" (decode bytes to str first)" if isinstance(prompt, (bytes, bytearray)) else ""))
+        raise FieldTypeError("prompt", "prompt must be text (str), token ids (a list of ints) or chat messages (a "
+                             f"list of {{'role': ..., 'content': ...}} dicts), got {type(prompt).__name__}"
+                             + (" (decode bytes to str first)" if isinstance(prompt, (bytes, bytearray)) else ""))
     if isinstance(prompt, str):
         if chat:
             prompt = [{"role": "user", "content": prompt}]
@@ -41,14 +42,14 @@ def prompt_token_ids(model: PromptModel, prompt: Any, chat: bool | None = None) 
     if items and all(isinstance(m, Mapping) for m in items):
         for m in items:
             if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise ValueError(f"chat messages need string 'role' and 'content', got {dict(m)!r}")
+                raise FieldValueError("prompt", f"chat messages need string 'role' and 'content', got {dict(m)!r}")
         return model.chat_token_ids(items, add_generation_prompt=True)  # content never becomes control tokens
     vocab_size = int(model.vocab_size)
     ids = []
     for t in items:
         if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
-            raise ValueError(f"a prompt is text, token ids or chat messages; got an item {t!r}")
+            raise FieldValueError("prompt", f"a prompt is text, token ids or chat messages; got an item {t!r}")
         if not 0 <= t < vocab_size:
-            raise ValueError(f"prompt token id {t} is outside the vocabulary [0, {vocab_size})")
+            raise FieldValueError("prompt", f"prompt token id {t} is outside the vocabulary [0, {vocab_size})")
         ids.append(int(t))
     return ids

@@ -22,6 +22,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from logitproc.runtime.field_error import FieldValueError
 from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle
@@ -91,6 +92,8 @@ def _refusal(rejected: Rejected) -> Exception:
         return QueueFull(rejected.message)
     if rejected.reason is Refusal.UNAVAILABLE:
         return EngineUnavailable(rejected.message)
+    if rejected.param is not None:
+        return FieldValueError(rejected.param, rejected.message)
     return ValueError(rejected.message)
 
 

@@ -44,6 +44,7 @@ class Rejected:
 
     reason: Refusal
     message: str
+    param: str | None = None  # the field an invalid request's error names (``FieldError.param``)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ import os
 from collections.abc import AsyncIterator
 from typing import Any
 
+from logitproc.runtime.field_error import FieldError
 from prometheus_client import generate_latest
 from ray import serve
 
@@ -86,7 +87,8 @@ class EngineReplica:
             yield Rejected(Refusal.UNAVAILABLE, str(err))
             return
         except (ValueError, TypeError) as err:
-            yield Rejected(Refusal.INVALID, " ".join(str(err).split()))
+            param = err.param if isinstance(err, FieldError) else None
+            yield Rejected(Refusal.INVALID, " ".join(str(err).split()), param)
             return
         yield Accepted(tuple(ids))
         left = len(ids) * request.config.n
