@@ -1,9 +1,11 @@
 """A GGUF's weight tensors read one at a time into the canonical layout (``model_family``): float32 arrays by GGUF
-name, or a Q8_0/Q4_1 tensor's raw blocks, with a ``llama`` GGUF's q/k rows un-permuted to half-rotation order."""
+name, or a quantised tensor's raw blocks (requantised to Q8_0 where no kernel reads its type), with a ``llama``
+GGUF's q/k rows un-permuted to half-rotation order."""
 
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -11,11 +13,14 @@ import numpy as np
 
 from .families import family_named
 from .model_config import LlamaConfig
+from .quant_formats import LAYOUTS, to_q8_0_blocks
 
 #: Raw GGUF blocks of quantised tensors: name -> (GGML type name, uint8 array [rows, bytes per row]).
 RawTensors = dict[str, tuple[str, np.ndarray]]
 #: GGML types whose blocks the compiled model's kernels read as they are.
-BLOCK_TYPES = ("Q8_0", "Q4_1")
+BLOCK_TYPES = ("Q8_0", "Q4_1", *LAYOUTS)
+#: GGML types read as float (every other type is quantised)
+FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 
 
 def unpermute_qk_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -76,12 +81,14 @@ class LazyWeights(Mapping[str, np.ndarray]):
 def gguf_weights(tensors: Iterable[Any], config: LlamaConfig, *,
                  keep_blocks: bool) -> tuple[LazyWeights, RawTensors]:
     """The weights of ``tensors`` (a ``GGUFReader``'s, over its memory map): float32 by GGUF name, read when looked
-    up, or with ``keep_blocks`` the Q8_0/Q4_1 ones as raw blocks (copied: the stored bytes); q/k rows un-permuted
-    when the family's GGUFs permute them."""
+    up, or with ``keep_blocks`` the quantised ones as raw blocks (copied: the stored bytes; a type without a
+    kernel, ``BLOCK_TYPES``, requantised to Q8_0, one line per type saying so); q/k rows un-permuted when the
+    family's GGUFs permute them."""
     family = family_named(config.architecture)
     parts_of = family.gguf_file_tensors(config.n_layers, config.tied_embeddings)
     loaders: dict[str, Callable[[], np.ndarray]] = {}
     blocks: RawTensors = {}
+    requantised: dict[str, int] = {}
     for tensor in tensors:
         if is_rope_tensor(tensor.name):
             continue
@@ -91,12 +98,17 @@ def gguf_weights(tensors: Iterable[Any], config: LlamaConfig, *,
             span = slice(start, None if rows is None else start + rows)
             start += rows or 0
             heads = _qk_heads(name, config) if family.gguf_qk_permuted else None
-            if keep_blocks and tensor.tensor_type.name in BLOCK_TYPES:
+            kind = tensor.tensor_type.name
+            if keep_blocks and kind in BLOCK_TYPES:
                 data = np.array(tensor.data[span], dtype=np.uint8)
-                blocks[name] = (tensor.tensor_type.name, data if heads is None else
-                                np.ascontiguousarray(unpermute_qk_rows(data, heads)))
+                blocks[name] = (kind, data if heads is None else np.ascontiguousarray(unpermute_qk_rows(data, heads)))
+            elif keep_blocks and kind not in FLOAT_TYPES and int(tensor.shape[0]) % 32 == 0:
+                blocks[name] = ("Q8_0", to_q8_0_blocks(_dense(tensor, span, heads)))
+                requantised[kind] = requantised.get(kind, 0) + 1
             else:
                 loaders[name] = functools.partial(_dense, tensor, span, heads)
+    for kind, count in requantised.items():
+        print(f"{kind}: no kernel reads these blocks; {count} tensors requantised to Q8_0 at load", file=sys.stderr)
     return LazyWeights(loaders), blocks
 
 

@@ -17,13 +17,14 @@ from .gguf_tensors import LazyWeights, RawTensors, gguf_weights
 from .linear_kernels import QUANTISED
 from .model_config import LlamaConfig
 from .packed_matvec import pack_q4_1, pack_q8_0
-from .relax_llama import GGUF_FORMATS, LlamaSpec
+from .quant_formats import BY_FORMAT, pack, unpack_gguf, widen
+from .relax_llama import FORMAT_TYPES, GGUF_FORMATS, SPLIT, LlamaSpec
 
 
 def read_gguf_tensors(path: str | os.PathLike[str], config: LlamaConfig, *,
                       keep_blocks: bool) -> tuple[LazyWeights, RawTensors]:
     """A GGUF's tensors (``gguf_tensors.gguf_weights``): weights read when looked up (float32), and (with
-    ``keep_blocks``) the Q8_0/Q4_1 tensors as raw blocks instead: name -> (type name, uint8 ``[rows, bytes]``)."""
+    ``keep_blocks``) the quantised tensors as raw blocks instead: name -> (type name, uint8 ``[rows, bytes]``)."""
     from gguf import GGUFReader
 
     return gguf_weights(GGUFReader(path).tensors, config, keep_blocks=keep_blocks)
@@ -62,8 +63,26 @@ def iter_relax_weights(model: GGUFModel, spec: LlamaSpec,
     ``LazyWeights`` only the tensors of one parameter are in memory at a time (float32, then the stored type)."""
     w = model.weights
 
-    def arrays(kind: str, names: list[str]) -> dict[str, np.ndarray]:
-        fmt = spec.fmt(kind)
+    def blocks(fmt: str, names: list[str]) -> dict[str, np.ndarray]:
+        """The parts' GGUF blocks in ``fmt``'s type (widened exactly, or requantised: ``relax_llama``'s choice),
+        rows joined, as the kernel's arrays (``quant_formats`` layouts packed; Q8_0 / Q4_1 split)."""
+        target = FORMAT_TYPES[fmt]
+        for name in names:
+            if raw is None or name not in raw:
+                raise ValueError(f"{name} is stored as {fmt} but its GGUF blocks are not given")
+        assert raw is not None
+        data = np.concatenate([widen(*raw[name], target) for name in names])
+        if fmt in BY_FORMAT:
+            return pack(BY_FORMAT[fmt], unpack_gguf(BY_FORMAT[fmt], data))
+        return split_blocks(target, data)
+
+    def arrays(kind: str, names: list[str], layer: int | None, fmt: str) -> dict[str, np.ndarray]:
+        if fmt in BY_FORMAT:
+            return blocks(fmt, names)
+        if fmt in QUANTISED and raw is not None and len({raw[n][0] for n in names if n in raw}) > 1:
+            joined = blocks(fmt, names)  # parts of different types, widened to one
+            return (pack_q4_1(**joined) if fmt == "q4_1" else pack_q8_0(**joined)) if spec.packed(
+                kind, layer, fmt) else joined
         parts: list[dict[str, np.ndarray]] = []
         for name in names:
             if fmt in QUANTISED:
@@ -78,12 +97,18 @@ def iter_relax_weights(model: GGUFModel, spec: LlamaSpec,
                 raise ValueError(f"the model has no weight {name}")
             parts.append(part)
         joined = {k: np.ascontiguousarray(np.concatenate([p[k] for p in parts])) for k in parts[0]}
-        if not spec.packed(kind):
+        if not spec.packed(kind, layer, fmt):
             return joined
         return pack_q4_1(**joined) if fmt == "q4_1" else pack_q8_0(**joined)
 
-    def put(prefix: str, kind: str, names: list[str]) -> Iterator[tuple[str, np.ndarray]]:
-        for suffix, array in arrays(kind, names).items():
+    def put(prefix: str, kind: str, names: list[str], layer: int | None = None) -> Iterator[tuple[str, np.ndarray]]:
+        fmt = spec.fmt(kind, layer)
+        if SPLIT in fmt:  # each part in its own format (``relax_llama._SplitWeights``)
+            for j, (name, part_fmt) in enumerate(zip(names, fmt.split(SPLIT), strict=True)):
+                for suffix, array in arrays(kind, [name], layer, part_fmt).items():
+                    yield f"{prefix}.parts.{j}.{suffix}", array
+            return
+        for suffix, array in arrays(kind, names, layer, fmt).items():
             yield f"{prefix}.{suffix}", array
 
     def vector(name: str) -> np.ndarray:
@@ -96,15 +121,15 @@ def iter_relax_weights(model: GGUFModel, spec: LlamaSpec,
     for i in range(spec.n_layers):
         p = f"blk.{i}."
         yield from put(f"layers.{i}.attn.qkv.w", "qkv",
-                       [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"])
+                       [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"], i)
         if spec.qkv_bias:
             yield f"layers.{i}.attn.qkv.bias", np.concatenate([vector(p + f"attn_{x}.bias") for x in "qkv"])
         if spec.qk_norm:
             yield f"layers.{i}.attn.q_norm.weight", vector(p + "attn_q_norm.weight")
             yield f"layers.{i}.attn.k_norm.weight", vector(p + "attn_k_norm.weight")
-        yield from put(f"layers.{i}.attn.o.w", "o", [p + "attn_output.weight"])
-        yield from put(f"layers.{i}.mlp.gate_up.w", "gate_up", [p + "ffn_gate.weight", p + "ffn_up.weight"])
-        yield from put(f"layers.{i}.mlp.down.w", "down", [p + "ffn_down.weight"])
+        yield from put(f"layers.{i}.attn.o.w", "o", [p + "attn_output.weight"], i)
+        yield from put(f"layers.{i}.mlp.gate_up.w", "gate_up", [p + "ffn_gate.weight", p + "ffn_up.weight"], i)
+        yield from put(f"layers.{i}.mlp.down.w", "down", [p + "ffn_down.weight"], i)
         yield f"layers.{i}.attn_norm.weight", vector(p + "attn_norm.weight")
         yield f"layers.{i}.ffn_norm.weight", vector(p + "ffn_norm.weight")
         if spec.sandwich_norms:

@@ -179,7 +179,7 @@ class _Source:
         return from_gguf_file(self.path) if self.kind == "gguf" else from_hf_dir(self.path)
 
     def load(self, keep_blocks: bool) -> tuple[GGUFModel, RawTensors | None]:
-        """The model, and for a GGUF file with ``keep_blocks`` the raw blocks of its Q8_0/Q4_1 tensors (those are
+        """The model, and for a GGUF file with ``keep_blocks`` the raw blocks of its quantised tensors (those are
         then not dequantised into ``model.weights``: that is most of a GGUF's loading time)."""
         if self.model is not None:
             return self.model, None
@@ -308,8 +308,8 @@ def compile_model(
     CPU kernels) into the cache, reusing a cached build; copy it to ``out`` when given; return the directory.
 
     ``progress`` receives one line of text per step (the CLI prints them to stderr). ``weight_dtype``: ``auto``
-    (default: a GGUF's Q8_0/Q4_1 matrices stay in their blocks, decoded inside the matmuls, so the logits match the
-    float32 numpy reference within 1e-3; other matrices float16), ``float16`` (logits within about 3e-2) or
+    (default: a GGUF's quantised matrices stay in their blocks, read by integer-dot kernels, so the logits match the
+    float32 numpy reference within about 1e-2; float matrices float16), ``float16`` (logits within about 3e-2) or
     ``float32`` (within 1e-4). ``kv_dtype``: the KV cache's element type, ``float32`` (default) or ``float16`` (as
     llama.cpp's: half the bytes per token of context); q, k and v are rounded to it (``NumpyLlama(kv_dtype=...)`` rounds
     the same values). ``activation_bits``: on AVX2 CPUs, the bits of the activation codes of the packed Q4_1 matmuls

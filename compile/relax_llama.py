@@ -33,9 +33,10 @@ cache's RoPE rotates; ``llama_weights.relax_weights`` (the weight loader, a modu
 one projection, gate and up into another.
 
 Matmuls and the embedding lookup are the TIR kernels of ``linear_kernels.py``, one per weight storage format:
-``float32``, ``float16``, or the GGUF's own ``q8_0``/``q4_1`` blocks decoded inside the matmul (``weight_dtype="auto"``
-keeps a GGUF's Q8_0/Q4_1 tensors as they are and stores the others as float16). Norms, activations, the KV cache
-and the accumulation are float32. The KV cache holds ``LlamaSpec.kv_dtype`` (float32 by default; float16, as
+``float32``, ``float16``, or the GGUF's own quantised blocks (``GGUF_FORMATS``: Q8_0, Q4_1 and the
+``quant_formats`` types) read by integer-dot kernels (``weight_dtype="auto"`` keeps a GGUF's quantised tensors as
+blocks, formats per layer where the layers differ, and stores float tensors as float16). Norms, activations, the KV
+cache and the accumulation are float32. The KV cache holds ``LlamaSpec.kv_dtype`` (float32 by default; float16, as
 llama.cpp's, on request): q, k and v are rounded to it before RoPE, and the attention's output comes back in it.
 """
 
@@ -67,6 +68,8 @@ from .packed_matvec import (
     packed_q8_0_shapes,
     packed_shapes,
 )
+from .quant_formats import BY_FORMAT, LAYOUTS, common_type
+from .quant_matvec import quant_embed_kernel, quant_matmul_kernel
 from .rope import RopeScaling
 
 #: Weight formats stored as the GGUF's quantised blocks.
@@ -84,8 +87,13 @@ WEIGHT_KINDS: dict[str, tuple[str, ...]] = {
 #: (llama.cpp's default: half the bytes a decode step reads at long context; logits about 4e-2 away on SmolLM2).
 KV_DTYPES = ("float16", "float32")
 DEFAULT_KV_DTYPE = "float32"
-#: GGML types kept as their blocks, and the weight format each becomes
-GGUF_FORMATS = {"Q8_0": "q8_0", "Q4_1": "q4_1"}
+#: GGML types kept as their blocks, and the weight format each becomes (``quant_formats.LAYOUTS``: the packed
+#: integer-dot kernels of ``quant_matvec``)
+GGUF_FORMATS = {"Q8_0": "q8_0", "Q4_1": "q4_1", **{name: layout.fmt for name, layout in LAYOUTS.items()}}
+#: the GGML type of each quantised weight format
+FORMAT_TYPES = {fmt: name for name, fmt in GGUF_FORMATS.items()}
+#: joins the formats of a fused weight's parts where no one format holds them all exactly (``_stored_format``)
+SPLIT = "+"
 
 
 @dataclass(frozen=True)
@@ -139,22 +147,37 @@ class LlamaSpec:
     #: and k itself (``attention_kernels.rope_kernel(in_model=True)``) and the cache's RoPE only copies
     local_rope_inv_freq: tuple[float, ...] = ()
 
-    def packed(self, kind: str) -> bool:
-        """Whether weight kind ``kind`` is stored repacked for ``packed_matvec``: Q4_1 on an AVX2 target (not the
-        embedding, whose rows the lookup reads, nor a tied output head, which is the embedding); on an AVX512-VNNI
-        target also a Q8_0 output head, tied (then the embedding is packed, and the lookup reads the packed rows)
-        or not."""
-        if self.int8_dot and self.fmt(kind) == "q4_1":
+    def packed(self, kind: str, layer: int | None = None, fmt: str | None = None) -> bool:
+        """Whether weight kind ``kind`` (of ``layer``; stored in ``fmt``, by default its format) is stored
+        repacked: the ``quant_formats`` types always (``quant_matvec``); Q4_1 on an AVX2 target (not the embedding,
+        whose rows the lookup reads, nor a tied output head, which is the embedding); on an AVX512-VNNI target also
+        Q8_0 (``packed_matvec``), except an untied embedding."""
+        fmt = fmt or self.fmt(kind, layer)
+        if fmt in BY_FORMAT:
+            return True
+        if self.int8_dot and fmt == "q4_1":
             return kind != "embed" and not (kind == "lm_head" and self.tied_embeddings)
-        if self.vnni and self.fmt(kind) == "q8_0":
-            return kind == "embed" and self.tied_embeddings or kind == "lm_head" and not self.tied_embeddings
+        if self.vnni and fmt == "q8_0":
+            return kind != "embed" or self.tied_embeddings
         return False
 
-    def fmt(self, kind: str) -> str:
-        """Storage format of weight kind ``kind`` (``WEIGHT_KINDS``); the tied output head uses the embedding's."""
+    def fmt(self, kind: str, layer: int | None = None) -> str:
+        """Storage format of weight kind ``kind`` (``WEIGHT_KINDS``) in ``layer`` (a per-layer entry ``kind.i``
+        where the layers differ, else the kind's); the tied output head uses the embedding's. A fused weight whose
+        parts keep formats of their own (``SPLIT``) reads ``fmt1+fmt2+...``, one per part."""
         if kind == "lm_head" and self.tied_embeddings:
             kind = "embed"
-        return dict(self.formats).get(kind, "float16")
+        formats = dict(self.formats)
+        return formats.get(f"{kind}.{layer}", formats.get(kind, "float16"))
+
+    def parts(self, kind: str, layer: int | None = None) -> list[tuple[int, bool]] | None:
+        """A fused kind's parts, ``(rows, packed)`` each, where its parts keep formats of their own (``SPLIT``)."""
+        fmt = self.fmt(kind, layer)
+        if SPLIT not in fmt:
+            return None
+        rows = {"qkv": [self.n_heads * self.head_dim] + [self.n_kv_heads * self.head_dim] * 2,
+                "gate_up": [self.ffn, self.ffn]}[kind]
+        return [(n, self.packed(kind, layer, f)) for n, f in zip(rows, fmt.split(SPLIT), strict=True)]
 
     @classmethod
     def from_model(cls, model: GGUFModel, weight_dtype: str = "auto", raw: RawTensors | None = None) -> LlamaSpec:
@@ -165,17 +188,16 @@ class LlamaSpec:
         family = family_named(cfg.architecture)
         if weight_dtype not in ("auto", "float16", "float32"):
             raise ValueError(f"weight_dtype {weight_dtype!r} is not supported (auto, float16 or float32)")
-        formats = []
+        formats: list[tuple[str, str]] = []
         for kind, patterns in WEIGHT_KINDS.items():
             if kind == "lm_head" and cfg.tied_embeddings:
                 continue  # the embedding's arrays
-            names = [p.format(i=i) for p in patterns for i in range(cfg.n_layers if "{i}" in p else 1)]
-            fmt = "float16" if weight_dtype == "auto" else weight_dtype
-            if weight_dtype == "auto" and raw is not None and all(n in raw for n in names):
-                kinds = {GGUF_FORMATS.get(raw[n][0]) for n in names}
-                if len(kinds) == 1 and None not in kinds:
-                    fmt = kinds.pop()
-            formats.append((kind, fmt))
+            layers = range(cfg.n_layers) if "{i}" in patterns[0] else [None]
+            chosen = [_stored_format([p.format(i=i) for p in patterns], weight_dtype, raw) for i in layers]
+            if len(set(chosen)) == 1:
+                formats.append((kind, chosen[0]))
+            else:  # the layers differ (a Q4_K_M file's Q4_K and Q6_K ffn_down)
+                formats += [(f"{kind}.{i}", fmt) for i, fmt in zip(layers, chosen, strict=True)]
         return cls(
             n_layers=cfg.n_layers, hidden=cfg.hidden, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
             head_dim=cfg.head_dim, ffn=cfg.ffn, vocab=cfg.vocab, rope_theta=float(cfg.rope_theta),
@@ -203,18 +225,39 @@ class LlamaSpec:
         return tuple(float(f) for f in self.rope_theta ** (-np.arange(0, rope_dim, 2) / rope_dim))
 
 
+
+def _stored_format(names: list[str], weight_dtype: str, raw: RawTensors | None) -> str:
+    """The format of one weight (the GGUF tensors ``names``, fused): ``weight_dtype`` unless it is "auto"; then
+    the GGUF's type when every part is kept as blocks (``raw``), parts of different types together in a type every
+    one of them widens to exactly (``quant_formats.common_type``: Q5_0 + Q8_0 as Q8_0), else each part in its own
+    (``SPLIT``: a Q4_K_M file's Q4_K q/k beside a Q6_K v, one matmul each); float16 when a part is not
+    quantised."""
+    if weight_dtype != "auto":
+        return weight_dtype
+    if raw is None or not all(n in raw for n in names):
+        return "float16"
+    common, exact = common_type({raw[n][0] for n in names})
+    if exact:
+        return GGUF_FORMATS[common]
+    return SPLIT.join(GGUF_FORMATS[raw[n][0]] for n in names)
+
+
 class _Weights(nn.Module):
     """The arrays storing one ``[out, in]`` weight matrix in format ``fmt`` (``linear_kernels.param_shapes``), or
     with ``packed`` Q4_1 repacked for ``packed_matvec`` (``packed_shapes``)."""
 
     def __init__(self, out_features: int, in_features: int, fmt: str, int8_dot: bool = False,
                  packed: bool = False, activation_bits: int = DEFAULT_ACTIVATION_BITS, vnni: bool = False) -> None:
-        if packed and fmt not in ("q4_1", "q8_0"):
-            raise ValueError(f"only q4_1 and q8_0 weights are packed, got {fmt!r}")
+        if packed and fmt not in ("q4_1", "q8_0", *BY_FORMAT):
+            raise ValueError(f"only quantised weights are packed, got {fmt!r}")
+        if fmt in BY_FORMAT and not int8_dot:
+            raise ValueError(f"{fmt} weights need a CPU with AVX2 (the packed integer-dot kernels); convert the "
+                             f"model to another type or compile with weight_dtype='float16'")
         self.out_features, self.in_features, self.fmt, self.int8_dot = out_features, in_features, fmt, int8_dot
         self.packed, self.activation_bits, self.vnni = packed, activation_bits, vnni
         self.suffixes = []
-        shapes = ((packed_shapes if fmt == "q4_1" else packed_q8_0_shapes) if packed
+        shapes = (BY_FORMAT[fmt].shapes if fmt in BY_FORMAT else
+                  (packed_shapes if fmt == "q4_1" else packed_q8_0_shapes) if packed
                   else functools.partial(param_shapes, fmt=fmt))
         for suffix, shape, dtype in shapes(out_features, in_features):
             setattr(self, suffix, nn.Parameter(shape, dtype))
@@ -230,11 +273,12 @@ class _Weights(nn.Module):
         (``integer_linear_kernel``), the other kernels get cast kernels around them."""
         lead = list(x.shape[:-1])
         flat = x.reshape(-1, self.in_features) if len(lead) != 1 else x
-        if self.packed:  # one kernel for every token count (integer dots, 8 rows a vector; Q8_0: the VNNI head)
+        if self.packed:  # one kernel for every token count (integer dots, 8 rows a vector; Q8_0: the VNNI tile)
             shape, types = (self.out_features, self.in_features), (flat.dtype, out_dtype, self.activation_bits)
-            kernel = (packed_q4_1_kernel(*shape, *types, self.vnni) if self.fmt == "q4_1"
+            kernel = (quant_matmul_kernel(BY_FORMAT[self.fmt], *shape, *types, self.vnni) if self.fmt in BY_FORMAT
+                      else packed_q4_1_kernel(*shape, *types, self.vnni) if self.fmt == "q4_1"
                       else packed_q8_0_kernel(*shape, *types))
-            vnni = "_vnni" if self.vnni and self.fmt == "q4_1" else ""
+            vnni = "_vnni" if self.vnni and self.fmt != "q8_0" else ""
             y = nn.op.tensor_ir_op(kernel, f"packed_{self.fmt}_{shape[0]}x{shape[1]}_{'_'.join(map(str, types))}{vnni}",
                                    args=[flat, *self.arrays()],
                                    out=nn.Tensor.placeholder([flat.shape[0], self.out_features], out_dtype))
@@ -257,6 +301,11 @@ class _Weights(nn.Module):
 
     def rows(self, ids: nn.Tensor) -> nn.Tensor:
         """``W[ids]`` -> ``[n, in]`` float32 (the embedding lookup)."""
+        if self.fmt in BY_FORMAT:
+            return nn.op.tensor_ir_op(
+                quant_embed_kernel(BY_FORMAT[self.fmt], self.out_features, self.in_features),
+                f"embed_{self.fmt}_{self.out_features}x{self.in_features}", args=[ids, *self.arrays()],
+                out=nn.Tensor.placeholder([ids.shape[0], self.in_features], "float32"))
         if self.packed and self.fmt != "q8_0":
             raise ValueError("the rows of packed Q4_1 weights are not looked up (such an embedding is never packed)")
         if self.packed:
@@ -272,13 +321,35 @@ class _Weights(nn.Module):
         )
 
 
+class _SplitWeights(nn.Module):
+    """A fused weight whose parts (``sizes`` rows each) keep formats of their own (``SPLIT``): one matmul per part,
+    the outputs joined."""
+
+    def __init__(self, sizes: list[int], in_features: int, formats: list[str], packed: list[bool], int8_dot: bool,
+                 activation_bits: int, vnni: bool) -> None:
+        self.parts = nn.ModuleList([_Weights(n, in_features, fmt, int8_dot, p, activation_bits, vnni)
+                                    for n, fmt, p in zip(sizes, formats, packed, strict=True)])
+
+    def matmul(self, x: nn.Tensor, mode: str, out_dtype: str = "float32") -> nn.Tensor:
+        return nn.op.concat([part.matmul(x, mode, out_dtype) for part in self.parts], dim=-1)
+
+
 class Linear(nn.Module):
-    """A bias-optional projection; the weight in ``fmt``, the bias float32, the output float32."""
+    """A bias-optional projection; the weight in ``fmt`` (split: ``parts`` gives the fused parts' rows and whether
+    each is packed), the bias float32, the output float32."""
 
     def __init__(self, in_features: int, out_features: int, fmt: str, bias: bool = False,
                  int8_dot: bool = False, packed: bool = False,
-                 activation_bits: int = DEFAULT_ACTIVATION_BITS, vnni: bool = False) -> None:
-        self.w = _Weights(out_features, in_features, fmt, int8_dot, packed, activation_bits, vnni)
+                 activation_bits: int = DEFAULT_ACTIVATION_BITS, vnni: bool = False,
+                 parts: list[tuple[int, bool]] | None = None) -> None:
+        if SPLIT in fmt:
+            if parts is None or len(parts) != len(fmt.split(SPLIT)):
+                raise ValueError(f"a weight stored as {fmt!r} needs the rows of its {len(fmt.split(SPLIT))} parts")
+            self.w: _Weights | _SplitWeights = _SplitWeights(
+                [n for n, _ in parts], in_features, fmt.split(SPLIT), [p for _, p in parts], int8_dot,
+                activation_bits, vnni)
+        else:
+            self.w = _Weights(out_features, in_features, fmt, int8_dot, packed, activation_bits, vnni)
         self.bias = nn.Parameter((out_features,), "float32") if bias else None
 
     def forward(self, x: nn.Tensor, mode: str, out_dtype: str = "float32") -> nn.Tensor:
@@ -302,14 +373,14 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     """Fused q/k/v projection, attention (with RoPE) in the paged KV cache, output projection."""
 
-    def __init__(self, spec: LlamaSpec) -> None:
+    def __init__(self, spec: LlamaSpec, layer: int | None = None) -> None:
         self.spec = spec
         qkv_rows = (spec.n_heads + 2 * spec.n_kv_heads) * spec.head_dim
-        self.qkv = Linear(spec.hidden, qkv_rows, spec.fmt("qkv"), bias=spec.qkv_bias, int8_dot=spec.int8_dot,
-                          packed=spec.packed("qkv"), activation_bits=spec.activation_bits,
-                          vnni=spec.vnni)
-        self.o = Linear(spec.n_heads * spec.head_dim, spec.hidden, spec.fmt("o"), int8_dot=spec.int8_dot,
-                        packed=spec.packed("o"), activation_bits=spec.activation_bits,
+        self.qkv = Linear(spec.hidden, qkv_rows, spec.fmt("qkv", layer), bias=spec.qkv_bias, int8_dot=spec.int8_dot,
+                          packed=spec.packed("qkv", layer), activation_bits=spec.activation_bits,
+                          vnni=spec.vnni, parts=spec.parts("qkv", layer))
+        self.o = Linear(spec.n_heads * spec.head_dim, spec.hidden, spec.fmt("o", layer), int8_dot=spec.int8_dot,
+                        packed=spec.packed("o", layer), activation_bits=spec.activation_bits,
                           vnni=spec.vnni)
         self.q_norm = RMSNorm(spec.head_dim, spec.rms_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_eps) if spec.qk_norm else None
@@ -352,14 +423,14 @@ class MLP(nn.Module):
     activation one kernel (``swiglu_kernel``); GeGLU (``spec.activation``: gelu's tanh approximation) the same
     with Relax's ``gelu(approximate="tanh")``."""
 
-    def __init__(self, spec: LlamaSpec) -> None:
+    def __init__(self, spec: LlamaSpec, layer: int | None = None) -> None:
         self.ffn = spec.ffn
         self.activation = Activation(spec.activation)
-        self.gate_up = Linear(spec.hidden, 2 * spec.ffn, spec.fmt("gate_up"), int8_dot=spec.int8_dot,
-                             packed=spec.packed("gate_up"), activation_bits=spec.activation_bits,
-                          vnni=spec.vnni)
-        self.down = Linear(spec.ffn, spec.hidden, spec.fmt("down"), int8_dot=spec.int8_dot,
-                          packed=spec.packed("down"), activation_bits=spec.activation_bits,
+        self.gate_up = Linear(spec.hidden, 2 * spec.ffn, spec.fmt("gate_up", layer), int8_dot=spec.int8_dot,
+                             packed=spec.packed("gate_up", layer), activation_bits=spec.activation_bits,
+                             vnni=spec.vnni, parts=spec.parts("gate_up", layer))
+        self.down = Linear(spec.ffn, spec.hidden, spec.fmt("down", layer), int8_dot=spec.int8_dot,
+                          packed=spec.packed("down", layer), activation_bits=spec.activation_bits,
                           vnni=spec.vnni)
 
     def forward(self, x: nn.Tensor, mode: str) -> nn.Tensor:
@@ -380,9 +451,9 @@ class Block(nn.Module):
     def __init__(self, spec: LlamaSpec, layer: int) -> None:
         self.layer = layer
         self.attn_norm = RMSNorm(spec.hidden, spec.rms_eps)
-        self.attn = Attention(spec)
+        self.attn = Attention(spec, layer)
         self.ffn_norm = RMSNorm(spec.hidden, spec.rms_eps)
-        self.mlp = MLP(spec)
+        self.mlp = MLP(spec, layer)
         self.post_attn_norm = RMSNorm(spec.hidden, spec.rms_eps) if spec.sandwich_norms else None
         self.post_ffn_norm = RMSNorm(spec.hidden, spec.rms_eps) if spec.sandwich_norms else None
 

@@ -3,6 +3,7 @@ output head at 1 to n tokens, with 16-bit and 8-bit activation codes, CPU time o
 
     TVM_NUM_THREADS=1 python scripts/bench_packed_matvec.py [--tokens 1,2,3,4,6,64] [--rounds 7] [--verify 6]
     python scripts/bench_packed_matvec.py --forward [--tokens 1,2,3,6] [--rounds 7]
+    TVM_NUM_THREADS=1 python scripts/bench_packed_matvec.py --types [--shape 576x1536] [--tokens 1,8,64]
 
 Prints per kernel and token count the best CPU milliseconds of interleaved rounds, and the cost of each token past
 the first up to ``--verify`` tokens (a verify of 1 + K tokens), as milliseconds and as GMAC/s. One thread and CPU
@@ -15,6 +16,10 @@ called in the model's order at each token count, against the same calls on one l
 token count: milliseconds streaming and in cache, and the weights' read rate; then the cost of a token past the
 first. Whether memory and compute overlap shows here: where they do, the streaming time is about the larger of the
 in-cache time and the time the bytes take at one token's rate.
+
+``--types``: every GGUF type's packed kernel at one shape (``--shape``, default SmolLM2's ffn_down), VNNI tile where
+the CPU has it, one thread, CPU time: milliseconds per token count and GMAC/s at the largest (packed Q4_1 and Q8_0
+beside ``quant_matvec``'s Q4_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K; random blocks).
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ import time
 import numpy as np
 import tvm
 from logitproc.compile.linear_kernels import linear_kernel
-from logitproc.compile.packed_matvec import has_vnni, pack_q4_1, packed_q4_1_kernel
+from logitproc.compile.packed_matvec import has_vnni, pack_q4_1, pack_q8_0, packed_q4_1_kernel, packed_q8_0_kernel
+from logitproc.compile.quant_formats import LAYOUTS, pack, unpack_gguf
+from logitproc.compile.quant_matvec import quant_matmul_kernel
 from logitproc.runtime.targets import build_features, resolve_target
 
 #: SmolLM2-135M's packed matrices (out, in) per layer, and its output head
@@ -116,13 +123,71 @@ def forward(tokens: list[int], rounds: int) -> None:
               f"{1e3 * best[('in cache', n)]:.2f} | {1e3 * per_token:.3f} |")
 
 
+def _random_blocks(ggml: str, rows: int, in_features: int, rng: np.random.Generator) -> np.ndarray:
+    """GGUF blocks of random bytes with small finite float16 scales (every float16 field at its offset)."""
+    layout = LAYOUTS[ggml]
+    raw = rng.integers(0, 256, (rows, in_features // layout.block_weights, layout.block_bytes)).astype(np.uint8)
+    halves = {"Q5_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}.get(ggml, (0,))
+    for at in halves:
+        raw[..., at: at + 2] = rng.uniform(0.001, 0.01, (*raw.shape[:2], 1)).astype(np.float16).view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def types(shape: tuple[int, int], tokens: list[int], rounds: int) -> None:
+    """``--types`` (module doc)."""
+    if os.environ.get("TVM_NUM_THREADS") != "1":
+        raise SystemExit("run with TVM_NUM_THREADS=1 (one thread, CPU time)")
+    rng = np.random.default_rng(0)
+    n_out, n_in = shape
+    vnni = vnni_here()
+    kernels = {"Q4_1": (build(packed_q4_1_kernel(n_out, n_in, vnni=vnni)), [tvm.runtime.tensor(a) for a in pack_q4_1(
+        rng.integers(0, 256, (n_out, n_in // 2)).astype(np.uint8),
+        rng.uniform(0.001, 0.02, (n_out, n_in // 32)).astype(np.float16),
+        rng.uniform(-0.15, 0, (n_out, n_in // 32)).astype(np.float16)).values()])}
+    if vnni:
+        kernels["Q8_0"] = (build(packed_q8_0_kernel(n_out, n_in)), [tvm.runtime.tensor(a) for a in pack_q8_0(
+            rng.integers(-127, 128, (n_out, n_in)).astype(np.int8),
+            rng.uniform(0.001, 0.02, (n_out, n_in // 32)).astype(np.float16)).values()])
+    for ggml, layout in LAYOUTS.items():
+        if n_in % layout.block_weights == 0 and (vnni or not layout.codebook):
+            arrays = pack(layout, unpack_gguf(layout, _random_blocks(ggml, n_out, n_in, rng)))
+            kernels[ggml] = (build(quant_matmul_kernel(layout, n_out, n_in, vnni=vnni)),
+                             [tvm.runtime.tensor(a) for a in arrays.values()])
+    best: dict[tuple[str, int], float] = {}
+    for n in tokens:
+        x = tvm.runtime.tensor(rng.standard_normal((n, n_in)).astype(np.float32))
+        y = tvm.runtime.tensor(np.zeros((n, n_out), np.float32))
+        calls = max(3, int(2e8 // (n_out * n_in * n)))
+        for _ in range(rounds):
+            for name, (run, arrays) in kernels.items():
+                run(x, *arrays, y)
+                start = time.process_time()
+                for _ in range(calls):
+                    run(x, *arrays, y)
+                best[(name, n)] = min(best.get((name, n), float("inf")), (time.process_time() - start) / calls)
+    print(f"# {n_out}x{n_in}, one thread, CPU time{', VNNI tile' if vnni else ', AVX2 tile'}, best of {rounds} "
+          f"interleaved rounds, load {os.getloadavg()[0]:.1f}")
+    print("| type | " + " | ".join(f"{n} tok ms" for n in tokens) + f" | GMAC/s at {tokens[-1]} |")
+    print("|---|" + "---|" * (len(tokens) + 1))
+    for name in kernels:
+        cells = [f"{1e3 * best[(name, n)]:.3f}" for n in tokens]
+        rate = n_out * n_in * tokens[-1] / best[(name, tokens[-1])] / 1e9
+        print(f"| {name} | " + " | ".join(cells) + f" | {rate:.0f} |")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", default="1,2,3,4,6,64")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--verify", type=int, default=6, help="the token count the cost per token is taken at")
     parser.add_argument("--forward", action="store_true", help="a whole forward's matmuls, streaming (module doc)")
+    parser.add_argument("--types", action="store_true", help="every GGUF type's packed kernel (module doc)")
+    parser.add_argument("--shape", default="576x1536", help="with --types: out x in")
     args = parser.parse_args()
+    if args.types:
+        n_out, n_in = (int(v) for v in args.shape.split("x"))
+        types((n_out, n_in), sorted({int(t) for t in args.tokens.split(",")}), args.rounds)
+        return 0
     if args.forward:
         forward(sorted({int(t) for t in args.tokens.split(",")}), args.rounds)
         return 0

@@ -1,0 +1,303 @@
+# fmt: off
+"""Matmuls over the packed layouts of ``quant_formats`` (Q4_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K): one kernel for every
+token count, activations quantised once per call, integer dot products 8 rows to a vector, as ``packed_matvec``.
+
+The activations are quantised exactly as for packed Q4_1 (``packed_matvec.quantise_activations``: per token and
+block of 32, ``xd``, codes ``xq`` of 16 bits as two int8 planes by default, ``xs = xd * sum(xq)``), plus, for types
+with an offset, the codes' integer sums ``xc[t, b h]`` per scale's sub-block (32 weights; Q6_K 16). Then, with the
+weights ``W = S * (q - off) + M`` (``quant_formats``)::
+
+    for t in range(n):
+        for o in range(N):                                   # o = 8 g + r
+            y[t, o] = sum_b sum_h S[o, b, h] * xd[t, b] * (sum_j q[o, 32 b + j] * xq[t, 32 b + j] - off * xc[t, b h])
+                            + M[o, b] * xs[t, b]             # j over sub-block h (h < 2 for Q6_K, else 1)
+
+Per row group, block and nibble-plane vector: the codes are rebuilt from the low nibbles and the high-bit planes
+(``(high >> p) & 1`` moved to bit 4 or 5: two or four vector operations a vector, shared by the tile's tokens),
+then, per plane of activation codes and token, AVX512-VNNI's ``vpdpbusd`` adds each row's 4 products into its int32
+lane (on AVX2: ``vpmaddubsw`` for the low and the high nibbles, added, then ``vpmaddwd`` with ones: the same exact
+int32 sums, so both tiles give the same outputs bit for bit; at most 2 x 2 x 63 x 128 < 2^15 per int16 lane). The
+offset comes off the int32 sums (exact), then one FMA per sub-block with ``S x xd`` (``S`` rebuilt from ``d`` and
+``sc`` for the 8 rows: one convert and multiply per block, not per token) and one with ``M x xs``. Tokens in tiles of
+3 (16-bit codes) or 4, then 2, then 1; row groups in 64 parallel chunks, tokens in spans of 128: a token's
+operations are the same, in the same order, whatever its tile (batch invariance).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from .packed_matvec import (
+    _DPBUSD,
+    _MADDUBS,
+    _MADDWD,
+    _QMAX,
+    _SPAN,
+    _SPLIT_TILE,
+    _TILE,
+    DEFAULT_ACTIVATION_BITS,
+    ROWS,
+    SPLIT_QMAX,
+    _check,
+    _intrin,
+    _quantise,
+    _store,
+)
+from .quant_formats import QBLOCK, QuantLayout
+
+_CHUNKS = 64
+_PSHUFB = "llvm.x86.avx2.pshuf.b"
+_MIN_KINDS = {"none": 0, "block": 1, "super": 2}
+_ARRAYS = ("codes", "high", "d", "sc", "m", "dmin", "mq", "lut")  # every layout's arrays in parameter order
+
+
+def _codes(raw: Any, high: Any, lut: Any, g: Any, b: Any, v: Any, half: int, planes: int, codebook: bool) -> Any:
+    """uint8x32 codes of nibble plane ``2 v + half``: the nibbles plus ``planes`` high bits (bits 4, 5), or with
+    ``codebook`` the ``lut`` values the nibbles index (``vpshufb``)."""
+    out = T.bitwise_and(raw, T.broadcast(T.uint8(15), 32)) if half == 0 else T.shift_right(
+        raw, T.broadcast(T.uint8(4), 32))
+    for i in range(planes):  # in 16-bit lanes (x86 has no byte shifts): bit p of each byte to bit 4 + i of it
+        words = T.reinterpret("uint16x16", high.vload([g, b, QBLOCK * i], "uint8x32"))
+        moved = T.shift_left(T.shift_right(words, T.broadcast(T.Cast("uint16", 2 * v + half), 16)),
+                             T.broadcast(T.uint16(4 + i), 16))
+        out = T.bitwise_or(out, T.reinterpret("uint8x32", T.bitwise_and(moved, T.broadcast(T.uint16(0x0101 << (4 + i)),
+                                                                                           16))))
+    if codebook:
+        table = T.reinterpret("int8x32", lut.vload([0], "uint8x32"))
+        out = T.reinterpret("uint8x32", _intrin(_PSHUFB, "int8x32", table, T.reinterpret("int8x32", out)))
+    return out
+
+
+def _scale(dd: Any, sc: Any, g: Any, b: Any, h: int, superblock: bool, sc_type: str) -> Any:
+    """float32x8 ``S`` of the 8 rows, block ``b``, sub-block ``h``."""
+    if not superblock:
+        return T.Cast("float32x8", dd.vload([g, b, 0], "float16x8"))
+    return T.Cast("float32x8", dd.vload([g, b // 8, 0], "float16x8")) * T.Cast(
+        "float32x8", sc.vload([g, b, h * ROWS], f"{sc_type}x8"))
+
+
+def _min(mm: Any, dmin: Any, mq: Any, g: Any, b: Any, kind: int) -> Any:
+    """float32x8 ``M`` of the 8 rows, block ``b`` (``kind`` 1: float16 ``m``; 2: ``-(dmin * mq)``)."""
+    if kind == 1:
+        return T.Cast("float32x8", mm.vload([g, b, 0], "float16x8"))
+    return T.Cast("float32x8", dmin.vload([g, b // 8, 0], "float16x8")) * T.Cast(
+        "float32x8", mq.vload([g, b, 0], "uint8x8")) * T.broadcast(T.float32(-1), ROWS)
+
+
+def _sums(iacc: Any, s: Any, size: int, h: Any, planes: int) -> Any:
+    """int32x8 block sums of token ``s``, accumulator ``h``, the planes joined (high plane times 256)."""
+    at = (s * 2 + h) * ROWS
+    if planes == 1:
+        return iacc[T.ramp(at, 1, ROWS)]
+    return T.shift_left(iacc[T.ramp(at, 1, ROWS)], T.broadcast(T.int32(8), ROWS)) + iacc[
+        T.ramp(at + size * 2 * ROWS, 1, ROWS)]
+
+
+@T.macro
+def _tile(y, xq4, xd, xs, xc, t0, size, g, blocks, out_features, codes, high, dd, sc, mm, dmin, mq, lut, iacc, facc,
+          planes, hb, halves, off, superblock, sc_type, min_kind, vnni, codebook):
+    """``y[t0 + s, 8 g: 8 g + 8]`` for the ``size`` tokens of a tile (module doc). ``iacc``: int32, 8 lanes per
+    (plane, token, accumulator); accumulator ``h`` is the sub-block (Q6_K) or, with one scale a block, the low
+    (high) nibbles with VNNI, the even (odd) vectors on AVX2."""
+    for s in T.unroll(size):
+        facc[T.ramp(s * ROWS, 1, ROWS)] = T.broadcast(T.float32(0), ROWS)
+    for b in range(blocks):
+        for a in T.unroll(planes * size * 2):
+            iacc[T.ramp(a * ROWS, 1, ROWS)] = T.broadcast(T.int32(0), ROWS)
+        for v in T.unroll(4):
+            raw: T.let = codes.vload([g, b, v * 32], "uint8x32")
+            low: T.let = _codes(raw, high, lut, g, b, v, 0, hb, codebook)
+            hig: T.let = _codes(raw, high, lut, g, b, v, 1, hb, codebook)
+            for p in T.unroll(planes):
+                for s in T.unroll(size):
+                    xlo: T.let = T.reinterpret("int8x32", T.broadcast(xq4[p, t0 + s, b * 8 + v * 2], ROWS))
+                    xhi: T.let = T.reinterpret("int8x32", T.broadcast(xq4[p, t0 + s, b * 8 + v * 2 + 1], ROWS))
+                    at: T.let = ((p * size + s) * 2 + (v // 2 if halves == 2 else 0)) * ROWS
+                    if vnni:
+                        if halves == 2:
+                            iacc[T.ramp(at, 1, ROWS)] = _intrin(_DPBUSD, "int32x8", _intrin(
+                                _DPBUSD, "int32x8", iacc[T.ramp(at, 1, ROWS)], low, xlo), hig, xhi)
+                        else:
+                            iacc[T.ramp(at, 1, ROWS)] = _intrin(_DPBUSD, "int32x8", iacc[T.ramp(at, 1, ROWS)],
+                                                                low, xlo)
+                            iacc[T.ramp(at + ROWS, 1, ROWS)] = _intrin(_DPBUSD, "int32x8",
+                                                                       iacc[T.ramp(at + ROWS, 1, ROWS)], hig, xhi)
+                    else:
+                        a2: T.let = at + (0 if halves == 2 else v % 2 * ROWS)
+                        iacc[T.ramp(a2, 1, ROWS)] = iacc[T.ramp(a2, 1, ROWS)] + _intrin(
+                            _MADDWD, "int32x8", _intrin(_MADDUBS, "int16x16", low, xlo)
+                            + _intrin(_MADDUBS, "int16x16", hig, xhi), T.broadcast(T.int16(1), 16))
+        sv0: T.let = _scale(dd, sc, g, b, 0, superblock, sc_type)
+        sv1: T.let = _scale(dd, sc, g, b, halves - 1, superblock, sc_type)
+        for s in T.unroll(size):
+            xdv: T.let = T.broadcast(xd[t0 + s, b], ROWS)
+            if halves == 2:
+                facc[T.ramp(s * ROWS, 1, ROWS)] = (
+                    facc[T.ramp(s * ROWS, 1, ROWS)]
+                    + T.Cast("float32x8", _sums(iacc, s, size, 0, planes)
+                             - T.broadcast(off * xc[t0 + s, b * 2], ROWS)) * (sv0 * xdv)
+                    + T.Cast("float32x8", _sums(iacc, s, size, 1, planes)
+                             - T.broadcast(off * xc[t0 + s, b * 2 + 1], ROWS)) * (sv1 * xdv))
+            elif min_kind == 0:
+                facc[T.ramp(s * ROWS, 1, ROWS)] = facc[T.ramp(s * ROWS, 1, ROWS)] + T.Cast(
+                    "float32x8", _sums(iacc, s, size, 0, planes) + _sums(iacc, s, size, 1, planes)
+                    - T.broadcast(off * xc[t0 + s, b], ROWS)) * (sv0 * xdv)
+            else:
+                facc[T.ramp(s * ROWS, 1, ROWS)] = (
+                    facc[T.ramp(s * ROWS, 1, ROWS)]
+                    + T.Cast("float32x8", _sums(iacc, s, size, 0, planes) + _sums(iacc, s, size, 1, planes))
+                    * (sv0 * xdv) + _min(mm, dmin, mq, g, b, min_kind) * T.broadcast(xs[t0 + s, b], ROWS))
+    _store(y, facc, t0, size, g, out_features)
+
+
+@T.macro
+def _code_sums(xq, xc, t, blocks, halves, planes):
+    """``xc[t, b h]``: token ``t``'s integer codes summed per sub-block (32 / ``halves`` codes)."""
+    for bh in range(blocks * halves):
+        xc[t, bh] = 0
+        for j in range(QBLOCK // halves):
+            if planes == 1:
+                xc[t, bh] = xc[t, bh] + T.Cast("int32", xq[0, t, bh * (QBLOCK // halves) + j])
+            else:
+                xc[t, bh] = xc[t, bh] + T.Cast("int32", xq[0, t, bh * (QBLOCK // halves) + j]) * 256 + T.Cast(
+                    "int32", xq[1, t, bh * (QBLOCK // halves) + j])
+
+
+def _validate(layout: QuantLayout, out_features: int, in_features: int, x_dtype: str, y_dtype: str,
+              xbits: int, vnni: bool) -> None:
+    layout.shapes(out_features, in_features)  # raises on a bad shape
+    if layout.codebook and not vnni:  # codes up to 241 would saturate vpmaddubsw's int16 pairs
+        raise ValueError(f"{layout.ggml} weights need AVX512-VNNI (the AVX2 tile cannot multiply their codes)")
+    _check(layout.ggml, in_features, out_features, x_dtype, y_dtype, xbits)
+
+
+@functools.cache
+def quant_matmul_kernel(layout: QuantLayout, out_features: int, in_features: int, x_dtype: str = "float32",
+                        y_dtype: str = "float32", xbits: int = DEFAULT_ACTIVATION_BITS,
+                        vnni: bool = False) -> tirx.PrimFunc:
+    """``y[t, o] = sum_k x[t, k] * W[o, k]`` (module doc) for ``x[n, K]`` of ``x_dtype`` and ``y[n, N]`` of
+    ``y_dtype`` (float32 or float16); parameters ``x``, the packed arrays (``layout.shapes``), ``y``. ``xbits``:
+    the activation codes' bits (8 or 16); ``vnni``: the AVX512-VNNI tile (else AVX2; the same outputs)."""
+    _validate(layout, out_features, in_features, x_dtype, y_dtype, xbits, vnni)
+    N, K, blocks, groups = out_features, in_features, in_features // QBLOCK, -(-out_features // ROWS)
+    chunks = min(_CHUNKS, groups)
+    planes, qmax, tile = (1, _QMAX, _TILE) if xbits == 8 else (2, SPLIT_QMAX, _SPLIT_TILE)
+    hb, halves, off, superblock = layout.high_planes, layout.halves, layout.offset, layout.superblock
+    sc_type, min_kind, codebook = layout.sc_dtype, _MIN_KINDS[layout.min], bool(layout.codebook)
+    xc_width = blocks * halves if off else 1
+
+    @T.macro
+    def body(x, y, n, codes, high, dd, sc, mm, dmin, mq, lut):
+        xq = T.alloc_buffer((planes, n, K), "int8")
+        xq4 = T.decl_buffer((planes, n, K // 4), "int32", data=xq.data)
+        xd = T.alloc_buffer((n, blocks), "float32")
+        xs = T.alloc_buffer((n, blocks), "float32")
+        xc = T.alloc_buffer((n, xc_width), "int32")
+        if n >= 16:
+            for t in T.parallel(n):
+                amax = T.alloc_buffer((16,), "float32", scope="local")
+                _quantise(x, xq, xd, xs, t, blocks, amax, qmax)
+                if off != 0:
+                    _code_sums(xq, xc, t, blocks, halves, planes)
+        else:
+            amax = T.alloc_buffer((16,), "float32", scope="local")
+            for t in range(n):
+                _quantise(x, xq, xd, xs, t, blocks, amax, qmax)
+                if off != 0:
+                    _code_sums(xq, xc, t, blocks, halves, planes)
+        for chunk in T.parallel(chunks):
+            iacc = T.alloc_buffer((planes * tile * 2 * ROWS,), "int32", scope="local")
+            facc = T.alloc_buffer((tile * ROWS,), "float32", scope="local")
+            for span in range((n + _SPAN - 1) // _SPAN):
+                t1: T.let = T.min(n, span * _SPAN + _SPAN)
+                for g in range(chunk * groups // chunks, (chunk + 1) * groups // chunks):
+                    for tt in range((t1 - span * _SPAN) // tile):
+                        _tile(y, xq4, xd, xs, xc, span * _SPAN + tt * tile, tile, g, blocks, N, codes, high, dd, sc,
+                              mm, dmin, mq, lut, iacc, facc, planes, hb, halves, off, superblock, sc_type, min_kind,
+                              vnni, codebook)
+                    if (t1 - span * _SPAN) % tile >= 2:
+                        _tile(y, xq4, xd, xs, xc, t1 - (t1 - span * _SPAN) % tile, 2, g, blocks, N, codes, high, dd,
+                              sc, mm, dmin, mq, lut, iacc, facc, planes, hb, halves, off, superblock, sc_type,
+                              min_kind, vnni, codebook)
+                    if (t1 - span * _SPAN) % tile % 2 == 1:
+                        _tile(y, xq4, xd, xs, xc, t1 - 1, 1, g, blocks, N, codes, high, dd, sc, mm, dmin, mq, lut,
+                              iacc, facc, planes, hb, halves, off, superblock, sc_type, min_kind, vnni, codebook)
+
+    _codes_, _high, _d, _sc, _m, _dmin, _mq, _lut = _param_shapes(layout, N, K)
+
+    @T.prim_func(private=True)
+    def quant_matmul(var_x: T.handle, codes: T.Buffer(*_codes_), high: T.Buffer(*_high),
+                     d: T.Buffer(*_d), sc: T.Buffer(*_sc), m: T.Buffer(*_m),
+                     dmin: T.Buffer(*_dmin), mq: T.Buffer(*_mq), lut: T.Buffer(*_lut), var_y: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        n = T.int64()
+        x = T.match_buffer(var_x, (n, K), x_dtype)
+        y = T.match_buffer(var_y, (n, N), y_dtype)
+        body(x, y, n, codes, high, d, sc, m, dmin, mq, lut)
+
+    return _drop_unused(quant_matmul, layout)
+
+
+def _param_shapes(layout: QuantLayout, out_features: int, in_features: int) -> list[tuple[Any, str]]:
+    """(shape, dtype) of each of ``_ARRAYS``; a layout's absent arrays get a placeholder (``_drop_unused``)."""
+    shapes = {suffix: (shape, dtype) for suffix, shape, dtype in layout.shapes(out_features, in_features)}
+    return [shapes.get(suffix, ((1,), "uint8")) for suffix in _ARRAYS]
+
+
+def _drop_unused(func: tirx.PrimFunc, layout: QuantLayout) -> tirx.PrimFunc:
+    """``func`` (parameters: the input, ``_ARRAYS``, the output) without the arrays ``layout`` does not have (never
+    read by its body)."""
+    present = {suffix for suffix, _, _ in layout.shapes(ROWS, layout.block_weights)}
+    params = list(func.params)
+    keep = [params[0], *(p for p, suffix in zip(params[1:-1], _ARRAYS, strict=True) if suffix in present),
+            params[-1]]
+    return tirx.PrimFunc(keep, func.body, func.ret_type, func.attrs)
+
+
+@functools.cache
+def quant_embed_kernel(layout: QuantLayout, vocab: int, hidden: int) -> tirx.PrimFunc:
+    """``out[t, h] = W[ids[t], h]`` (float32, ``S * (q - off) + M``) from the packed layout: parameters ``ids``
+    int32 ``[n]``, the packed arrays, ``out``."""
+    _codes_, _high, _d, _sc, _m, _dmin, _mq, _lut = _param_shapes(layout, vocab, hidden)
+    hb, halves, off, superblock = layout.high_planes, layout.halves, layout.offset, layout.superblock
+    min_kind = _MIN_KINDS[layout.min]
+
+    def code(codes: Any, high: Any, lut: Any, g: Any, r: Any, h: Any) -> Any:
+        b, j = h // QBLOCK, h % QBLOCK
+        v, half, jj = j // 8, j % 8 // 4, j % 4
+        q = T.bitwise_and(T.shift_right(codes[g, b, v * 32 + r * 4 + jj], T.Cast("uint8", half * 4)), T.uint8(15))
+        for i in range(hb):
+            q = T.bitwise_or(q, T.shift_left(T.bitwise_and(T.shift_right(
+                high[g, b, QBLOCK * i + r * 4 + jj], T.Cast("uint8", 2 * v + half)), T.uint8(1)), T.uint8(4 + i)))
+        return T.Cast("float32", lut[q] if layout.codebook else q)
+
+    def weight(codes: Any, high: Any, dd: Any, sc: Any, mm: Any, dmin: Any, mq: Any, lut: Any, row: Any,
+               h: Any) -> Any:
+        g, r, b = row // ROWS, row % ROWS, h // QBLOCK
+        s = (T.Cast("float32", dd[g, b // 8, r]) * T.Cast("float32", sc[g, b, (h % QBLOCK) // 16 * ROWS + r]
+                                                          if halves == 2 else sc[g, b, r])
+             if superblock else T.Cast("float32", dd[g, b, r]))
+        w = s * (code(codes, high, lut, g, r, h) - T.float32(off))
+        if min_kind == 1:
+            return w + T.Cast("float32", mm[g, b, r])
+        if min_kind == 2:
+            return w - T.Cast("float32", dmin[g, b // 8, r]) * T.Cast("float32", mq[g, b, r])
+        return w
+
+    @T.prim_func(private=True)
+    def quant_embed(var_ids: T.handle, codes: T.Buffer(*_codes_), high: T.Buffer(*_high),
+                    d: T.Buffer(*_d), sc: T.Buffer(*_sc), m: T.Buffer(*_m),
+                    dmin: T.Buffer(*_dmin), mq: T.Buffer(*_mq), lut: T.Buffer(*_lut), var_out: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        n = T.int64()
+        ids = T.match_buffer(var_ids, (n,), "int32")
+        out = T.match_buffer(var_out, (n, hidden), "float32")
+        for t in range(n):
+            for h in range(hidden):
+                out[t, h] = weight(codes, high, d, sc, m, dmin, mq, lut, ids[t], h)
+
+    return _drop_unused(quant_embed, layout)

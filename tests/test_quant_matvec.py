@@ -1,0 +1,188 @@
+"""The packed kernels of the GGUF block types Q4_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS (the last two:
+AVX512-VNNI only, ``compile/quant_formats.py``,
+``compile/quant_matvec.py``): unpacked and repacked blocks dequantise to gguf-py's ``dequantize`` bit for bit, exact
+widenings keep every weight, the matmul equals float64 numpy on the activations rounded as
+``quantise_activations`` rounds them (within 1e-5 of the output's scale) on rows not a multiple of 8, a single row,
+1 to 9 and 131 tokens, with 16-bit and 8-bit activation codes; a token's row is bitwise the same whatever the other
+tokens; the VNNI tile gives the AVX2 tile's outputs bit for bit; the lookup is the dequantised rows exactly; bad
+shapes and types are refused. The blocks are random bytes (every code, sub-scale and min pattern) with finite
+float16 scales."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tvm
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+from logitproc.compile.integer_matvec import has_int8_dot
+from logitproc.compile.packed_matvec import has_vnni, round_activations
+from logitproc.compile.quant_formats import (
+    LAYOUTS,
+    common_type,
+    dequantize_packed,
+    dequantize_unpacked,
+    pack,
+    unpack_gguf,
+    unpack_packed,
+    widen,
+)
+from logitproc.compile.quant_matvec import quant_embed_kernel, quant_matmul_kernel
+from logitproc.runtime.targets import build_features, resolve_target
+
+TARGET = resolve_target("cpu").tvm_target()
+FEATURES = build_features(TARGET)
+needs_avx2 = pytest.mark.skipif(not has_int8_dot(FEATURES), reason="this CPU has no AVX2")
+#: the AVX2 tile (slow where the VNNI tile runs: test_vnni_tile_gives_the_avx2_tiles_outputs_bit_for_bit covers it)
+TILES = [pytest.param(False, marks=[pytest.mark.slow] if has_vnni(FEATURES) else []),
+         pytest.param(True, marks=pytest.mark.skipif(not has_vnni(FEATURES), reason="no AVX512-VNNI"))]
+TOKENS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 131)  # tiles of 3 or 4, a pair, one; a second span of 128
+
+
+def random_blocks(ggml: str, rows: int, in_features: int, rng: np.random.Generator) -> np.ndarray:
+    """GGUF blocks ``[rows, bytes]`` of random bytes with finite float16 scales (and mins) of a realistic size."""
+    layout = LAYOUTS[ggml]
+    blocks = in_features // layout.block_weights
+    raw = rng.integers(0, 256, (rows, blocks, layout.block_bytes)).astype(np.uint8)
+
+    def f16(at: int, low: float, high: float) -> None:
+        raw[..., at: at + 2] = rng.uniform(low, high, (rows, blocks, 1)).astype(np.float16).view(np.uint8)
+
+    if ggml in ("Q4_0", "Q5_0"):
+        f16(0, -0.02, 0.02)
+    elif ggml == "Q5_1":
+        f16(0, 0.001, 0.02)
+        f16(2, -0.2, 0.0)
+    elif ggml in ("Q4_K", "Q5_K"):
+        f16(0, 0.0001, 0.002)
+        f16(2, 0.0001, 0.003)
+    elif ggml == "Q6_K":
+        f16(208, -0.002, 0.002)
+    else:  # IQ4_NL, IQ4_XS
+        f16(0, -0.002, 0.002)
+    return raw.reshape(rows, -1)
+
+
+def _gguf(ggml: str, raw: np.ndarray) -> np.ndarray:
+    return np.asarray(dequantize(raw, GGMLQuantizationType[ggml]), np.float32).reshape(raw.shape[0], -1)
+
+
+def _build(func):
+    with tvm.transform.PassContext(opt_level=3):
+        return tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=TARGET).mod["main"]
+
+
+def _in_features(ggml: str) -> int:
+    return 512 if LAYOUTS[ggml].superblock else 96  # two super-blocks; three blocks
+
+
+@pytest.mark.parametrize("ggml", list(LAYOUTS))
+def test_unpacked_and_packed_blocks_dequantise_as_gguf_py_bit_for_bit(ggml: str) -> None:
+    rng = np.random.default_rng(0)
+    layout = LAYOUTS[ggml]
+    for rows, in_features in ((37, _in_features(ggml)), (1, layout.block_weights), (8, 2 * layout.block_weights)):
+        raw = random_blocks(ggml, rows, in_features, rng)
+        expected = _gguf(ggml, raw).view(np.uint32)
+        parts = unpack_gguf(layout, raw)
+        np.testing.assert_array_equal(dequantize_unpacked(layout, parts).view(np.uint32), expected)
+        packed = pack(layout, parts)
+        assert [(k, a.shape, str(a.dtype)) for k, a in packed.items()] == layout.shapes(rows, in_features)
+        np.testing.assert_array_equal(dequantize_packed(layout, packed, rows).view(np.uint32), expected)
+        for key, array in unpack_packed(layout, packed, rows).items():
+            np.testing.assert_array_equal(array, parts[key], err_msg=f"{ggml} {key}")
+
+
+def test_exact_widenings_keep_every_weight_and_other_mixes_are_not_exact() -> None:
+    rng = np.random.default_rng(1)
+    for source, target in (("Q4_0", "Q5_0"), ("Q4_0", "Q8_0"), ("Q5_0", "Q8_0"), ("Q4_K", "Q5_K")):
+        raw = random_blocks(source, 9, 256, rng)
+        np.testing.assert_array_equal(_gguf(target, widen(source, raw, target)), _gguf(source, raw))
+    q4_1 = np.concatenate([rng.uniform(0.01, 0.02, (3, 2, 1)).astype(np.float16).view(np.uint8),
+                           rng.uniform(-0.1, 0.0, (3, 2, 1)).astype(np.float16).view(np.uint8),
+                           rng.integers(0, 256, (3, 2, 16)).astype(np.uint8)], axis=2).reshape(3, -1)
+    np.testing.assert_array_equal(_gguf("Q5_1", widen("Q4_1", q4_1, "Q5_1")), _gguf("Q4_1", q4_1))
+    assert common_type({"Q5_0", "Q8_0"}) == ("Q8_0", True) and common_type({"Q4_0", "Q5_0"}) == ("Q5_0", True)
+    assert common_type({"Q4_K"}) == ("Q4_K", True) and common_type({"Q4_K", "Q5_K"}) == ("Q5_K", True)
+    assert not common_type({"Q4_K", "Q6_K"})[1] and not common_type({"Q5_1", "Q8_0"})[1]
+    with pytest.raises(ValueError, match="Q6_K blocks cannot be stored as Q5_K"):
+        widen("Q6_K", random_blocks("Q6_K", 1, 256, rng), "Q5_K")
+
+
+def _check_kernel(ggml: str, n_out: int, vnni: bool, xbits: int, rng: np.random.Generator) -> dict[int, np.ndarray]:
+    layout = LAYOUTS[ggml]
+    in_features = _in_features(ggml)
+    raw = random_blocks(ggml, n_out, in_features, rng)
+    packed = pack(layout, unpack_gguf(layout, raw))
+    weights = _gguf(ggml, raw).astype(np.float64)
+    run = _build(quant_matmul_kernel(layout, n_out, in_features, xbits=xbits, vnni=vnni))
+    dev = tvm.cpu()
+    arrays = [tvm.runtime.tensor(a, dev) for a in packed.values()]
+    x = rng.standard_normal((max(TOKENS), in_features)).astype(np.float32)
+    x[1, :32] = 0.0  # an all-zero block
+    x[2, 32:64] = 0.75  # a constant one
+    rows = {}
+    for n in TOKENS:
+        y = tvm.runtime.tensor(np.full((n, n_out), np.nan, np.float32), dev)
+        run(tvm.runtime.tensor(x[:n], dev), *arrays, y)
+        expected = round_activations(x[:n], xbits).astype(np.float64) @ weights.T
+        np.testing.assert_allclose(y.numpy(), expected, rtol=0, atol=1e-5 * np.abs(expected).max(),
+                                   err_msg=f"{ggml} {n_out} rows, {n} tokens")
+        rows[n] = y.numpy()
+    for n, y in rows.items():  # batch invariance: the first n tokens' rows as in the widest call
+        np.testing.assert_array_equal(y, rows[max(TOKENS)][:n], err_msg=f"{ggml}: {n} tokens")
+    return rows
+
+
+@needs_avx2
+@pytest.mark.parametrize("vnni", TILES)
+@pytest.mark.parametrize("ggml", list(LAYOUTS))
+def test_matmul_matches_numpy_and_is_batch_invariant(ggml: str, vnni: bool) -> None:
+    if LAYOUTS[ggml].codebook and not vnni:
+        with pytest.raises(ValueError, match=f"{ggml} weights need AVX512-VNNI"):
+            quant_matmul_kernel(LAYOUTS[ggml], 37, _in_features(ggml))
+        return
+    _check_kernel(ggml, 37, vnni, 16, np.random.default_rng(2))
+
+
+@needs_avx2
+@pytest.mark.parametrize("ggml", ["Q5_0", "Q6_K"])
+def test_one_row_and_8_bit_activation_codes(ggml: str) -> None:
+    _check_kernel(ggml, 1, False, 8, np.random.default_rng(3))
+
+
+@needs_avx2
+@pytest.mark.skipif(not has_vnni(FEATURES), reason="no AVX512-VNNI")
+@pytest.mark.parametrize("ggml", ["Q4_K", "Q6_K"])
+def test_vnni_tile_gives_the_avx2_tiles_outputs_bit_for_bit(ggml: str) -> None:
+    avx2 = _check_kernel(ggml, 21, False, 16, np.random.default_rng(4))
+    vnni = _check_kernel(ggml, 21, True, 16, np.random.default_rng(4))
+    for n in TOKENS:
+        np.testing.assert_array_equal(avx2[n], vnni[n])
+
+
+@pytest.mark.parametrize("ggml", list(LAYOUTS))
+def test_lookup_gives_the_dequantised_rows_exactly(ggml: str) -> None:
+    rng = np.random.default_rng(5)
+    layout = LAYOUTS[ggml]
+    vocab, hidden = 21, _in_features(ggml)
+    raw = random_blocks(ggml, vocab, hidden, rng)
+    packed = pack(layout, unpack_gguf(layout, raw))
+    ids = np.array([0, 20, 7, 8, 7], np.int32)
+    dev = tvm.cpu()
+    out = tvm.runtime.tensor(np.full((len(ids), hidden), np.nan, np.float32), dev)
+    _build(quant_embed_kernel(layout, vocab, hidden))(
+        tvm.runtime.tensor(ids, dev), *[tvm.runtime.tensor(a, dev) for a in packed.values()], out)
+    np.testing.assert_array_equal(out.numpy().view(np.uint32), _gguf(ggml, raw)[ids].view(np.uint32))
+
+
+def test_bad_shapes_and_types_are_refused() -> None:
+    with pytest.raises(ValueError, match="Q4_K weights need in_features a positive multiple of 256"):
+        quant_matmul_kernel(LAYOUTS["Q4_K"], 8, 576)
+    with pytest.raises(ValueError, match="Q5_0 weights need in_features a positive multiple of 32"):
+        quant_matmul_kernel(LAYOUTS["Q5_0"], 8, 40)
+    with pytest.raises(ValueError, match="x_dtype must be float32 or float16"):
+        quant_matmul_kernel(LAYOUTS["Q6_K"], 8, 256, "int8")
+    with pytest.raises(ValueError, match="activation bits must be one of"):
+        quant_matmul_kernel(LAYOUTS["Q6_K"], 8, 256, xbits=4)
+    with pytest.raises(ValueError, match="whole blocks of 210 bytes"):
+        unpack_gguf(LAYOUTS["Q6_K"], np.zeros((2, 200), np.uint8))
