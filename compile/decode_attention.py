@@ -22,7 +22,8 @@ caps every score, ``s[c] = cap tanh(s[c] / cap)`` in natural units before the ma
 sliding window of the layers that pass a negative ``sm_scale`` (TVM's cache hands a kernel nothing per layer but
 ``sm_scale``, so its sign marks a windowed layer; ``|sm_scale|`` is the scale): the query at position
 ``q_rope_position[b]`` then sees only the keys at positions ``k_rope_pos_offset[b] + c`` less than ``window``
-behind it (the pages stay allocated: masked, not reclaimed). Keys carry RoPE already (the cache uses
+behind it (the pages stay allocated, not reclaimed; decode reads only the pages from the one holding the window's
+first key). Keys carry RoPE already (the cache uses
 ``RopeMode.NORMAL``), so the rotary arguments are unused; pages hold 16 tokens and the head size is a multiple of 8.
 """
 
@@ -182,11 +183,13 @@ def decode_attention_kernel(h_kv: int, h_q: int, d: int, dtype: str = "float32",
         first: T.let = page_indptr[b]
         n_pages: T.let = page_indptr[b + 1] - first
         n: T.let = T.Select(n_pages > 0, (n_pages - 1) * PAGE_SIZE + length_info[b], 0)
-        per: T.let = T.max((n_pages + SPLITS - 1) // SPLITS, MIN_PAGES)
-        p_begin: T.let = unit % SPLITS * per
-        p_end: T.let = T.min(p_begin + per, n_pages)
-        # the first key the query sees (a windowed layer: sm_scale < 0); the keys before it are masked
+        # the first key the query sees (a windowed layer: sm_scale < 0); the keys before it are masked, and the
+        # chunks split only the pages from the one that holds it (no window: from page 0)
         first_key: T.let = first_visible(sm_scale, q_rope_position[b], k_rope_pos_offset[b], window)
+        p_first: T.let = T.min(T.max(first_key, 0) // PAGE_SIZE, n_pages)
+        per: T.let = T.max((n_pages - p_first + SPLITS - 1) // SPLITS, MIN_PAGES)
+        p_begin: T.let = p_first + unit % SPLITS * per
+        p_end: T.let = T.min(p_begin + per, n_pages)
         for h in range(h_q):
             run[0, h] = T.float32(NO_SCORE)
             run[1, h] = T.float32(0)

@@ -27,8 +27,10 @@ import family_models
 import numpy as np
 import pytest
 from family_models import CASES
-from logitproc.compile.families import FAMILIES
+from logitproc.compile.families import FAMILIES, family_named
+from logitproc.compile.gguf_config import config_from_gguf
 from logitproc.compile.gguf_model import load_gguf
+from logitproc.compile.gguf_tokenizer import read_gguf_metadata
 from logitproc.compile.hf_config import config_from_hf
 from logitproc.compile.hf_model import load_hf_dir
 from logitproc.compile.llama_weights import dequantize_blocks, read_gguf_tensors
@@ -279,6 +281,21 @@ def test_gemma_end_of_turn_ends_an_answer(families) -> None:
     assert 107 not in eos_token_ids(model)  # a plain token of that text does not
     model.token_types[107] = 3  # control
     assert eos_token_ids(model)[-1] == 107
+
+
+@pytest.mark.parametrize(("layers", "scalar"), [(2, 32), (46, 64 // 4)])
+def test_gemma2_gguf_query_scale_is_llama_cpps(families, layers: int, scalar: int) -> None:
+    """A Gemma 2 GGUF stores no query_pre_attn_scalar: ``head_dim``, or ``hidden / heads`` for 46 layers (the 27B),
+    as llama.cpp takes it; and a pattern key of one flag per layer names the sliding layers itself."""
+    meta = read_gguf_metadata(families["gemma2"][2])
+    meta["gemma2.block_count"] = layers
+    meta["gemma2.attention.sliding_window_pattern"] = [i % 3 == 0 for i in range(layers)]
+    small = load_gguf(families["gemma2"][2], load_weights=False).config
+    family = family_named("gemma2")
+    shapes = {name: small.stored_shape(parts) for name, parts in family.gguf_file_tensors(layers, True).items()}
+    config = config_from_gguf(meta, shapes, {}, vocab_size=small.vocab)
+    assert config.sm_scale == pytest.approx(scalar ** -0.5)
+    assert config.window_layers == tuple(range(0, layers, 3))
 
 
 def test_gemma2_gguf_without_its_window_is_refused(families, tmp_path: Path) -> None:
