@@ -33,7 +33,7 @@ def _table(values: tuple[float, ...], i: tirx.PrimExpr, lo: int = 0, hi: int | N
 
 
 def rope_kernel(h_kv: int, h_q: int, d: int, inv_freq: tuple[float, ...],
-                dtype: str = "float32", attention_factor: float = 1.0) -> tirx.PrimFunc:
+                dtype: str = "float32", attention_factor: float = 1.0, in_model: bool = False) -> tirx.PrimFunc:
     """RoPE of the fused q/k/v rows: the ``tir_split_rotary`` slot of the KV cache (TVM's computes ``powf`` and
     ``sincosf`` for every element, serially: 35 ms of a 79-token SmolLM2 prefill). Per token ``s`` (tokens in
     parallel chunks) at position ``p = position_map[s]``, with ``inv_freq`` the ``half <= d / 2`` inverse
@@ -46,7 +46,9 @@ def rope_kernel(h_kv: int, h_q: int, d: int, inv_freq: tuple[float, ...],
         (k likewise for heads h_q .. h_q + h_kv - 1 of x = qkv[s]; v[s] = the last h_kv heads, copied)
 
     When ``apply_rope == 0`` q and k are copied unrotated. The angle and the rotation are computed in float32
-    whatever ``dtype`` (the KV cache's: float32 or float16) and rounded to it once."""
+    whatever ``dtype`` (the KV cache's: float32 or float16) and rounded to it once. ``in_model``: the same rotation
+    without the ``apply_rope`` argument, for the model to call itself (``call_tir`` takes the outputs last: Gemma 3
+    rotates each layer by its own frequencies before the cache, whose RoPE slot then only copies)."""
     half, heads = len(inv_freq), h_q + 2 * h_kv
     if not 0 < 2 * half <= d:
         raise ValueError(f"rope_kernel: {half} inverse frequencies for head size {d} (need 1 to {d // 2})")
@@ -68,16 +70,8 @@ def rope_kernel(h_kv: int, h_q: int, d: int, inv_freq: tuple[float, ...],
         for j in range(rest):
             dst[s, h, 2 * half + j] = qkv[s, src_h, 2 * half + j]
 
-    @T.prim_func(private=True)
-    def fused_rope(var_qkv: T.handle, var_position_map: T.handle, var_q: T.handle, var_k: T.handle,
-                   var_v: T.handle, apply_rope: T.int64):
-        T.func_attr({"tirx.noalias": True})
-        seq_len, position_map_elem_offset = T.int32(), T.int32()
-        qkv = T.match_buffer(var_qkv, (seq_len, heads, d), dtype)
-        q = T.match_buffer(var_q, (seq_len, h_q, d), dtype)
-        k = T.match_buffer(var_k, (seq_len, h_kv, d), dtype)
-        v = T.match_buffer(var_v, (seq_len, h_kv, d), dtype)
-        position_map = T.match_buffer(var_position_map, (seq_len,), "int32", elem_offset=position_map_elem_offset)
+    @T.macro
+    def body(qkv, position_map, q, k, v, seq_len, apply_rope):
         for chunk in T.parallel(_CHUNKS):
             cos = T.alloc_buffer((half,), "float32", scope="local")
             sin = T.alloc_buffer((half,), "float32", scope="local")
@@ -93,7 +87,31 @@ def rope_kernel(h_kv: int, h_q: int, d: int, inv_freq: tuple[float, ...],
                     for j in T.vectorized(d):
                         v[s, h, j] = qkv[s, h_q + h_kv + h, j]
 
-    return fused_rope
+    @T.prim_func(private=True)
+    def fused_rope(var_qkv: T.handle, var_position_map: T.handle, var_q: T.handle, var_k: T.handle,
+                   var_v: T.handle, apply_rope: T.int64):
+        T.func_attr({"tirx.noalias": True})
+        seq_len, position_map_elem_offset = T.int32(), T.int32()
+        qkv = T.match_buffer(var_qkv, (seq_len, heads, d), dtype)
+        q = T.match_buffer(var_q, (seq_len, h_q, d), dtype)
+        k = T.match_buffer(var_k, (seq_len, h_kv, d), dtype)
+        v = T.match_buffer(var_v, (seq_len, h_kv, d), dtype)
+        position_map = T.match_buffer(var_position_map, (seq_len,), "int32", elem_offset=position_map_elem_offset)
+        body(qkv, position_map, q, k, v, seq_len, apply_rope)
+
+    @T.prim_func(private=True)
+    def model_rope(var_qkv: T.handle, var_position_map: T.handle, var_q: T.handle, var_k: T.handle,
+                   var_v: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        seq_len, position_map_elem_offset = T.int32(), T.int32()
+        qkv = T.match_buffer(var_qkv, (seq_len, heads, d), dtype)
+        q = T.match_buffer(var_q, (seq_len, h_q, d), dtype)
+        k = T.match_buffer(var_k, (seq_len, h_kv, d), dtype)
+        v = T.match_buffer(var_v, (seq_len, h_kv, d), dtype)
+        position_map = T.match_buffer(var_position_map, (seq_len,), "int32", elem_offset=position_map_elem_offset)
+        body(qkv, position_map, q, k, v, seq_len, T.int64(1))
+
+    return model_rope if in_model else fused_rope
 
 
 #: Names TVM's KV cache gives its RoPE kernel (the function names in the exported module).
@@ -102,15 +120,16 @@ ROPE_NAMES = ("fused_rope", "tir_split_rotary")
 
 def replace_attention_kernels(mod: tvm.IRModule, h_kv: int, h_q: int, d: int,
                               inv_freq: tuple[float, ...] | None = None, dtype: str = "float32",
-                              attention_factor: float = 1.0) -> tvm.IRModule:
+                              attention_factor: float = 1.0, softcap: float = 0.0, window: int = 0) -> tvm.IRModule:
     """``mod`` with the KV cache's CPU attention kernels (prefill, and decode: ``decode_attention.py``) replaced by
     these (same names and signatures), and its RoPE kernel too when ``inv_freq`` is given (``rope_kernel``; the
     cache must use ``RopeMode.NORMAL``; ``attention_factor``: LongRoPE's); ``dtype``: the cache's (its pages, q, k,
-    v and the outputs)."""
+    v and the outputs); ``softcap`` and ``window``: the scores' soft-cap and the sliding window of the layers that
+    pass a negative ``sm_scale`` (``decode_attention.py``; 0: none)."""
     functions = {gv.name_hint: gv for gv in mod.get_global_vars()}
-    replacements = [(RAGGED_NAMES, ragged_prefill_kernel(h_kv, h_q, d, dtype)),
-                    (PAGED_NAMES, paged_prefill_kernel(h_kv, h_q, d, dtype)),
-                    (DECODE_NAMES, decode_attention_kernel(h_kv, h_q, d, dtype))]
+    replacements = [(RAGGED_NAMES, ragged_prefill_kernel(h_kv, h_q, d, dtype, softcap, window)),
+                    (PAGED_NAMES, paged_prefill_kernel(h_kv, h_q, d, dtype, softcap, window)),
+                    (DECODE_NAMES, decode_attention_kernel(h_kv, h_q, d, dtype, softcap, window))]
     if inv_freq is not None:
         replacements.append((ROPE_NAMES, rope_kernel(h_kv, h_q, d, inv_freq, dtype, attention_factor)))
     for candidates, new in replacements:

@@ -17,8 +17,14 @@ pages; key ``c`` at ``pages[page_values[page_indptr[b] + c // 16], 0 or 1, kv_he
     out[b, h] = sum_c 2^(s[c] - max s) v[c] / sum_c 2^(s[c] - max s)
     lse[b, h] = max s + log2(sum_c 2^(s[c] - max s))         # base 2, as the cache's merge expects
 
-(out = 0 and lse = -5e4 when ``n == 0``.) Keys carry RoPE already (the cache uses ``RopeMode.NORMAL``), so the
-rotary arguments are unused; pages hold 16 tokens and the head size is a multiple of 8.
+(out = 0 and lse = -5e4 when ``n == 0``.) Two options, fixed when the kernel is built (Gemma 2/3): ``softcap`` (> 0)
+caps every score, ``s[c] = cap tanh(s[c] / cap)`` in natural units before the mask; ``window`` (> 0) is the
+sliding window of the layers that pass a negative ``sm_scale`` (TVM's cache hands a kernel nothing per layer but
+``sm_scale``, so its sign marks a windowed layer; ``|sm_scale|`` is the scale): the query at position
+``q_rope_position[b]`` then sees only the keys at positions ``k_rope_pos_offset[b] + c`` less than ``window``
+behind it (the pages stay allocated, not reclaimed; decode reads only the pages from the one holding the window's
+first key). Keys carry RoPE already (the cache uses
+``RopeMode.NORMAL``), so the rotary arguments are unused; pages hold 16 tokens and the head size is a multiple of 8.
 """
 
 from __future__ import annotations
@@ -90,16 +96,44 @@ def fold_scores(s, vec, run, row, head, h4, red):
     run[2, head] = rescale
 
 
-def decode_attention_kernel(h_kv: int, h_q: int, d: int, dtype: str = "float32") -> tirx.PrimFunc:
+def soft_capped(score: Any, softcap: float, lanes: int = 1) -> Any:
+    """``score`` (log2 units: natural times log2(e)) capped at ``softcap`` natural units (0: unchanged)."""
+    if not softcap:
+        return score
+    cap = T.float32(softcap * LOG2E) if lanes == 1 else T.broadcast(T.float32(softcap * LOG2E), lanes)
+    return cap * T.tanh(score / cap)
+
+
+def first_visible(sm_scale: Any, q_position: Any, k_offset: Any, window: int) -> Any:
+    """The index of the first key a query sees in a windowed layer (``sm_scale < 0``: see the module doc), the keys'
+    positions starting at ``k_offset``; 0 otherwise."""
+    if not window:
+        return T.int32(0)
+    return T.Select(sm_scale < T.float32(0), q_position - window + 1 - k_offset, 0)
+
+
+def in_window(key: Any, first: Any, window: int, lanes: int, score: Any) -> Any:
+    """``score`` where key index ``key`` >= ``first`` (``first_visible``), else ``NO_SCORE`` (no window: ``score``)."""
+    if not window:
+        return score
+    no_score = T.float32(NO_SCORE) if lanes == 1 else T.broadcast(T.float32(NO_SCORE), lanes)
+    return T.Select(key >= (first if lanes == 1 else T.broadcast(first, lanes)), score, no_score)
+
+
+def decode_attention_kernel(h_kv: int, h_q: int, d: int, dtype: str = "float32", softcap: float = 0.0,
+                            window: int = 0) -> tirx.PrimFunc:
     """The decode attention kernel for ``h_q`` query heads over ``h_kv`` KV heads of size ``d`` (see the module
     doc): TVM's ``batch_decode_paged_kv`` signature, q, pages ``[max_pages, 2, h_kv, 16, d]`` and the output of
-    ``dtype`` (float32 or float16: widened to float32 as they are loaded, F16C's ``vcvtph2ps``)."""
+    ``dtype`` (float32 or float16: widened to float32 as they are loaded, F16C's ``vcvtph2ps``); ``softcap`` and
+    ``window`` as the module doc says (0: none)."""
     if d % LANES:
         raise ValueError(f"head size {d} is not a multiple of {LANES}")
     if h_kv < 1 or h_q % h_kv:
         raise ValueError(f"query heads {h_q} are not a multiple of KV heads {h_kv}")
     if dtype not in ("float32", "float16"):
         raise ValueError(f"KV cache dtype {dtype!r} is not float32 or float16")
+    if softcap < 0 or window < 0:
+        raise ValueError(f"softcap {softcap} and window {window} must not be negative")
     group = h_q // h_kv
     blocks = d // LANES
     words = 2 * h_kv * PAGE_SIZE * d  # elements of a page (keys and values of every KV head)
@@ -131,7 +165,8 @@ def decode_attention_kernel(h_kv: int, h_q: int, d: int, dtype: str = "float32")
                          for t in range(LANES)])
 
     @T.macro
-    def chunk(unit, q, pages, page_indptr, page_values, length_info, part_acc, part_max, part_sum, sm_scale):
+    def chunk(unit, q, pages, page_indptr, page_values, length_info, part_acc, part_max, part_sum, sm_scale,
+              q_rope_position, k_rope_pos_offset):
         """Unit ``unit`` = (sequence, chunk of its pages): the online softmax of every query head over them, page
         after page (a page of every head is contiguous: the chunk streams from memory in order, and the next page
         is prefetched while this one is read); within a page the scores of every query head (its scaled q in 8
@@ -148,14 +183,18 @@ def decode_attention_kernel(h_kv: int, h_q: int, d: int, dtype: str = "float32")
         first: T.let = page_indptr[b]
         n_pages: T.let = page_indptr[b + 1] - first
         n: T.let = T.Select(n_pages > 0, (n_pages - 1) * PAGE_SIZE + length_info[b], 0)
-        per: T.let = T.max((n_pages + SPLITS - 1) // SPLITS, MIN_PAGES)
-        p_begin: T.let = unit % SPLITS * per
+        # the first key the query sees (a windowed layer: sm_scale < 0); the keys before it are masked, and the
+        # chunks split only the pages from the one that holds it (no window: from page 0)
+        first_key: T.let = first_visible(sm_scale, q_rope_position[b], k_rope_pos_offset[b], window)
+        p_first: T.let = T.min(T.max(first_key, 0) // PAGE_SIZE, n_pages)
+        per: T.let = T.max((n_pages - p_first + SPLITS - 1) // SPLITS, MIN_PAGES)
+        p_begin: T.let = p_first + unit % SPLITS * per
         p_end: T.let = T.min(p_begin + per, n_pages)
         for h in range(h_q):
             run[0, h] = T.float32(NO_SCORE)
             run[1, h] = T.float32(0)
             for j in T.vectorized(d):
-                qs[h, j] = T.Cast("float32", q[b, h, j]) * (sm_scale * T.float32(LOG2E))
+                qs[h, j] = T.Cast("float32", q[b, h, j]) * (T.fabs(sm_scale) * T.float32(LOG2E))
                 acc[h, j] = T.float32(0)
         for p in range(p_begin, p_end):
             page: T.let = page_values[first + p]
@@ -167,7 +206,8 @@ def decode_attention_kernel(h_kv: int, h_q: int, d: int, dtype: str = "float32")
                 for half in T.unroll(PAGE_SIZE // LANES):
                     s[h, T.ramp(half * LANES, 1, LANES)] = T.Select(
                         T.ramp(half * LANES, 1, LANES) < T.broadcast(valid, LANES),
-                        scores8(qs, h, pages, page, h // group, half * LANES),
+                        in_window(T.ramp(p * PAGE_SIZE + half * LANES, 1, LANES), first_key, window, LANES,
+                                  soft_capped(scores8(qs, h, pages, page, h // group, half * LANES), softcap, LANES)),
                         T.broadcast(T.float32(NO_SCORE), LANES))
             for h in range(h_q):
                 fold_scores(s, vec, run, h, h, h4, red)
@@ -219,11 +259,11 @@ def decode_attention_kernel(h_kv: int, h_q: int, d: int, dtype: str = "float32")
         if nnz_pages <= SERIAL_PAGES:  # little work: no fork-join (which costs a time slice on a busy machine)
             for unit in range(batch_size * SPLITS):
                 chunk(unit, q, pages, page_indptr, page_values, length_info, part_acc, part_max, part_sum,
-                      sm_scale)
+                      sm_scale, q_rope_position, k_rope_pos_offset)
         else:
             for unit in T.parallel(batch_size * SPLITS):
                 chunk(unit, q, pages, page_indptr, page_values, length_info, part_acc, part_max, part_sum,
-                      sm_scale)
+                      sm_scale, q_rope_position, k_rope_pos_offset)
         for bh in range(batch_size * h_q):  # serial: a few microseconds, one fork-join less per layer
             total = T.alloc_buffer((d,), "float32", scope="local")
             stats = T.alloc_buffer((2,), "float32", scope="local")  # max over the chunks, weighted sum
@@ -240,7 +280,7 @@ def decode_attention_kernel(h_kv: int, h_q: int, d: int, dtype: str = "float32")
                 stats[1] = stats[1] + weight * part_sum[b * SPLITS + sp, h]
                 for j in T.vectorized(d):
                     total[j] = total[j] + weight * part_acc[b * SPLITS + sp, h, j]
-            if stats[1] > T.float32(0):
+            if stats[0] > T.float32(NO_SCORE):  # some key seen (none: every score masked)
                 for j in T.vectorized(d):
                     output[b, bh % h_q, j] = T.Cast(dtype, total[j] / stats[1])
                 lse[b, bh % h_q] = stats[0] + T.log2(stats[1])

@@ -9,7 +9,7 @@ import numpy as np
 
 from .families import family_for_gguf
 from .model_config import LlamaConfig
-from .model_family import GGUF_COMMON_KEYS
+from .model_family import GGUF_COMMON_KEYS, ModelFamily
 from .rope import rope_from_gguf
 
 #: The tensor of Llama 3's RoPE scaling and Phi-3's LongRoPE factors (read into the config, not weights).
@@ -28,6 +28,26 @@ def _positive(meta: dict[str, Any], key: str, default: int | None = None, source
     return value
 
 
+def _windows(meta: dict[str, Any], family: ModelFamily, prefix: str, n_layers: int,
+             source: str) -> tuple[tuple[int, ...], int]:
+    """The sliding-window layers and window of a family with per-layer windows: ``attention.sliding_window`` and
+    ``attention.sliding_window_pattern`` (a layer count or one flag per layer, as llama.cpp reads it; absent: the
+    family's pattern); ``((), 0)`` for other families."""
+    if not family.window_pattern:
+        return (), 0
+    window = _positive(meta, prefix + "attention.sliding_window", source=source)
+    pattern = meta.get(prefix + "attention.sliding_window_pattern", family.window_pattern)
+    if isinstance(pattern, list):
+        if len(pattern) != n_layers or not all(isinstance(p, bool) for p in pattern):
+            raise ValueError(f"{source}: {prefix}attention.sliding_window_pattern must hold a flag for each of the "
+                             f"{n_layers} layers, got {pattern!r}")
+        return tuple(i for i, sliding in enumerate(pattern) if sliding), window
+    if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
+        raise ValueError(f"{source}: {prefix}attention.sliding_window_pattern must be a positive layer count or "
+                         f"a list of flags, got {pattern!r}")
+    return family.window_layers(n_layers, pattern), window
+
+
 def config_from_gguf(meta: dict[str, Any], tensor_shapes: dict[str, tuple[int, ...]],
                      rope_tensors: dict[str, np.ndarray], *, vocab_size: int, source: str = "GGUF") -> LlamaConfig:
     """The ``LlamaConfig`` of a GGUF's metadata ``meta`` (Python values), its tensors' shapes (``[out, in]``: a
@@ -43,6 +63,10 @@ def config_from_gguf(meta: dict[str, Any], tensor_shapes: dict[str, tuple[int, .
     if unknown:
         raise ValueError(f"{source}: key(s) {unknown} are not understood for the {family.name} family; refusing "
                          f"rather than guessing what they change")
+    missing = sorted(k for k in family.gguf_required_keys if prefix + k not in meta)
+    if missing:
+        raise ValueError(f"{source}: key(s) {[prefix + k for k in missing]} are missing (a {family.name} GGUF "
+                         f"needs them)")
     hidden = _positive(meta, prefix + "embedding_length", source=source)
     n_heads = _positive(meta, prefix + "attention.head_count", source=source)
     n_kv = _positive(meta, prefix + "attention.head_count_kv", n_heads, source=source)
@@ -78,6 +102,10 @@ def config_from_gguf(meta: dict[str, Any], tensor_shapes: dict[str, tuple[int, .
     if not eos:
         raise ValueError(f"{source}: tokenizer.ggml.eos_token_id is missing")
     vocab = _positive(meta, prefix + "vocab_size", vocab_size, source=source)
+    window_layers, window = _windows(meta, family, prefix, n_layers, source)
+    query_scale = None
+    if family.gguf_wide_scale_layers:  # llama.cpp's rule (``ModelFamily.gguf_wide_scale_layers``)
+        query_scale = float(hidden // n_heads if n_layers in family.gguf_wide_scale_layers else head_dim) ** -0.5
     config = LlamaConfig(
         architecture=family.name,
         n_layers=n_layers,
@@ -87,6 +115,7 @@ def config_from_gguf(meta: dict[str, Any], tensor_shapes: dict[str, tuple[int, .
         ffn=_positive(meta, prefix + "feed_forward_length", source=source),
         vocab=vocab,
         context=min(_positive(meta, prefix + "context_length", source=source), rope.max_context or 1 << 62,
+                    1 << 62 if family.window_pattern else  # per-layer windows, not a cap
                     _positive(meta, prefix + "attention.sliding_window", 1 << 62, source=source)),
         rope_theta=rope.theta,
         rms_eps=float(meta[prefix + "attention.layer_norm_rms_epsilon"]),
@@ -101,6 +130,13 @@ def config_from_gguf(meta: dict[str, Any], tensor_shapes: dict[str, tuple[int, .
         rope_scaling=rope.kind,
         rope_attention_factor=rope.attention_factor,
         eos_ids=tuple(eos),
+        query_scale=query_scale,
+        attn_softcap=float(meta.get(prefix + "attn_logit_softcapping", 0.0)),
+        final_softcap=float(meta.get(prefix + "final_logit_softcapping", 0.0)),
+        window_layers=window_layers,
+        sliding_window=window,
+        # llama.cpp's default base of the sliding layers (``rope_freq_base_train_swa``), unscaled
+        local_rope_theta=float(meta.get(prefix + "rope.freq_base_swa", 10000.0)) if family.local_rope else 0.0,
     )
     for name, parts in stored.items():
         config.check_shape(name, parts, tensor_shapes[name], source)

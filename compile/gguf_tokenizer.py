@@ -175,8 +175,9 @@ def build_tokenizer(source: GGUFVocab | GGUFModel) -> Tokenizer:
     for index, (token, kind) in enumerate(zip(vocab.tokens, vocab.token_types, strict=True)):
         if kind in (TokenType.CONTROL, TokenType.UNKNOWN) or index in (vocab.bos_id, vocab.eos_id):
             added.append(AddedToken(token, special=True, normalized=False))
-        elif kind == TokenType.USER_DEFINED:
-            added.append(AddedToken(token, special=False, normalized=False))
+        elif kind == TokenType.USER_DEFINED:  # matched in any text; a SentencePiece one holding "▁" (Gemma's runs
+            # of spaces) matches the spaces it stands for, as llama.cpp matches a token's piece: on the normalized text
+            added.append(AddedToken(token, special=False, normalized=vocab.model != "gpt2" and _SPACE in token))
     tokenizer.add_tokens(added)
     tokenizer.post_processor = _post_processor(vocab)
     return tokenizer

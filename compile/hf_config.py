@@ -31,6 +31,8 @@ def _int(cfg: dict[str, Any], key: str, default: int | None = None) -> int:
 #: Sliding-window keys, read for every family (``_context``, ``layer_types`` below); ``max_window_layers`` only
 #: matters with ``use_sliding_window``, which a family that reads it fixes to false.
 _WINDOW_KEYS = ("sliding_window", "use_sliding_window", "layer_types", "max_window_layers")
+#: a layer's attention kind in ``layer_types`` (the sliding ones for a family with ``window_pattern``)
+_LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
 def _check_keys(cfg: dict[str, Any], family: ModelFamily) -> None:
@@ -45,20 +47,86 @@ def _check_keys(cfg: dict[str, Any], family: ModelFamily) -> None:
         if allowed is not None and value not in allowed:
             raise ValueError(f"config.json: {key} = {value!r} is not supported for the {family.name} family "
                              f"(supported: {', '.join(map(repr, allowed))})")
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"config.json: hidden_act {cfg['hidden_act']!r} is not supported (silu)")
+    activation = family.activation.value
+    for key in ("hidden_act", "hidden_activation"):
+        if cfg.get(key, activation) != activation:
+            raise ValueError(f"config.json: {key} {cfg[key]!r} is not supported for the {family.name} family "
+                             f"({activation})")
     layer_types = cfg.get("layer_types")
-    if layer_types is not None and set(layer_types) != {"full_attention"}:
+    if layer_types is not None and not family.window_pattern and set(layer_types) != {"full_attention"}:
         raise ValueError(f"config.json: layer_types {sorted(set(layer_types))} are not supported (full_attention)")
 
 
-def _context(cfg: dict[str, Any], rope: RopeScaling) -> int:
+def _windows(cfg: dict[str, Any], family: ModelFamily, n_layers: int) -> tuple[tuple[int, ...], int]:
+    """The sliding-window layers and the window of a family with per-layer windows (``ModelFamily.window_pattern``):
+    ``layer_types`` when given, else ``sliding_window_pattern`` or the family's pattern; ``((), 0)`` otherwise."""
+    if not family.window_pattern:
+        return (), 0
+    window = cfg.get("sliding_window")
+    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+        raise ValueError(f"config.json: sliding_window must be a positive integer for the {family.name} family, "
+                         f"got {window!r}")
+    patterns = {key: _int(cfg, key) for key in ("sliding_window_pattern", "_sliding_window_pattern") if key in cfg}
+    if len(set(patterns.values())) > 1:
+        raise ValueError(f"config.json: sliding-window patterns {patterns} disagree")
+    layer_types = cfg.get("layer_types")
+    if layer_types is None:
+        return family.window_layers(n_layers, next(iter(patterns.values()), family.window_pattern)), window
+    if not isinstance(layer_types, list) or len(layer_types) != n_layers or not set(layer_types) <= set(_LAYER_TYPES):
+        raise ValueError(f"config.json: layer_types must list {' or '.join(_LAYER_TYPES)} for each of the {n_layers} "
+                         f"layers, got {layer_types!r}")
+    layers = tuple(i for i, kind in enumerate(layer_types) if kind == "sliding_attention")
+    for key, pattern in patterns.items():  # transformers 5 writes both; they must say the same
+        if family.window_layers(n_layers, pattern) != layers:
+            raise ValueError(f"config.json: {key} {pattern} disagrees with layer_types {layer_types}")
+    return layers, window
+
+
+#: transformers' local RoPE base of Gemma 3 when ``rope_local_base_freq`` is absent (``Gemma3TextConfig``)
+_LOCAL_ROPE_THETA = 10000.0
+
+
+def _layer_type_ropes(cfg: dict[str, Any], rope_dim: int) -> tuple[RopeScaling, float]:
+    """The global layers' RoPE and the sliding layers' (unscaled) base of a family with a local RoPE: transformers
+    5's ``rope_parameters`` per layer type, or transformers 4's ``rope_theta`` / ``rope_scaling`` (global) and
+    ``rope_local_base_freq`` (local; absent: transformers' 10000). Refuses a scaled local RoPE."""
+    params = cfg.get("rope_parameters")
+    if params is None:
+        rope = rope_from_hf({k: v for k, v in cfg.items() if k != "rope_local_base_freq"}, rope_dim)
+        local = RopeScaling(float(cfg.get("rope_local_base_freq", _LOCAL_ROPE_THETA)))
+    else:
+        if not isinstance(params, dict) or set(params) != set(_LAYER_TYPES):
+            raise ValueError(f"config.json: rope_parameters must hold {' and '.join(_LAYER_TYPES)} (one RoPE per "
+                             f"layer type), got {params!r}")
+        rest = {k: v for k, v in cfg.items() if k not in ("rope_parameters", "rope_local_base_freq")}
+        rope = rope_from_hf({**rest, "rope_parameters": params["full_attention"]}, rope_dim)
+        bare = {k: v for k, v in rest.items() if k not in ("rope_theta", "rope_scaling")}
+        local = rope_from_hf({**bare, "rope_parameters": params["sliding_attention"]}, rope_dim)
+        if "rope_local_base_freq" in cfg and cfg["rope_local_base_freq"] != local.theta:
+            raise ValueError(f"config.json: rope_local_base_freq {cfg['rope_local_base_freq']} disagrees with "
+                             f"rope_parameters {params['sliding_attention']}")
+    if local.kind != "default" or local.factors:
+        raise ValueError(f"config.json: a scaled RoPE for the sliding layers ({local.kind}) is not supported")
+    return rope, local.theta
+
+
+def _positive_number(cfg: dict[str, Any], key: str) -> float | None:
+    """A positive number at ``key``, or None when absent or null."""
+    value = cfg.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        raise ValueError(f"config.json: {key} must be a positive number or null, got {value!r}")
+    return float(value)
+
+
+def _context(cfg: dict[str, Any], rope: RopeScaling, family: ModelFamily) -> int:
     """``max_position_embeddings``, cut to a sliding window that applies (Mistral v0.1's 4096: within the window
     every token sees every earlier one, so the maths is exact for the whole context served) and to the RoPE
     scaling's ``max_context`` (LongRoPE's original context)."""
     context = min(_int(cfg, "max_position_embeddings", 2048), rope.max_context or 1 << 62)
     window = cfg.get("sliding_window")
-    if window is not None and cfg.get("use_sliding_window", True):
+    if window is not None and cfg.get("use_sliding_window", True) and not family.window_pattern:
         if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
             raise ValueError(f"config.json: sliding_window must be a positive integer or null, got {window!r}")
         context = min(context, window)
@@ -80,7 +148,7 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None
     if head_dim % 2:
         raise ValueError(f"config.json: head_dim {head_dim} must be even for RoPE")
     rope_dim = rotary_dim_from_hf(cfg, head_dim)
-    rope = rope_from_hf(cfg, rope_dim)
+    rope, local_theta = _layer_type_ropes(cfg, rope_dim) if family.local_rope else (rope_from_hf(cfg, rope_dim), 0.0)
     eos = _ids(cfg.get("eos_token_id"), "eos_token_id")
     for extra in _ids((generation or {}).get("eos_token_id"), "generation_config.json eos_token_id"):
         if extra not in eos:
@@ -91,15 +159,18 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None
     n_kv = _int(cfg, "num_key_value_heads", n_heads)
     if n_heads % n_kv:
         raise ValueError(f"config.json: {n_heads} attention heads are not a multiple of {n_kv} KV heads")
+    n_layers = _int(cfg, "num_hidden_layers")
+    window_layers, window = _windows(cfg, family, n_layers)
+    query_scalar = _positive_number(cfg, "query_pre_attn_scalar")
     return LlamaConfig(
         architecture=family.name,
-        n_layers=_int(cfg, "num_hidden_layers"),
+        n_layers=n_layers,
         hidden=hidden,
         n_heads=n_heads,
         n_kv_heads=n_kv,
         ffn=_int(cfg, "intermediate_size"),
         vocab=_int(cfg, "vocab_size"),
-        context=_context(cfg, rope),
+        context=_context(cfg, rope, family),
         rope_theta=rope.theta,
         rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
@@ -113,4 +184,10 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None
         rope_scaling=rope.kind,
         rope_attention_factor=rope.attention_factor,
         eos_ids=tuple(eos),
+        query_scale=None if query_scalar is None else query_scalar ** -0.5,
+        attn_softcap=_positive_number(cfg, "attn_logit_softcapping") or 0.0,
+        final_softcap=_positive_number(cfg, "final_logit_softcapping") or 0.0,
+        window_layers=window_layers,
+        sliding_window=window,
+        local_rope_theta=local_theta,
     )

@@ -4,7 +4,8 @@ A directory with ``config.json``, one or more ``*.safetensors`` and ``tokenizer.
 is read for the chat template and ``generation_config.json`` for more EOS ids when present). ``load_hf_dir(path)``
 returns a ``GGUFModel`` whose config comes from ``hf_config.config_from_hf`` (the family from ``architectures``;
 every key read or refused) and whose weights carry the GGUF names (``ModelFamily.hf_to_gguf_names``), ``[out, in]``
-float32, in the canonical layout (``model_family``: Hugging Face's q/k order), each read from its file when looked
+float32, in the canonical layout (``model_family``: Hugging Face's q/k order; a family's ``hf_norm_offset`` added to
+its norm weights, as llama.cpp's converter adds it), each read from its file when looked
 up (``LazyWeights``: a compile holds one tensor at a time). The tokenizer is the directory's
 own: its JSON rides along in ``metadata["tokenizer.huggingface.json"]`` (the compiler saves it as is); the
 vocabulary and merges are also unpacked into ``tokens``/``merges``.
@@ -74,11 +75,28 @@ def read_safetensor(path: Path, name: str, rows: slice = slice(None)) -> np.ndar
         return np.ascontiguousarray(handle.get_slice(name)[rows], dtype=np.float32)
 
 
+def _offset(read: Callable[[], np.ndarray], offset: float) -> np.ndarray:
+    """``read()`` plus ``offset`` (float32)."""
+    return read() + np.float32(offset)
+
+
 def _vocabulary(tokenizer: dict[str, Any]) -> tuple[list[str], list[int], list[str]]:
+    """Tokens by id, their types (3: special added tokens, 1: the others) and the merges (a Unigram model has
+    none) of a ``tokenizer.json`` whose model is ``BPE`` (byte-level or SentencePiece-style) or ``Unigram``
+    (``[piece, score]`` pairs in id order)."""
     model = tokenizer["model"]
-    if model.get("type") != "BPE":
-        raise ValueError(f"tokenizer model {model.get('type')!r} is not supported (byte-level BPE only)")
-    vocab: dict[str, int] = dict(model["vocab"])
+    kind = model.get("type")
+    if kind == "BPE":
+        vocab: dict[str, int] = dict(model["vocab"])
+    elif kind == "Unigram":
+        vocab = {}
+        for index, entry in enumerate(model["vocab"]):
+            if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str)):
+                raise ValueError(f"tokenizer.json: Unigram vocab entry {index} must be [piece, score], got "
+                                 f"{entry!r:.60}")
+            vocab.setdefault(entry[0], index)
+    else:
+        raise ValueError(f"tokenizer model {kind!r} is not supported (BPE or Unigram)")
     special: set[int] = set()
     for added in tokenizer.get("added_tokens", []):
         vocab[added["content"]] = added["id"]
@@ -123,6 +141,8 @@ def load_hf_dir(directory: str | os.PathLike[str]) -> GGUFModel:
                 rows = None if len(names[name]) == 1 else config.tensor_shape(part)[0]
                 loaders[part] = functools.partial(read_safetensor, file, name,
                                                   slice(start, None if rows is None else start + rows))
+                if family.hf_norm_offset and part.endswith("norm.weight"):  # Gemma's (1 + w): canonical w + 1
+                    loaders[part] = functools.partial(_offset, loaders[part], family.hf_norm_offset)
                 start += rows or 0
     weights = LazyWeights(loaders)
     expected = set(family.tensor_names(config.n_layers, config.tied_embeddings))
@@ -152,6 +172,8 @@ def write_hf_dir(model: GGUFModel, directory: str | os.PathLike[str]) -> Path:
         raise ValueError("write_hf_dir writes unscaled RoPE only")
     if family.hf_fused:
         raise ValueError(f"write_hf_dir does not fuse tensors ({family.name})")
+    if family.hf_norm_offset or family.window_pattern or family.embed_scaled:
+        raise ValueError(f"write_hf_dir writes Llama-like families only, not {family.name}")
     to_hf = {gguf[0]: hf for hf, gguf in family.hf_to_gguf_names(cfg.n_layers).items()}
     save_file({to_hf[name]: np.ascontiguousarray(array, dtype=np.float32) for name, array in model.weights.items()},
               str(path / "model.safetensors"))

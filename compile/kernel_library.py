@@ -33,9 +33,9 @@ import tvm
 from logitproc import __version__
 from logitproc.runtime.kernel_library import MANIFEST, MANIFEST_FORMAT, KernelLibrary
 
+from ..runtime.targets import TargetSpec, resolve_target
 from .cache_lock import cache_entry_lock
 from .device_code import capture_rocm_code_objects, compile_cuda, cuda_compiler_available, prepare_rocm_env
-from .targets import TargetSpec, resolve_target
 
 __all__ = ["KERNEL_OBJECT", "MANIFEST", "MANIFEST_FORMAT", "KernelLibrary", "build_in_cache", "build_kernels",
            "cache_key", "cache_root", "kernel_entries", "source_hash", "write_manifest"]
@@ -44,7 +44,7 @@ __all__ = ["KERNEL_OBJECT", "MANIFEST", "MANIFEST_FORMAT", "KernelLibrary", "bui
 KERNEL_OBJECT = "kernels.o"
 _PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 #: What a kernel build depends on: every kernel source, and the compiler modules that turn them into artifacts.
-_HASHED_SOURCES = ("tir_kernels/*.py", "compile/kernel_library.py", "compile/targets.py", "compile/device_code.py")
+_HASHED_SOURCES = ("tir_kernels/*.py", "compile/kernel_library.py", "runtime/targets.py", "compile/device_code.py")
 
 
 def source_hash() -> str:

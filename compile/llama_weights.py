@@ -132,6 +132,9 @@ def iter_relax_weights(model: GGUFModel, spec: LlamaSpec,
         yield from put(f"layers.{i}.mlp.down.w", "down", [p + "ffn_down.weight"], i)
         yield f"layers.{i}.attn_norm.weight", vector(p + "attn_norm.weight")
         yield f"layers.{i}.ffn_norm.weight", vector(p + "ffn_norm.weight")
+        if spec.sandwich_norms:
+            yield f"layers.{i}.post_attn_norm.weight", vector(p + "post_attention_norm.weight")
+            yield f"layers.{i}.post_ffn_norm.weight", vector(p + "post_ffw_norm.weight")
 
 
 def relax_weights(model: GGUFModel, spec: LlamaSpec, raw: RawTensors | None = None) -> dict[str, np.ndarray]:

@@ -49,6 +49,7 @@ import numpy as np
 import tvm
 from logitproc.quiet_stderr import filtered_stderr
 
+from ..runtime.targets import TargetSpec, build_features, resolve_target
 from .gguf_model import GGUFModel, load_gguf
 from .gguf_tensors import RawTensors
 from .integer_matvec import has_int8_dot
@@ -66,7 +67,6 @@ from .kernel_library import (
 from .llama_weights import iter_relax_weights, read_gguf_tensors, save_params
 from .packed_matvec import ACTIVATION_BITS, DEFAULT_ACTIVATION_BITS, has_vnni
 from .relax_llama import DEFAULT_KV_DTYPE, KV_DTYPES, LlamaSpec, export_llama
-from .targets import TargetSpec, build_features, resolve_target
 from .tokenizer_source import ModelTokenizer, from_gguf_file, from_hf_dir, from_model
 
 ModelSource = str | os.PathLike[str] | GGUFModel | None
@@ -214,10 +214,11 @@ def _slug(name: str) -> str:
 
 def eos_token_ids(model: GGUFModel) -> list[int]:
     """The ids that end a turn: the model's EOS list (``LlamaConfig.eos_ids``: config lists, generation config,
-    GGUF eos/eot/eom) plus ``<|im_end|>`` and ``<|endoftext|>`` when they are special tokens. Raises ValueError
-    when there is none (an answer would never end)."""
+    GGUF eos/eot/eom) plus ``<|im_end|>``, ``<|endoftext|>`` and Gemma's ``<end_of_turn>`` when they are special
+    tokens (llama.cpp ends a generation at them too). Raises ValueError when there is none (an answer would never
+    end)."""
     ids = list(model.config.eos_ids)
-    for token in ("<|im_end|>", "<|endoftext|>"):
+    for token in ("<|im_end|>", "<|endoftext|>", "<end_of_turn>"):
         if token in model.tokens:
             index = model.tokens.index(token)
             if index in model.special_token_ids and index not in ids:

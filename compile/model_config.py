@@ -39,6 +39,33 @@ class LlamaConfig:
     rope_attention_factor: float = 1.0
     #: every id that ends a turn: ``eos_token_id`` lists, ``generation_config.json``, GGUF ``eos``/``eot``/``eom``
     eos_ids: tuple[int, ...] = ()
+    #: the attention's scale of q k (Gemma's ``query_pre_attn_scalar ** -0.5``); None: ``head_dim ** -0.5``
+    query_scale: float | None = None
+    #: attention scores become ``cap * tanh(score / cap)`` (Gemma 2's ``attn_logit_softcapping``); 0: none
+    attn_softcap: float = 0.0
+    #: the logits become ``cap * tanh(logit / cap)`` (Gemma 2's ``final_logit_softcapping``); 0: none
+    final_softcap: float = 0.0
+    #: the layers (indices) whose queries see only the last ``sliding_window`` positions, their own included
+    #: (a key at position j is seen from position i when ``i - j < sliding_window``); the others see every position
+    window_layers: tuple[int, ...] = ()
+    sliding_window: int = 0
+    #: the RoPE base of the ``window_layers``, unscaled (Gemma 3's local base); 0: every layer takes ``rope``
+    local_rope_theta: float = 0.0
+
+    @property
+    def sm_scale(self) -> float:
+        """The factor of the attention scores ``q . k`` (``query_scale``, else ``1 / sqrt(head_dim)``)."""
+        return float(self.query_scale) if self.query_scale is not None else 1.0 / float(self.head_dim) ** 0.5
+
+    def layer_rope(self, layer: int) -> RopeScaling:
+        """The RoPE of layer ``layer``: the local one of a sliding layer (``local_rope_theta``), else ``rope``."""
+        if self.local_rope_theta and layer in self.window_layers:
+            return RopeScaling(self.local_rope_theta)
+        return self.rope
+
+    def layer_window(self, layer: int) -> int:
+        """The sliding window of layer ``layer`` (0: it sees every earlier position)."""
+        return self.sliding_window if layer in self.window_layers else 0
 
     @property
     def n_rep(self) -> int:
@@ -59,7 +86,8 @@ class LlamaConfig:
                   "attn_norm.weight": (h,), "ffn_norm.weight": (h,), "attn_q.weight": (q, h), "attn_k.weight": (kv, h),
                   "attn_v.weight": (kv, h), "attn_output.weight": (h, q), "ffn_gate.weight": (f, h),
                   "ffn_up.weight": (f, h), "ffn_down.weight": (h, f), "attn_q.bias": (q,), "attn_k.bias": (kv,),
-                  "attn_v.bias": (kv,), "attn_q_norm.weight": (d,), "attn_k_norm.weight": (d,)}
+                  "attn_v.bias": (kv,), "attn_q_norm.weight": (d,), "attn_k_norm.weight": (d,),
+                  "post_attention_norm.weight": (h,), "post_ffw_norm.weight": (h,)}
         if suffix not in shapes:
             raise ValueError(f"{name} is not a weight of any supported family")
         return shapes[suffix]

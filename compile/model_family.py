@@ -1,16 +1,19 @@
 """The declarative description of a decoder family (``ModelFamily``) that every loader, the numpy reference and the
 Relax builder read instead of special cases.
 
-A family is what differs between the Llama-like decoders this project runs: the optional q/k/v biases, the per-head
-RMS norm of q and k (QK-norm), whether llama.cpp stores q/k rows permuted for adjacent-pair RoPE, the tensor names
-in Hugging Face checkpoints, and the ``config.json`` / GGUF keys the family understands. Everything else is shared
-(``docs/model.md``): pre-norm RMSNorm blocks, SwiGLU MLP, RoPE rotating the two halves of each head, grouped-query
-attention, an optional separate output head. A family is one small file in ``compile/families/`` naming a
-``ModelFamily``; ``compile/families/__init__.py`` lists them.
+A family is what differs between the decoders this project runs: the optional q/k/v biases, the per-head RMS norm
+of q and k (QK-norm), whether llama.cpp stores q/k rows permuted for adjacent-pair RoPE, the MLP's activation (SiLU
+or gelu-tanh), where the norms sit (before, or before and after: Gemma), ``(1 + w)`` norms stored as ``w`` by
+Hugging Face, the scaled embedding, per-layer sliding windows and a local RoPE (Gemma 2/3), the tensor names in
+Hugging Face checkpoints, and the ``config.json`` / GGUF keys the family understands. Numbers (attention scale,
+soft-caps, windows) are the config's (``LlamaConfig``). Everything else is shared (``docs/model.md``): RMSNorm blocks,
+a gated MLP, RoPE rotating the two halves of each head, grouped-query attention, an optional separate output head. A
+family is one small file in ``compile/families/`` naming a ``ModelFamily``; ``compile/families/__init__.py`` lists
+them.
 
 Canonical weights: every loader gives tensors by llama.cpp's GGUF names (``token_embd.weight``,
 ``blk.{i}.attn_q.weight``, ...), ``[out, in]``, with q/k rows in Hugging Face's half-rotation order (a ``llama``
-GGUF's adjacent-pair rows are un-permuted when read).
+GGUF's adjacent-pair rows are un-permuted when read) and Gemma's norm weights as ``w + 1``, as llama.cpp stores them.
 """
 
 from __future__ import annotations
@@ -20,15 +23,18 @@ from dataclasses import dataclass, field
 
 
 class Activation(enum.Enum):
-    """The MLP's gate activation."""
+    """The MLP's gate activation: ``SILU`` (SwiGLU) or ``GELU_TANH`` (GeGLU, gelu's tanh approximation)."""
 
     SILU = "silu"
+    GELU_TANH = "gelu_pytorch_tanh"
 
 
 class NormPlacement(enum.Enum):
-    """Where the RMS norms sit in a block: ``PRE`` = before attention and before the MLP (Llama)."""
+    """Where the RMS norms sit in a block: ``PRE`` = before attention and before the MLP (Llama); ``SANDWICH`` =
+    also after each, on its output before the residual add (Gemma 2/3: ``post_attention_norm``, ``post_ffw_norm``)."""
 
     PRE = "pre"
+    SANDWICH = "sandwich"
 
 
 #: Per-layer tensors every family has: GGUF suffix -> Hugging Face suffix (under ``model.layers.{i}.``).
@@ -51,6 +57,13 @@ QKV_BIAS_TENSORS: dict[str, str] = {
 QK_NORM_TENSORS: dict[str, str] = {
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
+}
+#: The norms after attention and after the MLP of a ``SANDWICH`` block, and Gemma's names for all four norms.
+SANDWICH_TENSORS: dict[str, str] = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
 #: Model-level tensors: GGUF name -> Hugging Face name (``output.weight`` only without tied embeddings).
 TOP_TENSORS: dict[str, str] = {
@@ -118,11 +131,39 @@ class ModelFamily:
     gguf_fused: dict[str, tuple[str, ...]] = field(default_factory=dict)
     #: model-level GGUF tensors read into the config (RoPE factors), not weights
     gguf_rope_tensors: tuple[str, ...] = ("rope_freqs.weight",)
+    #: added to every RMS norm weight read from a Hugging Face checkpoint: Gemma's norms multiply by ``1 + w`` and
+    #: store ``w``; llama.cpp's converter stores ``w + 1`` in the GGUF, which is the canonical form (plain RMSNorm)
+    hf_norm_offset: float = 0.0
+    #: the token embeddings are multiplied by ``sqrt(hidden)`` before the first layer (Gemma)
+    embed_scaled: bool = False
+    #: layers have sliding windows of their own (Gemma 2/3; without it a window caps the served context instead:
+    #: Mistral v0.1, exact within the window): by ``layer_types`` (Hugging Face) or the GGUF's
+    #: ``attention.sliding_window_pattern``, else this default: in each run of ``window_pattern`` layers all but
+    #: the last slide (transformers' and llama.cpp's rule); 0: no per-layer windows
+    window_pattern: int = 0
+    #: the sliding-window layers rotate by a RoPE of their own: an unscaled base (Gemma 3's ``rope_local_base_freq``;
+    #: transformers 5: ``rope_parameters["sliding_attention"]``), the global layers by the model's RoPE
+    local_rope: bool = False
+    #: GGUF keys (after ``{arch}.``) a file of this family must have (where llama.cpp would fall back to a default)
+    gguf_required_keys: frozenset[str] = frozenset()
+    #: GGUF block counts whose q is scaled by ``(hidden / heads) ** -0.5`` rather than ``head_dim ** -0.5``
+    #: (llama.cpp's rule for Gemma's 27B models, whose GGUFs do not store ``query_pre_attn_scalar``)
+    gguf_wide_scale_layers: tuple[int, ...] = ()
+
+    def window_layers(self, n_layers: int, pattern: int | None = None) -> tuple[int, ...]:
+        """The sliding-window layers of ``n_layers`` under ``pattern`` (default: the family's ``window_pattern``):
+        in each run of ``pattern`` layers all but the last (``pattern`` 1: none)."""
+        pattern = self.window_pattern if pattern is None else pattern
+        if pattern < 1:
+            raise ValueError(f"a sliding-window pattern must be a positive layer count, got {pattern}")
+        return tuple(i for i in range(n_layers) if (i + 1) % pattern)
 
     @property
     def layer_tensors(self) -> dict[str, str]:
         """Per-layer tensors: GGUF suffix -> Hugging Face suffix."""
         tensors = dict(BASE_LAYER_TENSORS)
+        if self.norm_placement is NormPlacement.SANDWICH:
+            tensors.update(SANDWICH_TENSORS)
         if self.qkv_bias:
             tensors.update(QKV_BIAS_TENSORS)
         if self.qk_norm:

@@ -19,9 +19,12 @@ Operation, for each query token ``i`` of sequence ``b`` (position ``r = i - q_in
     out[i, h] = sum_c 2^(s[c] - max s) v[c] / sum_c 2^(s[c] - max s)
     lse[i, h] = max s + log2(sum_c 2^(s[c] - max s))          # base 2, as the cache's merge expects
 
-(out = 0 and lse = -5e4 when ``n <= 0``.) The keys are ``k[kv_indptr[b] + c]`` (ragged) or the sequence's pages
-(paged: ``kv_len_b = (pages - 1) * 16 + length_info[b]``). RoPE has already been applied to q and k (the cache
-uses ``RopeMode.NORMAL``), so the rotary arguments are unused; pages hold 16 tokens, no sliding window.
+(out = 0 and lse = -5e4 when ``n <= 0``.) ``softcap`` and ``window`` (Gemma 2/3; 0: none) as in
+``decode_attention.py``: the scores capped, and in a layer that passes a negative ``sm_scale`` each query sees only
+the keys less than ``window`` positions behind it (by ``q_rope_position`` and ``k_rope_pos_offset``). The keys are
+``k[kv_indptr[b] + c]`` (ragged) or the sequence's pages (paged: ``kv_len_b = (pages - 1) * 16 +
+length_info[b]``). RoPE has already been applied to q and k (the cache uses ``RopeMode.NORMAL``), so the rotary
+arguments are unused; pages hold 16 tokens.
 """
 
 from __future__ import annotations
@@ -29,7 +32,18 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .decode_attention import EMPTY_LSE, LANES, LOG2E, NO_SCORE, PAGE_SIZE, fold_scores, reduce_lanes
+from .decode_attention import (
+    EMPTY_LSE,
+    LANES,
+    LOG2E,
+    NO_SCORE,
+    PAGE_SIZE,
+    first_visible,
+    fold_scores,
+    in_window,
+    reduce_lanes,
+    soft_capped,
+)
 
 #: Query tokens per unit of work (times the query heads of a KV head: the rows sharing each key tile).
 QUERY_BLOCK = 8
@@ -38,9 +52,11 @@ TILE = PAGE_SIZE
 
 
 @T.macro
-def _attend_block(q, i0, rows_q, hk, group, d, limit, n_max, key, value, output, lse, sm_scale, dtype):
-    """Rows (query token i0 + tq, head hk * group + g) for tq < rows_q, each seeing keys c < limit[tq], against
-    keys key(c, j) and values value(c, j) for c < n_max; writes output and lse of those rows."""
+def _attend_block(q, i0, rows_q, hk, group, d, limit, n_max, key, value, output, lse, sm_scale, dtype, first_key,
+                  window, softcap):
+    """Rows (query token i0 + tq, head hk * group + g) for tq < rows_q, each seeing keys c < limit[tq] (and, with a
+    ``window``, c >= first_key[tq]), against keys key(c, j) and values value(c, j) for c < n_max, the scores capped by
+    ``softcap``; writes output and lse of those rows."""
     qs = T.alloc_buffer((QUERY_BLOCK * group, d), "float32")
     acc = T.alloc_buffer((QUERY_BLOCK * group, d), "float32")
     s = T.alloc_buffer((QUERY_BLOCK * group, TILE), "float32")
@@ -54,7 +70,7 @@ def _attend_block(q, i0, rows_q, hk, group, d, limit, n_max, key, value, output,
         run[1, r] = T.float32(0)
         for j in T.vectorized(d):
             qs[r, j] = T.Cast("float32", q[i0 + r // group, hk * group + r % group, j]) * (
-                sm_scale * T.float32(LOG2E))
+                T.fabs(sm_scale) * T.float32(LOG2E))
             acc[r, j] = T.float32(0)
     for tile in range((n_max + TILE - 1) // TILE):
         c0: T.let = tile * TILE
@@ -69,7 +85,8 @@ def _attend_block(q, i0, rows_q, hk, group, d, limit, n_max, key, value, output,
                         vec[r, lane] = vec[r, lane] + qs[r, blk * LANES + lane] * T.Cast(
                             "float32", key(c0 + t, blk * LANES + lane))
                 reduce_lanes(vec, r, T.Add, h4, red)
-                s[r, t] = T.Select(c0 + t < limit[r // group], red[0], T.float32(NO_SCORE))
+                s[r, t] = in_window(c0 + t, first_key[r // group], window, 1, T.Select(
+                    c0 + t < limit[r // group], soft_capped(red[0], softcap), T.float32(NO_SCORE)))
         for t in range(in_tile, TILE):
             for r in range(rows_q * group):
                 s[r, t] = T.float32(NO_SCORE)
@@ -86,7 +103,7 @@ def _attend_block(q, i0, rows_q, hk, group, d, limit, n_max, key, value, output,
             for j in T.vectorized(d):
                 acc[r, j] = acc_row[j]
     for r in range(rows_q * group):
-        if run[1, r] > T.float32(0):
+        if run[0, r] > T.float32(NO_SCORE):  # some key seen (none: every score masked)
             for j in T.vectorized(d):
                 output[i0 + r // group, hk * group + r % group, j] = T.Cast(dtype, acc[r, j] / run[1, r])
             lse[i0 + r // group, hk * group + r % group] = run[0, r] + T.log2(run[1, r])
@@ -104,7 +121,8 @@ def _check(h_kv: int, h_q: int, d: int) -> int:
     return h_q // h_kv
 
 
-def ragged_prefill_kernel(h_kv: int, h_q: int, d: int, dtype: str = "float32") -> tirx.PrimFunc:
+def ragged_prefill_kernel(h_kv: int, h_q: int, d: int, dtype: str = "float32", softcap: float = 0.0,
+                          window: int = 0) -> tirx.PrimFunc:
     """New tokens against themselves: the ``tir_attention_prefill_ragged_cpu`` slot of the KV cache."""
     group = _check(h_kv, h_q, d)
 
@@ -129,6 +147,7 @@ def ragged_prefill_kernel(h_kv: int, h_q: int, d: int, dtype: str = "float32") -
         blocks: T.let = (qo_len + QUERY_BLOCK - 1) // QUERY_BLOCK  # at most, per sequence
         for unit in T.parallel(batch_size * blocks * h_kv):
             limit = T.alloc_buffer((QUERY_BLOCK,), "int32", scope="local")
+            first_key = T.alloc_buffer((QUERY_BLOCK,), "int32", scope="local")
             b: T.let = unit // (blocks * h_kv)
             zig: T.let = unit // h_kv % blocks
             blk: T.let = T.Select(zig % 2 == 0, zig // 2, blocks - 1 - zig // 2)
@@ -140,15 +159,19 @@ def ragged_prefill_kernel(h_kv: int, h_q: int, d: int, dtype: str = "float32") -
                 rows_q: T.let = T.min(QUERY_BLOCK, qo - blk * QUERY_BLOCK)
                 for tq in range(QUERY_BLOCK):
                     limit[tq] = T.Select(causal > 0, T.min(kv_b - qo + blk * QUERY_BLOCK + tq + 1, kv_b), kv_b)
+                for tq in range(rows_q):
+                    first_key[tq] = first_visible(sm_scale, q_rope_position[q_indptr[b] + blk * QUERY_BLOCK + tq],
+                                              k_rope_pos_offset[b], window)
                 n_max: T.let = T.Select(causal > 0, T.min(kv_b - qo + blk * QUERY_BLOCK + rows_q, kv_b), kv_b)
                 _attend_block(q, q_indptr[b] + blk * QUERY_BLOCK, rows_q, hk, group, d, limit, n_max,
                               lambda c, x: k[kv0 + c, hk, x], lambda c, x: v[kv0 + c, hk, x], output, lse,
-                              sm_scale, dtype)
+                              sm_scale, dtype, first_key, window, softcap)
 
     return attention_prefill_ragged
 
 
-def paged_prefill_kernel(h_kv: int, h_q: int, d: int, dtype: str = "float32") -> tirx.PrimFunc:
+def paged_prefill_kernel(h_kv: int, h_q: int, d: int, dtype: str = "float32", softcap: float = 0.0,
+                         window: int = 0) -> tirx.PrimFunc:
     """New tokens against the cached ones in the pages: the ``tir_attention_prefill_cpu`` slot of the KV cache."""
     group = _check(h_kv, h_q, d)
 
@@ -176,6 +199,7 @@ def paged_prefill_kernel(h_kv: int, h_q: int, d: int, dtype: str = "float32") ->
         blocks: T.let = (total_len + QUERY_BLOCK - 1) // QUERY_BLOCK  # at most, per sequence
         for unit in T.parallel(batch_size * blocks * h_kv):
             limit = T.alloc_buffer((QUERY_BLOCK,), "int32", scope="local")
+            first_key = T.alloc_buffer((QUERY_BLOCK,), "int32", scope="local")
             b: T.let = unit // (blocks * h_kv)
             zig: T.let = unit // h_kv % blocks
             blk: T.let = T.Select(zig % 2 == 0, zig // 2, blocks - 1 - zig // 2)
@@ -188,11 +212,14 @@ def paged_prefill_kernel(h_kv: int, h_q: int, d: int, dtype: str = "float32") ->
                 rows_q: T.let = T.min(QUERY_BLOCK, qo - blk * QUERY_BLOCK)
                 for tq in range(QUERY_BLOCK):
                     limit[tq] = T.Select(causal > 0, T.min(kv_b - qo + blk * QUERY_BLOCK + tq + 1, kv_b), kv_b)
+                for tq in range(rows_q):
+                    first_key[tq] = first_visible(sm_scale, q_rope_position[q_indptr[b] + blk * QUERY_BLOCK + tq],
+                                              k_rope_pos_offset[b], window)
                 n_max: T.let = T.Select(causal > 0, T.min(kv_b - qo + blk * QUERY_BLOCK + rows_q, kv_b), kv_b)
                 _attend_block(q, q_indptr[b] + blk * QUERY_BLOCK, rows_q, hk, group, d, limit, n_max,
                               lambda c, x: pages[page_values[first + c // PAGE_SIZE], 0, hk, c % PAGE_SIZE, x],
                               lambda c, x: pages[page_values[first + c // PAGE_SIZE], 1, hk, c % PAGE_SIZE, x],
-                              output, lse, sm_scale, dtype)
+                              output, lse, sm_scale, dtype, first_key, window, softcap)
 
     return attention_prefill_paged
 

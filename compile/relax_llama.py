@@ -22,6 +22,12 @@ Per layer (as ``serve/numpy_llama.py``; what differs between families is read fr
     h = rmsnorm(x) * ffn_norm;   g, u = split(h @ Wgate_up.T)
     x += (silu(g) * u) @ Wdown.T
 
+Gemma (the spec's ``sandwich_norms``, ``activation``, ``embed_scale``, ``sm_scale``, soft-caps, ``window_layers``,
+``local_rope_inv_freq``): the embedding times ``sqrt(hidden)``; each block's attention and MLP outputs normed again
+before the add; ``gelu_tanh(g) * u``; the attention scale ``query_pre_attn_scalar ** -0.5``, its scores soft-capped
+and a sliding layer's window applied in the attention kernels (``decode_attention.py``: the layer passes its scale
+negated); Gemma 3's layers rotate q and k themselves, each by its own frequencies; the logits soft-capped.
+
 Layout: the loaders give q/k rows in Hugging Face's half-rotation order (``model_family``), the order the KV
 cache's RoPE rotates; ``llama_weights.relax_weights`` (the weight loader, a module of its own) fuses q, k, v into
 one projection, gate and up into another.
@@ -48,11 +54,12 @@ from tvm import tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedKVCache
 
-from .attention_kernels import replace_attention_kernels
+from .attention_kernels import replace_attention_kernels, rope_kernel
 from .families import family_named
 from .gguf_model import GGUFModel
 from .gguf_tensors import RawTensors
 from .linear_kernels import embed_kernel, integer_linear_kernel, linear_kernel, param_shapes, swiglu_kernel
+from .model_family import Activation, NormPlacement
 from .packed_matvec import (
     DEFAULT_ACTIVATION_BITS,
     packed_q4_1_kernel,
@@ -63,6 +70,7 @@ from .packed_matvec import (
 )
 from .quant_formats import BY_FORMAT, LAYOUTS, common_type
 from .quant_matvec import quant_embed_kernel, quant_matmul_kernel
+from .rope import RopeScaling
 
 #: Weight formats stored as the GGUF's quantised blocks.
 QUANTISED = ("q4_1", "q8_0")
@@ -122,6 +130,22 @@ class LlamaSpec:
     #: the target has AVX512-VNNI (``packed_matvec.has_vnni``): the packed Q4_1 matmuls' VNNI tile (the same
     #: outputs, fewer instructions) and a packed Q8_0 output head (``packed``)
     vnni: bool = False
+    #: the MLP's gate activation (``model_family.Activation`` value: ``silu`` or ``gelu_pytorch_tanh``)
+    activation: str = "silu"
+    #: RMS norms also after attention and after the MLP (``NormPlacement.SANDWICH``: Gemma)
+    sandwich_norms: bool = False
+    #: the embeddings' factor (Gemma: ``sqrt(hidden)``), the attention's scale (0: ``1 / sqrt(head_dim)``) and the
+    #: soft-caps of the attention scores and of the logits (0: none)
+    embed_scale: float = 1.0
+    sm_scale: float = 0.0
+    attn_softcap: float = 0.0
+    final_softcap: float = 0.0
+    #: the sliding window of the layers ``window_layers`` (``LlamaConfig``); 0: none
+    sliding_window: int = 0
+    window_layers: tuple[int, ...] = ()
+    #: the inverse frequencies of the ``window_layers``' own RoPE (Gemma 3's local base); set, every layer rotates q
+    #: and k itself (``attention_kernels.rope_kernel(in_model=True)``) and the cache's RoPE only copies
+    local_rope_inv_freq: tuple[float, ...] = ()
 
     def packed(self, kind: str, layer: int | None = None, fmt: str | None = None) -> bool:
         """Whether weight kind ``kind`` (of ``layer``; stored in ``fmt``, by default its format) is stored
@@ -181,7 +205,13 @@ class LlamaSpec:
             qkv_bias=family.qkv_bias, qk_norm=family.qk_norm,
             rope_inv_freq=tuple(float(f) for f in cfg.rope.inverse_frequencies(cfg.rope_dim)),
             rope_dim=cfg.rope_dim, rope_attention_factor=float(cfg.rope_attention_factor),
-            formats=tuple(formats),
+            formats=tuple(formats), activation=family.activation.value,
+            sandwich_norms=family.norm_placement is NormPlacement.SANDWICH,
+            embed_scale=float(np.float32(np.sqrt(cfg.hidden))) if family.embed_scaled else 1.0,
+            sm_scale=cfg.sm_scale, attn_softcap=float(cfg.attn_softcap), final_softcap=float(cfg.final_softcap),
+            sliding_window=cfg.sliding_window if cfg.window_layers else 0, window_layers=cfg.window_layers,
+            local_rope_inv_freq=tuple(float(f) for f in RopeScaling(cfg.local_rope_theta).inverse_frequencies(
+                cfg.rope_dim)) if cfg.local_rope_theta and cfg.window_layers else (),
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -355,8 +385,10 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(spec.head_dim, spec.rms_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_eps) if spec.qk_norm else None
 
-    def forward(self, x: nn.Tensor, kv_cache: PagedKVCache, layer: int, b: Any, t: Any, mode: str) -> nn.Tensor:
-        """``x[b t, hidden]`` (the tokens of ``b`` sequences of ``t`` each, flat) -> ``[b t, hidden]``."""
+    def forward(self, x: nn.Tensor, kv_cache: PagedKVCache, layer: int, b: Any, t: Any, mode: str,
+                positions: nn.Tensor | None = None) -> nn.Tensor:
+        """``x[b t, hidden]`` (the tokens of ``b`` sequences of ``t`` each, flat) -> ``[b t, hidden]``;
+        ``positions``: the tokens' positions when the model applies RoPE itself (``spec.local_rope_inv_freq``)."""
         s = self.spec
         # The cache takes q, k, v in its own type (TVM checks qkv's against its pages') and returns that type.
         heads = s.n_heads + 2 * s.n_kv_heads
@@ -364,19 +396,36 @@ class Attention(nn.Module):
             q, k, v = nn.op.split(self.qkv(x, mode).reshape(x.shape[0], heads, s.head_dim),
                                   [s.n_heads, s.n_heads + s.n_kv_heads], axis=1)
             qkv = nn.op.concat([self.q_norm(q), self.k_norm(k), v], dim=1)
-            qkv = (qkv if s.kv_dtype == "float32" else qkv.astype(s.kv_dtype)).reshape(b, t, heads, s.head_dim)
+            qkv = qkv if s.kv_dtype == "float32" else qkv.astype(s.kv_dtype)
         else:
-            qkv = self.qkv(x, mode, s.kv_dtype).reshape(b, t, heads, s.head_dim)
-        out = kv_cache.attention_with_fused_qkv(layer, qkv, s.n_heads, sm_scale=1.0 / math.sqrt(s.head_dim))
+            qkv = self.qkv(x, mode, s.kv_dtype).reshape(x.shape[0], heads, s.head_dim)
+        if positions is not None:  # this layer's RoPE (the sliding layers' own frequencies, or the model's)
+            local = layer in s.window_layers
+            inv_freq = s.local_rope_inv_freq if local else s.inverse_frequencies()
+            factor = 1.0 if local else s.rope_attention_factor
+            n = x.shape[0]
+            q, k, v = nn.op.tensor_ir_op(
+                rope_kernel(s.n_kv_heads, s.n_heads, s.head_dim, inv_freq, s.kv_dtype, factor, in_model=True),
+                f"rope_{'local' if local else 'global'}", args=[qkv, positions],
+                out=[nn.Tensor.placeholder([n, h, s.head_dim], s.kv_dtype)
+                     for h in (s.n_heads, s.n_kv_heads, s.n_kv_heads)])
+            qkv = nn.op.concat([q, k, v], dim=1)
+        qkv = qkv.reshape(b, t, heads, s.head_dim)
+        # a sliding-window layer passes its scale negated: the kernels' window switch (``decode_attention.py``)
+        scale = s.sm_scale or 1.0 / math.sqrt(s.head_dim)
+        out = kv_cache.attention_with_fused_qkv(layer, qkv, s.n_heads,
+                                                sm_scale=-scale if layer in s.window_layers else scale)
         return self.o(out.reshape(x.shape[0], s.n_heads * s.head_dim), mode)
 
 
 class MLP(nn.Module):
     """SwiGLU: ``(silu(h @ Wgate.T) * (h @ Wup.T)) @ Wdown.T`` with gate and up fused into one projection and the
-    activation one kernel (``swiglu_kernel``)."""
+    activation one kernel (``swiglu_kernel``); GeGLU (``spec.activation``: gelu's tanh approximation) the same
+    with Relax's ``gelu(approximate="tanh")``."""
 
     def __init__(self, spec: LlamaSpec, layer: int | None = None) -> None:
         self.ffn = spec.ffn
+        self.activation = Activation(spec.activation)
         self.gate_up = Linear(spec.hidden, 2 * spec.ffn, spec.fmt("gate_up", layer), int8_dot=spec.int8_dot,
                              packed=spec.packed("gate_up", layer), activation_bits=spec.activation_bits,
                              vnni=spec.vnni, parts=spec.parts("gate_up", layer))
@@ -387,13 +436,17 @@ class MLP(nn.Module):
     def forward(self, x: nn.Tensor, mode: str) -> nn.Tensor:
         """``x[tokens, hidden]`` -> ``[tokens, hidden]``."""
         gate_up = self.gate_up(x, mode)
+        if self.activation is Activation.GELU_TANH:
+            gate, up = nn.op.split(gate_up, 2, axis=-1)
+            return self.down(nn.op.gelu(gate, approximate="tanh") * up, mode)
         act = nn.op.tensor_ir_op(swiglu_kernel(self.ffn), f"swiglu_{self.ffn}", args=[gate_up],
                                  out=nn.Tensor.placeholder([gate_up.shape[0], self.ffn], "float32"))
         return self.down(act, mode)
 
 
 class Block(nn.Module):
-    """One decoder layer: pre-norm attention and pre-norm MLP, each added to the residual."""
+    """One decoder layer: pre-norm attention and pre-norm MLP, each added to the residual (sandwich norms: each
+    output normed again before the add)."""
 
     def __init__(self, spec: LlamaSpec, layer: int) -> None:
         self.layer = layer
@@ -401,11 +454,16 @@ class Block(nn.Module):
         self.attn = Attention(spec, layer)
         self.ffn_norm = RMSNorm(spec.hidden, spec.rms_eps)
         self.mlp = MLP(spec, layer)
+        self.post_attn_norm = RMSNorm(spec.hidden, spec.rms_eps) if spec.sandwich_norms else None
+        self.post_ffn_norm = RMSNorm(spec.hidden, spec.rms_eps) if spec.sandwich_norms else None
 
-    def forward(self, x: nn.Tensor, kv_cache: PagedKVCache, b: Any, t: Any, mode: str) -> nn.Tensor:
+    def forward(self, x: nn.Tensor, kv_cache: PagedKVCache, b: Any, t: Any, mode: str,
+                positions: nn.Tensor | None = None) -> nn.Tensor:
         """The residual stream ``x[b t, hidden]`` (flat: no reshapes between the kernels) after this layer."""
-        x = x + self.attn(self.attn_norm(x), kv_cache, self.layer, b, t, mode)
-        return x + self.mlp(self.ffn_norm(x), mode)
+        out = self.attn(self.attn_norm(x), kv_cache, self.layer, b, t, mode, positions)
+        x = x + (out if self.post_attn_norm is None else self.post_attn_norm(out))
+        out = self.mlp(self.ffn_norm(x), mode)
+        return x + (out if self.post_ffn_norm is None else self.post_ffn_norm(out))
 
 
 class LlamaModule(nn.Module):
@@ -423,17 +481,19 @@ class LlamaModule(nn.Module):
                           vnni=spec.vnni)
 
     def embed(self, input_ids: nn.Tensor) -> nn.Tensor:
-        return self.embed_tokens.rows(input_ids)
+        rows = self.embed_tokens.rows(input_ids)
+        return rows if self.spec.embed_scale == 1.0 else rows * self.spec.embed_scale
 
     def _logits(self, hidden: nn.Tensor, mode: str) -> nn.Tensor:
         hidden = self.norm(hidden)
-        if self.lm_head is not None:
-            return self.lm_head(hidden, mode)
-        return self.embed_tokens.matmul(hidden, mode)
+        logits = self.lm_head(hidden, mode) if self.lm_head is not None else self.embed_tokens.matmul(hidden, mode)
+        cap = self.spec.final_softcap
+        return logits if not cap else nn.op.tanh(logits / cap) * cap
 
     def _layers(self, x: nn.Tensor, kv_cache: PagedKVCache, b: Any, t: Any, mode: str) -> nn.Tensor:
+        positions = kv_cache.get_query_positions(x.shape[0]) if self.spec.local_rope_inv_freq else None
         for block in self.layers:
-            x = block(x, kv_cache, b, t, mode)
+            x = block(x, kv_cache, b, t, mode, positions)
         return x
 
     # Batch invariance: prefill runs the layers' matmuls as the GEMM and decode as dot products whatever the token
@@ -479,7 +539,7 @@ class LlamaModule(nn.Module):
             v_head_dim=s.head_dim,
             mla_original_qk_head_dim=0,
             mla_original_v_head_dim=0,
-            rope_mode=RopeMode.NORMAL,
+            rope_mode=RopeMode.NONE if s.local_rope_inv_freq else RopeMode.NORMAL,  # NONE: the model rotates
             rope_scale=1,
             rope_theta=s.rope_theta,
             rope_scaling={},
@@ -528,5 +588,5 @@ def export_llama(spec: LlamaSpec, target: tvm.target.Target) -> tuple[tvm.IRModu
     with target:
         mod, named_params = module.export_tvm(spec=module.export_spec())
     mod = replace_attention_kernels(mod, spec.n_kv_heads, spec.n_heads, spec.head_dim, spec.inverse_frequencies(),
-                                    spec.kv_dtype, spec.rope_attention_factor)
+                                    spec.kv_dtype, spec.rope_attention_factor, spec.attn_softcap, spec.sliding_window)
     return mod, [name for name, _ in named_params]

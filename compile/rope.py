@@ -16,6 +16,11 @@ The model rotates the pair ``(x[i], x[i + d/2])`` of each head (``d`` = the rota
   sequence (context) stays within ``original``: the served context is capped there (``max_context``), so the
   switch to ``long_factor`` never happens; cos and sin are multiplied by ``attention_factor`` (by default
   ``sqrt(1 + ln(f) / ln(original))`` with ``f = factor`` or ``max_position_embeddings / original``; 1 if f <= 1).
+  Past ``original`` the references differ: transformers switches to ``long_factor`` once a forward's sequence
+  exceeds it (every position's angle recomputed, while its cache keeps the keys rotated by the short factors);
+  llama.cpp takes ``long_factor`` for every position whenever its configured context exceeds ``original``. Serving
+  the long context would need that choice made at compile time (the factors are constants of the RoPE kernel): not
+  done; ``long_factor`` is only checked.
 
 Partial rotary (``partial_rotary_factor``, Phi-4-mini): only the first ``rope_dim`` of each head's ``head_dim``
 values rotate (pairs ``(i, i + rope_dim/2)``); the rest pass through. Anything else (YaRN, dynamic NTK, an unknown
@@ -156,6 +161,9 @@ def _longrope(params: dict[str, Any], rope_dim: int, theta: float, max_positions
     short = params.get("short_factor")
     if not isinstance(short, list) or len(short) != rope_dim // 2:
         raise ValueError(f"{where}: short_factor must list {rope_dim // 2} numbers, got {short!r}")
+    long = params.get("long_factor")  # not served (the module doc), but a malformed one is still refused
+    if long is not None and (not isinstance(long, list) or len(long) != rope_dim // 2):
+        raise ValueError(f"{where}: long_factor must list {rope_dim // 2} numbers, got {long!r:.80}")
     factor = params.get("factor")
     if factor is None:
         factor = (max_positions or original) / original

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from .field_error import FieldTypeError, FieldValueError
 from .response_format import parse_response_format
 
 LOGPROBS_MODES = ("auto", "processed", "raw")
@@ -33,8 +34,9 @@ MAX_REPETITION_PENALTY = 1000.0
 MIN_REPETITION_PENALTY = 1.0 / MAX_REPETITION_PENALTY
 
 
-def _number(name: str, value: Any, *, integer: bool = False) -> Any:
-    """``value`` as a Python int (``integer``) or float/int; numpy scalars of the right kind are accepted alike."""
+def _number(name: str, value: Any, *, integer: bool = False, param: str | None = None) -> Any:
+    """``value`` as a Python int (``integer``) or float/int; numpy scalars of the right kind are accepted alike.
+    ``name`` is how the message calls the value, ``param`` the field it belongs to (default: ``name``)."""
     if isinstance(value, np.generic) and not isinstance(value, np.bool_):
         if isinstance(value, np.integer):
             value = int(value)
@@ -43,9 +45,9 @@ def _number(name: str, value: Any, *, integer: bool = False) -> Any:
     kinds = (int,) if integer else (int, float)
     if isinstance(value, bool) or not isinstance(value, kinds):
         expected = "an int" if integer else "a number"
-        raise TypeError(f"{name} must be {expected}, got {value!r} ({type(value).__name__})")
+        raise FieldTypeError(param or name, f"{name} must be {expected}, got {value!r} ({type(value).__name__})")
     if not integer and not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value!r}")
+        raise FieldValueError(param or name, f"{name} must be finite, got {value!r}")
     return value
 
 
@@ -82,11 +84,12 @@ class FrozenMapping(Mapping):
         return repr(self._items)
 
 
-def _in_range(name: str, value: float, low: float, high: float, *, low_open: bool = False) -> None:
+def _in_range(name: str, value: float, low: float, high: float, *, low_open: bool = False,
+              param: str | None = None) -> None:
     below = value <= low if low_open else value < low
     if below or value > high:
         bracket = "(" if low_open else "["
-        raise ValueError(f"{name} must be in {bracket}{low}, {high}], got {value!r}")
+        raise FieldValueError(param or name, f"{name} must be in {bracket}{low}, {high}], got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -163,7 +166,7 @@ class GenerationConfig:
         _in_range("top_p", self._field("top_p"), 0.0, 1.0, low_open=True)
         top_k = self._field("top_k", integer=True)
         if not -1 <= top_k <= MAX_INT32:
-            raise ValueError(f"top_k must be -1 or 0 (off) or in [1, {MAX_INT32}], got {top_k!r}")
+            raise FieldValueError("top_k", f"top_k must be -1 or 0 (off) or in [1, {MAX_INT32}], got {top_k!r}")
         _in_range("min_p", self._field("min_p"), 0.0, 1.0)
         _in_range("presence_penalty", self._field("presence_penalty"), -2.0, 2.0)
         _in_range("frequency_penalty", self._field("frequency_penalty"), -2.0, 2.0)
@@ -173,13 +176,14 @@ class GenerationConfig:
         if self.seed is not None:
             _in_range("seed", self._field("seed", integer=True), 0, 2**64 - 1)
         if not isinstance(self.logprobs, (bool, np.bool_)):
-            raise TypeError(f"logprobs must be a bool, got {self.logprobs!r}")
+            raise FieldTypeError("logprobs", f"logprobs must be a bool, got {self.logprobs!r}")
         object.__setattr__(self, "logprobs", bool(self.logprobs))
         _in_range("top_logprobs", self._field("top_logprobs", integer=True), 0, MAX_TOP_LOGPROBS)
         if self.top_logprobs and not self.logprobs:
-            raise ValueError(f"top_logprobs={self.top_logprobs} needs logprobs=True")
+            raise FieldValueError("top_logprobs", f"top_logprobs={self.top_logprobs} needs logprobs=True")
         if self.logprobs_mode not in LOGPROBS_MODES:
-            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
+            raise FieldValueError("logprobs_mode",
+                                  f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
         if self.max_tokens is not None:
             _in_range("max_tokens", self._field("max_tokens", integer=True), 1, math.inf)
         _in_range("min_tokens", self._field("min_tokens", integer=True), 0,
@@ -188,22 +192,29 @@ class GenerationConfig:
             object.__setattr__(self, "allowed_token_ids", self._checked_ids("allowed_token_ids",
                                                                             self.allowed_token_ids))
             if not self.allowed_token_ids:
-                raise ValueError("allowed_token_ids must name at least one token (None allows every token)")
+                raise FieldValueError("allowed_token_ids",
+                                      "allowed_token_ids must name at least one token (None allows every token)")
         object.__setattr__(self, "bad_words", self._checked_strings("bad_words", self.bad_words, MAX_BAD_WORDS))
         _in_range("n", self._field("n", integer=True), 1, MAX_N)
         object.__setattr__(self, "stop", self._checked_strings("stop", self.stop, MAX_STOP_STRINGS))
         ids = (self.stop_token_ids,) if isinstance(self.stop_token_ids, int) else self.stop_token_ids
         object.__setattr__(self, "stop_token_ids", self._checked_ids("stop_token_ids", ids))
         if not isinstance(self.ignore_eos, (bool, np.bool_)):
-            raise TypeError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+            raise FieldTypeError("ignore_eos", f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         object.__setattr__(self, "ignore_eos", bool(self.ignore_eos))
-        object.__setattr__(self, "response_format", parse_response_format(self.response_format))
+        try:
+            response_format = parse_response_format(self.response_format)
+        except ValueError as err:
+            raise FieldValueError("response_format", str(err)) from None
+        except TypeError as err:
+            raise FieldTypeError("response_format", str(err)) from None
+        object.__setattr__(self, "response_format", response_format)
         if self.max_thinking_tokens is not None:
             _in_range("max_thinking_tokens", self._field("max_thinking_tokens", integer=True), 0, math.inf)
         for name in ("think_begin", "think_end"):
             marker = getattr(self, name)
             if not isinstance(marker, str) or not marker:
-                raise ValueError(f"{name} must be a non-empty string, got {marker!r}")
+                raise FieldValueError(name, f"{name} must be a non-empty string, got {marker!r}")
 
     @staticmethod
     def _checked_strings(name: str, value: Any, most: int) -> tuple[str, ...]:
@@ -211,21 +222,21 @@ class GenerationConfig:
             return ()
         items = (value,) if isinstance(value, str) else value
         if not isinstance(items, (list, tuple)):
-            raise TypeError(f"{name} must be a string or a list of strings, got {type(value).__name__}")
+            raise FieldTypeError(name, f"{name} must be a string or a list of strings, got {type(value).__name__}")
         if len(items) > most:
-            raise ValueError(f"{name} holds {len(items)} strings; at most {most} are allowed")
+            raise FieldValueError(name, f"{name} holds {len(items)} strings; at most {most} are allowed")
         for item in items:
             if not isinstance(item, str) or not item:
-                raise ValueError(f"{name} entries must be non-empty strings, got {item!r}")
+                raise FieldValueError(name, f"{name} entries must be non-empty strings, got {item!r}")
         return tuple(items)
 
     @staticmethod
     def _checked_ids(name: str, ids: Any) -> tuple[int, ...]:
         if not isinstance(ids, (list, tuple)):
-            raise TypeError(f"{name} must be a list of ints, got {type(ids).__name__}")
+            raise FieldTypeError(name, f"{name} must be a list of ints, got {type(ids).__name__}")
         for t in ids:
-            if not 0 <= _number(f"{name} entry", t, integer=True) <= MAX_INT32:
-                raise ValueError(f"{name} entries must be token ids in [0, {MAX_INT32}], got {t!r}")
+            if not 0 <= _number(f"{name} entry", t, integer=True, param=name) <= MAX_INT32:
+                raise FieldValueError(name, f"{name} entries must be token ids in [0, {MAX_INT32}], got {t!r}")
         return tuple(int(t) for t in ids)
 
     @staticmethod
@@ -233,22 +244,26 @@ class GenerationConfig:
         if bias is None:
             return FrozenMapping()
         if not isinstance(bias, Mapping):
-            raise TypeError(f"logit_bias must be a mapping {{token_id: bias}}, got {type(bias).__name__}")
+            raise FieldTypeError("logit_bias",
+                                 f"logit_bias must be a mapping {{token_id: bias}}, got {type(bias).__name__}")
         if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
-            raise ValueError(f"logit_bias holds {len(bias)} entries; at most {MAX_LOGIT_BIAS_ENTRIES} are allowed")
+            raise FieldValueError("logit_bias",
+                                  f"logit_bias holds {len(bias)} entries; at most {MAX_LOGIT_BIAS_ENTRIES} are allowed")
         checked: dict[int, float] = {}
         for key, value in bias.items():
             token = key
             if isinstance(key, str):  # JSON objects (the OpenAI API) carry token ids as strings of ASCII digits
                 digits = key.strip()
                 if not (digits.isascii() and digits.lstrip("-").isdigit()):
-                    raise TypeError(f"logit_bias key {key!r} must be a token id: an int, or a string of ASCII "
+                    raise FieldTypeError("logit_bias",
+                                         f"logit_bias key {key!r} must be a token id: an int, or a string of ASCII "
                                     "digits")
                 token = int(digits)
-            token = _number(f"logit_bias key {key!r}", token, integer=True)
+            token = _number(f"logit_bias key {key!r}", token, integer=True, param="logit_bias")
             if not 0 <= token <= MAX_INT32:
-                raise ValueError(f"logit_bias token id must be in [0, {MAX_INT32}], got {key!r}")
-            _in_range(f"logit_bias[{token}]", _number(f"logit_bias[{token}]", value), -100.0, 100.0)
+                raise FieldValueError("logit_bias", f"logit_bias token id must be in [0, {MAX_INT32}], got {key!r}")
+            _in_range(f"logit_bias[{token}]", _number(f"logit_bias[{token}]", value, param="logit_bias"), -100.0, 100.0,
+                      param="logit_bias")
             checked[token] = float(value)
         return FrozenMapping(checked)
 
@@ -301,6 +316,7 @@ class GenerationConfig:
                           ("stop_token_ids", self.stop_token_ids)):
             bad = [t for t in ids if t >= vocab_size]
             if bad:
-                raise ValueError(f"{name} token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+                raise FieldValueError(name, f"{name} token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
         if self.top_logprobs > vocab_size:
-            raise ValueError(f"top_logprobs={self.top_logprobs} exceeds the vocabulary size {vocab_size}")
+            raise FieldValueError("top_logprobs",
+                                  f"top_logprobs={self.top_logprobs} exceeds the vocabulary size {vocab_size}")

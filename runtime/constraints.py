@@ -4,7 +4,9 @@ One factory per model (tokenizer, vocabulary size, EOS ids, grammar engine, opti
 sequence (each sequence of an n > 1 request separately) ``sources_for(config)`` gives:
 
 * the grammar of ``config.response_format``, compiled once per (engine, tokenizer, format) in a shared cache; a
-  format the engine cannot compile raises :class:`GrammarError` (a ValueError) for that request only;
+  format the engine cannot compile raises :class:`GrammarError` (a ValueError) for that request only; a JSON
+  schema with ``uniqueItems`` gets its grammar wrapped so that arrays keep their scalar items unique
+  (``grammar/unique_items.py``);
 * with a grammar and ``config.max_tokens``, a :class:`DocumentClosing` after it (or after its think block), which
   closes the document in time so that max_tokens never ends it mid-document (``grammar/closing.py``), with the
   schema's completion hints and the sequence's other sources (its plans use only tokens they allow); inside a
@@ -35,6 +37,7 @@ from .grammar import (
 )
 from .grammar.closing import DocumentClosing
 from .grammar.completion_hints import completion_hints
+from .grammar.unique_items import UniqueItemsCache
 from .mask_source import TokenMaskSource
 from .think_mode import ThinkBudget
 from .token_rules import AllowedTokens, BadWords, MinTokens, bad_word_token_ids
@@ -55,6 +58,8 @@ class ConstraintFactory:
         self._backend: GrammarBackend | None = None
         self.tree_decode = tree_decode
         self.cache = cache if cache is not None else GLOBAL_CACHE
+        #: ``uniqueItems`` while generating: the rules of each schema that requires it (``grammar/unique_items.py``).
+        self.unique_items = UniqueItemsCache(self.tokenizer)
 
     @property
     def backend(self) -> GrammarBackend:
@@ -69,8 +74,11 @@ class ConstraintFactory:
             return None
         backend = self.backend
         compiled = self.cache.get((backend.name, self.tokenizer.fingerprint, fmt.key), lambda: backend.compile(fmt))
-        return GrammarSource(backend.matcher(compiled), self.tokenizer, backend.name,
-                             backend.relaxed_keywords(compiled))
+        matcher, relaxed = backend.matcher(compiled), backend.relaxed_keywords(compiled)
+        rules = self.unique_items.rules(fmt.text) if fmt.kind == "json_schema" else None
+        if rules is not None:  # arrays whose scalar items must be unique: kept so while generating
+            matcher, relaxed = self.unique_items.wrap(matcher, fmt.text), rules.relaxed_keywords(relaxed)
+        return GrammarSource(matcher, self.tokenizer, backend.name, relaxed)
 
     def marker_ids(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)

@@ -1,8 +1,8 @@
 """Opening an exported kernel library (or a compiled model's directory) and calling its kernels: no compiler needed.
 
 The files and the manifest are written by ``logitproc.compile`` (``build_kernels``, ``compile_model``); this module
-only reads them, so that the runtime never imports the compiler (only ``compile/targets.py``, the description of a
-target and the check that a CPU build runs on this CPU).
+only reads them; the runtime never imports the compiler (``runtime/targets.py`` describes a target and checks that a
+CPU build runs on this CPU).
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import tvm
-from logitproc.compile.targets import TargetSpec, check_runs_here
+
+from .targets import TargetSpec, check_runs_here
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1

@@ -509,7 +509,7 @@ def lower_to_webgpu(prim_funcs: Mapping[str, tvm.tirx.PrimFunc], target: tvm.tar
     from tvm.tirx.build import codegen_build, split_host_device_mods
 
     if target is None:
-        from ..compile import resolve_target
+        from .targets import resolve_target
 
         target = resolve_target("vulkan").tvm_target()
     if target.kind.name != "webgpu":

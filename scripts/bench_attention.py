@@ -27,7 +27,7 @@ H_Q, H_KV, D, PAGE = 9, 3, 64, 16
 
 
 def compiled(func):
-    from logitproc.compile.targets import resolve_target
+    from logitproc.runtime.targets import resolve_target
 
     with tvm.transform.PassContext(opt_level=3):
         lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}),

@@ -34,7 +34,7 @@ from logitproc.compile.linear_kernels import linear_kernel
 from logitproc.compile.packed_matvec import has_vnni, pack_q4_1, pack_q8_0, packed_q4_1_kernel, packed_q8_0_kernel
 from logitproc.compile.quant_formats import LAYOUTS, pack, unpack_gguf
 from logitproc.compile.quant_matvec import quant_matmul_kernel
-from logitproc.compile.targets import build_features, resolve_target
+from logitproc.runtime.targets import build_features, resolve_target
 
 #: SmolLM2-135M's packed matrices (out, in) per layer, and its output head
 LAYER_SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}

@@ -21,6 +21,16 @@ chunked prefill)::
 
     python scripts/bench_serve.py --mixed
 
+``--ray`` measures ``logitproc serve --replicas`` on Ray Serve (the ``ray`` extra; issue 35): first the
+ingress's overhead, one replica through Ray against the single-process server (both running, levels interleaved;
+streamed chat, concurrency 1 and 4, as above); then a shared-prefix load (``--groups`` system prompts of about
+``--prefix-tokens`` tokens, 8 questions each, interleaved, at concurrency 4, answers of 32 tokens) on one engine of
+``--threads`` threads (in process and through Ray), and on ``--threads`` replicas of one thread each with the
+prefix-affinity router and with Ray's power-of-two choices: throughput, TTFT, and the prefix-cache hit rate (cached
+/ prompt tokens, from each answer's ``usage.prompt_tokens_details.cached_tokens``)::
+
+    python scripts/bench_serve.py --ray --threads 2
+
 llama.cpp runs as ``python -m llama_cpp.server`` (llama-cpp-python[server], the ``bench`` extra:
 ``pip install -e ".[bench]"``) on the same GGUF with ``--threads`` threads; logitproc with ``TVM_NUM_THREADS`` set to
 the same number.
@@ -295,6 +305,140 @@ def mixed(args: argparse.Namespace) -> int:
     return 0
 
 
+PREFIX_SENTENCE = "Rule {n} of team {g}: answer briefly, cite the handbook section, and stay polite. "
+
+
+def system_prompt(group: int, tokens: int) -> str:
+    """A system prompt of about ``tokens`` tokens (about 16 tokens a sentence), different for each group."""
+    return f"You are assistant {group}. " + "".join(PREFIX_SENTENCE.format(n=n, g=group)
+                                                    for n in range(max(1, tokens // 16)))
+
+
+@dataclass
+class PrefixRun:
+    """A shared-prefix run's figures."""
+
+    level: Level
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached_tokens / max(self.prompt_tokens, 1)
+
+
+async def run_prefix(url: str, groups: int, prefix_tokens: int, concurrency: int = 4,
+                     max_tokens: int = 32) -> PrefixRun:
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
+    model = (await client.models.list()).data[0].id
+    run = PrefixRun(Level())
+    gate = asyncio.Semaphore(concurrency)
+    order = [(q, g) for q in range(8) for g in range(groups)]  # the groups interleaved
+
+    async def one(question: int, group: int) -> None:
+        async with gate:
+            started, first, count = time.perf_counter(), None, 0
+            stream = await client.chat.completions.create(
+                model=model, max_tokens=max_tokens, temperature=0, logit_bias=EOS_BIAS, stream=True,
+                stream_options={"include_usage": True},
+                messages=[{"role": "system", "content": system_prompt(group, prefix_tokens)},
+                          {"role": "user", "content": QUESTIONS[question % len(QUESTIONS)]}])
+            async for chunk in stream:
+                if chunk.usage is not None:
+                    run.prompt_tokens += chunk.usage.prompt_tokens
+                    run.cached_tokens += chunk.usage.prompt_tokens_details.cached_tokens
+                if chunk.choices and chunk.choices[0].delta.content:
+                    first = first or time.perf_counter()
+                    count += 1
+            run.level.ttft.append((first or time.perf_counter()) - started)
+            run.level.tokens += count
+
+    started = time.perf_counter()
+    await asyncio.gather(*(one(q, g) for q, g in order))
+    run.level.seconds = time.perf_counter() - started
+    await client.close()
+    return run
+
+
+def wait_all_replicas(server: Served, timeout: float = 1800) -> None:
+    """Until ``/health`` says ok (every replica asked for runs)."""
+    deadline = time.monotonic() + timeout
+    while httpx.get(server.url + "/health", timeout=30).json().get("status") != "ok":
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{server.name}: not every replica came up")
+        time.sleep(1)
+
+
+def ray_bench(args: argparse.Namespace) -> int:
+    serve = [sys.executable, "-m", "logitproc", "serve", "--model", args.model, "--max-batch", str(args.max_batch)]
+    threads = str(args.threads)
+
+    def served(name: str, extra: list[str], tvm_threads: str) -> Served:
+        server = start(name, [*serve, *extra], {**os.environ, "TVM_NUM_THREADS": tvm_threads})
+        if extra:
+            wait_all_replicas(server)
+        return server
+
+    overhead: dict[tuple[str, int], list[Level]] = {}
+    servers = []
+    try:  # both up at once, levels interleaved: the machine's load drifts less between the two
+        for name, extra in ((f"single process, {threads} threads", []),
+                            (f"Ray, 1 replica x {threads} threads", ["--replicas", "1", "--replica-threads", threads])):
+            servers.append(served(name, extra, threads))
+        for concurrency in (1, 4):
+            for server in servers:
+                asyncio.run(run_level(server.url, concurrency, concurrency, 8))  # warm-up
+            for _ in range(args.rounds):
+                for server in servers:
+                    level = asyncio.run(run_level(server.url, concurrency, args.requests or 4 * concurrency,
+                                                  args.max_tokens))
+                    overhead.setdefault((server.name, concurrency), []).append(level)
+                    print(f"{server.name} c={concurrency}: {level.tok_per_s:.1f} tok/s, TTFT p50 "
+                          f"{pct(level.ttft, 0.5) * 1e3:.0f} ms", file=sys.stderr)
+    finally:
+        for server in servers:
+            server.stop()
+    time.sleep(args.pause)
+
+    prefix: dict[str, PrefixRun] = {}
+    one_thread = ["--replica-threads", "1"]
+    for name, extra, tvm_threads in (
+            (f"single process, 1 engine x {threads} threads", [], threads),
+            (f"Ray, 1 replica x {threads} threads", ["--replicas", "1", "--replica-threads", threads], threads),
+            (f"Ray, {threads} replicas x 1 thread, prefix affinity", ["--replicas", threads, *one_thread], "1"),
+            (f"Ray, {threads} replicas x 1 thread, power of two", ["--replicas", threads, *one_thread,
+                                                                  "--routing", "pow2"], "1")):
+        server = served(name, extra, tvm_threads)
+        try:
+            asyncio.run(run_level(server.url, 2, 2, 8))  # warm-up (other prompts)
+            prefix[name] = asyncio.run(run_prefix(server.url, args.groups, args.prefix_tokens))
+            print(f"{name}: {prefix[name].level.tok_per_s:.1f} tok/s, hit rate {prefix[name].hit_rate:.2f}",
+                  file=sys.stderr)
+        finally:
+            server.stop()
+        time.sleep(args.pause)
+
+    from bench_common import machine_line
+
+    print(f"{machine_line()}; load average {os.getloadavg()[0]:.1f}; {args.max_tokens} tokens per answer, greedy, "
+          f"{args.rounds} rounds (median)\n")
+    print("| server | concurrency | generated tok/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) |")
+    print("| --- | --- | --- | --- | --- |")
+    for (name, concurrency), levels in overhead.items():
+        rate = statistics.median(lv.tok_per_s for lv in levels)
+        ttft = [statistics.median(pct(lv.ttft, q) for lv in levels) * 1e3 for q in (0.5, 0.99)]
+        itl = [statistics.median(pct(lv.itl, q) for lv in levels) * 1e3 for q in (0.5, 0.99)]
+        print(f"| {name} | {concurrency} | {rate:.1f} | {ttft[0]:.0f} / {ttft[1]:.0f} | {itl[0]:.1f} / {itl[1]:.1f} |")
+    print(f"\nShared prefixes: {args.groups} system prompts of about {args.prefix_tokens} tokens, 8 questions each, "
+          "concurrency 4, 32-token answers\n")
+    print("| configuration | generated tok/s | TTFT p50 / p99 (ms) | prefix-cache hit rate |")
+    print("| --- | --- | --- | --- |")
+    for name, run in prefix.items():
+        print(f"| {name} | {run.level.tok_per_s:.1f} | {pct(run.level.ttft, 0.5) * 1e3:.0f} / "
+              f"{pct(run.level.ttft, 0.99) * 1e3:.0f} | {run.hit_rate:.2f} |")
+    return 0
+
+
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(int(q * len(ordered)), len(ordered) - 1)] if ordered else float("nan")
@@ -319,11 +463,17 @@ def main() -> int:
     parser.add_argument("--schemas", type=int, default=6, help="--mixed: schema requests (default: %(default)s)")
     parser.add_argument("--schema-dir", default="/work/shared/data/maskbench-dev",
                         help="--mixed: a folder of maskbench JSON files ({'schema': ...}) (default: %(default)s)")
+    parser.add_argument("--ray", action="store_true", help="the Ray Serve runs (see the module doc)")
+    parser.add_argument("--groups", type=int, default=4, help="--ray: system prompts (default: %(default)s)")
+    parser.add_argument("--prefix-tokens", type=int, default=400,
+                        help="--ray: tokens of each system prompt, about (default: %(default)s)")
     args = parser.parse_args()
 
     os.environ["TVM_NUM_THREADS"] = str(args.threads)  # the servers' (and the machine line's) thread count
     if args.mixed:
         return mixed(args)
+    if args.ray:
+        return ray_bench(args)
     env = dict(os.environ)
     servers = [start("logitproc", [sys.executable, "-m", "logitproc", "serve", "--model", args.model,
                                    "--max-batch", str(args.max_batch), *args.server_args.split()], env)]

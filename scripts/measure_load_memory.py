@@ -69,7 +69,7 @@ def measure(model_path: Path, weight_dtype: str, eager: bool) -> None:
     from logitproc.compile.hf_model import load_hf_dir
     from logitproc.compile.llama_weights import iter_relax_weights, read_gguf_tensors, save_params
     from logitproc.compile.relax_llama import LlamaSpec, export_llama
-    from logitproc.compile.targets import resolve_target
+    from logitproc.runtime.targets import resolve_target
 
     before = _rss_mb()
     if model_path.is_dir():

@@ -60,10 +60,19 @@ class ChatEncoder:
             return [self.mark(item) for item in value]
         return value
 
-    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
-               **kwargs: Any) -> tuple[str, list[tuple[int, int]], list[int]]:
-        """The prompt text, the spans of client-spelled control tokens in it, and the positions of lone marks."""
+    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, *,
+               continue_final_message: bool = False, **kwargs: Any) -> tuple[str, list[tuple[int, int]], list[int]]:
+        """The prompt text, the spans of client-spelled control tokens in it, and the positions of lone marks.
+        ``continue_final_message``: the text ends with the last message's content (what the template writes after
+        it is cut, as transformers does), so that the answer continues that message."""
         marked = self.template.render(self.mark(list(messages)), add_generation_prompt, **self.mark(kwargs))
+        if continue_final_message:
+            final = self.mark(messages[-1].get("content") or "")
+            end = marked.rfind(final) if final else -1
+            if end < 0:
+                raise ValueError("continue_final_message: the chat template does not write the last message's content "
+                                 "as it is, so it cannot be continued")
+            marked = marked[: end + len(final)]
         text: list[str] = []
         spans: list[tuple[int, int]] = []
         breaks: list[int] = []
@@ -80,10 +89,11 @@ class ChatEncoder:
             size += len(piece)
         return "".join(text), spans, breaks
 
-    def encode(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
-               **kwargs: Any) -> list[int]:
+    def encode(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, *,
+               continue_final_message: bool = False, **kwargs: Any) -> list[int]:
         """Prompt token ids of ``messages``; no control token comes from the client's text."""
-        text, spans, breaks = self.render(messages, add_generation_prompt, **kwargs)
+        text, spans, breaks = self.render(messages, add_generation_prompt,
+                                          continue_final_message=continue_final_message, **kwargs)
         with self._lock:  # a Tokenizer is not documented as safe for concurrent encodes
             # encode_batch releases the GIL while it works (encode does not): other threads, the stepping one
             # included, run meanwhile

@@ -48,9 +48,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
-import numpy as np
 from logitproc.runtime import GenerationConfig, LogitProcessor, RequestState, Sampler, TokenMaskSource
 from logitproc.runtime.constraints import ConstraintFactory
+from logitproc.runtime.field_error import FieldTypeError, FieldValueError
 from logitproc.runtime.tree_decode import TreeDecodeConfig
 
 from .commit import commit_row, commit_verified, jump_forward
@@ -58,6 +58,7 @@ from .model_step import ModelStep, run_model
 from .outputs import Delta, EngineStats, Output, RequestStats
 from .prefix_cache import PrefixCache
 from .processing import process
+from .prompt_tokens import prompt_token_ids
 from .runner import Runner
 from .scheduler import Deltas, Scheduler, StepBudget, StepPlan, delta_of
 from .sequence import GeneratedSequence, Request
@@ -152,32 +153,7 @@ class Engine:
     # ---------------------------------------------------------------------------------------------- requests
     def tokenize(self, prompt: Prompt, chat: bool | None = None) -> list[int]:
         """Token ids of a prompt: text, token ids, or chat messages (rendered with the model's chat template)."""
-        if isinstance(prompt, (bytes, bytearray, memoryview, Mapping)) or not isinstance(prompt, (str, Sequence,
-                                                                                                np.ndarray)):
-            raise TypeError(f"prompt must be text (str), token ids (a list of ints) or chat messages (a list of "
-                            f"{{'role': ..., 'content': ...}} dicts), got {type(prompt).__name__}"
-                            + (" (decode bytes to str first)" if isinstance(prompt, (bytes, bytearray)) else ""))
-        if isinstance(prompt, str):
-            if chat:
-                prompt = [{"role": "user", "content": prompt}]
-            else:
-                # BOS/EOS as the model's tokenizer adds them; encode_batch lets other threads run while it works
-                # (encode holds the GIL: an 8 MB prompt stalled the stepping thread for seconds)
-                return list(self.model.tokenizer.encode_batch([prompt])[0].ids)
-        items = list(prompt)
-        if items and all(isinstance(m, Mapping) for m in items):
-            for m in items:
-                if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                    raise ValueError(f"chat messages need string 'role' and 'content', got {dict(m)!r}")
-            return self.model.chat_token_ids(items, add_generation_prompt=True)  # content never becomes control tokens
-        ids = []
-        for t in items:
-            if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
-                raise ValueError(f"a prompt is text, token ids or chat messages; got an item {t!r}")
-            if not 0 <= t < self.vocab_size:
-                raise ValueError(f"prompt token id {t} is outside the vocabulary [0, {self.vocab_size})")
-            ids.append(int(t))
-        return ids
+        return prompt_token_ids(self.model, prompt, chat)
 
     def add_request(self, prompt: Prompt, config: GenerationConfig | None = None, *, chat: bool | None = None,
                     request_id: str | None = None, jump_forward: bool | None = None) -> str:
@@ -207,15 +183,15 @@ class Engine:
         if not isinstance(config, GenerationConfig):
             raise TypeError(f"config must be a GenerationConfig, got {type(config).__name__}")
         if jump_forward is not None and not isinstance(jump_forward, bool):
-            raise TypeError(f"jump_forward must be a boolean or None, got {jump_forward!r}")
+            raise FieldTypeError("jump_forward", f"jump_forward must be a boolean or None, got {jump_forward!r}")
         if jump_forward and not self.jump_forward:
-            raise ValueError("jump_forward=True needs an engine created with jump_forward=True "
+            raise FieldValueError("jump_forward", "jump_forward=True needs an engine created with jump_forward=True "
                              "(logitproc serve --jump-forward)")
         ids = self.tokenize(prompt, chat)
         if not ids:
-            raise ValueError("the prompt is empty")
+            raise FieldValueError("prompt", "the prompt is empty")
         if config.n > self.max_batch:
-            raise ValueError(f"n={config.n} sequences do not fit in max_batch={self.max_batch}")
+            raise FieldValueError("n", f"n={config.n} sequences do not fit in max_batch={self.max_batch}")
         config.check_vocab(self.vocab_size)
         if config.max_thinking_tokens is not None:  # generation starts inside the think block
             self._check_thinking_mode(config)
@@ -223,7 +199,7 @@ class Engine:
         # Each sequence may grow to `limit` tokens: the context, or its share of the KV cache when n > 1.
         limit = min(self.context_length, self.max_total_tokens // config.n)
         if len(ids) >= limit:
-            raise ValueError(f"the prompt has {len(ids)} tokens; the context holds {limit} per sequence "
+            raise FieldValueError("prompt", f"the prompt has {len(ids)} tokens; the context holds {limit} per sequence "
                              "(prompt and output together)")
         if request_id is not None and not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
@@ -323,7 +299,8 @@ class Engine:
         for field_name in ("think_begin", "think_end"):
             marker = getattr(config, field_name)
             if self.model.tokenizer.token_to_id(marker) is None:
-                raise ValueError(
+                raise FieldValueError(
+                    "max_thinking_tokens",
                     f"max_thinking_tokens={config.max_thinking_tokens}: {self.model.name} has no thinking mode "
                     f"({field_name}={marker!r} is not a token of its vocabulary); leave max_thinking_tokens unset, "
                     "or set think_begin/think_end to the markers the model has")

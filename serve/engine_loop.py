@@ -43,10 +43,12 @@ class EngineUnavailable(Exception):
 
 @dataclass
 class RequestFailed:
-    """Put in a sink when the engine failed while the request ran; the request is over."""
+    """Put in a sink when the engine failed while the request ran; the request is over. ``status`` is the HTTP
+    status it ends with: 500 (the engine failed), 503 (the replica serving it went away: ``ray_client.py``)."""
 
     request_id: str
     message: str
+    status: int = 500
 
 
 @dataclass
@@ -84,6 +86,12 @@ class EngineLoop:
     # -------------------------------------------------------------------------------------------- any thread
     def start(self) -> None:
         self._thread.start()
+
+    async def health(self) -> tuple[int, dict[str, Any]]:
+        """``/health``: 200 ``{"status": "ok"}`` once loaded, else 503 with the state and the load's error."""
+        if self.state == self.READY:
+            return 200, {"status": "ok"}
+        return 503, {"status": self.state, "error": self.error}
 
     def stop(self, timeout: float = 30.0) -> None:
         """Abort what is left, stop stepping and join the thread."""

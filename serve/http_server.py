@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import secrets
@@ -28,17 +29,22 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from .answer_parser import AnswerParser
+from .chat_turn import ChatTraits, TurnPlan
+from .engine_client import EngineClient
 from .engine_loop import EngineLoop, EngineUnavailable, QueueFull, RequestFailed
 from .openai_protocol import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
     APIError,
+    ChatOptions,
     ParsedRequest,
     bad_request,
-    param_of,
+    chat_options,
     parse_chat_request,
     parse_completion_request,
     parse_messages,
+    request_param,
 )
 from .openai_responses import (
     ResponseHead,
@@ -65,6 +71,8 @@ SHUTDOWN_SEND_SECONDS = 0.5
 #: What of an unread request body is read before a response starts (StatusCounter), at most.
 DRAIN_BYTES = 1 << 20
 DRAIN_SECONDS = 2.0
+#: The prompt's last tokens read to know whether it leaves a think block open.
+PROMPT_TAIL_TOKENS = 32
 
 
 @dataclass
@@ -197,15 +205,24 @@ async def _json_body(request: Request, max_bytes: int) -> Any:
 
 
 class Server:
-    """The app's state: options, metrics, the engine loop; ``app`` is the FastAPI application."""
+    """The app's state: options, metrics, the engine client; ``app`` is the FastAPI application.
 
-    def __init__(self, load: Callable[[], Any], options: ServerOptions,
-                 on_failure: Callable[[BaseException], None] | None = None) -> None:
+    The engine client is an ``EngineLoop`` over ``load()`` (the engine in this process), unless ``client`` gives
+    another ``EngineClient`` (Ray replicas: ``ray_client.py``; ``load`` and ``on_failure`` are then unused)."""
+
+    def __init__(self, load: Callable[[], Any] | None, options: ServerOptions,
+                 on_failure: Callable[[BaseException], None] | None = None, *, client: EngineClient | None = None,
+                 metrics: ServerMetrics | None = None) -> None:
         self.options = options
-        self.metrics = ServerMetrics()
-        self.loop = EngineLoop(load, self.metrics, options.max_queue, on_failure)
+        self.metrics = metrics if metrics is not None else ServerMetrics()
+        if client is None:
+            if load is None:
+                raise ValueError("Server needs a load function or an engine client")
+            client = EngineLoop(load, self.metrics, options.max_queue, on_failure)
+        self.loop: EngineClient = client
         self._token_texts: dict[int, str] = {}
         self._limits: RequestLimits | None = None
+        self._traits: ChatTraits | None = None
         #: The ASGI application: the FastAPI app inside the request policy, inside the status counter.
         self.app = StatusCounter(PolicyMiddleware(self._make_app(), options.policy), self.metrics)
 
@@ -256,11 +273,43 @@ class Server:
                 prompts.append(prompt)  # token ids already (the engine checks them)
                 continue
             try:
-                prompts.append(await asyncio.to_thread(engine.tokenize, prompt, parsed.chat))
-            except (ValueError, TypeError) as err:
-                message = " ".join(str(err).split())
-                raise bad_request(message, self._param_for(message, parsed, fields)) from None
+                if parsed.chat:  # rendered with the request's tools and template keywords
+                    prompts.append(await asyncio.to_thread(self._chat_ids, prompt, parsed.chat_options))
+                else:
+                    prompts.append(await asyncio.to_thread(engine.tokenize, prompt, parsed.chat))
+            except (ValueError, TypeError) as err:  # a template's refusal, or the prompt's
+                param = request_param(err, fields) or ("messages" if parsed.chat else "prompt")
+                raise bad_request(" ".join(str(err).split()), param) from None
         return prompts
+
+    def _chat_ids(self, messages: list[dict[str, Any]], options: ChatOptions) -> list[int]:
+        """Prompt ids of a chat: its messages, tools and template keywords through the model's template (the
+        messages' text never becomes control tokens), ending with the generation prompt or the final message."""
+        model = self.loop.engine.model
+        kwargs = options.render_kwargs()
+        if options.continue_final_message:
+            kwargs["continue_final_message"] = True
+        return model.chat_token_ids(messages, options.add_generation_prompt, **kwargs)
+
+    @property
+    def chat_traits(self) -> ChatTraits:
+        """What the served model's chat template supports (tool-call syntax, a think block), read once."""
+        if self._traits is None:
+            self._traits = ChatTraits.of(self.loop.engine.model.chat_template)
+        return self._traits
+
+    def _turn_plan(self, parsed: ParsedRequest, prompt: list[int]) -> TurnPlan:
+        """The request's turn (its tool grammar, its answers' parsing); its config replaces the request's."""
+        tail = self.loop.engine.model.tokenizer.decode(prompt[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
+        plan = TurnPlan.make(self.chat_traits, parsed.config, parsed.chat_options.tools, tail)
+        config = plan.config
+        if config.response_format is not None:  # the closing must end the document where the sequence must end
+            engine = self.loop.engine
+            room = min(engine.context_length, engine.max_total_tokens // config.n) - len(prompt)
+            if 1 <= room < config.max_tokens:
+                plan = dataclasses.replace(plan, config=dataclasses.replace(config, max_tokens=room))
+        parsed.config = plan.config
+        return plan
 
     async def _submit(self, parsed: ParsedRequest, prompts: list[Any],
                       fields: tuple[str, ...]) -> tuple[list[str], asyncio.Queue]:
@@ -282,21 +331,17 @@ class Server:
         except EngineUnavailable as err:
             raise APIError(503, str(err), kind="server_error", code="model_not_ready") from None
         except (ValueError, TypeError) as err:  # the engine refused the request: the client's input
-            message = " ".join(str(err).split())
-            raise bad_request(message, self._param_for(message, parsed, fields)) from None
+            raise bad_request(" ".join(str(err).split()), self._param_for(err, parsed, fields)) from None
         return ids, items
 
     @staticmethod
-    def _param_for(message: str, parsed: ParsedRequest, fields: tuple[str, ...]) -> str | None:
-        if message.startswith(("the prompt", "prompt", "chat messages")):
-            return "messages" if parsed.chat else "prompt"
-        if message.startswith("n="):
-            return "n"
-        if message.startswith("jump_forward"):
-            return "jump_forward"
-        if parsed.config.response_format is not None and param_of(message, fields) is None:
-            return "response_format"  # the engine could not compile the schema, regex or grammar
-        return param_of(message, fields)
+    def _param_for(err: Exception, parsed: ParsedRequest, fields: tuple[str, ...]) -> str | None:
+        """The field an engine refusal is about: the one its ``FieldError`` names; otherwise the constraint (its
+        schema, regex or grammar did not compile) where the request has one."""
+        param = request_param(err, fields)
+        if param is None and parsed.config.response_format is not None:
+            return "response_format"
+        return param
 
     # ---------------------------------------------------------------------------------------------- generation
     async def generate(self, request: Request, chat: bool) -> Response:
@@ -309,11 +354,12 @@ class Server:
         fields = CHAT_FIELDS if chat else COMPLETION_FIELDS
         echo = [self._prompt_text(p) for p in parsed.prompts for _ in range(parsed.n)] if parsed.echo else []
         prompts = await self._tokenized(parsed, fields)
+        plan = self._turn_plan(parsed, prompts[0]) if chat else None
         ids, items = await self._submit(parsed, prompts, fields)
         head = ResponseHead(chat, model)
         choice_of = {rid: p * parsed.n for p, rid in enumerate(ids)}
         if parsed.stream:
-            return StreamingResponse(self._stream(head, parsed, ids, items, choice_of, echo),
+            return StreamingResponse(self._stream(head, parsed, ids, items, choice_of, echo, plan),
                                      media_type="text/event-stream; charset=utf-8")
         collect = asyncio.ensure_future(self._collect(ids, parsed.n, items, choice_of))
         gone = asyncio.ensure_future(_until_disconnected(request))
@@ -327,7 +373,16 @@ class Server:
         if not collect.done() or collect.cancelled():
             return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
         outputs, prompt_tokens, cached_tokens = collect.result()
-        return JSONResponse(full_response(head, outputs, self.token_text, prompt_tokens, echo, cached_tokens))
+        answers = None
+        if plan is not None:
+            answers = {}
+            for index, out in outputs:
+                parser = plan.parser()
+                parser.feed(out.text)
+                parser.finish()
+                answers[index] = plan.answer(parser, out.finish_reason)
+        return JSONResponse(full_response(head, outputs, self.token_text, prompt_tokens, echo, cached_tokens,
+                                          answers))
 
     def _prompt_text(self, prompt: Any) -> str:
         return prompt if isinstance(prompt, str) else self.loop.engine.model.tokenizer.decode(prompt)
@@ -342,18 +397,19 @@ class Server:
             item = await items.get()
             if isinstance(item, RequestFailed):
                 self.loop.abort(ids)
-                raise APIError(500, item.message, kind="server_error")
+                raise APIError(item.status, item.message, kind="server_error")
             if item.output is not None:
                 outputs.append((choice_of[item.request_id] + item.index, item.output))
                 prompt_stats[item.request_id] = item.output.stats
         return outputs, *_prompt_usage(prompt_stats)
 
     async def _stream(self, head: ResponseHead, parsed: ParsedRequest, ids: list[str], items: asyncio.Queue,
-                      choice_of: dict[str, int], echo: list[str]) -> AsyncIterator[str]:
+                      choice_of: dict[str, int], echo: list[str], plan: TurnPlan | None) -> AsyncIterator[str]:
         total = len(ids) * parsed.n
         finished = completion_tokens = 0
         prompt_stats: dict[str, RequestStats] = {}
         offsets: dict[int, int] = {}
+        parsers: dict[int, AnswerParser] = {}
         complete = False
         try:
             if head.chat:
@@ -361,7 +417,7 @@ class Server:
             while finished < total:
                 item = await items.get()
                 if isinstance(item, RequestFailed):
-                    yield _sse(APIError(500, item.message, kind="server_error").body())
+                    yield _sse(APIError(item.status, item.message, kind="server_error").body())
                     break
                 index = choice_of[item.request_id] + item.index
                 text = item.text
@@ -369,14 +425,23 @@ class Server:
                     text = echo[index] + text
                 offset = offsets.get(index, 0)
                 offsets[index] = offset + len(text)
+                piece = answer = None
+                if plan is not None:  # the text split into reasoning, content and tool-call pieces
+                    parser = parsers.setdefault(index, plan.parser())
+                    piece = parser.feed(text)
+                    if item.finish_reason is not None:
+                        rest = parser.finish()
+                        piece.reasoning += rest.reasoning
+                        piece.content += rest.content
+                        answer = plan.answer(parser, item.finish_reason)
                 if item.finish_reason is not None:
                     finished += 1
                     if item.output is not None:
                         completion_tokens += len(item.output.token_ids)
                         prompt_stats[item.request_id] = item.output.stats
-                elif not text and not item.logprobs:
+                elif not (piece if piece is not None else text) and not item.logprobs:
                     continue
-                choice = delta_choice(head, index, item, self.token_text, text, offset)
+                choice = delta_choice(head, index, item, self.token_text, text, offset, piece, answer)
                 yield _sse(chunk(head, [choice], parsed.include_usage))
             if parsed.include_usage:
                 prompt_tokens, cached_tokens = _prompt_usage(prompt_stats)
@@ -433,9 +498,8 @@ class Server:
 
         @app.get("/health")
         async def health() -> Response:
-            if server.loop.state == EngineLoop.READY:
-                return JSONResponse({"status": "ok"})
-            return JSONResponse({"status": server.loop.state, "error": server.loop.error}, status_code=503)
+            status, body = await server.loop.health()
+            return JSONResponse(body, status_code=status)
 
         def page_file(name: str) -> Response:
             if name not in FILES:
@@ -462,12 +526,15 @@ class Server:
             engine = server._ready()
             from logitproc.runtime.config import MAX_TOP_LOGPROBS
 
+            traits = server.chat_traits
             return JSONResponse({
                 "model": server.model_name, "max_model_len": engine.context_length,
                 "default_generation_settings": dict(server.options.sampling_defaults),
                 "max_top_logprobs": MAX_TOP_LOGPROBS,
                 "features": {"jump_forward": bool(engine.jump_forward),
-                             "speculative": None if engine.speculative is None else asdict(engine.speculative)}})
+                             "speculative": None if engine.speculative is None else asdict(engine.speculative),
+                             "tools": None if traits.syntax is None else traits.syntax.value,
+                             "reasoning": traits.thinking}})
 
         @app.get("/metrics")
         async def metrics() -> Response:
@@ -502,7 +569,10 @@ class Server:
                 raise bad_request("prompt must be a string or a list of token ids", "prompt")
             server.limits.check_text(text_bytes(prompt), "messages" if chat else "prompt")
             try:
-                tokens = await asyncio.to_thread(engine.tokenize, prompt, chat)
+                if chat:  # rendered as a chat request's prompt (tools, template keywords, prefill)
+                    tokens = await asyncio.to_thread(server._chat_ids, prompt, chat_options(body, prompt))
+                else:
+                    tokens = await asyncio.to_thread(engine.tokenize, prompt, chat)
             except (ValueError, TypeError) as err:
                 raise bad_request(str(err), "messages" if chat else "prompt") from None
             return JSONResponse({"count": len(tokens), "max_model_len": engine.context_length, "tokens": tokens})

@@ -1,8 +1,9 @@
 """A plain numpy float32 Llama forward pass with a KV cache: the reference the compiled model is checked against.
 
 For a model of any supported family (``logitproc.compile.families``) read by ``load_gguf`` or ``load_hf_dir``
-(weights ``[out, in]``, float32, the canonical layout of ``model_family``). Per layer, for the tokens ``x``
-``[T, hidden]`` at positions ``p0 .. p0+T-1``::
+(weights ``[out, in]``, float32, the canonical layout of ``model_family``). ``x = token_embd[ids]`` (times
+``sqrt(hidden)``: the family's ``embed_scaled``), then per layer, for the tokens ``x`` ``[T, hidden]`` at positions
+``p0 .. p0+T-1``::
 
     h = rmsnorm(x) * attn_norm                        rmsnorm(x) = x / sqrt(mean(x*x, last axis) + eps)
     q, k, v = h @ Wq.T, h @ Wk.T, h @ Wv.T            [T, n_heads, d], [T, n_kv, d], [T, n_kv, d]
@@ -10,14 +11,19 @@ For a model of any supported family (``logitproc.compile.families``) read by ``l
     q, k = rmsnorm(q) * q_norm, rmsnorm(k) * k_norm   over each head (the family's ``qk_norm``)
     q, k = rope(q), rope(k)                            pairs (i, i + r/2) of the first r = rope_dim values
                                                       rotated by pos * inv_freq[i], cos and sin times the
-                                                      attention factor (``RopeScaling``); the rest unrotated
+                                                      attention factor (``RopeScaling``; ``layer_rope``: the
+                                                      layer's own); the rest unrotated
     append k, v to the cache; query head j reads KV head j // (n_heads / n_kv)   (grouped-query attention)
-    x += softmax(q k^T / sqrt(d), causal) v @ Wo.T
+    s = q k^T * sm_scale                              (``config.sm_scale``: 1 / sqrt(d) or Gemma's scalar)
+    s = cap * tanh(s / cap)                           (``config.attn_softcap``; Gemma 2)
+    a = softmax(s, causal; a windowed layer's query at i sees keys at j > i - window) v @ Wo.T
+    x += a            (SANDWICH norms: x += rmsnorm(a) * post_attention_norm)
     h = rmsnorm(x) * ffn_norm
-    x += (silu(h @ Wgate.T) * (h @ Wup.T)) @ Wdown.T
+    m = (act(h @ Wgate.T) * (h @ Wup.T)) @ Wdown.T    act: silu, or gelu's tanh approximation (the family's)
+    x += m            (SANDWICH norms: x += rmsnorm(m) * post_ffw_norm)
 
 then ``logits = (rmsnorm(x[-1]) * output_norm) @ token_embd.T`` (tied output embedding; ``output.weight`` when the
-model has one). Everything stays float32: the scalars
+model has one; then ``cap * tanh(logits / cap)`` with ``config.final_softcap``). Everything stays float32: the scalars
 taken from the GGUF metadata are Python numbers, which NumPy 2 does not let promote float32 arrays to float64.
 
 ``kv_dtype="float16"`` rounds q, k and v to float16 before RoPE, q and k again after it, and the attention's output,
@@ -37,6 +43,7 @@ from typing import Any
 import numpy as np
 from logitproc.compile.families import family_named
 from logitproc.compile.gguf_model import GGUFModel, load_default_model, load_gguf
+from logitproc.compile.model_family import Activation, NormPlacement
 from logitproc.compile.packed_matvec import ACTIVATION_BITS, round_activations
 from logitproc.compile.relax_llama import DEFAULT_KV_DTYPE, KV_DTYPES
 from logitproc.runtime.kernel_library import KernelLibrary
@@ -56,6 +63,16 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
 def silu(x: np.ndarray) -> np.ndarray:
     """``x * sigmoid(x)``, written with tanh so that large negative inputs do not overflow exp."""
     return x * (0.5 + 0.5 * np.tanh(0.5 * x))
+
+
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    """gelu's tanh approximation: ``0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))``."""
+    return 0.5 * x * (1 + np.tanh(np.float32(np.sqrt(2 / np.pi)) * (x + np.float32(0.044715) * x * x * x)))
+
+
+def soft_cap(x: np.ndarray, cap: float) -> np.ndarray:
+    """``cap * tanh(x / cap)`` (``cap`` 0: ``x`` itself)."""
+    return x if not cap else np.float32(cap) * np.tanh(x / np.float32(cap))
 
 
 def rope_tables(positions: np.ndarray, inv_freq: np.ndarray,
@@ -106,15 +123,20 @@ class NumpyLlama:
         names = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
         self._layers = [tuple(w[f"blk.{i}.{name}.weight"] for name in names) for i in range(cfg.n_layers)]
         family = family_named(cfg.architecture)
+        self._embed_scale = np.float32(np.sqrt(cfg.hidden)) if family.embed_scaled else np.float32(1)
+        self._activation = gelu_tanh if family.activation is Activation.GELU_TANH else silu
+        self._post_norms = [(w[f"blk.{i}.post_attention_norm.weight"], w[f"blk.{i}.post_ffw_norm.weight"])
+                            if family.norm_placement is NormPlacement.SANDWICH else None for i in range(cfg.n_layers)]
         zero = np.float32(0)
         self._biases = [tuple(w[f"blk.{i}.attn_{p}.bias"] if family.qkv_bias else zero for p in "qkv")
                         for i in range(cfg.n_layers)]
         self._qk_norms = [(w[f"blk.{i}.attn_q_norm.weight"], w[f"blk.{i}.attn_k_norm.weight"]) if family.qk_norm
                           else None for i in range(cfg.n_layers)]
-        self._inv_freq = cfg.rope.inverse_frequencies(cfg.rope_dim)
-        self._rope_scale = float(cfg.rope_attention_factor)
+        #: each layer's RoPE (Gemma 3's sliding layers: a base of their own): inverse frequencies, attention factor
+        self._ropes = [(cfg.layer_rope(i).inverse_frequencies(cfg.rope_dim), float(cfg.layer_rope(i).attention_factor))
+                       for i in range(cfg.n_layers)]
         self._eps = float(cfg.rms_eps)
-        self._scale = 1.0 / float(np.sqrt(cfg.head_dim))
+        self._scale = cfg.sm_scale
         self._k_cache = np.zeros((0,), np.float32)
         self._v_cache = np.zeros((0,), np.float32)
         self._length = 0
@@ -170,18 +192,20 @@ class NumpyLlama:
             self._allocate(min(capacity, self.config.context))
         hidden = self._forward(ids, start)
         self._length = end
-        return rms_norm(hidden, self._output_norm, self._eps) @ self._output.T
+        return soft_cap(rms_norm(hidden, self._output_norm, self._eps) @ self._output.T, self.config.final_softcap)
 
     def _forward(self, ids: np.ndarray, start: int) -> np.ndarray:
         """Hidden states ``[T, hidden]`` after the last layer; writes the tokens' K and V into the cache."""
         cfg = self.config
         n_tok, n_kv, d, rep = ids.size, cfg.n_kv_heads, cfg.head_dim, cfg.n_rep
         end = start + n_tok
-        cos, sin = rope_tables(np.arange(start, end), self._inv_freq, self._rope_scale)
+        tables = [rope_tables(np.arange(start, end), *rope) for rope in self._ropes]
         # Query t sits at position start + t and sees cached positions 0 .. start + t.
-        causal = np.where(np.arange(end)[None, :] <= np.arange(start, end)[:, None], 0.0, -np.inf).astype(np.float32)
+        behind = np.arange(start, end)[:, None] - np.arange(end)[None, :]  # query position - key position
+        causal = np.where(behind >= 0, 0.0, -np.inf).astype(np.float32)
+        windowed = np.where((behind >= 0) & (behind < cfg.sliding_window), 0.0, -np.inf).astype(np.float32)
 
-        x = self._embed[ids]
+        x = self._embed[ids] * self._embed_scale
         for layer, (attn_norm, wq, wk, wv, wo, ffn_norm, w_gate, w_up, w_down) in enumerate(self._layers):
             h = self._act(rms_norm(x, attn_norm, self._eps))
             bq, bk, bv = self._biases[layer]
@@ -190,6 +214,7 @@ class NumpyLlama:
             if self._qk_norms[layer] is not None:
                 q_norm, k_norm = self._qk_norms[layer]
                 q, k = rms_norm(q, q_norm, self._eps), rms_norm(k, k_norm, self._eps)
+            cos, sin = tables[layer]
             q = self._round_kv(apply_rope(self._round_kv(q), cos, sin))
             k = self._round_kv(apply_rope(self._round_kv(k), cos, sin))
             v = self._round_kv((h @ wv.T + bv).reshape(n_tok, n_kv, d))
@@ -199,14 +224,18 @@ class NumpyLlama:
             values = self._v_cache[layer, :, :end]
             # Query head j = g * rep + r uses KV head g: group the queries by KV head.
             qg = q.reshape(n_tok, n_kv, rep, d).transpose(1, 2, 0, 3)  # [n_kv, rep, T, d]
-            scores = (qg @ keys[:, None].transpose(0, 1, 3, 2)) * self._scale + causal  # [n_kv, rep, T, S]
+            scores = soft_cap((qg @ keys[:, None].transpose(0, 1, 3, 2)) * self._scale, cfg.attn_softcap)
+            scores = scores + (windowed if cfg.layer_window(layer) else causal)  # [n_kv, rep, T, S]
             scores -= scores.max(axis=-1, keepdims=True)
             probs = np.exp(scores)
             probs /= probs.sum(axis=-1, keepdims=True)
             attn = self._round_kv((probs @ values[:, None]).transpose(2, 0, 1, 3).reshape(n_tok, cfg.n_heads * d))
-            x = x + self._act(attn) @ wo.T
+            post = self._post_norms[layer]
+            out = self._act(attn) @ wo.T
+            x = x + (out if post is None else rms_norm(out, post[0], self._eps))
             h = self._act(rms_norm(x, ffn_norm, self._eps))
-            x = x + self._act(silu(h @ w_gate.T) * (h @ w_up.T)) @ w_down.T
+            out = self._act(self._activation(h @ w_gate.T) * (h @ w_up.T)) @ w_down.T
+            x = x + (out if post is None else rms_norm(out, post[1], self._eps))
         return x
 
     def _act(self, x: np.ndarray) -> np.ndarray:

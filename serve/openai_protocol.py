@@ -18,11 +18,14 @@ from __future__ import annotations
 import json
 import logging
 import re
-import reprlib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
+
+from .api_error import APIError as APIError  # re-exported: the server's modules import it from here
+from .api_error import bad_request, shown
+from .tool_definitions import ToolRequest, parse_tools
 
 if TYPE_CHECKING:  # the runtime (and TVM) load with the model, not before the server listens
     from logitproc.runtime.config import GenerationConfig
@@ -37,60 +40,83 @@ CONFIG_FIELDS = ("temperature", "top_p", "n", "seed", "stop", "presence_penalty"
 COMMON_FIELDS = CONFIG_FIELDS + ("model", "max_tokens", "stream", "stream_options", "response_format",
                                  "structured_outputs", "user", "logprobs", "jump_forward", "logprobs_mode",
                                  "json_whitespace")
-CHAT_FIELDS = COMMON_FIELDS + ("messages", "max_completion_tokens", "top_logprobs")
+#: Chat-only fields: OpenAI's tools, and vLLM's ``chat_template_kwargs`` / ``add_generation_prompt`` /
+#: ``continue_final_message`` / ``thinking_token_budget``.
+CHAT_FIELDS = COMMON_FIELDS + ("messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                               "parallel_tool_calls", "chat_template_kwargs", "add_generation_prompt",
+                               "continue_final_message", "thinking_token_budget")
 COMPLETION_FIELDS = COMMON_FIELDS + ("prompt", "echo", "best_of", "suffix")
 #: ``logprobs_mode`` by vLLM's names (its ``--logprobs-mode``) -> GenerationConfig's; "auto" (the default): raw for
 #: greedy requests, processed when sampling.
 LOGPROBS_MODES = {"auto": "auto", "raw_logprobs": "raw", "processed_logprobs": "processed"}
-CHAT_ROLES = ("system", "developer", "user", "assistant")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 #: OpenAI's ranges where they are narrower than GenerationConfig's (the OpenAI endpoints keep to them).
 OPENAI_RANGES = {"temperature": (0.0, 2.0)}
 #: Unknown field names a log line shows (each cut to UNKNOWN_NAME_CHARS, escaped); the rest are counted.
 UNKNOWN_NAMES_SHOWN = 10
 UNKNOWN_NAME_CHARS = 40
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_.\-]+")
-def _shown(value: Any) -> str:
-    """A client's value in an error message: its repr (escaped), bounded in length and depth."""
-    return _REPR.repr(value)
-
-
-_REPR = reprlib.Repr()
-_REPR.maxstring = _REPR.maxother = 80
-_REPR.maxlist = _REPR.maxdict = 6
-_REPR.maxlevel = 3
 STRUCTURED_OUTPUT_KEYS = ("json", "regex", "choice", "grammar", "json_object")
 
 
-#: The longest error message answered.
-MAX_MESSAGE_CHARS = 2000
+#: GenerationConfig's and the engine's names for what a request calls otherwise.
+_REQUEST_NAMES = {"max_thinking_tokens": "thinking_token_budget"}
 
 
-class APIError(Exception):
-    """An error answered in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
+def request_param(err: Exception, fields: tuple[str, ...]) -> str | None:
+    """The request field an error from GenerationConfig or the engine is about: the field a ``FieldError`` names, in
+    the spelling of the request whose ``fields`` are given (the prompt is ``messages`` in a chat); None for other
+    errors or fields the request does not have."""
+    from logitproc.runtime.field_error import FieldError  # the runtime (and TVM) load on first use
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, kind: str = "invalid_request_error",
-                 code: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.kind = kind
-        self.code = code
-
-    def body(self) -> dict[str, Any]:
-        """The error's JSON body (the message cut to MAX_MESSAGE_CHARS: it may quote the client's values)."""
-        return {"error": {"message": self.message[:MAX_MESSAGE_CHARS], "type": self.kind, "param": self.param,
-                          "code": self.code}}
+    if not isinstance(err, FieldError):
+        return None
+    if err.param == "prompt":
+        return "messages" if "messages" in fields else "prompt"
+    name = _REQUEST_NAMES.get(err.param, err.param)
+    return name if name in fields else None
 
 
-def bad_request(message: str, param: str | None = None) -> APIError:
-    return APIError(400, message, param=param)
+@dataclass(frozen=True)
+class ChatOptions:
+    """How a chat request's prompt is rendered: its tools, the template's extra keywords (``chat_template_kwargs``),
+    whether the generation prompt is added, or the final assistant message continued instead."""
+
+    tools: ToolRequest | None = None
+    template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    def render_kwargs(self) -> dict[str, Any]:
+        """Keywords for the template (``tools`` as the client sent them, as transformers passes them)."""
+        kwargs = dict(self.template_kwargs)
+        if self.tools is not None:
+            kwargs["tools"] = [dict(t) for t in self.tools.definitions]
+        return kwargs
 
 
-def param_of(message: str, fields: tuple[str, ...]) -> str | None:
-    """The request field an error message starts with (GenerationConfig's messages name their field first)."""
-    match = re.match(r"[a-z_]+", message)
-    return match.group(0) if match and match.group(0) in fields else None
+#: Template keywords a request may not set through chat_template_kwargs (the server sets them).
+RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
+                            "bos_token", "eos_token")
+
+
+def chat_options(body: Mapping[str, Any], messages: list[dict[str, Any]]) -> ChatOptions:
+    """A chat request's (or ``/tokenize``'s) rendering options; APIError(400) naming the field."""
+    kwargs = _typed(body, "chat_template_kwargs", dict, "an object of template keywords") or {}
+    reserved = sorted(k for k in kwargs if k in RESERVED_TEMPLATE_KWARGS or not isinstance(k, str))
+    if reserved:
+        raise bad_request(f"chat_template_kwargs may not set {reserved} (the request's own fields do)",
+                          "chat_template_kwargs")
+    add = _typed(body, "add_generation_prompt", bool, "a boolean")
+    continued = bool(_typed(body, "continue_final_message", bool, "a boolean"))
+    if continued:
+        if add:
+            raise bad_request("continue_final_message continues the last message: add_generation_prompt must be "
+                              "false with it", "continue_final_message")
+        if messages[-1]["role"] != "assistant":
+            raise bad_request("continue_final_message needs the last message to be an assistant message (the text "
+                              "to continue)", "continue_final_message")
+    return ChatOptions(parse_tools(body), kwargs, not continued if add is None else add, continued)
 
 
 @dataclass
@@ -106,6 +132,7 @@ class ParsedRequest:
     include_usage: bool = False
     echo: bool = False
     jump_forward: bool | None = None  # None: as the server was started
+    chat_options: ChatOptions = field(default_factory=lambda: ChatOptions())
 
     @property
     def n(self) -> int:
@@ -117,9 +144,9 @@ def _typed(body: Mapping[str, Any], name: str, kinds: type | tuple[type, ...], w
     if value is None:
         return None
     if isinstance(value, bool) and bool not in (kinds if isinstance(kinds, tuple) else (kinds,)):
-        raise bad_request(f"{name} must be {what}, got {_shown(value)}", name)
+        raise bad_request(f"{name} must be {what}, got {shown(value)}", name)
     if not isinstance(value, kinds):
-        raise bad_request(f"{name} must be {what}, got {_shown(value)}", name)
+        raise bad_request(f"{name} must be {what}, got {shown(value)}", name)
     return value
 
 
@@ -135,9 +162,9 @@ def _ignore_unknown(body: Mapping[str, Any], known: tuple[str, ...], endpoint: s
     newline in a name cannot forge a log line, 20,000 names do not write a megabyte)."""
     unknown = [k for k in body if k not in known]
     if unknown:
-        shown = ", ".join(_shown_name(k) for k in unknown[:UNKNOWN_NAMES_SHOWN])
+        names = ", ".join(_shown_name(k) for k in unknown[:UNKNOWN_NAMES_SHOWN])
         more = f" and {len(unknown) - UNKNOWN_NAMES_SHOWN} more" if len(unknown) > UNKNOWN_NAMES_SHOWN else ""
-        log.info("%s: ignoring %d unknown field(s): %s%s", endpoint, len(unknown), shown, more)
+        log.info("%s: ignoring %d unknown field(s): %s%s", endpoint, len(unknown), names, more)
 
 
 def _message_text(index: int, content: Any) -> str:
@@ -150,7 +177,7 @@ def _message_text(index: int, content: Any) -> str:
         for part in content:
             if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise bad_request(f"{where}: only text parts ({{'type': 'text', 'text': ...}}) are supported, got "
-                                  f"{_shown(part)}", "messages")
+                                  f"{shown(part)}", "messages")
             texts.append(part["text"])
         return "".join(texts)
     if content is None:
@@ -158,20 +185,73 @@ def _message_text(index: int, content: Any) -> str:
     raise bad_request(f"{where} must be a string or a list of text parts, got {type(content).__name__}", "messages")
 
 
-def parse_messages(value: Any) -> list[dict[str, str]]:
-    """Chat messages as [{"role", "content"}] (developer becomes system); a 400 naming what is wrong."""
+def _tool_calls(index: int, value: Any, ids: set[str]) -> list[dict[str, Any]]:
+    """An assistant message's ``tool_calls`` as the template gets them: ``arguments`` parsed to a dict (as
+    transformers' templates expect); each call's id is added to ``ids``."""
+    where = f"messages[{index}].tool_calls"
+    if not isinstance(value, list):
+        raise bad_request(f"{where} must be a list of calls, got {shown(value)}", "messages")
+    calls = []
+    for i, call in enumerate(value):
+        function = call.get("function") if isinstance(call, Mapping) else None
+        if not isinstance(function, Mapping) or not isinstance(call.get("id"), str) or not isinstance(
+                function.get("name"), str) or call.get("type", "function") != "function":
+            raise bad_request(f"{where}[{i}] must be {{'id': ..., 'type': 'function', 'function': {{'name': ..., "
+                              f"'arguments': ...}}}}, got {shown(call)}", "messages")
+        arguments = function.get("arguments", "{}")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments or "{}")
+            except ValueError:
+                raise bad_request(f"{where}[{i}].function.arguments is not JSON: {shown(arguments)}",
+                                  "messages") from None
+        if not isinstance(arguments, Mapping):
+            raise bad_request(f"{where}[{i}].function.arguments must be a JSON object, got {shown(arguments)}",
+                              "messages")
+        ids.add(call["id"])
+        calls.append({"id": call["id"], "type": "function",
+                      "function": {"name": function["name"], "arguments": dict(arguments)}})
+    return calls
+
+
+def parse_messages(value: Any) -> list[dict[str, Any]]:
+    """Chat messages as the template gets them: {"role", "content"} (developer becomes system), an assistant's
+    ``tool_calls`` (arguments as dicts) and ``reasoning_content``, a tool message's ``tool_call_id`` (it must answer
+    a call of an earlier assistant message) and ``name``; a 400 naming what is wrong."""
     if not isinstance(value, list) or not value:
         raise bad_request("messages must be a non-empty list of {role, content} objects", "messages")
-    messages = []
+    messages: list[dict[str, Any]] = []
+    call_ids: set[str] = set()
     for index, message in enumerate(value):
         if not isinstance(message, Mapping):
             raise bad_request(f"messages[{index}] must be an object with role and content", "messages")
         role = message.get("role")
         if role not in CHAT_ROLES:
-            raise bad_request(f"messages[{index}].role must be one of {list(CHAT_ROLES)}, got {_shown(role)}",
+            raise bad_request(f"messages[{index}].role must be one of {list(CHAT_ROLES)}, got {shown(role)}",
                               "messages")
-        messages.append({"role": "system" if role == "developer" else role,
-                         "content": _message_text(index, message.get("content"))})
+        parsed: dict[str, Any] = {"role": "system" if role == "developer" else role,
+                                  "content": _message_text(index, message.get("content"))}
+        if role == "assistant":
+            if message.get("tool_calls"):
+                parsed["tool_calls"] = _tool_calls(index, message["tool_calls"], call_ids)
+            reasoning = message.get("reasoning_content")
+            if reasoning is not None:
+                if not isinstance(reasoning, str):
+                    raise bad_request(f"messages[{index}].reasoning_content must be a string, got "
+                                      f"{shown(reasoning)}", "messages")
+                parsed["reasoning_content"] = reasoning
+        elif role == "tool":
+            call_id = message.get("tool_call_id")
+            if not isinstance(call_id, str) or call_id not in call_ids:
+                raise bad_request(f"messages[{index}].tool_call_id must be the id of a call in an earlier assistant "
+                                  f"message's tool_calls, got {shown(call_id)}", "messages")
+            parsed["tool_call_id"] = call_id
+        name = message.get("name")
+        if name is not None:
+            if not isinstance(name, str):
+                raise bad_request(f"messages[{index}].name must be a string, got {shown(name)}", "messages")
+            parsed["name"] = name
+        messages.append(parsed)
     return messages
 
 
@@ -238,7 +318,7 @@ def _config(body: Mapping[str, Any], values: dict[str, Any], fields: tuple[str, 
     for name, (low, high) in OPENAI_RANGES.items():
         value = body.get(name)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and not low <= value <= high:
-            raise bad_request(f"{name} must be in [{low}, {high}] (OpenAI's range), got {_shown(value)}", name)
+            raise bad_request(f"{name} must be in [{low}, {high}] (OpenAI's range), got {shown(value)}", name)
     response_format = body.get("response_format")
     if body.get("structured_outputs") is not None:
         if response_format is not None:
@@ -257,8 +337,7 @@ def _config(body: Mapping[str, Any], values: dict[str, Any], fields: tuple[str, 
     try:
         return GenerationConfig(**values)
     except (ValueError, TypeError) as err:
-        message = str(err)
-        raise bad_request(message, param_of(message, fields)) from None
+        raise bad_request(str(err), request_param(err, fields)) from None
 
 
 def parse_logprobs_mode(value: Any, field: str = "logprobs_mode") -> str:
@@ -269,7 +348,7 @@ def parse_logprobs_mode(value: Any, field: str = "logprobs_mode") -> str:
     if value in ("raw_logits", "processed_logits"):
         raise bad_request(f"{field} {value!r} is not supported (logits are not returned); use one of {allowed}",
                           field)
-    raise bad_request(f"{field} must be one of {allowed}, got {_shown(value)}", field)
+    raise bad_request(f"{field} must be one of {allowed}, got {shown(value)}", field)
 
 
 def _stream_options(body: Mapping[str, Any]) -> tuple[bool, bool]:
@@ -279,7 +358,7 @@ def _stream_options(body: Mapping[str, Any]) -> tuple[bool, bool]:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
     include_usage = options.get("include_usage", False)
     if not isinstance(include_usage, bool):
-        raise bad_request(f"stream_options.include_usage must be a boolean, got {_shown(include_usage)}",
+        raise bad_request(f"stream_options.include_usage must be a boolean, got {shown(include_usage)}",
                           "stream_options")
     return stream, include_usage
 
@@ -289,7 +368,7 @@ def _max_tokens(body: Mapping[str, Any], names: tuple[str, ...]) -> dict[str, An
         if body.get(name) is not None:
             value = body[name]
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise bad_request(f"{name} must be an integer >= 1, got {_shown(value)}", name)
+                raise bad_request(f"{name} must be an integer >= 1, got {shown(value)}", name)
             return {"max_tokens": value}
     return {}
 
@@ -299,7 +378,7 @@ def _body(body: Any) -> Mapping[str, Any]:
         raise bad_request("the request body must be a JSON object")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
-        raise bad_request(f"model must be a string, got {_shown(model)}", "model")
+        raise bad_request(f"model must be a string, got {shown(model)}", "model")
     _typed(body, "user", str, "a string")
     return body
 
@@ -319,9 +398,15 @@ def parse_chat_request(body: Any, defaults: Mapping[str, Any] = MappingProxyType
     if top is not None and not logprobs:
         raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
     values.update(logprobs=bool(logprobs), top_logprobs=top or 0)
+    budget = _typed(body, "thinking_token_budget", int, "an integer >= 0")
+    if budget is not None:
+        if budget < 0:
+            raise bad_request(f"thinking_token_budget must be an integer >= 0, got {budget}", "thinking_token_budget")
+        values["max_thinking_tokens"] = budget
+    options = chat_options(body, messages)
     config = _config(body, values, CHAT_FIELDS, defaults)
     return ParsedRequest(True, body.get("model"), [messages], config, stream, include_usage,
-                         jump_forward=_typed(body, "jump_forward", bool, "a boolean"))
+                         jump_forward=_typed(body, "jump_forward", bool, "a boolean"), chat_options=options)
 
 
 def parse_completion_request(body: Any, defaults: Mapping[str, Any] = MappingProxyType({})) -> ParsedRequest:

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .answer_parser import AnswerDelta
+from .chat_turn import ChatAnswer
 from .outputs import Delta, Output
 
 TokenText = Callable[[int], str]
@@ -94,21 +96,27 @@ class ResponseHead:
 
 
 def full_response(head: ResponseHead, outputs: Sequence[tuple[int, Output]], token_text: TokenText,
-                  prompt_tokens: int, echo_texts: Sequence[str] = (), cached_tokens: int = 0) -> dict[str, Any]:
-    """The whole (non-streamed) response: ``outputs`` are (choice index, finished Output)."""
+                  prompt_tokens: int, echo_texts: Sequence[str] = (), cached_tokens: int = 0,
+                  answers: Mapping[int, ChatAnswer] | None = None) -> dict[str, Any]:
+    """The whole (non-streamed) response: ``outputs`` are (choice index, finished Output); a chat's ``answers``
+    (by choice index) are its messages split into content, reasoning and tool calls."""
     choices = []
     for index, out in sorted(outputs, key=lambda item: item[0]):
         choice: dict[str, Any] = {"index": index}
+        answer = answers.get(index) if answers is not None else None
         if head.chat:
-            choice["message"] = {"role": "assistant", "content": out.text, "refusal": None, "tool_calls": []}
+            choice["message"] = answer.message if answer is not None else {
+                "role": "assistant", "content": out.text, "refusal": None, "tool_calls": []}
             choice["logprobs"] = chat_logprobs(token_text, out.token_ids, out.logprobs, out.top_logprobs)
         else:
             echo = echo_texts[index] if echo_texts else ""
             choice["text"] = echo + out.text
             choice["logprobs"] = completion_logprobs(token_text, out.token_ids, out.logprobs, out.top_logprobs)
-        choice["finish_reason"] = out.finish_reason
+        choice["finish_reason"] = out.finish_reason if answer is None else answer.finish_reason
         choice["stop_reason"] = out.stop_reason
         choice.update(answer_check(out))
+        if answer is not None:
+            choice.update(answer.fields)
         choices.append(choice)
     completion_tokens = sum(len(out.token_ids) for _, out in outputs)
     body = head.body("chat.completion" if head.chat else "text_completion")
@@ -130,23 +138,51 @@ def role_choice(index: int) -> dict[str, Any]:
     return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
 
 
+def chat_delta(piece: AnswerDelta) -> dict[str, Any]:
+    """A chat chunk's ``delta`` for a piece of a split answer: reasoning, content, tool-call pieces (a call's first
+    piece carries its id, type and name, later ones argument text only: the openai client joins them by index)."""
+    delta: dict[str, Any] = {}
+    if piece.reasoning:
+        delta["reasoning_content"] = piece.reasoning
+    if piece.content:
+        delta["content"] = piece.content
+    if piece.calls:
+        calls = []
+        for call in piece.calls:
+            item: dict[str, Any] = {"index": call.index}
+            if call.id is not None:
+                item.update(id=call.id, type="function", function={"name": call.name, "arguments": call.arguments})
+            else:
+                item["function"] = {"arguments": call.arguments}
+            calls.append(item)
+        delta["tool_calls"] = calls
+    return delta
+
+
 def delta_choice(head: ResponseHead, index: int, delta: Delta, token_text: TokenText,
-                 text: str | None = None, offset: int = 0) -> dict[str, Any]:
-    """One chunk choice for an engine delta (``text`` replaces the delta's text, e.g. for echo)."""
+                 text: str | None = None, offset: int = 0, piece: AnswerDelta | None = None,
+                 answer: ChatAnswer | None = None) -> dict[str, Any]:
+    """One chunk choice for an engine delta (``text`` replaces the delta's text, e.g. for echo; a chat's ``piece``
+    is the delta's text split into message parts, and ``answer`` the finished answer on the last delta)."""
     text = delta.text if text is None else text
     choice: dict[str, Any] = {"index": index}
     if head.chat:
-        choice["delta"] = {"content": text} if text or not delta.finish_reason else {}
+        if piece is not None:
+            choice["delta"] = chat_delta(piece)
+        else:
+            choice["delta"] = {"content": text} if text or not delta.finish_reason else {}
         choice["logprobs"] = chat_logprobs(token_text, delta.token_ids, delta.logprobs, delta.top_logprobs)
     else:
         choice["text"] = text
         choice["logprobs"] = completion_logprobs(token_text, delta.token_ids, delta.logprobs, delta.top_logprobs,
                                                  offset)
-    choice["finish_reason"] = delta.finish_reason
+    choice["finish_reason"] = delta.finish_reason if answer is None else answer.finish_reason
     if delta.finish_reason is not None:
         choice["stop_reason"] = delta.output.stop_reason if delta.output is not None else None
         if delta.output is not None:
             choice.update(answer_check(delta.output))
+        if answer is not None:
+            choice.update(answer.fields)
     return choice
 
 

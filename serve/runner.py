@@ -48,6 +48,8 @@ class Runner(Protocol):
     tokenizer: Any
     #: The kernel library the engine's processor and sampler load (CPU).
     kernel_library: KernelLibrary
+    #: The jinja chat template chats are rendered with (the server reads what it supports: tools, a think block).
+    chat_template: ChatTemplate
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                             **kwargs: Any) -> str: ...

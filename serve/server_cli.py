@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from .cli_options import TINY_MODEL, add_json_whitespace_argument, add_model_arguments, log
+from .ray_options import add_ray_arguments, check_ray_arguments, uses_ray
 
 
 def add_parser(commands: Any) -> None:
@@ -55,6 +56,7 @@ def add_parser(commands: Any) -> None:
     parser.add_argument("--allowed-origins", action="append", default=[], metavar="ORIGINS",
                         help="web origins (scheme://host:port) whose pages may call the server, besides its own "
                              "chat page (comma-separated or repeated; '*': any) (default: none)")
+    add_ray_arguments(parser)
     parser.set_defaults(run=run)
 
 
@@ -70,6 +72,7 @@ def _check(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
     if args.port > 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    check_ray_arguments(args)
     if args.drain_timeout < 0:
         raise ValueError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
     for origin in _listed(args.allowed_origins):
@@ -78,6 +81,16 @@ def _check(args: argparse.Namespace) -> None:
     for host in _listed(args.allowed_hosts):
         if host != "*" and not re.fullmatch(r"[^/\s:@]+|\[[0-9a-fA-F:.]+\]", host):
             raise ValueError(f"--allowed-hosts: {host!r} is not a host name like example.com (or '*')")
+
+
+def server_options(args: argparse.Namespace) -> Any:
+    """The app's ServerOptions from the command line (the sampling defaults are set once the model is loaded)."""
+    from .http_server import ServerOptions
+    from .request_policy import RequestPolicy
+
+    policy = RequestPolicy(args.host, _listed(args.allowed_hosts), _listed(args.allowed_origins))
+    return ServerOptions(served_model_name=args.served_model_name, aliases=(args.model,), api_key=args.api_key,
+                         max_queue=args.max_queue, policy=policy)
 
 
 def load_engine(args: argparse.Namespace) -> Any:
@@ -113,14 +126,30 @@ def sampling_defaults(args: argparse.Namespace, model: Any) -> Any:
     return model_defaults(model.name, [*([source] if source.is_dir() else []), Path(model.directory)])
 
 
+def request_defaults(args: argparse.Namespace, engine: Any) -> tuple[dict[str, Any], str]:
+    """The GenerationConfig values of the fields a request leaves unset (the model's defaults, ``--logprobs-mode``,
+    ``--json-whitespace``), and the model's defaults described for the log."""
+    from .openai_protocol import parse_logprobs_mode
+
+    defaults = sampling_defaults(args, engine.model)
+    values = dict(defaults.values)
+    if args.logprobs_mode is not None:
+        values["logprobs_mode"] = parse_logprobs_mode(args.logprobs_mode, "--logprobs-mode")
+    if args.json_whitespace is not None:
+        values["json_whitespace"] = args.json_whitespace
+    return values, defaults.describe()
+
+
 def run(args: argparse.Namespace) -> int:
-    """``logitproc serve``."""
+    """``logitproc serve``; with ``--replicas`` (or ``--autoscale``), on Ray Serve (``ray_command.py``)."""
     _check(args)
+    if uses_ray(args):
+        from .ray_command import serve_on_ray  # Ray loads only on this path
+
+        return serve_on_ray(args)
     import uvicorn
 
-    from .http_server import Server, ServerOptions
-    from .openai_protocol import parse_logprobs_mode
-    from .request_policy import RequestPolicy
+    from .http_server import Server
     from .uvicorn_protocol import QuietH11Protocol
 
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
@@ -131,14 +160,9 @@ def run(args: argparse.Namespace) -> int:
     def load() -> Any:
         log(f"listening on {url} (/health answers 503 until the model is loaded)")
         engine = load_engine(args)
-        defaults = sampling_defaults(args, engine.model)
-        options.sampling_defaults = dict(defaults.values)
-        if args.logprobs_mode is not None:
-            options.sampling_defaults["logprobs_mode"] = parse_logprobs_mode(args.logprobs_mode, "--logprobs-mode")
-        if args.json_whitespace is not None:
-            options.sampling_defaults["json_whitespace"] = args.json_whitespace
+        options.sampling_defaults, described = request_defaults(args, engine)
         name = args.served_model_name or engine.model.name
-        log(f"unset request fields take: {defaults.describe()}")
+        log(f"unset request fields take: {described}")
         log(f"ready: serving {name!r} at {url}/v1 (max batch {engine.max_batch}, context {engine.context_length})")
         return engine
 
@@ -146,9 +170,7 @@ def run(args: argparse.Namespace) -> int:
         failure.append(err)
         holder["uvicorn"].should_exit = True
 
-    policy = RequestPolicy(args.host, _listed(args.allowed_hosts), _listed(args.allowed_origins))
-    options = ServerOptions(served_model_name=args.served_model_name, aliases=(args.model,), api_key=args.api_key,
-                            max_queue=args.max_queue, policy=policy)
+    options = server_options(args)
     server = Server(load, options, on_failure)
     config = uvicorn.Config(server.app, host=args.host, port=args.port, log_level="warning", access_log=False,
                             timeout_graceful_shutdown=args.drain_timeout, lifespan="on", http=QuietH11Protocol)

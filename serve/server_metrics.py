@@ -21,11 +21,14 @@ ENDPOINTS = ("/v1/models", "/v1/chat/completions", "/v1/completions", "/health",
 class ServerMetrics:
     """Every metric of one server; ``text()`` is the Prometheus exposition."""
 
-    def __init__(self) -> None:
-        self.registry = registry = CollectorRegistry()
+    def __init__(self, engine: bool = True) -> None:
+        """``engine=False``: a front without an engine of its own (the Ray ingress), whose ``/metrics`` shows only
+        the HTTP responses here (the engine metrics are the replicas', ``ray_metrics.py``)."""
+        self.registry = CollectorRegistry()
         p = "logitproc_"
         self.responses = Counter(p + "http_responses", "HTTP responses by endpoint and status code",
-                                 ["endpoint", "status"], registry=registry)
+                                 ["endpoint", "status"], registry=self.registry)
+        registry = self.registry if engine else CollectorRegistry()
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of finished requests", registry=registry)
         self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated", registry=registry)
         self.finished = Counter(p + "sequences_finished", "Finished sequences by finish reason", ["reason"],

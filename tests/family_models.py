@@ -14,6 +14,7 @@ EOT and EOM ids as separate keys.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from dataclasses import dataclass
@@ -42,10 +43,18 @@ class FamilyCase:
     eos_ids: tuple[int, ...] = (2,)
 
 
+#: Families whose RMS norms multiply by ``1 + w`` (their norms are re-randomised around 0, not 1; llama.cpp's
+#: converter stores ``w + 1``).
+PLUS_ONE_NORMS = ("gemma2", "gemma3_text")
+
 #: Phi-3's LongRoPE on tiny sizes: partial rotary 0.75 of head size 16 (12 rotated values, 6 frequencies), an
 #: original context of 128 in a max_position_embeddings of 512 (attention factor sqrt(1 + ln 4 / ln 128)).
 PHI3_ROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.2, 1.5, 2.0, 3.0, 4.5],
              "long_factor": [2.0, 3.0, 4.0, 6.0, 8.0, 12.0]}
+
+#: Gemma 3's RoPE per layer type (transformers 5's spelling): a theta of 1e4 locally, 1e6 scaled by 8 globally.
+GEMMA3_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+               "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}}
 
 CASES = {
     "llama3": FamilyCase("llama3", "llama", "llama",
@@ -56,6 +65,17 @@ CASES = {
     "phi3": FamilyCase("phi3", "phi3", "phi3",
                        {"partial_rotary_factor": 0.75, "original_max_position_embeddings": 128,
                         "rope_scaling": PHI3_ROPE, "bos_token_id": 0, "eos_token_id": 2, "pad_token_id": 1}),
+    # a window of 6 (the prompt is 18 tokens) and soft-caps that bite at these sizes
+    "gemma2": FamilyCase("gemma2", "gemma2", "gemma2",
+                         {"head_dim": 32, "query_pre_attn_scalar": 32, "sliding_window": 6,
+                          "attn_logit_softcapping": 2.0, "final_logit_softcapping": 6.0,
+                          "tie_word_embeddings": True, "bos_token_id": 0, "eos_token_id": 2, "pad_token_id": 1}),
+    # 3 layers, two sliding (window 6) and one global; the global RoPE scaled as Gemma 3 4B's, the local one not
+    "gemma3": FamilyCase("gemma3", "gemma3_text", "gemma3",
+                         {"num_hidden_layers": 3, "sliding_window_pattern": 3, "head_dim": 32,
+                          "query_pre_attn_scalar": 32, "sliding_window": 6, "rope_parameters": GEMMA3_ROPE,
+                          "tie_word_embeddings": True, "bos_token_id": 0, "eos_token_id": [2, 3],
+                          "pad_token_id": 1}, eos_ids=(2, 3)),
 }
 
 
@@ -64,21 +84,21 @@ def build_transformers_model(case: FamilyCase, seed: int = 0) -> Any:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = AutoConfig.for_model(case.model_type, vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
-                               num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
-                               max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=False,
-                               **case.overrides)
+    sizes = {"vocab_size": VOCAB, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "intermediate_size": 128, "max_position_embeddings": 512,
+             "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
+    cfg = AutoConfig.for_model(case.model_type, **{**sizes, **copy.deepcopy(case.overrides)})
     generator = torch.Generator().manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=generator)
             if "norm" in name:
-                p.copy_(1 + 0.3 * noise)
+                p.copy_((0 if case.model_type in PLUS_ONE_NORMS else 1) + 0.3 * noise)
             elif name.endswith("bias"):
                 p.copy_(0.5 * noise)
             elif "embed_tokens" in name:
-                p.copy_(noise)
+                p.copy_(noise / (4 if case.model_type in PLUS_ONE_NORMS else 1))  # tied: the output head too
             else:
                 p.copy_(noise / math.sqrt(p.shape[-1]) * (2.0 if "lm_head" in name else 1.0))
     return model
@@ -131,10 +151,15 @@ _LAYER = {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",  # phi
           "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
 
 
+#: Gemma's four norms (llama.cpp's names).
+_SANDWICH = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+             "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+
+
 def write_gguf(model: Any, case: FamilyCase, path: Path, *, extra_keys: dict[str, int] | None = None,
-               q8_0: bool = False) -> Path:
+               q8_0: bool = False, without_window: bool = False) -> Path:
     """The same weights as a GGUF (F32 tensors; with ``q8_0`` the matrices quantised to Q8_0 by gguf-py) as
-    llama.cpp's converter lays them out (module doc)."""
+    llama.cpp's converter lays them out (module doc); ``without_window``: no ``attention.sliding_window`` key."""
     import gguf
 
     cfg = model.config
@@ -151,21 +176,34 @@ def write_gguf(model: Any, case: FamilyCase, path: Path, *, extra_keys: dict[str
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    theta = float(cfg.rope_parameters["rope_theta"])
-    writer.add_rope_freq_base(theta)
-    rope_dim = int(head_dim * cfg.rope_parameters.get("partial_rotary_factor", 1.0))
+    rope = dict(cfg.rope_parameters.get("full_attention", cfg.rope_parameters))  # Gemma 3: the global layers'
+    theta = float(rope["rope_theta"])
+    if arch not in ("gemma2",):  # Gemma 2's converter writes no base (llama.cpp's default 10000)
+        writer.add_rope_freq_base(theta)
+    if arch == "gemma3":  # the local base, the global scaling, the window and (llama.cpp reads it) the pattern
+        writer.add_rope_freq_base_swa(float(cfg.rope_parameters["sliding_attention"]["rope_theta"]))
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_sliding_window(cfg.sliding_window)
+        writer.add_sliding_window_pattern(3)
+    rope_dim = int(head_dim * rope.get("partial_rotary_factor", 1.0))
     if rope_dim != head_dim:
         writer.add_rope_dimension_count(rope_dim)
-    if cfg.rope_parameters.get("rope_type") == "longrope":
+    if rope.get("rope_type") == "longrope":
         original = cfg.rope_parameters["original_max_position_embeddings"]
         scale = cfg.max_position_embeddings / original
         writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
         writer.add_rope_scaling_orig_ctx_len(original)
-    if head_dim != cfg.hidden_size // cfg.num_attention_heads:
+    if arch in ("gemma2",):
+        writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
+        if not without_window:
+            writer.add_sliding_window(cfg.sliding_window)
+    if head_dim != cfg.hidden_size // cfg.num_attention_heads or arch in ("gemma2", "gemma3"):
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt2")
+    writer.add_tokenizer_pre("gpt-2")  # llama.cpp's name (it refuses "gpt2")
     writer.add_token_list(tiny.tokens)
     writer.add_token_types([1 if t == 6 else t for t in tiny.token_types])
     writer.add_token_merges(tiny.merges)
@@ -185,13 +223,15 @@ def write_gguf(model: Any, case: FamilyCase, path: Path, *, extra_keys: dict[str
         for kind in ("long", "short"):
             writer.add_tensor(f"rope_factors_{kind}.weight",
                               np.asarray(cfg.rope_parameters[f"{kind}_factor"], np.float32))
+    plus_one = case.model_type in PLUS_ONE_NORMS  # the converter adds 1 to every norm weight
+    layer_names = {**_LAYER, **_SANDWICH} if plus_one else _LAYER
     for i in range(cfg.num_hidden_layers):
-        for hf, ggml in _LAYER.items():
+        for hf, ggml in layer_names.items():
             for kind in ("weight", "bias"):
                 name = f"model.layers.{i}.{hf}.{kind}"
                 if name not in state:
                     continue
-                array = state[name]
+                array = state[name] + (1 if plus_one and "norm" in hf else 0)
                 if arch == "llama" and ggml in ("attn_q", "attn_k"):
                     heads = cfg.num_attention_heads if ggml == "attn_q" else cfg.num_key_value_heads
                     array = _llama_cpp_permute(array, heads)
@@ -199,8 +239,9 @@ def write_gguf(model: Any, case: FamilyCase, path: Path, *, extra_keys: dict[str
                     writer.add_tensor(f"blk.{i}.{ggml}.{kind}", gguf.quants.quantize(array, Q8_0), raw_dtype=Q8_0)
                 else:
                     writer.add_tensor(f"blk.{i}.{ggml}.{kind}", np.ascontiguousarray(array))
-    writer.add_tensor("output_norm.weight", state["model.norm.weight"])
-    writer.add_tensor("output.weight", state["lm_head.weight"])
+    writer.add_tensor("output_norm.weight", state["model.norm.weight"] + (1 if plus_one else 0))
+    if not cfg.tie_word_embeddings:
+        writer.add_tensor("output.weight", state["lm_head.weight"])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -42,7 +43,7 @@ class ServerProcess:
                 self.health_seen.append((r.status_code, r.json()))
                 if r.status_code == 200:
                     return
-            except httpx.TransportError:
+            except (httpx.TransportError, json.JSONDecodeError):  # (Ray's proxy answers text before the app runs)
                 pass
             time.sleep(0.2)
         self.stop()

@@ -13,7 +13,7 @@ import pytest
 import tvm
 from logitproc.compile.decode_attention import MIN_PAGES, PAGE_SIZE, SERIAL_PAGES, SPLITS, decode_attention_kernel
 from logitproc.compile.prefill_attention import QUERY_BLOCK, paged_prefill_kernel, ragged_prefill_kernel
-from logitproc.compile.targets import resolve_target
+from logitproc.runtime.targets import resolve_target
 
 H_Q, H_KV, D = 9, 3, 64
 SM_SCALE = 1 / math.sqrt(D)

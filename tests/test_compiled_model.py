@@ -34,8 +34,8 @@ from logitproc.compile.kernel_library import KernelLibrary
 from logitproc.compile.linear_kernels import FORMATS, linear_kernel, param_shapes, swiglu_kernel
 from logitproc.compile.model_compile import compile_model
 from logitproc.compile.rope import RopeScaling, llama3_factors
-from logitproc.compile.targets import resolve_target
 from logitproc.compile.tiny_model import make_tiny_model
+from logitproc.runtime.targets import resolve_target
 from logitproc.serve.chat_template import model_chat_template
 from logitproc.serve.cli_options import TINY_CONTEXT, tiny_model
 from logitproc.serve.compiled_model import CompiledModel

@@ -191,7 +191,7 @@ def test_the_examples_folder_holds_what_the_docs_name() -> None:
 
 
 def test_the_files_the_docs_name_exist() -> None:
-    """A path in backticks (``compile/targets.py``, ``docs/examples/person.json``) names a file of the repository."""
+    """A path in backticks (``runtime/targets.py``, ``docs/examples/person.json``) names a file of the repository."""
     named = re.compile(r"`([\w./-]+/[\w.-]+\.(?:py|md|json|sh|html|js|css|txt|toml))`")
     missing = [f"{doc.name}: {match.group(1)}" for doc in DOCS for match in named.finditer(doc.read_text())
                if not (ROOT / match.group(1)).exists()]

@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from logitproc import GenerationConfig, LogitProcessor, Sampler
 from logitproc.runtime.answer_check import check_answer
+from logitproc.runtime.field_error import FieldError
 from logitproc.runtime.logits_io import empty_aligned, non_finite_rows
 from logitproc.runtime.request_state import DraftTree, RequestState
 from logitproc.runtime.response_format import parse_response_format
@@ -165,8 +166,20 @@ def test_numpy_scalars_are_taken_alike_and_stored_as_python_numbers() -> None:
     ({"stop_token_ids": [2**40]}, ValueError, r"stop_token_ids entries must be token ids in \[0, 2147483647\]"),
 ])
 def test_bad_configs_name_the_field_value_and_range(fields: dict, kind: type, says: str) -> None:
-    with pytest.raises(kind, match=says):
+    with pytest.raises(kind, match=says) as raised:
         GenerationConfig(**fields)
+    assert isinstance(raised.value, FieldError) and raised.value.param == next(iter(fields))  # typed, not parsed
+
+
+@pytest.mark.parametrize("fields", [
+    {"temperature": float("nan")}, {"top_p": 0.0}, {"n": 0}, {"stop": [""]}, {"bad_words": 3},
+    {"logit_bias": {5: 101.0}}, {"allowed_token_ids": []}, {"response_format": {"type": "yaml"}},
+    {"think_begin": ""}, {"seed": -1},
+])
+def test_every_config_refusal_carries_its_field(fields: dict) -> None:
+    with pytest.raises((ValueError, TypeError)) as raised:
+        GenerationConfig(**fields)
+    assert isinstance(raised.value, FieldError) and raised.value.param == next(iter(fields))
 
 
 def test_top_logprobs_beyond_the_vocabulary_is_refused(lib) -> None:

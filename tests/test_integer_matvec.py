@@ -10,7 +10,7 @@ import pytest
 import tvm
 from logitproc.compile.integer_matvec import has_int8_dot
 from logitproc.compile.linear_kernels import integer_linear_kernel, linear_kernel
-from logitproc.compile.targets import build_features, resolve_target
+from logitproc.runtime.targets import build_features, resolve_target
 
 TARGET = resolve_target("cpu").tvm_target()
 pytestmark = pytest.mark.skipif(not has_int8_dot(build_features(TARGET)), reason="this CPU has no AVX2")

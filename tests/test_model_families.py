@@ -20,14 +20,17 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import family_models
 import numpy as np
 import pytest
 from family_models import CASES
-from logitproc.compile.families import FAMILIES
+from logitproc.compile.families import FAMILIES, family_named
+from logitproc.compile.gguf_config import config_from_gguf
 from logitproc.compile.gguf_model import load_gguf
+from logitproc.compile.gguf_tokenizer import read_gguf_metadata
 from logitproc.compile.hf_config import config_from_hf
 from logitproc.compile.hf_model import load_hf_dir
 from logitproc.compile.llama_weights import dequantize_blocks, read_gguf_tensors
@@ -59,7 +62,7 @@ def families(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[object
 def test_gguf_and_hf_folder_load_the_same_model(families, name: str) -> None:
     _, folder, gguf_path = families[name]
     hf, gguf = load_hf_dir(folder), load_gguf(gguf_path)
-    assert hf.config.architecture == gguf.config.architecture == CASES[name].model_type
+    assert hf.config.architecture == gguf.config.architecture == CASES[name].gguf_arch  # the family's name
     skip = {"name", "chat_template", "rope_scaling", "rope_factors", "rms_eps", "rope_attention_factor"}
     for key in ("rms_eps", "rope_attention_factor"):  # float32 in the GGUF
         assert getattr(hf.config, key) == pytest.approx(getattr(gguf.config, key), rel=1e-6)
@@ -96,6 +99,28 @@ def test_compiled_model_matches_transformers_over_greedy_decoding(families, name
         rows.append(compiled.decode([0], [tokens[-1]])[0])
     expected = family_models.reference_logits(model, tokens)[len(PROMPT) - 1:]
     np.testing.assert_allclose(np.stack(rows), expected, atol=TOL_COMPILED, rtol=0)
+
+
+#: llama.cpp's ``phi3`` vocabulary loader looks up tokens of Phi-3's own vocabulary, which the tiny one lacks.
+LLAMA_CPP_CASES = [name for name in CASES if name != "phi3"]
+
+
+@pytest.mark.parametrize("name", LLAMA_CPP_CASES)
+def test_llama_cpp_reads_the_gguf_as_the_numpy_reference_does(families, name: str) -> None:
+    """llama.cpp itself (llama-cpp-python, float32 KV cache) on the same GGUF: its logits after every prompt token
+    agree with the numpy reference's from that file (so the GGUF facts the writer and the loader share are
+    llama.cpp's: Gemma's norms plus one, its scale, window pattern and two RoPE bases, Llama's q/k permutation).
+    Measured 3-4e-6 (llama, qwen2, qwen3), 1.6e-3 and 2.1e-3 (Gemma 2 and 3: ggml's gelu is a float16 table)."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    _, _, gguf_path = families[name]
+    f32 = 0  # GGML_TYPE_F32
+    llm = llama_cpp.Llama(str(gguf_path), n_ctx=64, n_batch=64, logits_all=True, verbose=False, n_threads=1,
+                          type_k=f32, type_v=f32)
+    llm.eval(PROMPT)
+    got = np.asarray(llm.scores[:len(PROMPT)])
+    want = NumpyLlama(load_gguf(gguf_path)).extend_all(PROMPT)
+    assert (got.argmax(-1) == want.argmax(-1)).all()
+    np.testing.assert_allclose(got, want, atol=TOL_COMPILED, rtol=0)
 
 
 @pytest.mark.parametrize("name", ["llama3", "phi3"])
@@ -167,6 +192,10 @@ REFUSED_CONFIGS = [
     ("qwen3", {"layer_types": ["sliding_attention", "full_attention"]}, "sliding_attention"),
     ("phi3", {"lm_head_bias": True}, "lm_head_bias"),
     ("qwen2", {"intermediate_size": 96}, r"mlp\..*_proj.weight has shape \[.*\], the config gives \[.*96.*\]"),
+    ("gemma2", {"hidden_activation": "gelu"}, "hidden_activation"),
+    ("gemma2", {"layer_types": ["sliding_attention", "chunked_attention"]}, "layer_types"),
+    ("gemma2", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    ("gemma2", {"sliding_window": None}, "sliding_window"),
 ]
 
 
@@ -203,12 +232,119 @@ def test_unsupported_gguf_key_is_refused_before_compiling(families, tmp_path: Pa
 
 
 def test_unknown_gguf_architecture_is_refused(families, tmp_path: Path) -> None:
-    case = family_models.FamilyCase("gemma", "llama", "gemma2", {"eos_token_id": 2})
-    path = family_models.write_gguf(families["llama3"][0], case, tmp_path / "gemma.gguf")
-    with pytest.raises(ValueError, match="'gemma2' is not supported"):
+    case = family_models.FamilyCase("falcon", "llama", "falcon", {"eos_token_id": 2})
+    path = family_models.write_gguf(families["llama3"][0], case, tmp_path / "falcon.gguf")
+    with pytest.raises(ValueError, match="'falcon' is not supported"):
         load_gguf(path)
 
 
+def test_gemma2_windows_and_soft_caps_bite(families) -> None:
+    """The tiny Gemma 2's window, soft-caps and attention scale each change its logits (so the agreement above
+    checks them): the numpy reference without any one of them is more than 1e-2 off transformers."""
+    model, folder, _ = families["gemma2"]
+    loaded = load_hf_dir(folder)
+    expected = family_models.reference_logits(model, PROMPT)
+    assert loaded.config.window_layers == (0,) and loaded.config.sliding_window == 6 < len(PROMPT)
+    for change in ({"window_layers": ()}, {"attn_softcap": 0.0}, {"final_softcap": 0.0}, {"query_scale": None}):
+        loaded.config = replace(load_hf_dir(folder).config, **change)
+        if change == {"query_scale": None}:  # head_dim 32 is the scalar: a head_dim of 16 changes the scale
+            loaded.config = replace(loaded.config, query_scale=16 ** -0.5)
+        assert np.abs(NumpyLlama(loaded).extend_all(PROMPT) - expected).max() > 1e-2, change
+
+
+def test_gemma2_query_pre_attn_scalar_scales_the_scores(tmp_path: Path) -> None:
+    """A ``query_pre_attn_scalar`` other than head_dim (Gemma 2 27B's hidden / heads) from a Hugging Face folder."""
+    case = family_models.FamilyCase("gemma2-27b", "gemma2", "gemma2",
+                                    {**CASES["gemma2"].overrides, "query_pre_attn_scalar": 20})
+    model = family_models.build_transformers_model(case, seed=3)
+    loaded = load_hf_dir(family_models.write_hf_folder(model, case, tmp_path / "gemma2"))
+    assert loaded.config.sm_scale == pytest.approx(20 ** -0.5)
+    np.testing.assert_allclose(NumpyLlama(loaded).extend_all(PROMPT), family_models.reference_logits(model, PROMPT),
+                               atol=TOL_NUMPY, rtol=0)
+
+
+def test_compiled_gemma2_prefill_in_chunks_keeps_the_window(families) -> None:
+    """A prompt fed in three chunks: the later chunks' queries read the window partly from the cached pages."""
+    model, _, gguf_path = families["gemma2"]
+    compiled = CompiledModel.open(gguf_path, weight_dtype="float32", kv_dtype="float32", max_num_sequences=2)
+    compiled.add_sequence(0)
+    for chunk in (PROMPT[:5], PROMPT[5:9], PROMPT[9:]):
+        last = compiled.prefill([0], [chunk])[0]
+    np.testing.assert_allclose(last, family_models.reference_logits(model, PROMPT)[-1], atol=TOL_COMPILED, rtol=0)
+
+
+def test_gemma_end_of_turn_ends_an_answer(families) -> None:
+    """A Gemma GGUF whose metadata names only ``<eos>``: its ``<end_of_turn>`` control token stops answers too (as
+    llama.cpp's end-of-generation list has it)."""
+    model = load_gguf(families["gemma2"][2])
+    model.tokens[107] = "<end_of_turn>"
+    assert 107 not in eos_token_ids(model)  # a plain token of that text does not
+    model.token_types[107] = 3  # control
+    assert eos_token_ids(model)[-1] == 107
+
+
+@pytest.mark.parametrize(("layers", "scalar"), [(2, 32), (46, 64 // 4)])
+def test_gemma2_gguf_query_scale_is_llama_cpps(families, layers: int, scalar: int) -> None:
+    """A Gemma 2 GGUF stores no query_pre_attn_scalar: ``head_dim``, or ``hidden / heads`` for 46 layers (the 27B),
+    as llama.cpp takes it; and a pattern key of one flag per layer names the sliding layers itself."""
+    meta = read_gguf_metadata(families["gemma2"][2])
+    meta["gemma2.block_count"] = layers
+    meta["gemma2.attention.sliding_window_pattern"] = [i % 3 == 0 for i in range(layers)]
+    small = load_gguf(families["gemma2"][2], load_weights=False).config
+    family = family_named("gemma2")
+    shapes = {name: small.stored_shape(parts) for name, parts in family.gguf_file_tensors(layers, True).items()}
+    config = config_from_gguf(meta, shapes, {}, vocab_size=small.vocab)
+    assert config.sm_scale == pytest.approx(scalar ** -0.5)
+    assert config.window_layers == tuple(range(0, layers, 3))
+
+
+def test_gemma2_gguf_without_its_window_is_refused(families, tmp_path: Path) -> None:
+    path = family_models.write_gguf(families["gemma2"][0], CASES["gemma2"], tmp_path / "g.gguf", without_window=True)
+    with pytest.raises(ValueError, match=r"gemma2\.attention\.sliding_window.*missing"):
+        load_gguf(path)
+
+
+def test_gemma3_transformers_4_spelling_reads_as_rope_parameters_per_layer_type(families) -> None:
+    """Gemma 3's transformers 4 config (``rope_theta`` + ``rope_scaling`` for the global layers,
+    ``rope_local_base_freq`` for the sliding ones, ``sliding_window_pattern`` instead of ``layer_types``) reads as
+    transformers 5's ``rope_parameters`` per layer type."""
+    cfg = json.loads((families["gemma3"][1] / "config.json").read_text())
+    params = cfg["rope_parameters"]
+    legacy = {k: v for k, v in cfg.items() if k not in ("rope_parameters", "layer_types", "_sliding_window_pattern")}
+    legacy.update(rope_theta=params["full_attention"]["rope_theta"], rope_local_base_freq=10000.0,
+                  rope_scaling={"rope_type": "linear", "factor": 8.0})
+    assert config_from_hf(legacy) == config_from_hf(cfg)
+    read = config_from_hf(cfg)
+    assert read.window_layers == (0, 1) and read.local_rope_theta == 10000.0 and read.rope_scaling == "linear"
+
+
+def test_gemma3_local_rope_and_window_bite(families) -> None:
+    model, folder, _ = families["gemma3"]
+    expected = family_models.reference_logits(model, PROMPT)
+    for change in ({"window_layers": ()}, {"local_rope_theta": 0.0}):
+        loaded = load_hf_dir(folder)
+        loaded.config = replace(loaded.config, **change)
+        assert np.abs(NumpyLlama(loaded).extend_all(PROMPT) - expected).max() > 1e-2, change
+
+
+GEMMA3_REFUSED = [
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}, "one RoPE per layer type"),
+    ({"rope_parameters": {**family_models.GEMMA3_ROPE,
+                          "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}},
+     "sliding layers"),
+    ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+    ({"sliding_window_pattern": 2}, "sliding_window_pattern.* 2.*disagree"),
+    ({"sliding_window_pattern": 2, "_sliding_window_pattern": 2}, "disagrees with layer_types"),
+    ({"rope_local_base_freq": 5000.0}, "rope_local_base_freq"),
+]
+
+
+@pytest.mark.parametrize(("changes", "named"), GEMMA3_REFUSED, ids=[c[1][:20] for c in GEMMA3_REFUSED])
+def test_gemma3_config_not_understood_is_refused(families, tmp_path: Path, changes, named) -> None:
+    with pytest.raises(ValueError, match=named):
+        load_hf_dir(_edited_folder(families, tmp_path, "gemma3", **changes))
+
+
 def test_every_family_is_listed_with_its_formats() -> None:
-    assert [f.name for f in FAMILIES] == ["llama", "qwen2", "qwen3", "phi3"]
+    assert [f.name for f in FAMILIES] == ["llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"]
     assert all(f.hf_architectures and f.gguf_architectures for f in FAMILIES)

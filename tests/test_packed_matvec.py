@@ -25,7 +25,7 @@ from logitproc.compile.packed_matvec import (
     packed_shapes,
     quantise_activations,
 )
-from logitproc.compile.targets import build_features, resolve_target
+from logitproc.runtime.targets import build_features, resolve_target
 
 TARGET = resolve_target("cpu").tvm_target()
 pytestmark = pytest.mark.skipif(not has_int8_dot(build_features(TARGET)), reason="this CPU has no AVX2")

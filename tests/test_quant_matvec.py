@@ -28,7 +28,7 @@ from logitproc.compile.quant_formats import (
     widen,
 )
 from logitproc.compile.quant_matvec import quant_embed_kernel, quant_matmul_kernel
-from logitproc.compile.targets import build_features, resolve_target
+from logitproc.runtime.targets import build_features, resolve_target
 
 TARGET = resolve_target("cpu").tvm_target()
 FEATURES = build_features(TARGET)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import tvm
-from logitproc.compile.targets import build_features, check_runs_here, host_target, resolve_target
+from logitproc.runtime.targets import build_features, check_runs_here, host_target, resolve_target
 
 
 def test_host_target_uses_only_features_this_cpu_has() -> None:

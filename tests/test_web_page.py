@@ -126,7 +126,8 @@ def test_the_page_is_served_with_its_files_and_a_strict_policy(server: ServerPro
     assert httpx.get(server.url + "/static/secret.py", timeout=10).status_code == 404
     assert httpx.get(server.url + "/props", timeout=10).status_code == 401  # the API is still guarded
     props = httpx.get(server.url + "/props", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).json()
-    assert props["features"] == {"jump_forward": True, "speculative": None} and props["max_model_len"] > 0
+    assert props["features"] == {"jump_forward": True, "speculative": None, "tools": None, "reasoning": False}
+    assert props["max_model_len"] > 0
 
 
 def test_the_icon_is_served_and_the_key_placeholder_is_not_cut_off(server: ServerProcess, page: WebDriver) -> None:
@@ -271,3 +272,44 @@ def test_busy_and_gone_servers_are_explained(server: ServerProcess, page: WebDri
         gone.stop()
     ask(page, "Anyone there?")
     assert "cannot be reached" in last_answer(page)["error"]
+
+
+def test_tool_calls_and_reasoning_are_shown_collapsed(driver: WebDriver) -> None:
+    """Against a server with Qwen3's template: tools pasted as JSON give a collapsed "tool calls" block (the tiny
+    random model, made to call by tool choice "required"), a think block a collapsed "reasoning" block."""
+    import material
+
+    template = material.llama_cpp_models() / "templates" / "Qwen-Qwen3-0.6B.jinja"
+    qwen3 = ServerProcess("--model", "tiny", "--chat-template", str(template), api_key=None)
+    try:
+        driver.get(qwen3.url + "/")
+        until(driver, lambda: text(driver, "model-name").startswith("tiny-llama"), "the page is ready")
+        schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6}}, "required": ["city"]}
+        tools = [{"type": "function", "function": {"name": "get_weather", "parameters": schema}}]
+        select_format(driver, "tools", json.dumps(tools))
+        driver.execute_script("document.getElementById('tool-choice').value = 'required';")
+        for name, value in (("max_tokens", "120"), ("temperature", "1"), ("seed", "3")):
+            fill(driver, name, value)
+        ask(driver, "Weather in Paris?")
+        assert last_answer(driver)["state"] == "tool_calls"
+        calls = driver.execute_script("""
+            const all = document.querySelectorAll('.message.assistant');
+            const d = all[all.length - 1].querySelector('details.tool-calls');
+            return {open: d.open, summary: d.querySelector('summary').textContent,
+                    lines: [...d.querySelectorAll('.call')].map((e) => e.textContent)};""")
+        assert not calls["open"] and calls["summary"] == "tool calls: get_weather", calls
+        for line in calls["lines"]:
+            assert line.startswith("get_weather(") and line.endswith(")")
+            jsonschema.validate(json.loads(line[len("get_weather("):-1]), schema)
+
+        select_format(driver, "regex", "<think>\\n[a-z]{3,8}\\n</think>\\n\\n[a-z]{3,8}")
+        ask(driver, "Think first.")
+        answer = last_answer(driver)
+        reasoning = driver.execute_script("""
+            const all = document.querySelectorAll('.message.assistant');
+            const d = all[all.length - 1].querySelector('details.reasoning');
+            return {open: d.open, text: d.textContent};""")
+        assert not reasoning["open"] and reasoning["text"].startswith("reasoning")
+        assert reasoning["text"][len("reasoning"):].isalpha() and answer["content"].isalpha(), (reasoning, answer)
+    finally:
+        qwen3.stop()

@@ -6,13 +6,15 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ..model_family import ModelFamily
+from .gemma2 import GEMMA2
+from .gemma3 import GEMMA3
 from .llama import LLAMA
 from .phi3 import PHI3
 from .qwen2 import QWEN2
 from .qwen3 import QWEN3
 
 #: Every supported family, in the order ``logitproc models`` lists them.
-FAMILIES: tuple[ModelFamily, ...] = (LLAMA, QWEN2, QWEN3, PHI3)
+FAMILIES: tuple[ModelFamily, ...] = (LLAMA, QWEN2, QWEN3, PHI3, GEMMA2, GEMMA3)
 
 
 def family_named(name: str) -> ModelFamily:

@@ -6,7 +6,7 @@ const $ = (id) => document.getElementById(id);
 const SAMPLING = ["temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                   "frequency_penalty", "max_tokens", "seed"];
 const INTEGERS = new Set(["top_k", "max_tokens", "seed"]);
-const history = [];          // the conversation: {role, content} sent with every request
+const history = [];          // the conversation: {role, content[, tool_calls]} sent with every request
 let controller = null;       // the running request's AbortController
 let props = null;            // what the server reported at /props
 
@@ -88,6 +88,7 @@ async function loadProps() {
   }
   const features = props.features || {};
   $("jump-forward-box").hidden = !features.jump_forward;
+  $("tools-option").hidden = !features.tools;  // the template writes a tool-call syntax the server knows
   $("speculative-box").hidden = !features.speculative;
 }
 
@@ -115,11 +116,45 @@ function requestBody() {
     body.response_format = {type: "json_object"};
   } else if (kind === "regex") {
     body.structured_outputs = {regex: spec};
+  } else if (kind === "tools") {
+    let tools;
+    try { tools = JSON.parse(spec); } catch (e) { throw new Error("the tools are not valid JSON: " + e.message); }
+    body.tools = tools;
+    body.tool_choice = $("tool-choice").value;
   }
   if ($("logprobs").checked) { body.logprobs = true; body.top_logprobs = 5; }
   if (!$("jump-forward-box").hidden) body.jump_forward = $("jump_forward").checked;
   if (!$("speculative-box").hidden && !$("speculative").checked) body.speculative = false;
   return body;
+}
+
+// A collapsed block of the answer (its reasoning, its tool calls), made before the content on first use.
+function block(div, cls, title) {
+  let details = div.querySelector("details." + cls);
+  if (!details) {
+    details = document.createElement("details");
+    details.className = cls;
+    const summary = document.createElement("summary");
+    summary.textContent = title;
+    details.append(summary);
+    div.querySelector(".content").before(details);
+  }
+  return details;
+}
+
+// The tool calls so far, one line each: name(arguments), in the block's summary by name.
+function showCalls(div, calls) {
+  const details = block(div, "tool-calls", "");
+  details.querySelector("summary").textContent = "tool calls: " + calls.map((c) => c.function.name).join(", ");
+  for (const [i, call] of calls.entries()) {
+    let line = details.querySelectorAll(".call")[i];
+    if (!line) {
+      line = document.createElement("span");
+      line.className = "call";
+      details.append(line);
+    }
+    line.textContent = call.function.name + "(" + call.function.arguments + ")";
+  }
 }
 
 function tokenSpan(item) {
@@ -152,6 +187,7 @@ async function send(text) {
   $("stop").disabled = false;
   const started = performance.now();
   let firstToken = null, finish = null, usage = null, answer = "", failure = null;
+  const calls = [];  // tool calls, joined from their streamed pieces by index
   try {
     const resp = await fetch("/v1/chat/completions", {method: "POST", headers: headers(), body: JSON.stringify(body),
                                                       signal: controller.signal});
@@ -175,7 +211,21 @@ async function send(text) {
           if (chunk.error) throw new Error(chunk.error.message || "the server reported an error");
           if (chunk.usage) usage = chunk.usage;
           for (const choice of chunk.choices || []) {
-            const piece = (choice.delta && choice.delta.content) || "";
+            const delta = choice.delta || {};
+            if (delta.reasoning_content) {
+              if (firstToken === null) firstToken = performance.now();
+              block(div, "reasoning", "reasoning").append(document.createTextNode(delta.reasoning_content));
+            }
+            for (const piece of delta.tool_calls || []) {
+              if (firstToken === null) firstToken = performance.now();
+              if (!calls[piece.index]) calls[piece.index] = {id: piece.id, type: "function",
+                                                              function: {name: "", arguments: ""}};
+              const fn = piece.function || {};
+              if (fn.name) calls[piece.index].function.name = fn.name;
+              calls[piece.index].function.arguments += fn.arguments || "";
+              showCalls(div, calls);
+            }
+            const piece = delta.content || "";
             if (piece) {
               if (firstToken === null) firstToken = performance.now();
               answer += piece;
@@ -207,7 +257,8 @@ async function send(text) {
     div.dataset.state = "error";
     if (!answer) history.pop();  // the question was not answered: it is not part of the conversation
   }
-  if (answer) history.push({role: "assistant", content: answer});
+  if (calls.length) history.push({role: "assistant", content: answer, tool_calls: calls});
+  else if (answer) history.push({role: "assistant", content: answer});
   if (failure === null) div.dataset.state = finish || "done";
   const parts = [];
   if (finish) parts.push("finish: " + finish);
@@ -245,7 +296,10 @@ $("new-chat").addEventListener("click", () => {
 $("format-kind").addEventListener("change", () => {
   const kind = $("format-kind").value;
   $("format-spec").hidden = kind === "text" || kind === "json_object";
+  $("tool-choice-box").hidden = kind !== "tools";
   $("format-spec").placeholder = kind === "regex" ? "[A-Z][a-z]+ is the capital of [A-Z][a-z]+\\."
+    : kind === "tools" ? '[{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", '
+      + '"properties": {"city": {"type": "string"}}, "required": ["city"]}}}]'
     : '{"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}';
 });
 $("api-key").value = sessionStorage.getItem("logitproc-api-key") || "";

@@ -1,0 +1,103 @@
+"""The ``logitproc serve`` options that put the server on Ray Serve (``--replicas``, ``--ray-address``, ...).
+
+argparse only: these options are read and checked without importing Ray, which loads only when they are used
+(``ray_command.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from dataclasses import dataclass
+from typing import Any
+
+#: ``--routing`` choices: the prefix-affinity router (``ray_router.py``) or Ray Serve's default power-of-two-choices.
+ROUTING_CHOICES = ("prefix", "pow2")
+
+
+@dataclass(frozen=True)
+class ReplicaPlan:
+    """How many engine replicas, with how many CPU threads each; autoscaling between ``minimum`` and ``maximum``
+    on queue depth when ``autoscale`` (``target_ongoing`` requests per replica), else a fixed ``initial``."""
+
+    initial: int
+    minimum: int
+    maximum: int
+    threads: int
+    autoscale: bool
+    target_ongoing: float
+
+    @property
+    def wanted(self) -> int:
+        """The replicas below which ``/health`` says degraded: the fixed count, or the autoscaling minimum."""
+        return self.minimum
+
+
+def add_ray_arguments(parser: Any) -> None:
+    group = parser.add_argument_group("replicas on Ray Serve (the `ray` extra; docs/server.md)")
+    group.add_argument("--replicas", type=int, default=None, metavar="N",
+                       help="serve with N engine replicas behind a Ray Serve ingress, each with its own model load "
+                            "and KV cache (default: one engine in this process, without Ray)")
+    group.add_argument("--replica-threads", type=int, default=None, metavar="T",
+                       help="CPU threads (and Ray CPUs) of each replica (default: the physical cores / replicas)")
+    group.add_argument("--ray-address", default=None, metavar="ADDR",
+                       help="join this Ray cluster (`ray start --head` printed it, e.g. 10.0.0.1:6379) (default: "
+                            "start a local Ray instance, stopped with the command)")
+    group.add_argument("--autoscale", default=None, metavar="MIN:MAX",
+                       help="scale the replicas between MIN >= 1 and MAX on queue depth (default: a fixed --replicas)")
+    group.add_argument("--target-ongoing-requests", type=float, default=None, metavar="R",
+                       help="with --autoscale: requests per replica (running and waiting) the autoscaler aims at "
+                            "(default: --max-batch)")
+    group.add_argument("--routing", choices=ROUTING_CHOICES, default="prefix",
+                       help="replica choice: prefix (a request goes to the replica holding the longest prefix of its "
+                            "prompt, load permitting) or pow2 (Ray's power of two choices) (default: %(default)s)")
+
+
+def uses_ray(args: argparse.Namespace) -> bool:
+    """Whether the command serves through Ray (``--replicas`` or ``--autoscale``)."""
+    return args.replicas is not None or args.autoscale is not None
+
+
+def check_ray_arguments(args: argparse.Namespace) -> None:
+    """ValueError naming the option for a bad or contradictory value (before anything loads)."""
+    ray_only = (("--ray-address", args.ray_address), ("--replica-threads", args.replica_threads),
+                ("--target-ongoing-requests", args.target_ongoing_requests))
+    if not uses_ray(args):
+        for option, value in ray_only:
+            if value is not None:
+                raise ValueError(f"{option} serves through Ray: give --replicas N or --autoscale MIN:MAX too")
+        if args.routing != "prefix":
+            raise ValueError("--routing chooses among Ray replicas: give --replicas N or --autoscale MIN:MAX too")
+        return
+    replica_plan(args, cores=1)
+
+
+def replica_plan(args: argparse.Namespace, cores: int) -> ReplicaPlan:
+    """The ReplicaPlan of the options; ``cores``: the physical cores the default thread count divides."""
+    if args.replicas is not None and args.replicas < 1:
+        raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
+    if args.replica_threads is not None and args.replica_threads < 1:
+        raise ValueError(f"--replica-threads must be >= 1, got {args.replica_threads}")
+    if args.autoscale is None:
+        if args.target_ongoing_requests is not None:
+            raise ValueError("--target-ongoing-requests sets the autoscaler's target: give --autoscale MIN:MAX too")
+        count = args.replicas
+        threads = args.replica_threads or max(1, cores // count)
+        return ReplicaPlan(count, count, count, threads, False, 0.0)
+    found = re.fullmatch(r"(\d+):(\d+)", args.autoscale.strip())
+    if found is None:
+        raise ValueError(f"--autoscale takes MIN:MAX (two integers, e.g. 1:4), got {args.autoscale!r}")
+    low, high = int(found[1]), int(found[2])
+    if low < 1:
+        raise ValueError(f"--autoscale: MIN must be >= 1 (a replica loads its model for minutes: no scaling to "
+                         f"zero), got {low}")
+    if high < low:
+        raise ValueError(f"--autoscale: MAX must be >= MIN, got {args.autoscale!r}")
+    initial = low if args.replicas is None else args.replicas
+    if not low <= initial <= high:
+        raise ValueError(f"--replicas {initial} (the initial count) must lie within --autoscale {low}:{high}")
+    target = args.target_ongoing_requests if args.target_ongoing_requests is not None else float(args.max_batch)
+    if not target > 0:
+        raise ValueError(f"--target-ongoing-requests must be > 0, got {target}")
+    threads = args.replica_threads or max(1, cores // high)
+    return ReplicaPlan(initial, low, high, threads, True, target)

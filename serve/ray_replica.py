@@ -1,0 +1,121 @@
+"""EngineReplica: the Ray Serve deployment that owns one Engine (its own model load, KV cache and CPU threads).
+
+Each replica runs an ``EngineLoop`` (the single-process server's engine thread) and answers the ingress's calls:
+``facts()`` (what the ingress needs to tokenize and describe the model), and ``generate()``, a stream of
+``Accepted`` / ``Rejected``, the engine's deltas, then a ``MetricsSnapshot`` (``ray_messages.py``). A stream that
+the caller cancels (its client left) aborts its engine requests. ``check_health`` (called by Ray Serve) fails once
+the engine has stopped, so Ray replaces the replica; a killed replica process is replaced by Ray as well.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+from logitproc.runtime.field_error import FieldError
+from prometheus_client import generate_latest
+from ray import serve
+
+from .engine_loop import EngineLoop, EngineUnavailable, QueueFull, RequestFailed
+from .ray_messages import Accepted, EngineRequest, MetricsSnapshot, ModelFacts, Refusal, Rejected
+from .server_metrics import ServerMetrics
+
+#: How often the constructor looks whether the model has loaded (seconds).
+LOAD_POLL_SECONDS = 0.1
+
+
+class EngineReplica:
+    """One engine behind Ray Serve. ``args`` are ``logitproc serve``'s options (the model, the engine's limits);
+    ``threads`` sizes TVM's CPU pool (Ray reserves as many CPUs for the replica)."""
+
+    async def __init__(self, args: argparse.Namespace, threads: int) -> None:
+        from .server_cli import load_engine
+
+        self.loop: EngineLoop | None = None
+        os.environ["TVM_NUM_THREADS"] = str(threads)  # read when the model's first parallel kernel runs
+        self._args = args
+        self._replica = serve.get_replica_context().replica_id.unique_id
+        self.metrics = ServerMetrics()
+        loop = EngineLoop(lambda: load_engine(args), self.metrics, args.max_queue)
+        loop.start()
+        while loop.state == EngineLoop.LOADING:
+            await asyncio.sleep(LOAD_POLL_SECONDS)
+        if loop.state != EngineLoop.READY:
+            raise RuntimeError(f"the model did not load: {loop.error}")
+        self.loop = loop
+
+    def facts(self) -> ModelFacts:
+        """The model's facts for the ingress."""
+        from .server_cli import request_defaults
+
+        engine = self.loop.engine
+        template = engine.model.chat_template
+        defaults, described = request_defaults(self._args, engine)
+        return ModelFacts(
+            name=engine.model.name, tokenizer_json=engine.model.tokenizer.to_str(),
+            chat_template=(template.source, template.bos_token, template.eos_token, template.origin),
+            vocab_size=engine.vocab_size, context_length=engine.context_length,
+            max_total_tokens=engine.max_total_tokens,
+            jump_forward=bool(engine.jump_forward), speculative=engine.speculative, sampling_defaults=defaults,
+            defaults_described=described, max_batch=engine.max_batch)
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[Any]:
+        """The request's stream: ``Accepted`` or ``Rejected``, then lists of deltas (or a ``RequestFailed``), each
+        list what arrived since the last, until each of its sequences has finished, then this replica's
+        ``MetricsSnapshot``."""
+        items: asyncio.Queue = asyncio.Queue()
+        aloop = asyncio.get_running_loop()
+
+        def sink(item: Any) -> None:
+            aloop.call_soon_threadsafe(items.put_nowait, item)
+
+        submitted = self.loop.submit([list(p) for p in request.prompts], request.config, request.chat, sink,
+                                     request.jump_forward)
+        try:
+            ids = await asyncio.wrap_future(submitted)
+        except asyncio.CancelledError:
+            submitted.add_done_callback(
+                lambda f: None if f.cancelled() or f.exception() is not None else self.loop.abort(f.result()))
+            raise
+        except QueueFull as err:
+            yield Rejected(Refusal.QUEUE_FULL, str(err))
+            return
+        except EngineUnavailable as err:
+            yield Rejected(Refusal.UNAVAILABLE, str(err))
+            return
+        except (ValueError, TypeError) as err:
+            param = err.param if isinstance(err, FieldError) else None
+            yield Rejected(Refusal.INVALID, " ".join(str(err).split()), param)
+            return
+        yield Accepted(tuple(ids))
+        left = len(ids) * request.config.n
+        try:
+            while left:
+                batch = [await items.get()]  # and whatever else has come meanwhile: one message for them all
+                while not items.empty():
+                    batch.append(items.get_nowait())
+                yield batch
+                if any(isinstance(item, RequestFailed) for item in batch):
+                    break
+                left -= sum(item.finish_reason is not None for item in batch)
+        finally:
+            if left:  # cancelled (the client left), or failed: free the engine's slots now
+                self.loop.abort(ids)
+        yield await self._snapshot()
+
+    async def _snapshot(self) -> MetricsSnapshot:
+        """The metrics, read on the engine's thread between steps (after the finished request was counted)."""
+        text = await asyncio.wrap_future(self.loop.call(lambda engine: generate_latest(self.metrics.registry)))
+        return MetricsSnapshot(self._replica, text)
+
+    def check_health(self) -> None:
+        """Ray Serve's health check: an engine that is not READY (stopped, failed) gets the replica replaced."""
+        if self.loop.state != EngineLoop.READY:
+            raise RuntimeError(f"the engine is {self.loop.state}: {self.loop.error}")
+
+    def __del__(self) -> None:
+        if self.loop is not None and self.loop.state == EngineLoop.READY:
+            self.loop.stop(timeout=5.0)
