@@ -201,6 +201,9 @@ class Engine:
         if len(ids) >= limit:
             raise FieldValueError("prompt", f"the prompt has {len(ids)} tokens; the context holds {limit} per sequence "
                              "(prompt and output together)")
+        room = limit - len(ids)
+        if config.response_format is not None and (config.max_tokens is None or room < config.max_tokens):
+            config = replace(config, max_tokens=room)  # the closing ends the document where the sequence must end
         if request_id is not None and not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
         with self._add_lock:

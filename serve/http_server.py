@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import logging
 import secrets
@@ -302,12 +301,6 @@ class Server:
         """The request's turn (its tool grammar, its answers' parsing); its config replaces the request's."""
         tail = self.loop.engine.model.tokenizer.decode(prompt[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
         plan = TurnPlan.make(self.chat_traits, parsed.config, parsed.chat_options.tools, tail)
-        config = plan.config
-        if config.response_format is not None:  # the closing must end the document where the sequence must end
-            engine = self.loop.engine
-            room = min(engine.context_length, engine.max_total_tokens // config.n) - len(prompt)
-            if 1 <= room < config.max_tokens:
-                plan = dataclasses.replace(plan, config=dataclasses.replace(config, max_tokens=room))
         parsed.config = plan.config
         return plan
 

@@ -365,3 +365,20 @@ def test_a_think_block_is_ended_in_time_for_the_document(adapter) -> None:
         thinking, marker, answer = adapter.decode_bytes(tokens).decode().partition("</end>")
         assert marker, thinking
         assert json.loads(answer).keys() == {"a"}, answer
+
+
+@pytest.mark.parametrize("max_tokens", [None, 10_000])
+def test_engine_answers_close_where_the_context_ends(tiny, max_tokens) -> None:
+    """A constrained answer whose sequence must end before max_tokens (the context, or its share with n = 2) is
+    closed there as a whole document, as at max_tokens: the closing knows the sequence's real limit."""
+    from logitproc.runtime import GenerationConfig
+    from logitproc.serve.engine import Engine
+
+    engine = Engine(tiny, max_batch=4)
+    limit = min(engine.context_length, engine.max_total_tokens // 2)
+    prompt = [5 + i % 50 for i in range(limit - 24)]  # 24 tokens of room per sequence
+    fmt = {"type": "json_schema", "json_schema": {"schema": SCHEMA}}
+    for out in engine.generate(prompt, GenerationConfig(temperature=1.0, seed=7, n=2, max_tokens=max_tokens,
+                                                        response_format=fmt)):
+        assert out.error is None and len(out.token_ids) <= 24
+        assert out.grammar_complete and out.schema_valid, out.text
