@@ -16,7 +16,7 @@ import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
-from .decode_attention import DECODE_NAMES, decode_attention_kernel
+from .decode_attention import DECODE_NAMES, carried_heads, decode_attention_kernel
 from .prefill_attention import PAGED_NAMES, RAGGED_NAMES, paged_prefill_kernel, ragged_prefill_kernel
 
 _CHUNKS = 64
@@ -46,8 +46,12 @@ def rope_kernel(h_kv: int, h_q: int, d: int, inv_freq: tuple[float, ...],
         (k likewise for heads h_q .. h_q + h_kv - 1 of x = qkv[s]; v[s] = the last h_kv heads, copied)
 
     When ``apply_rope == 0`` q and k are copied unrotated. The angle and the rotation are computed in float32
-    whatever ``dtype`` (the KV cache's: float32 or float16) and rounded to it once."""
-    half, heads = len(inv_freq), h_q + 2 * h_kv
+    whatever ``dtype`` (the KV cache's: float32 or float16) and rounded to it once. The cache's q has
+    ``carried_heads`` heads: the rotated k and the v of the token are copied into its last ``2 h_kv`` (the exact
+    mode of ``paged_prefill_kernel`` reads the new tokens there), and ``qkv`` has as many heads as q, k and v
+    together: its last ``2 h_kv`` heads are padding, never read."""
+    half, heads = len(inv_freq), carried_heads(h_kv, h_q) + 2 * h_kv
+    q_heads = carried_heads(h_kv, h_q)
     if not 0 < 2 * half <= d:
         raise ValueError(f"rope_kernel: {half} inverse frequencies for head size {d} (need 1 to {d // 2})")
     inv_freq = tuple(float(np.float32(f)) for f in inv_freq)
@@ -74,7 +78,7 @@ def rope_kernel(h_kv: int, h_q: int, d: int, inv_freq: tuple[float, ...],
         T.func_attr({"tirx.noalias": True})
         seq_len, position_map_elem_offset = T.int32(), T.int32()
         qkv = T.match_buffer(var_qkv, (seq_len, heads, d), dtype)
-        q = T.match_buffer(var_q, (seq_len, h_q, d), dtype)
+        q = T.match_buffer(var_q, (seq_len, q_heads, d), dtype)
         k = T.match_buffer(var_k, (seq_len, h_kv, d), dtype)
         v = T.match_buffer(var_v, (seq_len, h_kv, d), dtype)
         position_map = T.match_buffer(var_position_map, (seq_len,), "int32", elem_offset=position_map_elem_offset)
@@ -92,6 +96,8 @@ def rope_kernel(h_kv: int, h_q: int, d: int, inv_freq: tuple[float, ...],
                     rotate(k, s, h, h_q + h, qkv, cos, sin, apply_rope)
                     for j in T.vectorized(d):
                         v[s, h, j] = qkv[s, h_q + h_kv + h, j]
+                        q[s, h_q + h, j] = k[s, h, j]
+                        q[s, h_q + h_kv + h, j] = v[s, h, j]
 
     return fused_rope
 
@@ -101,18 +107,18 @@ ROPE_NAMES = ("fused_rope", "tir_split_rotary")
 
 
 def replace_attention_kernels(mod: tvm.IRModule, h_kv: int, h_q: int, d: int,
-                              inv_freq: tuple[float, ...] | None = None, dtype: str = "float32",
+                              inv_freq: tuple[float, ...], dtype: str = "float32",
                               attention_factor: float = 1.0) -> tvm.IRModule:
     """``mod`` with the KV cache's CPU attention kernels (prefill, and decode: ``decode_attention.py``) replaced by
-    these (same names and signatures), and its RoPE kernel too when ``inv_freq`` is given (``rope_kernel``; the
+    these (same names and signatures), and its RoPE kernel (``rope_kernel``, with ``inv_freq``; the
     cache must use ``RopeMode.NORMAL``; ``attention_factor``: LongRoPE's); ``dtype``: the cache's (its pages, q, k,
-    v and the outputs)."""
+    v and the outputs). The cache must be made with ``carried_heads(h_kv, h_q)`` query heads (the kernels read
+    the first ``h_q``; see ``rope_kernel``)."""
     functions = {gv.name_hint: gv for gv in mod.get_global_vars()}
     replacements = [(RAGGED_NAMES, ragged_prefill_kernel(h_kv, h_q, d, dtype)),
                     (PAGED_NAMES, paged_prefill_kernel(h_kv, h_q, d, dtype)),
-                    (DECODE_NAMES, decode_attention_kernel(h_kv, h_q, d, dtype))]
-    if inv_freq is not None:
-        replacements.append((ROPE_NAMES, rope_kernel(h_kv, h_q, d, inv_freq, dtype, attention_factor)))
+                    (DECODE_NAMES, decode_attention_kernel(h_kv, h_q, d, dtype)),
+                    (ROPE_NAMES, rope_kernel(h_kv, h_q, d, inv_freq, dtype, attention_factor))]
     for candidates, new in replacements:
         found = [name for name in candidates if name in functions]
         if not found:

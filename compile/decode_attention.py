@@ -90,84 +90,75 @@ def fold_scores(s, vec, run, row, head, h4, red):
     run[2, head] = rescale
 
 
-def decode_attention_kernel(h_kv: int, h_q: int, d: int, dtype: str = "float32") -> tirx.PrimFunc:
-    """The decode attention kernel for ``h_q`` query heads over ``h_kv`` KV heads of size ``d`` (see the module
-    doc): TVM's ``batch_decode_paged_kv`` signature, q, pages ``[max_pages, 2, h_kv, 16, d]`` and the output of
-    ``dtype`` (float32 or float16: widened to float32 as they are loaded, F16C's ``vcvtph2ps``)."""
+def carried_heads(h_kv: int, h_q: int) -> int:
+    """Heads of the cache's q and output buffers: the model's ``h_q`` query heads, then ``h_kv`` heads carrying the
+    token's key and ``h_kv`` carrying its value (``rope_kernel`` writes them; see ``RowAttention``)."""
+    return h_q + 2 * h_kv
+
+
+def check_heads(h_kv: int, h_q: int, d: int, dtype: str) -> int:
+    """The query heads per KV head, after checking the sizes and the cache's element type."""
     if d % LANES:
         raise ValueError(f"head size {d} is not a multiple of {LANES}")
     if h_kv < 1 or h_q % h_kv:
         raise ValueError(f"query heads {h_q} are not a multiple of KV heads {h_kv}")
     if dtype not in ("float32", "float16"):
         raise ValueError(f"KV cache dtype {dtype!r} is not float32 or float16")
-    group = h_q // h_kv
-    blocks = d // LANES
-    words = 2 * h_kv * PAGE_SIZE * d  # elements of a page (keys and values of every KV head)
-    page_lines = words * (2 if dtype == "float16" else 4) // CACHE_LINE
-    vec_type = f"{dtype}x{LANES}"
+    return h_q // h_kv
 
-    def prefetch(pages, page, line):
-        """Ask for cache line ``line`` of page ``page`` (``llvm.prefetch``: read, keep in all cache levels)."""
-        return T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(pages[page, 0, 0, 0, line * (
-            words // page_lines)]), T.int32(0), T.int32(3), T.int32(1))
 
-    def row(pages, page, kv, hk, t, blk):
-        """float32x8: lanes ``blk * 8 ..`` of key (kv = 0) or value (kv = 1) row ``t`` of a page."""
-        return T.Cast(f"float32x{LANES}", pages.vload([page, kv, hk, t, blk * LANES], vec_type))
+class RowAttention:
+    """The decode algorithm for one query row, as TIR macros that the decode kernel and the exact (verify) mode of
+    the paged prefill kernel share, so that a row's output does not depend on which of them computes it.
 
-    def scores8(qs, h, pages, page, hk, t0):
-        """float32x8: the scores of keys ``t0 .. t0 + 7`` of a page of KV head ``hk`` against ``qs``: each key's
-        8-lane products summed as a tree, then the 8 keys' lanes summed by a transposing ``vhaddps`` tree."""
-        sums = [tree_sum([qs.vload([h, blk * LANES], f"float32x{LANES}") * row(pages, page, 0, hk, t0 + i, blk)
-                          for blk in range(blocks)]) for i in range(LANES)]
-        pairs = [_hadd(sums[2 * i], sums[2 * i + 1]) for i in range(4)]
-        low, high = _hadd(pairs[0], pairs[1]), _hadd(pairs[2], pairs[3])
-        return (T.Shuffle([low, high], [0, 1, 2, 3, 8, 9, 10, 11])
-                + T.Shuffle([low, high], [4, 5, 6, 7, 12, 13, 14, 15]))
+    A row ``row`` of ``q`` sees ``n`` keys laid out in pages of 16: page ``p < tail_from`` is
+    ``pages[page_values[first + p]]``, page ``p >= tail_from`` is ``tail[tail_first + p - tail_from]`` (a copy of
+    the last cached page completed with the row's sequence's new tokens). ``chunk`` computes unit ``unit % SPLITS``
+    of the row (pages ``[c per, (c + 1) per)``, ``per = max(ceil(pages / SPLITS), MIN_PAGES)``) into
+    ``part_*[unit]``; ``merge`` combines the row's ``SPLITS`` parts into its output and log-sum-exp. Every query
+    head of the row goes through the same operations in the same order whichever kernel runs them."""
 
-    def weighted_rows(s, h, pages, page, hk, t0, blk):
-        """float32x8: lanes ``blk * 8 ..`` of ``sum_t s[h, t] v[t]`` over value rows ``t0 .. t0 + 7`` (a tree)."""
-        return tree_sum([T.broadcast(s[h, t0 + t], LANES) * row(pages, page, 1, hk, t0 + t, blk)
-                         for t in range(LANES)])
+    def __init__(self, h_kv: int, h_q: int, d: int, dtype: str) -> None:
+        group = check_heads(h_kv, h_q, d, dtype)
+        blocks = d // LANES
+        words = 2 * h_kv * PAGE_SIZE * d  # elements of a page (keys and values of every KV head)
+        page_lines = words * (2 if dtype == "float16" else 4) // CACHE_LINE
+        vec_type = f"{dtype}x{LANES}"
 
-    @T.macro
-    def chunk(unit, q, pages, page_indptr, page_values, length_info, part_acc, part_max, part_sum, sm_scale):
-        """Unit ``unit`` = (sequence, chunk of its pages): the online softmax of every query head over them, page
-        after page (a page of every head is contiguous: the chunk streams from memory in order, and the next page
-        is prefetched while this one is read); within a page the scores of every query head (its scaled q in 8
-        registers, the key rows from L1), then the online softmax of every head (independent chains that the CPU
-        overlaps: one head's after its own scores left them waiting), then the values of every head."""
-        qs = T.alloc_buffer((h_q, d), "float32", scope="local")
-        acc = T.alloc_buffer((h_q, d), "float32", scope="local")
-        s = T.alloc_buffer((h_q, PAGE_SIZE), "float32", scope="local")
-        vec = T.alloc_buffer((h_q, LANES), "float32", scope="local")
-        h4 = T.alloc_buffer((4,), "float32", scope="local")
-        red = T.alloc_buffer((1,), "float32", scope="local")
-        run = T.alloc_buffer((3, h_q), "float32", scope="local")  # running max, running sum, last rescale
-        b: T.let = unit // SPLITS
-        first: T.let = page_indptr[b]
-        n_pages: T.let = page_indptr[b + 1] - first
-        n: T.let = T.Select(n_pages > 0, (n_pages - 1) * PAGE_SIZE + length_info[b], 0)
-        per: T.let = T.max((n_pages + SPLITS - 1) // SPLITS, MIN_PAGES)
-        p_begin: T.let = unit % SPLITS * per
-        p_end: T.let = T.min(p_begin + per, n_pages)
-        for h in range(h_q):
-            run[0, h] = T.float32(NO_SCORE)
-            run[1, h] = T.float32(0)
-            for j in T.vectorized(d):
-                qs[h, j] = T.Cast("float32", q[b, h, j]) * (sm_scale * T.float32(LOG2E))
-                acc[h, j] = T.float32(0)
-        for p in range(p_begin, p_end):
-            page: T.let = page_values[first + p]
-            valid: T.let = T.min(PAGE_SIZE, n - p * PAGE_SIZE)
-            if p + 1 < p_end:
-                for line in range(page_lines):
-                    prefetch(pages, page_values[first + p + 1], line)
-            for h in range(h_q):  # scores, then the online softmax of every head: independent chains side by side
+        def prefetch(pages, page, line):
+            """Ask for cache line ``line`` of page ``page`` (``llvm.prefetch``: read, keep in all cache levels)."""
+            return T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(pages[page, 0, 0, 0, line * (
+                words // page_lines)]), T.int32(0), T.int32(3), T.int32(1))
+
+        def row(pages, page, kv, hk, t, blk):
+            """float32x8: lanes ``blk * 8 ..`` of key (kv = 0) or value (kv = 1) row ``t`` of a page."""
+            return T.Cast(f"float32x{LANES}", pages.vload([page, kv, hk, t, blk * LANES], vec_type))
+
+        def scores8(qs, h, pages, page, hk, t0):
+            """float32x8: the scores of keys ``t0 .. t0 + 7`` of a page of KV head ``hk`` against ``qs``: each key's
+            8-lane products summed as a tree, then the 8 keys' lanes summed by a transposing ``vhaddps`` tree."""
+            sums = [tree_sum([qs.vload([h, blk * LANES], f"float32x{LANES}") * row(pages, page, 0, hk, t0 + i, blk)
+                              for blk in range(blocks)]) for i in range(LANES)]
+            pairs = [_hadd(sums[2 * i], sums[2 * i + 1]) for i in range(4)]
+            low, high = _hadd(pairs[0], pairs[1]), _hadd(pairs[2], pairs[3])
+            return (T.Shuffle([low, high], [0, 1, 2, 3, 8, 9, 10, 11])
+                    + T.Shuffle([low, high], [4, 5, 6, 7, 12, 13, 14, 15]))
+
+        def weighted_rows(s, h, pages, page, hk, t0, blk):
+            """float32x8: lanes ``blk * 8 ..`` of ``sum_t s[h, t] v[t]`` over value rows ``t0 .. t0 + 7``."""
+            return tree_sum([T.broadcast(s[h, t0 + t], LANES) * row(pages, page, 1, hk, t0 + t, blk)
+                             for t in range(LANES)])
+
+        @T.macro
+        def one_page(src, page, valid, qs, acc, s, vec, h4, red, run):
+            """Page ``page`` of ``src`` (its first ``valid`` slots): the scores of every query head (its scaled q
+            in 8 registers, the key rows from L1), then the online softmax of every head (independent chains that
+            the CPU overlaps), then the values of every head."""
+            for h in range(h_q):
                 for half in T.unroll(PAGE_SIZE // LANES):
                     s[h, T.ramp(half * LANES, 1, LANES)] = T.Select(
                         T.ramp(half * LANES, 1, LANES) < T.broadcast(valid, LANES),
-                        scores8(qs, h, pages, page, h // group, half * LANES),
+                        scores8(qs, h, src, page, h // group, half * LANES),
                         T.broadcast(T.float32(NO_SCORE), LANES))
             for h in range(h_q):
                 fold_scores(s, vec, run, h, h, h4, red)
@@ -179,18 +170,91 @@ def decode_attention_kernel(h_kv: int, h_q: int, d: int, dtype: str = "float32")
                             acc[h, T.ramp(blk * LANES, 1, LANES)] = (
                                 acc[h, T.ramp(blk * LANES, 1, LANES)]
                                 * T.broadcast(T.Select(half == 0, run[2, h], T.float32(1)), LANES)
-                                + weighted_rows(s, h, pages, page, hk, half * LANES, blk))
+                                + weighted_rows(s, h, src, page, hk, half * LANES, blk))
                 else:  # the sequence's last page, partly filled (the slots past it may hold anything)
                     for j in T.vectorized(d):
                         acc[h, j] = acc[h, j] * run[2, h]
                     for t in range(valid):
                         for j in T.vectorized(d):
-                            acc[h, j] = acc[h, j] + s[h, t] * T.Cast("float32", pages[page, 1, hk, t, j])
-        for h in range(h_q):
-            part_max[unit, h] = run[0, h]
-            part_sum[unit, h] = run[1, h]
+                            acc[h, j] = acc[h, j] + s[h, t] * T.Cast("float32", src[page, 1, hk, t, j])
+
+        @T.macro
+        def chunk(unit, q, q_row, n, first, tail_from, tail_first, page_values, pages, tail, part_acc, part_max,
+                  part_sum, scale):
+            """Unit ``unit`` of row ``q_row``: the online softmax of every query head over its pages, page after
+            page (a page of every head is contiguous: the chunk streams from memory in order, and the next page is
+            prefetched while this one is read)."""
+            qs = T.alloc_buffer((h_q, d), "float32", scope="local")
+            acc = T.alloc_buffer((h_q, d), "float32", scope="local")
+            s = T.alloc_buffer((h_q, PAGE_SIZE), "float32", scope="local")
+            vec = T.alloc_buffer((h_q, LANES), "float32", scope="local")
+            h4 = T.alloc_buffer((4,), "float32", scope="local")
+            red = T.alloc_buffer((1,), "float32", scope="local")
+            run = T.alloc_buffer((3, h_q), "float32", scope="local")  # running max, running sum, last rescale
+            n_pages: T.let = (n + PAGE_SIZE - 1) // PAGE_SIZE
+            per: T.let = T.max((n_pages + SPLITS - 1) // SPLITS, MIN_PAGES)
+            p_begin: T.let = unit % SPLITS * per
+            p_end: T.let = T.min(p_begin + per, n_pages)
+            cached_end: T.let = T.min(p_end, tail_from)
+            for h in range(h_q):
+                run[0, h] = T.float32(NO_SCORE)
+                run[1, h] = T.float32(0)
+                for j in T.vectorized(d):
+                    qs[h, j] = T.Cast("float32", q[q_row, h, j]) * (scale * T.float32(LOG2E))
+                    acc[h, j] = T.float32(0)
+            for p in range(p_begin, p_end):
+                valid: T.let = T.min(PAGE_SIZE, n - p * PAGE_SIZE)
+                if p < tail_from:
+                    if p + 1 < cached_end:
+                        for line in range(page_lines):
+                            prefetch(pages, page_values[first + p + 1], line)
+                    one_page(pages, page_values[first + p], valid, qs, acc, s, vec, h4, red, run)
+                else:
+                    one_page(tail, tail_first + p - tail_from, valid, qs, acc, s, vec, h4, red, run)
+            for h in range(h_q):
+                part_max[unit, h] = run[0, h]
+                part_sum[unit, h] = run[1, h]
+                for j in T.vectorized(d):
+                    part_acc[unit, h, j] = acc[h, j]
+
+        @T.macro
+        def merge(unit0, out_row, h, part_acc, part_max, part_sum, output, lse):
+            """Query head ``h`` of a row from its ``SPLITS`` parts ``unit0 ..``: ``output[out_row, h]`` and
+            ``lse[out_row, h]`` (0 and ``EMPTY_LSE`` when the row sees no key)."""
+            total = T.alloc_buffer((d,), "float32", scope="local")
+            stats = T.alloc_buffer((2,), "float32", scope="local")  # max over the chunks, weighted sum
+            stats[0] = T.float32(NO_SCORE)
+            stats[1] = T.float32(0)
+            for sp in range(SPLITS):
+                stats[0] = T.max(stats[0], part_max[unit0 + sp, h])
             for j in T.vectorized(d):
-                part_acc[unit, h, j] = acc[h, j]
+                total[j] = T.float32(0)
+            for sp in range(SPLITS):
+                weight: T.let = fast_exp((part_max[unit0 + sp, h] - stats[0]) * T.float32(LN2))
+                stats[1] = stats[1] + weight * part_sum[unit0 + sp, h]
+                for j in T.vectorized(d):
+                    total[j] = total[j] + weight * part_acc[unit0 + sp, h, j]
+            if stats[1] > T.float32(0):
+                for j in T.vectorized(d):
+                    output[out_row, h, j] = T.Cast(dtype, total[j] / stats[1])
+                lse[out_row, h] = stats[0] + T.log2(stats[1])
+            else:
+                for j in T.vectorized(d):
+                    output[out_row, h, j] = T.Cast(dtype, T.float32(0))
+                lse[out_row, h] = T.float32(EMPTY_LSE)
+
+        self.chunk = chunk
+        self.merge = merge
+
+
+def decode_attention_kernel(h_kv: int, h_q: int, d: int, dtype: str = "float32") -> tirx.PrimFunc:
+    """The decode attention kernel for ``h_q`` query heads over ``h_kv`` KV heads of size ``d`` (see the module
+    doc): TVM's ``batch_decode_paged_kv`` signature, q and the output with ``carried_heads`` heads (the carried
+    ones are not read, nor written), pages ``[max_pages, 2, h_kv, 16, d]``, all of ``dtype`` (float32 or float16:
+    widened to float32 as they are loaded, F16C's ``vcvtph2ps``). ``|sm_scale|`` scales the scores (the verify
+    forward passes it negated: ``prefill_attention``)."""
+    rows = RowAttention(h_kv, h_q, d, dtype)
+    heads = carried_heads(h_kv, h_q)
 
     @T.prim_func(private=True)
     def batch_decode_paged_kv(
@@ -203,51 +267,36 @@ def decode_attention_kernel(h_kv: int, h_q: int, d: int, dtype: str = "float32")
         batch_size, nnz_pages, max_num_pages = T.int32(), T.int32(), T.int32()
         page_indptr_offset, page_values_offset, length_info_offset = T.int32(), T.int32(), T.int32()
         k_rope_offset, q_rope_offset = T.int32(), T.int32()
-        q = T.match_buffer(var_q, (batch_size, h_q, d), dtype)
+        q = T.match_buffer(var_q, (batch_size, heads, d), dtype)
         pages = T.match_buffer(var_pages, (max_num_pages, 2, h_kv, PAGE_SIZE, d), dtype)
         page_indptr = T.match_buffer(var_page_indptr, (batch_size + 1,), "int32", elem_offset=page_indptr_offset)
         page_values = T.match_buffer(var_page_values, (nnz_pages,), "int32", elem_offset=page_values_offset)
         length_info = T.match_buffer(var_length_info, (batch_size,), "int32", elem_offset=length_info_offset)
         k_rope_pos_offset = T.match_buffer(var_k_rope_pos_offset, (batch_size,), "int32", elem_offset=k_rope_offset)
         q_rope_position = T.match_buffer(var_q_rope_position, (batch_size,), "int32", elem_offset=q_rope_offset)
-        output = T.match_buffer(var_output, (batch_size, h_q, d), dtype)
-        lse = T.match_buffer(var_lse, (batch_size, h_q), "float32")
+        output = T.match_buffer(var_output, (batch_size, heads, d), dtype)
+        lse = T.match_buffer(var_lse, (batch_size, heads), "float32")
         # Per unit (sequence, chunk) and query head: accumulator, running max, running sum.
         part_acc = T.alloc_buffer((batch_size * SPLITS, h_q, d), "float32")
         part_max = T.alloc_buffer((batch_size * SPLITS, h_q), "float32")
         part_sum = T.alloc_buffer((batch_size * SPLITS, h_q), "float32")
+        scale: T.let = T.abs(sm_scale)
         if nnz_pages <= SERIAL_PAGES:  # little work: no fork-join (which costs a time slice on a busy machine)
             for unit in range(batch_size * SPLITS):
-                chunk(unit, q, pages, page_indptr, page_values, length_info, part_acc, part_max, part_sum,
-                      sm_scale)
+                b: T.let = unit // SPLITS
+                n_pages: T.let = page_indptr[b + 1] - page_indptr[b]
+                rows.chunk(unit, q, b, T.Select(n_pages > 0, (n_pages - 1) * PAGE_SIZE + length_info[b], 0),
+                           page_indptr[b], n_pages, 0, page_values, pages, pages, part_acc, part_max, part_sum,
+                           scale)
         else:
             for unit in T.parallel(batch_size * SPLITS):
-                chunk(unit, q, pages, page_indptr, page_values, length_info, part_acc, part_max, part_sum,
-                      sm_scale)
+                b: T.let = unit // SPLITS
+                n_pages: T.let = page_indptr[b + 1] - page_indptr[b]
+                rows.chunk(unit, q, b, T.Select(n_pages > 0, (n_pages - 1) * PAGE_SIZE + length_info[b], 0),
+                           page_indptr[b], n_pages, 0, page_values, pages, pages, part_acc, part_max, part_sum,
+                           scale)
         for bh in range(batch_size * h_q):  # serial: a few microseconds, one fork-join less per layer
-            total = T.alloc_buffer((d,), "float32", scope="local")
-            stats = T.alloc_buffer((2,), "float32", scope="local")  # max over the chunks, weighted sum
-            b: T.let = bh // h_q
-            h: T.let = bh % h_q
-            stats[0] = T.float32(NO_SCORE)
-            stats[1] = T.float32(0)
-            for sp in range(SPLITS):
-                stats[0] = T.max(stats[0], part_max[b * SPLITS + sp, h])
-            for j in T.vectorized(d):
-                total[j] = T.float32(0)
-            for sp in range(SPLITS):
-                weight: T.let = fast_exp((part_max[b * SPLITS + sp, h] - stats[0]) * T.float32(LN2))
-                stats[1] = stats[1] + weight * part_sum[b * SPLITS + sp, h]
-                for j in T.vectorized(d):
-                    total[j] = total[j] + weight * part_acc[b * SPLITS + sp, h, j]
-            if stats[1] > T.float32(0):
-                for j in T.vectorized(d):
-                    output[b, bh % h_q, j] = T.Cast(dtype, total[j] / stats[1])
-                lse[b, bh % h_q] = stats[0] + T.log2(stats[1])
-            else:
-                for j in T.vectorized(d):
-                    output[b, bh % h_q, j] = T.Cast(dtype, T.float32(0))
-                lse[b, bh % h_q] = T.float32(EMPTY_LSE)
+            rows.merge(bh // h_q * SPLITS, bh // h_q, bh % h_q, part_acc, part_max, part_sum, output, lse)
 
     return batch_decode_paged_kv
 

@@ -48,6 +48,7 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedKVCache
 
 from .attention_kernels import replace_attention_kernels
+from .decode_attention import carried_heads
 from .families import family_named
 from .gguf_model import GGUFModel
 from .gguf_tensors import RawTensors
@@ -284,8 +285,11 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(spec.head_dim, spec.rms_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_eps) if spec.qk_norm else None
 
-    def forward(self, x: nn.Tensor, kv_cache: PagedKVCache, layer: int, b: Any, t: Any, mode: str) -> nn.Tensor:
-        """``x[b t, hidden]`` (the tokens of ``b`` sequences of ``t`` each, flat) -> ``[b t, hidden]``."""
+    def forward(self, x: nn.Tensor, kv_cache: PagedKVCache, layer: int, b: Any, t: Any, mode: str,
+                exact: bool = False) -> nn.Tensor:
+        """``x[b t, hidden]`` (the tokens of ``b`` sequences of ``t`` each, flat) -> ``[b t, hidden]``. ``exact``
+        (the verify forward): each token's attention is computed as a decode step computes it (the kernels' exact
+        mode, asked for by a negative ``sm_scale``: ``prefill_attention.paged_prefill_kernel``)."""
         s = self.spec
         # The cache takes q, k, v in its own type (TVM checks qkv's against its pages') and returns that type.
         heads = s.n_heads + 2 * s.n_kv_heads
@@ -293,10 +297,16 @@ class Attention(nn.Module):
             q, k, v = nn.op.split(self.qkv(x, mode).reshape(x.shape[0], heads, s.head_dim),
                                   [s.n_heads, s.n_heads + s.n_kv_heads], axis=1)
             qkv = nn.op.concat([self.q_norm(q), self.k_norm(k), v], dim=1)
-            qkv = (qkv if s.kv_dtype == "float32" else qkv.astype(s.kv_dtype)).reshape(b, t, heads, s.head_dim)
+            qkv = qkv if s.kv_dtype == "float32" else qkv.astype(s.kv_dtype)
         else:
-            qkv = self.qkv(x, mode, s.kv_dtype).reshape(b, t, heads, s.head_dim)
-        out = kv_cache.attention_with_fused_qkv(layer, qkv, s.n_heads, sm_scale=1.0 / math.sqrt(s.head_dim))
+            qkv = self.qkv(x, mode, s.kv_dtype).reshape(x.shape[0], heads, s.head_dim)
+        # The cache's query heads carry each token's k and v too (``carried_heads``): 2 h_kv more heads of padding.
+        query_heads = carried_heads(s.n_kv_heads, s.n_heads)
+        padding = nn.op.zeros([x.shape[0], 2 * s.n_kv_heads, s.head_dim], s.kv_dtype)
+        qkv = nn.op.concat([qkv, padding], dim=1).reshape(b, t, query_heads + 2 * s.n_kv_heads, s.head_dim)
+        scale = 1.0 / math.sqrt(s.head_dim)
+        out = kv_cache.attention_with_fused_qkv(layer, qkv, query_heads, sm_scale=-scale if exact else scale)
+        out = nn.op.split(out.reshape(x.shape[0], query_heads, s.head_dim), [s.n_heads], axis=1)[0]
         return self.o(out.reshape(x.shape[0], s.n_heads * s.head_dim), mode)
 
 
@@ -331,9 +341,10 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(spec.hidden, spec.rms_eps)
         self.mlp = MLP(spec)
 
-    def forward(self, x: nn.Tensor, kv_cache: PagedKVCache, b: Any, t: Any, mode: str) -> nn.Tensor:
+    def forward(self, x: nn.Tensor, kv_cache: PagedKVCache, b: Any, t: Any, mode: str,
+                exact: bool = False) -> nn.Tensor:
         """The residual stream ``x[b t, hidden]`` (flat: no reshapes between the kernels) after this layer."""
-        x = x + self.attn(self.attn_norm(x), kv_cache, self.layer, b, t, mode)
+        x = x + self.attn(self.attn_norm(x), kv_cache, self.layer, b, t, mode, exact)
         return x + self.mlp(self.ffn_norm(x), mode)
 
 
@@ -360,9 +371,10 @@ class LlamaModule(nn.Module):
             return self.lm_head(hidden, mode)
         return self.embed_tokens.matmul(hidden, mode)
 
-    def _layers(self, x: nn.Tensor, kv_cache: PagedKVCache, b: Any, t: Any, mode: str) -> nn.Tensor:
+    def _layers(self, x: nn.Tensor, kv_cache: PagedKVCache, b: Any, t: Any, mode: str,
+                exact: bool = False) -> nn.Tensor:
         for block in self.layers:
-            x = block(x, kv_cache, b, t, mode)
+            x = block(x, kv_cache, b, t, mode, exact)
         return x
 
     # Batch invariance: prefill runs the layers' matmuls as the GEMM and decode as dot products whatever the token
@@ -376,9 +388,10 @@ class LlamaModule(nn.Module):
         return self._logits(nn.op.take(x, logit_positions, axis=0), "decode")
 
     def verify(self, input_ids: nn.Tensor, kv_cache: PagedKVCache) -> nn.Tensor:
-        """A prefill whose matmuls are decode's dot products, with the logits after every token: each token's rows
-        go through the kernels a decode step would use (speculative decoding checks drafts with it)."""
-        x = self._layers(self.embed(input_ids), kv_cache, 1, input_ids.shape[0], "decode")
+        """A prefill whose matmuls are decode's dot products and whose attention is decode's algorithm per token
+        (the kernels' exact mode), with the logits after every token: each token's logits are bit for bit those a
+        decode step gives it (speculative decoding checks drafts with it)."""
+        x = self._layers(self.embed(input_ids), kv_cache, 1, input_ids.shape[0], "decode", exact=True)
         return self._logits(x, "decode")
 
     def decode(self, input_ids: nn.Tensor, kv_cache: PagedKVCache) -> nn.Tensor:
@@ -402,7 +415,7 @@ class LlamaModule(nn.Module):
             support_sliding_window=support_sliding_window,
             layer_partition=tvm.relax.ShapeExpr([0, s.n_layers]),
             num_hidden_layers=s.n_layers,
-            num_attention_heads=s.n_heads,
+            num_attention_heads=carried_heads(s.n_kv_heads, s.n_heads),
             num_key_value_heads=s.n_kv_heads,
             qk_head_dim=s.head_dim,
             v_head_dim=s.head_dim,
