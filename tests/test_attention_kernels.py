@@ -11,11 +11,19 @@ import math
 import numpy as np
 import pytest
 import tvm
-from logitproc.compile.decode_attention import MIN_PAGES, PAGE_SIZE, SERIAL_PAGES, SPLITS, decode_attention_kernel
+from logitproc.compile.decode_attention import (
+    MIN_PAGES,
+    PAGE_SIZE,
+    SERIAL_PAGES,
+    SPLITS,
+    carried_heads,
+    decode_attention_kernel,
+)
 from logitproc.compile.prefill_attention import QUERY_BLOCK, paged_prefill_kernel, ragged_prefill_kernel
 from logitproc.compile.targets import resolve_target
 
 H_Q, H_KV, D = 9, 3, 64
+HEADS = carried_heads(H_KV, H_Q)  # q and the outputs: the query heads, then the carried k and v heads
 SM_SCALE = 1 / math.sqrt(D)
 EMPTY_LSE = -5e4
 DEV = tvm.cpu()
@@ -99,13 +107,26 @@ def tensor(a: np.ndarray) -> tvm.runtime.Tensor:
     return tvm.runtime.tensor(a, DEV)
 
 
+def carried(q: np.ndarray, k: np.ndarray | None = None, v: np.ndarray | None = None) -> np.ndarray:
+    """``q [n, H_Q, D]`` with the carried heads: the tokens' ``k`` and ``v`` (NaN when not given: unread)."""
+    extra = np.full((q.shape[0], 2 * H_KV, D), np.nan, q.dtype)
+    if k is not None and v is not None:
+        extra = np.concatenate([k, v], axis=1).astype(q.dtype)
+    return np.concatenate([q, extra], axis=1)
+
+
+def outputs(rows: int, dtype: str) -> tuple[tvm.runtime.Tensor, tvm.runtime.Tensor]:
+    """NaN-filled output and lse buffers with the carried heads."""
+    return tensor(np.full((rows, HEADS, D), np.nan, dtype)), tensor(np.full((rows, HEADS), np.nan, np.float32))
+
+
 def check(out, lse, want_out, want_lse, dtype: str = "float32") -> None:
-    """Outputs within 2e-5 of the largest (float32 arithmetic), float16 ones also rounded once (half an ulp: 2^-11
-    relative)."""
+    """Outputs of the query heads within 2e-5 of the largest (float32 arithmetic), float16 ones also rounded once
+    (half an ulp: 2^-11 relative)."""
     rtol = 2.0**-11 if dtype == "float16" else 0
-    np.testing.assert_allclose(out.numpy().astype(np.float64), want_out, rtol=rtol,
+    np.testing.assert_allclose(out.numpy()[:, :H_Q].astype(np.float64), want_out, rtol=rtol,
                                atol=2e-5 * max(1.0, np.abs(want_out).max()))
-    np.testing.assert_allclose(lse.numpy(), want_lse, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(lse.numpy()[:, :H_Q], want_lse, rtol=1e-5, atol=1e-4)
 
 
 CHUNK = MIN_PAGES * PAGE_SIZE
@@ -132,10 +153,9 @@ def test_decode_attention_matches_numpy(decode, lengths: list[int]) -> None:
     cache = PagedCache(lengths, rng, dtype=dtype, poison=True)
     b = len(lengths)
     q = rng.standard_normal((b, H_Q, D)).astype(dtype)
-    out = tensor(np.full((b, H_Q, D), np.nan, dtype))
-    lse = tensor(np.full((b, H_Q), np.nan, np.float32))
+    out, lse = outputs(b, dtype)
     zeros = tensor(np.zeros(b, np.int32))
-    kernel(tensor(q), *cache.args(), zeros, zeros, out, lse, 0, 1.0, 10000.0, SM_SCALE)
+    kernel(tensor(carried(q)), *cache.args(), zeros, zeros, out, lse, 0, 1.0, 10000.0, SM_SCALE)
     want_out = np.zeros((b, H_Q, D))
     want_lse = np.zeros((b, H_Q))
     for i, n in enumerate(lengths):
@@ -161,10 +181,9 @@ def test_paged_prefill_matches_numpy(paged_prefill, new: list[int], cached: list
     total = sum(new)
     q = rng.standard_normal((total, H_Q, D)).astype(dtype)
     q_indptr = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
-    out = tensor(np.full((total, H_Q, D), np.nan, dtype))
-    lse = tensor(np.full((total, H_Q), np.nan, np.float32))
+    out, lse = outputs(total, dtype)
     pages, indptr, values, last_len = cache.args()
-    paged_prefill(tensor(q), tensor(q_indptr), pages, indptr, values, last_len,
+    paged_prefill(tensor(carried(q)), tensor(q_indptr), pages, indptr, values, last_len,
                   tensor(np.zeros(len(new), np.int32)), tensor(np.zeros(total, np.int32)), out, lse,
                   0, 0, 1.0, 10000.0, SM_SCALE)
     want_out, want_lse = np.zeros((total, H_Q, D)), np.zeros((total, H_Q))
@@ -187,16 +206,105 @@ def test_ragged_prefill_is_causal_attention(ragged_prefill, new: list[int]) -> N
     total = sum(new)
     q, k, v = (rng.standard_normal((total, h, D)).astype(dtype) for h in (H_Q, H_KV, H_KV))
     indptr = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
-    out = tensor(np.full((total, H_Q, D), np.nan, dtype))
-    lse = tensor(np.full((total, H_Q), np.nan, np.float32))
+    out, lse = outputs(total, dtype)
     zeros_b, zeros_t = tensor(np.zeros(len(new), np.int32)), tensor(np.zeros(total, np.int32))
-    ragged_prefill(tensor(q), tensor(indptr), tensor(k), tensor(v), tensor(indptr), zeros_t, zeros_b, out, lse,
+    ragged_prefill(tensor(carried(q)), tensor(indptr), tensor(k), tensor(v), tensor(indptr), zeros_t, zeros_b, out, lse,
                    1, 0, 1.0, 10000.0, SM_SCALE)
     want_out, want_lse = np.zeros((total, H_Q, D)), np.zeros((total, H_Q))
     for b, n in enumerate(new):
         rows = slice(indptr[b], indptr[b + 1])
         want_out[rows], want_lse[rows] = attention(q[rows], k[rows], v[rows], list(range(1, n + 1)))
     check(out, lse, want_out, want_lse, dtype)
+
+
+@pytest.fixture(scope="module", params=["float32", "float16"])
+def decode_and_paged(request):
+    """(the decode kernel, the paged prefill kernel, their dtype)."""
+    dtype = request.param
+    return (compiled(decode_attention_kernel(H_KV, H_Q, D, dtype)), compiled(paged_prefill_kernel(H_KV, H_Q, D, dtype)),
+            dtype)
+
+
+EXACT_CASES = {
+    "one cached token, one new": ([1], [1]),
+    "a partly filled page gets two": ([15], [2]),
+    "new tokens start a page": ([16], [9]),
+    "33 new tokens over three pages": ([17], [33]),
+    "several sequences": ([100, 7, 40], [5, 1, 17]),
+    "past the serial limit": ([2 * SERIAL_PAGES * PAGE_SIZE + 3], [6]),
+    "long, every chunk used": ([SPLITS * MIN_PAGES * PAGE_SIZE * 3 + 11], [4]),
+}
+
+
+@pytest.mark.parametrize(("cached", "new"), EXACT_CASES.values(), ids=EXACT_CASES.keys())
+def test_exact_mode_rows_are_decode_steps_bit_for_bit(decode_and_paged, cached: list[int], new: list[int]) -> None:
+    """The verify forward's attention (``sm_scale < 0``): sequence ``b``'s new token ``j`` (its k and v in the
+    carried heads of q, the pages holding only the cached keys: the slots after them are NaN) gives exactly the
+    output and lse a decode step gives it once the pages hold the ``cached[b] + j + 1`` keys; plus a block that
+    ends before the rows' tokens (one the sequence shares): every row sees all its keys, as decode does."""
+    decode, paged, dtype = decode_and_paged
+    rng = np.random.default_rng(sum(cached) + 31 * sum(new))
+    full = PagedCache([c + n for c, n in zip(cached, new, strict=True)], rng, dtype=dtype)
+    total = sum(new)
+    q_indptr = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
+    q = rng.standard_normal((total, H_Q, D)).astype(dtype)
+    k_new = np.concatenate([full.kv(b)[0][c:] for b, c in enumerate(cached)])
+    v_new = np.concatenate([full.kv(b)[1][c:] for b, c in enumerate(cached)])
+    rows = [(b, j) for b, n in enumerate(new) for j in range(n)]
+    # decode steps: one "sequence" per row, on the same pages, with its length
+    lengths = [cached[b] + j + 1 for b, j in rows]
+    counts = [(n + PAGE_SIZE - 1) // PAGE_SIZE for n in lengths]
+    values = np.concatenate([full.values[full.indptr[b]: full.indptr[b] + c] for (b, _), c in zip(rows, counts,
+                                                                                                  strict=True)])
+    last = np.array([n - (c - 1) * PAGE_SIZE for n, c in zip(lengths, counts, strict=True)], np.int32)
+    want, want_lse = outputs(total, dtype)
+    zeros = tensor(np.zeros(total, np.int32))
+    decode(tensor(carried(q)), tensor(full.pages), tensor(np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)),
+           tensor(values), tensor(last), zeros, zeros, want, want_lse, 0, 1.0, 10000.0, SM_SCALE)
+    # the verify: the pages hold the cached keys only
+    pages = full.pages.copy()
+    for b, c in enumerate(cached):
+        ids = full.values[full.indptr[b]: full.indptr[b + 1]]
+        for pos in range(c, c + new[b]):
+            pages[ids[pos // PAGE_SIZE], :, :, pos % PAGE_SIZE] = np.nan
+    counts = [(c + PAGE_SIZE - 1) // PAGE_SIZE for c in cached]
+    values = np.concatenate([full.values[full.indptr[b]: full.indptr[b] + n] for b, n in enumerate(counts)])
+    last = np.array([c - (n - 1) * PAGE_SIZE for c, n in zip(cached, counts, strict=True)], np.int32)
+    positions = np.array([cached[b] + j for b, j in rows], np.int32)
+    out, lse = outputs(total, dtype)
+    paged(tensor(carried(q, k_new, v_new)), tensor(q_indptr), tensor(pages),
+          tensor(np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)), tensor(values), tensor(last),
+          tensor(np.zeros(len(new), np.int32)), tensor(positions), out, lse, 0, 0, 1.0, 10000.0, -SM_SCALE)
+    np.testing.assert_array_equal(out.numpy()[:, :H_Q], want.numpy()[:, :H_Q])
+    np.testing.assert_array_equal(lse.numpy()[:, :H_Q], want_lse.numpy()[:, :H_Q])
+    # a shared block ending before the rows' tokens: each row sees its keys, as a decode over that block does
+    shared = np.array([cached[b] + 1 for b, _ in rows], np.int32)
+    out, lse = outputs(total, dtype)
+    paged(tensor(carried(q, k_new, v_new)), tensor(q_indptr), tensor(pages),
+          tensor(np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)), tensor(values), tensor(last),
+          tensor(np.zeros(len(new), np.int32)), tensor(shared), out, lse, 0, 0, 1.0, 10000.0, -SM_SCALE)
+    cache = PagedCache(cached, rng, dtype=dtype)
+    cache.pages, cache.indptr, cache.values = pages, np.concatenate([[0], np.cumsum(counts)]).astype(np.int32), values
+    want_out, want_lse2 = np.zeros((total, H_Q, D)), np.zeros((total, H_Q))
+    for b, n in enumerate(new):
+        k, v = cache.kv(b)
+        sl = slice(q_indptr[b], q_indptr[b + 1])
+        want_out[sl], want_lse2[sl] = attention(q[sl], k, v, [cached[b]] * n)
+    check(out, lse, want_out, want_lse2, dtype)
+
+
+def test_ragged_exact_mode_leaves_the_rows_to_the_paged_kernel(ragged_prefill) -> None:
+    """``sm_scale < 0``: every row's output is 0 and its lse ``EMPTY_LSE`` (the cache's merge passes the paged
+    kernel's rows through unchanged)."""
+    ragged_prefill, dtype = ragged_prefill
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal((7, h, D)).astype(dtype) for h in (H_Q, H_KV, H_KV))
+    indptr = np.array([0, 3, 7], np.int32)
+    out, lse = outputs(7, dtype)
+    ragged_prefill(tensor(carried(q, k, v)), tensor(indptr), tensor(k), tensor(v), tensor(indptr),
+                   tensor(np.zeros(7, np.int32)), tensor(np.zeros(2, np.int32)), out, lse, 1, 0, 1.0, 10000.0,
+                   -SM_SCALE)
+    assert not out.numpy().any() and (lse.numpy() == EMPTY_LSE).all()
 
 
 def test_decode_kernel_rejects_bad_head_counts() -> None:
