@@ -1,5 +1,5 @@
 # fmt: off
-# ruff: noqa: F841, B007  (TVMScript: match_buffer declarations and loop variables read as unused)
+# ruff: noqa: F841, B007, B023  (TVMScript: match_buffer declarations, loop variables, parse-time lambdas)
 """Split-K decode attention over TVM's paged KV cache: the ``batch_decode_paged_kv_cpu`` slot, for both threads.
 
 TVM's CPU decode kernel is one serial loop over sequences, query heads and keys, reading every key and value once
@@ -30,6 +30,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ..tir_kernels._common import fast_exp
+from .kv_layout import KVLayout
 
 PAGE_SIZE = 16
 #: Chunks per (sequence, KV head): enough for two threads to share one sequence's heads evenly (3 x 8 units).
@@ -90,21 +91,13 @@ def fold_scores(s, vec, run, row, head, h4, red):
     run[2, head] = rescale
 
 
-def carried_heads(h_kv: int, h_q: int) -> int:
-    """Heads of the cache's q and output buffers: the model's ``h_q`` query heads, then ``h_kv`` heads carrying the
-    token's key and ``h_kv`` carrying its value (``rope_kernel`` writes them; see ``RowAttention``)."""
-    return h_q + 2 * h_kv
-
-
-def check_heads(h_kv: int, h_q: int, d: int, dtype: str) -> int:
-    """The query heads per KV head, after checking the sizes and the cache's element type."""
-    if d % LANES:
-        raise ValueError(f"head size {d} is not a multiple of {LANES}")
-    if h_kv < 1 or h_q % h_kv:
-        raise ValueError(f"query heads {h_q} are not a multiple of KV heads {h_kv}")
-    if dtype not in ("float32", "float16"):
-        raise ValueError(f"KV cache dtype {dtype!r} is not float32 or float16")
-    return h_q // h_kv
+def check_heads(layout: KVLayout, h_q: int) -> int:
+    """The query heads per KV head, after checking the sizes."""
+    if layout.d % LANES:
+        raise ValueError(f"head size {layout.d} is not a multiple of {LANES}")
+    if layout.h_kv < 1 or h_q % layout.h_kv:
+        raise ValueError(f"query heads {h_q} are not a multiple of KV heads {layout.h_kv}")
+    return h_q // layout.h_kv
 
 
 class RowAttention:
@@ -113,44 +106,46 @@ class RowAttention:
 
     A row ``row`` of ``q`` sees ``n`` keys laid out in pages of 16: page ``p < tail_from`` is
     ``pages[page_values[first + p]]``, page ``p >= tail_from`` is ``tail[tail_first + p - tail_from]`` (a copy of
-    the last cached page completed with the row's sequence's new tokens). ``chunk`` computes unit ``unit % SPLITS``
+    the last cached page completed with the row's sequence's new tokens; ``pages8``/``tail8``: the same memory as
+    int8, for q8_0 pages). ``chunk`` computes unit ``unit % SPLITS``
     of the row (pages ``[c per, (c + 1) per)``, ``per = max(ceil(pages / SPLITS), MIN_PAGES)``) into
     ``part_*[unit]``; ``merge`` combines the row's ``SPLITS`` parts into its output and log-sum-exp. Every query
     head of the row goes through the same operations in the same order whichever kernel runs them."""
 
-    def __init__(self, h_kv: int, h_q: int, d: int, dtype: str) -> None:
-        group = check_heads(h_kv, h_q, d, dtype)
+    def __init__(self, layout: KVLayout, h_q: int) -> None:
+        group = check_heads(layout, h_q)
+        d, dtype = layout.d, layout.dtype
         blocks = d // LANES
-        words = 2 * h_kv * PAGE_SIZE * d  # elements of a page (keys and values of every KV head)
-        page_lines = words * (2 if dtype == "float16" else 4) // CACHE_LINE
-        vec_type = f"{dtype}x{LANES}"
+        words = 2 * layout.heads * PAGE_SIZE * d  # elements of a page (keys and values of every KV head)
+        page_lines = words * layout.row_bytes // d // CACHE_LINE
 
         def prefetch(pages, page, line):
             """Ask for cache line ``line`` of page ``page`` (``llvm.prefetch``: read, keep in all cache levels)."""
             return T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(pages[page, 0, 0, 0, line * (
                 words // page_lines)]), T.int32(0), T.int32(3), T.int32(1))
 
-        def row(pages, page, kv, hk, t, blk):
+        def row(pages, pages8, page, kv, hk, t, blk):
             """float32x8: lanes ``blk * 8 ..`` of key (kv = 0) or value (kv = 1) row ``t`` of a page."""
-            return T.Cast(f"float32x{LANES}", pages.vload([page, kv, hk, t, blk * LANES], vec_type))
+            return layout.lanes(pages, pages8, lambda r, o: [page, kv, r, t, o], hk, blk * LANES)
 
-        def scores8(qs, h, pages, page, hk, t0):
+        def scores8(qs, h, pages, pages8, page, hk, t0):
             """float32x8: the scores of keys ``t0 .. t0 + 7`` of a page of KV head ``hk`` against ``qs``: each key's
             8-lane products summed as a tree, then the 8 keys' lanes summed by a transposing ``vhaddps`` tree."""
-            sums = [tree_sum([qs.vload([h, blk * LANES], f"float32x{LANES}") * row(pages, page, 0, hk, t0 + i, blk)
-                              for blk in range(blocks)]) for i in range(LANES)]
+            sums = [tree_sum([qs.vload([h, blk * LANES], f"float32x{LANES}")
+                              * row(pages, pages8, page, 0, hk, t0 + i, blk) for blk in range(blocks)])
+                    for i in range(LANES)]
             pairs = [_hadd(sums[2 * i], sums[2 * i + 1]) for i in range(4)]
             low, high = _hadd(pairs[0], pairs[1]), _hadd(pairs[2], pairs[3])
             return (T.Shuffle([low, high], [0, 1, 2, 3, 8, 9, 10, 11])
                     + T.Shuffle([low, high], [4, 5, 6, 7, 12, 13, 14, 15]))
 
-        def weighted_rows(s, h, pages, page, hk, t0, blk):
+        def weighted_rows(s, h, pages, pages8, page, hk, t0, blk):
             """float32x8: lanes ``blk * 8 ..`` of ``sum_t s[h, t] v[t]`` over value rows ``t0 .. t0 + 7``."""
-            return tree_sum([T.broadcast(s[h, t0 + t], LANES) * row(pages, page, 1, hk, t0 + t, blk)
+            return tree_sum([T.broadcast(s[h, t0 + t], LANES) * row(pages, pages8, page, 1, hk, t0 + t, blk)
                              for t in range(LANES)])
 
         @T.macro
-        def one_page(src, page, valid, qs, acc, s, vec, h4, red, run):
+        def one_page(src, src8, page, valid, qs, acc, s, vec, h4, red, run):
             """Page ``page`` of ``src`` (its first ``valid`` slots): the scores of every query head (its scaled q
             in 8 registers, the key rows from L1), then the online softmax of every head (independent chains that
             the CPU overlaps), then the values of every head."""
@@ -158,7 +153,7 @@ class RowAttention:
                 for half in T.unroll(PAGE_SIZE // LANES):
                     s[h, T.ramp(half * LANES, 1, LANES)] = T.Select(
                         T.ramp(half * LANES, 1, LANES) < T.broadcast(valid, LANES),
-                        scores8(qs, h, src, page, h // group, half * LANES),
+                        scores8(qs, h, src, src8, page, h // group, half * LANES),
                         T.broadcast(T.float32(NO_SCORE), LANES))
             for h in range(h_q):
                 fold_scores(s, vec, run, h, h, h4, red)
@@ -170,17 +165,18 @@ class RowAttention:
                             acc[h, T.ramp(blk * LANES, 1, LANES)] = (
                                 acc[h, T.ramp(blk * LANES, 1, LANES)]
                                 * T.broadcast(T.Select(half == 0, run[2, h], T.float32(1)), LANES)
-                                + weighted_rows(s, h, src, page, hk, half * LANES, blk))
+                                + weighted_rows(s, h, src, src8, page, hk, half * LANES, blk))
                 else:  # the sequence's last page, partly filled (the slots past it may hold anything)
                     for j in T.vectorized(d):
                         acc[h, j] = acc[h, j] * run[2, h]
                     for t in range(valid):
                         for j in T.vectorized(d):
-                            acc[h, j] = acc[h, j] + s[h, t] * T.Cast("float32", src[page, 1, hk, t, j])
+                            acc[h, j] = acc[h, j] + s[h, t] * layout.value(
+                                src, src8, lambda r, o: [page, 1, r, t, o], hk, j)
 
         @T.macro
-        def chunk(unit, q, q_row, n, first, tail_from, tail_first, page_values, pages, tail, part_acc, part_max,
-                  part_sum, scale):
+        def chunk(unit, q, q_row, n, first, tail_from, tail_first, page_values, pages, pages8, tail, tail8,
+                  part_acc, part_max, part_sum, scale):
             """Unit ``unit`` of row ``q_row``: the online softmax of every query head over its pages, page after
             page (a page of every head is contiguous: the chunk streams from memory in order, and the next page is
             prefetched while this one is read)."""
@@ -208,9 +204,9 @@ class RowAttention:
                     if p + 1 < cached_end:
                         for line in range(page_lines):
                             prefetch(pages, page_values[first + p + 1], line)
-                    one_page(pages, page_values[first + p], valid, qs, acc, s, vec, h4, red, run)
+                    one_page(pages, pages8, page_values[first + p], valid, qs, acc, s, vec, h4, red, run)
                 else:
-                    one_page(tail, tail_first + p - tail_from, valid, qs, acc, s, vec, h4, red, run)
+                    one_page(tail, tail8, tail_first + p - tail_from, valid, qs, acc, s, vec, h4, red, run)
             for h in range(h_q):
                 part_max[unit, h] = run[0, h]
                 part_sum[unit, h] = run[1, h]
@@ -247,14 +243,17 @@ class RowAttention:
         self.merge = merge
 
 
-def decode_attention_kernel(h_kv: int, h_q: int, d: int, dtype: str = "float32") -> tirx.PrimFunc:
+def decode_attention_kernel(h_kv: int, h_q: int, d: int, kv_dtype: str = "float32") -> tirx.PrimFunc:
     """The decode attention kernel for ``h_q`` query heads over ``h_kv`` KV heads of size ``d`` (see the module
-    doc): TVM's ``batch_decode_paged_kv`` signature, q and the output with ``carried_heads`` heads (the carried
-    ones are not read, nor written), pages ``[max_pages, 2, h_kv, 16, d]``, all of ``dtype`` (float32 or float16:
-    widened to float32 as they are loaded, F16C's ``vcvtph2ps``). ``|sm_scale|`` scales the scores (the verify
-    forward passes it negated: ``prefill_attention``)."""
-    rows = RowAttention(h_kv, h_q, d, dtype)
-    heads = carried_heads(h_kv, h_q)
+    doc): TVM's ``batch_decode_paged_kv`` signature; pages ``[max_pages, 2, heads, 16, d]``, q and the output
+    with ``query_heads`` heads (the carried ones are not read, nor written), all of the cache's element type
+    (``kv_layout.KVLayout``: float32 or float16, widened to float32 as they are loaded, F16C's ``vcvtph2ps``; q8_0
+    blocks, their int8 values widened and scaled). ``|sm_scale|`` scales the scores (the verify forward passes it
+    negated: ``prefill_attention``)."""
+    layout = KVLayout(kv_dtype, h_kv, d)
+    rows = RowAttention(layout, h_q)
+    heads, dtype, stored = layout.query_heads(h_q), layout.dtype, layout.heads
+    row_bytes = layout.row_bytes
 
     @T.prim_func(private=True)
     def batch_decode_paged_kv(
@@ -268,7 +267,7 @@ def decode_attention_kernel(h_kv: int, h_q: int, d: int, dtype: str = "float32")
         page_indptr_offset, page_values_offset, length_info_offset = T.int32(), T.int32(), T.int32()
         k_rope_offset, q_rope_offset = T.int32(), T.int32()
         q = T.match_buffer(var_q, (batch_size, heads, d), dtype)
-        pages = T.match_buffer(var_pages, (max_num_pages, 2, h_kv, PAGE_SIZE, d), dtype)
+        pages = T.match_buffer(var_pages, (max_num_pages, 2, stored, PAGE_SIZE, d), dtype)
         page_indptr = T.match_buffer(var_page_indptr, (batch_size + 1,), "int32", elem_offset=page_indptr_offset)
         page_values = T.match_buffer(var_page_values, (nnz_pages,), "int32", elem_offset=page_values_offset)
         length_info = T.match_buffer(var_length_info, (batch_size,), "int32", elem_offset=length_info_offset)
@@ -276,6 +275,7 @@ def decode_attention_kernel(h_kv: int, h_q: int, d: int, dtype: str = "float32")
         q_rope_position = T.match_buffer(var_q_rope_position, (batch_size,), "int32", elem_offset=q_rope_offset)
         output = T.match_buffer(var_output, (batch_size, heads, d), dtype)
         lse = T.match_buffer(var_lse, (batch_size, heads), "float32")
+        pages8 = T.decl_buffer((max_num_pages, 2, stored, PAGE_SIZE, row_bytes), "int8", data=pages.data)
         # Per unit (sequence, chunk) and query head: accumulator, running max, running sum.
         part_acc = T.alloc_buffer((batch_size * SPLITS, h_q, d), "float32")
         part_max = T.alloc_buffer((batch_size * SPLITS, h_q), "float32")
@@ -286,15 +286,15 @@ def decode_attention_kernel(h_kv: int, h_q: int, d: int, dtype: str = "float32")
                 b: T.let = unit // SPLITS
                 n_pages: T.let = page_indptr[b + 1] - page_indptr[b]
                 rows.chunk(unit, q, b, T.Select(n_pages > 0, (n_pages - 1) * PAGE_SIZE + length_info[b], 0),
-                           page_indptr[b], n_pages, 0, page_values, pages, pages, part_acc, part_max, part_sum,
-                           scale)
+                           page_indptr[b], n_pages, 0, page_values, pages, pages8, pages, pages8, part_acc,
+                           part_max, part_sum, scale)
         else:
             for unit in T.parallel(batch_size * SPLITS):
                 b: T.let = unit // SPLITS
                 n_pages: T.let = page_indptr[b + 1] - page_indptr[b]
                 rows.chunk(unit, q, b, T.Select(n_pages > 0, (n_pages - 1) * PAGE_SIZE + length_info[b], 0),
-                           page_indptr[b], n_pages, 0, page_values, pages, pages, part_acc, part_max, part_sum,
-                           scale)
+                           page_indptr[b], n_pages, 0, page_values, pages, pages8, pages, pages8, part_acc,
+                           part_max, part_sum, scale)
         for bh in range(batch_size * h_q):  # serial: a few microseconds, one fork-join less per layer
             rows.merge(bh // h_q * SPLITS, bh // h_q, bh % h_q, part_acc, part_max, part_sum, output, lse)
 

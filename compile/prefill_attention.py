@@ -38,11 +38,11 @@ from .decode_attention import (
     SERIAL_PAGES,
     SPLITS,
     RowAttention,
-    carried_heads,
     check_heads,
     fold_scores,
     reduce_lanes,
 )
+from .kv_layout import KVLayout
 
 #: Query tokens per unit of work (times the query heads of a KV head: the rows sharing each key tile).
 QUERY_BLOCK = 8
@@ -53,7 +53,7 @@ TILE = PAGE_SIZE
 @T.macro
 def _attend_block(q, i0, rows_q, hk, group, d, limit, n_max, key, value, output, lse, sm_scale, dtype):
     """Rows (query token i0 + tq, head hk * group + g) for tq < rows_q, each seeing keys c < limit[tq], against
-    keys key(c, j) and values value(c, j) for c < n_max; writes output and lse of those rows."""
+    keys key(c, j) and values value(c, j) (float32) for c < n_max; writes output and lse of those rows."""
     qs = T.alloc_buffer((QUERY_BLOCK * group, d), "float32")
     acc = T.alloc_buffer((QUERY_BLOCK * group, d), "float32")
     s = T.alloc_buffer((QUERY_BLOCK * group, TILE), "float32")
@@ -76,7 +76,7 @@ def _attend_block(q, i0, rows_q, hk, group, d, limit, n_max, key, value, output,
         for t in range(in_tile):
             for r in range(rows_q * group):
                 for lane in T.vectorized(LANES):
-                    vec[r, lane] = qs[r, lane] * T.Cast("float32", key(c0 + t, lane))
+                    vec[r, lane] = qs[r, lane] * key(c0 + t, lane)
                 for blk in range(1, d // LANES):
                     for lane in T.vectorized(LANES):
                         vec[r, lane] = vec[r, lane] + qs[r, blk * LANES + lane] * T.Cast(
@@ -95,7 +95,7 @@ def _attend_block(q, i0, rows_q, hk, group, d, limit, n_max, key, value, output,
                 acc_row[j] = acc[r, j] * run[2, r]
             for t in range(in_tile):
                 for j in T.vectorized(d):
-                    acc_row[j] = acc_row[j] + s[r, t] * T.Cast("float32", value(c0 + t, j))
+                    acc_row[j] = acc_row[j] + s[r, t] * value(c0 + t, j)
             for j in T.vectorized(d):
                 acc[r, j] = acc_row[j]
     for r in range(rows_q * group):
@@ -109,12 +109,13 @@ def _attend_block(q, i0, rows_q, hk, group, d, limit, n_max, key, value, output,
             lse[i0 + r // group, hk * group + r % group] = T.float32(EMPTY_LSE)
 
 
-def ragged_prefill_kernel(h_kv: int, h_q: int, d: int, dtype: str = "float32") -> tirx.PrimFunc:
+def ragged_prefill_kernel(h_kv: int, h_q: int, d: int, kv_dtype: str = "float32") -> tirx.PrimFunc:
     """New tokens against themselves: the ``tir_attention_prefill_ragged_cpu`` slot of the KV cache. In the
     exact mode (``sm_scale < 0``: the verify forward) every row's output is 0 and its lse ``EMPTY_LSE``: the paged
     kernel computes the rows whole (the cache's merge then passes its result through unchanged)."""
-    group = check_heads(h_kv, h_q, d, dtype)
-    heads = carried_heads(h_kv, h_q)
+    layout = KVLayout(kv_dtype, h_kv, d)
+    group = check_heads(layout, h_q)
+    heads, dtype, stored, row_bytes = layout.query_heads(h_q), layout.dtype, layout.heads, layout.row_bytes
 
     @T.prim_func(private=True)
     def attention_prefill_ragged(
@@ -127,13 +128,15 @@ def ragged_prefill_kernel(h_kv: int, h_q: int, d: int, dtype: str = "float32") -
         q_indptr_offset, kv_indptr_offset, q_rope_offset, k_rope_offset = T.int32(), T.int32(), T.int32(), T.int32()
         q = T.match_buffer(var_q, (qo_len, heads, d), dtype)
         q_indptr = T.match_buffer(var_q_indptr, (batch_size + 1,), "int32", elem_offset=q_indptr_offset)
-        k = T.match_buffer(var_k, (kv_len, h_kv, d), dtype)
-        v = T.match_buffer(var_v, (kv_len, h_kv, d), dtype)
+        k = T.match_buffer(var_k, (kv_len, stored, d), dtype)
+        v = T.match_buffer(var_v, (kv_len, stored, d), dtype)
         kv_indptr = T.match_buffer(var_kv_indptr, (batch_size + 1,), "int32", elem_offset=kv_indptr_offset)
         q_rope_position = T.match_buffer(var_q_rope_position, (qo_len,), "int32", elem_offset=q_rope_offset)
         k_rope_pos_offset = T.match_buffer(var_k_rope_pos_offset, (batch_size,), "int32", elem_offset=k_rope_offset)
         output = T.match_buffer(var_output, (qo_len, heads, d), dtype)
         lse = T.match_buffer(var_lse, (qo_len, heads), "float32")
+        v8 = T.decl_buffer((kv_len, stored, row_bytes), "int8", data=v.data)
+        k8 = T.decl_buffer((kv_len, stored, row_bytes), "int8", data=k.data)
         blocks: T.let = (qo_len + QUERY_BLOCK - 1) // QUERY_BLOCK  # at most, per sequence
         if sm_scale < T.float32(0):
             for i, h in T.grid(qo_len, heads):
@@ -156,25 +159,27 @@ def ragged_prefill_kernel(h_kv: int, h_q: int, d: int, dtype: str = "float32") -
                         limit[tq] = T.Select(causal > 0, T.min(kv_b - qo + blk * QUERY_BLOCK + tq + 1, kv_b), kv_b)
                     n_max: T.let = T.Select(causal > 0, T.min(kv_b - qo + blk * QUERY_BLOCK + rows_q, kv_b), kv_b)
                     _attend_block(q, q_indptr[b] + blk * QUERY_BLOCK, rows_q, hk, group, d, limit, n_max,
-                                  lambda c, x: k[kv0 + c, hk, x], lambda c, x: v[kv0 + c, hk, x], output, lse,
-                                  sm_scale, dtype)
+                                  lambda c, x: layout.value(k, k8, lambda r, o: [kv0 + c, r, o], hk, x),
+                                  lambda c, x: layout.value(v, v8, lambda r, o: [kv0 + c, r, o], hk, x),
+                                  output, lse, sm_scale, dtype)
 
     return attention_prefill_ragged
 
 
-def paged_prefill_kernel(h_kv: int, h_q: int, d: int, dtype: str = "float32") -> tirx.PrimFunc:
+def paged_prefill_kernel(h_kv: int, h_q: int, d: int, kv_dtype: str = "float32") -> tirx.PrimFunc:
     """New tokens against the cached ones in the pages: the ``tir_attention_prefill_cpu`` slot of the KV cache.
 
     In the exact mode (``sm_scale < 0``, ``|sm_scale|`` the scale: the verify forward) each row is computed by
     the decode kernel's algorithm (``RowAttention``), so that a verified token's output is bit for bit the one a
     decode step gives it. Where the pages are the row's sequence's last block (it ends at the row's first new
     token: ``k_rope_pos_offset[b] + kv_b == q_rope_position[q_indptr[b]]``), the row also sees its sequence's new
-    tokens up to itself, read from the carried heads of ``q`` (``carried_heads``) and laid out in pages as a decode
-    step finds them (the cache appends them after the attention); the ragged kernel's part is then empty.
+    tokens up to itself, read from the carried heads of ``q`` (``KVLayout.query_heads``) and laid out in pages as a
+    decode step finds them (the cache appends them after the attention); the ragged kernel's part is then empty.
     Otherwise (a block its sequence shares with others, or none) every row sees the block's keys."""
-    group = check_heads(h_kv, h_q, d, dtype)
-    heads = carried_heads(h_kv, h_q)
-    rows = RowAttention(h_kv, h_q, d, dtype)
+    layout = KVLayout(kv_dtype, h_kv, d)
+    group = check_heads(layout, h_q)
+    heads, dtype, stored, row_bytes = layout.query_heads(h_q), layout.dtype, layout.heads, layout.row_bytes
+    rows = RowAttention(layout, h_q)
 
     @T.macro
     def entry(b, q_indptr, page_indptr, length_info, k_rope_pos_offset, q_rope_position, info):
@@ -194,20 +199,22 @@ def paged_prefill_kernel(h_kv: int, h_q: int, d: int, dtype: str = "float32") ->
                 info[3] = kv_b // PAGE_SIZE
 
     @T.macro
-    def row_unit(unit, row_entry, q, q_indptr, pages, page_indptr, page_values, length_info, k_rope_pos_offset,
-                 q_rope_position, tail, part_acc, part_max, part_sum, scale):
+    def row_unit(unit, row_entry, q, q_indptr, pages, pages8, page_indptr, page_values, length_info,
+                 k_rope_pos_offset, q_rope_position, tail, tail8, part_acc, part_max, part_sum, scale):
         info = T.alloc_buffer((5,), "int32", scope="local")
         i: T.let = unit // SPLITS
         b: T.let = row_entry[i]
         entry(b, q_indptr, page_indptr, length_info, k_rope_pos_offset, q_rope_position, info)
         rows.chunk(unit, q, i, info[1] + info[2] * (i - q_indptr[b] + 1), info[0], info[3], info[4], page_values,
-                   pages, tail, part_acc, part_max, part_sum, scale)
+                   pages, pages8, tail, tail8, part_acc, part_max, part_sum, scale)
 
     @T.macro
-    def exact(q, q_indptr, pages, page_indptr, page_values, length_info, k_rope_pos_offset, q_rope_position,
-              output, lse, scale, batch_size, total_len, nnz_pages):
+    def exact(q, q8, q_indptr, pages, pages8, page_indptr, page_values, length_info, k_rope_pos_offset,
+              q_rope_position, output, lse, scale, batch_size, total_len, nnz_pages):
         row_entry = T.alloc_buffer((total_len,), "int32")
-        tail = T.alloc_buffer((total_len // PAGE_SIZE + 2 * batch_size, 2, h_kv, PAGE_SIZE, d), dtype)
+        tail = T.alloc_buffer((total_len // PAGE_SIZE + 2 * batch_size, 2, stored, PAGE_SIZE, d), dtype)
+        tail8 = T.decl_buffer((total_len // PAGE_SIZE + 2 * batch_size, 2, stored, PAGE_SIZE, row_bytes), "int8",
+                              data=tail.data)
         part_acc = T.alloc_buffer((total_len * SPLITS, h_q, d), "float32")
         part_max = T.alloc_buffer((total_len * SPLITS, h_q), "float32")
         part_sum = T.alloc_buffer((total_len * SPLITS, h_q), "float32")
@@ -222,24 +229,24 @@ def paged_prefill_kernel(h_kv: int, h_q: int, d: int, dtype: str = "float32") ->
                 for tp in range((info[1] % PAGE_SIZE + qo + PAGE_SIZE - 1) // PAGE_SIZE):
                     for t in range(PAGE_SIZE):
                         pos: T.let = (info[3] + tp) * PAGE_SIZE + t
-                        if pos < info[1]:
-                            for kv, hk in T.grid(2, h_kv):
-                                for j in T.vectorized(d):
-                                    tail[info[4] + tp, kv, hk, t, j] = pages[
-                                        page_values[info[0] + info[3]], kv, hk, t, j]
+                        if pos < info[1]:  # bytes: q8_0 rows are no floats
+                            for kv, r in T.grid(2, stored):
+                                for j in T.vectorized(row_bytes):
+                                    tail8[info[4] + tp, kv, r, t, j] = pages8[
+                                        page_values[info[0] + info[3]], kv, r, t, j]
                         elif pos < info[1] + qo:
-                            for kv, hk in T.grid(2, h_kv):
-                                for j in T.vectorized(d):
-                                    tail[info[4] + tp, kv, hk, t, j] = q[
-                                        row0 + pos - info[1], h_q + kv * h_kv + hk, j]
+                            for kv, r in T.grid(2, stored):
+                                for j in T.vectorized(row_bytes):
+                                    tail8[info[4] + tp, kv, r, t, j] = q8[
+                                        row0 + pos - info[1], h_q + kv * stored + r, j]
         if total_len * (nnz_pages + 1) <= SERIAL_PAGES:  # little work: no fork-join
             for unit in range(total_len * SPLITS):
-                row_unit(unit, row_entry, q, q_indptr, pages, page_indptr, page_values, length_info,
-                         k_rope_pos_offset, q_rope_position, tail, part_acc, part_max, part_sum, scale)
+                row_unit(unit, row_entry, q, q_indptr, pages, pages8, page_indptr, page_values, length_info,
+                         k_rope_pos_offset, q_rope_position, tail, tail8, part_acc, part_max, part_sum, scale)
         else:
             for unit in T.parallel(total_len * SPLITS):
-                row_unit(unit, row_entry, q, q_indptr, pages, page_indptr, page_values, length_info,
-                         k_rope_pos_offset, q_rope_position, tail, part_acc, part_max, part_sum, scale)
+                row_unit(unit, row_entry, q, q_indptr, pages, pages8, page_indptr, page_values, length_info,
+                         k_rope_pos_offset, q_rope_position, tail, tail8, part_acc, part_max, part_sum, scale)
         for ih in range(total_len * h_q):
             rows.merge(ih // h_q * SPLITS, ih // h_q, ih % h_q, part_acc, part_max, part_sum, output, lse)
 
@@ -256,7 +263,7 @@ def paged_prefill_kernel(h_kv: int, h_q: int, d: int, dtype: str = "float32") ->
         k_rope_offset, q_rope_offset, length_info_offset = T.int32(), T.int32(), T.int32()
         q = T.match_buffer(var_q, (total_len, heads, d), dtype)
         q_indptr = T.match_buffer(var_q_indptr, (batch_size + 1,), "int32", elem_offset=q_indptr_offset)
-        pages = T.match_buffer(var_pages, (max_num_pages, 2, h_kv, PAGE_SIZE, d), dtype)
+        pages = T.match_buffer(var_pages, (max_num_pages, 2, stored, PAGE_SIZE, d), dtype)
         page_indptr = T.match_buffer(var_page_indptr, (batch_size + 1,), "int32", elem_offset=page_indptr_offset)
         page_values = T.match_buffer(var_page_values, (nnz_pages,), "int32", elem_offset=page_values_offset)
         length_info = T.match_buffer(var_length_info, (batch_size,), "int32", elem_offset=length_info_offset)
@@ -264,10 +271,12 @@ def paged_prefill_kernel(h_kv: int, h_q: int, d: int, dtype: str = "float32") ->
         q_rope_position = T.match_buffer(var_q_rope_position, (total_len,), "int32", elem_offset=q_rope_offset)
         output = T.match_buffer(var_output, (total_len, heads, d), dtype)
         lse = T.match_buffer(var_lse, (total_len, heads), "float32")
+        pages8 = T.decl_buffer((max_num_pages, 2, stored, PAGE_SIZE, row_bytes), "int8", data=pages.data)
+        q8 = T.decl_buffer((total_len, heads, row_bytes), "int8", data=q.data)
         blocks: T.let = (total_len + QUERY_BLOCK - 1) // QUERY_BLOCK  # at most, per sequence
         if sm_scale < T.float32(0):
-            exact(q, q_indptr, pages, page_indptr, page_values, length_info, k_rope_pos_offset, q_rope_position,
-                  output, lse, T.abs(sm_scale), batch_size, total_len, nnz_pages)
+            exact(q, q8, q_indptr, pages, pages8, page_indptr, page_values, length_info, k_rope_pos_offset,
+                  q_rope_position, output, lse, T.abs(sm_scale), batch_size, total_len, nnz_pages)
         else:
             for unit in T.parallel(batch_size * blocks * h_kv):
                 limit = T.alloc_buffer((QUERY_BLOCK,), "int32", scope="local")
@@ -285,8 +294,10 @@ def paged_prefill_kernel(h_kv: int, h_q: int, d: int, dtype: str = "float32") ->
                         limit[tq] = T.Select(causal > 0, T.min(kv_b - qo + blk * QUERY_BLOCK + tq + 1, kv_b), kv_b)
                     n_max: T.let = T.Select(causal > 0, T.min(kv_b - qo + blk * QUERY_BLOCK + rows_q, kv_b), kv_b)
                     _attend_block(q, q_indptr[b] + blk * QUERY_BLOCK, rows_q, hk, group, d, limit, n_max,
-                                  lambda c, x: pages[page_values[first + c // PAGE_SIZE], 0, hk, c % PAGE_SIZE, x],
-                                  lambda c, x: pages[page_values[first + c // PAGE_SIZE], 1, hk, c % PAGE_SIZE, x],
+                                  lambda c, x: layout.value(pages, pages8, lambda r, o: [
+                                      page_values[first + c // PAGE_SIZE], 0, r, c % PAGE_SIZE, o], hk, x),
+                                  lambda c, x: layout.value(pages, pages8, lambda r, o: [
+                                      page_values[first + c // PAGE_SIZE], 1, r, c % PAGE_SIZE, o], hk, x),
                                   output, lse, sm_scale, dtype)
 
     return attention_prefill_paged

@@ -30,7 +30,8 @@ Matmuls and the embedding lookup are the TIR kernels of ``linear_kernels.py``, o
 ``float32``, ``float16``, or the GGUF's own ``q8_0``/``q4_1`` blocks decoded inside the matmul (``weight_dtype="auto"``
 keeps a GGUF's Q8_0/Q4_1 tensors as they are and stores the others as float16). Norms, activations, the KV cache
 and the accumulation are float32. The KV cache holds ``LlamaSpec.kv_dtype`` (float32 by default; float16, as
-llama.cpp's, on request): q, k and v are rounded to it before RoPE, and the attention's output comes back in it.
+llama.cpp's, or q8_0 blocks, on request): q, k and v are rounded to its element type (float16 for q8_0) before RoPE,
+k and v quantised after it for q8_0, and the attention's output comes back in that type.
 """
 
 # fmt: off
@@ -48,10 +49,11 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedKVCache
 
 from .attention_kernels import replace_attention_kernels
-from .decode_attention import carried_heads
 from .families import family_named
 from .gguf_model import GGUFModel
 from .gguf_tensors import RawTensors
+from .kv_layout import KV_DTYPES as KV_LAYOUT_DTYPES
+from .kv_layout import KVLayout
 from .linear_kernels import embed_kernel, integer_linear_kernel, linear_kernel, param_shapes, swiglu_kernel
 from .packed_matvec import (
     DEFAULT_ACTIVATION_BITS,
@@ -73,9 +75,10 @@ WEIGHT_KINDS: dict[str, tuple[str, ...]] = {
     "down": ("blk.{i}.ffn_down.weight",),
     "lm_head": ("output.weight",),
 }
-#: Element types of the KV cache: float32 (the default: SmolLM2's logits within 1e-3 of the reference) or float16
-#: (llama.cpp's default: half the bytes a decode step reads at long context; logits about 4e-2 away on SmolLM2).
-KV_DTYPES = ("float16", "float32")
+#: Element types of the KV cache: float32 (the default: SmolLM2's logits within 1e-3 of the reference), float16
+#: (llama.cpp's default: half the bytes a decode step reads at long context; logits about 4e-2 away on SmolLM2) or
+#: q8_0 (8-bit blocks with float16 scales, as llama.cpp's ``-ctk q8_0 -ctv q8_0``: ``kv_layout.py``).
+KV_DTYPES = KV_LAYOUT_DTYPES
 DEFAULT_KV_DTYPE = "float32"
 #: GGML types kept as their blocks, and the weight format each becomes
 GGUF_FORMATS = {"Q8_0": "q8_0", "Q4_1": "q4_1"}
@@ -115,6 +118,10 @@ class LlamaSpec:
     #: the target has AVX512-VNNI (``packed_matvec.has_vnni``): the packed Q4_1 matmuls' VNNI tile (the same
     #: outputs, fewer instructions) and a packed Q8_0 output head (``packed``)
     vnni: bool = False
+
+    def kv_layout(self) -> KVLayout:
+        """What the KV cache stores per token (``kv_layout.KVLayout``)."""
+        return KVLayout(self.kv_dtype, self.n_kv_heads, self.head_dim)
 
     def packed(self, kind: str) -> bool:
         """Whether weight kind ``kind`` is stored repacked for ``packed_matvec``: Q4_1 on an AVX2 target (not the
@@ -291,19 +298,21 @@ class Attention(nn.Module):
         (the verify forward): each token's attention is computed as a decode step computes it (the kernels' exact
         mode, asked for by a negative ``sm_scale``: ``prefill_attention.paged_prefill_kernel``)."""
         s = self.spec
+        layout = s.kv_layout()
         # The cache takes q, k, v in its own type (TVM checks qkv's against its pages') and returns that type.
         heads = s.n_heads + 2 * s.n_kv_heads
         if self.q_norm is not None and self.k_norm is not None:  # QK-norm in float32, then the cache's type
             q, k, v = nn.op.split(self.qkv(x, mode).reshape(x.shape[0], heads, s.head_dim),
                                   [s.n_heads, s.n_heads + s.n_kv_heads], axis=1)
             qkv = nn.op.concat([self.q_norm(q), self.k_norm(k), v], dim=1)
-            qkv = qkv if s.kv_dtype == "float32" else qkv.astype(s.kv_dtype)
+            qkv = qkv if layout.dtype == "float32" else qkv.astype(layout.dtype)
         else:
-            qkv = self.qkv(x, mode, s.kv_dtype).reshape(x.shape[0], heads, s.head_dim)
-        # The cache's query heads carry each token's k and v too (``carried_heads``): 2 h_kv more heads of padding.
-        query_heads = carried_heads(s.n_kv_heads, s.n_heads)
-        padding = nn.op.zeros([x.shape[0], 2 * s.n_kv_heads, s.head_dim], s.kv_dtype)
-        qkv = nn.op.concat([qkv, padding], dim=1).reshape(b, t, query_heads + 2 * s.n_kv_heads, s.head_dim)
+            qkv = self.qkv(x, mode, layout.dtype).reshape(x.shape[0], heads, s.head_dim)
+        # The cache's query heads carry each token's stored k and v too (``KVLayout.query_heads``), and it stores
+        # ``layout.heads`` rows per token: qkv gets heads of padding up to their count.
+        query_heads = layout.query_heads(s.n_heads)
+        padding = nn.op.zeros([x.shape[0], query_heads + 2 * layout.heads - heads, s.head_dim], layout.dtype)
+        qkv = nn.op.concat([qkv, padding], dim=1).reshape(b, t, query_heads + 2 * layout.heads, s.head_dim)
         scale = 1.0 / math.sqrt(s.head_dim)
         out = kv_cache.attention_with_fused_qkv(layer, qkv, query_heads, sm_scale=-scale if exact else scale)
         out = nn.op.split(out.reshape(x.shape[0], query_heads, s.head_dim), [s.n_heads], axis=1)[0]
@@ -415,8 +424,8 @@ class LlamaModule(nn.Module):
             support_sliding_window=support_sliding_window,
             layer_partition=tvm.relax.ShapeExpr([0, s.n_layers]),
             num_hidden_layers=s.n_layers,
-            num_attention_heads=carried_heads(s.n_kv_heads, s.n_heads),
-            num_key_value_heads=s.n_kv_heads,
+            num_attention_heads=s.kv_layout().query_heads(s.n_heads),
+            num_key_value_heads=s.kv_layout().heads,
             qk_head_dim=s.head_dim,
             v_head_dim=s.head_dim,
             mla_original_qk_head_dim=0,
@@ -428,7 +437,7 @@ class LlamaModule(nn.Module):
             rope_ext_factors=tvm.relax.prim_value(0),
             rotary_dim=s.head_dim,
             enable_disaggregation=False,
-            dtype=s.kv_dtype,
+            dtype=s.kv_layout().dtype,
             target=tvm.target.Target.current(),
         )
 

@@ -19,7 +19,9 @@ with exactly the numpy reference's weights: logits within 1e-3 (measured 1.1e-4 
 float16 (``auto`` for non-quantised tensors, e.g. the tiny test model, or ``weight_dtype="float16"``): within
 2e-2 on the tiny model (measured 7e-3), about 3e-2 on SmolLM2. ``weight_dtype="float32"``: within 1e-4 (with
 ``kv_dtype="float32"``, the default). With ``kv_dtype="float16"`` (llama.cpp's default) q, k, v and the
-attention's output are rounded to it, as ``NumpyLlama(kv_dtype="float16")`` rounds them.
+attention's output are rounded to it, as ``NumpyLlama(kv_dtype="float16")`` rounds them; ``kv_dtype="q8_0"``
+(llama.cpp's ``-ctk q8_0 -ctv q8_0``) rounds them so too and keeps k and v in 8-bit blocks
+(``compile/kv_layout.py``), as ``NumpyLlama(kv_dtype="q8_0")`` quantises them.
 """
 
 from __future__ import annotations
@@ -123,7 +125,7 @@ class CompiledModel(ModelRunner):
 
     @property
     def kv_dtype(self) -> str:
-        """The KV cache's element type (``float32`` or ``float16``; builds from before the option: float32)."""
+        """The KV cache's type (``float32``, ``float16`` or ``q8_0``; builds from before the option: float32)."""
         return str(self.manifest["model"]["spec"].get("kv_dtype", "float32"))
 
     @property

@@ -11,19 +11,14 @@ import math
 import numpy as np
 import pytest
 import tvm
-from logitproc.compile.decode_attention import (
-    MIN_PAGES,
-    PAGE_SIZE,
-    SERIAL_PAGES,
-    SPLITS,
-    carried_heads,
-    decode_attention_kernel,
-)
+from logitproc.compile.decode_attention import MIN_PAGES, PAGE_SIZE, SERIAL_PAGES, SPLITS, decode_attention_kernel
+from logitproc.compile.kv_layout import KVLayout
 from logitproc.compile.prefill_attention import QUERY_BLOCK, paged_prefill_kernel, ragged_prefill_kernel
 from logitproc.compile.targets import resolve_target
+from logitproc.serve.numpy_llama import q8_0_roundtrip
 
 H_Q, H_KV, D = 9, 3, 64
-HEADS = carried_heads(H_KV, H_Q)  # q and the outputs: the query heads, then the carried k and v heads
+DTYPES = ["float32", "float16", "q8_0"]
 SM_SCALE = 1 / math.sqrt(D)
 EMPTY_LSE = -5e4
 DEV = tvm.cpu()
@@ -37,18 +32,18 @@ def compiled(func):
     return lib.mod["main"]
 
 
-@pytest.fixture(scope="module", params=["float32", "float16"])
+@pytest.fixture(scope="module", params=DTYPES)
 def decode(request):
     """(the decode kernel over pages of this dtype, the dtype)."""
     return compiled(decode_attention_kernel(H_KV, H_Q, D, request.param)), request.param
 
 
-@pytest.fixture(scope="module", params=["float32", "float16"])
+@pytest.fixture(scope="module", params=DTYPES)
 def paged_prefill(request):
     return compiled(paged_prefill_kernel(H_KV, H_Q, D, request.param)), request.param
 
 
-@pytest.fixture(scope="module", params=["float32", "float16"])
+@pytest.fixture(scope="module", params=DTYPES)
 def ragged_prefill(request):
     return compiled(ragged_prefill_kernel(H_KV, H_Q, D, request.param)), request.param
 
@@ -70,34 +65,66 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, visible: list[int]) -
     return out, lse
 
 
+def store(x: np.ndarray, kv_dtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """Keys or values ``x [..., h_kv, d]`` (float32) as a cache of ``kv_dtype`` stores them (``[..., heads, d]`` of
+    its element type: q8_0 blocks packed as ``compile/kv_layout.py`` describes), and the values it holds (float32,
+    ``[..., h_kv, d]``)."""
+    h_kv, d = x.shape[-2:]
+    layout = KVLayout(kv_dtype, h_kv, d)
+    if not layout.quantized:
+        rows = x.astype(kv_dtype)
+        return rows, rows.astype(np.float32)
+    held = q8_0_roundtrip(x.astype(np.float16).astype(np.float32))
+    blocks = x.astype(np.float16).astype(np.float32).reshape(*x.shape[:-1], d // 32, 32)
+    scale = np.abs(blocks).max(axis=-1, keepdims=True) / np.float32(127)
+    inverse = np.where(scale > 0, np.float32(1) / np.where(scale > 0, scale, np.float32(1)), np.float32(0))
+    y = (blocks * inverse).astype(np.float32)
+    q = np.trunc(y + np.where(y < 0, np.float32(-0.5), np.float32(0.5))).astype(np.int8).reshape(x.shape)
+    stream = np.zeros((*x.shape[:-2], layout.heads * layout.row_bytes), np.uint8)
+    stream[..., : h_kv * d] = q.view(np.uint8).reshape(*x.shape[:-2], h_kv * d)
+    scales = scale.astype(np.float16).reshape(*x.shape[:-2], h_kv * (d // 32))
+    stream[..., h_kv * d: h_kv * d + scales.shape[-1] * 2] = scales.view(np.uint8)
+    rows = stream.view(np.float16).reshape(*x.shape[:-2], layout.heads, d)
+    return rows, held
+
+
 class PagedCache:
-    """Sequences of the given lengths in a cache of scattered pages ``[pages, 2, H_KV, 16, D]``, with the page
-    table arrays the kernels read (unused pages hold garbage, so reading past a sequence shows)."""
+    """Sequences of the given lengths in a cache of scattered pages ``[pages, 2, heads, 16, D]`` of ``kv_dtype``,
+    with the page table arrays the kernels read (unused pages hold garbage, so reading past a sequence shows)."""
 
     def __init__(self, lengths: list[int], rng: np.random.Generator, spare_pages: int = 5,
                  dtype: str = "float32", poison: bool = False) -> None:
         counts = [(n + PAGE_SIZE - 1) // PAGE_SIZE for n in lengths]
         total = sum(counts) + spare_pages
-        self.pages = (rng.standard_normal((total, 2, H_KV, PAGE_SIZE, D)) * 3).astype(dtype)
+        raw = (rng.standard_normal((total, 2, PAGE_SIZE, H_KV, D)) * 3).astype(np.float32)
+        rows, self.held = store(raw, dtype)  # [total, 2, 16, heads, D], [total, 2, 16, H_KV, D]
+        self.pages = np.ascontiguousarray(rows.transpose(0, 1, 3, 2, 4))
         order = rng.permutation(total).astype(np.int32)
         self.indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
         self.values = order[: self.indptr[-1]]
         self.last_len = np.array([n - (c - 1) * PAGE_SIZE if c else 0 for n, c in zip(lengths, counts, strict=True)],
                                  np.int32)
         self.lengths = lengths
-        if poison:  # the slots past each sequence's end in its last page: NaN and inf (never read, never weighted)
+        if poison:  # the slots past each sequence's end in its last page: NaN bits (never read, never weighted)
             for b, c in enumerate(counts):
                 if c:
                     last = self.values[self.indptr[b + 1] - 1]
-                    self.pages[last, :, :, self.last_len[b]:] = np.nan
-                    self.pages[last, 1, :, self.last_len[b]:, ::2] = np.inf
+                    self.pages.view(np.uint8)[last, :, :, self.last_len[b]:] = 0xFF
 
     def kv(self, b: int) -> tuple[np.ndarray, np.ndarray]:
-        """Keys and values of sequence ``b``, ``[n, H_KV, D]`` each."""
+        """Keys and values of sequence ``b`` as the cache holds them, ``[n, H_KV, D]`` each (float32)."""
         ids = self.values[self.indptr[b]: self.indptr[b + 1]]
-        k = self.pages[ids, 0].transpose(0, 2, 1, 3).reshape(-1, H_KV, D)[: self.lengths[b]]
-        v = self.pages[ids, 1].transpose(0, 2, 1, 3).reshape(-1, H_KV, D)[: self.lengths[b]]
+        k = self.held[ids, 0].reshape(-1, H_KV, D)[: self.lengths[b]]
+        v = self.held[ids, 1].reshape(-1, H_KV, D)[: self.lengths[b]]
         return k, v
+
+    def rows(self, b: int) -> tuple[np.ndarray, np.ndarray]:
+        """The stored key and value rows of sequence ``b``, ``[n, heads, D]`` each."""
+        ids = self.values[self.indptr[b]: self.indptr[b + 1]]
+        shape = (-1, self.pages.shape[2], self.pages.shape[4])
+        k = self.pages[ids, 0].transpose(0, 2, 1, 3).reshape(shape)
+        v = self.pages[ids, 1].transpose(0, 2, 1, 3).reshape(shape)
+        return k[: self.lengths[b]], v[: self.lengths[b]]
 
     def args(self) -> list[tvm.runtime.Tensor]:
         return [tvm.runtime.tensor(a, DEV) for a in (self.pages, self.indptr, self.values, self.last_len)]
@@ -107,23 +134,36 @@ def tensor(a: np.ndarray) -> tvm.runtime.Tensor:
     return tvm.runtime.tensor(a, DEV)
 
 
-def carried(q: np.ndarray, k: np.ndarray | None = None, v: np.ndarray | None = None) -> np.ndarray:
-    """``q [n, H_Q, D]`` with the carried heads: the tokens' ``k`` and ``v`` (NaN when not given: unread)."""
-    extra = np.full((q.shape[0], 2 * H_KV, D), np.nan, q.dtype)
+def element(kv_dtype: str) -> str:
+    """The cache's element type: q, the outputs, the pages."""
+    return KVLayout(kv_dtype, H_KV, D).dtype
+
+
+def queries(rng: np.random.Generator, n: int, kv_dtype: str) -> np.ndarray:
+    return rng.standard_normal((n, H_Q, D)).astype(element(kv_dtype))
+
+
+def carried(q: np.ndarray, kv_dtype: str, k: np.ndarray | None = None, v: np.ndarray | None = None) -> np.ndarray:
+    """``q [n, H_Q, D]`` with the carried heads: the tokens' stored ``k`` and ``v`` rows (NaN bits when not given:
+    unread)."""
+    heads = KVLayout(kv_dtype, H_KV, D).heads
+    extra = np.full((q.shape[0], 2 * heads, D), np.nan, q.dtype)
     if k is not None and v is not None:
         extra = np.concatenate([k, v], axis=1).astype(q.dtype)
     return np.concatenate([q, extra], axis=1)
 
 
-def outputs(rows: int, dtype: str) -> tuple[tvm.runtime.Tensor, tvm.runtime.Tensor]:
+def outputs(rows: int, kv_dtype: str) -> tuple[tvm.runtime.Tensor, tvm.runtime.Tensor]:
     """NaN-filled output and lse buffers with the carried heads."""
-    return tensor(np.full((rows, HEADS, D), np.nan, dtype)), tensor(np.full((rows, HEADS), np.nan, np.float32))
+    heads = KVLayout(kv_dtype, H_KV, D).query_heads(H_Q)
+    return (tensor(np.full((rows, heads, D), np.nan, element(kv_dtype))),
+            tensor(np.full((rows, heads), np.nan, np.float32)))
 
 
 def check(out, lse, want_out, want_lse, dtype: str = "float32") -> None:
     """Outputs of the query heads within 2e-5 of the largest (float32 arithmetic), float16 ones also rounded once
     (half an ulp: 2^-11 relative)."""
-    rtol = 2.0**-11 if dtype == "float16" else 0
+    rtol = 2.0**-11 if dtype != "float32" else 0
     np.testing.assert_allclose(out.numpy()[:, :H_Q].astype(np.float64), want_out, rtol=rtol,
                                atol=2e-5 * max(1.0, np.abs(want_out).max()))
     np.testing.assert_allclose(lse.numpy()[:, :H_Q], want_lse, rtol=1e-5, atol=1e-4)
@@ -152,10 +192,10 @@ def test_decode_attention_matches_numpy(decode, lengths: list[int]) -> None:
     rng = np.random.default_rng(len(lengths) * 1000 + sum(lengths))
     cache = PagedCache(lengths, rng, dtype=dtype, poison=True)
     b = len(lengths)
-    q = rng.standard_normal((b, H_Q, D)).astype(dtype)
+    q = queries(rng, b, dtype)
     out, lse = outputs(b, dtype)
     zeros = tensor(np.zeros(b, np.int32))
-    kernel(tensor(carried(q)), *cache.args(), zeros, zeros, out, lse, 0, 1.0, 10000.0, SM_SCALE)
+    kernel(tensor(carried(q, dtype)), *cache.args(), zeros, zeros, out, lse, 0, 1.0, 10000.0, SM_SCALE)
     want_out = np.zeros((b, H_Q, D))
     want_lse = np.zeros((b, H_Q))
     for i, n in enumerate(lengths):
@@ -179,11 +219,11 @@ def test_paged_prefill_matches_numpy(paged_prefill, new: list[int], cached: list
     rng = np.random.default_rng(sum(new) + 7 * sum(cached))
     cache = PagedCache(cached, rng, dtype=dtype)
     total = sum(new)
-    q = rng.standard_normal((total, H_Q, D)).astype(dtype)
+    q = queries(rng, total, dtype)
     q_indptr = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
     out, lse = outputs(total, dtype)
     pages, indptr, values, last_len = cache.args()
-    paged_prefill(tensor(carried(q)), tensor(q_indptr), pages, indptr, values, last_len,
+    paged_prefill(tensor(carried(q, dtype)), tensor(q_indptr), pages, indptr, values, last_len,
                   tensor(np.zeros(len(new), np.int32)), tensor(np.zeros(total, np.int32)), out, lse,
                   0, 0, 1.0, 10000.0, SM_SCALE)
     want_out, want_lse = np.zeros((total, H_Q, D)), np.zeros((total, H_Q))
@@ -204,12 +244,14 @@ def test_ragged_prefill_is_causal_attention(ragged_prefill, new: list[int]) -> N
     ragged_prefill, dtype = ragged_prefill
     rng = np.random.default_rng(sum(new))
     total = sum(new)
-    q, k, v = (rng.standard_normal((total, h, D)).astype(dtype) for h in (H_Q, H_KV, H_KV))
+    q = queries(rng, total, dtype)
+    (k_rows, k), (v_rows, v) = (store(rng.standard_normal((total, H_KV, D)).astype(np.float32), dtype)
+                                for _ in range(2))
     indptr = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
     out, lse = outputs(total, dtype)
     zeros_b, zeros_t = tensor(np.zeros(len(new), np.int32)), tensor(np.zeros(total, np.int32))
-    ragged_prefill(tensor(carried(q)), tensor(indptr), tensor(k), tensor(v), tensor(indptr), zeros_t, zeros_b, out, lse,
-                   1, 0, 1.0, 10000.0, SM_SCALE)
+    ragged_prefill(tensor(carried(q, dtype)), tensor(indptr), tensor(k_rows), tensor(v_rows), tensor(indptr), zeros_t,
+                   zeros_b, out, lse, 1, 0, 1.0, 10000.0, SM_SCALE)
     want_out, want_lse = np.zeros((total, H_Q, D)), np.zeros((total, H_Q))
     for b, n in enumerate(new):
         rows = slice(indptr[b], indptr[b + 1])
@@ -217,7 +259,7 @@ def test_ragged_prefill_is_causal_attention(ragged_prefill, new: list[int]) -> N
     check(out, lse, want_out, want_lse, dtype)
 
 
-@pytest.fixture(scope="module", params=["float32", "float16"])
+@pytest.fixture(scope="module", params=DTYPES)
 def decode_and_paged(request):
     """(the decode kernel, the paged prefill kernel, their dtype)."""
     dtype = request.param
@@ -247,50 +289,48 @@ def test_exact_mode_rows_are_decode_steps_bit_for_bit(decode_and_paged, cached: 
     full = PagedCache([c + n for c, n in zip(cached, new, strict=True)], rng, dtype=dtype)
     total = sum(new)
     q_indptr = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
-    q = rng.standard_normal((total, H_Q, D)).astype(dtype)
-    k_new = np.concatenate([full.kv(b)[0][c:] for b, c in enumerate(cached)])
-    v_new = np.concatenate([full.kv(b)[1][c:] for b, c in enumerate(cached)])
+    q = queries(rng, total, dtype)
+    k_new = np.concatenate([full.rows(b)[0][c:] for b, c in enumerate(cached)])
+    v_new = np.concatenate([full.rows(b)[1][c:] for b, c in enumerate(cached)])
     rows = [(b, j) for b, n in enumerate(new) for j in range(n)]
+
+    def table(lengths: list[int], first: list[int]) -> list[tvm.runtime.Tensor]:
+        """Page table arrays of sequences of ``lengths`` on the pages of ``full``'s sequences ``first``."""
+        counts = [(n + PAGE_SIZE - 1) // PAGE_SIZE for n in lengths]
+        values = np.concatenate([full.values[full.indptr[b]: full.indptr[b] + c] for b, c in zip(first, counts,
+                                                                                                 strict=True)])
+        last = np.array([n - (c - 1) * PAGE_SIZE for n, c in zip(lengths, counts, strict=True)], np.int32)
+        return [tensor(np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)), tensor(values), tensor(last)]
+
     # decode steps: one "sequence" per row, on the same pages, with its length
-    lengths = [cached[b] + j + 1 for b, j in rows]
-    counts = [(n + PAGE_SIZE - 1) // PAGE_SIZE for n in lengths]
-    values = np.concatenate([full.values[full.indptr[b]: full.indptr[b] + c] for (b, _), c in zip(rows, counts,
-                                                                                                  strict=True)])
-    last = np.array([n - (c - 1) * PAGE_SIZE for n, c in zip(lengths, counts, strict=True)], np.int32)
     want, want_lse = outputs(total, dtype)
     zeros = tensor(np.zeros(total, np.int32))
-    decode(tensor(carried(q)), tensor(full.pages), tensor(np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)),
-           tensor(values), tensor(last), zeros, zeros, want, want_lse, 0, 1.0, 10000.0, SM_SCALE)
-    # the verify: the pages hold the cached keys only
+    decode(tensor(carried(q, dtype)), tensor(full.pages), *table([cached[b] + j + 1 for b, j in rows],
+                                                               [b for b, _ in rows]),
+           zeros, zeros, want, want_lse, 0, 1.0, 10000.0, SM_SCALE)
+    # the verify: the pages hold the cached keys only (the new tokens' slots are NaN bits)
     pages = full.pages.copy()
     for b, c in enumerate(cached):
         ids = full.values[full.indptr[b]: full.indptr[b + 1]]
         for pos in range(c, c + new[b]):
-            pages[ids[pos // PAGE_SIZE], :, :, pos % PAGE_SIZE] = np.nan
-    counts = [(c + PAGE_SIZE - 1) // PAGE_SIZE for c in cached]
-    values = np.concatenate([full.values[full.indptr[b]: full.indptr[b] + n] for b, n in enumerate(counts)])
-    last = np.array([c - (n - 1) * PAGE_SIZE for c, n in zip(cached, counts, strict=True)], np.int32)
+            pages.view(np.uint8)[ids[pos // PAGE_SIZE], :, :, pos % PAGE_SIZE] = 0xFF
+    verify_table = table(cached, list(range(len(cached))))
     positions = np.array([cached[b] + j for b, j in rows], np.int32)
     out, lse = outputs(total, dtype)
-    paged(tensor(carried(q, k_new, v_new)), tensor(q_indptr), tensor(pages),
-          tensor(np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)), tensor(values), tensor(last),
+    paged(tensor(carried(q, dtype, k_new, v_new)), tensor(q_indptr), tensor(pages), *verify_table,
           tensor(np.zeros(len(new), np.int32)), tensor(positions), out, lse, 0, 0, 1.0, 10000.0, -SM_SCALE)
     np.testing.assert_array_equal(out.numpy()[:, :H_Q], want.numpy()[:, :H_Q])
     np.testing.assert_array_equal(lse.numpy()[:, :H_Q], want_lse.numpy()[:, :H_Q])
     # a shared block ending before the rows' tokens: each row sees its keys, as a decode over that block does
-    shared = np.array([cached[b] + 1 for b, _ in rows], np.int32)
     out, lse = outputs(total, dtype)
-    paged(tensor(carried(q, k_new, v_new)), tensor(q_indptr), tensor(pages),
-          tensor(np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)), tensor(values), tensor(last),
-          tensor(np.zeros(len(new), np.int32)), tensor(shared), out, lse, 0, 0, 1.0, 10000.0, -SM_SCALE)
-    cache = PagedCache(cached, rng, dtype=dtype)
-    cache.pages, cache.indptr, cache.values = pages, np.concatenate([[0], np.cumsum(counts)]).astype(np.int32), values
-    want_out, want_lse2 = np.zeros((total, H_Q, D)), np.zeros((total, H_Q))
+    paged(tensor(carried(q, dtype, k_new, v_new)), tensor(q_indptr), tensor(pages), *verify_table,
+          tensor(np.zeros(len(new), np.int32)), tensor(positions + 1), out, lse, 0, 0, 1.0, 10000.0, -SM_SCALE)
+    want_out, want_lse = np.zeros((total, H_Q, D)), np.zeros((total, H_Q))
     for b, n in enumerate(new):
-        k, v = cache.kv(b)
+        k, v = full.kv(b)
         sl = slice(q_indptr[b], q_indptr[b + 1])
-        want_out[sl], want_lse2[sl] = attention(q[sl], k, v, [cached[b]] * n)
-    check(out, lse, want_out, want_lse2, dtype)
+        want_out[sl], want_lse[sl] = attention(q[sl], k, v, [cached[b]] * n)
+    check(out, lse, want_out, want_lse, dtype)
 
 
 def test_ragged_exact_mode_leaves_the_rows_to_the_paged_kernel(ragged_prefill) -> None:
@@ -298,10 +338,11 @@ def test_ragged_exact_mode_leaves_the_rows_to_the_paged_kernel(ragged_prefill) -
     kernel's rows through unchanged)."""
     ragged_prefill, dtype = ragged_prefill
     rng = np.random.default_rng(3)
-    q, k, v = (rng.standard_normal((7, h, D)).astype(dtype) for h in (H_Q, H_KV, H_KV))
+    q = queries(rng, 7, dtype)
+    k, v = (store(rng.standard_normal((7, H_KV, D)).astype(np.float32), dtype)[0] for _ in range(2))
     indptr = np.array([0, 3, 7], np.int32)
     out, lse = outputs(7, dtype)
-    ragged_prefill(tensor(carried(q, k, v)), tensor(indptr), tensor(k), tensor(v), tensor(indptr),
+    ragged_prefill(tensor(carried(q, dtype, k, v)), tensor(indptr), tensor(k), tensor(v), tensor(indptr),
                    tensor(np.zeros(7, np.int32)), tensor(np.zeros(2, np.int32)), out, lse, 1, 0, 1.0, 10000.0,
                    -SM_SCALE)
     assert not out.numpy().any() and (lse.numpy() == EMPTY_LSE).all()
@@ -312,5 +353,5 @@ def test_decode_kernel_rejects_bad_head_counts() -> None:
         decode_attention_kernel(3, 9, 36)
     with pytest.raises(ValueError, match="query heads 8 are not a multiple of KV heads 3"):
         decode_attention_kernel(3, 8, 64)
-    with pytest.raises(ValueError, match="KV cache dtype 'bfloat16' is not float32 or float16"):
+    with pytest.raises(ValueError, match=r"kv_dtype 'bfloat16' is not supported \(float16, float32, q8_0\)"):
         decode_attention_kernel(3, 9, 64, "bfloat16")

@@ -316,13 +316,14 @@ def gguf_small():
 
 
 def test_smollm2_greedy_answers_are_the_same_with_drafts(default_model_in_cache) -> None:
-    """On the real model: a copying answer (most drafts accepted) and an open one (most rejected) are the tokens
-    plain greedy decoding gives."""
+    """On the real model: a copying answer (most drafts accepted) and open ones (most rejected; the story's answer
+    changed with drafts before the verify's attention was decode's) are the tokens plain greedy decoding gives."""
     paragraph = ("The river rises in the hills above the town, runs through the old market and the mill, and "
                  "reaches the sea twelve miles to the south.")
-    for question in (f"Repeat this paragraph word for word.\n\n{paragraph}", "Name three colours."):
+    for question, tokens in ((f"Repeat this paragraph word for word.\n\n{paragraph}", 48),
+                             ("Name three colours.", 48), ("Write a short story about a lighthouse keeper.", 128)):
         messages = [{"role": "user", "content": question}]
-        config = GenerationConfig(temperature=0, max_tokens=48)
+        config = GenerationConfig(temperature=0, max_tokens=tokens)
         [want] = Engine(default_model_in_cache, max_batch=1).generate(messages, config)
         engine = Engine(default_model_in_cache, max_batch=1, speculative=FORCED)
         [got] = engine.generate(messages, config)
