@@ -12,9 +12,11 @@ from logitproc.compile.tiny_model import make_tiny_model
 from logitproc.serve.compiled_model import CompiledModel
 from logitproc.serve.numpy_llama import NumpyLlama
 
-#: Logits against the q8_0 reference (float32 weights, the same rounding and quantisation; the attention's float32
-#: sums in another order: measured up to 4e-5 over a prompt, decode steps and a verify).
-TOL_Q8 = 5e-4
+#: Logits against the q8_0 reference (float32 weights, the same rounding and quantisation). The float32 sums run in
+#: another order, and a last-bit difference that moves a value across a float16 or int8 rounding boundary moves it
+#: by a whole step (an int8 step is 1/127 of its block's largest value): measured up to 6.9e-3 over three prompts,
+#: where the quantisation itself moves the logits by 3-9e-2 from the float16 cache's reference.
+TOL_Q8 = 2e-2
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +31,7 @@ def q8(wide) -> CompiledModel:
 
 def test_q8_0_cache_matches_the_reference_quantising_the_same_values(wide, q8) -> None:
     """Prefill in two chunks (one over a page boundary), decode steps, and a verify, each within ``TOL_Q8`` of
-    ``NumpyLlama(kv_dtype="q8_0")``; against the float16 cache's reference the logits move by about 1e-2."""
+    ``NumpyLlama(kv_dtype="q8_0")``."""
     rng = np.random.default_rng(1)
     prompt = [int(t) for t in rng.integers(0, q8.vocab_size, 37)]
     ref = NumpyLlama(wide, kv_dtype="q8_0")
