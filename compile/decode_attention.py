@@ -30,7 +30,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ..tir_kernels._common import fast_exp
-from .kv_layout import KVLayout
+from .kv_layout import Q8_BLOCK, KVLayout
 
 PAGE_SIZE = 16
 #: Chunks per (sequence, KV head): enough for two threads to share one sequence's heads evenly (3 x 8 units).
@@ -124,25 +124,39 @@ class RowAttention:
             return T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(pages[page, 0, 0, 0, line * (
                 words // page_lines)]), T.int32(0), T.int32(3), T.int32(1))
 
-        def row(pages, pages8, page, kv, hk, t, blk):
-            """float32x8: lanes ``blk * 8 ..`` of key (kv = 0) or value (kv = 1) row ``t`` of a page."""
-            return layout.lanes(pages, pages8, lambda r, o: [page, kv, r, t, o], hk, blk * LANES)
+        per_block = Q8_BLOCK // LANES if layout.quantized else blocks  # 8-lane loads per scale
+
+        def key_sum(qs, h, pages, pages8, page, hk, t):
+            """float32x8 whose lanes sum to key ``t``'s dot product with ``qs[h]``: the 8-lane products summed as a
+            tree per q8_0 block, each block's sum scaled once (float caches: one block, no scale)."""
+            at = lambda r, o: [page, 0, r, t, o]  # noqa: E731
+            parts = [tree_sum([qs.vload([h, blk * LANES], f"float32x{LANES}") * layout.raw(pages, pages8, at, hk,
+                                                                                           blk * LANES)
+                               for blk in range(b0, b0 + per_block)]) for b0 in range(0, blocks, per_block)]
+            if not layout.quantized:
+                return parts[0]
+            return tree_sum([part * T.broadcast(layout.scale(pages, at, hk, b * Q8_BLOCK), LANES)
+                             for b, part in enumerate(parts)])
 
         def scores8(qs, h, pages, pages8, page, hk, t0):
             """float32x8: the scores of keys ``t0 .. t0 + 7`` of a page of KV head ``hk`` against ``qs``: each key's
             8-lane products summed as a tree, then the 8 keys' lanes summed by a transposing ``vhaddps`` tree."""
-            sums = [tree_sum([qs.vload([h, blk * LANES], f"float32x{LANES}")
-                              * row(pages, pages8, page, 0, hk, t0 + i, blk) for blk in range(blocks)])
-                    for i in range(LANES)]
+            sums = [key_sum(qs, h, pages, pages8, page, hk, t0 + i) for i in range(LANES)]
             pairs = [_hadd(sums[2 * i], sums[2 * i + 1]) for i in range(4)]
             low, high = _hadd(pairs[0], pairs[1]), _hadd(pairs[2], pairs[3])
             return (T.Shuffle([low, high], [0, 1, 2, 3, 8, 9, 10, 11])
                     + T.Shuffle([low, high], [4, 5, 6, 7, 12, 13, 14, 15]))
 
         def weighted_rows(s, h, pages, pages8, page, hk, t0, blk):
-            """float32x8: lanes ``blk * 8 ..`` of ``sum_t s[h, t] v[t]`` over value rows ``t0 .. t0 + 7``."""
-            return tree_sum([T.broadcast(s[h, t0 + t], LANES) * row(pages, pages8, page, 1, hk, t0 + t, blk)
-                             for t in range(LANES)])
+            """float32x8: lanes ``blk * 8 ..`` of ``sum_t s[h, t] v[t]`` over value rows ``t0 .. t0 + 7`` (a q8_0
+            row's scale folded into its weight)."""
+            def weight(t):
+                if not layout.quantized:
+                    return s[h, t0 + t]
+                return s[h, t0 + t] * layout.scale(pages, lambda r, o: [page, 1, r, t0 + t, o], hk, blk * LANES)
+
+            return tree_sum([T.broadcast(weight(t), LANES) * layout.raw(
+                pages, pages8, lambda r, o: [page, 1, r, t0 + t, o], hk, blk * LANES) for t in range(LANES)])
 
         @T.macro
         def one_page(src, src8, page, valid, qs, acc, s, vec, h4, red, run):

@@ -92,6 +92,23 @@ class KVLayout:
         values = buf8.vload(at(hk // 2, hk % 2 * self.d + j0), f"int8x{LANES}")
         return T.Cast(f"float32x{LANES}", values) * T.broadcast(T.Cast("float32", buf[tuple(at(row, e))]), LANES)
 
+    def raw(self, buf: Any, buf8: Any, at: Index, hk: Any, j0: Any) -> Any:
+        """float32x8: ``lanes`` without the q8_0 scale (the int8 values widened; floats as they are)."""
+        from tvm.script import tirx as T
+
+        if not self.quantized:
+            return self.lanes(buf, buf8, at, hk, j0)
+        return T.Cast(f"float32x{LANES}", buf8.vload(at(hk // 2, hk % 2 * self.d + j0), f"int8x{LANES}"))
+
+    def scale(self, buf: Any, at: Index, hk: Any, j: Any) -> Any:
+        """float32: the q8_0 scale of head ``hk``'s value ``j`` (1 for float caches)."""
+        from tvm.script import tirx as T
+
+        if not self.quantized:
+            return T.float32(1)
+        row, e = self.scale_at(hk, j)
+        return T.Cast("float32", buf[tuple(at(row, e))])
+
     def value(self, buf: Any, buf8: Any, at: Index, hk: Any, j: Any) -> Any:
         """float32: head ``hk``'s value ``j`` of the token at ``at``."""
         from tvm.script import tirx as T

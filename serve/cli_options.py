@@ -41,7 +41,8 @@ def add_kv_dtype_argument(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--kv-dtype", default="float32", choices=KV_DTYPES,
                         help="the KV cache's element type: float16 as llama.cpp's default, q8_0 as its -ctk q8_0 "
-                             "-ctv q8_0 (8-bit blocks: a third of float32's bytes per token) (default: %(default)s)")
+                             "-ctv q8_0 (8-bit blocks: a third of float32's bytes per token with SmolLM2's heads) "
+                             "(default: %(default)s)")
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
