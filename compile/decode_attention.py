@@ -1,5 +1,5 @@
 # fmt: off
-# ruff: noqa: F841, B007  (TVMScript: match_buffer declarations and loop variables read as unused)
+# ruff: noqa: F841, B007, B023  (TVMScript: match_buffer declarations, loop variables, parse-time lambdas)
 """Split-K decode attention over TVM's paged KV cache: the ``batch_decode_paged_kv_cpu`` slot, for both threads.
 
 TVM's CPU decode kernel is one serial loop over sequences, query heads and keys, reading every key and value once
@@ -20,10 +20,10 @@ pages; key ``c`` at ``pages[page_values[page_indptr[b] + c // 16], 0 or 1, kv_he
 (out = 0 and lse = -5e4 when ``n == 0``.) Two options, fixed when the kernel is built (Gemma 2/3): ``softcap`` (> 0)
 caps every score, ``s[c] = cap tanh(s[c] / cap)`` in natural units before the mask; ``window`` (> 0) is the
 sliding window of the layers that pass a negative ``sm_scale`` (TVM's cache hands a kernel nothing per layer but
-``sm_scale``, so its sign marks a windowed layer; ``|sm_scale|`` is the scale): the query at position
-``q_rope_position[b]`` then sees only the keys at positions ``k_rope_pos_offset[b] + c`` less than ``window``
-behind it (the pages stay allocated, not reclaimed; decode reads only the pages from the one holding the window's
-first key). Keys carry RoPE already (the cache uses
+``sm_scale``: its sign marks a windowed layer and its magnitude carries the scale and the verify's exact mode,
+``attention_mode.py``): the query at position ``q_rope_position[b]`` then sees only the keys at positions
+``k_rope_pos_offset[b] + c`` less than ``window`` behind it (the pages stay allocated, not reclaimed; decode reads
+only the pages from the one holding the window's first key). Keys carry RoPE already (the cache uses
 ``RopeMode.NORMAL``), so the rotary arguments are unused; pages hold 16 tokens and the head size is a multiple of 8.
 """
 
@@ -36,6 +36,8 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ..tir_kernels._common import fast_exp
+from . import attention_mode
+from .kv_layout import Q8_BLOCK, KVLayout
 
 PAGE_SIZE = 16
 #: Chunks per (sequence, KV head): enough for two threads to share one sequence's heads evenly (3 x 8 units).
@@ -105,11 +107,11 @@ def soft_capped(score: Any, softcap: float, lanes: int = 1) -> Any:
 
 
 def first_visible(sm_scale: Any, q_position: Any, k_offset: Any, window: int) -> Any:
-    """The index of the first key a query sees in a windowed layer (``sm_scale < 0``: see the module doc), the keys'
-    positions starting at ``k_offset``; 0 otherwise."""
+    """The index of the first key a query sees in a windowed layer (``attention_mode.windowed``: see the module doc),
+    the keys' positions starting at ``k_offset``; 0 otherwise."""
     if not window:
         return T.int32(0)
-    return T.Select(sm_scale < T.float32(0), q_position - window + 1 - k_offset, 0)
+    return T.Select(attention_mode.windowed(sm_scale), q_position - window + 1 - k_offset, 0)
 
 
 def in_window(key: Any, first: Any, window: int, lanes: int, score: Any) -> Any:
@@ -120,94 +122,95 @@ def in_window(key: Any, first: Any, window: int, lanes: int, score: Any) -> Any:
     return T.Select(key >= (first if lanes == 1 else T.broadcast(first, lanes)), score, no_score)
 
 
-def decode_attention_kernel(h_kv: int, h_q: int, d: int, dtype: str = "float32", softcap: float = 0.0,
-                            window: int = 0) -> tirx.PrimFunc:
-    """The decode attention kernel for ``h_q`` query heads over ``h_kv`` KV heads of size ``d`` (see the module
-    doc): TVM's ``batch_decode_paged_kv`` signature, q, pages ``[max_pages, 2, h_kv, 16, d]`` and the output of
-    ``dtype`` (float32 or float16: widened to float32 as they are loaded, F16C's ``vcvtph2ps``); ``softcap`` and
-    ``window`` as the module doc says (0: none)."""
-    if d % LANES:
-        raise ValueError(f"head size {d} is not a multiple of {LANES}")
-    if h_kv < 1 or h_q % h_kv:
-        raise ValueError(f"query heads {h_q} are not a multiple of KV heads {h_kv}")
-    if dtype not in ("float32", "float16"):
-        raise ValueError(f"KV cache dtype {dtype!r} is not float32 or float16")
+def check_options(softcap: float, window: int) -> None:
+    """Refuses a negative ``softcap`` or ``window`` (0: none)."""
     if softcap < 0 or window < 0:
         raise ValueError(f"softcap {softcap} and window {window} must not be negative")
-    group = h_q // h_kv
-    blocks = d // LANES
-    words = 2 * h_kv * PAGE_SIZE * d  # elements of a page (keys and values of every KV head)
-    page_lines = words * (2 if dtype == "float16" else 4) // CACHE_LINE
-    vec_type = f"{dtype}x{LANES}"
 
-    def prefetch(pages, page, line):
-        """Ask for cache line ``line`` of page ``page`` (``llvm.prefetch``: read, keep in all cache levels)."""
-        return T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(pages[page, 0, 0, 0, line * (
-            words // page_lines)]), T.int32(0), T.int32(3), T.int32(1))
 
-    def row(pages, page, kv, hk, t, blk):
-        """float32x8: lanes ``blk * 8 ..`` of key (kv = 0) or value (kv = 1) row ``t`` of a page."""
-        return T.Cast(f"float32x{LANES}", pages.vload([page, kv, hk, t, blk * LANES], vec_type))
+def check_heads(layout: KVLayout, h_q: int) -> int:
+    """The query heads per KV head, after checking the sizes."""
+    if layout.d % LANES:
+        raise ValueError(f"head size {layout.d} is not a multiple of {LANES}")
+    if layout.h_kv < 1 or h_q % layout.h_kv:
+        raise ValueError(f"query heads {h_q} are not a multiple of KV heads {layout.h_kv}")
+    return h_q // layout.h_kv
 
-    def scores8(qs, h, pages, page, hk, t0):
-        """float32x8: the scores of keys ``t0 .. t0 + 7`` of a page of KV head ``hk`` against ``qs``: each key's
-        8-lane products summed as a tree, then the 8 keys' lanes summed by a transposing ``vhaddps`` tree."""
-        sums = [tree_sum([qs.vload([h, blk * LANES], f"float32x{LANES}") * row(pages, page, 0, hk, t0 + i, blk)
-                          for blk in range(blocks)]) for i in range(LANES)]
-        pairs = [_hadd(sums[2 * i], sums[2 * i + 1]) for i in range(4)]
-        low, high = _hadd(pairs[0], pairs[1]), _hadd(pairs[2], pairs[3])
-        return (T.Shuffle([low, high], [0, 1, 2, 3, 8, 9, 10, 11])
-                + T.Shuffle([low, high], [4, 5, 6, 7, 12, 13, 14, 15]))
 
-    def weighted_rows(s, h, pages, page, hk, t0, blk):
-        """float32x8: lanes ``blk * 8 ..`` of ``sum_t s[h, t] v[t]`` over value rows ``t0 .. t0 + 7`` (a tree)."""
-        return tree_sum([T.broadcast(s[h, t0 + t], LANES) * row(pages, page, 1, hk, t0 + t, blk)
-                         for t in range(LANES)])
+class RowAttention:
+    """The decode algorithm for one query row, as TIR macros that the decode kernel and the exact (verify) mode of
+    the paged prefill kernel share, so that a row's output does not depend on which of them computes it.
 
-    @T.macro
-    def chunk(unit, q, pages, page_indptr, page_values, length_info, part_acc, part_max, part_sum, sm_scale,
-              q_rope_position, k_rope_pos_offset):
-        """Unit ``unit`` = (sequence, chunk of its pages): the online softmax of every query head over them, page
-        after page (a page of every head is contiguous: the chunk streams from memory in order, and the next page
-        is prefetched while this one is read); within a page the scores of every query head (its scaled q in 8
-        registers, the key rows from L1), then the online softmax of every head (independent chains that the CPU
-        overlaps: one head's after its own scores left them waiting), then the values of every head."""
-        qs = T.alloc_buffer((h_q, d), "float32", scope="local")
-        acc = T.alloc_buffer((h_q, d), "float32", scope="local")
-        s = T.alloc_buffer((h_q, PAGE_SIZE), "float32", scope="local")
-        vec = T.alloc_buffer((h_q, LANES), "float32", scope="local")
-        h4 = T.alloc_buffer((4,), "float32", scope="local")
-        red = T.alloc_buffer((1,), "float32", scope="local")
-        run = T.alloc_buffer((3, h_q), "float32", scope="local")  # running max, running sum, last rescale
-        b: T.let = unit // SPLITS
-        first: T.let = page_indptr[b]
-        n_pages: T.let = page_indptr[b + 1] - first
-        n: T.let = T.Select(n_pages > 0, (n_pages - 1) * PAGE_SIZE + length_info[b], 0)
-        # the first key the query sees (a windowed layer: sm_scale < 0); the keys before it are masked, and the
-        # chunks split only the pages from the one that holds it (no window: from page 0)
-        first_key: T.let = first_visible(sm_scale, q_rope_position[b], k_rope_pos_offset[b], window)
-        p_first: T.let = T.min(T.max(first_key, 0) // PAGE_SIZE, n_pages)
-        per: T.let = T.max((n_pages - p_first + SPLITS - 1) // SPLITS, MIN_PAGES)
-        p_begin: T.let = p_first + unit % SPLITS * per
-        p_end: T.let = T.min(p_begin + per, n_pages)
-        for h in range(h_q):
-            run[0, h] = T.float32(NO_SCORE)
-            run[1, h] = T.float32(0)
-            for j in T.vectorized(d):
-                qs[h, j] = T.Cast("float32", q[b, h, j]) * (T.fabs(sm_scale) * T.float32(LOG2E))
-                acc[h, j] = T.float32(0)
-        for p in range(p_begin, p_end):
-            page: T.let = page_values[first + p]
-            valid: T.let = T.min(PAGE_SIZE, n - p * PAGE_SIZE)
-            if p + 1 < p_end:
-                for line in range(page_lines):
-                    prefetch(pages, page_values[first + p + 1], line)
-            for h in range(h_q):  # scores, then the online softmax of every head: independent chains side by side
+    A row ``row`` of ``q`` sees ``n`` keys laid out in pages of 16: page ``p < tail_from`` is
+    ``pages[page_values[first + p]]``, page ``p >= tail_from`` is ``tail[tail_first + p - tail_from]`` (a copy of
+    the last cached page completed with the row's sequence's new tokens; ``pages8``/``tail8``: the same memory as
+    int8, for q8_0 pages). ``chunk`` computes unit ``unit % SPLITS``
+    of the row (pages ``[c per, (c + 1) per)``, ``per = max(ceil(pages / SPLITS), MIN_PAGES)``) into
+    ``part_*[unit]``; ``merge`` combines the row's ``SPLITS`` parts into its output and log-sum-exp. Every query
+    head of the row goes through the same operations in the same order whichever kernel runs them. With a
+    ``window``, ``first_key`` is the index of the row's first visible key (``first_visible``; 0 otherwise): the keys
+    before it are masked and the chunks split only the pages from the one that holds it; ``softcap`` caps the
+    scores (see the module doc)."""
+
+    def __init__(self, layout: KVLayout, h_q: int, softcap: float = 0.0, window: int = 0) -> None:
+        group = check_heads(layout, h_q)
+        check_options(softcap, window)
+        d, dtype = layout.d, layout.dtype
+        blocks = d // LANES
+        words = 2 * layout.heads * PAGE_SIZE * d  # elements of a page (keys and values of every KV head)
+        page_lines = words * layout.row_bytes // d // CACHE_LINE
+
+        def prefetch(pages, page, line):
+            """Ask for cache line ``line`` of page ``page`` (``llvm.prefetch``: read, keep in all cache levels)."""
+            return T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(pages[page, 0, 0, 0, line * (
+                words // page_lines)]), T.int32(0), T.int32(3), T.int32(1))
+
+        per_block = Q8_BLOCK // LANES if layout.quantized else blocks  # 8-lane loads per scale
+
+        def key_sum(qs, h, pages, pages8, page, hk, t):
+            """float32x8 whose lanes sum to key ``t``'s dot product with ``qs[h]``: the 8-lane products summed as a
+            tree per q8_0 block, each block's sum scaled once (float caches: one block, no scale)."""
+            at = lambda r, o: [page, 0, r, t, o]  # noqa: E731
+            parts = [tree_sum([qs.vload([h, blk * LANES], f"float32x{LANES}") * layout.raw(pages, pages8, at, hk,
+                                                                                           blk * LANES)
+                               for blk in range(b0, b0 + per_block)]) for b0 in range(0, blocks, per_block)]
+            if not layout.quantized:
+                return parts[0]
+            return tree_sum([part * T.broadcast(layout.scale(pages, at, hk, b * Q8_BLOCK), LANES)
+                             for b, part in enumerate(parts)])
+
+        def scores8(qs, h, pages, pages8, page, hk, t0):
+            """float32x8: the scores of keys ``t0 .. t0 + 7`` of a page of KV head ``hk`` against ``qs``: each key's
+            8-lane products summed as a tree, then the 8 keys' lanes summed by a transposing ``vhaddps`` tree."""
+            sums = [key_sum(qs, h, pages, pages8, page, hk, t0 + i) for i in range(LANES)]
+            pairs = [_hadd(sums[2 * i], sums[2 * i + 1]) for i in range(4)]
+            low, high = _hadd(pairs[0], pairs[1]), _hadd(pairs[2], pairs[3])
+            return (T.Shuffle([low, high], [0, 1, 2, 3, 8, 9, 10, 11])
+                    + T.Shuffle([low, high], [4, 5, 6, 7, 12, 13, 14, 15]))
+
+        def weighted_rows(s, h, pages, pages8, page, hk, t0, blk):
+            """float32x8: lanes ``blk * 8 ..`` of ``sum_t s[h, t] v[t]`` over value rows ``t0 .. t0 + 7`` (a q8_0
+            row's scale folded into its weight)."""
+            def weight(t):
+                if not layout.quantized:
+                    return s[h, t0 + t]
+                return s[h, t0 + t] * layout.scale(pages, lambda r, o: [page, 1, r, t0 + t, o], hk, blk * LANES)
+
+            return tree_sum([T.broadcast(weight(t), LANES) * layout.raw(
+                pages, pages8, lambda r, o: [page, 1, r, t0 + t, o], hk, blk * LANES) for t in range(LANES)])
+
+        @T.macro
+        def one_page(src, src8, page, p, first_key, valid, qs, acc, s, vec, h4, red, run):
+            """Page ``page`` of ``src`` (its first ``valid`` slots; the row's page ``p``): the scores of every query
+            head (its scaled q in 8 registers, the key rows from L1; capped, and masked outside the window), then the
+            online softmax of every head (independent chains that the CPU overlaps), then the values of every head."""
+            for h in range(h_q):
                 for half in T.unroll(PAGE_SIZE // LANES):
                     s[h, T.ramp(half * LANES, 1, LANES)] = T.Select(
                         T.ramp(half * LANES, 1, LANES) < T.broadcast(valid, LANES),
                         in_window(T.ramp(p * PAGE_SIZE + half * LANES, 1, LANES), first_key, window, LANES,
-                                  soft_capped(scores8(qs, h, pages, page, h // group, half * LANES), softcap, LANES)),
+                                  soft_capped(scores8(qs, h, src, src8, page, h // group, half * LANES), softcap,
+                                              LANES)),
                         T.broadcast(T.float32(NO_SCORE), LANES))
             for h in range(h_q):
                 fold_scores(s, vec, run, h, h, h4, red)
@@ -219,18 +222,99 @@ def decode_attention_kernel(h_kv: int, h_q: int, d: int, dtype: str = "float32",
                             acc[h, T.ramp(blk * LANES, 1, LANES)] = (
                                 acc[h, T.ramp(blk * LANES, 1, LANES)]
                                 * T.broadcast(T.Select(half == 0, run[2, h], T.float32(1)), LANES)
-                                + weighted_rows(s, h, pages, page, hk, half * LANES, blk))
+                                + weighted_rows(s, h, src, src8, page, hk, half * LANES, blk))
                 else:  # the sequence's last page, partly filled (the slots past it may hold anything)
                     for j in T.vectorized(d):
                         acc[h, j] = acc[h, j] * run[2, h]
                     for t in range(valid):
                         for j in T.vectorized(d):
-                            acc[h, j] = acc[h, j] + s[h, t] * T.Cast("float32", pages[page, 1, hk, t, j])
-        for h in range(h_q):
-            part_max[unit, h] = run[0, h]
-            part_sum[unit, h] = run[1, h]
+                            acc[h, j] = acc[h, j] + s[h, t] * layout.value(
+                                src, src8, lambda r, o: [page, 1, r, t, o], hk, j)
+
+        @T.macro
+        def chunk(unit, q, q_row, n, first_key, first, tail_from, tail_first, page_values, pages, pages8, tail,
+                  tail8, part_acc, part_max, part_sum, scale):
+            """Unit ``unit`` of row ``q_row``: the online softmax of every query head over its pages, page after
+            page (a page of every head is contiguous: the chunk streams from memory in order, and the next page is
+            prefetched while this one is read)."""
+            qs = T.alloc_buffer((h_q, d), "float32", scope="local")
+            acc = T.alloc_buffer((h_q, d), "float32", scope="local")
+            s = T.alloc_buffer((h_q, PAGE_SIZE), "float32", scope="local")
+            vec = T.alloc_buffer((h_q, LANES), "float32", scope="local")
+            h4 = T.alloc_buffer((4,), "float32", scope="local")
+            red = T.alloc_buffer((1,), "float32", scope="local")
+            run = T.alloc_buffer((3, h_q), "float32", scope="local")  # running max, running sum, last rescale
+            n_pages: T.let = (n + PAGE_SIZE - 1) // PAGE_SIZE
+            p_first: T.let = T.min(T.max(first_key, 0) // PAGE_SIZE, n_pages)
+            per: T.let = T.max((n_pages - p_first + SPLITS - 1) // SPLITS, MIN_PAGES)
+            p_begin: T.let = p_first + unit % SPLITS * per
+            p_end: T.let = T.min(p_begin + per, n_pages)
+            cached_end: T.let = T.min(p_end, tail_from)
+            for h in range(h_q):
+                run[0, h] = T.float32(NO_SCORE)
+                run[1, h] = T.float32(0)
+                for j in T.vectorized(d):
+                    qs[h, j] = T.Cast("float32", q[q_row, h, j]) * (scale * T.float32(LOG2E))
+                    acc[h, j] = T.float32(0)
+            for p in range(p_begin, p_end):
+                valid: T.let = T.min(PAGE_SIZE, n - p * PAGE_SIZE)
+                if p < tail_from:
+                    if p + 1 < cached_end:
+                        for line in range(page_lines):
+                            prefetch(pages, page_values[first + p + 1], line)
+                    one_page(pages, pages8, page_values[first + p], p, first_key, valid, qs, acc, s, vec, h4, red, run)
+                else:
+                    one_page(tail, tail8, tail_first + p - tail_from, p, first_key, valid, qs, acc, s, vec, h4, red,
+                             run)
+            for h in range(h_q):
+                part_max[unit, h] = run[0, h]
+                part_sum[unit, h] = run[1, h]
+                for j in T.vectorized(d):
+                    part_acc[unit, h, j] = acc[h, j]
+
+        @T.macro
+        def merge(unit0, out_row, h, part_acc, part_max, part_sum, output, lse):
+            """Query head ``h`` of a row from its ``SPLITS`` parts ``unit0 ..``: ``output[out_row, h]`` and
+            ``lse[out_row, h]`` (0 and ``EMPTY_LSE`` when the row sees no key)."""
+            total = T.alloc_buffer((d,), "float32", scope="local")
+            stats = T.alloc_buffer((2,), "float32", scope="local")  # max over the chunks, weighted sum
+            stats[0] = T.float32(NO_SCORE)
+            stats[1] = T.float32(0)
+            for sp in range(SPLITS):
+                stats[0] = T.max(stats[0], part_max[unit0 + sp, h])
             for j in T.vectorized(d):
-                part_acc[unit, h, j] = acc[h, j]
+                total[j] = T.float32(0)
+            for sp in range(SPLITS):
+                weight: T.let = fast_exp((part_max[unit0 + sp, h] - stats[0]) * T.float32(LN2))
+                stats[1] = stats[1] + weight * part_sum[unit0 + sp, h]
+                for j in T.vectorized(d):
+                    total[j] = total[j] + weight * part_acc[unit0 + sp, h, j]
+            if stats[0] > T.float32(NO_SCORE):  # some key seen (none: every score masked)
+                for j in T.vectorized(d):
+                    output[out_row, h, j] = T.Cast(dtype, total[j] / stats[1])
+                lse[out_row, h] = stats[0] + T.log2(stats[1])
+            else:
+                for j in T.vectorized(d):
+                    output[out_row, h, j] = T.Cast(dtype, T.float32(0))
+                lse[out_row, h] = T.float32(EMPTY_LSE)
+
+        self.chunk = chunk
+        self.merge = merge
+
+
+def decode_attention_kernel(h_kv: int, h_q: int, d: int, kv_dtype: str = "float32", softcap: float = 0.0,
+                            window: int = 0) -> tirx.PrimFunc:
+    """The decode attention kernel for ``h_q`` query heads over ``h_kv`` KV heads of size ``d`` (see the module
+    doc): TVM's ``batch_decode_paged_kv`` signature; pages ``[max_pages, 2, heads, 16, d]``, q and the output
+    with ``query_heads`` heads (the carried ones are not read, nor written), all of the cache's element type
+    (``kv_layout.KVLayout``: float32 or float16, widened to float32 as they are loaded, F16C's ``vcvtph2ps``; q8_0
+    blocks, their int8 values widened and scaled). ``sm_scale`` carries the scale, the window switch and the exact
+    mode (``attention_mode.py``; a decode step is exact whichever: the verify forward may reach this kernel);
+    ``softcap`` and ``window`` as the module doc says (0: none)."""
+    layout = KVLayout(kv_dtype, h_kv, d)
+    rows = RowAttention(layout, h_q, softcap, window)
+    heads, dtype, stored = layout.query_heads(h_q), layout.dtype, layout.heads
+    row_bytes = layout.row_bytes
 
     @T.prim_func(private=True)
     def batch_decode_paged_kv(
@@ -243,51 +327,39 @@ def decode_attention_kernel(h_kv: int, h_q: int, d: int, dtype: str = "float32",
         batch_size, nnz_pages, max_num_pages = T.int32(), T.int32(), T.int32()
         page_indptr_offset, page_values_offset, length_info_offset = T.int32(), T.int32(), T.int32()
         k_rope_offset, q_rope_offset = T.int32(), T.int32()
-        q = T.match_buffer(var_q, (batch_size, h_q, d), dtype)
-        pages = T.match_buffer(var_pages, (max_num_pages, 2, h_kv, PAGE_SIZE, d), dtype)
+        q = T.match_buffer(var_q, (batch_size, heads, d), dtype)
+        pages = T.match_buffer(var_pages, (max_num_pages, 2, stored, PAGE_SIZE, d), dtype)
         page_indptr = T.match_buffer(var_page_indptr, (batch_size + 1,), "int32", elem_offset=page_indptr_offset)
         page_values = T.match_buffer(var_page_values, (nnz_pages,), "int32", elem_offset=page_values_offset)
         length_info = T.match_buffer(var_length_info, (batch_size,), "int32", elem_offset=length_info_offset)
         k_rope_pos_offset = T.match_buffer(var_k_rope_pos_offset, (batch_size,), "int32", elem_offset=k_rope_offset)
         q_rope_position = T.match_buffer(var_q_rope_position, (batch_size,), "int32", elem_offset=q_rope_offset)
-        output = T.match_buffer(var_output, (batch_size, h_q, d), dtype)
-        lse = T.match_buffer(var_lse, (batch_size, h_q), "float32")
+        output = T.match_buffer(var_output, (batch_size, heads, d), dtype)
+        lse = T.match_buffer(var_lse, (batch_size, heads), "float32")
+        pages8 = T.decl_buffer((max_num_pages, 2, stored, PAGE_SIZE, row_bytes), "int8", data=pages.data)
         # Per unit (sequence, chunk) and query head: accumulator, running max, running sum.
         part_acc = T.alloc_buffer((batch_size * SPLITS, h_q, d), "float32")
         part_max = T.alloc_buffer((batch_size * SPLITS, h_q), "float32")
         part_sum = T.alloc_buffer((batch_size * SPLITS, h_q), "float32")
+        scale: T.let = attention_mode.scale(sm_scale)
         if nnz_pages <= SERIAL_PAGES:  # little work: no fork-join (which costs a time slice on a busy machine)
             for unit in range(batch_size * SPLITS):
-                chunk(unit, q, pages, page_indptr, page_values, length_info, part_acc, part_max, part_sum,
-                      sm_scale, q_rope_position, k_rope_pos_offset)
+                b: T.let = unit // SPLITS
+                n_pages: T.let = page_indptr[b + 1] - page_indptr[b]
+                rows.chunk(unit, q, b, T.Select(n_pages > 0, (n_pages - 1) * PAGE_SIZE + length_info[b], 0),
+                           first_visible(sm_scale, q_rope_position[b], k_rope_pos_offset[b], window),
+                           page_indptr[b], n_pages, 0, page_values, pages, pages8, pages, pages8, part_acc,
+                           part_max, part_sum, scale)
         else:
             for unit in T.parallel(batch_size * SPLITS):
-                chunk(unit, q, pages, page_indptr, page_values, length_info, part_acc, part_max, part_sum,
-                      sm_scale, q_rope_position, k_rope_pos_offset)
+                b: T.let = unit // SPLITS
+                n_pages: T.let = page_indptr[b + 1] - page_indptr[b]
+                rows.chunk(unit, q, b, T.Select(n_pages > 0, (n_pages - 1) * PAGE_SIZE + length_info[b], 0),
+                           first_visible(sm_scale, q_rope_position[b], k_rope_pos_offset[b], window),
+                           page_indptr[b], n_pages, 0, page_values, pages, pages8, pages, pages8, part_acc,
+                           part_max, part_sum, scale)
         for bh in range(batch_size * h_q):  # serial: a few microseconds, one fork-join less per layer
-            total = T.alloc_buffer((d,), "float32", scope="local")
-            stats = T.alloc_buffer((2,), "float32", scope="local")  # max over the chunks, weighted sum
-            b: T.let = bh // h_q
-            h: T.let = bh % h_q
-            stats[0] = T.float32(NO_SCORE)
-            stats[1] = T.float32(0)
-            for sp in range(SPLITS):
-                stats[0] = T.max(stats[0], part_max[b * SPLITS + sp, h])
-            for j in T.vectorized(d):
-                total[j] = T.float32(0)
-            for sp in range(SPLITS):
-                weight: T.let = fast_exp((part_max[b * SPLITS + sp, h] - stats[0]) * T.float32(LN2))
-                stats[1] = stats[1] + weight * part_sum[b * SPLITS + sp, h]
-                for j in T.vectorized(d):
-                    total[j] = total[j] + weight * part_acc[b * SPLITS + sp, h, j]
-            if stats[0] > T.float32(NO_SCORE):  # some key seen (none: every score masked)
-                for j in T.vectorized(d):
-                    output[b, bh % h_q, j] = T.Cast(dtype, total[j] / stats[1])
-                lse[b, bh % h_q] = stats[0] + T.log2(stats[1])
-            else:
-                for j in T.vectorized(d):
-                    output[b, bh % h_q, j] = T.Cast(dtype, T.float32(0))
-                lse[b, bh % h_q] = T.float32(EMPTY_LSE)
+            rows.merge(bh // h_q * SPLITS, bh // h_q, bh % h_q, part_acc, part_max, part_sum, output, lse)
 
     return batch_decode_paged_kv
 

@@ -240,6 +240,7 @@ def _build_into(source: _Source, model_hash: str, spec: TargetSpec, options: _Op
     features = build_features(target)
     llama = replace(LlamaSpec.from_model(model, weight_dtype, raw), int8_dot=has_int8_dot(features),
                     kv_dtype=kv_dtype, activation_bits=options.activation_bits, vnni=has_vnni(features))
+    llama.kv_layout()  # refused here, before the compile, when the model's heads cannot take the cache's type
     formats = ", ".join(f"{kind} {fmt}" for kind, fmt in llama.formats)
     progress(f"loaded in {time.perf_counter() - started:.1f}s: {model.config.n_layers} layers, hidden "
              f"{model.config.hidden}, vocab {model.config.vocab}; weights: {formats}"
@@ -310,9 +311,11 @@ def compile_model(
     ``progress`` receives one line of text per step (the CLI prints them to stderr). ``weight_dtype``: ``auto``
     (default: a GGUF's quantised matrices stay in their blocks, read by integer-dot kernels, so the logits match the
     float32 numpy reference within about 1e-2; float matrices float16), ``float16`` (logits within about 3e-2) or
-    ``float32`` (within 1e-4). ``kv_dtype``: the KV cache's element type, ``float32`` (default) or ``float16`` (as
-    llama.cpp's: half the bytes per token of context); q, k and v are rounded to it (``NumpyLlama(kv_dtype=...)`` rounds
-    the same values). ``activation_bits``: on AVX2 CPUs, the bits of the activation codes of the packed Q4_1 matmuls
+    ``float32`` (within 1e-4). ``kv_dtype``: the KV cache's element type, ``float32`` (default), ``float16`` (as
+    llama.cpp's: half the bytes per token of context) or ``q8_0`` (8-bit blocks of 32 values with a float16 scale, as
+    llama.cpp's ``-ctk q8_0 -ctv q8_0``: a third of float32's bytes with SmolLM2's heads; head sizes a multiple of
+    32); q, k and v are rounded to it (``NumpyLlama(kv_dtype=...)`` rounds the same values). ``activation_bits``:
+    on AVX2 CPUs, the bits of the activation codes of the packed Q4_1 matmuls
     (``packed_matvec``): 16 (default: logits within about 1e-3 of the float reference) or 8 (GGML's Q8_1, as
     llama.cpp: about 1.5x faster prefill, logits about 1.5 away on SmolLM2; ``NumpyLlama(int8_activations=True)``
     rounds the same activations). ``cache=False`` builds into a fresh temporary directory.

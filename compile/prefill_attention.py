@@ -20,11 +20,11 @@ Operation, for each query token ``i`` of sequence ``b`` (position ``r = i - q_in
     lse[i, h] = max s + log2(sum_c 2^(s[c] - max s))          # base 2, as the cache's merge expects
 
 (out = 0 and lse = -5e4 when ``n <= 0``.) ``softcap`` and ``window`` (Gemma 2/3; 0: none) as in
-``decode_attention.py``: the scores capped, and in a layer that passes a negative ``sm_scale`` each query sees only
-the keys less than ``window`` positions behind it (by ``q_rope_position`` and ``k_rope_pos_offset``). The keys are
-``k[kv_indptr[b] + c]`` (ragged) or the sequence's pages (paged: ``kv_len_b = (pages - 1) * 16 +
-length_info[b]``). RoPE has already been applied to q and k (the cache uses ``RopeMode.NORMAL``), so the rotary
-arguments are unused; pages hold 16 tokens.
+``decode_attention.py``: the scores capped, and in a layer whose ``sm_scale`` marks it windowed
+(``attention_mode.py``) each query sees only the keys less than ``window`` positions behind it (by
+``q_rope_position`` and ``k_rope_pos_offset``). The keys are ``k[kv_indptr[b] + c]`` (ragged) or the sequence's
+pages (paged: ``kv_len_b = (pages - 1) * 16 + length_info[b]``). RoPE has already been applied to q and k (the
+cache uses ``RopeMode.NORMAL``), so the rotary arguments are unused; pages hold 16 tokens.
 """
 
 from __future__ import annotations
@@ -32,18 +32,25 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
+from . import attention_mode
 from .decode_attention import (
     EMPTY_LSE,
     LANES,
     LOG2E,
     NO_SCORE,
     PAGE_SIZE,
+    SERIAL_PAGES,
+    SPLITS,
+    RowAttention,
+    check_heads,
+    check_options,
     first_visible,
     fold_scores,
     in_window,
     reduce_lanes,
     soft_capped,
 )
+from .kv_layout import KVLayout
 
 #: Query tokens per unit of work (times the query heads of a KV head: the rows sharing each key tile).
 QUERY_BLOCK = 8
@@ -52,11 +59,11 @@ TILE = PAGE_SIZE
 
 
 @T.macro
-def _attend_block(q, i0, rows_q, hk, group, d, limit, n_max, key, value, output, lse, sm_scale, dtype, first_key,
+def _attend_block(q, i0, rows_q, hk, group, d, limit, n_max, key, value, output, lse, scale, dtype, first_key,
                   window, softcap):
     """Rows (query token i0 + tq, head hk * group + g) for tq < rows_q, each seeing keys c < limit[tq] (and, with a
-    ``window``, c >= first_key[tq]), against keys key(c, j) and values value(c, j) for c < n_max, the scores capped by
-    ``softcap``; writes output and lse of those rows."""
+    ``window``, c >= first_key[tq]), against keys key(c, j) and values value(c, j) (float32) for c < n_max, the
+    scores scaled by ``scale`` and capped by ``softcap``; writes output and lse of those rows."""
     qs = T.alloc_buffer((QUERY_BLOCK * group, d), "float32")
     acc = T.alloc_buffer((QUERY_BLOCK * group, d), "float32")
     s = T.alloc_buffer((QUERY_BLOCK * group, TILE), "float32")
@@ -70,7 +77,7 @@ def _attend_block(q, i0, rows_q, hk, group, d, limit, n_max, key, value, output,
         run[1, r] = T.float32(0)
         for j in T.vectorized(d):
             qs[r, j] = T.Cast("float32", q[i0 + r // group, hk * group + r % group, j]) * (
-                T.fabs(sm_scale) * T.float32(LOG2E))
+                scale * T.float32(LOG2E))
             acc[r, j] = T.float32(0)
     for tile in range((n_max + TILE - 1) // TILE):
         c0: T.let = tile * TILE
@@ -79,7 +86,7 @@ def _attend_block(q, i0, rows_q, hk, group, d, limit, n_max, key, value, output,
         for t in range(in_tile):
             for r in range(rows_q * group):
                 for lane in T.vectorized(LANES):
-                    vec[r, lane] = qs[r, lane] * T.Cast("float32", key(c0 + t, lane))
+                    vec[r, lane] = qs[r, lane] * key(c0 + t, lane)
                 for blk in range(1, d // LANES):
                     for lane in T.vectorized(LANES):
                         vec[r, lane] = vec[r, lane] + qs[r, blk * LANES + lane] * T.Cast(
@@ -99,7 +106,7 @@ def _attend_block(q, i0, rows_q, hk, group, d, limit, n_max, key, value, output,
                 acc_row[j] = acc[r, j] * run[2, r]
             for t in range(in_tile):
                 for j in T.vectorized(d):
-                    acc_row[j] = acc_row[j] + s[r, t] * T.Cast("float32", value(c0 + t, j))
+                    acc_row[j] = acc_row[j] + s[r, t] * value(c0 + t, j)
             for j in T.vectorized(d):
                 acc[r, j] = acc_row[j]
     for r in range(rows_q * group):
@@ -113,18 +120,15 @@ def _attend_block(q, i0, rows_q, hk, group, d, limit, n_max, key, value, output,
             lse[i0 + r // group, hk * group + r % group] = T.float32(EMPTY_LSE)
 
 
-def _check(h_kv: int, h_q: int, d: int) -> int:
-    if d % LANES:
-        raise ValueError(f"head size {d} is not a multiple of {LANES}")
-    if h_kv < 1 or h_q % h_kv:
-        raise ValueError(f"query heads {h_q} are not a multiple of KV heads {h_kv}")
-    return h_q // h_kv
-
-
-def ragged_prefill_kernel(h_kv: int, h_q: int, d: int, dtype: str = "float32", softcap: float = 0.0,
+def ragged_prefill_kernel(h_kv: int, h_q: int, d: int, kv_dtype: str = "float32", softcap: float = 0.0,
                           window: int = 0) -> tirx.PrimFunc:
-    """New tokens against themselves: the ``tir_attention_prefill_ragged_cpu`` slot of the KV cache."""
-    group = _check(h_kv, h_q, d)
+    """New tokens against themselves: the ``tir_attention_prefill_ragged_cpu`` slot of the KV cache. In the
+    exact mode (``attention_mode.exact``: the verify forward) every row's output is 0 and its lse ``EMPTY_LSE``:
+    the paged kernel computes the rows whole (the cache's merge then passes its result through unchanged)."""
+    layout = KVLayout(kv_dtype, h_kv, d)
+    group = check_heads(layout, h_q)
+    check_options(softcap, window)
+    heads, dtype, stored, row_bytes = layout.query_heads(h_q), layout.dtype, layout.heads, layout.row_bytes
 
     @T.prim_func(private=True)
     def attention_prefill_ragged(
@@ -135,45 +139,137 @@ def ragged_prefill_kernel(h_kv: int, h_q: int, d: int, dtype: str = "float32", s
         T.func_attr({"tirx.noalias": True})
         batch_size, qo_len, kv_len = T.int32(), T.int32(), T.int32()
         q_indptr_offset, kv_indptr_offset, q_rope_offset, k_rope_offset = T.int32(), T.int32(), T.int32(), T.int32()
-        q = T.match_buffer(var_q, (qo_len, h_q, d), dtype)
+        q = T.match_buffer(var_q, (qo_len, heads, d), dtype)
         q_indptr = T.match_buffer(var_q_indptr, (batch_size + 1,), "int32", elem_offset=q_indptr_offset)
-        k = T.match_buffer(var_k, (kv_len, h_kv, d), dtype)
-        v = T.match_buffer(var_v, (kv_len, h_kv, d), dtype)
+        k = T.match_buffer(var_k, (kv_len, stored, d), dtype)
+        v = T.match_buffer(var_v, (kv_len, stored, d), dtype)
         kv_indptr = T.match_buffer(var_kv_indptr, (batch_size + 1,), "int32", elem_offset=kv_indptr_offset)
         q_rope_position = T.match_buffer(var_q_rope_position, (qo_len,), "int32", elem_offset=q_rope_offset)
         k_rope_pos_offset = T.match_buffer(var_k_rope_pos_offset, (batch_size,), "int32", elem_offset=k_rope_offset)
-        output = T.match_buffer(var_output, (qo_len, h_q, d), dtype)
-        lse = T.match_buffer(var_lse, (qo_len, h_q), "float32")
+        output = T.match_buffer(var_output, (qo_len, heads, d), dtype)
+        lse = T.match_buffer(var_lse, (qo_len, heads), "float32")
+        v8 = T.decl_buffer((kv_len, stored, row_bytes), "int8", data=v.data)
+        k8 = T.decl_buffer((kv_len, stored, row_bytes), "int8", data=k.data)
         blocks: T.let = (qo_len + QUERY_BLOCK - 1) // QUERY_BLOCK  # at most, per sequence
-        for unit in T.parallel(batch_size * blocks * h_kv):
-            limit = T.alloc_buffer((QUERY_BLOCK,), "int32", scope="local")
-            first_key = T.alloc_buffer((QUERY_BLOCK,), "int32", scope="local")
-            b: T.let = unit // (blocks * h_kv)
-            zig: T.let = unit // h_kv % blocks
-            blk: T.let = T.Select(zig % 2 == 0, zig // 2, blocks - 1 - zig // 2)
-            hk: T.let = unit % h_kv
-            qo: T.let = q_indptr[b + 1] - q_indptr[b]
-            kv_b: T.let = kv_indptr[b + 1] - kv_indptr[b]
-            kv0: T.let = kv_indptr[b]
-            if blk * QUERY_BLOCK < qo:
-                rows_q: T.let = T.min(QUERY_BLOCK, qo - blk * QUERY_BLOCK)
-                for tq in range(QUERY_BLOCK):
-                    limit[tq] = T.Select(causal > 0, T.min(kv_b - qo + blk * QUERY_BLOCK + tq + 1, kv_b), kv_b)
-                for tq in range(rows_q):
-                    first_key[tq] = first_visible(sm_scale, q_rope_position[q_indptr[b] + blk * QUERY_BLOCK + tq],
-                                              k_rope_pos_offset[b], window)
-                n_max: T.let = T.Select(causal > 0, T.min(kv_b - qo + blk * QUERY_BLOCK + rows_q, kv_b), kv_b)
-                _attend_block(q, q_indptr[b] + blk * QUERY_BLOCK, rows_q, hk, group, d, limit, n_max,
-                              lambda c, x: k[kv0 + c, hk, x], lambda c, x: v[kv0 + c, hk, x], output, lse,
-                              sm_scale, dtype, first_key, window, softcap)
+        if attention_mode.exact(sm_scale):
+            for i, h in T.grid(qo_len, heads):
+                for j in T.vectorized(d):
+                    output[i, h, j] = T.Cast(dtype, T.float32(0))
+                lse[i, h] = T.float32(EMPTY_LSE)
+        else:
+            for unit in T.parallel(batch_size * blocks * h_kv):
+                limit = T.alloc_buffer((QUERY_BLOCK,), "int32", scope="local")
+                first_key = T.alloc_buffer((QUERY_BLOCK,), "int32", scope="local")
+                b: T.let = unit // (blocks * h_kv)
+                zig: T.let = unit // h_kv % blocks
+                blk: T.let = T.Select(zig % 2 == 0, zig // 2, blocks - 1 - zig // 2)
+                hk: T.let = unit % h_kv
+                qo: T.let = q_indptr[b + 1] - q_indptr[b]
+                kv_b: T.let = kv_indptr[b + 1] - kv_indptr[b]
+                kv0: T.let = kv_indptr[b]
+                if blk * QUERY_BLOCK < qo:
+                    rows_q: T.let = T.min(QUERY_BLOCK, qo - blk * QUERY_BLOCK)
+                    for tq in range(QUERY_BLOCK):
+                        limit[tq] = T.Select(causal > 0, T.min(kv_b - qo + blk * QUERY_BLOCK + tq + 1, kv_b), kv_b)
+                    for tq in range(rows_q):
+                        first_key[tq] = first_visible(
+                            sm_scale, q_rope_position[q_indptr[b] + blk * QUERY_BLOCK + tq], k_rope_pos_offset[b],
+                            window)
+                    n_max: T.let = T.Select(causal > 0, T.min(kv_b - qo + blk * QUERY_BLOCK + rows_q, kv_b), kv_b)
+                    _attend_block(q, q_indptr[b] + blk * QUERY_BLOCK, rows_q, hk, group, d, limit, n_max,
+                                  lambda c, x: layout.value(k, k8, lambda r, o: [kv0 + c, r, o], hk, x),
+                                  lambda c, x: layout.value(v, v8, lambda r, o: [kv0 + c, r, o], hk, x),
+                                  output, lse, attention_mode.scale(sm_scale), dtype, first_key, window, softcap)
 
     return attention_prefill_ragged
 
 
-def paged_prefill_kernel(h_kv: int, h_q: int, d: int, dtype: str = "float32", softcap: float = 0.0,
+def paged_prefill_kernel(h_kv: int, h_q: int, d: int, kv_dtype: str = "float32", softcap: float = 0.0,
                          window: int = 0) -> tirx.PrimFunc:
-    """New tokens against the cached ones in the pages: the ``tir_attention_prefill_cpu`` slot of the KV cache."""
-    group = _check(h_kv, h_q, d)
+    """New tokens against the cached ones in the pages: the ``tir_attention_prefill_cpu`` slot of the KV cache.
+
+    In the exact mode (``attention_mode.exact``: the verify forward, windowed layers too) each row is computed by
+    the decode kernel's algorithm (``RowAttention``), so that a verified token's output is bit for bit the one a
+    decode step gives it. Where the pages are the row's sequence's last block (it ends at the row's first new
+    token: ``k_rope_pos_offset[b] + kv_b == q_rope_position[q_indptr[b]]``), the row also sees its sequence's new
+    tokens up to itself, read from the carried heads of ``q`` (``KVLayout.query_heads``) and laid out in pages as a
+    decode step finds them (the cache appends them after the attention); the ragged kernel's part is then empty.
+    Otherwise (a block its sequence shares with others, or none) every row sees the block's keys."""
+    layout = KVLayout(kv_dtype, h_kv, d)
+    group = check_heads(layout, h_q)
+    heads, dtype, stored, row_bytes = layout.query_heads(h_q), layout.dtype, layout.heads, layout.row_bytes
+    rows = RowAttention(layout, h_q, softcap, window)
+
+    @T.macro
+    def entry(b, q_indptr, page_indptr, length_info, k_rope_pos_offset, q_rope_position, info):
+        """``info`` of entry ``b``: its first page, its keys in the pages, whether they are its sequence's last
+        block, the page index from which its tail holds them (its page count when not the last block) and the
+        first page of its tail in the tail buffer."""
+        n_pages: T.let = page_indptr[b + 1] - page_indptr[b]
+        kv_b: T.let = T.Select(n_pages > 0, (n_pages - 1) * PAGE_SIZE + length_info[b], 0)
+        info[0] = page_indptr[b]
+        info[1] = kv_b
+        info[2] = 0
+        info[3] = n_pages
+        info[4] = q_indptr[b] // PAGE_SIZE + 2 * b  # at most qo // 16 + 2 pages each: the tails do not overlap
+        if q_indptr[b + 1] > q_indptr[b] and kv_b > 0:
+            if k_rope_pos_offset[b] + kv_b == q_rope_position[q_indptr[b]]:
+                info[2] = 1
+                info[3] = kv_b // PAGE_SIZE
+
+    @T.macro
+    def row_unit(unit, row_entry, q, q_indptr, pages, pages8, page_indptr, page_values, length_info,
+                 k_rope_pos_offset, q_rope_position, tail, tail8, part_acc, part_max, part_sum, sm_scale):
+        info = T.alloc_buffer((5,), "int32", scope="local")
+        i: T.let = unit // SPLITS
+        b: T.let = row_entry[i]
+        entry(b, q_indptr, page_indptr, length_info, k_rope_pos_offset, q_rope_position, info)
+        rows.chunk(unit, q, i, info[1] + info[2] * (i - q_indptr[b] + 1),
+                   first_visible(sm_scale, q_rope_position[i], k_rope_pos_offset[b], window), info[0], info[3],
+                   info[4], page_values, pages, pages8, tail, tail8, part_acc, part_max, part_sum,
+                   attention_mode.scale(sm_scale))
+
+    @T.macro
+    def exact(q, q8, q_indptr, pages, pages8, page_indptr, page_values, length_info, k_rope_pos_offset,
+              q_rope_position, output, lse, sm_scale, batch_size, total_len, nnz_pages):
+        row_entry = T.alloc_buffer((total_len,), "int32")
+        tail = T.alloc_buffer((total_len // PAGE_SIZE + 2 * batch_size, 2, stored, PAGE_SIZE, d), dtype)
+        tail8 = T.decl_buffer((total_len // PAGE_SIZE + 2 * batch_size, 2, stored, PAGE_SIZE, row_bytes), "int8",
+                              data=tail.data)
+        part_acc = T.alloc_buffer((total_len * SPLITS, h_q, d), "float32")
+        part_max = T.alloc_buffer((total_len * SPLITS, h_q), "float32")
+        part_sum = T.alloc_buffer((total_len * SPLITS, h_q), "float32")
+        for b in range(batch_size):  # each row's entry; each last block's tail: its last page's keys, new tokens
+            info = T.alloc_buffer((5,), "int32", scope="local")
+            entry(b, q_indptr, page_indptr, length_info, k_rope_pos_offset, q_rope_position, info)
+            row0: T.let = q_indptr[b]
+            qo: T.let = q_indptr[b + 1] - row0
+            for i in range(qo):
+                row_entry[row0 + i] = b
+            if info[2] == 1:
+                for tp in range((info[1] % PAGE_SIZE + qo + PAGE_SIZE - 1) // PAGE_SIZE):
+                    for t in range(PAGE_SIZE):
+                        pos: T.let = (info[3] + tp) * PAGE_SIZE + t
+                        if pos < info[1]:  # bytes: q8_0 rows are no floats
+                            for kv, r in T.grid(2, stored):
+                                for j in T.vectorized(row_bytes):
+                                    tail8[info[4] + tp, kv, r, t, j] = pages8[
+                                        page_values[info[0] + info[3]], kv, r, t, j]
+                        elif pos < info[1] + qo:
+                            for kv, r in T.grid(2, stored):
+                                for j in T.vectorized(row_bytes):
+                                    tail8[info[4] + tp, kv, r, t, j] = q8[
+                                        row0 + pos - info[1], h_q + kv * stored + r, j]
+        if total_len * (nnz_pages + 1) <= SERIAL_PAGES:  # little work: no fork-join
+            for unit in range(total_len * SPLITS):
+                row_unit(unit, row_entry, q, q_indptr, pages, pages8, page_indptr, page_values, length_info,
+                         k_rope_pos_offset, q_rope_position, tail, tail8, part_acc, part_max, part_sum, sm_scale)
+        else:
+            for unit in T.parallel(total_len * SPLITS):
+                row_unit(unit, row_entry, q, q_indptr, pages, pages8, page_indptr, page_values, length_info,
+                         k_rope_pos_offset, q_rope_position, tail, tail8, part_acc, part_max, part_sum, sm_scale)
+        for ih in range(total_len * h_q):
+            rows.merge(ih // h_q * SPLITS, ih // h_q, ih % h_q, part_acc, part_max, part_sum, output, lse)
 
     @T.prim_func(private=True)
     def attention_prefill_paged(
@@ -186,40 +282,49 @@ def paged_prefill_kernel(h_kv: int, h_q: int, d: int, dtype: str = "float32", so
         batch_size, total_len, nnz_pages, max_num_pages = T.int32(), T.int32(), T.int32(), T.int32()
         q_indptr_offset, page_indptr_offset, page_values_offset = T.int32(), T.int32(), T.int32()
         k_rope_offset, q_rope_offset, length_info_offset = T.int32(), T.int32(), T.int32()
-        q = T.match_buffer(var_q, (total_len, h_q, d), dtype)
+        q = T.match_buffer(var_q, (total_len, heads, d), dtype)
         q_indptr = T.match_buffer(var_q_indptr, (batch_size + 1,), "int32", elem_offset=q_indptr_offset)
-        pages = T.match_buffer(var_pages, (max_num_pages, 2, h_kv, PAGE_SIZE, d), dtype)
+        pages = T.match_buffer(var_pages, (max_num_pages, 2, stored, PAGE_SIZE, d), dtype)
         page_indptr = T.match_buffer(var_page_indptr, (batch_size + 1,), "int32", elem_offset=page_indptr_offset)
         page_values = T.match_buffer(var_page_values, (nnz_pages,), "int32", elem_offset=page_values_offset)
         length_info = T.match_buffer(var_length_info, (batch_size,), "int32", elem_offset=length_info_offset)
         k_rope_pos_offset = T.match_buffer(var_k_rope_pos_offset, (batch_size,), "int32", elem_offset=k_rope_offset)
         q_rope_position = T.match_buffer(var_q_rope_position, (total_len,), "int32", elem_offset=q_rope_offset)
-        output = T.match_buffer(var_output, (total_len, h_q, d), dtype)
-        lse = T.match_buffer(var_lse, (total_len, h_q), "float32")
+        output = T.match_buffer(var_output, (total_len, heads, d), dtype)
+        lse = T.match_buffer(var_lse, (total_len, heads), "float32")
+        pages8 = T.decl_buffer((max_num_pages, 2, stored, PAGE_SIZE, row_bytes), "int8", data=pages.data)
+        q8 = T.decl_buffer((total_len, heads, row_bytes), "int8", data=q.data)
         blocks: T.let = (total_len + QUERY_BLOCK - 1) // QUERY_BLOCK  # at most, per sequence
-        for unit in T.parallel(batch_size * blocks * h_kv):
-            limit = T.alloc_buffer((QUERY_BLOCK,), "int32", scope="local")
-            first_key = T.alloc_buffer((QUERY_BLOCK,), "int32", scope="local")
-            b: T.let = unit // (blocks * h_kv)
-            zig: T.let = unit // h_kv % blocks
-            blk: T.let = T.Select(zig % 2 == 0, zig // 2, blocks - 1 - zig // 2)
-            hk: T.let = unit % h_kv
-            qo: T.let = q_indptr[b + 1] - q_indptr[b]
-            first: T.let = page_indptr[b]
-            n_pages: T.let = page_indptr[b + 1] - first
-            kv_b: T.let = T.Select(n_pages > 0, (n_pages - 1) * PAGE_SIZE + length_info[b], 0)
-            if blk * QUERY_BLOCK < qo:
-                rows_q: T.let = T.min(QUERY_BLOCK, qo - blk * QUERY_BLOCK)
-                for tq in range(QUERY_BLOCK):
-                    limit[tq] = T.Select(causal > 0, T.min(kv_b - qo + blk * QUERY_BLOCK + tq + 1, kv_b), kv_b)
-                for tq in range(rows_q):
-                    first_key[tq] = first_visible(sm_scale, q_rope_position[q_indptr[b] + blk * QUERY_BLOCK + tq],
-                                              k_rope_pos_offset[b], window)
-                n_max: T.let = T.Select(causal > 0, T.min(kv_b - qo + blk * QUERY_BLOCK + rows_q, kv_b), kv_b)
-                _attend_block(q, q_indptr[b] + blk * QUERY_BLOCK, rows_q, hk, group, d, limit, n_max,
-                              lambda c, x: pages[page_values[first + c // PAGE_SIZE], 0, hk, c % PAGE_SIZE, x],
-                              lambda c, x: pages[page_values[first + c // PAGE_SIZE], 1, hk, c % PAGE_SIZE, x],
-                              output, lse, sm_scale, dtype, first_key, window, softcap)
+        if attention_mode.exact(sm_scale):
+            exact(q, q8, q_indptr, pages, pages8, page_indptr, page_values, length_info, k_rope_pos_offset,
+                  q_rope_position, output, lse, sm_scale, batch_size, total_len, nnz_pages)
+        else:
+            for unit in T.parallel(batch_size * blocks * h_kv):
+                limit = T.alloc_buffer((QUERY_BLOCK,), "int32", scope="local")
+                first_key = T.alloc_buffer((QUERY_BLOCK,), "int32", scope="local")
+                b: T.let = unit // (blocks * h_kv)
+                zig: T.let = unit // h_kv % blocks
+                blk: T.let = T.Select(zig % 2 == 0, zig // 2, blocks - 1 - zig // 2)
+                hk: T.let = unit % h_kv
+                qo: T.let = q_indptr[b + 1] - q_indptr[b]
+                first: T.let = page_indptr[b]
+                n_pages: T.let = page_indptr[b + 1] - first
+                kv_b: T.let = T.Select(n_pages > 0, (n_pages - 1) * PAGE_SIZE + length_info[b], 0)
+                if blk * QUERY_BLOCK < qo:
+                    rows_q: T.let = T.min(QUERY_BLOCK, qo - blk * QUERY_BLOCK)
+                    for tq in range(QUERY_BLOCK):
+                        limit[tq] = T.Select(causal > 0, T.min(kv_b - qo + blk * QUERY_BLOCK + tq + 1, kv_b), kv_b)
+                    for tq in range(rows_q):
+                        first_key[tq] = first_visible(
+                            sm_scale, q_rope_position[q_indptr[b] + blk * QUERY_BLOCK + tq], k_rope_pos_offset[b],
+                            window)
+                    n_max: T.let = T.Select(causal > 0, T.min(kv_b - qo + blk * QUERY_BLOCK + rows_q, kv_b), kv_b)
+                    _attend_block(q, q_indptr[b] + blk * QUERY_BLOCK, rows_q, hk, group, d, limit, n_max,
+                                  lambda c, x: layout.value(pages, pages8, lambda r, o: [
+                                      page_values[first + c // PAGE_SIZE], 0, r, c % PAGE_SIZE, o], hk, x),
+                                  lambda c, x: layout.value(pages, pages8, lambda r, o: [
+                                      page_values[first + c // PAGE_SIZE], 1, r, c % PAGE_SIZE, o], hk, x),
+                                  output, lse, attention_mode.scale(sm_scale), dtype, first_key, window, softcap)
 
     return attention_prefill_paged
 

@@ -26,7 +26,8 @@ Gemma (the spec's ``sandwich_norms``, ``activation``, ``embed_scale``, ``sm_scal
 ``local_rope_inv_freq``): the embedding times ``sqrt(hidden)``; each block's attention and MLP outputs normed again
 before the add; ``gelu_tanh(g) * u``; the attention scale ``query_pre_attn_scalar ** -0.5``, its scores soft-capped
 and a sliding layer's window applied in the attention kernels (``decode_attention.py``: the layer passes its scale
-negated); Gemma 3's layers rotate q and k themselves, each by its own frequencies; the logits soft-capped.
+negated, ``attention_mode.py``); Gemma 3's layers rotate q and k themselves, each by its own frequencies; the
+logits soft-capped.
 
 Layout: the loaders give q/k rows in Hugging Face's half-rotation order (``model_family``), the order the KV
 cache's RoPE rotates; ``llama_weights.relax_weights`` (the weight loader, a module of its own) fuses q, k, v into
@@ -37,7 +38,8 @@ Matmuls and the embedding lookup are the TIR kernels of ``linear_kernels.py``, o
 ``quant_formats`` types) read by integer-dot kernels (``weight_dtype="auto"`` keeps a GGUF's quantised tensors as
 blocks, formats per layer where the layers differ, and stores float tensors as float16). Norms, activations, the KV
 cache and the accumulation are float32. The KV cache holds ``LlamaSpec.kv_dtype`` (float32 by default; float16, as
-llama.cpp's, on request): q, k and v are rounded to it before RoPE, and the attention's output comes back in it.
+llama.cpp's, or q8_0 blocks, on request): q, k and v are rounded to its element type (float16 for q8_0) before RoPE,
+k and v quantised after it for q8_0, and the attention's output comes back in that type.
 """
 
 # fmt: off
@@ -54,10 +56,13 @@ from tvm import tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn.llm.kv_cache import PagedKVCache, RopeMode, TIRPagedKVCache
 
+from . import attention_mode
 from .attention_kernels import replace_attention_kernels, rope_kernel
 from .families import family_named
 from .gguf_model import GGUFModel
 from .gguf_tensors import RawTensors
+from .kv_layout import KV_DTYPES as KV_LAYOUT_DTYPES
+from .kv_layout import KVLayout
 from .linear_kernels import embed_kernel, integer_linear_kernel, linear_kernel, param_shapes, swiglu_kernel
 from .model_family import Activation, NormPlacement
 from .packed_matvec import (
@@ -83,9 +88,10 @@ WEIGHT_KINDS: dict[str, tuple[str, ...]] = {
     "down": ("blk.{i}.ffn_down.weight",),
     "lm_head": ("output.weight",),
 }
-#: Element types of the KV cache: float32 (the default: SmolLM2's logits within 1e-3 of the reference) or float16
-#: (llama.cpp's default: half the bytes a decode step reads at long context; logits about 4e-2 away on SmolLM2).
-KV_DTYPES = ("float16", "float32")
+#: Element types of the KV cache: float32 (the default: SmolLM2's logits within 1e-3 of the reference), float16
+#: (llama.cpp's default: half the bytes a decode step reads at long context; logits about 4e-2 away on SmolLM2) or
+#: q8_0 (8-bit blocks with float16 scales, as llama.cpp's ``-ctk q8_0 -ctv q8_0``: ``kv_layout.py``).
+KV_DTYPES = KV_LAYOUT_DTYPES
 DEFAULT_KV_DTYPE = "float32"
 #: GGML types kept as their blocks, and the weight format each becomes (``quant_formats.LAYOUTS``: the packed
 #: integer-dot kernels of ``quant_matvec``)
@@ -146,6 +152,10 @@ class LlamaSpec:
     #: the inverse frequencies of the ``window_layers``' own RoPE (Gemma 3's local base); set, every layer rotates q
     #: and k itself (``attention_kernels.rope_kernel(in_model=True)``) and the cache's RoPE only copies
     local_rope_inv_freq: tuple[float, ...] = ()
+
+    def kv_layout(self) -> KVLayout:
+        """What the KV cache stores per token (``kv_layout.KVLayout``)."""
+        return KVLayout(self.kv_dtype, self.n_kv_heads, self.head_dim)
 
     def packed(self, kind: str, layer: int | None = None, fmt: str | None = None) -> bool:
         """Whether weight kind ``kind`` (of ``layer``; stored in ``fmt``, by default its format) is stored
@@ -386,19 +396,23 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_eps) if spec.qk_norm else None
 
     def forward(self, x: nn.Tensor, kv_cache: PagedKVCache, layer: int, b: Any, t: Any, mode: str,
-                positions: nn.Tensor | None = None) -> nn.Tensor:
+                positions: nn.Tensor | None = None, exact: bool = False) -> nn.Tensor:
         """``x[b t, hidden]`` (the tokens of ``b`` sequences of ``t`` each, flat) -> ``[b t, hidden]``;
-        ``positions``: the tokens' positions when the model applies RoPE itself (``spec.local_rope_inv_freq``)."""
+        ``positions``: the tokens' positions when the model applies RoPE itself (``spec.local_rope_inv_freq``).
+        ``exact`` (the verify forward): each token's attention is computed as a decode step computes it (the
+        kernels' exact mode, asked for through ``sm_scale``: ``attention_mode.py``,
+        ``prefill_attention.paged_prefill_kernel``)."""
         s = self.spec
+        layout = s.kv_layout()
         # The cache takes q, k, v in its own type (TVM checks qkv's against its pages') and returns that type.
         heads = s.n_heads + 2 * s.n_kv_heads
         if self.q_norm is not None and self.k_norm is not None:  # QK-norm in float32, then the cache's type
             q, k, v = nn.op.split(self.qkv(x, mode).reshape(x.shape[0], heads, s.head_dim),
                                   [s.n_heads, s.n_heads + s.n_kv_heads], axis=1)
             qkv = nn.op.concat([self.q_norm(q), self.k_norm(k), v], dim=1)
-            qkv = qkv if s.kv_dtype == "float32" else qkv.astype(s.kv_dtype)
+            qkv = qkv if layout.dtype == "float32" else qkv.astype(layout.dtype)
         else:
-            qkv = self.qkv(x, mode, s.kv_dtype).reshape(x.shape[0], heads, s.head_dim)
+            qkv = self.qkv(x, mode, layout.dtype).reshape(x.shape[0], heads, s.head_dim)
         if positions is not None:  # this layer's RoPE (the sliding layers' own frequencies, or the model's)
             local = layer in s.window_layers
             inv_freq = s.local_rope_inv_freq if local else s.inverse_frequencies()
@@ -407,14 +421,19 @@ class Attention(nn.Module):
             q, k, v = nn.op.tensor_ir_op(
                 rope_kernel(s.n_kv_heads, s.n_heads, s.head_dim, inv_freq, s.kv_dtype, factor, in_model=True),
                 f"rope_{'local' if local else 'global'}", args=[qkv, positions],
-                out=[nn.Tensor.placeholder([n, h, s.head_dim], s.kv_dtype)
+                out=[nn.Tensor.placeholder([n, h, s.head_dim], layout.dtype)
                      for h in (s.n_heads, s.n_kv_heads, s.n_kv_heads)])
             qkv = nn.op.concat([q, k, v], dim=1)
-        qkv = qkv.reshape(b, t, heads, s.head_dim)
-        # a sliding-window layer passes its scale negated: the kernels' window switch (``decode_attention.py``)
-        scale = s.sm_scale or 1.0 / math.sqrt(s.head_dim)
-        out = kv_cache.attention_with_fused_qkv(layer, qkv, s.n_heads,
-                                                sm_scale=-scale if layer in s.window_layers else scale)
+        # The cache's query heads carry each token's stored k and v too (``KVLayout.query_heads``), and it stores
+        # ``layout.heads`` rows per token: qkv gets heads of padding up to their count.
+        query_heads = layout.query_heads(s.n_heads)
+        padding = nn.op.zeros([x.shape[0], query_heads + 2 * layout.heads - heads, s.head_dim], layout.dtype)
+        qkv = nn.op.concat([qkv, padding], dim=1).reshape(b, t, query_heads + 2 * layout.heads, s.head_dim)
+        # the scale carries the kernels' window switch and exact mode (``attention_mode.py``)
+        sm_scale = attention_mode.encode(s.sm_scale or 1.0 / math.sqrt(s.head_dim), windowed=layer in s.window_layers,
+                                         exact=exact)
+        out = kv_cache.attention_with_fused_qkv(layer, qkv, query_heads, sm_scale=sm_scale)
+        out = nn.op.split(out.reshape(x.shape[0], query_heads, s.head_dim), [s.n_heads], axis=1)[0]
         return self.o(out.reshape(x.shape[0], s.n_heads * s.head_dim), mode)
 
 
@@ -458,9 +477,9 @@ class Block(nn.Module):
         self.post_ffn_norm = RMSNorm(spec.hidden, spec.rms_eps) if spec.sandwich_norms else None
 
     def forward(self, x: nn.Tensor, kv_cache: PagedKVCache, b: Any, t: Any, mode: str,
-                positions: nn.Tensor | None = None) -> nn.Tensor:
+                positions: nn.Tensor | None = None, exact: bool = False) -> nn.Tensor:
         """The residual stream ``x[b t, hidden]`` (flat: no reshapes between the kernels) after this layer."""
-        out = self.attn(self.attn_norm(x), kv_cache, self.layer, b, t, mode, positions)
+        out = self.attn(self.attn_norm(x), kv_cache, self.layer, b, t, mode, positions, exact)
         x = x + (out if self.post_attn_norm is None else self.post_attn_norm(out))
         out = self.mlp(self.ffn_norm(x), mode)
         return x + (out if self.post_ffn_norm is None else self.post_ffn_norm(out))
@@ -490,10 +509,11 @@ class LlamaModule(nn.Module):
         cap = self.spec.final_softcap
         return logits if not cap else nn.op.tanh(logits / cap) * cap
 
-    def _layers(self, x: nn.Tensor, kv_cache: PagedKVCache, b: Any, t: Any, mode: str) -> nn.Tensor:
+    def _layers(self, x: nn.Tensor, kv_cache: PagedKVCache, b: Any, t: Any, mode: str,
+                exact: bool = False) -> nn.Tensor:
         positions = kv_cache.get_query_positions(x.shape[0]) if self.spec.local_rope_inv_freq else None
         for block in self.layers:
-            x = block(x, kv_cache, b, t, mode, positions)
+            x = block(x, kv_cache, b, t, mode, positions, exact)
         return x
 
     # Batch invariance: prefill runs the layers' matmuls as the GEMM and decode as dot products whatever the token
@@ -507,9 +527,10 @@ class LlamaModule(nn.Module):
         return self._logits(nn.op.take(x, logit_positions, axis=0), "decode")
 
     def verify(self, input_ids: nn.Tensor, kv_cache: PagedKVCache) -> nn.Tensor:
-        """A prefill whose matmuls are decode's dot products, with the logits after every token: each token's rows
-        go through the kernels a decode step would use (speculative decoding checks drafts with it)."""
-        x = self._layers(self.embed(input_ids), kv_cache, 1, input_ids.shape[0], "decode")
+        """A prefill whose matmuls are decode's dot products and whose attention is decode's algorithm per token
+        (the kernels' exact mode), with the logits after every token: each token's logits are bit for bit those a
+        decode step gives it (speculative decoding checks drafts with it)."""
+        x = self._layers(self.embed(input_ids), kv_cache, 1, input_ids.shape[0], "decode", exact=True)
         return self._logits(x, "decode")
 
     def decode(self, input_ids: nn.Tensor, kv_cache: PagedKVCache) -> nn.Tensor:
@@ -533,8 +554,8 @@ class LlamaModule(nn.Module):
             support_sliding_window=support_sliding_window,
             layer_partition=tvm.relax.ShapeExpr([0, s.n_layers]),
             num_hidden_layers=s.n_layers,
-            num_attention_heads=s.n_heads,
-            num_key_value_heads=s.n_kv_heads,
+            num_attention_heads=s.kv_layout().query_heads(s.n_heads),
+            num_key_value_heads=s.kv_layout().heads,
             qk_head_dim=s.head_dim,
             v_head_dim=s.head_dim,
             mla_original_qk_head_dim=0,
@@ -546,7 +567,7 @@ class LlamaModule(nn.Module):
             rope_ext_factors=tvm.relax.prim_value(0),
             rotary_dim=s.head_dim,
             enable_disaggregation=False,
-            dtype=s.kv_dtype,
+            dtype=s.kv_layout().dtype,
             target=tvm.target.Target.current(),
         )
 

@@ -63,6 +63,7 @@ def main() -> int:
 
     from logitproc.compile.attention_kernels import paged_prefill_kernel, ragged_prefill_kernel
     from logitproc.compile.decode_attention import decode_attention_kernel
+    from logitproc.compile.kv_layout import KVLayout
 
     theirs = {name: compiled(f) for name, f in tvm_kernels().items()}
     ours = {"decode": compiled(decode_attention_kernel(H_KV, H_Q, D)),
@@ -75,6 +76,14 @@ def main() -> int:
     def t(a: np.ndarray) -> tvm.runtime.Tensor:
         return tvm.runtime.tensor(a, dev)
 
+    heads = {"ours": KVLayout("float32", H_KV, D).query_heads(H_Q), "tvm": H_Q}  # ours carry the tokens' k and v
+
+    def rows(n: int, name: str) -> list[tvm.runtime.Tensor]:
+        return [t(rng.standard_normal((n, heads[name], D)).astype(np.float32))]
+
+    def outs(n: int, name: str) -> list[tvm.runtime.Tensor]:
+        return [t(np.zeros((n, heads[name], D), np.float32)), t(np.zeros((n, heads[name]), np.float32))]
+
     print("\n| kernel | context | ours us | TVM's us | TVM's / ours | K/V MiB | K/V memcpy us | ours / memcpy |")
     print("|---|---|---|---|---|---|---|---|")
     for ctx in [int(c) for c in args.contexts.split(",")]:
@@ -83,12 +92,10 @@ def main() -> int:
         kv_bytes = b * ctx * 2 * H_KV * D * 4
         src, dst = np.ones(kv_bytes, np.uint8), np.zeros(kv_bytes, np.uint8)
         copy_us = median_us(lambda s=src, d=dst: np.copyto(d, s), args.repeat)
-        q = t(rng.standard_normal((b, H_Q, D)).astype(np.float32))
-        out, lse, zeros = t(np.zeros((b, H_Q, D), np.float32)), t(np.zeros((b, H_Q), np.float32)), t(
-            np.zeros(b, np.int32))
+        zeros = t(np.zeros(b, np.int32))
         cache = [t(a) for a in (pages, indptr, values, last)]
-        call = [q, *cache, zeros, zeros, out, lse, 0, 1.0, 1e4, scale]
-        times = {name: median_us(partial(kernels["decode"], *call), args.repeat if name == "ours" else 3)
+        calls = {name: [*rows(b, name), *cache, zeros, zeros, *outs(b, name), 0, 1.0, 1e4, scale] for name, _ in both}
+        times = {name: median_us(partial(kernels["decode"], *calls[name]), args.repeat if name == "ours" else 3)
                  for name, kernels in both}
         print(f"| decode, batch {b} | {ctx} | {times['ours']:.0f} | {times['tvm']:.0f} | "
               f"{times['tvm'] / times['ours']:.1f}x | {kv_bytes / 2**20:.1f} | {copy_us:.0f} | "
@@ -97,18 +104,18 @@ def main() -> int:
     n = args.prefill
     for ctx in [int(c) for c in args.contexts.split(",")]:
         pages, indptr, values, last = cache_arrays([ctx], rng)
-        q = t(rng.standard_normal((n, H_Q, D)).astype(np.float32))
-        out, lse = t(np.zeros((n, H_Q, D), np.float32)), t(np.zeros((n, H_Q), np.float32))
         q_indptr, zeros_b, zeros_n = t(np.array([0, n], np.int32)), t(np.zeros(1, np.int32)), t(
             np.zeros(n, np.int32))
         cache = [t(a) for a in (pages, indptr, values, last)]
-        call = [q, q_indptr, *cache, zeros_b, zeros_n, out, lse, 0, 0, 1.0, 1e4, scale]
-        times = {name: median_us(partial(kernels["paged"], *call), 2) for name, kernels in both}
+        calls = {name: [*rows(n, name), q_indptr, *cache, zeros_b, zeros_n, *outs(n, name), 0, 0, 1.0, 1e4, scale]
+                 for name, _ in both}
+        times = {name: median_us(partial(kernels["paged"], *calls[name]), 2) for name, kernels in both}
         print(f"| prefill {n} new against the pages | {ctx} | {times['ours']:.0f} | {times['tvm']:.0f} | "
               f"{times['tvm'] / times['ours']:.1f}x | | | |")
     k, v = (t(rng.standard_normal((n, H_KV, D)).astype(np.float32)) for _ in range(2))
-    call = [q, q_indptr, k, v, q_indptr, zeros_n, zeros_b, out, lse, 1, 0, 1.0, 1e4, scale]
-    times = {name: median_us(partial(kernels["ragged"], *call), 2) for name, kernels in both}
+    calls = {name: [*rows(n, name), q_indptr, k, v, q_indptr, zeros_n, zeros_b, *outs(n, name), 1, 0, 1.0, 1e4,
+                    scale] for name, _ in both}
+    times = {name: median_us(partial(kernels["ragged"], *calls[name]), 2) for name, kernels in both}
     print(f"| prefill {n} new against themselves (causal) | {n} | {times['ours']:.0f} | {times['tvm']:.0f} | "
           f"{times['tvm'] / times['ours']:.1f}x | | | |")
     return 0

@@ -7,7 +7,8 @@ Each prompt is answered greedily (batch 1) by one engine without speculation, on
 "num_speculative_tokens": K}`` (adaptive, the default) and one with every proposal checked (``adaptive=False``), in
 interleaved rounds; the best round of each is kept. Printed per prompt: generated tokens per second of wall time
 (prefill included) and of the decode phase (from the first token to the last), the ratios to plain decoding, the
-acceptance rate and the draft tokens accepted per verify, and whether the answers are the same tokens. Also
+acceptance rate and the draft tokens accepted per verify, and whether the answers are the same tokens (they must be:
+the exit status is 1 when a greedy answer differs with drafts). Also
 printed: the forward's cost by token count (decode of 1 token, verify of 1 + K), which bounds what drafts can give
 on this machine.
 
@@ -207,7 +208,7 @@ def main() -> int:
     print(sep.join(header) if not args.markdown else "| " + " | ".join(header) + " |")
     if args.markdown:
         print("|" + "---|" * len(header))
-    texts = {}
+    texts, differ = {}, []
     for prompt_name in prompts:
         seconds0, plain, _, _, decode0 = best[(prompt_name, "plain")]
         rate0 = len(plain.token_ids) / seconds0
@@ -219,7 +220,12 @@ def main() -> int:
                      "-" if mode == "plain" else f"{100 * acceptance:.0f}%",
                      "-" if mode == "plain" else f"{per_verify:.2f}", str(out.token_ids == plain.token_ids)]
             print("| " + " | ".join(cells) + " |" if args.markdown else "  ".join(f"{c:>12}" for c in cells))
+            if out.token_ids != plain.token_ids:
+                differ.append(f"{prompt_name} ({mode})")
         texts[prompt_name] = plain.text
+    # The verify's logits are decode's bit for bit (docs/serving.md): a greedy answer never changes with drafts.
+    print("greedy answers with drafts equal plain decoding's on every prompt" if not differ else
+          f"GREEDY ANSWERS DIFFER with drafts: {', '.join(differ)}")
     if args.bounds:
         slope = (verify_s / decode_s - 1) / args.k
         print(f"\nreplays of the plain answers (draft_bound: decode speed-up at this run's slope {slope:.3f}, and the "
@@ -237,7 +243,7 @@ def main() -> int:
     if args.show:
         for name, text in texts.items():
             print(f"\n## {name}\n{text}")
-    return 0
+    return 1 if differ else 0
 
 
 if __name__ == "__main__":

@@ -36,11 +36,21 @@ SAMPLING_OPTIONS: dict[str, tuple[str, type, str]] = {
 }
 
 
+def add_kv_dtype_argument(parser: argparse.ArgumentParser) -> None:
+    from logitproc.compile.kv_layout import KV_DTYPES
+
+    parser.add_argument("--kv-dtype", default="float32", choices=KV_DTYPES,
+                        help="the KV cache's element type: float16 as llama.cpp's default, q8_0 as its -ctk q8_0 "
+                             "-ctv q8_0 (8-bit blocks: a third of float32's bytes per token with SmolLM2's heads) "
+                             "(default: %(default)s)")
+
+
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="default",
                         help="'default' (SmolLM2-135M-Instruct, fetched and compiled on first use), a GGUF file or "
                              "a Hugging Face model folder (default: %(default)s)")
     parser.add_argument("--target", default="cpu", help="compilation target (default: %(default)s)")
+    add_kv_dtype_argument(parser)
     parser.add_argument("--jump-forward", action="store_true",
                         help="append tokens a grammar forces without a decode step each (default: off)")
     parser.add_argument("--grammar-backend", default="llguidance", choices=("llguidance", "xgrammar"),
@@ -175,15 +185,16 @@ def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def open_model(spec: str, target: str) -> Any:
-    """Open (fetching and compiling on first use, with visible progress on stderr) the model named by ``spec``."""
+def open_model(spec: str, target: str, kv_dtype: str = "float32") -> Any:
+    """Open (fetching and compiling on first use, with visible progress on stderr) the model named by ``spec``,
+    with a KV cache of ``kv_dtype``."""
     from logitproc.serve.compiled_model import CompiledModel
 
     from .progress_line import ProgressLine
 
     model: Any = tiny_model() if spec == TINY_MODEL else spec
     with ProgressLine(sys.stderr) as progress:
-        return CompiledModel.open(model, target=target, progress=progress)
+        return CompiledModel.open(model, target=target, progress=progress, kv_dtype=kv_dtype)
 
 
 def read_chat_template(args: argparse.Namespace) -> Any:
@@ -219,7 +230,7 @@ def open_engine(args: argparse.Namespace) -> tuple[Any, ModelDefaults]:
     from .model_defaults import model_defaults
 
     template = read_chat_template(args)
-    model = open_model(args.model, args.target)
+    model = open_model(args.model, args.target, args.kv_dtype)
     use_chat_template(model, template)
     source = Path(args.model)
     model_dir = (source if source.is_dir() else source.parent) if source.exists() else model.directory

@@ -19,7 +19,9 @@ with exactly the numpy reference's weights: logits within 1e-3 (measured 1.1e-4 
 float16 (``auto`` for non-quantised tensors, e.g. the tiny test model, or ``weight_dtype="float16"``): within
 2e-2 on the tiny model (measured 7e-3), about 3e-2 on SmolLM2. ``weight_dtype="float32"``: within 1e-4 (with
 ``kv_dtype="float32"``, the default). With ``kv_dtype="float16"`` (llama.cpp's default) q, k, v and the
-attention's output are rounded to it, as ``NumpyLlama(kv_dtype="float16")`` rounds them.
+attention's output are rounded to it, as ``NumpyLlama(kv_dtype="float16")`` rounds them; ``kv_dtype="q8_0"``
+(llama.cpp's ``-ctk q8_0 -ctv q8_0``) rounds them so too and keeps k and v in 8-bit blocks
+(``compile/kv_layout.py``), as ``NumpyLlama(kv_dtype="q8_0")`` quantises them.
 """
 
 from __future__ import annotations
@@ -100,6 +102,8 @@ class CompiledModel(ModelRunner):
         self._kv_popn = get("vm.builtin.kv_state_popn")
         self._kv_begin = get("vm.builtin.kv_state_begin_forward")
         self._kv_end = get("vm.builtin.kv_state_end_forward")
+        #: sequences whose last KV block may be empty (see ``_verify``)
+        self._fresh_block: set[int] = set()
         self.open_seconds = time.perf_counter() - started
 
     @classmethod
@@ -121,7 +125,7 @@ class CompiledModel(ModelRunner):
 
     @property
     def kv_dtype(self) -> str:
-        """The KV cache's element type (``float32`` or ``float16``; builds from before the option: float32)."""
+        """The KV cache's type (``float32``, ``float16`` or ``q8_0``; builds from before the option: float32)."""
         return str(self.manifest["model"]["spec"].get("kv_dtype", "float32"))
 
     @property
@@ -135,17 +139,28 @@ class CompiledModel(ModelRunner):
                 f"{self.max_num_sequences} sequences, {self.directory})")
 
     # ---------------------------------------------------------------- KV cache
+    # TVM's cache keeps a sequence's tokens in blocks that start at page boundaries; a fork at a page boundary
+    # starts the child (and the parent, when forked at its end) on an empty block, and popn can empty one. Those
+    # are the sequences whose first token a verify must decode instead (``_verify``).
     def _add(self, seq_id: int) -> None:
         self._kv_add(self._kv, seq_id)
+        self._fresh_block.add(seq_id)
 
     def _remove(self, seq_id: int) -> None:
         self._kv_remove(self._kv, seq_id)
+        self._fresh_block.discard(seq_id)
 
     def _fork(self, parent: int, child: int, length: int) -> None:
         self._kv_fork(self._kv, parent, child, length)
+        if length % _PAGE_SIZE == 0:
+            self._fresh_block.add(child)
+            if length == self._lengths[parent]:
+                self._fresh_block.add(parent)
 
     def _popn(self, seq_id: int, n: int) -> None:
         self._kv_popn(self._kv, seq_id, n)
+        if (self._lengths[seq_id] - n) % _PAGE_SIZE == 0:
+            self._fresh_block.add(seq_id)
 
     # ---------------------------------------------------------------- forward
     def _forward(self, seq_ids: list[int], pieces: list[np.ndarray]) -> np.ndarray:
@@ -155,6 +170,7 @@ class CompiledModel(ModelRunner):
         wanted = np.cumsum(lengths) - 1
         positions = tvm.runtime.tensor(wanted.astype(np.int32), self.device)
         self._kv_begin(self._kv, _shape(seq_ids), _shape(lengths))
+        self._fresh_block.difference_update(seq_ids)
         try:
             logits = self._prefill_fn(ids, positions, self._kv, self._params)
         finally:
@@ -182,6 +198,26 @@ class CompiledModel(ModelRunner):
                     out[row] = logits[index]
 
     def _verify(self, seq_ids: list[int], token_ids: list[np.ndarray]) -> list[np.ndarray]:
+        """Each token's logits bit for bit those a decode step gives it: the verify forward computes every row's
+        attention with the decode kernel's algorithm, its sequence's new tokens continuing its last KV block
+        (``prefill_attention.paged_prefill_kernel``'s exact mode). That needs a last block with a token in it
+        before the forward: a sequence that may start an empty block decodes its first token first."""
+        fresh = [i for i, s in enumerate(seq_ids) if s in self._fresh_block]
+        first: dict[int, np.ndarray] = {}
+        if fresh:
+            rows = self._decode([seq_ids[i] for i in fresh], np.array([token_ids[i][0] for i in fresh], np.int32))
+            first = {i: rows[k : k + 1] for k, i in enumerate(fresh)}
+        rest = [(i, t[1:] if i in first else t) for i, t in enumerate(token_ids)]
+        rest = [(i, t) for i, t in rest if t.size]
+        logits = self._verify_passes([seq_ids[i] for i, _ in rest], [t for _, t in rest]) if rest else []
+        later = {i: rows for (i, _), rows in zip(rest, logits, strict=True)}
+        out = []
+        for i in range(len(seq_ids)):
+            parts = [p for p in (first.get(i), later.get(i)) if p is not None]
+            out.append(parts[0] if len(parts) == 1 else np.concatenate(parts))
+        return out
+
+    def _verify_passes(self, seq_ids: list[int], token_ids: list[np.ndarray]) -> list[np.ndarray]:
         out: list[np.ndarray] = []
         start = 0
         while start < len(seq_ids):  # passes of at most prefill_chunk_size tokens, whole sequences each
@@ -194,6 +230,7 @@ class CompiledModel(ModelRunner):
                                  f"{self.prefill_chunk_size}")
             pieces = token_ids[start:end]
             self._kv_begin(self._kv, _shape(seq_ids[start:end]), _shape([p.size for p in pieces]))
+            self._fresh_block.difference_update(seq_ids[start:end])
             try:
                 ids = tvm.runtime.tensor(np.concatenate(pieces).astype(np.int32), self.device)
                 logits = self._verify_fn(ids, self._kv, self._params).numpy()
@@ -206,6 +243,7 @@ class CompiledModel(ModelRunner):
 
     def _decode(self, seq_ids: list[int], token_ids: np.ndarray) -> np.ndarray:
         self._kv_begin(self._kv, _shape(seq_ids), _shape([1] * len(seq_ids)))
+        self._fresh_block.difference_update(seq_ids)
         try:
             logits = self._decode_fn(tvm.runtime.tensor(token_ids, self.device), self._kv, self._params)
         finally:

@@ -26,7 +26,8 @@ then ``logits = (rmsnorm(x[-1]) * output_norm) @ token_embd.T`` (tied output emb
 model has one; then ``cap * tanh(logits / cap)`` with ``config.final_softcap``). Everything stays float32: the scalars
 taken from the GGUF metadata are Python numbers, which NumPy 2 does not let promote float32 arrays to float64.
 
-``kv_dtype="float16"`` rounds q, k and v to float16 before RoPE, q and k again after it, and the attention's output,
+``kv_dtype="float16"`` rounds q, k and v to float16 before RoPE, q and k again after it, and the attention's output
+(``"q8_0"`` as float16, but k after RoPE and v go through q8_0 blocks: ``q8_0_roundtrip``),
 as the compiled model's float16 KV cache does; ``"float32"`` (the default, as the compiled model's) keeps everything
 float32. ``activation_bits=8`` (or 16) rounds the input of every layer matmul (q/k/v, o, gate/up, down) to 8-bit
 (16-bit) codes in blocks of 32 as the compiled model's packed Q4_1 kernels do on AVX2 CPUs
@@ -91,6 +92,18 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     a, b, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
     c, s = cos[:, None, :], sin[:, None, :]
     return np.concatenate([a * c - b * s, b * c + a * s, rest], axis=-1)
+
+
+def q8_0_roundtrip(x: np.ndarray) -> np.ndarray:
+    """``x`` (float32, last axis a multiple of 32) through a q8_0 KV cache, in the kernel's float32 arithmetic: per
+    block of 32, ``scale = max|x| / 127``, ``q = trunc(x / scale +- 0.5)`` (half away from zero), read back as
+    ``q * float16(scale)`` (``compile/kv_layout.py``)."""
+    blocks = x.astype(np.float32).reshape(*x.shape[:-1], x.shape[-1] // 32, 32)
+    scale = np.abs(blocks).max(axis=-1, keepdims=True) / np.float32(127)
+    inverse = np.where(scale > 0, np.float32(1) / np.where(scale > 0, scale, np.float32(1)), np.float32(0))
+    y = (blocks * inverse.astype(np.float32)).astype(np.float32)
+    q = np.trunc(y + np.where(y < 0, np.float32(-0.5), np.float32(0.5))).astype(np.float32)
+    return (q * scale.astype(np.float16).astype(np.float32)).reshape(x.shape)
 
 
 class NumpyLlama:
@@ -216,8 +229,8 @@ class NumpyLlama:
                 q, k = rms_norm(q, q_norm, self._eps), rms_norm(k, k_norm, self._eps)
             cos, sin = tables[layer]
             q = self._round_kv(apply_rope(self._round_kv(q), cos, sin))
-            k = self._round_kv(apply_rope(self._round_kv(k), cos, sin))
-            v = self._round_kv((h @ wv.T + bv).reshape(n_tok, n_kv, d))
+            k = self._store_kv(apply_rope(self._round_kv(k), cos, sin))
+            v = self._store_kv(self._round_kv((h @ wv.T + bv).reshape(n_tok, n_kv, d)))
             self._k_cache[layer, :, start:end] = k.transpose(1, 0, 2)
             self._v_cache[layer, :, start:end] = v.transpose(1, 0, 2)
             keys = self._k_cache[layer, :, :end]  # [n_kv, S, d]
@@ -243,8 +256,12 @@ class NumpyLlama:
         return x if self.activation_bits is None else round_activations(x, self.activation_bits)
 
     def _round_kv(self, x: np.ndarray) -> np.ndarray:
-        """``x`` rounded to the KV cache's type (and back to float32): what a float16 cache holds."""
-        return x.astype(np.float16).astype(np.float32) if self.kv_dtype == "float16" else x
+        """``x`` rounded to the KV cache's element type (and back to float32): float16 for float16 and q8_0."""
+        return x.astype(np.float16).astype(np.float32) if self.kv_dtype in ("float16", "q8_0") else x
+
+    def _store_kv(self, x: np.ndarray) -> np.ndarray:
+        """What the KV cache holds of keys or values ``x`` (float32, k after RoPE): q8_0 blocks, dequantised."""
+        return q8_0_roundtrip(x) if self.kv_dtype == "q8_0" else self._round_kv(x)
 
     def generate_greedy(
         self, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] = ()

@@ -64,6 +64,7 @@ BUILDS: list[tuple[str, Callable[[], object]]] = [
     ("default model", _default_model),
     ("tiny, float16 KV cache", lambda: compile_model(tiny_model(), **tiny_variants.FLOAT16_KV)),
     ("tiny Hugging Face directory", _hf_directory),
+    ("wide tiny, q8_0 KV cache", lambda: compile_model(tiny_variants.wide_tiny(), **tiny_variants.Q8_KV)),
     ("vulkan kernels", lambda: build_kernels("vulkan")),
     *[(f"cuda {arch} kernels", lambda arch=arch: build_kernels("cuda", arch)) for arch in CUDA_ARCHS],
     *[(f"rocm {arch} kernels", lambda arch=arch: build_kernels("rocm", arch)) for arch in ROCM_ARCHS],

@@ -1,6 +1,7 @@
 """The attention kernels' two Gemma options (``compile/decode_attention.py``, ``compile/prefill_attention.py``)
-against a numpy attention: ``softcap`` (every score ``cap * tanh(s / cap)``) and ``window`` (a layer passing a
-negative ``sm_scale`` sees only the keys less than ``window`` positions behind each query, by the cache's
+against a numpy attention: ``softcap`` (every score ``cap * tanh(s / cap)``) and ``window`` (a layer whose
+``sm_scale`` marks it windowed, ``compile/attention_mode.py``, sees only the keys less than ``window`` positions
+behind each query, by the cache's
 ``q_rope_position`` / ``k_rope_pos_offset``; a positive one sees them all). Awkward sizes: windows not a multiple of
 the page size, sequences shorter and longer than the window, several decode chunks wholly outside the window, key
 positions starting past 0 (a forked sequence's own block), float32 and float16 caches."""
@@ -12,6 +13,7 @@ import math
 import numpy as np
 import pytest
 import tvm
+from logitproc.compile import attention_mode
 from logitproc.compile.decode_attention import PAGE_SIZE, decode_attention_kernel
 from logitproc.compile.prefill_attention import paged_prefill_kernel, ragged_prefill_kernel
 from logitproc.runtime.targets import resolve_target
@@ -40,6 +42,17 @@ def kernels(request):
 
 def tensor(a: np.ndarray) -> tvm.runtime.Tensor:
     return tvm.runtime.tensor(a, DEV)
+
+
+def with_carried(q: np.ndarray) -> np.ndarray:
+    """``q [n, H_Q, D]`` with the cache's carried heads (``KVLayout.query_heads``: unread here, NaN)."""
+    return np.concatenate([q, np.full((q.shape[0], 2 * H_KV, D), np.nan, q.dtype)], axis=1)
+
+
+def outputs(rows: int, dtype: str) -> tuple[tvm.runtime.Tensor, tvm.runtime.Tensor]:
+    """NaN-filled output and lse buffers with the carried heads."""
+    return (tensor(np.full((rows, H_Q + 2 * H_KV, D), np.nan, dtype)),
+            tensor(np.full((rows, H_Q + 2 * H_KV), np.nan, np.float32)))
 
 
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, seen: list[range]) -> tuple[np.ndarray, np.ndarray]:
@@ -75,9 +88,9 @@ def pages_of(lengths: list[int], rng: np.random.Generator, dtype: str):
 
 def check(out, lse, want_out, want_lse, dtype: str) -> None:
     rtol = 2.0**-10 if dtype == "float16" else 0
-    np.testing.assert_allclose(out.numpy().astype(np.float64), want_out, rtol=rtol,
+    np.testing.assert_allclose(out.numpy()[:, :H_Q].astype(np.float64), want_out, rtol=rtol,
                                atol=5e-5 * max(1.0, np.abs(want_out).max()))
-    np.testing.assert_allclose(lse.numpy(), want_lse, rtol=1e-5, atol=2e-4)
+    np.testing.assert_allclose(lse.numpy()[:, :H_Q], want_lse, rtol=1e-5, atol=2e-4)
 
 
 LENGTHS = [1, 7, WINDOW, WINDOW + 1, 40, 333]
@@ -92,11 +105,11 @@ def test_decode_sees_the_window_of_a_sliding_layer(kernels, windowed: bool) -> N
     kv, args = pages_of(LENGTHS, rng, dtype)
     b = len(LENGTHS)
     q = rng.standard_normal((b, H_Q, D)).astype(dtype)
-    out, lse = tensor(np.full((b, H_Q, D), np.nan, dtype)), tensor(np.full((b, H_Q), np.nan, np.float32))
+    out, lse = outputs(b, dtype)
     offsets = np.array(OFFSETS, np.int32)
     positions = offsets + np.array(LENGTHS, np.int32) - 1  # the query is each sequence's last token
-    decode(tensor(q), *args, tensor(offsets), tensor(positions), out, lse, 0, 1.0, 10000.0,
-           -SCALE if windowed else SCALE)
+    decode(tensor(with_carried(q)), *args, tensor(offsets), tensor(positions), out, lse, 0, 1.0, 10000.0,
+           attention_mode.encode(SCALE, windowed=windowed))
     want = [attention(q[i: i + 1], *kv[i], [range(max(0, n - WINDOW) if windowed else 0, n)])
             for i, n in enumerate(LENGTHS)]
     check(out, lse, np.concatenate([w[0] for w in want]), np.concatenate([w[1] for w in want]), dtype)
@@ -115,15 +128,15 @@ def test_prefill_sees_the_window_of_a_sliding_layer(kernels, windowed: bool) -> 
     q_indptr = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
     offsets = np.array([0, 16, 7, 2], np.int32)
     positions = np.concatenate([o + c + np.arange(n) for o, c, n in zip(offsets, cached, new, strict=True)])
-    scale = -SCALE if windowed else SCALE
+    scale = attention_mode.encode(SCALE, windowed=windowed)
     results = []
     for kernel, k_offsets in ((paged, offsets), (ragged, offsets + np.array(cached, np.int32))):
-        out, lse = tensor(np.full((total, H_Q, D), np.nan, dtype)), tensor(np.full((total, H_Q), np.nan, np.float32))
+        out, lse = outputs(total, dtype)
         if kernel is paged:
-            kernel(tensor(q), tensor(q_indptr), *args, tensor(k_offsets), tensor(positions.astype(np.int32)), out,
-                   lse, 0, 0, 1.0, 10000.0, scale)
+            kernel(tensor(with_carried(q)), tensor(q_indptr), *args, tensor(k_offsets),
+                   tensor(positions.astype(np.int32)), out, lse, 0, 0, 1.0, 10000.0, scale)
         else:
-            kernel(tensor(q), tensor(q_indptr), tensor(k_new), tensor(v_new), tensor(q_indptr),
+            kernel(tensor(with_carried(q)), tensor(q_indptr), tensor(k_new), tensor(v_new), tensor(q_indptr),
                    tensor(positions.astype(np.int32)), tensor(k_offsets), out, lse, 1, 0, 1.0, 10000.0, scale)
         results.append((out, lse))
     for part, (out, lse) in enumerate(results):

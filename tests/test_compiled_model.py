@@ -435,7 +435,8 @@ def test_swiglu_kernel_matches_numpy() -> None:
 def test_rope_kernel_rotates_halves_like_numpy(scaling: str) -> None:
     """The KV cache's RoPE slot: q and k heads rotated (pairs i, i + r/2 of the first r values) at each token's
     position by the given inverse frequencies (unscaled, Llama 3's per-frequency divisors, or LongRoPE's short
-    factors with its attention factor on 12 of 16 values), the rest and v copied."""
+    factors with its attention factor on 12 of 16 values), the rest and v copied; q's carried heads get k and v
+    (qkv's last 2 h_kv heads are padding)."""
     rng = np.random.default_rng(3)
     h_q, h_kv, d, theta = 4, 2, 16, 10000.0
     rope_dim, factor, factors = d, 1.0, ()
@@ -449,15 +450,18 @@ def test_rope_kernel_rotates_halves_like_numpy(scaling: str) -> None:
     for n in (1, 3, 70):
         qkv = rng.standard_normal((n, h_q + 2 * h_kv, d)).astype(np.float32)
         positions = rng.integers(0, 500, n).astype(np.int32)
-        outs = [tvm.runtime.tensor(np.full((n, h, d), np.nan, np.float32), dev) for h in (h_q, h_kv, h_kv)]
-        run(tvm.runtime.tensor(qkv, dev), tvm.runtime.tensor(positions, dev), *outs, 1)
+        outs = [tvm.runtime.tensor(np.full((n, h, d), np.nan, np.float32), dev) for h in (h_q + 2 * h_kv, h_kv, h_kv)]
+        padded = np.concatenate([qkv, np.full((n, 2 * h_kv, d), np.nan, np.float32)], axis=1)
+        run(tvm.runtime.tensor(padded, dev), tvm.runtime.tensor(positions, dev), *outs, 1)
         freq = positions[:, None] / theta ** (np.arange(half) * 2 / rope_dim) / (np.asarray(factors) if factors else 1)
         cos, sin = factor * np.cos(freq)[:, None, :], factor * np.sin(freq)[:, None, :]
         a, b = qkv[..., :half], qkv[..., half:rope_dim]
         rotated = np.concatenate([a * cos - b * sin, b * cos + a * sin, qkv[..., rope_dim:]], axis=-1)
         expected = (rotated[:, :h_q], rotated[:, h_q:h_q + h_kv], qkv[:, h_q + h_kv:])
-        for out, want in zip(outs, expected, strict=True):
-            np.testing.assert_allclose(out.numpy(), want, rtol=0, atol=2e-4)
+        q_out, k_out, v_out = (out.numpy() for out in outs)
+        for out, want in zip((q_out[:, :h_q], k_out, v_out), expected, strict=True):
+            np.testing.assert_allclose(out, want, rtol=0, atol=2e-4)
+        np.testing.assert_array_equal(q_out[:, h_q:], np.concatenate([k_out, v_out], axis=1))
 
 
 # ---------------------------------------------------------------- the numpy runner

@@ -273,6 +273,36 @@ def test_compiled_gemma2_prefill_in_chunks_keeps_the_window(families) -> None:
     np.testing.assert_allclose(last, family_models.reference_logits(model, PROMPT)[-1], atol=TOL_COMPILED, rtol=0)
 
 
+#: Gemma's logits on a q8_0 cache against the numpy reference quantising the same values (``test_kv_q8.py``'s bound)
+TOL_Q8 = 2e-2
+#: Gemma 3 (the model rotates q and k itself): its k reaches the cache's quantisation rounded to float16 (the cache's
+#: element type), where the reference (and llama.cpp) quantise the float32 rotated k: measured 2.9e-2 on these
+#: tokens (3.4e-4 against a reference rounding k to float16 first), where the q8_0 cache itself moves the logits by
+#: 6.0e-2 from the float32 reference; docs/model.md, the q8_0 cache.
+TOL_Q8_MODEL_ROPE = 4e-2
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "q8_0"])
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_compiled_gemma_verify_is_its_decode_steps_bit_for_bit(families, name: str, kv_dtype: str) -> None:
+    """The verify forward's exact attention in sliding layers (window, soft-cap; Gemma 3's own RoPE per layer), on a
+    float32 and an 8-bit cache: a verify's rows, more tokens than the window, equal the decode steps of the same
+    tokens exactly, and (q8_0) the numpy reference quantising the same values within ``TOL_Q8``."""
+    _, _, gguf_path = families[name]
+    compiled = CompiledModel.open(gguf_path, weight_dtype="float32", kv_dtype=kv_dtype, max_num_sequences=2)
+    drafts = [5, 9, 100, 7, 8, 200, 3, 44, 12]
+    compiled.add_sequence(0)
+    compiled.prefill([0], [PROMPT])
+    decoded = np.stack([compiled.decode([0], [t])[0] for t in drafts])
+    compiled.popn(0, len(drafts))
+    np.testing.assert_array_equal(compiled.verify([0], [drafts])[0], decoded)
+    if kv_dtype == "q8_0":
+        ref = NumpyLlama(load_gguf(gguf_path), kv_dtype="q8_0")
+        ref.prefill(PROMPT)
+        np.testing.assert_allclose(decoded, np.stack([ref.decode(t) for t in drafts]), rtol=0,
+                                   atol=TOL_Q8_MODEL_ROPE if name == "gemma3" else TOL_Q8)
+
+
 def test_gemma_end_of_turn_ends_an_answer(families) -> None:
     """A Gemma GGUF whose metadata names only ``<eos>``: its ``<end_of_turn>`` control token stops answers too (as
     llama.cpp's end-of-generation list has it)."""

@@ -145,6 +145,39 @@ def test_rejected_drafts_leave_no_trace(model) -> None:
             assert set(json.loads(results[1][1])) == {"a", "b"}
 
 
+def _decoded(model, seq: int, tokens: list[int]) -> np.ndarray:
+    """The logits of decoding ``tokens`` one by one on ``seq``, then taken back out of the KV cache."""
+    rows = np.stack([model.decode([seq], [t])[0] for t in tokens])
+    model.popn(seq, len(tokens))
+    return rows
+
+
+@pytest.mark.parametrize("prompt_length", [5, 16, 33, 300])
+def test_verify_logits_are_decode_logits_bit_for_bit(model, prompt_length) -> None:
+    """A verify forward's rows equal the decode steps of the same tokens exactly (the attention's exact mode), for
+    one sequence, a batch of sequences of other lengths, and sequences forked from it inside a page and at a page
+    boundary (their last KV block shared or empty), so that greedy answers cannot differ with drafts."""
+    rng = np.random.default_rng(prompt_length)
+    prompt = [int(t) for t in rng.integers(0, model.vocab_size, prompt_length)]
+    a, b, c, d = 900, 901, 902, 903  # not the ids the engines of the other tests left in the cache
+    drafts = {seq: [int(t) for t in rng.integers(0, model.vocab_size, n)] for seq, n in ((a, 6), (b, 2), (c, 9),
+                                                                                         (d, 4))}
+    model.add_sequence(a)
+    model.add_sequence(b)
+    try:
+        model.prefill([a, b], [prompt, prompt[: prompt_length // 2 + 1]])
+        model.fork_sequence(a, c, prompt_length - 3 if prompt_length > 3 else 1)
+        model.fork_sequence(a, d, prompt_length // 16 * 16)
+        want = {seq: _decoded(model, seq, tokens) for seq, tokens in drafts.items()}
+        got = model.verify(list(drafts), list(drafts.values()))
+        for seq, rows in zip(drafts, got, strict=True):
+            np.testing.assert_array_equal(rows, want[seq])
+    finally:
+        for seq in drafts:
+            if seq in model.sequence_ids:
+                model.remove_sequence(seq)
+
+
 def test_bad_speculative_settings_name_the_field(model) -> None:
     with pytest.raises(ValueError, match=r"method must be one of \['ngram'\], got 'eagle'"):
         Engine(model, speculative={"method": "eagle"})
@@ -283,13 +316,14 @@ def gguf_small():
 
 
 def test_smollm2_greedy_answers_are_the_same_with_drafts(default_model_in_cache) -> None:
-    """On the real model: a copying answer (most drafts accepted) and an open one (most rejected) are the tokens
-    plain greedy decoding gives."""
+    """On the real model: a copying answer (most drafts accepted) and open ones (most rejected; the story's answer
+    changed with drafts before the verify's attention was decode's) are the tokens plain greedy decoding gives."""
     paragraph = ("The river rises in the hills above the town, runs through the old market and the mill, and "
                  "reaches the sea twelve miles to the south.")
-    for question in (f"Repeat this paragraph word for word.\n\n{paragraph}", "Name three colours."):
+    for question, tokens in ((f"Repeat this paragraph word for word.\n\n{paragraph}", 48),
+                             ("Name three colours.", 48), ("Write a short story about a lighthouse keeper.", 128)):
         messages = [{"role": "user", "content": question}]
-        config = GenerationConfig(temperature=0, max_tokens=48)
+        config = GenerationConfig(temperature=0, max_tokens=tokens)
         [want] = Engine(default_model_in_cache, max_batch=1).generate(messages, config)
         engine = Engine(default_model_in_cache, max_batch=1, speculative=FORCED)
         [got] = engine.generate(messages, config)

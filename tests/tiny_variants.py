@@ -17,6 +17,13 @@ FLOAT16_KV = {"weight_dtype": "float32", "kv_dtype": "float16"}
 #: compile options of the Hugging Face directory's build (test_compiled_model's ``m32``)
 FLOAT32 = {"weight_dtype": "float32", "kv_dtype": "float32"}
 HF_DIRECTORY_NAME = "hf-tiny"
+#: compile options of ``wide_tiny()``'s 8-bit KV cache build (test_kv_q8's ``q8``)
+Q8_KV = {"weight_dtype": "float32", "kv_dtype": "q8_0"}
+
+
+def wide_tiny() -> GGUFModel:
+    """A tiny model whose heads hold two q8_0 blocks (head size 64; 2 query heads over 1 KV head)."""
+    return make_tiny_model(seed=5, hidden=128, n_heads=2, n_kv_heads=1, context=TINY_CONTEXT)
 
 
 def qwen_tiny() -> GGUFModel:
