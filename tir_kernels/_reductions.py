@@ -433,10 +433,14 @@ def gpu_row_fold(vocab, tx, threads, init, identity, combine, value, active, par
 
 @T.macro
 def gpu_row_map(y, r, vocab, tx, threads, value):
-    """y[r, v] = value(v) for v < vocab, threads striding over the row."""
-    for k in range((vocab + threads - 1) // threads):
-        if k * threads + tx < vocab:
-            y[r, k * threads + tx] = value(k * threads + tx)
+    """y[r, v] = value(v) for v < vocab, threads striding over the row, GPU_UNROLL elements per thread and step."""
+    for k in range(vocab // (threads * GPU_UNROLL)):
+        for u in T.unroll(GPU_UNROLL):
+            y[r, (k * GPU_UNROLL + u) * threads + tx] = value((k * GPU_UNROLL + u) * threads + tx)
+    for u in T.unroll(GPU_UNROLL):
+        if vocab // (threads * GPU_UNROLL) * (threads * GPU_UNROLL) + u * threads + tx < vocab:
+            y[r, vocab // (threads * GPU_UNROLL) * (threads * GPU_UNROLL) + u * threads + tx] = value(
+                vocab // (threads * GPU_UNROLL) * (threads * GPU_UNROLL) + u * threads + tx)
 
 
 @T.macro

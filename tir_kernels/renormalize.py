@@ -77,7 +77,7 @@ from tvm.script import tirx as T
 
 from ..runtime import kernel_abi
 from ._common import CALLER_ARRAY_ALIGN, CPU_LANES, is_cpu, max_threads
-from ._reductions import GPU_UNROLL, row_of
+from ._reductions import GPU_UNROLL, gpu_row_map, row_of
 
 NAME = kernel_abi.RENORMALIZE
 
@@ -710,10 +710,7 @@ def gpu_row_macros(threads: int, uniform_loops: bool) -> tuple[Callable[..., Non
 
     @T.macro
     def scale(value, vocab, tx, lo, mass, out, r):
-        for i in range((vocab + threads - 1) // threads):
-            if i * threads + tx < vocab:
-                x: T.let = value(i * threads + tx)
-                out[r, i * threads + tx] = rescaled(x, lo, mass)
+        gpu_row_map(out, r, vocab, tx, threads, lambda i: rescaled(value(i), lo, mass))
 
     return threshold, scale
 
