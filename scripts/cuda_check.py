@@ -130,10 +130,37 @@ def bench(library: KernelLibrary, device: Device, kernels: dict) -> list[dict]:
                 row[f"{case.kernel}_us"] = device.time_launches(lambda f=fn, a=args: f(*a), LAUNCHES_PER_GRAPH) * 1e6
             except Exception as exc:  # noqa: BLE001
                 row[f"{case.kernel}_us"] = f"{type(exc).__name__}: {exc}"
+        row.update(variant_times(device, kernels, rng, batch, vocab))
         row.update(torch_times(batch, vocab))
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
+
+
+def variant_times(device: Device, kernels: dict, rng: np.random.Generator, batch: int, vocab: int) -> dict:
+    """The sampling kernels with one filter at a time (what each costs): no filter, top-p 0.9 alone, top-k 50 alone."""
+    from kernel_cases import renormalize_case, sample_from_logits_case
+
+    out = {}
+    settings = {"plain": (0, 1.0, 0.0), "top_p": (0, 0.9, 0.0), "top_k": (50, 1.0, 0.0), "min_p": (0, 1.0, 0.05)}
+    for name, (k, p, m) in settings.items():
+        case = sample_from_logits_case(rng, batch, vocab)
+        args = [np.ascontiguousarray(a) for a in case.args]
+        args[2][:], args[3][:], args[4][:] = k, p, m  # top_k, top_p, min_p
+        args[5][:] = 0 if name == "plain" else 1  # renorm
+        args[7][:] = -1  # no mask
+        args[11][:] = 0  # no top-n
+        on = [device.upload(a) for a in args]
+        out[f"sample_{name}_us"] = device.time_launches(lambda a=on: kernels["sample_from_logits"](*a),
+                                                        LAUNCHES_PER_GRAPH) * 1e6
+        if name != "plain":
+            case = renormalize_case(rng, batch, vocab)
+            args = [np.ascontiguousarray(a) for a in case.args]
+            args[1][:], args[2][:], args[3][:] = k, p, m  # top_k, top_p, min_p
+            on = [device.upload(a) for a in args]
+            out[f"renormalize_{name}_us"] = device.time_launches(lambda a=on: kernels["renormalize_probs"](*a),
+                                                                 LAUNCHES_PER_GRAPH) * 1e6
+    return out
 
 
 def torch_times(batch: int, vocab: int) -> dict:
