@@ -159,6 +159,16 @@ def row_best_cpu(x: tirx.Buffer, r: tirx.PrimExpr, vocab: tirx.PrimExpr, prev_v:
 
 
 @T.macro
+def _pick_gpu(value, i, prev_v, prev_i, lane_v, lane_i, u):
+    """Partial u of a GPU selection takes entry i where it is eligible and better (selects, no branch)."""
+    x: T.let = value(i)
+    take: T.let = T.And(_eligible("all" if prev_v is None else "any", x, i, prev_v, prev_i),
+                        better(x, i, lane_v[u], lane_i[u]))
+    lane_v[u] = T.Select(take, x, lane_v[u])
+    lane_i[u] = T.Select(take, i, lane_i[u])
+
+
+@T.macro
 def row_best_gpu(value: Callable[[tirx.PrimExpr], tirx.PrimExpr], vocab: tirx.PrimExpr, prev_v: tirx.PrimExpr | None,
                  prev_i: tirx.PrimExpr | None, tx: tirx.Var, threads: int, part_v: tirx.Buffer, part_i: tirx.Buffer,
                  best_v: tirx.Buffer, best_i: tirx.Buffer):
@@ -174,16 +184,15 @@ def row_best_gpu(value: Callable[[tirx.PrimExpr], tirx.PrimExpr], vocab: tirx.Pr
     for u in T.unroll(GPU_UNROLL):
         lane_v[u] = neg_inf()
         lane_i[u] = NO_INDEX
-    # GPU_UNROLL partials per thread (independent loads, as gpu_row_fold), combined in the same order of preference
-    for k in range((vocab + threads * GPU_UNROLL - 1) // (threads * GPU_UNROLL)):
+    # GPU_UNROLL partials per thread (independent loads, as gpu_row_fold; branch-free updates), combined in the same
+    # order of preference; the last step checks bounds
+    span = threads * GPU_UNROLL
+    for k in range(vocab // span):
         for u in T.unroll(GPU_UNROLL):
-            if (k * GPU_UNROLL + u) * threads + tx < vocab:
-                if T.And(_eligible("all" if prev_v is None else "any", value((k * GPU_UNROLL + u) * threads + tx),
-                                   (k * GPU_UNROLL + u) * threads + tx, prev_v, prev_i),
-                         better(value((k * GPU_UNROLL + u) * threads + tx), (k * GPU_UNROLL + u) * threads + tx,
-                                lane_v[u], lane_i[u])):
-                    lane_v[u] = value((k * GPU_UNROLL + u) * threads + tx)
-                    lane_i[u] = (k * GPU_UNROLL + u) * threads + tx
+            _pick_gpu(value, (k * GPU_UNROLL + u) * threads + tx, prev_v, prev_i, lane_v, lane_i, u)
+    for u in T.unroll(GPU_UNROLL):
+        if vocab // span * span + u * threads + tx < vocab:
+            _pick_gpu(value, vocab // span * span + u * threads + tx, prev_v, prev_i, lane_v, lane_i, u)
     part_v[0] = lane_v[0]
     part_i[0] = lane_i[0]
     for u in T.unroll(1, GPU_UNROLL):
