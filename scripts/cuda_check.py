@@ -10,7 +10,8 @@ Runs where a GPU is but TVM's compiler need not be (``TVM_USE_RUNTIME_LIB=1`` wi
    of the same logits and torch's equivalents on the same card, each timed as a CUDA graph of repeated launches
    (launch overhead excluded; CUDA events).
 
-Usage: python scripts/cuda_check.py DIR [--bench] [--json OUT]
+Usage: python scripts/cuda_check.py DIR [--bench] [--json OUT]   (``scripts/bench_kernels.py --device cuda`` runs
+``--bench`` alone)
 """
 
 from __future__ import annotations
@@ -210,6 +211,32 @@ def torch_times(batch: int, vocab: int) -> dict:
     return out
 
 
+#: The columns of the markdown table: (title, key).
+TABLE = (("copy", "copy_us"), ("softmax", "softmax_with_temperature_us"), ("renormalize", "renormalize_probs_us"),
+         ("fused sampling", "sample_from_logits_us"), ("top_n", "top_n_us"), ("argmax", "argmax_us"),
+         ("torch softmax", "torch_softmax_us"), ("torch top-p sample", "torch_top_p_sample_us"),
+         ("torch topk(8)", "torch_topk8_us"))
+
+
+def markdown(rows: list[dict]) -> str:
+    """The benchmark as a markdown table: microseconds, and each kernel's ratio to the copy."""
+    lines = ["| B x V | " + " | ".join(title for title, _ in TABLE) + " |",
+             "| --- | " + " | ".join("---" for _ in TABLE) + " |"]
+    for row in rows:
+        copy = row["copy_us"]
+        cells = []
+        for _, key in TABLE:
+            value = row.get(key)
+            if not isinstance(value, float):
+                cells.append("-")
+            elif key == "copy_us":
+                cells.append(f"{value:.1f} us")
+            else:
+                cells.append(f"{value:.0f} us ({value / copy:.1f}x)")
+        lines.append(f"| {row['shape']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("library", help="an exported CUDA kernel library (with the PTX and launches)")
@@ -232,6 +259,7 @@ def main() -> int:
     print("runtime:", report["runtime"], flush=True)
     if args.bench:
         report["bench"] = bench(library, device, kernels)
+        print(markdown(report["bench"]))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
     return 0 if report["cases"]["failed"] == 0 else 1

@@ -419,7 +419,8 @@ def gpu_row_fold(vocab, tx, threads, init, identity, combine, value, active, par
     if active:
         for k in range(vocab // (threads * GPU_UNROLL)):
             for u in T.unroll(GPU_UNROLL):
-                lanes[u] = combine(lanes[u], value((k * GPU_UNROLL + u) * threads + tx))
+                x: T.let = value((k * GPU_UNROLL + u) * threads + tx)
+                lanes[u] = combine(lanes[u], x)
         for u in T.unroll(GPU_UNROLL):
             if vocab // (threads * GPU_UNROLL) * (threads * GPU_UNROLL) + u * threads + tx < vocab:
                 lanes[u] = combine(lanes[u], value(vocab // (threads * GPU_UNROLL) * (threads * GPU_UNROLL)
