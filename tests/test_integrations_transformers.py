@@ -155,7 +155,8 @@ def test_generate_with_a_json_schema_gives_json_that_validates(lib, tiny, hf_mod
         jsonschema.validate(json.loads(answer), SCHEMA)
 
 
-def test_generate_with_a_tree_decode_map_stays_on_its_paths(lib, tiny, hf_model):
+@pytest.mark.parametrize("kind", [LogitprocProcessor, LogitprocSampler])
+def test_generate_with_a_tree_decode_map_stays_on_its_paths(lib, tiny, hf_model, kind):
     from logitproc.runtime.tree_decode import TreeDecodeConfig
 
     gguf, tokenizer = tiny
@@ -167,22 +168,23 @@ def test_generate_with_a_tree_decode_map_stays_on_its_paths(lib, tiny, hf_model)
             prefixes.setdefault("_".join(str(t) for t in [0, *ids[:k]]), set()).add(ids[k] if k < len(ids) else eos)
     tree = TreeDecodeConfig.from_dict({"start_token_id": 0, "end_token_id": eos, "sep": "_",
                                        "prefix_dict": {k: sorted(v) for k, v in prefixes.items()}}, len(gguf.tokens))
-    processor = LogitprocProcessor(lib, GenerationConfig(), hf_model.config.vocab_size, tokenizer=tokenizer,
-                                   eos_token_ids=[eos], tree_decode=tree)
+    processor = kind(lib, GenerationConfig(), hf_model.config.vocab_size, tokenizer=tokenizer, eos_token_ids=[eos],
+                     tree_decode=tree)
     torch.manual_seed(1)
     out = hf_model.generate(torch.tensor([[1, 50, 60], [1, 70, 80], [1, 90, 100]]), max_new_tokens=8,
-                            do_sample=True, logits_processor=LogitsProcessorList([processor]))
+                            do_sample=kind is LogitprocProcessor, logits_processor=LogitsProcessorList([processor]))
     for row in out[:, 3:].tolist():
         assert bytes(t - 3 for t in row[:row.index(eos)]) in paths
 
 
-def test_generate_with_a_thinking_budget_ends_thinking_in_time(lib, tiny, hf_model):
+@pytest.mark.parametrize("kind", [LogitprocProcessor, LogitprocSampler])
+def test_generate_with_a_thinking_budget_ends_thinking_in_time(lib, tiny, hf_model, kind):
     gguf, tokenizer = tiny
     eos = gguf.config.eos_id
-    config = GenerationConfig(max_thinking_tokens=6, response_format=ResponseFormat.regex("[a-z]{1,4}"))
+    sampling = {"temperature": 0.0} if kind is LogitprocSampler else {}
+    config = GenerationConfig(max_thinking_tokens=6, response_format=ResponseFormat.regex("[a-z]{1,4}"), **sampling)
     begin = tokenizer.encode(config.think_begin).ids
-    processor = LogitprocProcessor(lib, config, hf_model.config.vocab_size, tokenizer=tokenizer,
-                                   eos_token_ids=[eos])
+    processor = kind(lib, config, hf_model.config.vocab_size, tokenizer=tokenizer, eos_token_ids=[eos])
     prompt = torch.tensor([[1, 50, 60, *begin]])
     out = hf_model.generate(prompt, max_new_tokens=40, do_sample=False,
                             logits_processor=LogitsProcessorList([processor]))[0, prompt.shape[1]:].tolist()
@@ -192,7 +194,7 @@ def test_generate_with_a_thinking_budget_ends_thinking_in_time(lib, tiny, hf_mod
     answer = tokenizer.decode(out[thought + len(end):], skip_special_tokens=True)
     assert answer.strip().isalpha() and len(answer.strip()) <= 4
     with pytest.raises(ValueError, match="think_begin"):
-        LogitprocProcessor(lib, config, hf_model.config.vocab_size, tokenizer=tokenizer, eos_token_ids=[eos])(
+        kind(lib, config, hf_model.config.vocab_size, tokenizer=tokenizer, eos_token_ids=[eos])(
             torch.tensor([[1, 50, 60]]), torch.zeros((1, hf_model.config.vocab_size)))
 
 
