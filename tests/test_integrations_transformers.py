@@ -291,14 +291,17 @@ def test_generate_with_the_sampler_and_a_json_schema_gives_json_that_validates(l
                               top_p=0.9, repetition_penalty=1.1, seed=5)
     prompts = torch.tensor([[1, 50, 60, 70], [1, 90, 91, 92], [1, 30, 31, 32]])
 
-    def run() -> list[list[int]]:
+    def run(**sampling) -> list[list[int]]:
         processor = LogitprocSampler(lib, config, hf_model.config.vocab_size, tokenizer=tokenizer, eos_token_ids=[eos])
-        out = hf_model.generate(prompts, max_new_tokens=64, do_sample=False,
-                                logits_processor=LogitsProcessorList([processor]))
+        out = hf_model.generate(prompts, max_new_tokens=64, logits_processor=LogitsProcessorList([processor]),
+                                **sampling)
         return out[:, prompts.shape[1]:].tolist()
 
-    answers = run()
+    answers = run(do_sample=False)
     for row in answers:
         text = tokenizer.decode([t for t in row if t != eos], skip_special_tokens=True)
         jsonschema.validate(json.loads(text), SCHEMA)
-    assert run() == answers  # seeded: the same answers again
+    assert run(do_sample=False) == answers  # seeded: the same answers again
+    # HF's own warpers and draw after it change nothing: only the drawn token has any probability
+    torch.manual_seed(0)
+    assert run(do_sample=True, temperature=0.7, top_k=50, top_p=0.9, min_p=0.05) == answers
