@@ -75,10 +75,11 @@ import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
+from ..runtime import kernel_abi
 from ._common import CALLER_ARRAY_ALIGN, CPU_LANES, is_cpu, max_threads
 from ._reductions import row_of
 
-NAME = "renormalize_probs"
+NAME = kernel_abi.RENORMALIZE
 
 _INT_MAX = 2147483647
 _INT_MIN = -2147483647  # not -2**31: WGSL has no literal for it

@@ -38,6 +38,7 @@ import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
+from ..runtime import kernel_abi
 from ._common import CALLER_ARRAY_ALIGN, is_cpu, max_threads, neg_inf
 from ._reductions import (
     CPU_CHUNK,
@@ -62,7 +63,7 @@ from ._reductions import (
     shifted_exp,
 )
 
-NAME = "softmax_with_temperature"
+NAME = kernel_abi.SOFTMAX
 
 
 def _one_hot(v: tirx.PrimExpr, hot: tirx.PrimExpr) -> tirx.PrimExpr:
