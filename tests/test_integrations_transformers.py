@@ -266,6 +266,21 @@ def test_sampled_tokens_stay_in_hfs_top_p_set(lib):
     assert len(drawn) > rows  # it samples, not only the argmax
 
 
+def test_sampled_frequencies_follow_hfs_warped_distribution(lib):
+    """The statistical rule: 20,000 draws from one row of logits (each row its own stream) land on each token as
+    often as HF's temperature + top-p + softmax says, within sampling noise."""
+    vocab, rows = 61, 20000
+    logits = torch.from_numpy(np.random.default_rng(4).standard_normal(vocab).astype(np.float32) * 2)
+    ids = torch.zeros((rows, 1), dtype=torch.int64)
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(0.8), TopPLogitsWarper(0.9)])
+    expected = torch.softmax(warpers(ids[:1], logits[None].clone()), dim=-1)[0].numpy()
+    ours = LogitprocSampler(lib, GenerationConfig(temperature=0.8, top_p=0.9), vocab)
+    tokens = ours(ids, logits.repeat(rows, 1)).argmax(dim=1).numpy()
+    observed = np.bincount(tokens, minlength=vocab) / rows
+    assert observed[expected == 0].sum() == 0  # nothing outside HF's top-p set
+    assert np.abs(observed - expected).max() < 5 * np.sqrt(expected.max() / rows)  # five standard deviations
+
+
 def test_sampler_refuses_what_generate_cannot_return_and_rows_without_a_token(lib):
     with pytest.raises(ValueError, match="logprobs"):
         LogitprocSampler(lib, GenerationConfig(temperature=0.5, logprobs=True), 1003)
