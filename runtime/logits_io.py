@@ -20,6 +20,7 @@ import tvm
 import tvm_ffi
 
 from . import kernel_abi
+from .cuda_device import CudaArray, CudaDevice
 from .device import Device, PrefixViews
 from .wgsl import GPUArray
 
@@ -65,7 +66,7 @@ def caller_array(x: Any, what: str = "logits") -> Any:
 
     Raises TypeError for anything else, and for a tensor DLPack cannot share (torch's ``requires_grad``: detach it).
     """
-    if isinstance(x, (np.ndarray, tvm.runtime.Tensor, GPUArray)):
+    if isinstance(x, (np.ndarray, tvm.runtime.Tensor, GPUArray, CudaArray)):
         return x
     if not _is_dlpack(x):
         raise TypeError(f"{what} must be a float32 numpy.ndarray [num_rows, vocab], a tensor with __dlpack__ "
@@ -83,7 +84,7 @@ def is_host_array(x: Any) -> bool:
     """True for numpy arrays and CPU DLPack tensors (results come back as numpy for them)."""
     if isinstance(x, np.ndarray):
         return True
-    if isinstance(x, (tvm.runtime.Tensor, GPUArray)) or not _is_dlpack(x):
+    if isinstance(x, (tvm.runtime.Tensor, GPUArray, CudaArray)) or not _is_dlpack(x):
         return False
     return int(x.__dlpack_device__()[0]) in (DLPACK_CPU, DLPACK_CUDA_HOST)
 
@@ -146,6 +147,10 @@ class LogitsStaging:
         array = caller_array(logits)
         if not isinstance(array, np.ndarray):
             self._check_device(array)
+            if isinstance(self.device, CudaDevice) and isinstance(array, tvm.runtime.Tensor):
+                # the driver path launches on raw pointers: the same memory, held by the caller's tensor
+                return CudaArray(int(array.data_ptr()), tuple(int(s) for s in array.shape), np.dtype(str(array.dtype)),
+                                 base=array), None
             return array, None
         if self.device.kind == "cpu" and _in_place_ok(array):
             return tvm_ffi.from_dlpack(array, require_alignment=kernel_abi.CALLER_ARRAY_ALIGN), None

@@ -93,7 +93,20 @@ def check_runtime(library: KernelLibrary, device: Device) -> dict:
         allowed = all(exp_p[r, t] > 0 for r, t in enumerate(tokens))
         greedy = all(tokens[r] == int(np.argmax(exp_x[r])) for r, c in enumerate(configs) if c.temperature == 0)
         result["fused" if fused else "staged"] = {"tokens": tokens, "allowed": allowed, "greedy_equal": greedy}
-    result["ok"] = (result["logits_max_abs_error"] < 1e-4 and result["logits_inf_agree"]
+    try:  # a torch CUDA tensor is processed in place, without a host round trip
+        import torch
+
+        if torch.cuda.is_available():
+            tensor = torch.from_numpy(logits.copy()).cuda()
+            torch.cuda.synchronize()
+            proc.inplace_update_logits(tensor, states)
+            device.synchronize()
+            result["torch_cuda_max_abs_error"] = float(np.max(np.abs(np.where(finite, tensor.cpu().numpy() - exp_x,
+                                                                              0))))
+    except ImportError:
+        pass
+    result["ok"] = (result["logits_max_abs_error"] < 1e-4 and result.get("torch_cuda_max_abs_error", 0) < 1e-4
+                    and result["logits_inf_agree"]
                     and result["probs_max_abs_error"] < 1e-5
                     and all(result[k]["allowed"] and result[k]["greedy_equal"] for k in ("staged", "fused")))
     return result
@@ -117,10 +130,37 @@ def bench(library: KernelLibrary, device: Device, kernels: dict) -> list[dict]:
                 row[f"{case.kernel}_us"] = device.time_launches(lambda f=fn, a=args: f(*a), LAUNCHES_PER_GRAPH) * 1e6
             except Exception as exc:  # noqa: BLE001
                 row[f"{case.kernel}_us"] = f"{type(exc).__name__}: {exc}"
+        row.update(variant_times(device, kernels, rng, batch, vocab))
         row.update(torch_times(batch, vocab))
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
+
+
+def variant_times(device: Device, kernels: dict, rng: np.random.Generator, batch: int, vocab: int) -> dict:
+    """The sampling kernels with one filter at a time (what each costs): no filter, top-p 0.9 alone, top-k 50 alone."""
+    from kernel_cases import renormalize_case, sample_from_logits_case
+
+    out = {}
+    settings = {"plain": (0, 1.0, 0.0), "top_p": (0, 0.9, 0.0), "top_k": (50, 1.0, 0.0), "min_p": (0, 1.0, 0.05)}
+    for name, (k, p, m) in settings.items():
+        case = sample_from_logits_case(rng, batch, vocab)
+        args = [np.ascontiguousarray(a) for a in case.args]
+        args[2][:], args[3][:], args[4][:] = k, p, m  # top_k, top_p, min_p
+        args[5][:] = 0 if name == "plain" else 1  # renorm
+        args[7][:] = -1  # no mask
+        args[11][:] = 0  # no top-n
+        on = [device.upload(a) for a in args]
+        out[f"sample_{name}_us"] = device.time_launches(lambda a=on: kernels["sample_from_logits"](*a),
+                                                        LAUNCHES_PER_GRAPH) * 1e6
+        if name != "plain":
+            case = renormalize_case(rng, batch, vocab)
+            args = [np.ascontiguousarray(a) for a in case.args]
+            args[1][:], args[2][:], args[3][:] = k, p, m  # top_k, top_p, min_p
+            on = [device.upload(a) for a in args]
+            out[f"renormalize_{name}_us"] = device.time_launches(lambda a=on: kernels["renormalize_probs"](*a),
+                                                                 LAUNCHES_PER_GRAPH) * 1e6
+    return out
 
 
 def torch_times(batch: int, vocab: int) -> dict:

@@ -37,6 +37,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ._common import CPU_LANES, neg_inf, pos_inf
+from ._reductions import GPU_UNROLL
 
 #: Index of the identity entry: larger than every token id, so any real entry of equal value beats it.
 NO_INDEX = 2**31 - 1
@@ -168,15 +169,27 @@ def row_best_gpu(value: Callable[[tirx.PrimExpr], tirx.PrimExpr], vocab: tirx.Pr
     never before it in a loop (keep a previous pick in other buffers). Each thread scans indices tx, tx + threads, ...
     then the block combines the partials with all-reduces (barriers are placed by TVM's lowering, outside any ``if``).
     """
-    part_v[0] = neg_inf()
-    part_i[0] = NO_INDEX
-    for k in range((vocab + threads - 1) // threads):
-        if k * threads + tx < vocab:
-            if T.And(_eligible("all" if prev_v is None else "any", value(k * threads + tx), k * threads + tx, prev_v,
-                               prev_i),
-                     better(value(k * threads + tx), k * threads + tx, part_v[0], part_i[0])):
-                part_v[0] = value(k * threads + tx)
-                part_i[0] = k * threads + tx
+    lane_v = T.alloc_buffer((GPU_UNROLL,), "float32", scope="local")
+    lane_i = T.alloc_buffer((GPU_UNROLL,), "int32", scope="local")
+    for u in T.unroll(GPU_UNROLL):
+        lane_v[u] = neg_inf()
+        lane_i[u] = NO_INDEX
+    # GPU_UNROLL partials per thread (independent loads, as gpu_row_fold), combined in the same order of preference
+    for k in range((vocab + threads * GPU_UNROLL - 1) // (threads * GPU_UNROLL)):
+        for u in T.unroll(GPU_UNROLL):
+            if (k * GPU_UNROLL + u) * threads + tx < vocab:
+                if T.And(_eligible("all" if prev_v is None else "any", value((k * GPU_UNROLL + u) * threads + tx),
+                                   (k * GPU_UNROLL + u) * threads + tx, prev_v, prev_i),
+                         better(value((k * GPU_UNROLL + u) * threads + tx), (k * GPU_UNROLL + u) * threads + tx,
+                                lane_v[u], lane_i[u])):
+                    lane_v[u] = value((k * GPU_UNROLL + u) * threads + tx)
+                    lane_i[u] = (k * GPU_UNROLL + u) * threads + tx
+    part_v[0] = lane_v[0]
+    part_i[0] = lane_i[0]
+    for u in T.unroll(1, GPU_UNROLL):
+        if better(lane_v[u], lane_i[u], part_v[0], part_i[0]):
+            part_v[0] = lane_v[u]
+            part_i[0] = lane_i[u]
     # Two one-value all-reduces: the largest value, then the lowest index among the threads holding it. (A two-value
     # comm_reducer is not safe here: TVM 0.27 lowers its combine as one store per value, in order, and the later
     # stores read the values already overwritten by the earlier ones.)

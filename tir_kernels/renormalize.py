@@ -77,7 +77,7 @@ from tvm.script import tirx as T
 
 from ..runtime import kernel_abi
 from ._common import CALLER_ARRAY_ALIGN, CPU_LANES, is_cpu, max_threads
-from ._reductions import row_of
+from ._reductions import GPU_UNROLL, gpu_row_map, row_of
 
 NAME = kernel_abi.RENORMALIZE
 
@@ -589,23 +589,47 @@ def gpu_row_macros(threads: int, uniform_loops: bool) -> tuple[Callable[..., Non
         T.tvm_storage_sync("shared")
 
     @T.macro
+    def scan_one(value, i, mid, max_all, l_i, l_f, l_mn, l_mx, u):
+        x: T.let = value(i)
+        b: T.let = _bits(x)
+        if b >= mid:
+            l_i[u] = l_i[u] + 1
+            l_f[u] = l_f[u] + x
+            l_mn[u] = T.min(l_mn[u], b)
+        if max_all or b < mid:
+            l_mx[u] = T.max(l_mx[u], b)
+
+    @T.macro
     def scan(value, vocab, tx, mid, max_all, live, acc_i, acc_f, acc_mn, acc_mx, s_i, s_f, s_mn, s_mx):
         # Count, sum and smallest bits of the values with bits >= mid, and the largest bits below mid (of all values
-        # with max_all, a Python bool). The row is read only where live; the reduction always runs.
-        acc_i[0] = 0
-        acc_f[0] = T.float32(0)
-        acc_mn[0] = int_max
-        acc_mx[0] = int_min
-        for i in range(T.Select(live, (vocab + threads - 1) // threads, 0)):
-            if i * threads + tx < vocab:
-                x: T.let = value(i * threads + tx)
-                b: T.let = _bits(x)
-                if b >= mid:
-                    acc_i[0] = acc_i[0] + 1
-                    acc_f[0] = acc_f[0] + x
-                    acc_mn[0] = T.min(acc_mn[0], b)
-                if max_all or b < mid:
-                    acc_mx[0] = T.max(acc_mx[0], b)
+        # with max_all, a Python bool). The row is read only where live; the reduction always runs. Each thread
+        # reads GPU_UNROLL values per step into as many partials (independent loads), as gpu_row_fold.
+        l_i = T.alloc_buffer((GPU_UNROLL,), "int32", scope="local")
+        l_f = T.alloc_buffer((GPU_UNROLL,), "float32", scope="local")
+        l_mn = T.alloc_buffer((GPU_UNROLL,), "int32", scope="local")
+        l_mx = T.alloc_buffer((GPU_UNROLL,), "int32", scope="local")
+        for u in T.unroll(GPU_UNROLL):
+            l_i[u] = 0
+            l_f[u] = T.float32(0)
+            l_mn[u] = int_max
+            l_mx[u] = int_min
+        span: T.let = threads * GPU_UNROLL
+        for k in range(T.Select(live, vocab // span, 0)):
+            for u in T.unroll(GPU_UNROLL):
+                scan_one(value, (k * GPU_UNROLL + u) * threads + tx, mid, max_all, l_i, l_f, l_mn, l_mx, u)
+        if live:
+            for u in T.unroll(GPU_UNROLL):
+                if vocab // span * span + u * threads + tx < vocab:
+                    scan_one(value, vocab // span * span + u * threads + tx, mid, max_all, l_i, l_f, l_mn, l_mx, u)
+        acc_i[0] = l_i[0]
+        acc_f[0] = l_f[0]
+        acc_mn[0] = l_mn[0]
+        acc_mx[0] = l_mx[0]
+        for u in T.unroll(1, GPU_UNROLL):
+            acc_i[0] = acc_i[0] + l_i[u]
+            acc_f[0] = acc_f[0] + l_f[u]
+            acc_mn[0] = T.min(acc_mn[0], l_mn[u])
+            acc_mx[0] = T.max(acc_mx[0], l_mx[u])
         block_reduce(tx, acc_i, acc_f, acc_mn, acc_mx, s_i, s_f, s_mn, s_mx)
 
     @T.macro
@@ -686,10 +710,7 @@ def gpu_row_macros(threads: int, uniform_loops: bool) -> tuple[Callable[..., Non
 
     @T.macro
     def scale(value, vocab, tx, lo, mass, out, r):
-        for i in range((vocab + threads - 1) // threads):
-            if i * threads + tx < vocab:
-                x: T.let = value(i * threads + tx)
-                out[r, i * threads + tx] = rescaled(x, lo, mass)
+        gpu_row_map(out, r, vocab, tx, threads, lambda i: rescaled(value(i), lo, mass))
 
     return threshold, scale
 
