@@ -556,41 +556,63 @@ def _cpu() -> tirx.PrimFunc:
     return renormalize_probs
 
 
-def gpu_row_macros(threads: int, uniform_loops: bool) -> tuple[Callable[..., None], Callable[..., None]]:
+def gpu_row_macros(threads: int, uniform_loops: bool, shuffle_reduce: bool = False
+                   ) -> tuple[Callable[..., None], Callable[..., None]]:
     """The GPU row macros ``threshold`` and ``scale`` (as ``cpu_row_macros``), for one block per row.
 
     ``uniform_loops`` (WGSL): bisections run a fixed 31 steps, idle once converged, so that every barrier sits in
     uniform control flow as WGSL's uniformity analysis demands (Tint enforces it); elsewhere they are while loops that
-    stop as soon as the interval closes."""
+    stop as soon as the interval closes. ``shuffle_reduce`` (CUDA): block reductions through warp shuffles.
+    """
     int_max, int_min = T.int32(_INT_MAX), T.int32(_INT_MIN)
     log_threads = threads.bit_length() - 1
     assert threads == 1 << log_threads, "the tree reductions need a power-of-two block size"
 
     @T.macro
     def block_reduce(tx, acc_i, acc_f, acc_mn, acc_mx, s_i, s_f, s_mn, s_mx):
-        # Combine every thread's (count, sum, min, max): four one-value all-reduces (warp shuffles, then one value
-        # per warp through shared memory), every thread gets the result in its acc_*[0]. s_*: unused (kept so the
-        # macros' signatures match the shared-memory tree this replaced).
-        r_i = T.alloc_buffer((1,), "int32", scope="local")
-        r_f = T.alloc_buffer((1,), "float32", scope="local")
-        r_mn = T.alloc_buffer((1,), "int32", scope="local")
-        r_mx = T.alloc_buffer((1,), "int32", scope="local")
-        with T.attr(T.comm_reducer(lambda a, b: a + b, [T.int32(0)]), "reduce_scope",
-                    T.reinterpret("handle", T.uint64(0))):
-            T.tvm_thread_allreduce(T.uint32(1), acc_i[0], True, r_i[0], tx, dtype="handle")
-        with T.attr(T.comm_reducer(lambda a, b: a + b, [T.float32(0)]), "reduce_scope",
-                    T.reinterpret("handle", T.uint64(0))):
-            T.tvm_thread_allreduce(T.uint32(1), acc_f[0], True, r_f[0], tx, dtype="handle")
-        with T.attr(T.comm_reducer(lambda a, b: T.min(a, b), [int_max]), "reduce_scope",
-                    T.reinterpret("handle", T.uint64(0))):
-            T.tvm_thread_allreduce(T.uint32(1), acc_mn[0], True, r_mn[0], tx, dtype="handle")
-        with T.attr(T.comm_reducer(lambda a, b: T.max(a, b), [int_min]), "reduce_scope",
-                    T.reinterpret("handle", T.uint64(0))):
-            T.tvm_thread_allreduce(T.uint32(1), acc_mx[0], True, r_mx[0], tx, dtype="handle")
-        acc_i[0] = r_i[0]
-        acc_f[0] = r_f[0]
-        acc_mn[0] = r_mn[0]
-        acc_mx[0] = r_mx[0]
+        # Combine every thread's (count, sum, min, max); every thread gets the result in its acc_*[0]. CUDA: four
+        # one-value all-reduces (warp shuffles, one value per warp through shared memory). Elsewhere a tree through
+        # the shared arrays s_*, which ends with a barrier so they can be reused at once (an all-reduce per call site
+        # takes a block-sized shared buffer there: the fused kernel's would exceed ROCm's 64 KB of LDS).
+        if shuffle_reduce:
+            r_i = T.alloc_buffer((1,), "int32", scope="local")
+            r_f = T.alloc_buffer((1,), "float32", scope="local")
+            r_mn = T.alloc_buffer((1,), "int32", scope="local")
+            r_mx = T.alloc_buffer((1,), "int32", scope="local")
+            with T.attr(T.comm_reducer(lambda a, b: a + b, [T.int32(0)]), "reduce_scope",
+                        T.reinterpret("handle", T.uint64(0))):
+                T.tvm_thread_allreduce(T.uint32(1), acc_i[0], True, r_i[0], tx, dtype="handle")
+            with T.attr(T.comm_reducer(lambda a, b: a + b, [T.float32(0)]), "reduce_scope",
+                        T.reinterpret("handle", T.uint64(0))):
+                T.tvm_thread_allreduce(T.uint32(1), acc_f[0], True, r_f[0], tx, dtype="handle")
+            with T.attr(T.comm_reducer(lambda a, b: T.min(a, b), [int_max]), "reduce_scope",
+                        T.reinterpret("handle", T.uint64(0))):
+                T.tvm_thread_allreduce(T.uint32(1), acc_mn[0], True, r_mn[0], tx, dtype="handle")
+            with T.attr(T.comm_reducer(lambda a, b: T.max(a, b), [int_min]), "reduce_scope",
+                        T.reinterpret("handle", T.uint64(0))):
+                T.tvm_thread_allreduce(T.uint32(1), acc_mx[0], True, r_mx[0], tx, dtype="handle")
+            acc_i[0] = r_i[0]
+            acc_f[0] = r_f[0]
+            acc_mn[0] = r_mn[0]
+            acc_mx[0] = r_mx[0]
+        else:
+            s_i[tx] = acc_i[0]
+            s_f[tx] = acc_f[0]
+            s_mn[tx] = acc_mn[0]
+            s_mx[tx] = acc_mx[0]
+            T.tvm_storage_sync("shared")
+            for step in T.unroll(log_threads):
+                if tx < T.shift_right(threads, step + 1):
+                    s_i[tx] = s_i[tx] + s_i[tx + T.shift_right(threads, step + 1)]
+                    s_f[tx] = s_f[tx] + s_f[tx + T.shift_right(threads, step + 1)]
+                    s_mn[tx] = T.min(s_mn[tx], s_mn[tx + T.shift_right(threads, step + 1)])
+                    s_mx[tx] = T.max(s_mx[tx], s_mx[tx + T.shift_right(threads, step + 1)])
+                T.tvm_storage_sync("shared")
+            acc_i[0] = s_i[0]
+            acc_f[0] = s_f[0]
+            acc_mn[0] = s_mn[0]
+            acc_mx[0] = s_mx[0]
+            T.tvm_storage_sync("shared")
 
     @T.macro
     def scan_one(value, i, mid, max_all, l_i, l_f, l_mn, l_mx, u):
@@ -719,8 +741,8 @@ def gpu_row_macros(threads: int, uniform_loops: bool) -> tuple[Callable[..., Non
     return threshold, scale
 
 
-def _gpu(threads: int, uniform_loops: bool) -> tirx.PrimFunc:
-    threshold, scale = gpu_row_macros(threads, uniform_loops)
+def _gpu(threads: int, uniform_loops: bool, shuffle_reduce: bool) -> tirx.PrimFunc:
+    threshold, scale = gpu_row_macros(threads, uniform_loops, shuffle_reduce)
 
     @T.prim_func
     def renormalize_probs(var_probs: T.handle, var_top_k: T.handle, var_top_p: T.handle, var_min_p: T.handle,
@@ -744,4 +766,7 @@ def _gpu(threads: int, uniform_loops: bool) -> tirx.PrimFunc:
 
 def get_renormalize_probs(target: tvm.target.Target) -> tirx.PrimFunc:
     """The kernel scheduled for ``target``'s kind (see the module docstring for the operation)."""
-    return _cpu() if is_cpu(target) else _gpu(max_threads(target), uniform_loops=target.kind.name == "webgpu")
+    if is_cpu(target):
+        return _cpu()
+    return _gpu(max_threads(target), uniform_loops=target.kind.name == "webgpu",
+                shuffle_reduce=target.kind.name == "cuda")

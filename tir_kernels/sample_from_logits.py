@@ -264,9 +264,9 @@ def _cpu_rows() -> Callable[..., None]:
     return rows
 
 
-def _gpu_rows(threads: int, uniform_loops: bool) -> Callable[..., None]:
+def _gpu_rows(threads: int, uniform_loops: bool, shuffle_reduce: bool) -> Callable[..., None]:
     """The GPU loop nest: one block of ``threads`` per row (see the module docstring)."""
-    threshold, _ = renormalize.gpu_row_macros(threads, uniform_loops)
+    threshold, _ = renormalize.gpu_row_macros(threads, uniform_loops, shuffle_reduce)
     sample_row = multinomial.gpu_row_macro(threads)
 
     @T.macro
@@ -349,4 +349,5 @@ def get_sample_from_logits(target: tvm.target.Target) -> tirx.PrimFunc:
     """The kernel scheduled for ``target``'s kind (see the module docstring for the operation)."""
     if is_cpu(target):
         return _kernel(_cpu_rows())
-    return _kernel(_gpu_rows(max_threads(target), uniform_loops=target.kind.name == "webgpu"))
+    return _kernel(_gpu_rows(max_threads(target), uniform_loops=target.kind.name == "webgpu",
+                             shuffle_reduce=target.kind.name == "cuda"))
