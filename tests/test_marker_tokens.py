@@ -1,0 +1,175 @@
+"""Tool calls and reasoning when the markers are control tokens of the vocabulary, through ``logitproc serve`` and the
+official openai client.
+
+The model is the tiny random one with ``<think>``, ``</think>``, ``<tool_call>``, ``</tool_call>``, ``[TOOL_CALLS]``
+and ``[ARGS]`` added as control tokens (special in its tokenizer.json: ``tiny_variants.marker_tiny``), served with
+Qwen3's and Mistral Small 3.2's real templates. The grammar must name these tokens: the answers' tokens hold each
+marker as its one token (the logprobs' token texts), never spelled out, and the parser still reads the calls and
+the reasoning (the detokenizer keeps the control tokens for it). The think budget (vLLM's ``thinking_token_budget``)
+is checked here end to end: the reasoning is cut at the budget by the forced ``</think>`` token.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import jsonschema
+import material
+import openai
+import pytest
+import tiny_variants
+from server_process import KEY, ServerProcess
+from test_server_tools import MESSAGES, SCHEMAS, TOOLS
+
+TEMPLATES = material.llama_cpp_models() / "templates"
+
+
+@pytest.fixture(scope="module")
+def marker_model(tmp_path_factory) -> str:
+    return str(tiny_variants.write_marker_tiny(tmp_path_factory.mktemp("markers")))
+
+
+def _serve(model: str, template: str) -> ServerProcess:
+    return ServerProcess("--model", model, "--max-batch", "8", "--chat-template", str(TEMPLATES / template))
+
+
+@pytest.fixture(scope="module")
+def qwen(marker_model) -> Iterator[tuple[openai.OpenAI, str]]:
+    proc = _serve(marker_model, "Qwen-Qwen3-0.6B.jinja")
+    try:
+        client = openai.OpenAI(base_url=proc.url + "/v1", api_key=KEY, max_retries=0, timeout=300)
+        yield client, client.models.list().data[0].id
+    finally:
+        assert proc.stop() == 0
+
+
+def _tokens(choice) -> list[str]:
+    return [t.token for t in choice.logprobs.content]
+
+
+def _assert_valid(message) -> None:
+    assert message.tool_calls
+    for call in message.tool_calls:
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+def test_the_vocabulary_has_the_markers_as_control_tokens(marker_model) -> None:
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(f"{marker_model}/tokenizer.json")
+    added = {t.content: t for t in tokenizer.get_added_tokens_decoder().values()}
+    for marker in tiny_variants.MARKER_TOKENS:
+        assert added[marker].special, marker
+        assert tokenizer.decode([tokenizer.token_to_id(marker)], skip_special_tokens=True) == ""
+
+
+def _spelled(tokens: list[str], markers: tuple[str, ...]) -> bool:
+    """Whether a marker's text appears in the answer other than as its token."""
+    text = "".join(t for t in tokens if t not in markers)
+    return any(m[1:] in text for m in markers)
+
+
+#: Seeds whose calls close within max_tokens by themselves: the closing at max_tokens cannot plan through a control
+#: token (docs/server.md), so a call still open at the budget is cut there (and left out of tool_calls).
+CLOSING_SEEDS = (0, 1, 6)
+
+
+def test_hermes_calls_are_written_with_the_marker_tokens(qwen) -> None:
+    client, model = qwen
+    for seed in CLOSING_SEEDS:
+        choice = client.chat.completions.create(model=model, messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                                                max_tokens=200, temperature=1.0, seed=seed, logprobs=True).choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        _assert_valid(choice.message)
+        tokens = _tokens(choice)
+        assert tokens.count("<tool_call>") == tokens.count("</tool_call>") == len(choice.message.tool_calls)
+        assert not _spelled(tokens, ("<tool_call>", "</tool_call>"))
+
+
+def test_auto_text_then_a_call_token(qwen) -> None:
+    """Under auto the free text ends where the <tool_call> token comes; the text is content, the call parsed."""
+    client, model = qwen
+    r = client.chat.completions.create(model=model, messages=MESSAGES, tools=TOOLS, max_tokens=120, temperature=1.0,
+                                       seed=0, n=3, logprobs=True)
+    for choice in r.choices:
+        if choice.message.tool_calls:
+            _assert_valid(choice.message)
+            assert "<tool_call>" in _tokens(choice)
+        assert "<tool_call>" not in (choice.message.content or "")
+
+
+def test_streamed_calls_accumulate_to_the_non_streamed_ones(qwen) -> None:
+    client, model = qwen
+    kwargs = dict(model=model, messages=MESSAGES, tools=TOOLS, tool_choice="required", max_tokens=200,
+                  temperature=1.0, seed=1)
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    with client.chat.completions.stream(**kwargs) as stream:
+        final = stream.get_final_completion().choices[0]
+    assert final.finish_reason == whole.finish_reason == "tool_calls"
+    assert [(c.function.name, c.function.arguments) for c in final.message.tool_calls] == [
+        (c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+
+
+def _reasoning_stream(client, kwargs) -> tuple[str, str]:
+    reasoning = content = ""
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        if chunk.choices:
+            delta = chunk.choices[0].delta
+            reasoning += (delta.model_extra or {}).get("reasoning_content") or ""
+            content += delta.content or ""
+    return reasoning, content
+
+
+@pytest.mark.parametrize("budget", [0, 3, 12])
+def test_the_think_budget_cuts_the_reasoning(qwen, budget) -> None:
+    """thinking_token_budget: the engine opens the think block (the <think> token ends the prompt), at most
+    ``budget`` tokens of reasoning, then the forced </think> token; reasoning_content and content split there,
+    streamed as not."""
+    client, model = qwen
+    kwargs = dict(model=model, messages=MESSAGES, max_tokens=30, temperature=1.0, seed=7 + budget,
+                  extra_body={"thinking_token_budget": budget, "ignore_eos": True})
+    choice = client.chat.completions.create(logprobs=True, **kwargs).choices[0]
+    tokens = _tokens(choice)
+    end = tokens.index("</think>")
+    assert end <= budget and "<think>" not in tokens[:end]
+    message = choice.message
+    if not any("\ufffd" in t for t in tokens):  # every token whole characters: the texts are the tokens' texts
+        assert message.reasoning_content == ("".join(tokens[:end]).strip() or None)
+        assert message.content == "".join(tokens[end + 1:]).lstrip()
+    assert _reasoning_stream(client, kwargs) == (message.reasoning_content or "", message.content)
+
+
+def test_the_think_budget_then_a_call(qwen) -> None:
+    """With tools the call grammar starts after thinking: reasoning, then a call of marker tokens."""
+    client, model = qwen
+    choice = client.chat.completions.create(
+        model=model, messages=MESSAGES, tools=TOOLS, tool_choice="required", max_tokens=200, temperature=1.0,
+        seed=6, logprobs=True, extra_body={"thinking_token_budget": 6}).choices[0]
+    assert choice.finish_reason == "tool_calls"
+    _assert_valid(choice.message)
+    tokens = _tokens(choice)
+    assert tokens.index("</think>") <= 6 and tokens.index("</think>") < tokens.index("<tool_call>")
+    assert "<tool_call>" not in (choice.message.model_extra["reasoning_content"] or "")
+
+
+def test_mistral_calls_with_control_tokens(marker_model) -> None:
+    """[TOOL_CALLS] and [ARGS] are special tokens (dropped from text by default): the turn keeps them for the
+    parser; the calls come back parsed and valid, each marker one token."""
+    proc = _serve(marker_model, "Mistral-Small-3.2-24B-Instruct-2506.jinja")
+    try:
+        client = openai.OpenAI(base_url=proc.url + "/v1", api_key=KEY, max_retries=0, timeout=300)
+        model = client.models.list().data[0].id
+        messages = [{"role": "system", "content": "You call tools."}, *MESSAGES]
+        for seed in range(3):
+            choice = client.chat.completions.create(model=model, messages=messages, tools=TOOLS,
+                                                    tool_choice="required", max_tokens=200, temperature=1.0,
+                                                    seed=seed, logprobs=True).choices[0]
+            assert choice.finish_reason == "tool_calls", choice
+            _assert_valid(choice.message)
+            tokens = _tokens(choice)
+            assert tokens.count("[TOOL_CALLS]") == tokens.count("[ARGS]") == len(choice.message.tool_calls)
+            assert not _spelled(tokens, ("[TOOL_CALLS]", "[ARGS]"))
+            assert all(len(c.id) == 9 for c in choice.message.tool_calls)
+    finally:
+        assert proc.stop() == 0
