@@ -70,8 +70,6 @@ def _spelled(tokens: list[str], markers: tuple[str, ...]) -> bool:
     return any(m[1:] in text for m in markers)
 
 
-#: Seeds whose calls close within max_tokens by themselves: the closing at max_tokens cannot plan through a control
-#: token (docs/server.md), so a call still open at the budget is cut there (and left out of tool_calls).
 CLOSING_SEEDS = (0, 1, 6)
 
 
@@ -85,6 +83,20 @@ def test_hermes_calls_are_written_with_the_marker_tokens(qwen) -> None:
         tokens = _tokens(choice)
         assert tokens.count("<tool_call>") == tokens.count("</tool_call>") == len(choice.message.tool_calls)
         assert not _spelled(tokens, ("<tool_call>", "</tool_call>"))
+
+
+def test_calls_close_in_time_through_the_control_token(qwen) -> None:
+    """The closing at max_tokens plans through </tool_call> as a token (the grammar names it): a short budget still
+    gives a whole call, closed in time."""
+    client, model = qwen
+    r = client.chat.completions.create(model=model, messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                                       parallel_tool_calls=False, max_tokens=90, temperature=1.0, seed=2, n=4,
+                                       logprobs=True)
+    for choice in r.choices:
+        assert choice.finish_reason == "tool_calls", choice
+        _assert_valid(choice.message)
+        assert "</tool_call>" in _tokens(choice)[-2:]  # then the end of the answer (or the budget)
+    assert any(c.model_extra["closed_at_max_tokens"] for c in r.choices)
 
 
 def test_auto_text_then_a_call_token(qwen) -> None:
