@@ -123,6 +123,19 @@ def test_streamed_calls_accumulate_to_the_non_streamed_ones(qwen) -> None:
         (c.function.name, c.function.arguments) for c in whole.message.tool_calls]
 
 
+def test_a_grammar_naming_a_control_token_and_skip_special_tokens(qwen) -> None:
+    """A user's Lark grammar names a control token by id; vLLM's skip_special_tokens says whether its text shows."""
+    client, model = qwen
+    think = tiny_variants.marker_tiny().tokens.index("<think>")
+    fmt = {"type": "grammar", "grammar": f'start: <[{think}]> "ab"'}
+    texts = [client.completions.create(model=model, prompt="x", max_tokens=5, extra_body={
+        "response_format": fmt, **extra}).choices[0].text for extra in ({}, {"skip_special_tokens": False})]
+    assert texts == ["ab", "<think>ab"]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=model, prompt="x", max_tokens=5, extra_body={"skip_special_tokens": "no"})
+    assert caught.value.body["param"] == "skip_special_tokens"
+
+
 def _reasoning_stream(client, kwargs) -> tuple[str, str]:
     reasoning = content = ""
     for chunk in client.chat.completions.create(stream=True, **kwargs):
