@@ -2,8 +2,9 @@
 generation config that constrains its calls, and the parser that splits each answer into OpenAI's message parts.
 
 ``ChatTraits.of(template, tokenizer)`` reads a template once: its call syntax (``tool_syntax.detect_syntax``, from a
-probe call rendered through it), whether it is a thinking template (its source writes ``<think>`` ... ``</think>``),
-and which of the markers these use are control tokens of the vocabulary (added tokens marked special or written like
+probe call rendered through it), whether it is a thinking template (its source writes ``<think>`` ... ``</think>``,
+or Mistral's ``[THINK]`` ... ``[/THINK]``: those markers are the reasoning parser's and the think budget's), and
+which of the markers these use are control tokens of the vocabulary (added tokens marked special or written like
 tags, ``<...>``, as llguidance counts them): the grammar matches those as tokens, and when one of them is marked
 special the answers are detokenized with control tokens kept (``skip_special_tokens=False``) so that the parser
 sees it.
@@ -35,6 +36,9 @@ if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
 THINK_BEGIN, THINK_END = "<think>", "</think>"
+#: The think markers of the families whose templates write a think block (the first pair a template holds counts):
+#: ``<think>`` (Qwen3, QwQ, DeepSeek-R1) and Mistral's ``[THINK]`` (Magistral, Ministral 3 Reasoning).
+THINK_MARKERS = ((THINK_BEGIN, THINK_END), ("[THINK]", "[/THINK]"))
 
 
 @dataclass(frozen=True)
@@ -47,23 +51,24 @@ class ChatTraits:
     thinking: bool
     marker_tokens: Mapping[str, int] = field(default_factory=dict)
     keep_special: bool = False
+    think: tuple[str, str] = (THINK_BEGIN, THINK_END)  # the think block's markers (when ``thinking``)
 
     @classmethod
     def of(cls, template: ChatTemplate, tokenizer: Tokenizer | None = None) -> ChatTraits:
         source = template.source
         syntax = detect_syntax(template)
-        thinking = THINK_BEGIN in source and THINK_END in source
-        markers = (*(syntax.markers if syntax is not None else ()), *((THINK_BEGIN, THINK_END) if thinking else ()))
+        think = next(((b, e) for b, e in THINK_MARKERS if b in source and e in source), None)
+        markers = (*(syntax.markers if syntax is not None else ()), *(think or ()))
         added = {} if tokenizer is None else {t.content: (i, t.special)
                                               for i, t in tokenizer.get_added_tokens_decoder().items()}
         controls = {m: added[m] for m in markers if m in added and (added[m][1] or (m[0] == "<" and m[-1] == ">"))}
-        return cls(syntax, thinking, {m: i for m, (i, _) in controls.items()},
-                   any(special for _, special in controls.values()))
+        return cls(syntax, think is not None, {m: i for m, (i, _) in controls.items()},
+                   any(special for _, special in controls.values()), think or (THINK_BEGIN, THINK_END))
 
 
-def ends_inside_think(prompt_tail: str) -> bool:
-    """Whether a prompt ending with ``prompt_tail`` leaves a think block open."""
-    return prompt_tail.rfind(THINK_BEGIN) > prompt_tail.rfind(THINK_END)
+def ends_inside_think(prompt_tail: str, begin: str = THINK_BEGIN, end: str = THINK_END) -> bool:
+    """Whether a prompt ending with ``prompt_tail`` leaves a think block (``begin`` ... ``end``) open."""
+    return prompt_tail.rfind(begin) > prompt_tail.rfind(end)
 
 
 def _grammar(syntax: CallSyntax, tools: ToolRequest, markers: ReasoningMarkers | None,
@@ -109,8 +114,11 @@ class TurnPlan:
              prompt_tail: str) -> TurnPlan:
         markers = None
         if traits.thinking:
-            inside = config.max_thinking_tokens is not None or ends_inside_think(prompt_tail)
-            markers = ReasoningMarkers(THINK_BEGIN, THINK_END, inside)
+            begin, end = traits.think
+            inside = config.max_thinking_tokens is not None or ends_inside_think(prompt_tail, begin, end)
+            markers = ReasoningMarkers(begin, end, inside)
+            if (config.think_begin, config.think_end) != traits.think:  # the think budget's markers: the template's
+                config = replace(config, think_begin=begin, think_end=end)
         if traits.keep_special:  # a marker the parser reads is a control token: keep it in the text
             config = replace(config, skip_special_tokens=False)
         if tools is None or not tools.calls_expected:

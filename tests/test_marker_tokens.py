@@ -1,12 +1,13 @@
 """Tool calls and reasoning when the markers are control tokens of the vocabulary, through ``logitproc serve`` and the
 official openai client.
 
-The model is the tiny random one with ``<think>``, ``</think>``, ``<tool_call>``, ``</tool_call>``, ``[TOOL_CALLS]``
-and ``[ARGS]`` added as control tokens (special in its tokenizer.json: ``tiny_variants.marker_tiny``), served with
-Qwen3's and Mistral Small 3.2's real templates. The grammar must name these tokens: the answers' tokens hold each
-marker as its one token (the logprobs' token texts), never spelled out, and the parser still reads the calls and
-the reasoning (the detokenizer keeps the control tokens for it). The think budget (vLLM's ``thinking_token_budget``)
-is checked here end to end: the reasoning is cut at the budget by the forced ``</think>`` token.
+The model is the tiny random one with ``<think>``, ``</think>``, ``<tool_call>``, ``</tool_call>``, ``[TOOL_CALLS]``,
+``[ARGS]``, ``[THINK]`` and ``[/THINK]`` added as control tokens (special in its tokenizer.json:
+``tiny_variants.marker_tiny``), served with Qwen3's, Mistral Small 3.2's and Ministral 3 Reasoning's real templates.
+The grammar must name these tokens: the answers' tokens hold each marker as its one token (the logprobs' token
+texts), never spelled out, and the parser still reads the calls and the reasoning (the detokenizer keeps the control
+tokens for it). The think budget (vLLM's ``thinking_token_budget``) is checked here end to end: the reasoning is cut
+at the budget by the forced end-marker token.
 """
 
 from __future__ import annotations
@@ -196,5 +197,35 @@ def test_mistral_calls_with_control_tokens(marker_model) -> None:
             assert tokens.count("[TOOL_CALLS]") == tokens.count("[ARGS]") == len(choice.message.tool_calls)
             assert not _spelled(tokens, ("[TOOL_CALLS]", "[ARGS]"))
             assert all(len(c.id) == 9 for c in choice.message.tool_calls)
+    finally:
+        assert proc.stop() == 0
+
+
+def test_mistral_think_markers_and_budget(marker_model) -> None:
+    """Ministral 3 Reasoning's template writes Mistral's [THINK] ... [/THINK]: they are the reasoning parser's and
+    the think budget's markers (control tokens here): the budget forces [/THINK], reasoning_content and content split
+    there, streamed as not; with tools the call comes after thinking."""
+    proc = _serve(marker_model, "mistralai-Ministral-3-14B-Reasoning-2512.jinja")
+    try:
+        client = openai.OpenAI(base_url=proc.url + "/v1", api_key=KEY, max_retries=0, timeout=300)
+        model = client.models.list().data[0].id
+        messages = [{"role": "system", "content": "Think, then answer."}, *MESSAGES]
+        for budget in (0, 5):
+            kwargs = dict(model=model, messages=messages, max_tokens=30, temperature=1.0, seed=budget,
+                          extra_body={"thinking_token_budget": budget, "ignore_eos": True})
+            choice = client.chat.completions.create(logprobs=True, **kwargs).choices[0]
+            tokens = _tokens(choice)
+            end = tokens.index("[/THINK]")
+            assert end <= budget and "[THINK]" not in tokens[:end]
+            message = choice.message
+            assert "[/THINK]" not in (message.reasoning_content or "")
+            assert _reasoning_stream(client, kwargs) == (message.reasoning_content or "", message.content)
+        choice = client.chat.completions.create(
+            model=model, messages=messages, tools=TOOLS, tool_choice="required", max_tokens=200, temperature=1.0,
+            seed=1, logprobs=True, extra_body={"thinking_token_budget": 4}).choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        _assert_valid(choice.message)
+        tokens = _tokens(choice)
+        assert tokens.index("[/THINK]") <= 4 and tokens.index("[/THINK]") < tokens.index("[TOOL_CALLS]")
     finally:
         assert proc.stop() == 0

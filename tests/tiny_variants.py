@@ -40,7 +40,7 @@ def qwen_tiny() -> GGUFModel:
 
 
 #: The chat markers the marker model has as control tokens of its own (Qwen's and Mistral's).
-MARKER_TOKENS = ("<think>", "</think>", "<tool_call>", "</tool_call>", "[TOOL_CALLS]", "[ARGS]")
+MARKER_TOKENS = ("<think>", "</think>", "<tool_call>", "</tool_call>", "[TOOL_CALLS]", "[ARGS]", "[THINK]", "[/THINK]")
 MARKER_DIRECTORY_NAME = "marker-tiny"
 
 
