@@ -413,7 +413,8 @@ def test_llama_3_1_json_calls(template_path) -> None:
 
 PIECES = ["<tool_call>", "\n", '{"name": "f", "arguments": ', '{"name": "g\\"", "arguments": ', "{", "}", '"', "\\",
           "</tool_call>", "<think>", "</think>", " ", "a", ",", "[", "]", '"k": ', "1", "<tool_", "</thi",
-          "[TOOL_CALLS]", "[TOOL_CALLS][", "f[ARGS]", "[ARGS]", "[CALL_ID]abc", ", ", "[TOOL_"]
+          "[TOOL_CALLS]", "[TOOL_CALLS][", "f[ARGS]", "[ARGS]", "[CALL_ID]abc", ", ", "[TOOL_", "[THINK]", "[/THINK]",
+          "[/THI"]
 
 
 def _split(parser: AnswerParser, text: str, cuts: list[int]) -> tuple[str, str, list[tuple[str, str]], str | None]:
@@ -431,11 +432,12 @@ def _split(parser: AnswerParser, text: str, cuts: list[int]) -> tuple[str, str, 
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.sampled_from(PIECES), max_size=40), st.lists(st.integers(0, 400), max_size=12),
-       st.sampled_from([*CallSyntax, None]), st.booleans(), st.booleans())
-def test_any_text_cut_anywhere_splits_as_the_whole_text(pieces, cuts, syntax, thinking, inside) -> None:
+       st.sampled_from([*CallSyntax, None]), st.booleans(), st.booleans(), st.booleans())
+def test_any_text_cut_anywhere_splits_as_the_whole_text(pieces, cuts, syntax, thinking, inside, mistral) -> None:
     """The parser never fails on any text, and a stream cut anywhere gives the non-streamed message."""
     text = "".join(pieces)
-    markers = ReasoningMarkers(starts_inside=inside) if thinking else None
+    think = ("[THINK]", "[/THINK]") if mistral else ("<think>", "</think>")
+    markers = ReasoningMarkers(*think, starts_inside=inside) if thinking else None
     whole = _split(AnswerParser(syntax, markers), text, [])
     assert _split(AnswerParser(syntax, markers), text, cuts) == whole
 
