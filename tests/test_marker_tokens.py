@@ -23,8 +23,6 @@ import tiny_variants
 from server_process import KEY, ServerProcess
 from test_server_tools import MESSAGES, SCHEMAS, TOOLS
 
-TEMPLATES = material.llama_cpp_models() / "templates"
-
 
 @pytest.fixture(scope="module")
 def marker_model(tmp_path_factory) -> str:
@@ -32,7 +30,8 @@ def marker_model(tmp_path_factory) -> str:
 
 
 def _serve(model: str, template: str) -> ServerProcess:
-    return ServerProcess("--model", model, "--max-batch", "8", "--chat-template", str(TEMPLATES / template))
+    templates = material.llama_cpp_models() / "templates"  # fetched on first use (not at collection)
+    return ServerProcess("--model", model, "--max-batch", "8", "--chat-template", str(templates / template))
 
 
 @pytest.fixture(scope="module")
