@@ -17,6 +17,7 @@ import jsonschema
 import material
 import openai
 import pytest
+from logitproc.serve.answer_parser import AnswerParser
 from logitproc.serve.chat_template import ChatTemplate
 from logitproc.serve.tool_syntax import CallSyntax, detect_syntax
 from server_process import KEY, ServerProcess
@@ -60,6 +61,25 @@ def _calls(message) -> list[tuple[str, str]]:
 def test_the_syntax_is_read_from_mistral_s_templates(name) -> None:
     expected = CallSyntax.MISTRAL_JSON if "Nemo" in name else CallSyntax.MISTRAL_ARGS
     assert detect_syntax(ChatTemplate.from_file(_template(name), "<s>", "</s>")) is expected
+
+
+MISTRAL_ANSWERS = {
+    CallSyntax.MISTRAL_JSON: 'Sure. [TOOL_CALLS][{"name": "add", "arguments": {"a": 1, "s": "], {"}}, '
+                             '{"name": "w", "arguments": {}}]',
+    CallSyntax.MISTRAL_ARGS: 'Sure. [TOOL_CALLS]add[ARGS]{"a": 1, "s": "[TOOL_CALLS]}"}[TOOL_CALLS]w[ARGS]{}',
+}
+
+
+@pytest.mark.parametrize("syntax", list(MISTRAL_ANSWERS))
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_the_parser_reads_mistral_calls_however_the_text_is_cut(syntax, step) -> None:
+    text = MISTRAL_ANSWERS[syntax]
+    parser = AnswerParser(syntax)
+    pieces = [parser.feed(text[i:i + step]) for i in range(0, len(text), step)] + [parser.finish()]
+    assert "".join(p.content for p in pieces) == "Sure. "
+    assert [(c.name, c.arguments) for c in parser.tool_calls] == [("add", '{"a": 1, "s": "' + (
+        "], {" if syntax is CallSyntax.MISTRAL_JSON else "[TOOL_CALLS]}") + '"}'), ("w", "{}")]
+    assert all(MISTRAL_ID.fullmatch(c.id) for c in parser.tool_calls) and parser.finish_reason("stop") == "tool_calls"
 
 
 def test_required_and_named_calls_parse_and_validate(served) -> None:
