@@ -45,12 +45,13 @@ THINK_MARKERS = ((THINK_BEGIN, THINK_END), ("[THINK]", "[/THINK]"))
 class ChatTraits:
     """What a chat template supports: the tool-call syntax it writes (None: none known), and a think block; with
     the markers of these that are control tokens of the vocabulary (``marker_tokens``: text -> id), and whether one
-    of them is marked special (``keep_special``: the detokenizer must keep control tokens for the parser)."""
+    of them are marked special (``special_markers``: a turn whose parser reads one must keep control tokens in the
+    text)."""
 
     syntax: CallSyntax | None
     thinking: bool
     marker_tokens: Mapping[str, int] = field(default_factory=dict)
-    keep_special: bool = False
+    special_markers: frozenset[str] = frozenset()
     think: tuple[str, str] = (THINK_BEGIN, THINK_END)  # the think block's markers (when ``thinking``)
 
     @classmethod
@@ -63,7 +64,7 @@ class ChatTraits:
                                               for i, t in tokenizer.get_added_tokens_decoder().items()}
         controls = {m: added[m] for m in markers if m in added and (added[m][1] or (m[0] == "<" and m[-1] == ">"))}
         return cls(syntax, think is not None, {m: i for m, (i, _) in controls.items()},
-                   any(special for _, special in controls.values()), think or (THINK_BEGIN, THINK_END))
+                   frozenset(m for m, (_, special) in controls.items() if special), think or (THINK_BEGIN, THINK_END))
 
 
 def ends_inside_think(prompt_tail: str, begin: str = THINK_BEGIN, end: str = THINK_END) -> bool:
@@ -119,11 +120,15 @@ class TurnPlan:
             markers = ReasoningMarkers(begin, end, inside)
             if (config.think_begin, config.think_end) != traits.think:  # the think budget's markers: the template's
                 config = replace(config, think_begin=begin, think_end=end)
-        if traits.keep_special:  # a marker the parser reads is a control token: keep it in the text
+        calls = tools is not None and tools.calls_expected
+        read = {markers.begin, markers.end} if markers is not None else set()
+        if calls and traits.syntax is not None:
+            read.update(traits.syntax.markers)
+        if read & traits.special_markers:  # a marker the parser reads is a control token: keep it in the text
             config = replace(config, skip_special_tokens=False)
-        if tools is None or not tools.calls_expected:
+        if not calls:
             return cls(config, tools, None, markers)
-        if traits.syntax is None:
+        if traits.syntax is None or tools is None:
             raise bad_request("tools: this model's chat template writes no tool-call syntax logitproc knows (Hermes "
                               "<tool_call>, Llama 3.1 JSON, Mistral [TOOL_CALLS]); give a template that does with "
                               "--chat-template, or tool_choice 'none'", "tools")

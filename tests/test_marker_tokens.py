@@ -73,6 +73,30 @@ def _spelled(tokens: list[str], markers: tuple[str, ...]) -> bool:
 CLOSING_SEEDS = (0, 1, 6)
 
 
+@pytest.mark.parametrize(("template", "marker_texts"), [
+    ("Qwen-Qwen3-0.6B.jinja", {"<tool_call>", "</tool_call>", "<think>", "</think>"}),
+    ("Mistral-Small-3.2-24B-Instruct-2506.jinja", {"[TOOL_CALLS]", "[ARGS]"}),
+    ("mistralai-Ministral-3-14B-Reasoning-2512.jinja", {"[TOOL_CALLS]", "[ARGS]", "[THINK]", "[/THINK]"}),
+])
+def test_control_tokens_are_kept_only_where_the_parser_reads_them(marker_model, template, marker_texts) -> None:
+    """The template's markers that are control tokens are found; a turn keeps control tokens in its text only when
+    it parses calls or reasoning (a Mistral template without a think block, asked without tools, keeps none)."""
+    from logitproc.serve.chat_template import ChatTemplate
+    from logitproc.serve.chat_turn import ChatTraits, TurnPlan
+    from logitproc.serve.openai_protocol import parse_chat_request
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(f"{marker_model}/tokenizer.json")
+    traits = ChatTraits.of(ChatTemplate.from_file(material.llama_cpp_models() / "templates" / template), tokenizer)
+    assert set(traits.marker_tokens) == traits.special_markers == marker_texts
+    assert all(tokenizer.id_to_token(i) == m for m, i in traits.marker_tokens.items())
+    for fields, kept in (({}, traits.thinking), ({"tools": TOOLS, "tool_choice": "none"}, traits.thinking),
+                         ({"tools": TOOLS}, True)):
+        parsed = parse_chat_request({"messages": MESSAGES, **fields})
+        plan = TurnPlan.make(traits, parsed.config, parsed.chat_options.tools, "")
+        assert plan.config.skip_special_tokens is not kept, fields
+
+
 def test_hermes_calls_are_written_with_the_marker_tokens(qwen) -> None:
     client, model = qwen
     for seed in CLOSING_SEEDS:
