@@ -82,15 +82,22 @@ def make_tiny_model(
     tied_embeddings: bool = True,
     embed_scale: float = 2.0,
     name: str | None = None,
+    control_tokens: tuple[str, ...] = (),
 ) -> GGUFModel:
     """A random Llama with the tiny byte-level BPE vocabulary, as a ``GGUFModel`` without a file (see module doc).
 
     ``embed_scale`` sets the logits' spread (their standard deviation is roughly ``embed_scale``); with
-    ``tied_embeddings=False`` the model gets its own ``output.weight``.
+    ``tied_embeddings=False`` the model gets its own ``output.weight``. ``control_tokens`` are appended to the
+    vocabulary as control (special) tokens, e.g. ``("<think>", "</think>")`` for a model whose chat markers are
+    single tokens.
     """
     if hidden % n_heads or n_heads % n_kv_heads or (hidden // n_heads) % 2:
         raise ValueError(f"hidden {hidden}, {n_heads} heads, {n_kv_heads} KV heads: need whole, even head sizes")
     tokens, token_types, merges = tiny_vocabulary()
+    if len(set(control_tokens)) != len(control_tokens) or set(control_tokens) & set(tokens):
+        raise ValueError(f"control_tokens {control_tokens} repeat a token or one of the vocabulary's")
+    tokens += list(control_tokens)
+    token_types += [3] * len(control_tokens)
     vocab = len(tokens)
     head_dim = hidden // n_heads
     rng = np.random.default_rng(seed)

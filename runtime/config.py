@@ -128,6 +128,8 @@ class GenerationConfig:
                        a grammar from response_format applies only after thinking ends
     think_begin        text of the marker opening a think block ("<think>")
     think_end          text of the marker closing it ("</think>")
+    skip_special_tokens leave control tokens out of the text (the default, vLLM's); False keeps them, e.g. for a
+                       reader of tool-call or think markers that are control tokens (``[TOOL_CALLS]``)
     """
 
     temperature: float = 1.0
@@ -154,6 +156,7 @@ class GenerationConfig:
     max_thinking_tokens: int | None = None
     think_begin: str = "<think>"
     think_end: str = "</think>"
+    skip_special_tokens: bool = True
 
     def _field(self, name: str, *, integer: bool = False) -> Any:
         """The field's value as a Python number (numpy scalars converted and stored back), type-checked."""
@@ -202,6 +205,10 @@ class GenerationConfig:
         if not isinstance(self.ignore_eos, (bool, np.bool_)):
             raise FieldTypeError("ignore_eos", f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         object.__setattr__(self, "ignore_eos", bool(self.ignore_eos))
+        if not isinstance(self.skip_special_tokens, (bool, np.bool_)):
+            raise FieldTypeError("skip_special_tokens",
+                                 f"skip_special_tokens must be a bool, got {self.skip_special_tokens!r}")
+        object.__setattr__(self, "skip_special_tokens", bool(self.skip_special_tokens))
         try:
             response_format = parse_response_format(self.response_format)
         except ValueError as err:

@@ -10,27 +10,26 @@ message as the non-streamed response.
   marker is held back until it is known; whitespace around the reasoning and right after the end marker is
   dropped (templates strip it when they render the turn again).
 * Calls (``CallSyntax``; only when calls are expected, i.e. the grammar of ``tool_syntax.call_grammar`` made them):
-  a call's first piece carries its index, a new id (``call_`` + 24 hex digits) and the function's name, as soon as
-  the name is complete; then the arguments' JSON text comes in fragments, exactly as generated (the grammar wrote it
-  valid). A call counts as complete when its JSON closed and parsed; one cut short (max_tokens too small to close
-  it) is ``incomplete`` and is not part of the message's ``tool_calls``.
+  a call's first piece carries its index, a new id (``CallSyntax.new_call_id``: ``call_`` + 24 hex digits, or
+  Mistral's 9 alphanumerics) and the function's name, as soon as the name is complete; then the arguments' JSON
+  text comes in fragments, exactly as generated (the grammar wrote it valid). A call counts as complete when its
+  JSON closed and parsed; one cut short (max_tokens too small to close it) is ``incomplete`` and is not part of the
+  message's ``tool_calls``. The markers are read as text: a marker that is a control token reaches the parser only
+  when the detokenizer keeps control tokens (``skip_special_tokens=False``, which the turn asks for then).
 """
 
 from __future__ import annotations
 
 import json
 import re
-import secrets
 from dataclasses import dataclass, field
 from enum import Enum
 
 from .tool_syntax import CallSyntax, ReasoningMarkers
 
 _NAME = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
-
-
-def new_call_id() -> str:
-    return "call_" + secrets.token_hex(12)
+#: mistral_args: the function's name, then ``[ARGS]`` (the template may write ``[CALL_ID]id`` between them).
+_ARGS_NAME = re.compile(r"\s*([^\[\s]*)(?:\[CALL_ID\][A-Za-z0-9]*)?\[ARGS\]")
 
 
 @dataclass
@@ -75,6 +74,8 @@ class _Phase(Enum):
     CONTENT = "content"
     CALL = "call"
     BETWEEN_CALLS = "between_calls"
+    LIST = "list"  # mistral_json: after [TOOL_CALLS], before the list's "["
+    AFTER_CALLS = "after_calls"  # mistral_json: the list closed; what follows is content
 
 
 def _held(text: str, marker: str) -> int:
@@ -212,6 +213,20 @@ class AnswerParser:
             return self._content(delta)
         if phase is _Phase.CALL:
             return self._in_call(delta)
+        if phase is _Phase.LIST:
+            stripped = buf.lstrip()
+            if not stripped:
+                return False
+            if stripped.startswith("["):
+                self._buffer = stripped[1:]
+                self._open_call()
+            else:  # not a list (never under the call grammar): the rest is content
+                self._phase = _Phase.AFTER_CALLS
+            return True
+        if phase is _Phase.AFTER_CALLS:
+            self._add_content(delta, buf)
+            self._buffer = ""
+            return False
         return self._between_calls(delta)
 
     def _start(self, delta: AnswerDelta) -> bool:
@@ -236,7 +251,7 @@ class AnswerParser:
 
     def _content(self, delta: AnswerDelta) -> bool:
         buf = self._buffer
-        if self.syntax is not CallSyntax.HERMES:
+        if self.syntax is None or not self.syntax.marked:
             self._add_content(delta, buf)
             self._buffer = ""
             return False
@@ -249,8 +264,15 @@ class AnswerParser:
             return False
         self._add_content(delta, buf[:at])
         self._buffer = buf[at + len(opener):]
-        self._open_call()
+        self._open_calls()
         return True
+
+    def _open_calls(self) -> None:
+        """After the first opener: mistral_json's list opens ("[" is held until it comes), else the first call."""
+        if self.syntax is CallSyntax.MISTRAL_JSON:
+            self._phase = _Phase.LIST
+        else:
+            self._open_call()
 
     def _open_call(self) -> None:
         self._phase = _Phase.CALL
@@ -269,13 +291,16 @@ class AnswerParser:
         self._buffer = ""
         call = self._call
         if self._named_end is None:
-            named = _NAME.match(call)
+            bare = self.syntax is CallSyntax.MISTRAL_ARGS
+            named = (_ARGS_NAME if bare else _NAME).match(call)
             if named is None:
                 return False
-            name = json.loads(f'"{named.group(1)}"')
-            self.calls.append(ToolCall(new_call_id(), name))
+            name = named.group(1) if bare else json.loads(f'"{named.group(1)}"')
+            self.calls.append(ToolCall(self.syntax.new_call_id(), name))
             delta.calls.append(CallPiece(len(self.calls) - 1, self.calls[-1].id, name))
             self._named_end = named.end()
+            if bare:
+                self._arguments_at = named.end()
         if self._arguments_at is None:
             key = re.compile(rf'\s*,\s*"{self.syntax.arguments_key}"\s*:\s*').match(call, self._named_end)
             if key is None or key.end() == len(call):
@@ -298,11 +323,15 @@ class AnswerParser:
         return self._close_call(call[self._arguments_end:])
 
     def _close_call(self, tail: str) -> bool:
-        """After the arguments: the rest of the call's JSON, then (hermes) the closing marker."""
+        """After the arguments: the rest of the call's JSON (none for mistral_args), then (hermes) the closing
+        marker."""
         stripped = tail.lstrip()
-        if not stripped.startswith("}"):
+        if self.syntax is CallSyntax.MISTRAL_ARGS:
+            rest = tail
+        elif not stripped.startswith("}"):
             return False
-        rest = stripped[1:]
+        else:
+            rest = stripped[1:]
         if self.syntax is CallSyntax.HERMES:
             rest = rest.lstrip()
             if not rest.startswith("</tool_call>"):
@@ -324,6 +353,17 @@ class AnswerParser:
             self._buffer = ""
             return False
         assert self.syntax is not None
+        if self.syntax is CallSyntax.MISTRAL_JSON:  # ", " and the next call, or the list's end
+            if stripped.startswith(","):
+                self._buffer = stripped[1:]
+                self._open_call()
+            elif stripped.startswith("]"):
+                self._buffer = stripped[1:]
+                self._phase = _Phase.AFTER_CALLS
+            else:
+                self._buffer = stripped
+                self._phase = _Phase.AFTER_CALLS
+            return True
         opener = self.syntax.opener
         if stripped.startswith(opener):
             self._buffer = stripped[len(opener):]

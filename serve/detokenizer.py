@@ -30,10 +30,12 @@ class Decoder(Protocol):
 
 
 class IncrementalDetokenizer:
-    """Turns one sequence's output tokens into UTF-8-safe text deltas (special tokens skipped)."""
+    """Turns one sequence's output tokens into UTF-8-safe text deltas (special tokens skipped unless
+    ``skip_special_tokens`` is False)."""
 
-    def __init__(self, tokenizer: Decoder) -> None:
+    def __init__(self, tokenizer: Decoder, skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
         self.token_ids: list[int] = []
         self.text = ""  # everything emitted so far
         self._prefix_offset = 0
@@ -41,7 +43,7 @@ class IncrementalDetokenizer:
         self._resync = False  # after a rollback past emitted text: decode everything, emit past len(self.text)
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=True)
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
 
     def add_tokens(self, token_ids: Sequence[int]) -> str:
         """Append tokens; return the text they complete (may be empty while a character is incomplete)."""

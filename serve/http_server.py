@@ -294,7 +294,8 @@ class Server:
     def chat_traits(self) -> ChatTraits:
         """What the served model's chat template supports (tool-call syntax, a think block), read once."""
         if self._traits is None:
-            self._traits = ChatTraits.of(self.loop.engine.model.chat_template)
+            model = self.loop.engine.model
+            self._traits = ChatTraits.of(model.chat_template, model.tokenizer)
         return self._traits
 
     def _turn_plan(self, parsed: ParsedRequest, prompt: list[int]) -> TurnPlan:

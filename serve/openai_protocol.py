@@ -3,11 +3,11 @@
 Fields follow the OpenAI API (messages / prompt, max_tokens and max_completion_tokens, temperature, top_p, n, seed,
 stop, presence/frequency penalties, logit_bias, logprobs + top_logprobs for chat, logprobs as an int for completions,
 stream, stream_options.include_usage, response_format, user) plus vLLM's extensions under their vLLM names (top_k,
-min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids, bad_words, allowed_token_ids, structured_outputs
-with one of json / regex / choice / grammar / json_object), ``jump_forward`` (a boolean: this request with or
-without the server's ``--jump-forward``) and ``json_whitespace`` (compact / indented / flexible: the layout of a JSON
-answer, default the server's ``--json-whitespace``, else compact). Unknown fields are ignored with a log line, as
-vLLM does.
+min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids, bad_words, allowed_token_ids, skip_special_tokens,
+structured_outputs with one of json / regex / choice / grammar / json_object), ``jump_forward`` (a boolean: this
+request with or without the server's ``--jump-forward``) and ``json_whitespace`` (compact / indented / flexible: the
+layout of a JSON answer, default the server's ``--json-whitespace``, else compact). Unknown fields are ignored with a
+log line, as vLLM does.
 Everything wrong with a request is an ``APIError`` (status 400) whose message names the field and what is allowed;
 the ranges are GenerationConfig's. Fields a request leaves unset take the model's sampling defaults (as vLLM applies
 a model's generation config), else GenerationConfig's.
@@ -35,7 +35,7 @@ log = logging.getLogger("logitproc.serve")
 #: Request fields passed to GenerationConfig under the same name (OpenAI's and vLLM's).
 CONFIG_FIELDS = ("temperature", "top_p", "n", "seed", "stop", "presence_penalty", "frequency_penalty", "logit_bias",
                  "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "bad_words",
-                 "allowed_token_ids")
+                 "allowed_token_ids", "skip_special_tokens")
 #: Fields read elsewhere, or accepted and without effect here (``user`` is for the client's own tracking).
 COMMON_FIELDS = CONFIG_FIELDS + ("model", "max_tokens", "stream", "stream_options", "response_format",
                                  "structured_outputs", "user", "logprobs", "jump_forward", "logprobs_mode",

@@ -67,7 +67,7 @@ class GeneratedSequence:
         self._max_tokens = cfg.max_tokens
         self._min_tokens = cfg.min_tokens
         self._context = context_length
-        self.detok = IncrementalDetokenizer(tokenizer)
+        self.detok = IncrementalDetokenizer(tokenizer, cfg.skip_special_tokens)
         self.stops = StopStringFilter(cfg.stop)
         self.token_ids: list[int] = []  # reported output (equals state.output_token_ids until a finish trims it)
         self.text = ""

@@ -4,20 +4,31 @@ Families (``CallSyntax``), recognised by what their template writes for an assis
 a probe call (``detect_syntax``; a template that writes calls in another form, e.g. Qwen3-Coder's XML inside
 ``<tool_call>``, is none of them):
 
-``hermes``       Hermes 2/3, Qwen2.5, Qwen3, QwQ: ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``,
-                 several calls one per block, separated by a newline.
-``llama3_json``  Llama 3.1 / 3.2 / 3.3 with custom tools: the whole answer is ``{"name": ..., "parameters": {...}}``
-                 (one call; the template refuses several).
+``hermes``        Hermes 2/3, Qwen2.5, Qwen3, QwQ: ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``,
+                  several calls one per block, separated by a newline.
+``llama3_json``   Llama 3.1 / 3.2 / 3.3 with custom tools: the whole answer is ``{"name": ..., "parameters": {...}}``
+                  (one call; the template refuses several).
+``mistral_json``  Mistral v0.3 / Nemo: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]``. The template writes
+                  each call's id into the list too (``, "id": "..."``: 9 alphanumerics, anything else it refuses);
+                  the model writes calls without it, as Mistral's own outputs are, and the server gives the ids.
+``mistral_args``  Mistral Small 3.2, Ministral 3, Devstral: ``[TOOL_CALLS]name[ARGS]{...}`` per call, the calls one
+                  after another (Mistral Small 3.2's template also writes ``[CALL_ID]id`` before ``[ARGS]`` in the
+                  history; the model writes the call without it).
 
 ``call_grammar`` writes a Lark grammar for llguidance in which each call's JSON is ``%json`` of a schema fixing the
-name (``const``) and the arguments (the function's parameter schema), written as the template writes it
-(``", "`` and ``": "`` separators, no other whitespace):
+name (``const``) and the arguments (the function's parameter schema; ``mistral_args``: the name as text, the
+arguments' JSON alone), written as the template writes it (``", "`` and ``": "`` separators, no other whitespace):
 
 * ``required`` / a named function: the answer is one call, or with ``parallel_tool_calls`` several, from the first
   token;
-* ``auto``: any text, or calls. For ``hermes`` the text before the first ``<tool_call>`` is a *lazy* lexeme (it
-  ends at the first ``<tool_call>``), so the text is free and everything from the marker on is constrained (as
-  llguidance's structural tags do); for ``llama3_json`` an answer starting with ``{`` is a call, any other is text.
+* ``auto``: any text, or calls. For the marked syntaxes the text before the first marker (``<tool_call>``,
+  ``[TOOL_CALLS]``) is a *lazy* lexeme (it ends at the first marker), so the text is free and everything from the
+  marker on is constrained (as llguidance's structural tags do); for ``llama3_json`` an answer starting with ``{``
+  is a call, any other is text.
+
+A marker that is a control token of the vocabulary (``marker_tokens``: e.g. ``[TOOL_CALLS]``, or ``<tool_call>``
+added as a special token) is matched as that token (``<[id]>`` in llguidance's Lark), never spelled out in text
+pieces: free text cannot hold a control token, so it ends where the token comes and needs no lazy lexeme.
 
 With ``reasoning`` (a thinking template), the grammar starts inside the think block (free text up to ``</think>``)
 when the prompt opened it; under ``auto`` an answer may open one itself (``<think>`` ... ``</think>``) before its
@@ -28,6 +39,8 @@ free text could not be closed in time at max_tokens; give ``thinking_token_budge
 from __future__ import annotations
 
 import json
+import secrets
+import string
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
@@ -40,35 +53,63 @@ from .tool_definitions import FunctionTool, ToolChoice, ToolRequest
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
+#: The characters of a Mistral tool call id (its templates refuse ids other than 9 of them).
+ALPHANUMERIC = string.ascii_letters + string.digits
+
+
 class CallSyntax(Enum):
     """A family's tool-call syntax."""
 
     HERMES = "hermes"
     LLAMA3_JSON = "llama3_json"
+    MISTRAL_JSON = "mistral_json"
+    MISTRAL_ARGS = "mistral_args"
 
     @property
     def opener(self) -> str:
-        """The text a call starts with."""
-        return "<tool_call>" if self is CallSyntax.HERMES else "{"
+        """The marker (or, llama3_json, the character) a call, or the list of calls, starts with."""
+        return {CallSyntax.HERMES: "<tool_call>", CallSyntax.LLAMA3_JSON: "{"}.get(self, "[TOOL_CALLS]")
+
+    @property
+    def marked(self) -> bool:
+        """Calls start with a marker (text may come before them); llama3_json's call is the whole answer."""
+        return self is not CallSyntax.LLAMA3_JSON
+
+    @property
+    def markers(self) -> tuple[str, ...]:
+        """The marker texts the syntax writes (a control token of the vocabulary is matched as the token)."""
+        return {CallSyntax.HERMES: ("<tool_call>", "</tool_call>"), CallSyntax.LLAMA3_JSON: (),
+                CallSyntax.MISTRAL_JSON: ("[TOOL_CALLS]",), CallSyntax.MISTRAL_ARGS: ("[TOOL_CALLS]", "[ARGS]")}[self]
 
     @property
     def arguments_key(self) -> str:
-        """The key of the arguments in a call's JSON."""
-        return "arguments" if self is CallSyntax.HERMES else "parameters"
+        """The key of the arguments in a call's JSON (mistral_args has none: its arguments follow ``[ARGS]``)."""
+        return "parameters" if self is CallSyntax.LLAMA3_JSON else "arguments"
+
+    def new_call_id(self) -> str:
+        """A new call id: Mistral's 9 alphanumerics (its templates refuse others), else ``call_`` + 24 hex digits."""
+        if self in (CallSyntax.MISTRAL_JSON, CallSyntax.MISTRAL_ARGS):
+            return "".join(secrets.choice(ALPHANUMERIC) for _ in range(9))
+        return "call_" + secrets.token_hex(12)
 
 
 #: The probe conversation a template renders to show its call syntax: a call of ``probe_fn`` with {"x": 1}, answered.
 PROBE_TOOL = {"type": "function", "function": {
     "name": "probe_fn", "description": "a probe",
     "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}}}}
+#: Its id satisfies every template's rule (Mistral's: 9 alphanumerics).
 PROBE_MESSAGES = (
     {"role": "user", "content": "probe question"},
     {"role": "assistant", "content": "", "tool_calls": [
-        {"id": "call_probe", "type": "function", "function": {"name": "probe_fn", "arguments": {"x": 1}}}]},
-    {"role": "tool", "tool_call_id": "call_probe", "name": "probe_fn", "content": "probe result"},
+        {"id": "probe0001", "type": "function", "function": {"name": "probe_fn", "arguments": {"x": 1}}}]},
+    {"role": "tool", "tool_call_id": "probe0001", "name": "probe_fn", "content": "probe result"},
 )
-#: What each family's template writes for the probe call.
+#: What each family's template writes for the probe call (the first found counts; Mistral's with its id).
 PROBE_CALLS = ((CallSyntax.HERMES, '<tool_call>\n{"name": "probe_fn", "arguments": {"x": 1}}\n</tool_call>'),
+               (CallSyntax.MISTRAL_JSON,
+                '[TOOL_CALLS][{"name": "probe_fn", "arguments": {"x": 1}, "id": "probe0001"}]'),
+               (CallSyntax.MISTRAL_ARGS, '[TOOL_CALLS]probe_fn[ARGS]{"x": 1}'),
+               (CallSyntax.MISTRAL_ARGS, '[TOOL_CALLS]probe_fn[CALL_ID]probe0001[ARGS]{"x": 1}'),
                (CallSyntax.LLAMA3_JSON, '{"name": "probe_fn", "parameters": {"x": 1}}'))
 
 
@@ -108,37 +149,74 @@ def _lark_string(text: str) -> str:
     return json.dumps(text)
 
 
-def call_grammar(syntax: CallSyntax, tools: ToolRequest, reasoning: ReasoningMarkers | None = None) -> str:
-    """The Lark grammar (llguidance) of an answer to ``tools`` (see the module doc); ``tools.calls_expected``."""
-    body = "%json " + json.dumps(calls_schema(syntax, tools.callable), separators=(",", ":"))
+class _Lark:
+    """Lark pieces for markers: a control token of the vocabulary as ``<[id]>``, other text as a string."""
+
+    def __init__(self, marker_tokens: Mapping[str, int]) -> None:
+        self.tokens = marker_tokens
+
+    def marker(self, text: str) -> str:
+        token = self.tokens.get(text)
+        return _lark_string(text) if token is None else f"<[{token}]>"
+
+    def text_then(self, name: str, marker: str) -> list[str]:
+        """Rule ``name``: free text up to and including ``marker`` (a lazy lexeme when the marker is text)."""
+        if marker in self.tokens:  # free text never holds a control token: it ends where the token comes
+            return [f"{name}: TEXT {self.marker(marker)}"]
+        return [f"{name}[lazy]: TEXT {_lark_string(marker)}"]
+
+
+def _marked_calls(syntax: CallSyntax, tools: ToolRequest, lark: _Lark) -> list[str]:
+    """Rules of a marked syntax: ``after_opener`` (all the calls, less the first opener) and ``body`` / helpers."""
+    opener = lark.marker(syntax.opener)
+    if syntax is CallSyntax.HERMES:
+        close = lark.marker("</tool_call>")
+        more = f' ("\\n" {opener} "\\n" body "\\n" {close})*' if tools.parallel else ""
+        return [f'after_opener: "\\n" body "\\n" {close}{more}', f"body: {_body(syntax, tools)}"]
+    if syntax is CallSyntax.MISTRAL_JSON:
+        more = ' (", " body)*' if tools.parallel else ""
+        return [f'after_opener: "[" body{more} "]"', f"body: {_body(syntax, tools)}"]
+    args = lark.marker("[ARGS]")
+    lines = ["function: " + " | ".join(f"function{i}" for i in range(len(tools.callable)))]
+    for i, function in enumerate(tools.callable):
+        schema = json.dumps({**dict(function.parameters), "x-guidance": JSON_LAYOUT}, separators=(",", ":"))
+        lines += [f"function{i}: {_lark_string(function.name)} {args} arguments{i}", f"arguments{i}: %json {schema}"]
+    more = f" ({opener} function)*" if tools.parallel else ""
+    return [f"after_opener: function{more}", *lines]
+
+
+def _body(syntax: CallSyntax, tools: ToolRequest) -> str:
+    return "%json " + json.dumps(calls_schema(syntax, tools.callable), separators=(",", ":"))
+
+
+def call_grammar(syntax: CallSyntax, tools: ToolRequest, reasoning: ReasoningMarkers | None = None,
+                 marker_tokens: Mapping[str, int] | None = None) -> str:
+    """The Lark grammar (llguidance) of an answer to ``tools`` (see the module doc); ``tools.calls_expected``.
+    ``marker_tokens``: the markers that are control tokens of the vocabulary, by text, with their ids."""
+    lark = _Lark(marker_tokens or {})
     free = tools.choice is ToolChoice.AUTO
     lines = ["%llguidance {}"]
-    if syntax is CallSyntax.HERMES:
-        more = ' ("\\n" call)*' if tools.parallel else ""
-        lines += ['call: "<tool_call>\\n" body "\\n</tool_call>"',
-                  f'calls: call{more}']
+    if syntax.marked:
+        lines += _marked_calls(syntax, tools, lark)
         if free:
-            lines += ['answer: TEXT | first' + (' ("\\n" call)*' if tools.parallel else ""),
-                      'first: opener "\\n" body "\\n</tool_call>"',
-                      'opener[lazy]: TEXT "<tool_call>"']
+            lines += ["answer: TEXT | first", "first: opener after_opener", *lark.text_then("opener", syntax.opener)]
         else:
-            lines += ["answer: calls"]
+            lines += [f"answer: {lark.marker(syntax.opener)} after_opener"]
     else:
-        lines += ["call: body"]
+        lines += [f"call: {_body(syntax, tools)}"]
         lines += ["answer: TEXT_NOT_CALL | call" if free else "answer: call"]
         lines += ["TEXT_NOT_CALL: /([^{\\s]|\\s+[^{\\s])(?s:.*)/ | /\\s*/"]
-    lines += [f"body: {body}", "TEXT: /(?s:.*)/"]
+    lines += ["TEXT: /(?s:.*)/"]
     if reasoning is None:
         lines.insert(1, "start: answer")
     else:
-        end = _lark_string(reasoning.end)
-        lines += [f"thought[lazy]: TEXT {end}", "AFTER_THOUGHT: /\\s*/"]
+        lines += [*lark.text_then("thought", reasoning.end), "AFTER_THOUGHT: /\\s*/"]
         if reasoning.starts_inside:
             lines.insert(1, "start: thought AFTER_THOUGHT answer")
         elif not free:  # a call from the first token: no think block opened by the answer itself
             lines.insert(1, "start: answer")
         else:
-            lines.insert(1, f"start: ({_lark_string(reasoning.begin)} thought AFTER_THOUGHT)? answer")
+            lines.insert(1, f"start: ({lark.marker(reasoning.begin)} thought AFTER_THOUGHT)? answer")
     return "\n".join(lines) + "\n"
 
 

@@ -59,11 +59,17 @@ def _hf_directory() -> None:
         compile_model(tiny_variants.write_qwen_tiny(tiny_variants.qwen_tiny(), Path(parent)), **tiny_variants.FLOAT32)
 
 
+def _marker_directory() -> None:
+    with tempfile.TemporaryDirectory() as parent:
+        compile_model(tiny_variants.write_marker_tiny(Path(parent)))
+
+
 BUILDS: list[tuple[str, Callable[[], object]]] = [
     ("cpu kernels and --model tiny", _cli_tiny),
     ("default model", _default_model),
     ("tiny, float16 KV cache", lambda: compile_model(tiny_model(), **tiny_variants.FLOAT16_KV)),
     ("tiny Hugging Face directory", _hf_directory),
+    ("tiny with marker tokens", _marker_directory),
     ("wide tiny, q8_0 KV cache", lambda: compile_model(tiny_variants.wide_tiny(), **tiny_variants.Q8_KV)),
     ("vulkan kernels", lambda: build_kernels("vulkan")),
     *[(f"cuda {arch} kernels", lambda arch=arch: build_kernels("cuda", arch)) for arch in CUDA_ARCHS],

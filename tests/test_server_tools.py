@@ -301,9 +301,10 @@ def test_chat_template_kwargs_reach_the_template(client, model_id) -> None:
 
 
 def test_thinking_token_budget_is_the_engines_think_budget() -> None:
-    """vLLM's thinking_token_budget becomes the config's max_thinking_tokens (the engine's ThinkBudget, tested on a
-    vocabulary with marker tokens in tests/test_engine.py); the engine then opens the think block, so the answer is
-    read as starting inside it, and a tool grammar starts after it (the ThinkBudget holds it until then)."""
+    """vLLM's thinking_token_budget becomes the config's max_thinking_tokens (the engine's ThinkBudget, tested through
+    the server on a vocabulary with marker tokens in tests/test_marker_tokens.py); the engine then opens the think
+    block, so the answer is read as starting inside it, and a tool grammar starts after it (the ThinkBudget holds it
+    until then)."""
     from logitproc.serve.chat_turn import ChatTraits, TurnPlan
     from logitproc.serve.openai_protocol import parse_chat_request
 
@@ -344,7 +345,7 @@ def test_continue_final_message_continues_the_assistant_text(client, model_id, t
     ("meta-llama-Llama-3.1-8B-Instruct", CallSyntax.LLAMA3_JSON),
     ("meta-llama-Llama-3.3-70B-Instruct", CallSyntax.LLAMA3_JSON),
     ("Qwen3-Coder", None), ("GLM-4.6", None),  # <tool_call> with another form inside
-    ("mistralai-Mistral-Nemo-Instruct-2407", None), ("google-gemma-2-2b-it", None),
+    ("mistralai-Mistral-Nemo-Instruct-2407", CallSyntax.MISTRAL_JSON), ("google-gemma-2-2b-it", None),
 ])
 def test_the_call_syntax_is_what_the_template_writes(template_path, name, syntax) -> None:
     template = ChatTemplate.from_file(template_path.with_name(f"{name}.jinja"), "<s>", "</s>")
@@ -411,7 +412,9 @@ def test_llama_3_1_json_calls(template_path) -> None:
 
 
 PIECES = ["<tool_call>", "\n", '{"name": "f", "arguments": ', '{"name": "g\\"", "arguments": ', "{", "}", '"', "\\",
-          "</tool_call>", "<think>", "</think>", " ", "a", ",", "[", "]", '"k": ', "1", "<tool_", "</thi"]
+          "</tool_call>", "<think>", "</think>", " ", "a", ",", "[", "]", '"k": ', "1", "<tool_", "</thi",
+          "[TOOL_CALLS]", "[TOOL_CALLS][", "f[ARGS]", "[ARGS]", "[CALL_ID]abc", ", ", "[TOOL_", "[THINK]", "[/THINK]",
+          "[/THI"]
 
 
 def _split(parser: AnswerParser, text: str, cuts: list[int]) -> tuple[str, str, list[tuple[str, str]], str | None]:
@@ -429,11 +432,12 @@ def _split(parser: AnswerParser, text: str, cuts: list[int]) -> tuple[str, str, 
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.sampled_from(PIECES), max_size=40), st.lists(st.integers(0, 400), max_size=12),
-       st.sampled_from([CallSyntax.HERMES, CallSyntax.LLAMA3_JSON, None]), st.booleans(), st.booleans())
-def test_any_text_cut_anywhere_splits_as_the_whole_text(pieces, cuts, syntax, thinking, inside) -> None:
+       st.sampled_from([*CallSyntax, None]), st.booleans(), st.booleans(), st.booleans())
+def test_any_text_cut_anywhere_splits_as_the_whole_text(pieces, cuts, syntax, thinking, inside, mistral) -> None:
     """The parser never fails on any text, and a stream cut anywhere gives the non-streamed message."""
     text = "".join(pieces)
-    markers = ReasoningMarkers(starts_inside=inside) if thinking else None
+    think = ("[THINK]", "[/THINK]") if mistral else ("<think>", "</think>")
+    markers = ReasoningMarkers(*think, starts_inside=inside) if thinking else None
     whole = _split(AnswerParser(syntax, markers), text, [])
     assert _split(AnswerParser(syntax, markers), text, cuts) == whole
 

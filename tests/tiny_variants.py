@@ -39,6 +39,22 @@ def qwen_tiny() -> GGUFModel:
     return model
 
 
+#: The chat markers the marker model has as control tokens of its own (Qwen's and Mistral's).
+MARKER_TOKENS = ("<think>", "</think>", "<tool_call>", "</tool_call>", "[TOOL_CALLS]", "[ARGS]", "[THINK]", "[/THINK]")
+MARKER_DIRECTORY_NAME = "marker-tiny"
+
+
+def marker_tiny() -> GGUFModel:
+    """The default tiny model's shape and seed with ``MARKER_TOKENS`` added as control tokens (ids 277 ...)."""
+    return make_tiny_model(seed=0, context=TINY_CONTEXT, control_tokens=MARKER_TOKENS, name="tiny-markers")
+
+
+def write_marker_tiny(parent: Path) -> Path:
+    """``marker_tiny()`` as a Hugging Face directory under ``parent`` (its tokenizer.json marks the markers
+    special)."""
+    return write_hf_dir(marker_tiny(), parent / MARKER_DIRECTORY_NAME)
+
+
 def write_qwen_tiny(model: GGUFModel, parent: Path) -> Path:
     """``model`` written as a Hugging Face directory (config.json, safetensors, tokenizer files) under ``parent``
     (the build cache knows it by its name and its files' contents, wherever it is)."""

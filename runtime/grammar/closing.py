@@ -11,7 +11,10 @@ finds nothing within its bounds, a second pass tries byte classes least recently
 needs ``/`` or ``@``, late in the order of preference). The first byte string that
 reaches an accepting state is tokenised with the real tokenizer (kept when the grammar takes those tokens, else one
 token per byte), giving the plan: a token sequence that completes the document. Its length is an upper bound on the
-minimum (the search is not exhaustive), which is safe: the document only closes a little earlier. The search is
+minimum (the search is not exhaustive), which is safe: the document only closes a little earlier. The control
+tokens a Lark grammar names (``<[id]>``: a tool call's ``</tool_call>`` that is a control token of the vocabulary;
+``CompletionHints.tokens``) have no bytes: they are tried as symbols of their own after every byte, and a plan that
+holds one is one token per symbol. The search is
 bounded (``MAX_TRIES`` tokens tried, ``MAX_BYTES`` deep); past that it reports no completion. A JSON schema's hints
 (``completion_hints``: its required keys, a shortest string per pattern) are tried whole first where they fit, so
 that a completion writes required keys only and solves patterns a byte search would loop in. With the sequence's
@@ -78,7 +81,7 @@ def shortest_completion(matcher: GrammarMatcher, tokenizer: TokenizerAdapter, ma
     ..., allow these tokens in turn from the current state?), the search uses only the one-byte tokens they allow
     first, and the plan is the first tokenisation of the bytes found (the tokenizer's, then one token per byte)
     that they allow throughout; None when neither is. The matcher is left in the state it had."""
-    singles = tokenizer.byte_tokens
+    singles = {**tokenizer.byte_tokens, **{CONTROL + k: t for k, t in enumerate(hints.tokens)}}
     if permits is not None:
         singles = {b: t for b, t in singles.items() if permits([t])}
     macros = _Macros(hints, singles)
@@ -91,17 +94,38 @@ def shortest_completion(matcher: GrammarMatcher, tokenizer: TokenizerAdapter, ma
         return []
     per_byte = [singles[b] for b in found]
     plans = [per_byte]
-    try:
-        merged = tokenizer.encode(found.decode("utf-8"))
-    except UnicodeDecodeError:
-        merged = per_byte
-    if len(merged) < len(per_byte) and tokenizer.decode_bytes(merged) == found:
+    merged = _tokenised(found, singles, tokenizer)
+    if len(merged) < len(per_byte):
         taken = matcher.try_accept_tokens(merged)
         complete = taken == len(merged) and matcher.is_accepting()
         matcher.rollback(taken)
         if complete:
             plans.insert(0, merged)
     return next((plan for plan in plans if permits is None or permits(plan)), None)
+
+
+#: Symbols of the search from this value on are control tokens (``CompletionHints.tokens``), tried after every byte.
+CONTROL = 256
+
+def _tokenised(found: list[int], singles: dict[int, int], tokenizer: TokenizerAdapter) -> list[int]:
+    """The tokenizer's tokens of the bytes found, a control token for each control symbol; one token per symbol
+    where a run of bytes does not encode back to itself (not UTF-8, or a tokenisation that changes it)."""
+    out: list[int] = []
+    run = bytearray()
+    for symbol in [*found, None]:
+        if symbol is not None and symbol < CONTROL:
+            run.append(symbol)
+            continue
+        if run:
+            try:
+                ids = tokenizer.encode(bytes(run).decode("utf-8"))
+            except UnicodeDecodeError:
+                ids = []
+            out += ids if ids and tokenizer.decode_bytes(ids) == bytes(run) else [singles[b] for b in run]
+            run.clear()
+        if symbol is not None:
+            out.append(singles[symbol])
+    return out
 
 
 #: Byte classes of the second pass: digits, lowercase and uppercase ASCII letters are one class each (-1, -2, -3);
@@ -158,21 +182,26 @@ class _Macros:
         return taken + 1
 
 
+def _byte_class(symbol: int) -> int:
+    return BYTE_CLASS[symbol] if symbol < CONTROL else symbol
+
+
 def _complete_bytes(matcher: GrammarMatcher, singles: dict[int, int], max_tries: int, max_bytes: int,
-                    novelty: bool, macros: _Macros | None = None) -> bytes | None:
+                    novelty: bool, macros: _Macros | None = None) -> list[int] | None:
     """The depth-first search of the module doc, over bytes; the matcher is restored before returning. With
     ``novelty`` the byte classes are tried least recently used first, and in a class the bytes least recently used
     first (a pattern that needs a byte late in the order of preference), the order of preference breaking ties."""
     first = matcher.closing_bytes()  # bytes a layout closes structures with (the indented layout's newline)
     order = [b for b in first if b in singles] + [b for b in PREFERENCE if b in singles and b not in first]
-    path = bytearray()
+    order += [s for s in singles if s >= CONTROL]  # control tokens last: where no byte fits
+    path: list[int] = []  # bytes, and control tokens as CONTROL + their index
     # One frame per position: (candidates: byte values or whole keys, next index to try, bytes taken there).
     frames: list[tuple[list[int | bytes], int, int]] = []
     tries = 0
     try:
         while True:
             if matcher.is_accepting():
-                return bytes(path)
+                return path
             forced = matcher.forced_bytes() if len(path) < max_bytes else b""
             if macros is not None and macros.by_letter and b'"' in forced:  # the keys are tried whole at a quote
                 forced = forced[:forced.index(b'"')]  # (compact JSON forces '{"a' when every key starts with a)
@@ -188,12 +217,12 @@ def _complete_bytes(matcher: GrammarMatcher, singles: dict[int, int], max_tries:
             if novelty:
                 # least recently used class first (a round-robin over the classes); whitespace always last
                 recent = path[-NOVELTY:]
-                last_class = {BYTE_CLASS[b]: i for i, b in enumerate(recent)}
+                last_class = {_byte_class(b): i for i, b in enumerate(recent)}
                 last_byte = {b: i for i, b in enumerate(recent)}
-                candidates = sorted(order, key=lambda b: (b in WHITESPACE, last_class.get(BYTE_CLASS[b], -1),
+                candidates = sorted(order, key=lambda b: (b in WHITESPACE, last_class.get(_byte_class(b), -1),
                                                           last_byte.get(b, -1)))  # type: ignore[arg-type]
             else:
-                previous = path[-1] if path and chr(path[-1]).isalnum() else -1
+                previous = path[-1] if path and path[-1] < CONTROL and chr(path[-1]).isalnum() else -1
                 candidates = [b for b in order if b != previous] + ([previous] if previous in singles else [])
             if macros is not None:
                 keys, cost = macros.fitting(matcher, singles)

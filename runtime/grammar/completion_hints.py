@@ -1,14 +1,16 @@
 """What a closing search may write whole, read from a JSON schema: the keys it requires and a shortest string for
 each ``pattern``, so that the search writes required keys (not optional ones) and solves string patterns a byte-by-byte
-search would not (``.../x.yml``, a DOI) in one step.
+search would not (``.../x.yml``, a DOI) in one step; and, from a Lark grammar, the control tokens it names.
 
-    completion_hints(fmt) -> CompletionHints(keys, values, tails)
+    completion_hints(fmt) -> CompletionHints(keys, values, tails, tokens)
 
 * ``keys``: every name a ``required`` lists, as the JSON text of the key and its colon (``"name":``), in the order
   the schema first names them;
 * ``values``: ``"a"``, and a shortest string matching each ``pattern``, as a JSON string (``"a/a.yml"``);
 * ``tails``: the same without the opening quote (``a/a.yml"``), to end a string already open (most real patterns
-  take any prefix: ``^(.+/)+(.+)\\.ya?ml$``).
+  take any prefix: ``^(.+/)+(.+)\\.ya?ml$``);
+* ``tokens``: the ids a Lark grammar names as tokens (``<[id]>``, e.g. a tool call's ``</tool_call>`` that is a
+  control token of the vocabulary): a byte search cannot reach them, so it tries them where no byte fits.
 
 The shortest string is read off Python's regular-expression parse tree (``re._parser``): one character from each
 class (``a``, ``0``, ``A`` first), the minimum of each repetition, the shortest branch; lookarounds and anchors add
@@ -41,10 +43,18 @@ class CompletionHints:
     keys: tuple[bytes, ...] = ()
     values: tuple[bytes, ...] = ()
     tails: tuple[bytes, ...] = ()
+    tokens: tuple[int, ...] = ()
+
+
+#: A token named by id in llguidance's Lark (``<[123]>``).
+_TOKEN_BY_ID = re.compile(r"<\[(\d+)\]>")
 
 
 def completion_hints(fmt: ResponseFormat | None) -> CompletionHints:
-    """The hints of a JSON schema format (none for other formats); computed once per schema."""
+    """The hints of a JSON schema format, or a Lark grammar's tokens (none for other formats); computed once per
+    schema."""
+    if fmt is not None and fmt.kind == "grammar" and fmt.syntax == "lark":
+        return CompletionHints(tokens=tuple(dict.fromkeys(int(t) for t in _TOKEN_BY_ID.findall(fmt.text))))
     if fmt is None or fmt.kind != "json_schema":
         return CompletionHints()
     return _hints(fmt.text)
