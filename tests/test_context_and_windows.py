@@ -19,6 +19,9 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -114,6 +117,15 @@ def test_context_beyond_max_position_embeddings_is_refused_before_compiling(phi3
     assert not any("Relax" in line or "compil" in line for line in lines), lines
     with pytest.raises(ValueError, match="positive"):
         compile_model(folder, progress=lines.append, context=0)
+
+
+def test_the_command_line_refuses_a_context_too_long_before_compiling() -> None:
+    """``logitproc compile --context``: the tiny model (context 4096) refuses 100000, naming its limit."""
+    done = subprocess.run([sys.executable, "-m", "logitproc", "compile", "--model", "tiny", "--context", "100000"],
+                          capture_output=True, text=True, timeout=600, env=dict(os.environ))
+    assert done.returncode != 0
+    assert "context 100000" in done.stderr and "up to 4096" in done.stderr, done.stderr
+    assert "Relax" not in done.stderr and "Traceback" not in done.stderr, done.stderr
 
 
 def test_longrope_without_long_factors_serves_the_original_context_only() -> None:
