@@ -18,20 +18,22 @@ WINDOW = 32
 APPENDS = (40, 1, 1, 30)
 
 
-def probe(model: Any, sliding: bool) -> list[str]:
-    """One line per append of ``APPENDS``: the query positions, free pages and length the cache reports."""
+def probe(vm: Any, sliding: bool) -> list[str]:
+    """One line per append of ``APPENDS`` to a cache of the model's VM ``vm``: the query positions, free pages and
+    length the cache reports."""
     import tvm
-    from logitproc.serve.compiled_model import _shape
+
+    def shape(value: int) -> Any:
+        return tvm.runtime.ShapeTuple([value])
 
     get = tvm.get_global_func
-    kv = model._vm["create_paged_kv_cache"](_shape([1]), _shape([256 + PAGE]), _shape([64]), _shape([PAGE]),
-                                            _shape([int(sliding)]))
+    kv = vm["create_paged_kv_cache"](shape(1), shape(256 + PAGE), shape(64), shape(PAGE), shape(int(sliding)))
     get("vm.builtin.kv_state_add_sequence")(kv, 0)
     if sliding:
         get("vm.builtin.attention_kv_cache_enable_sliding_window_for_seq")(kv, 0, WINDOW, 0)
     lines = []
     for n in APPENDS:
-        get("vm.builtin.kv_state_begin_forward")(kv, _shape([0]), _shape([n]))
+        get("vm.builtin.kv_state_begin_forward")(kv, shape(0), shape(n))
         positions = get("vm.builtin.attention_kv_cache_get_query_positions")(kv).numpy()
         free = get("vm.builtin.attention_kv_cache_get_num_available_pages")(kv)
         length = get("vm.builtin.attention_kv_cache_get_total_sequence_length")(kv)
@@ -42,12 +44,16 @@ def probe(model: Any, sliding: bool) -> list[str]:
 
 
 def main() -> None:
+    import tvm
+    from logitproc.compile.kernel_library import KernelLibrary
+    from logitproc.compile.model_compile import compile_model
     from logitproc.compile.tiny_model import make_tiny_model
-    from logitproc.serve.compiled_model import CompiledModel
+    from tvm import relax
 
-    model = CompiledModel.open(make_tiny_model(seed=0, context=4096), max_num_sequences=1)
+    directory = compile_model(make_tiny_model(seed=0, context=4096))
+    vm = relax.VirtualMachine(KernelLibrary.load(directory).runtime_module, tvm.cpu())
     for sliding in (False, True):
-        print("\n".join(probe(model, sliding)))
+        print("\n".join(probe(vm, sliding)))
 
 
 if __name__ == "__main__":
