@@ -215,13 +215,20 @@ def _slug(name: str) -> str:
     return keep[:48] or "model"
 
 
+#: Texts of special tokens that end a turn in the supported families whatever the metadata says (llama.cpp's
+#: end-of-generation texts, ``llama_vocab::impl::load``, for these families): ChatML's and Qwen's ``<|im_end|>``,
+#: ``<|endoftext|>``, Gemma's ``<end_of_turn>``, Phi-3/3.5/4-mini's ``<|end|>`` (a Phi-3 GGUF names only
+#: ``<|endoftext|>`` as its EOS), Llama 3's ``<|eot_id|>``, ``<|eom_id|>`` and ``<|end_of_text|>``.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<end_of_turn>", "<|end|>", "<|eot_id|>", "<|eom_id|>",
+                      "<|end_of_text|>")
+
+
 def eos_token_ids(model: GGUFModel) -> list[int]:
     """The ids that end a turn: the model's EOS list (``LlamaConfig.eos_ids``: config lists, generation config,
-    GGUF eos/eot/eom) plus ``<|im_end|>``, ``<|endoftext|>`` and Gemma's ``<end_of_turn>`` when they are special
-    tokens (llama.cpp ends a generation at them too). Raises ValueError when there is none (an answer would never
-    end)."""
+    GGUF eos/eot/eom) plus the ``END_OF_TURN_TOKENS`` that are special tokens of its vocabulary (llama.cpp ends a
+    generation at them too). Raises ValueError when there is none (an answer would never end)."""
     ids = list(model.config.eos_ids)
-    for token in ("<|im_end|>", "<|endoftext|>", "<end_of_turn>"):
+    for token in END_OF_TURN_TOKENS:
         if token in model.tokens:
             index = model.tokens.index(token)
             if index in model.special_token_ids and index not in ids:

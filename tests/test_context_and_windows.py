@@ -11,7 +11,8 @@ random-weight models (``family_models.py``).
   ``attention.sliding_window`` of 0 (the converter's "none") is none.
 * Phi-3 in llama.cpp: llama.cpp's ``phi3`` vocabulary loader needs Phi-3's own special tokens, so the tiny model
   is written with Phi-3's real vocabulary (``ggml-vocab-phi-3.gguf`` of the llama-cpp-python sdist); llama.cpp's
-  logits on it, with a context within and beyond the original one, agree with the numpy reference's.
+  logits on it, with a context within and beyond the original one, agree with the numpy reference's; its
+  ``<|end|>`` ends an answer, as in llama.cpp.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from family_models import CASES, FamilyCase
 from logitproc.compile.gguf_model import load_gguf
 from logitproc.compile.hf_config import config_from_hf
 from logitproc.compile.hf_model import load_hf_dir
-from logitproc.compile.model_compile import compile_model
+from logitproc.compile.model_compile import compile_model, eos_token_ids
 from logitproc.compile.rope import RopeScaling
 from logitproc.serve.compiled_model import CompiledModel
 from logitproc.serve.numpy_llama import NumpyLlama
@@ -223,11 +224,9 @@ def test_phi3_window_reads_from_both_formats(phi3, tmp_path: Path) -> None:
 PHI3_VOCAB_ORIGINAL = 256
 
 
-def test_llama_cpp_reads_a_phi3_gguf_as_the_numpy_reference_does(tmp_path: Path) -> None:
-    """llama.cpp (float32 KV cache) on a tiny Phi-3 written with Phi-3's real vocabulary: with a context of 256
-    (the original: short factors) and 512 (long factors for every position) its logits after every prompt token
-    agree with the numpy reference's compiled for the same context. Measured 5e-6 both."""
-    llama_cpp = pytest.importorskip("llama_cpp")
+@pytest.fixture(scope="module")
+def phi3_vocab(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A GGUF of the tiny Phi-3 with Phi-3's vocabulary (32064 SentencePiece tokens), original context 256 of 1024."""
     from material import vocab_metadata
 
     vocab = vocab_metadata("phi-3")
@@ -236,11 +235,18 @@ def test_llama_cpp_reads_a_phi3_gguf_as_the_numpy_reference_does(tmp_path: Path)
                  "bos_token_id": 1, "eos_token_id": vocab["tokenizer.ggml.eos_token_id"]}
     case = FamilyCase("phi3-vocab", "phi3", "phi3", overrides, eos_ids=(vocab["tokenizer.ggml.eos_token_id"],))
     model = family_models.build_transformers_model(case, seed=3)
-    path = family_models.write_gguf(model, case, tmp_path / "phi3-vocab.gguf", vocab=vocab)
-    loaded = load_gguf(path)
+    return family_models.write_gguf(model, case, tmp_path_factory.mktemp("phi3-vocab") / "phi3.gguf", vocab=vocab)
+
+
+def test_llama_cpp_reads_a_phi3_gguf_as_the_numpy_reference_does(phi3_vocab: Path) -> None:
+    """llama.cpp (float32 KV cache) on a tiny Phi-3 written with Phi-3's real vocabulary: with a context of 256
+    (the original: short factors) and 512 (long factors for every position) its logits after every prompt token
+    agree with the numpy reference's compiled for the same context. Measured 5e-6 both."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    loaded = load_gguf(phi3_vocab)
     prompt = [1] + np.random.default_rng(1).integers(100, 32000, 20).tolist()
     for n_ctx in (PHI3_VOCAB_ORIGINAL, 2 * PHI3_VOCAB_ORIGINAL):
-        llm = llama_cpp.Llama(str(path), n_ctx=n_ctx, n_batch=64, logits_all=True, verbose=False, n_threads=1,
+        llm = llama_cpp.Llama(str(phi3_vocab), n_ctx=n_ctx, n_batch=64, logits_all=True, verbose=False, n_threads=1,
                               type_k=0, type_v=0)  # GGML_TYPE_F32
         assert llm.n_ctx() == n_ctx
         llm.eval(prompt)
@@ -248,3 +254,15 @@ def test_llama_cpp_reads_a_phi3_gguf_as_the_numpy_reference_does(tmp_path: Path)
         reference = dataclasses.replace(loaded, config=loaded.config.with_context(n_ctx))
         np.testing.assert_allclose(got, NumpyLlama(reference).extend_all(prompt), atol=TOL_COMPILED, rtol=0,
                                    err_msg=f"n_ctx {n_ctx}")
+
+
+def test_phi3_end_of_turn_ends_an_answer_as_in_llama_cpp(phi3_vocab: Path) -> None:
+    """A Phi-3 GGUF names only ``<|endoftext|>`` (32000) as its EOS; its turns end with ``<|end|>`` (32007), which
+    ends an answer here as in llama.cpp: every id that ends one is an end-of-generation id of llama.cpp's."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    model = load_gguf(phi3_vocab, load_weights=False)
+    ids = eos_token_ids(model)
+    assert model.config.eos_ids == (32000,) and model.tokens[32007] == "<|end|>" and 32007 in ids
+    llm = llama_cpp.Llama(str(phi3_vocab), vocab_only=True, verbose=False)
+    vocab = llama_cpp.llama_model_get_vocab(llm.model)
+    assert all(llama_cpp.llama_vocab_is_eog(vocab, i) for i in ids), ids
