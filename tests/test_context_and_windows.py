@@ -266,3 +266,25 @@ def test_phi3_end_of_turn_ends_an_answer_as_in_llama_cpp(phi3_vocab: Path) -> No
     llm = llama_cpp.Llama(str(phi3_vocab), vocab_only=True, verbose=False)
     vocab = llama_cpp.llama_model_get_vocab(llm.model)
     assert all(llama_cpp.llama_vocab_is_eog(vocab, i) for i in ids), ids
+
+
+#: texts with Phi-3's special tokens and whitespace around them (what its chat template renders, and worse)
+PHI3_TEXTS = ["<|user|>\nHello world<|end|>\n<|assistant|>\n",
+              "<|system|>\n  You are kind.<|end|>\n<|user|>\n\nHi <|end|>\n<|assistant|>\n",
+              "a</s>  b<s> c<|endoftext|> d", "<|user|> x"]
+
+
+def test_phi3_special_tokens_take_the_whitespace_after_them_as_in_llama_cpp(phi3_vocab: Path) -> None:
+    """Phi-3's special tokens (but ``<unk>``, ``<s>``, ``<|endoftext|>``) take the whitespace after them
+    (``rstrip``): the newline its chat template writes after ``<|user|>`` is not a token. Encoded as llama.cpp
+    encodes them, special tokens parsed."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from logitproc.compile.tokenizer_source import from_gguf_file
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_str(from_gguf_file(phi3_vocab).tokenizer_json)
+    llm = llama_cpp.Llama(str(phi3_vocab), vocab_only=True, verbose=False)
+    for text in PHI3_TEXTS:
+        want = llm.tokenize(text.encode(), add_bos=False, special=True)
+        assert tokenizer.encode(text, add_special_tokens=False).ids == want, text
+    assert 13 not in tokenizer.encode(PHI3_TEXTS[0], add_special_tokens=False).ids  # "<0x0A>": no newline token
