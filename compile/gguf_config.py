@@ -15,6 +15,7 @@ from .rope import rope_from_gguf
 #: The tensor of Llama 3's RoPE scaling and Phi-3's LongRoPE factors (read into the config, not weights).
 ROPE_FREQS = "rope_freqs.weight"
 ROPE_FACTORS_SHORT = "rope_factors_short.weight"
+ROPE_FACTORS_LONG = "rope_factors_long.weight"
 #: Token ids that end a turn, in this order.
 _EOS_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 
@@ -84,7 +85,7 @@ def config_from_gguf(meta: dict[str, Any], tensor_shapes: dict[str, tuple[int, .
     if unread:
         raise ValueError(f"{source}: tensor(s) {unread} are not part of the {family.name} family")
     rope = rope_from_gguf(meta, str(arch), rope_dim, rope_tensors.get(ROPE_FREQS),
-                          rope_tensors.get(ROPE_FACTORS_SHORT))
+                          rope_tensors.get(ROPE_FACTORS_SHORT), rope_tensors.get(ROPE_FACTORS_LONG))
     n_layers = _positive(meta, prefix + "block_count", source=source)
     tied = "output.weight" not in tensor_shapes
     stored = family.gguf_file_tensors(n_layers, tied)
@@ -103,6 +104,15 @@ def config_from_gguf(meta: dict[str, Any], tensor_shapes: dict[str, tuple[int, .
         raise ValueError(f"{source}: tokenizer.ggml.eos_token_id is missing")
     vocab = _positive(meta, prefix + "vocab_size", vocab_size, source=source)
     window_layers, window = _windows(meta, family, prefix, n_layers, source)
+    longest = _positive(meta, prefix + "context_length", source=source)
+    context = min(longest, rope.max_context or longest)
+    if not rope.long_factors:
+        longest = context
+    if family.gguf_window_all_layers and meta.get(prefix + "attention.sliding_window", 0) != 0:
+        # Phi-3's converter writes 0 for a model without one (Phi-4-mini); llama.cpp runs none for Phi-3 at all
+        all_window = _positive(meta, prefix + "attention.sliding_window", source=source)
+        if all_window < longest:  # else it never bites
+            window_layers, window = tuple(range(n_layers)), all_window
     query_scale = None
     if family.gguf_wide_scale_layers:  # llama.cpp's rule (``ModelFamily.gguf_wide_scale_layers``)
         query_scale = float(hidden // n_heads if n_layers in family.gguf_wide_scale_layers else head_dim) ** -0.5
@@ -114,9 +124,7 @@ def config_from_gguf(meta: dict[str, Any], tensor_shapes: dict[str, tuple[int, .
         n_kv_heads=n_kv,
         ffn=_positive(meta, prefix + "feed_forward_length", source=source),
         vocab=vocab,
-        context=min(_positive(meta, prefix + "context_length", source=source), rope.max_context or 1 << 62,
-                    1 << 62 if family.window_pattern else  # per-layer windows, not a cap
-                    _positive(meta, prefix + "attention.sliding_window", 1 << 62, source=source)),
+        context=context,
         rope_theta=rope.theta,
         rms_eps=float(meta[prefix + "attention.layer_norm_rms_epsilon"]),
         tied_embeddings=tied,
@@ -137,6 +145,9 @@ def config_from_gguf(meta: dict[str, Any], tensor_shapes: dict[str, tuple[int, .
         sliding_window=window,
         # llama.cpp's default base of the sliding layers (``rope_freq_base_train_swa``), unscaled
         local_rope_theta=float(meta.get(prefix + "rope.freq_base_swa", 10000.0)) if family.local_rope else 0.0,
+        context_limit=longest,
+        rope_original_context=rope.max_context or 0,
+        rope_long_factors=rope.long_factors,
     )
     for name, parts in stored.items():
         config.check_shape(name, parts, tensor_shapes[name], source)

@@ -66,6 +66,8 @@ BPE_PRE_TOKENIZERS = {
 SUPPORTED = {"gpt2": "byte-level BPE", "llama": "SentencePiece BPE", "gemma4": "SentencePiece-style BPE with merges"}
 
 _SPACE = "\u2581"  # SentencePiece's "▁"
+#: the special tokens of a ``special_rstrip`` vocabulary that keep the whitespace after them
+_NO_RSTRIP = ("<unk>", "<s>", "<|endoftext|>")
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,10 @@ class GGUFVocab:
     add_bos: bool
     add_eos: bool
     add_space_prefix: bool
+    #: the special tokens take the whitespace after them (``rstrip``): Phi-3/3.5's SentencePiece vocabulary (a
+    #: ``phi3`` GGUF whose tokenizer model is ``llama``), all but ``<unk>``, ``<s>`` and ``<|endoftext|>``, as its
+    #: ``tokenizer.json`` says and llama.cpp sets them (``llama_vocab::impl::load``, by the model's name)
+    special_rstrip: bool = False
 
     @classmethod
     def from_metadata(cls, meta: Mapping[str, Any], source: str = "the GGUF") -> GGUFVocab:
@@ -142,7 +148,8 @@ class GGUFVocab:
         return cls(model=model, pre=pre, tokens=tokens, token_types=types, scores=scores, merges=merges,
                    bos_id=bos_id, eos_id=eos_id, unk_id=token_id("tokenizer.ggml.unknown_token_id"),
                    add_bos=add_bos, add_eos=add_eos,
-                   add_space_prefix=flag("tokenizer.ggml.add_space_prefix", model != "gpt2"))
+                   add_space_prefix=flag("tokenizer.ggml.add_space_prefix", model != "gpt2"),
+                   special_rstrip=model == "llama" and meta.get("general.architecture") == "phi3")
 
 
 def read_gguf_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -173,11 +180,13 @@ def build_tokenizer(source: GGUFVocab | GGUFModel) -> Tokenizer:
     tokenizer = _bpe_tokenizer(vocab) if vocab.model == "gpt2" else _spm_tokenizer(vocab)
     added = []
     for index, (token, kind) in enumerate(zip(vocab.tokens, vocab.token_types, strict=True)):
+        rstrip = vocab.special_rstrip and token not in _NO_RSTRIP
         if kind in (TokenType.CONTROL, TokenType.UNKNOWN) or index in (vocab.bos_id, vocab.eos_id):
-            added.append(AddedToken(token, special=True, normalized=False))
+            added.append(AddedToken(token, special=True, normalized=False, rstrip=rstrip))
         elif kind == TokenType.USER_DEFINED:  # matched in any text; a SentencePiece one holding "▁" (Gemma's runs
             # of spaces) matches the spaces it stands for, as llama.cpp matches a token's piece: on the normalized text
-            added.append(AddedToken(token, special=False, normalized=vocab.model != "gpt2" and _SPACE in token))
+            added.append(AddedToken(token, special=False, normalized=vocab.model != "gpt2" and _SPACE in token,
+                                    rstrip=rstrip))
     tokenizer.add_tokens(added)
     tokenizer.post_processor = _post_processor(vocab)
     return tokenizer

@@ -120,17 +120,28 @@ def _positive_number(cfg: dict[str, Any], key: str) -> float | None:
     return float(value)
 
 
-def _context(cfg: dict[str, Any], rope: RopeScaling, family: ModelFamily) -> int:
-    """``max_position_embeddings``, cut to a sliding window that applies (Mistral v0.1's 4096: within the window
-    every token sees every earlier one, so the maths is exact for the whole context served) and to the RoPE
-    scaling's ``max_context`` (LongRoPE's original context)."""
-    context = min(_int(cfg, "max_position_embeddings", 2048), rope.max_context or 1 << 62)
+def _context(cfg: dict[str, Any], rope: RopeScaling, family: ModelFamily, architecture: str,
+             n_layers: int) -> tuple[int, int, tuple[int, ...], int]:
+    """The default context, the longest one (``LlamaConfig.context_limit``) and, for a family without per-layer
+    windows, the window and its layers. ``max_position_embeddings`` is the longest; LongRoPE's original context the
+    default (``rope.RopeScaling.for_context``). A ``sliding_window`` (``use_sliding_window`` not false) shorter than
+    that applies to every layer where transformers' class applies it (``ModelFamily.hf_window_architectures``:
+    Mistral v0.1's 4096 in 32768), else caps both contexts (Llama: transformers ignores the key; within the window
+    attention is exact either way)."""
+    longest = _int(cfg, "max_position_embeddings", 2048)
+    default = min(longest, rope.max_context or longest)
+    if not rope.long_factors:
+        longest = default
     window = cfg.get("sliding_window")
-    if window is not None and cfg.get("use_sliding_window", True) and not family.window_pattern:
-        if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
-            raise ValueError(f"config.json: sliding_window must be a positive integer or null, got {window!r}")
-        context = min(context, window)
-    return context
+    if family.window_pattern or window is None or not cfg.get("use_sliding_window", True):
+        return default, longest, (), 0
+    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+        raise ValueError(f"config.json: sliding_window must be a positive integer or null, got {window!r}")
+    if window >= longest:  # never bites
+        return default, longest, (), 0
+    if architecture in family.hf_window_architectures:
+        return default, longest, tuple(range(n_layers)), window
+    return min(default, window), window, (), 0
 
 
 def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None, *, name: str = "",
@@ -161,6 +172,9 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None
         raise ValueError(f"config.json: {n_heads} attention heads are not a multiple of {n_kv} KV heads")
     n_layers = _int(cfg, "num_hidden_layers")
     window_layers, window = _windows(cfg, family, n_layers)
+    context, context_limit, all_layers, all_window = _context(cfg, rope, family, architectures[0], n_layers)
+    if all_layers:
+        window_layers, window = all_layers, all_window
     query_scalar = _positive_number(cfg, "query_pre_attn_scalar")
     return LlamaConfig(
         architecture=family.name,
@@ -170,7 +184,7 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None
         n_kv_heads=n_kv,
         ffn=_int(cfg, "intermediate_size"),
         vocab=_int(cfg, "vocab_size"),
-        context=_context(cfg, rope, family),
+        context=context,
         rope_theta=rope.theta,
         rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
@@ -190,4 +204,7 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None
         window_layers=window_layers,
         sliding_window=window,
         local_rope_theta=local_theta,
+        context_limit=context_limit,
+        rope_original_context=rope.max_context or 0,
+        rope_long_factors=rope.long_factors,
     )

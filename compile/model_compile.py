@@ -200,10 +200,13 @@ class _Options:
     weight_dtype: str
     kv_dtype: str
     activation_bits: int
+    #: the context served (``LlamaConfig.with_context``); None: the model's default
+    context: int | None = None
 
 
 def _cache_key(model_hash: str, spec: TargetSpec, options: _Options) -> str:
     bits = [] if options.activation_bits == DEFAULT_ACTIVATION_BITS else [f"activation_bits={options.activation_bits}"]
+    bits += [] if options.context is None else [f"context={options.context}"]
     return cache_key(spec, model_hash, options.weight_dtype, options.kv_dtype, model_source_hash(), *bits)
 
 
@@ -212,13 +215,20 @@ def _slug(name: str) -> str:
     return keep[:48] or "model"
 
 
+#: Texts of special tokens that end a turn in the supported families whatever the metadata says (llama.cpp's
+#: end-of-generation texts, ``llama_vocab::impl::load``, for these families): ChatML's and Qwen's ``<|im_end|>``,
+#: ``<|endoftext|>``, Gemma's ``<end_of_turn>``, Phi-3/3.5/4-mini's ``<|end|>`` (a Phi-3 GGUF names only
+#: ``<|endoftext|>`` as its EOS), Llama 3's ``<|eot_id|>``, ``<|eom_id|>`` and ``<|end_of_text|>``.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<end_of_turn>", "<|end|>", "<|eot_id|>", "<|eom_id|>",
+                      "<|end_of_text|>")
+
+
 def eos_token_ids(model: GGUFModel) -> list[int]:
     """The ids that end a turn: the model's EOS list (``LlamaConfig.eos_ids``: config lists, generation config,
-    GGUF eos/eot/eom) plus ``<|im_end|>``, ``<|endoftext|>`` and Gemma's ``<end_of_turn>`` when they are special
-    tokens (llama.cpp ends a generation at them too). Raises ValueError when there is none (an answer would never
-    end)."""
+    GGUF eos/eot/eom) plus the ``END_OF_TURN_TOKENS`` that are special tokens of its vocabulary (llama.cpp ends a
+    generation at them too). Raises ValueError when there is none (an answer would never end)."""
     ids = list(model.config.eos_ids)
-    for token in ("<|im_end|>", "<|endoftext|>", "<end_of_turn>"):
+    for token in END_OF_TURN_TOKENS:
         if token in model.tokens:
             index = model.tokens.index(token)
             if index in model.special_token_ids and index not in ids:
@@ -235,6 +245,8 @@ def _build_into(source: _Source, model_hash: str, spec: TargetSpec, options: _Op
     progress(f"loading {source.name} ({source.kind}) ...")
     weight_dtype, kv_dtype = options.weight_dtype, options.kv_dtype
     model, raw = source.load(keep_blocks=weight_dtype == "auto")
+    if options.context is not None:  # refused here, before the compile, beyond what the model serves
+        model = replace(model, config=model.config.with_context(options.context))
     eos = eos_token_ids(model)  # refused here, before the compile, when there is none
     target = spec.tvm_target()
     features = build_features(target)
@@ -245,7 +257,7 @@ def _build_into(source: _Source, model_hash: str, spec: TargetSpec, options: _Op
     progress(f"loaded in {time.perf_counter() - started:.1f}s: {model.config.n_layers} layers, hidden "
              f"{model.config.hidden}, vocab {model.config.vocab}; weights: {formats}"
              f"{'; integer-dot decode matvecs' if llama.int8_dot else ''}{' (VNNI)' if llama.vnni else ''}; "
-             f"{kv_dtype} KV cache")
+             f"{kv_dtype} KV cache; context {model.config.context}{_context_note(model.config)}")
 
     step = time.perf_counter()
     mod, param_names = export_llama(llama, target)
@@ -285,6 +297,18 @@ def _build_into(source: _Source, model_hash: str, spec: TargetSpec, options: _Op
     )
 
 
+def _context_note(config: Any) -> str:
+    """What the served context implies, for the progress line: LongRoPE's factor set, a window on every layer."""
+    notes = []
+    if config.rope_long_factors:
+        long = config.context > config.rope_original_context
+        notes.append(f"LongRoPE {'long' if long else 'short'} factors (original context "
+                     f"{config.rope_original_context})")
+    if config.window_layers and len(config.window_layers) == config.n_layers:
+        notes.append(f"sliding window {config.sliding_window} on every layer")
+    return f" ({'; '.join(notes)})" if notes else ""
+
+
 def _kernel_library(spec: TargetSpec, progress: Progress, *, cache: bool) -> KernelLibrary:
     """The target's kernel library (``build_kernels``: built once per target and kernel sources, then cached)."""
     step = time.perf_counter()
@@ -303,6 +327,7 @@ def compile_model(
     weight_dtype: str = "auto",
     kv_dtype: str = DEFAULT_KV_DTYPE,
     activation_bits: int = DEFAULT_ACTIVATION_BITS,
+    context: int | None = None,
     cache: bool = True,
 ) -> Path:
     """Compile ``model`` (see the module doc) for ``target`` (cpu only: the KV cache's kernels and the matmuls are
@@ -318,7 +343,10 @@ def compile_model(
     on AVX2 CPUs, the bits of the activation codes of the packed Q4_1 matmuls
     (``packed_matvec``): 16 (default: logits within about 1e-3 of the float reference) or 8 (GGML's Q8_1, as
     llama.cpp: about 1.5x faster prefill, logits about 1.5 away on SmolLM2; ``NumpyLlama(int8_activations=True)``
-    rounds the same activations). ``cache=False`` builds into a fresh temporary directory.
+    rounds the same activations). ``context``: the tokens per sequence served (default: the model's,
+    ``LlamaConfig.context``), up to ``max_position_embeddings``; beyond a LongRoPE model's original context the
+    long factors apply (``LlamaConfig.with_context``, ``compile/rope.py``); refused before the compile when
+    beyond what the model serves. ``cache=False`` builds into a fresh temporary directory.
     """
     say = progress or _silent
     spec = target if isinstance(target, TargetSpec) else resolve_target(target)
@@ -330,7 +358,9 @@ def compile_model(
         raise ValueError(f"kv_dtype {kv_dtype!r} is not supported ({' or '.join(KV_DTYPES)})")
     if activation_bits not in ACTIVATION_BITS:
         raise ValueError(f"activation_bits {activation_bits!r} is not supported (8 or 16)")
-    options = _Options(weight_dtype, kv_dtype, activation_bits)
+    if context is not None and (isinstance(context, bool) or not isinstance(context, int) or context < 1):
+        raise ValueError(f"context {context!r} must be a positive token count")
+    options = _Options(weight_dtype, kv_dtype, activation_bits, context)
     if model is None or model == "default":
         from .model_fetch import FILENAME, models_dir, verify_cached
 

@@ -3,7 +3,7 @@ the file format and family; its ``architecture`` names the ``ModelFamily`` (``co
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from .rope import RopeScaling
@@ -32,7 +32,8 @@ class LlamaConfig:
     rope_dim: int
     chat_template: str | None
     name: str = ""
-    #: RoPE's per-frequency divisors (``rope.RopeScaling``; empty: none) and the scaling they came from
+    #: RoPE's per-frequency divisors (``rope.RopeScaling``; empty: none; LongRoPE: ``short_factor``, the ``rope``
+    #: property takes ``rope_long_factors`` instead for a longer ``context``) and the scaling they came from
     rope_factors: tuple[float, ...] = ()
     rope_scaling: str = "default"
     #: cos and sin multiplied by it (LongRoPE)
@@ -51,6 +52,25 @@ class LlamaConfig:
     sliding_window: int = 0
     #: the RoPE base of the ``window_layers``, unscaled (Gemma 3's local base); 0: every layer takes ``rope``
     local_rope_theta: float = 0.0
+    #: the longest ``context`` the model serves (``max_position_embeddings`` / ``{arch}.context_length``, as RoPE
+    #: scaling and windows allow: ``with_context``); 0: ``context``
+    context_limit: int = 0
+    #: LongRoPE: the original context (``rope_factors`` serve contexts up to it) and the factors that serve longer
+    #: ones (``rope.RopeScaling.for_context``: chosen by ``context``); 0 and empty otherwise
+    rope_original_context: int = 0
+    rope_long_factors: tuple[float, ...] = ()
+
+    def with_context(self, context: int) -> LlamaConfig:
+        """This model serving ``context`` tokens per sequence (the compile's ``context`` option): any positive
+        count up to ``context_limit``; beyond LongRoPE's original context the long factors apply (``rope``).
+        ValueError naming the limit otherwise."""
+        limit = self.context_limit or self.context
+        if isinstance(context, bool) or not isinstance(context, int) or not 0 < context <= limit:
+            raise ValueError(f"context {context!r} is not supported by {self.name or self.architecture}: a positive "
+                             f"token count up to {limit} (max_position_embeddings, as its RoPE scaling and "
+                             f"sliding window allow)")
+        self._base_rope.for_context(context)  # refuses what the scaling cannot serve
+        return replace(self, context=context)
 
     @property
     def sm_scale(self) -> float:
@@ -74,8 +94,15 @@ class LlamaConfig:
 
     @property
     def rope(self) -> RopeScaling:
-        """RoPE's base and per-frequency divisors."""
-        return RopeScaling(self.rope_theta, self.rope_factors, self.rope_scaling, self.rope_attention_factor)
+        """RoPE's base and per-frequency divisors for the served ``context`` (LongRoPE's long factors beyond its
+        original context, ``RopeScaling.for_context``)."""
+        return self._base_rope.for_context(self.context)
+
+    @property
+    def _base_rope(self) -> RopeScaling:
+        return RopeScaling(self.rope_theta, self.rope_factors, self.rope_scaling, self.rope_attention_factor,
+                           self.rope_original_context or None, self.rope_long_factors,
+                           self.context_limit or None)
 
     def tensor_shape(self, name: str) -> tuple[int, ...]:
         """The shape of canonical weight ``name`` (a GGUF name, ``[out, in]``); a name no family has is refused."""

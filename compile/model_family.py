@@ -136,8 +136,12 @@ class ModelFamily:
     hf_norm_offset: float = 0.0
     #: the token embeddings are multiplied by ``sqrt(hidden)`` before the first layer (Gemma)
     embed_scaled: bool = False
-    #: layers have sliding windows of their own (Gemma 2/3; without it a window caps the served context instead:
-    #: Mistral v0.1, exact within the window): by ``layer_types`` (Hugging Face) or the GGUF's
+    #: Hugging Face architectures whose ``sliding_window`` applies to every layer (transformers' Mistral and Phi-3;
+    #: its Llama ignores the key, so there a window caps the served context instead: exact under either reading)
+    hf_window_architectures: tuple[str, ...] = ()
+    #: the GGUF's ``attention.sliding_window`` applies to every layer (Phi-3's converter writes it)
+    gguf_window_all_layers: bool = False
+    #: layers have sliding windows of their own, by pattern (Gemma 2/3): by ``layer_types`` (Hugging Face) or the GGUF's
     #: ``attention.sliding_window_pattern``, else this default: in each run of ``window_pattern`` layers all but
     #: the last slide (transformers' and llama.cpp's rule); 0: no per-layer windows
     window_pattern: int = 0

@@ -12,15 +12,16 @@ The model rotates the pair ``(x[i], x[i + d/2])`` of each head (``d`` = the rota
   factor 1, longer than ``original / low`` get ``factor``, the band between ``1 / ((1 - s) / factor + s)`` with
   ``s = (original / wavelength - low) / (high - low)``;
 * ``longrope`` (Phi-3, ``short_factor``, ``long_factor``, ``original_max_position_embeddings``, optional ``factor``
-  and ``attention_factor``): the factors are ``short_factor``, which transformers and llama.cpp use while the
-  sequence (context) stays within ``original``: the served context is capped there (``max_context``), so the
-  switch to ``long_factor`` never happens; cos and sin are multiplied by ``attention_factor`` (by default
-  ``sqrt(1 + ln(f) / ln(original))`` with ``f = factor`` or ``max_position_embeddings / original``; 1 if f <= 1).
-  Past ``original`` the references differ: transformers switches to ``long_factor`` once a forward's sequence
-  exceeds it (every position's angle recomputed, while its cache keeps the keys rotated by the short factors);
-  llama.cpp takes ``long_factor`` for every position whenever its configured context exceeds ``original``. Serving
-  the long context would need that choice made at compile time (the factors are constants of the RoPE kernel): not
-  done; ``long_factor`` is only checked.
+  and ``attention_factor``): cos and sin are multiplied by ``attention_factor`` (by default
+  ``sqrt(1 + ln(f) / ln(original))`` with ``f = factor`` or ``max_position_embeddings / original``; 1 if f <= 1)
+  whichever factors apply; the factors are ``short_factor`` or ``long_factor``, chosen once for the served context
+  (``for_context``, the compile's ``context`` option): ``short_factor`` for a context within ``original`` (the
+  default context), ``long_factor`` for a longer one, up to ``max_position_embeddings`` (``longest_context``).
+  That is llama.cpp's rule (``long_factor`` for every position whenever its configured context exceeds
+  ``original``). transformers chooses per forward: ``long_factor`` once the sequence passes ``original`` (every
+  position's angle recomputed: its ``generate`` recomputes the whole cache at the crossing), ``short_factor``
+  below. So a sequence longer than ``original`` is rotated as transformers rotates it; one within ``original``
+  under a long context is rotated by ``long_factor`` where transformers would take ``short_factor``.
 
 Partial rotary (``partial_rotary_factor``, Phi-4-mini): only the first ``rope_dim`` of each head's ``head_dim``
 values rotate (pairs ``(i, i + rope_dim/2)``); the rest pass through. Anything else (YaRN, dynamic NTK, an unknown
@@ -54,8 +55,23 @@ class RopeScaling:
     kind: str = "default"
     #: cos and sin are multiplied by it (LongRoPE's attention factor)
     attention_factor: float = 1.0
-    #: the longest context the scaling is exact for (LongRoPE's original context), or None
+    #: the longest context these factors serve (LongRoPE's original context), or None: any
     max_context: int | None = None
+    #: LongRoPE's ``long_factor`` (empty: none), served by a context beyond ``max_context`` up to
+    #: ``longest_context`` (``for_context``)
+    long_factors: tuple[float, ...] = ()
+    longest_context: int | None = None
+
+    def for_context(self, context: int) -> RopeScaling:
+        """The scaling that serves ``context`` tokens: itself within ``max_context``; beyond it (up to
+        ``longest_context``), LongRoPE's long factors. ValueError naming the limit otherwise."""
+        if self.max_context is None or context <= self.max_context:
+            return self
+        if not self.long_factors or self.longest_context is None or context > self.longest_context:
+            limit = self.longest_context if self.long_factors else self.max_context
+            raise ValueError(f"a context of {context} tokens is beyond what the {self.kind} RoPE scaling serves "
+                             f"({limit}{'' if self.long_factors else ': no long_factor'})")
+        return RopeScaling(self.theta, self.long_factors, self.kind, self.attention_factor, self.longest_context)
 
     def inverse_frequencies(self, rope_dim: int) -> np.ndarray:
         """``inv_freq[i] = theta ** (-2 i / rope_dim) / factors[i]`` for ``i < rope_dim / 2``, float64."""
@@ -136,9 +152,12 @@ def rope_from_hf(cfg: dict[str, Any], rope_dim: int) -> RopeScaling:
         raise ValueError(f"config.json: rope type {params['type']!r} and rope_type {kind!r} disagree")
     if kind not in SCALING_KEYS:
         raise ValueError(f"config.json: rope type {kind!r} is not supported (supported: {', '.join(SCALING_KEYS)})")
-    if kind == "longrope" and "original_max_position_embeddings" not in params and \
-            "original_max_position_embeddings" in cfg:  # transformers 4's Phi-3 keeps it at the top level
-        params = {**params, "original_max_position_embeddings": cfg["original_max_position_embeddings"]}
+    top = cfg.get("original_max_position_embeddings")
+    if kind == "longrope" and top is not None:  # Phi-3 keeps it at the top level too; transformers takes that one
+        if params.get("original_max_position_embeddings", top) != top:
+            raise ValueError(f"config.json: original_max_position_embeddings {top} disagrees with the rope "
+                             f"parameters' {params['original_max_position_embeddings']}")
+        params = {**params, "original_max_position_embeddings": top}
     unknown = sorted(set(params) - SCALING_KEYS[kind] - {"rope_type", "type", "rope_theta", "partial_rotary_factor"})
     if unknown:
         raise ValueError(f"config.json: rope {kind} parameter(s) {unknown} are not supported (read: "
@@ -161,7 +180,7 @@ def _longrope(params: dict[str, Any], rope_dim: int, theta: float, max_positions
     short = params.get("short_factor")
     if not isinstance(short, list) or len(short) != rope_dim // 2:
         raise ValueError(f"{where}: short_factor must list {rope_dim // 2} numbers, got {short!r}")
-    long = params.get("long_factor")  # not served (the module doc), but a malformed one is still refused
+    long = params.get("long_factor")
     if long is not None and (not isinstance(long, list) or len(long) != rope_dim // 2):
         raise ValueError(f"{where}: long_factor must list {rope_dim // 2} numbers, got {long!r:.80}")
     factor = params.get("factor")
@@ -170,15 +189,17 @@ def _longrope(params: dict[str, Any], rope_dim: int, theta: float, max_positions
     attention = params.get("attention_factor")
     if attention is None:
         attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
-    return RopeScaling(theta, tuple(float(f) for f in short), "longrope", float(attention), original)
+    return RopeScaling(theta, tuple(float(f) for f in short), "longrope", float(attention), original,
+                       tuple(float(f) for f in long or ()), max(int(max_positions or original), original))
 
 
 def rope_from_gguf(meta: dict[str, Any], arch: str, rope_dim: int, rope_freqs: np.ndarray | None,
-                   short_factors: np.ndarray | None = None) -> RopeScaling:
+                   short_factors: np.ndarray | None = None, long_factors: np.ndarray | None = None) -> RopeScaling:
     """RoPE of a GGUF: ``{arch}.rope.freq_base``, ``{arch}.rope.scaling.type`` (``none`` or ``linear`` with
     ``.factor``) and the ``rope_freqs`` tensor's divisors (Llama 3's scaling: the converter writes only the tensor);
-    or Phi-3's LongRoPE: the ``rope_factors_short`` tensor, ``{arch}.rope.scaling.attn_factor`` and
-    ``.original_context_length`` (the context cap: see the module doc)."""
+    or Phi-3's LongRoPE: the ``rope_factors_short`` and ``rope_factors_long`` tensors,
+    ``{arch}.rope.scaling.attn_factor``, ``.original_context_length`` and ``{arch}.context_length`` (the longest
+    context, served by the long factors: see the module doc)."""
     theta = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
     if short_factors is not None:
         if meta.get(f"{arch}.rope.scaling.type", "none") not in ("none", "longrope"):
@@ -188,11 +209,16 @@ def rope_from_gguf(meta: dict[str, Any], arch: str, rope_dim: int, rope_freqs: n
         if not isinstance(original, int) or original <= 0:
             raise ValueError(f"GGUF: LongRoPE factors need {arch}.rope.scaling.original_context_length, got "
                              f"{original!r}")
-        if short_factors.shape != (rope_dim // 2,) or rope_freqs is not None:
-            raise ValueError(f"GGUF: rope_factors_short has shape {short_factors.shape}, need ({rope_dim // 2},) "
-                             f"and no rope_freqs")
+        for name, factors in (("short", short_factors), ("long", long_factors)):
+            if factors is not None and factors.shape != (rope_dim // 2,):
+                raise ValueError(f"GGUF: rope_factors_{name} has shape {factors.shape}, need ({rope_dim // 2},)")
+        if rope_freqs is not None:
+            raise ValueError("GGUF: rope_freqs beside LongRoPE factors is not supported")
+        longest = meta.get(f"{arch}.context_length", original)
         return RopeScaling(theta, tuple(float(f) for f in short_factors), "longrope",
-                           float(meta.get(f"{arch}.rope.scaling.attn_factor", 1.0)), original)
+                           float(meta.get(f"{arch}.rope.scaling.attn_factor", 1.0)), original,
+                           () if long_factors is None else tuple(float(f) for f in long_factors),
+                           max(int(longest), original))
     kind = meta.get(f"{arch}.rope.scaling.type", "none")
     if kind not in ("none", "linear"):
         raise ValueError(f"GGUF: {arch}.rope.scaling.type {kind!r} is not supported (none, linear)")

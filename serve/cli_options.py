@@ -45,12 +45,20 @@ def add_kv_dtype_argument(parser: argparse.ArgumentParser) -> None:
                              "(default: %(default)s)")
 
 
+def add_context_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--context", type=int, default=None, metavar="TOKENS",
+                        help="tokens per sequence to compile the model for, up to its max_position_embeddings; "
+                             "beyond a LongRoPE model's original context (Phi-3.5/4-mini: 4096) its long factors "
+                             "apply (default: the model's; LongRoPE: the original context)")
+
+
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="default",
                         help="'default' (SmolLM2-135M-Instruct, fetched and compiled on first use), a GGUF file or "
                              "a Hugging Face model folder (default: %(default)s)")
     parser.add_argument("--target", default="cpu", help="compilation target (default: %(default)s)")
     add_kv_dtype_argument(parser)
+    add_context_argument(parser)
     parser.add_argument("--jump-forward", action="store_true",
                         help="append tokens a grammar forces without a decode step each (default: off)")
     parser.add_argument("--grammar-backend", default="llguidance", choices=("llguidance", "xgrammar"),
@@ -185,16 +193,16 @@ def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def open_model(spec: str, target: str, kv_dtype: str = "float32") -> Any:
+def open_model(spec: str, target: str, kv_dtype: str = "float32", context: int | None = None) -> Any:
     """Open (fetching and compiling on first use, with visible progress on stderr) the model named by ``spec``,
-    with a KV cache of ``kv_dtype``."""
+    with a KV cache of ``kv_dtype``, serving ``context`` tokens per sequence (None: the model's)."""
     from logitproc.serve.compiled_model import CompiledModel
 
     from .progress_line import ProgressLine
 
     model: Any = tiny_model() if spec == TINY_MODEL else spec
     with ProgressLine(sys.stderr) as progress:
-        return CompiledModel.open(model, target=target, progress=progress, kv_dtype=kv_dtype)
+        return CompiledModel.open(model, target=target, progress=progress, kv_dtype=kv_dtype, context=context)
 
 
 def read_chat_template(args: argparse.Namespace) -> Any:
@@ -230,7 +238,7 @@ def open_engine(args: argparse.Namespace) -> tuple[Any, ModelDefaults]:
     from .model_defaults import model_defaults
 
     template = read_chat_template(args)
-    model = open_model(args.model, args.target, args.kv_dtype)
+    model = open_model(args.model, args.target, args.kv_dtype, args.context)
     use_chat_template(model, template)
     source = Path(args.model)
     model_dir = (source if source.is_dir() else source.parent) if source.exists() else model.directory

@@ -109,14 +109,16 @@ class CompiledModel(ModelRunner):
     @classmethod
     def open(cls, model: str | os.PathLike[str] | GGUFModel | None = "default", target: str = "cpu",
              progress: Progress | None = None, *, weight_dtype: str = "auto", kv_dtype: str = DEFAULT_KV_DTYPE,
-             max_num_sequences: int = 16,
+             context: int | None = None, max_num_sequences: int = 16,
              max_total_tokens: int | None = None, prefill_chunk_size: int = 512) -> CompiledModel:
         """Open ``model``: ``"default"``, a GGUF file, a Hugging Face directory, a ``GGUFModel`` (compiled on first
-        use into the cache), or a directory written by ``compile_model`` / ``logitproc compile --out``."""
+        use into the cache, serving ``context`` tokens per sequence: ``compile_model``), or a directory written by
+        ``compile_model`` / ``logitproc compile --out``."""
         if isinstance(model, str | os.PathLike) and (Path(model) / MANIFEST).is_file():
             directory = Path(model)
         else:
-            directory = compile_model(model, target, progress=progress, weight_dtype=weight_dtype, kv_dtype=kv_dtype)
+            directory = compile_model(model, target, progress=progress, weight_dtype=weight_dtype, kv_dtype=kv_dtype,
+                                      context=context)
         opened = cls(directory, max_num_sequences=max_num_sequences, max_total_tokens=max_total_tokens,
                      prefill_chunk_size=prefill_chunk_size)
         if progress is not None:

@@ -144,6 +144,23 @@ def _llama3_rope_freqs(theta: float, dim: int, rope: dict[str, Any]) -> np.ndarr
     return np.asarray(out, np.float32)
 
 
+def _write_vocab(writer: Any, vocab: dict[str, Any]) -> None:
+    """A real vocabulary's ``tokenizer.*`` metadata (a SentencePiece one: model, pre, tokens, scores, types, the
+    special ids and flags, the chat template) as gguf-py writes them."""
+    writer.add_tokenizer_model(vocab["tokenizer.ggml.model"])
+    writer.add_tokenizer_pre(vocab["tokenizer.ggml.pre"])
+    writer.add_token_list(vocab["tokenizer.ggml.tokens"])
+    writer.add_token_scores(vocab["tokenizer.ggml.scores"])
+    writer.add_token_types(vocab["tokenizer.ggml.token_type"])
+    for key, value in vocab.items():
+        if key.endswith("_token_id"):
+            writer.add_uint32(key, value)
+        elif isinstance(value, bool):
+            writer.add_bool(key, value)
+    if "tokenizer.chat_template" in vocab:
+        writer.add_chat_template(vocab["tokenizer.chat_template"])
+
+
 _LAYER = {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",  # phi3's fused tensors
           "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
           "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
@@ -157,9 +174,11 @@ _SANDWICH = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_a
 
 
 def write_gguf(model: Any, case: FamilyCase, path: Path, *, extra_keys: dict[str, int] | None = None,
-               q8_0: bool = False, without_window: bool = False) -> Path:
+               q8_0: bool = False, without_window: bool = False, vocab: dict[str, Any] | None = None) -> Path:
     """The same weights as a GGUF (F32 tensors; with ``q8_0`` the matrices quantised to Q8_0 by gguf-py) as
-    llama.cpp's converter lays them out (module doc); ``without_window``: no ``attention.sliding_window`` key."""
+    llama.cpp's converter lays them out (module doc); ``without_window``: no ``attention.sliding_window`` key;
+    ``vocab``: the ``tokenizer.*`` metadata of a real vocabulary (``material.vocab_metadata``) instead of the tiny
+    one (its EOS id too)."""
     import gguf
 
     cfg = model.config
@@ -194,6 +213,8 @@ def write_gguf(model: Any, case: FamilyCase, path: Path, *, extra_keys: dict[str
         scale = cfg.max_position_embeddings / original
         writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
         writer.add_rope_scaling_orig_ctx_len(original)
+    if arch == "phi3":  # the converter writes 0 for a model without a window (Phi-4-mini)
+        writer.add_sliding_window(getattr(cfg, "sliding_window", None) or 0)
     if arch in ("gemma2",):
         writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
         writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
@@ -202,16 +223,19 @@ def write_gguf(model: Any, case: FamilyCase, path: Path, *, extra_keys: dict[str
     if head_dim != cfg.hidden_size // cfg.num_attention_heads or arch in ("gemma2", "gemma3"):
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt-2")  # llama.cpp's name (it refuses "gpt2")
-    writer.add_token_list(tiny.tokens)
-    writer.add_token_types([1 if t == 6 else t for t in tiny.token_types])
-    writer.add_token_merges(tiny.merges)
-    writer.add_bos_token_id(0)
-    for add, token in zip((writer.add_eos_token_id, writer.add_eot_token_id, writer.add_eom_token_id), case.eos_ids,
-                          strict=False):
-        add(token)
-    writer.add_chat_template(tiny.config.chat_template)
+    if vocab is not None:
+        _write_vocab(writer, vocab)
+    else:
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("gpt-2")  # llama.cpp's name (it refuses "gpt2")
+        writer.add_token_list(tiny.tokens)
+        writer.add_token_types([1 if t == 6 else t for t in tiny.token_types])
+        writer.add_token_merges(tiny.merges)
+        writer.add_bos_token_id(0)
+        for add, token in zip((writer.add_eos_token_id, writer.add_eot_token_id, writer.add_eom_token_id),
+                              case.eos_ids, strict=False):
+            add(token)
+        writer.add_chat_template(tiny.config.chat_template)
     for key, value in (extra_keys or {}).items():
         writer.add_uint32(key, value)
 

@@ -11,8 +11,8 @@ of its own, Phi-3 with fused q/k/v and gate/up, LongRoPE and partial rotary), sa
 * the compiled model (one build per family, from the GGUF, float32 weights and KV cache) matches transformers after
   the prompt and 8 greedy decode steps within 1e-2;
 * a Q8_0 GGUF's blocks (kept for the kernels) are un-permuted and split as the dense weights are;
-* Mistral (a sliding window wider than the context), linear RoPE scaling and transformers 4's ``rope_theta`` /
-  ``rope_scaling`` spelling read right (numpy against transformers);
+* Mistral (a sliding window on every layer, wider than the prompt), linear RoPE scaling and transformers 4's
+  ``rope_theta`` / ``rope_scaling`` spelling read right (numpy against transformers);
 * an unknown architecture, RoPE type, ``config.json`` key or GGUF key is refused, naming it, before any compile.
 """
 
@@ -101,7 +101,8 @@ def test_compiled_model_matches_transformers_over_greedy_decoding(families, name
     np.testing.assert_allclose(np.stack(rows), expected, atol=TOL_COMPILED, rtol=0)
 
 
-#: llama.cpp's ``phi3`` vocabulary loader looks up tokens of Phi-3's own vocabulary, which the tiny one lacks.
+#: llama.cpp's ``phi3`` vocabulary loader looks up tokens of Phi-3's own vocabulary, which the tiny one lacks:
+#: ``test_context_and_windows.py`` compares llama.cpp on a Phi-3 written with Phi-3's real vocabulary.
 LLAMA_CPP_CASES = [name for name in CASES if name != "phi3"]
 
 
@@ -150,11 +151,13 @@ def _edited_folder(families, tmp_path: Path, name: str, **changes: object) -> Pa
 
 
 def test_mistral_folder_reads_as_llama_with_its_window(tmp_path: Path) -> None:
-    """MistralForCausalLM is the llama family; its sliding window (wider than the context here) caps the context."""
+    """MistralForCausalLM is the llama family; its sliding window (wider than the prompt here) is every layer's
+    (``test_context_and_windows.py`` has one that bites)."""
     case = family_models.FamilyCase("mistral", "mistral", "llama", {"sliding_window": 256, "eos_token_id": 2})
     model = family_models.build_transformers_model(case, seed=1)
     loaded = load_hf_dir(family_models.write_hf_folder(model, case, tmp_path / "mistral"))
-    assert loaded.config.architecture == "llama" and loaded.config.context == 256
+    assert loaded.config.architecture == "llama" and loaded.config.context == 512
+    assert loaded.config.window_layers == (0, 1) and loaded.config.sliding_window == 256
     np.testing.assert_allclose(NumpyLlama(loaded).extend_all(PROMPT), family_models.reference_logits(model, PROMPT),
                                atol=TOL_NUMPY, rtol=0)
 

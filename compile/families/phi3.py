@@ -1,6 +1,7 @@
 """Phi-3 / Phi-3.5-mini / Phi-4-mini: the Llama decoder with q/k/v and gate/up stored fused (split on reading),
 LongRoPE (``rope.py``) and, in Phi-4-mini, partial rotary; llama.cpp's ``phi3`` GGUFs keep Hugging Face's q/k order,
-store the gate and up rows together in ``ffn_up`` and the LongRoPE factors as ``rope_factors_short/long``."""
+store the gate and up rows together in ``ffn_up`` and the LongRoPE factors as ``rope_factors_short/long``. A
+``sliding_window`` (Phi-3-mini-4k's 2047; the GGUF's 0: none) is every layer's."""
 
 from ..model_family import GATE_UP_SPLIT, QKV_SPLIT, ModelFamily
 
@@ -18,4 +19,6 @@ PHI3 = ModelFamily(
     hf_fused={"self_attn.qkv_proj.weight": QKV_SPLIT, "mlp.gate_up_proj.weight": GATE_UP_SPLIT},
     gguf_fused={"attn_qkv.weight": QKV_SPLIT, "ffn_up.weight": GATE_UP_SPLIT},
     gguf_rope_tensors=("rope_factors_short.weight", "rope_factors_long.weight"),
+    hf_window_architectures=("Phi3ForCausalLM",),
+    gguf_window_all_layers=True,
 )
