@@ -21,9 +21,7 @@ what is not yet in the cache becomes the sequence's feed for the next forward.
 from __future__ import annotations
 
 import time
-from typing import Any
 
-import numpy as np
 from logitproc.runtime import LogitProcessor, SampleResult
 
 from .outputs import Delta, EngineStats
@@ -68,11 +66,11 @@ def commit_row(seq: GeneratedSequence, result: SampleResult, row: int, delta: De
 
 
 def commit_verified(model: Runner, seq: GeneratedSequence, result: SampleResult, first: int, drafts: list[int],
-                    delta: Delta, errors: dict[int, str], rng_state: dict[str, Any] | None) -> tuple[int, int]:
+                    delta: Delta, errors: dict[int, str]) -> tuple[int, int]:
     """Commit the rows ``first``, ``first + 1``, ... of a sequence that checked ``drafts`` while each row's token is
-    the next draft (and the sequence goes on); pop the rejected drafts from the KV cache; rewind the random stream
-    from ``rng_state`` (its state before the step's draws; None for greedy) by one draw per committed row. Returns
-    (rows committed, drafts accepted)."""
+    the next draft (and the sequence goes on); pop the rejected drafts from the KV cache; the sequence's random
+    stream keeps the draws of the rows examined only (``RequestState.keep_draws``). Returns (rows committed, drafts
+    accepted)."""
     examined = accepted = 0
     try:
         for j in range(len(drafts) + 1):
@@ -91,10 +89,7 @@ def commit_verified(model: Runner, seq: GeneratedSequence, result: SampleResult,
         if seq.in_model and seq.seq_id is not None and model.sequence_length(seq.seq_id) > keep:
             model.popn(seq.seq_id, model.sequence_length(seq.seq_id) - keep)
         seq.kv_len = keep
-        if rng_state is not None:  # the sampler drew one number per row: keep those of the committed rows
-            state.rng.bit_generator.state = rng_state
-            for _ in range(examined):
-                state.rng.random(dtype=np.float32)
+        state.keep_draws(examined)  # the sampler drew one number per row: those of the rows examined stay drawn
     return examined, accepted
 
 

@@ -505,8 +505,6 @@ class Engine:
         run_model(self.model, self.processor, plan, self.scheduler.place, step)
         if step.batch is None or step.logits is None:
             return step, 0.0
-        # A drafting sequence's stream draws for all its rows; commit_verified keeps the committed rows' draws.
-        streams = {seq: seq.state.rng.bit_generator.state for seq in step.drafts if not seq.state.config.greedy}
         t0 = time.perf_counter()
         result = process(self.processor, self.sampler, step.batch, step.logits)
         processing_s = time.perf_counter() - t0
@@ -516,7 +514,7 @@ class Engine:
             delta = delta_of(deltas, seq)
             try:
                 if seq in step.drafts:
-                    self._commit_verified(step, seq, result, row, delta, errors, streams.get(seq))
+                    self._commit_verified(step, seq, result, row, delta, errors)
                 else:
                     commit_row(seq, result, row, delta, errors.get(row))
             except Exception as err:  # e.g. the detokenizer: this sequence ends, the other rows are committed
@@ -524,9 +522,9 @@ class Engine:
         return step, processing_s
 
     def _commit_verified(self, step: ModelStep, seq: GeneratedSequence, result: Any, row: int, delta: Delta,
-                         errors: dict[int, str], stream: dict[str, Any] | None) -> None:
+                         errors: dict[int, str]) -> None:
         drafts = step.drafts[seq]
-        committed, accepted = commit_verified(self.model, seq, result, row, drafts, delta, errors, stream)
+        committed, accepted = commit_verified(self.model, seq, result, row, drafts, delta, errors)
         step.verify_committed += committed
         for stats in (seq.request.stats, self.stats):
             stats.drafts += 1
