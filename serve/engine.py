@@ -433,7 +433,7 @@ class Engine:
         deltas: Deltas = {}
         scheduler = self.scheduler
         scheduler.handle_aborts(deltas)
-        scheduler.retire(deltas)  # aborted sequences leave the KV cache before room is counted
+        scheduler.retire()  # aborted sequences leave the KV cache before room is counted
         scheduler.make_room()
         scheduler.admit()
         drafts = self._plan_drafts() if self._planner is not None else {}
@@ -441,7 +441,7 @@ class Engine:
         step, processing_s = self._forward_isolated(scheduler.live(), deltas, plan)
         if self.jump_forward:
             jump_forward(self.model, self.processor, scheduler.running, deltas, self.stats)
-        scheduler.retire(deltas)
+        scheduler.retire()
         step_s = time.perf_counter() - started
         account_step(self.stats, step, processing_s, step_s)
         if self._planner is not None:  # a token costs its forward and its row's share of the rest of the step

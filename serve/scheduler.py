@@ -275,7 +275,7 @@ class Scheduler:
             self.stats.cached_tokens += match.length
         seq.in_model = True
 
-    def retire(self, deltas: Deltas) -> None:
+    def retire(self) -> None:
         """Free the model slots of finished sequences (or keep them in the prefix cache); forget finished
         requests."""
         keep = []
@@ -287,11 +287,8 @@ class Scheduler:
         self.running = keep
         for rid in [rid for rid, r in self.requests.items() if r.finished]:
             request = self.requests.pop(rid)
-            if request.stats.finish_time is None:
+            if request.stats.finish_time is None:  # its Outputs (built once, as each sequence ended) share the stats
                 request.stats.finish_time = time.perf_counter()
-            for seq in request.sequences:  # a finished request's outputs carry its final statistics
-                if seq in deltas and deltas[seq].output is not None:
-                    deltas[seq].output = seq.output()
 
     def _free(self, seq: GeneratedSequence) -> None:
         if seq.in_model:

@@ -133,7 +133,7 @@ def test_a_prefix_cache_hit_is_counted_out_of_the_budget(scheduler) -> None:
     admit(scheduler, first)
     feed(scheduler, scheduler.plan(StepBudget(), {}))
     first.finish("length", Delta("first", 0))
-    scheduler.retire({})
+    scheduler.retire()
     assert scheduler.cached_tokens == 300
     second = request("second", 300)
     second.feed = second.feed[:250] + [299] * 50
