@@ -51,7 +51,7 @@ def commit_row(seq: GeneratedSequence, result: SampleResult, row: int, delta: De
         seq.finish("error", delta, error=f"{type(err).__name__}: {err}")
         return
     if token not in seq.stop_token_ids:
-        seq.feed = [token]
+        seq.feed_sampled(token)
     stats.completion_tokens += 1
     if seq.logprobs is not None:
         # a token the closing put in the sample's place was chosen with certainty: 0.0, as a one-token mask gives
@@ -85,10 +85,7 @@ def commit_verified(model: Runner, seq: GeneratedSequence, result: SampleResult,
                 break  # (where jump-forward would append forced tokens, it does so before any further token)
     finally:
         state = seq.state
-        keep = min(seq.kv_len, state.num_tokens - len(seq.feed))  # the KV cache holds all but the token to feed
-        if seq.in_model and seq.seq_id is not None and model.sequence_length(seq.seq_id) > keep:
-            model.popn(seq.seq_id, model.sequence_length(seq.seq_id) - keep)
-        seq.kv_len = keep
+        seq.keep_in_cache(model, min(seq.kv_len, state.num_tokens - len(seq.feed)))  # all but the token to feed
         state.keep_draws(examined)  # the sampler drew one number per row: those of the rows examined stay drawn
     return examined, accepted
 
@@ -116,17 +113,7 @@ def jump_forward(model: Runner, processor: LogitProcessor, running: list[Generat
         if forced is None or (not forced.rollback and not forced.token_ids):
             continue
         delta = delta_of(deltas, seq)
-        state = seq.state
-        unchanged = state.num_tokens - len(forced.token_ids)
-        if seq.kv_len > unchanged:
-            model.popn(seq.seq_id, seq.kv_len - unchanged)
-            seq.kv_len = unchanged
-        prompt_len = len(state.prompt_token_ids)
-        seq.feed = list(state.output_token_ids[seq.kv_len - prompt_len :])
-        if not seq.feed:  # rolled back to a point already in the cache: feed its last token again
-            model.popn(seq.seq_id, 1)
-            seq.kv_len -= 1
-            seq.feed = [(state.prompt_token_ids + state.output_token_ids)[seq.kv_len]]
+        seq.rewind_cache(model, seq.state.num_tokens - len(forced.token_ids))
         before = len(seq.token_ids)
         seq.rollback(forced.rollback, delta)
         for token in forced.token_ids:

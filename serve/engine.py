@@ -222,9 +222,9 @@ class Engine:
             if config.n > 1 and config.seed is not None:  # each sequence its own stream, reproducibly
                 cfg = replace(config, seed=(config.seed + index) % 2**64)
             state = RequestState(new.prompt_token_ids, cfg, mask_sources=self._mask_sources(cfg))
-            seq = GeneratedSequence(request, index, state, self.model.tokenizer, self.eos_token_ids, new.limit)
-            if index > 0:  # prefilled once, then forked from the first sequence
-                seq.forked_from = request.sequences[0]
+            # n > 1: prefilled once, then forked from the first sequence
+            seq = GeneratedSequence(request, index, state, self.model.tokenizer, self.eos_token_ids, new.limit,
+                                    forked_from=request.sequences[0] if index > 0 else None)
             request.sequences.append(seq)
         return request
 
@@ -647,23 +647,11 @@ class _NewRequest:
 
 
 class _Placement:
-    """A sequence's place in the model before a step (KV length, pending feed), to put it back if the step fails."""
+    """A sequence's place in the model before a step (its KV bookkeeping), to put it back if the step fails."""
 
     def __init__(self, seq: GeneratedSequence) -> None:
         self.seq = seq
-        self.in_model, self.kv_len, self.feed, self.forked_from = seq.in_model, seq.kv_len, list(seq.feed), \
-            seq.forked_from
-        self.in_prefill = seq.in_prefill
+        self.kv = seq.kv_snapshot()
 
     def restore(self, model: Runner) -> None:
-        seq = self.seq
-        if seq.in_model and seq.seq_id is not None:
-            if not self.in_model:  # placed (or forked) by the failed step
-                model.remove_sequence(seq.seq_id)
-                seq.in_model = False
-            else:
-                extra = model.sequence_length(seq.seq_id) - self.kv_len
-                if extra > 0:
-                    model.popn(seq.seq_id, extra)
-        seq.kv_len, seq.feed, seq.forked_from = self.kv_len, list(self.feed), self.forked_from
-        seq.in_prefill = self.in_prefill
+        self.seq.restore_kv(model, self.kv)
