@@ -8,7 +8,9 @@ An exported library is a directory::
     kernels.o              cpu: the same code as an object file, which every compiled model for the target links into
                            its model.so (so a model build compiles no logit-processing kernel of its own)
     kernels.cu             cuda: the CUDA C source (JIT-compiled by TVM's runtime at load, NVRTC by default)
-    kernels.<arch>.ptx     cuda: PTX from nvcc or NVRTC, when either is installed
+    kernels.<arch>.ptx     cuda: PTX from nvcc or NVRTC, when either is installed; with the manifest's
+                           ``launches`` (each function's kernels, arguments, grid and block as expressions of its
+                           shapes) it runs through the CUDA driver alone (``runtime/cuda_device.py``)
     kernels.<arch>.hsaco   rocm: the AMDGPU code object
     kernels.wgsl           vulkan: WGSL shaders (run through wgpu), plus kernels.func_info.json
     kernels.metal          metal: Metal shading language source
@@ -23,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -33,6 +36,7 @@ import tvm
 from logitproc import __version__
 from logitproc.runtime.kernel_library import MANIFEST, MANIFEST_FORMAT, KernelLibrary
 
+from ..runtime.launch_geometry import FunctionLaunches, describe_functions, lower_split
 from ..runtime.targets import TargetSpec, resolve_target
 from .cache_lock import cache_entry_lock
 from .device_code import capture_rocm_code_objects, compile_cuda, cuda_compiler_available, prepare_rocm_env
@@ -44,7 +48,8 @@ __all__ = ["KERNEL_OBJECT", "MANIFEST", "MANIFEST_FORMAT", "KernelLibrary", "bui
 KERNEL_OBJECT = "kernels.o"
 _PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 #: What a kernel build depends on: every kernel source, and the compiler modules that turn them into artifacts.
-_HASHED_SOURCES = ("tir_kernels/*.py", "compile/kernel_library.py", "runtime/targets.py", "compile/device_code.py")
+_HASHED_SOURCES = ("tir_kernels/*.py", "compile/kernel_library.py", "runtime/targets.py", "compile/device_code.py",
+                   "runtime/launch_geometry.py", "runtime/kernel_abi.py")
 
 
 def source_hash() -> str:
@@ -157,6 +162,39 @@ def _write_device_artifacts(spec: TargetSpec, executable: Any, code_objects: lis
     return files
 
 
+def _cuda_launches(spec: TargetSpec, prim_funcs: dict[str, tvm.tirx.PrimFunc], cuda_source: str, out: Path
+                   ) -> dict[str, Any]:
+    """For the CUDA driver path (``runtime/cuda_device.py``): how each function launches its kernels, and the PTX
+    they come from, checked to be the very code of ``kernels.cu``. Returns the manifest's extra keys."""
+    from tvm.tirx.build import codegen_build
+
+    host_mod, device_mod, device_target = lower_split(prim_funcs, spec.tvm_target())
+    source = str(codegen_build(device_mod, device_target).inspect_source(""))
+    if source != cuda_source:
+        raise RuntimeError("the CUDA source of the launch description differs from tvm.compile's kernels.cu")
+    launches = describe_functions(prim_funcs, host_mod, device_mod)
+    extra: dict[str, Any] = {"launches": {name: f.to_json() for name, f in launches.items()}}
+    ptx = f"kernels.{spec.arch}.ptx"
+    if (out / ptx).is_file():
+        check_ptx_entries(launches, (out / ptx).read_text())
+        extra["device_code"] = ptx
+    return extra
+
+
+def check_ptx_entries(launches: dict[str, FunctionLaunches], ptx: str) -> None:
+    """Every kernel entry of the launch description is in the PTX with as many parameters as it passes
+    (a mismatch would make the driver read the wrong arguments)."""
+    for function in launches.values():
+        for kernel in function.kernels:
+            header = re.search(rf"\.entry {re.escape(kernel.entry)}\(([^)]*)\)", ptx)
+            if header is None:
+                raise RuntimeError(f"the PTX has no entry {kernel.entry}")
+            count = len(re.findall(r"\.param\s", header.group(1)))
+            if count != len(kernel.args):
+                raise RuntimeError(f"{kernel.entry}: the PTX declares {count} parameters, the launch passes "
+                                   f"{len(kernel.args)}")
+
+
 def _build_into(spec: TargetSpec, src_hash: str, out: Path) -> dict[str, Any]:
     from logitproc.tir_kernels import KERNEL_FACTORIES
 
@@ -171,7 +209,11 @@ def _build_into(spec: TargetSpec, src_hash: str, out: Path) -> dict[str, Any]:
     (out / "kernels.tir.py").write_text(module.script())
     files = ["kernels.tir.py", *_write_device_artifacts(spec, executable, code_objects, out)]
     kernels = kernel_entries({name: module[name] for name in KERNEL_FACTORIES})
-    return write_manifest(out, spec, target, src_hash, kernels, files)
+    extra: dict[str, Any] = {}
+    if spec.kind == "cuda":
+        prim_funcs = {name: module[name] for name in KERNEL_FACTORIES}
+        extra = _cuda_launches(spec, prim_funcs, (out / "kernels.cu").read_text(), out)
+    return write_manifest(out, spec, target, src_hash, kernels, files, **extra)
 
 
 def build_kernels(

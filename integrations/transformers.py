@@ -1,4 +1,4 @@
-"""logitproc's logit bias, penalties and token masks as a Hugging Face ``LogitsProcessor`` for ``model.generate()``.
+"""logitproc's logit bias, penalties, token masks and sampling as Hugging Face ``LogitsProcessor``s for ``generate()``.
 
 ::
 
@@ -14,25 +14,29 @@ Each call receives HF's ``input_ids`` ``[B, T]`` and float32 ``scores`` ``[B, V]
 without a copy through DLPack) and returns ``scores``. The first call takes each row's ids as its prompt; later calls
 append the tokens HF added (the grammar and the other mask sources advance with them), roll back rows whose earlier
 tokens changed (assisted decoding, beam search reordering rows) and stop following a row once it produced an EOS
-(HF then pads it). One processor serves one ``generate()`` call. Sampling (temperature, top-k, top-p, min-p) stays
-with HF's ``generate()`` arguments, whose warpers run after every custom processor; the config's sampling fields
-must keep their defaults. Jump-forward does not exist inside ``generate()`` (one token per step): a token the
+(HF then pads it). One processor serves one ``generate()`` call. With ``LogitprocProcessor`` sampling (temperature,
+top-k, top-p, min-p) stays with HF's ``generate()`` arguments, whose warpers run after every custom processor; the
+config's sampling fields must keep their defaults. ``LogitprocSampler`` samples too, with the config's sampling
+fields and logitproc's fused kernel (no sort for top-p), and leaves only the sampled token to ``generate()``.
+Jump-forward does not exist inside ``generate()`` (one token per step): a token the
 grammar forces is the row's only allowed token.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 try:
+    import torch
     from transformers import LogitsProcessor, PreTrainedTokenizerFast
 except ImportError as exc:  # transformers is the user's (and torch with it): logitproc never requires it
     raise ImportError("logitproc.integrations.transformers needs Hugging Face transformers (and torch): "
                       "pip install 'logitproc[hf]'") from exc
-from logitproc.runtime import GenerationConfig, KernelLibrary, LogitProcessor, RequestState
+from logitproc.runtime import GenerationConfig, KernelLibrary, LogitProcessor, RequestState, Sampler
 from logitproc.runtime.constraints import ConstraintFactory
 from logitproc.runtime.grammar.closing import DocumentClosing
 from logitproc.runtime.mask_source import TokenMaskSource
@@ -95,17 +99,21 @@ class LogitprocProcessor(LogitsProcessor):
     ValueError: a sampling field set in ``config``, or masks asked for without a tokenizer and EOS ids.
     """
 
+    #: the config fields this class refuses to see set, and what to do instead
+    refused_fields: tuple[str, ...] = NOT_PROCESSOR_FIELDS
+    refusal_hint = ("pass sampling parameters to model.generate() (do_sample, temperature, top_k, top_p, min_p) or "
+                    "use LogitprocSampler")
+
     def __init__(self, library: KernelLibrary, config: GenerationConfig, vocab_size: int, *,
                  tokenizer: Tokenizer | PreTrainedTokenizerFast | None = None, eos_token_ids: Sequence[int] = (),
                  tree_decode: TreeDecodeConfig | None = None, grammar_backend: str = "llguidance",
                  constraints: ConstraintFactory | None = None, device: str = "cpu", mask_workers: int = 0) -> None:
         if not isinstance(config, GenerationConfig):
             raise TypeError(f"config must be a logitproc GenerationConfig, got {type(config).__name__}")
-        for name in NOT_PROCESSOR_FIELDS:
+        for name in self.refused_fields:
             if getattr(config, name) != getattr(_DEFAULTS, name):
-                raise ValueError(f"GenerationConfig.{name}={getattr(config, name)!r} is not applied by a logits "
-                                 f"processor: pass sampling parameters to model.generate() (do_sample, temperature, "
-                                 f"top_k, top_p, min_p) and leave {name} at its default")
+                raise ValueError(f"GenerationConfig.{name}={getattr(config, name)!r} is not applied by "
+                                 f"{type(self).__name__}: {self.refusal_hint} and leave {name} at its default")
         self.config = config
         self.library, self.vocab_size, self.device, self.mask_workers = library, vocab_size, device, mask_workers
         self.factory: ConstraintFactory | None = constraints
@@ -127,6 +135,12 @@ class LogitprocProcessor(LogitsProcessor):
         self._done: list[bool] = []  # rows that produced an EOS: HF pads them, the state stops there
 
     def __call__(self, input_ids: Any, scores: Any) -> Any:
+        self._follow(input_ids, scores)
+        self.processor.inplace_update_logits(scores, self.states)
+        return scores
+
+    def _follow(self, input_ids: Any, scores: Any) -> None:
+        """Bring the rows' states up to ``input_ids`` (the first call: their prompts)."""
         ids = np.from_dlpack(input_ids.detach().cpu())
         if ids.ndim != 2 or ids.shape[0] != scores.shape[0]:
             raise ValueError(f"input_ids {list(ids.shape)} and scores {list(scores.shape)} disagree on the batch")
@@ -134,12 +148,10 @@ class LogitprocProcessor(LogitsProcessor):
             self._start(ids)
         elif ids.shape[0] != len(self.states):
             raise ValueError(f"this processor followed {len(self.states)} sequences and now gets {ids.shape[0]}: "
-                             "make one LogitprocProcessor per generate() call")
+                             f"make one {type(self).__name__} per generate() call")
         else:
             self._advance(ids)
         self._ids = ids.copy()
-        self.processor.inplace_update_logits(scores, self.states)
-        return scores
 
     def _new_state(self, prompt: np.ndarray) -> RequestState:
         ids = prompt.tolist()
@@ -190,3 +202,56 @@ class LogitprocProcessor(LogitsProcessor):
                 state.rollback(held - same)
                 self._done[r] = False
                 self._append(r, ids[r, same:])
+
+
+#: GenerationConfig fields a LogitprocSampler refuses: the engine's per-token outputs and stop rules.
+NOT_SAMPLER_FIELDS = ("logprobs", "top_logprobs", "n", "stop", "stop_token_ids")
+
+
+class LogitprocSampler(LogitprocProcessor):
+    """A ``LogitprocProcessor`` that also samples: logitproc's whole step in place of HF's warpers and draw.
+
+    Each call applies the config's bias, penalties and masks as ``LogitprocProcessor`` does, then its temperature,
+    min-p, top-k, top-p and the seeded draw in one fused kernel (``Sampler.sample_from_logits(scores, states,
+    processor=...)``: the masks are read by the sampling kernel, no probabilities are written), and returns the scores
+    with only each row's sampled token finite (0; every other token -inf). ``generate()``'s own choice then takes that
+    token: greedy (``do_sample=False``, the natural setting) picks it, and so would HF's warpers and draw, since no
+    other token has any probability. It pays where HF's sampling costs most: its top-p warper sorts every row (at
+    V=128256 milliseconds a row), the fused kernel needs no sort (see ``docs/benchmarks.md``).
+
+    Put it last in the ``LogitsProcessorList``: a processor after it sees one-hot scores. The draws come from each
+    row's own stream (``GenerationConfig.seed``: with a seed every row draws the same numbers, as requests with one
+    seed do in the engine; without one each row's stream is fresh). Not for beam search (one-hot scores leave beams
+    nothing to rank), and ``output_scores`` returns the one-hot scores.
+
+    Parameters: as ``LogitprocProcessor``'s; the config may set temperature, top_k, top_p, min_p and seed.
+
+    Raises
+    ------
+    ValueError: a config that sets logprobs, top_logprobs, n, stop or stop_token_ids (``__init__``); a live row whose
+        scores hold NaN or +inf, or whose every token is masked (``__call__``: nothing can be sampled there).
+    """
+
+    refused_fields = NOT_SAMPLER_FIELDS
+    refusal_hint = "generate() returns tokens only and stops at EOS or max_new_tokens"
+
+    def __init__(self, library: KernelLibrary, config: GenerationConfig, vocab_size: int, **kwargs: Any) -> None:
+        super().__init__(library, config, vocab_size, **kwargs)
+        self.sampler: Sampler | None = None  # made at the first call, with one row per sequence
+
+    def __call__(self, input_ids: Any, scores: Any) -> Any:
+        self._follow(input_ids, scores)
+        if self.sampler is None:
+            self.sampler = Sampler(self.library, self.vocab_size, len(self.states), device=self.device)
+        result = self.sampler.sample_from_logits(scores, self.states, processor=self.processor)
+        tokens = result.token_ids.astype(np.int64)
+        for r in np.flatnonzero(tokens < 0).tolist():
+            if not self._done[r]:
+                reason = result.finish_reason(r)
+                raise ValueError(f"row {r} of the scores has nothing to sample ({reason}): "
+                                 + ("the model's scores hold NaN or +inf" if reason == "non_finite_logits"
+                                    else "every token is masked"))
+            tokens[r] = min(self.eos_token_ids)  # a finished row: HF replaces its token with padding
+        scores.fill_(-math.inf)
+        scores[torch.arange(len(tokens), device=scores.device), torch.from_numpy(tokens).to(scores.device)] = 0.0
+        return scores

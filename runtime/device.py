@@ -1,6 +1,8 @@
-"""One interface over the places kernels run: the CPU and CUDA through TVM's runtime, Vulkan through wgpu.
+"""One interface over the places kernels run: the CPU through TVM's runtime, CUDA, Vulkan through wgpu.
 
-``Device("cpu")``, ``Device("cuda", 0)``, ``Device("vulkan", 0)``. Each allocates arrays, copies host <-> device
+``Device("cpu")``, ``Device("cuda", 0)``, ``Device("vulkan", 0)``. CUDA goes through TVM's CUDA runtime where the TVM
+build has one, else through the CUDA driver and the exported PTX (``cuda_device.py``; PyPI's TVM wheel has no CUDA
+runtime). Each allocates arrays, copies host <-> device
 (blocking, and queued on a copy stream where the backend has one), loads a kernel library and launches its kernels,
 and synchronises. ``Device.available()`` lists what this machine has.
 
@@ -71,13 +73,23 @@ class Device:
             raise ValueError(f"device kind {kind!r} is not supported; expected one of {DEVICE_KINDS}")
         if not isinstance(index, int) or index < 0:
             raise ValueError(f"device index must be an int >= 0, got {index!r}")
-        subclass = VulkanDevice if kind == "vulkan" else TVMDevice
-        return super().__new__(subclass)
+        if kind == "vulkan":
+            return super().__new__(VulkanDevice)
+        if kind == "cuda" and not tvm_has_cuda():
+            from .cuda_device import CudaDevice
+
+            return super().__new__(CudaDevice)
+        return super().__new__(TVMDevice)
 
     @staticmethod
     def available() -> list[DeviceInfo]:
         """Every device this machine offers (the CPU always; CUDA GPUs; Vulkan adapters through wgpu)."""
-        return TVMDevice.discover() + VulkanDevice.discover()
+        found = TVMDevice.discover()
+        if not tvm_has_cuda():
+            from .cuda_device import CudaDevice
+
+            found += CudaDevice.discover()
+        return found + VulkanDevice.discover()
 
     # The backend-specific interface --------------------------------------------------------------------------
     def empty(self, shape: tuple[int, ...], dtype: str | np.dtype) -> Any:
@@ -278,6 +290,12 @@ class PrefixViews:
         if view is None:
             view = self._views[rows] = self.device.prefix(self.array, rows)
         return view
+
+
+def tvm_has_cuda() -> bool:
+    """Whether this TVM build has its own CUDA runtime (PyPI's wheel has none: ``Device("cuda")`` then runs the
+    exported PTX through the CUDA driver, ``cuda_device.CudaDevice``)."""
+    return bool(tvm.runtime.enabled("cuda"))
 
 
 def _cpu_name() -> str:

@@ -18,6 +18,7 @@ from typing import Any
 import tvm
 
 from ..cpu_threads import configure as configure_tvm_threads
+from .launch_geometry import FunctionLaunches
 from .targets import TargetSpec, check_runs_here
 
 MANIFEST = "manifest.json"
@@ -70,6 +71,24 @@ class KernelLibrary:
         if filename not in self.manifest["files"]:
             raise KeyError(f"{filename!r} is not part of this library; files: {self.manifest['files']}")
         return self.directory / filename
+
+    def launches(self) -> dict[str, FunctionLaunches]:
+        """How each function launches its device kernels (manifest key ``launches``, written for CUDA builds): what
+        a launcher without TVM's runtime needs (``cuda_device.CudaDevice``)."""
+        described = self.manifest.get("launches")
+        if described is None:
+            raise RuntimeError(f"{self.directory}: this {self.target.kind} library records no kernel launches (built "
+                               "by an older logitproc, or not for CUDA): rebuild it with "
+                               "`logitproc compile-kernels --target cuda`")
+        return {name: FunctionLaunches.from_json(name, data) for name, data in described.items()}
+
+    def device_code(self) -> bytes:
+        """The device code the CUDA driver loads (manifest key ``device_code``: the PTX)."""
+        filename = self.manifest.get("device_code")
+        if filename is None:
+            raise RuntimeError(f"{self.directory}: no PTX was exported with this library (nvcc or NVRTC was missing "
+                               "at build time): pip install 'logitproc[cuda]' and rebuild it")
+        return self.artifact(filename).read_bytes()
 
     def prim_funcs(self) -> dict[str, tvm.tirx.PrimFunc]:
         """The TIR functions this library was compiled from, parsed back from kernels.tir.py."""

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from logitproc.tir_kernels import bitmask, logit_bias, penalty, softmax
 
+from . import kernel_abi
 from .batch import Batch, DeferredMasks, DraftArg
 from .config import MAX_LOGIT_BIAS_ENTRIES
 from .device import Device, PrefixViews
@@ -29,8 +29,8 @@ from .request_state import RequestState
 #: A request's logit_bias may name at most this many tokens.
 
 BatchArg = Batch | Sequence[RequestState]
-#: The kernels this processor launches (names from each kernel module's NAME).
-KERNELS = (logit_bias.NAME, penalty.NAME, bitmask.NAME, softmax.NAME)
+#: The kernels this processor launches.
+KERNELS = (kernel_abi.LOGIT_BIAS, kernel_abi.PENALTY, kernel_abi.BITMASK, kernel_abi.SOFTMAX)
 
 
 def _all_allow(sources: Sequence[TokenMaskSource], token_ids: Sequence[int], words: int) -> bool:
@@ -232,14 +232,14 @@ class LogitProcessor:
             on_device, _ = self._logits.to_device(array, writes=False)
         if batch.deferred_masks is not None:  # inplace_update_logits(defer_masks=True), then the staged path
             deferred, batch.deferred_masks = batch.deferred_masks, None
-            self.kernels[bitmask.NAME](on_device, deferred.row_ids_on_device, deferred.bitmask)
+            self.kernels[kernel_abi.BITMASK](on_device, deferred.row_ids_on_device, deferred.bitmask)
         rows = batch.num_rows
         temperature = self._temperature.host_prefix(rows)
         temperature[:] = [s.config.temperature for s in batch.row_states]
         args = self._temperature.to_device(rows)
         self.device.wait_for_copies()
         probs = self._probs(rows)
-        self.kernels[softmax.NAME](on_device, args, probs)
+        self.kernels[kernel_abi.SOFTMAX](on_device, args, probs)
         out = self._logits.from_device(probs, logits)
         batch.remember_on_device(out, probs)
         return out
@@ -257,7 +257,7 @@ class LogitProcessor:
             start = end
         args = [buf.to_device(n) for buf in self._bias]
         self.device.wait_for_copies()
-        self.kernels[logit_bias.NAME](logits, *args)
+        self.kernels[kernel_abi.LOGIT_BIAS](logits, *args)
 
     def _apply_penalties(self, logits: Any, batch: Batch) -> None:
         n = self._penalty.prepare(batch)  # incremental: host work does not grow with sequence length
@@ -270,7 +270,7 @@ class LogitProcessor:
                 values[r] = (cfg.presence_penalty, cfg.frequency_penalty, cfg.repetition_penalty)
         penalties = self._penalty_values.to_device(batch.num_rows)
         self.device.wait_for_copies()
-        self.kernels[penalty.NAME](logits, *self._penalty.device_arrays(n), penalties)
+        self.kernels[kernel_abi.PENALTY](logits, *self._penalty.device_arrays(n), penalties)
 
     def _apply_masks(self, logits: Any, batch: Batch, defer: bool = False) -> None:
         job = self._finish_pending_masks()
@@ -289,4 +289,4 @@ class LogitProcessor:
         if defer:
             batch.deferred_masks = DeferredMasks(self._mask_rows.host[:masked].copy(), *args)
         else:
-            self.kernels[bitmask.NAME](logits, *args)
+            self.kernels[kernel_abi.BITMASK](logits, *args)

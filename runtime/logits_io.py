@@ -2,7 +2,7 @@
 
 On the CPU a C-contiguous float32 host array (numpy, or a CPU tensor of another library through DLPack: torch, JAX,
 CuPy's host arrays, ...) is handed to the kernels in place, whatever its alignment: they declare float32's own
-(``tir_kernels._common.CALLER_ARRAY_ALIGN``). Only an array the kernels cannot address (not C-contiguous: a strided
+(``kernel_abi.CALLER_ARRAY_ALIGN``). Only an array the kernels cannot address (not C-contiguous: a strided
 slice, a transposed array; read-only where nothing is written) is staged: copied once into a buffer allocated at
 capacity (``copy_host``, the one copy of this module), and copied back where the call writes in place. On CUDA a CUDA
 tensor of the same device is wrapped the same way; numpy arrays are uploaded (and downloaded). On Vulkan numpy arrays
@@ -18,12 +18,13 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import tvm
 import tvm_ffi
-from logitproc.tir_kernels._common import CALLER_ARRAY_ALIGN
 
+from . import kernel_abi
+from .cuda_device import CudaArray, CudaDevice
 from .device import Device, PrefixViews
 from .wgsl import GPUArray
 
-#: Alignment of the buffers TVM allocates (``empty_aligned``); the kernels need only ``CALLER_ARRAY_ALIGN``.
+#: Alignment of the buffers TVM allocates (``empty_aligned``); the kernels need only ``kernel_abi.CALLER_ARRAY_ALIGN``.
 TVM_ALIGNMENT = 64
 #: DLPack device types (``__dlpack_device__()[0]``).
 DLPACK_CPU, DLPACK_CUDA, DLPACK_CUDA_HOST = 1, 2, 3
@@ -65,7 +66,7 @@ def caller_array(x: Any, what: str = "logits") -> Any:
 
     Raises TypeError for anything else, and for a tensor DLPack cannot share (torch's ``requires_grad``: detach it).
     """
-    if isinstance(x, (np.ndarray, tvm.runtime.Tensor, GPUArray)):
+    if isinstance(x, (np.ndarray, tvm.runtime.Tensor, GPUArray, CudaArray)):
         return x
     if not _is_dlpack(x):
         raise TypeError(f"{what} must be a float32 numpy.ndarray [num_rows, vocab], a tensor with __dlpack__ "
@@ -74,7 +75,7 @@ def caller_array(x: Any, what: str = "logits") -> Any:
     try:
         if kind in (DLPACK_CPU, DLPACK_CUDA_HOST):
             return np.from_dlpack(x)
-        return tvm_ffi.from_dlpack(x, require_alignment=CALLER_ARRAY_ALIGN)
+        return tvm_ffi.from_dlpack(x, require_alignment=kernel_abi.CALLER_ARRAY_ALIGN)
     except BufferError as exc:  # e.g. torch: "Can't export tensors that require gradient, use tensor.detach()"
         raise TypeError(f"{what} ({type(x).__name__}) cannot be shared through DLPack: {exc}") from exc
 
@@ -83,7 +84,7 @@ def is_host_array(x: Any) -> bool:
     """True for numpy arrays and CPU DLPack tensors (results come back as numpy for them)."""
     if isinstance(x, np.ndarray):
         return True
-    if isinstance(x, (tvm.runtime.Tensor, GPUArray)) or not _is_dlpack(x):
+    if isinstance(x, (tvm.runtime.Tensor, GPUArray, CudaArray)) or not _is_dlpack(x):
         return False
     return int(x.__dlpack_device__()[0]) in (DLPACK_CPU, DLPACK_CUDA_HOST)
 
@@ -121,7 +122,7 @@ def non_finite_rows(logits: np.ndarray) -> np.ndarray:
 def _in_place_ok(host: np.ndarray) -> bool:
     """The kernels can address ``host`` directly: C-contiguous, writable (DLPack cannot share a read-only numpy
     array), aligned to float32."""
-    return host.flags.c_contiguous and host.flags.writeable and host.ctypes.data % CALLER_ARRAY_ALIGN == 0
+    return host.flags.c_contiguous and host.flags.writeable and host.ctypes.data % kernel_abi.CALLER_ARRAY_ALIGN == 0
 
 
 class LogitsStaging:
@@ -146,9 +147,13 @@ class LogitsStaging:
         array = caller_array(logits)
         if not isinstance(array, np.ndarray):
             self._check_device(array)
+            if isinstance(self.device, CudaDevice) and isinstance(array, tvm.runtime.Tensor):
+                # the driver path launches on raw pointers: the same memory, held by the caller's tensor
+                return CudaArray(int(array.data_ptr()), tuple(int(s) for s in array.shape), np.dtype(str(array.dtype)),
+                                 base=array), None
             return array, None
         if self.device.kind == "cpu" and _in_place_ok(array):
-            return tvm_ffi.from_dlpack(array, require_alignment=CALLER_ARRAY_ALIGN), None
+            return tvm_ffi.from_dlpack(array, require_alignment=kernel_abi.CALLER_ARRAY_ALIGN), None
         rows = array.shape[0]
         view = self._staging_view(rows)
         host = self.device.host_view(view)

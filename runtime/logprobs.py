@@ -32,8 +32,8 @@ from typing import Any
 
 import numpy as np
 import tvm
-from logitproc.tir_kernels import log_softmax
 
+from . import kernel_abi
 from .kernel_library import KernelLibrary
 
 __all__ = ["compute_logits", "compute_logprobs", "logits_to_logprobs"]
@@ -54,7 +54,7 @@ def _gather_kernel(library: KernelLibrary) -> Callable[..., None]:
     if library.target.kind != "cpu":
         raise ValueError(f"library must be built for the cpu (numpy arrays are read in place), got "
                          f"{library.target.kind}")
-    return library[log_softmax.NAME]
+    return library[kernel_abi.LOG_SOFTMAX]
 
 
 # ---------------------------------------------------------------------------------------------------------------------

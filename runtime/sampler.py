@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from logitproc.tir_kernels import log_softmax, multinomial, renormalize, sample_from_logits, top_n
 
+from . import kernel_abi
 from .batch import Batch, DraftArg
 from .device import Device, PrefixViews
 from .kernel_library import KernelLibrary, require_kernels
@@ -40,8 +40,9 @@ if TYPE_CHECKING:
     from .logit_processor import LogitProcessor
 
 DEFAULT_MAX_ROWS = 256
-#: The kernels this sampler launches (names from each kernel module's NAME).
-KERNELS = (renormalize.NAME, multinomial.NAME, top_n.NAME, log_softmax.NAME, sample_from_logits.NAME)
+#: The kernels this sampler launches.
+KERNELS = (kernel_abi.RENORMALIZE, kernel_abi.MULTINOMIAL, kernel_abi.TOP_N, kernel_abi.LOG_SOFTMAX,
+           kernel_abi.SAMPLE_FROM_LOGITS)
 BatchArg = Batch | Sequence[RequestState]
 
 
@@ -159,7 +160,7 @@ class Sampler:
         on_device = self._on_device(probs, batch, array)
         self.device.wait_for_copies()
         out = self._renormalized(rows)
-        self.kernels[renormalize.NAME](on_device, *args, out)
+        self.kernels[kernel_abi.RENORMALIZE](on_device, *args, out)
         result = self._probs.from_device(out, probs)
         batch.remember_on_device(result, out)
         return result
@@ -209,7 +210,7 @@ class Sampler:
         self.device.wait_for_copies()
         tokens = self._tokens(rows)
         chosen = self._chosen(rows)
-        self.kernels[multinomial.NAME](on_device, u, tokens, chosen)
+        self.kernels[kernel_abi.MULTINOMIAL](on_device, u, tokens, chosen)
         return self._result(batch, tokens, chosen, raw_logits, lambda n: self._top_n(on_device, rows, n))
 
     def sample_from_logits(self, logits: Any, states: BatchArg, cum_num_token: Any = None,
@@ -247,12 +248,12 @@ class Sampler:
         counts = self._top_count.host_prefix(rows)
         counts[:] = _processed_top_counts(batch) if batch.any_logprobs else 0
         top_values, top_ids = self._top_views(rows, max(1, int(counts.max())))
-        self.kernels[sample_from_logits.NAME](on_device, *args, tokens, chosen, self._top_count.to_device(rows),
+        self.kernels[kernel_abi.SAMPLE_FROM_LOGITS](on_device, *args, tokens, chosen, self._top_count.to_device(rows),
                                               top_values, top_ids)
         # (_result reads the processed top-n before any raw top-n, which may reuse these buffers)
         result = self._result(batch, tokens, chosen, raw_logits,
                               lambda n: (self.device.download(top_values), self.device.download(top_ids)))
-        result.flag_non_finite(result.token_ids == sample_from_logits.NON_FINITE)  # token -1, no logprobs
+        result.flag_non_finite(result.token_ids == kernel_abi.NON_FINITE)  # token -1, no logprobs
         return result
 
     def _result(self, batch: Batch, tokens: Any, chosen: Any, raw_logits: np.ndarray | None,
@@ -300,7 +301,7 @@ class Sampler:
 
     def _top_n(self, on_device: Any, rows: int, n: int) -> tuple[np.ndarray, np.ndarray]:
         values, ids = self._top_views(rows, n)
-        self.kernels[top_n.NAME](on_device, values, ids)
+        self.kernels[kernel_abi.TOP_N](on_device, values, ids)
         return self.device.download(values), self.device.download(ids)
 
     def _raw_logprobs(self, raw_rows: list[int], batch: Batch, token_ids: np.ndarray, raw_logits: Any,
@@ -321,7 +322,7 @@ class Sampler:
         ids = self._gather_ids.to_device(rows)
         self.device.wait_for_copies()
         chosen, lse = self._chosen(rows), self._logsumexp(rows)
-        self.kernels[log_softmax.NAME](on_device, ids, chosen, lse)
+        self.kernels[kernel_abi.LOG_SOFTMAX](on_device, ids, chosen, lse)
         gathered, logsumexp = self.device.download(chosen), self.device.download(lse)
         for r in raw_rows:
             if token_ids[r] >= 0:

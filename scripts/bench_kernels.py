@@ -182,13 +182,33 @@ def bench_case(lib, batch: int, vocab: int, repeat: int, rng: np.random.Generato
     return rows
 
 
+def bench_cuda(library_dir: str | None) -> None:
+    """The GPU table: every kernel at 1 x 128256, 64 x 128256 and 256 x 151936 against a device-to-device copy and
+    torch's equivalents on the same card (``scripts/cuda_check.py``)."""
+    from cuda_check import bench, markdown
+    from logitproc.runtime import Device
+    from logitproc.runtime.kernel_library import KernelLibrary
+
+    library = KernelLibrary.load(library_dir) if library_dir else build_kernels("cuda", "sm_90")
+    device = Device("cuda")
+    print(f"# machine: {machine_line()}; GPU: {[str(d) for d in Device.available() if d.kind == 'cuda']}")
+    print(markdown(bench(library, device, device.load(library))))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--vocab", type=int, nargs="+", default=[32000, 128256])
     parser.add_argument("--repeat", type=int, default=15)
     parser.add_argument("--markdown", action="store_true", help="print a markdown table for docs/benchmarks.md")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: the GPU through the CUDA driver (scripts/cuda_check.py's benchmark: each kernel "
+                             "against a device copy and torch's equivalents, timed as CUDA graphs)")
+    parser.add_argument("--library", help="with --device cuda: an exported CUDA kernel library (else built here)")
     args = parser.parse_args()
+    if args.device == "cuda":
+        bench_cuda(args.library)
+        return
     lib = build_kernels("cpu")
     rng = np.random.default_rng(0)
     print(f"# machine: {machine_line()}")

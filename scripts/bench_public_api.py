@@ -4,15 +4,19 @@ CPU tensors, and logitproc's processor inside Hugging Face ``generate()`` next t
 Steps: each call of the public API with a list of states, as the README shows it, on logits the caller allocated
 (numpy's allocator: 16-byte aligned, or torch's): ``inplace_update_logits(logits, states)`` (bias, penalties, a
 grammar bitmask on half the rows, filled in the calling thread: ``mask_workers=0``) then
-``sample_from_logits(logits, states)`` (temperature softmax, top-p, the draw).
+``sample_from_logits(logits, states)`` (temperature softmax, top-p, the draw); ``one call`` is the same step as
+``sample_from_logits(logits, states, processor=proc)`` (the masks read by the sampling kernel instead of written).
 ``memcpy`` copies the float32 [B, V] logits once. Interleaved rounds: each round calls every contender once, each
 step starting from fresh logits copied in before the clock starts.
 
-HF: ``generate()`` on a tiny random Llama with a V-token head, B sequences, 32 new tokens, sampling with top-p 0.9:
-logitproc's processor (repetition, presence and frequency penalties and a JSON schema, its ``ConstraintFactory``
-made once per model) against HF's own processors (RepetitionPenalty; HF has no presence/frequency penalty, and no
-schema). Medians: of one processor call (timed around it) and of ``generate()``'s time per generated token over the
-rounds; the share is their ratio. The same top-p warper runs after both. torch gets as many threads as TVM.
+HF: ``generate()`` on a tiny random Llama with a V-token head, B sequences, 32 new tokens, sampling with top-p 0.9.
+Three contenders, each timed around all of its logit stages: HF's own (RepetitionPenalty, then HF's top-p warper;
+HF has no presence/frequency penalty, and no schema); ``LogitprocProcessor`` (repetition, presence and frequency
+penalties and a JSON schema, its ``ConstraintFactory`` made once per model) then HF's top-p warper; and
+``LogitprocSampler`` doing all of that and the draw (``generate(do_sample=False)`` takes its one finite token). HF's
+own draw (softmax and multinomial, or the greedy pick) is outside the timed stages. Medians: of one call of the
+stages and of ``generate()``'s time per generated token over the rounds; the share is their ratio. torch gets as
+many threads as TVM.
 """
 
 from __future__ import annotations
@@ -30,6 +34,9 @@ from logitproc.runtime.response_format import ResponseFormat
 HF_NEW_TOKENS = 32
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "ok"],
           "properties": {"name": {"type": "string", "maxLength": 8}, "ok": {"type": "boolean"}}}
+#: logitproc's processing in the HF contenders (the document closed within max_tokens, 8 under max_new_tokens)
+OURS = dict(repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.3,
+            response_format=ResponseFormat.json_schema(SCHEMA), max_tokens=HF_NEW_TOKENS - 8)
 
 
 def public_step(proc: LogitProcessor, sampler: Sampler, logits: object, states: list[RequestState]) -> object:
@@ -38,12 +45,17 @@ def public_step(proc: LogitProcessor, sampler: Sampler, logits: object, states: 
     return sampler.sample_from_logits(logits, states).token_ids
 
 
+def one_call_step(proc: LogitProcessor, sampler: Sampler, logits: object, states: list[RequestState]) -> object:
+    """The whole step in one call: bias, penalties, masks and sampling."""
+    return sampler.sample_from_logits(logits, states, processor=proc).token_ids
+
+
 def bench_public_api(args: argparse.Namespace, lib) -> None:
     import torch
 
     rng = np.random.default_rng(0)
     header = ["B", "V", "memcpy us", "numpy step us", "torch step us", "numpy/memcpy", "torch/memcpy",
-              "update us", "sample us"]
+              "one call us", "one call/memcpy", "update us", "sample us"]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for vocab in args.vocab:
@@ -66,13 +78,15 @@ def bench_public_api(args: argparse.Namespace, lib) -> None:
                 "memcpy": lambda base=base, dst=copy_dst: np.copyto(dst, base),
                 "numpy": (refill(work), lambda w=work, s=states, p=proc, sm=sampler: public_step(p, sm, w, s)),
                 "torch": (refill(tensor_view), lambda t=tensor, s=states, p=proc, sm=sampler: public_step(p, sm, t, s)),
+                "one call": (refill(work), lambda w=work, s=states, p=proc, sm=sampler: one_call_step(p, sm, w, s)),
                 "update": (refill(work), lambda w=work, s=states, p=proc: p.inplace_update_logits(w, s)),
                 "sample": lambda w=work, s=states, sm=sampler: sm.sample_from_logits(w, s),
             }
             us = interleaved_us(contenders, args.repeat)
             memcpy = us["memcpy"]
             cells = [batch, vocab, f"{memcpy:.0f}", f"{us['numpy']:.0f}", f"{us['torch']:.0f}",
-                     f"{us['numpy'] / memcpy:.2f}", f"{us['torch'] / memcpy:.2f}", f"{us['update']:.0f}",
+                     f"{us['numpy'] / memcpy:.2f}", f"{us['torch'] / memcpy:.2f}", f"{us['one call']:.0f}",
+                     f"{us['one call'] / memcpy:.2f}", f"{us['update']:.0f}",
                      f"{us['sample']:.0f}"]
             print("| " + " | ".join(map(str, cells)) + " |", flush=True)
 
@@ -82,14 +96,14 @@ def bench_hf_generate(args: argparse.Namespace, lib) -> None:
     import transformers
     from logitproc.compile.gguf_model import build_tokenizer
     from logitproc.compile.tiny_model import make_tiny_model
-    from logitproc.integrations.transformers import LogitprocProcessor
-    from transformers import LogitsProcessor, LogitsProcessorList, RepetitionPenaltyLogitsProcessor
+    from logitproc.integrations.transformers import LogitprocProcessor, LogitprocSampler
+    from transformers import LogitsProcessor, LogitsProcessorList, RepetitionPenaltyLogitsProcessor, TopPLogitsWarper
 
     class Timed(LogitsProcessor):
-        """Times the calls of the processor it wraps."""
+        """Times the calls of the processors it runs in turn (a contender's every logit stage)."""
 
-        def __init__(self, inner: LogitsProcessor) -> None:
-            self.inner, self.calls = inner, []
+        def __init__(self, *inner: LogitsProcessor) -> None:
+            self.inner, self.calls = LogitsProcessorList(inner), []
 
         def __call__(self, input_ids, scores):
             start = time.perf_counter()
@@ -104,7 +118,7 @@ def bench_hf_generate(args: argparse.Namespace, lib) -> None:
     gguf = make_tiny_model()
     tokenizer = build_tokenizer(gguf)
     eos = gguf.config.eos_id
-    print("\n| B | V | processors | generate ms/token | processor us/step | processor share |")
+    print("\n| B | V | logit stages (timed) | generate ms/token | stages us/step | stages' share |")
     print("|---|---|---|---|---|---|")
     for vocab in args.vocab:
         config = transformers.AutoConfig.for_model(
@@ -116,26 +130,31 @@ def bench_hf_generate(args: argparse.Namespace, lib) -> None:
         constraints = ConstraintFactory(tokenizer, vocab, [eos])  # made once per model, as a user would
         for batch in args.hf_batch:
             prompts = torch.randint(3, 200, (batch, 16))
-            ours = GenerationConfig(repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.3,
-                                    response_format=ResponseFormat.json_schema(SCHEMA), max_tokens=HF_NEW_TOKENS - 8)
-            makers = {
-                "HF: RepetitionPenalty 1.1 + top-p 0.9": lambda: RepetitionPenaltyLogitsProcessor(1.1),
-                "logitproc: 3 penalties + JSON schema, HF top-p 0.9":
-                    lambda v=vocab, c=constraints, cfg=ours: LogitprocProcessor(lib, cfg, v, constraints=c),
+            # (name, the timed stages, generate()'s do_sample): HF's multinomial draw (or greedy pick) is untimed
+            makers: dict[str, tuple[Callable[[], LogitsProcessor], bool]] = {
+                "HF: RepetitionPenalty 1.1, HF top-p 0.9":
+                    (lambda: Timed(RepetitionPenaltyLogitsProcessor(1.1), TopPLogitsWarper(0.9)), True),
+                "LogitprocProcessor: 3 penalties + JSON schema, HF top-p 0.9":
+                    (lambda v=vocab, c=constraints: Timed(
+                        LogitprocProcessor(lib, GenerationConfig(**OURS), v, constraints=c), TopPLogitsWarper(0.9)),
+                     True),
+                "LogitprocSampler: 3 penalties + JSON schema + top-p 0.9 and the draw":
+                    (lambda v=vocab, c=constraints: Timed(LogitprocSampler(
+                        lib, GenerationConfig(**OURS, top_p=0.9), v, constraints=c)), False),
             }
             results: dict[str, list[tuple[float, list[float], int]]] = {name: [] for name in makers}
             for round_ in range(args.hf_repeat + 1):  # interleaved; round 0 warms up
-                for name, make in makers.items():
-                    timed = Timed(make())
+                for name, (make, sample) in makers.items():
+                    timed = make()
                     torch.manual_seed(round_)
                     start = time.perf_counter()
-                    out = model.generate(prompts, max_new_tokens=HF_NEW_TOKENS, do_sample=True, top_p=0.9,
+                    out = model.generate(prompts, max_new_tokens=HF_NEW_TOKENS, do_sample=sample,
                                          logits_processor=LogitsProcessorList([timed]))
                     total = time.perf_counter() - start
                     if round_:
                         results[name].append((total, timed.calls, out.shape[1] - prompts.shape[1]))
             for name, runs in results.items():
                 step = statistics.median(r[0] / r[2] for r in runs)  # seconds per generated token, per run
-                call = statistics.median(t for r in runs for t in r[1])  # one processor call
+                call = statistics.median(t for r in runs for t in r[1])  # one call of the stages
                 print(f"| {batch} | {vocab} | {name} | {step * 1e3:.2f} | {call * 1e6:.0f} | {call / step:.1%} |",
                       flush=True)

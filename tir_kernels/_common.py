@@ -12,6 +12,8 @@ import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
+from ..runtime import kernel_abi
+
 #: Bit pattern of float32 -inf. Masked logits are set to -inf so that their probability is exactly 0; it is written
 #: as a bit cast rather than a literal so that every code generator (WGSL and OpenCL print 7-digit literals, WGSL has
 #: no infinity literal) produces the same value.
@@ -24,12 +26,8 @@ EXP_UNDERFLOW = -87.33654
 #: Vector width, in float32 lanes, of the CPU loop nests (one AVX-512 register; LLVM splits it for narrower CPUs).
 CPU_LANES = 16
 
-#: Declared alignment, in bytes, of the ``[batch, vocab]`` float32 arrays a caller may hand the runtime (logits, and
-#: probabilities given to the sampler): float32's own, so that any C-contiguous numpy array or torch tensor is used in
-#: place (numpy allocates at 16 bytes, a slice of rows may start at any multiple of 4). TVM's default (64) would let
-#: LLVM assume more than such arrays give; the CPU nests load these rows at row offsets anyway (any multiple of 4), so
-#: the machine code is the same instruction for instruction (objdump of the znver4 library with 64 and with 4).
-CALLER_ARRAY_ALIGN = 4
+#: Declared alignment of the callers' [batch, vocab] float32 arrays (see ``runtime.kernel_abi``).
+CALLER_ARRAY_ALIGN = kernel_abi.CALLER_ARRAY_ALIGN
 
 #: Threads per block for WebGPU/Vulkan unless the device raises its limits.
 WEBGPU_THREADS = 256

@@ -400,27 +400,48 @@ def cpu_rescale_chunks(store, sr, vocab, scale2, shifts, row_max):
 # ---------------------------------------------------------------------------------------------------------------- GPU
 
 
+#: Elements each thread of a GPU row pass reads per step, into as many independent partials: the loads of a step are
+#: issued together (one dependent load at a time leaves a block latency-bound, far under its share of bandwidth).
+GPU_UNROLL = 8
+
+
 @T.macro
 def gpu_row_fold(vocab, tx, threads, init, identity, combine, value, active, part, out):
     """out[0] = fold of value(v) over v < vocab in every thread of the block (``init`` if ``active`` is false).
 
-    ``identity`` is a constant identity of ``combine`` for the allreduce (``init`` may be a variable).
+    ``identity`` is a constant identity of ``combine`` for the allreduce (``init`` may be a variable). Each thread
+    keeps GPU_UNROLL partials: element ``(k * GPU_UNROLL + u) * threads + tx`` goes to partial u (coalesced steps of
+    GPU_UNROLL independent loads), the last partial step checks bounds.
     """
-    part[0] = init
+    lanes = T.alloc_buffer((GPU_UNROLL,), part.dtype, scope="local")
+    for u in T.unroll(GPU_UNROLL):
+        lanes[u] = init
     if active:
-        for k in range((vocab + threads - 1) // threads):
-            if k * threads + tx < vocab:
-                part[0] = combine(part[0], value(k * threads + tx))
+        for k in range(vocab // (threads * GPU_UNROLL)):
+            for u in T.unroll(GPU_UNROLL):
+                x: T.let = value((k * GPU_UNROLL + u) * threads + tx)
+                lanes[u] = combine(lanes[u], x)
+        for u in T.unroll(GPU_UNROLL):
+            if vocab // (threads * GPU_UNROLL) * (threads * GPU_UNROLL) + u * threads + tx < vocab:
+                lanes[u] = combine(lanes[u], value(vocab // (threads * GPU_UNROLL) * (threads * GPU_UNROLL)
+                                                   + u * threads + tx))
+    part[0] = lanes[0]
+    for u in T.unroll(1, GPU_UNROLL):
+        part[0] = combine(part[0], lanes[u])
     with T.attr(T.comm_reducer(combine, [identity]), "reduce_scope", T.reinterpret("handle", T.uint64(0))):
         T.tvm_thread_allreduce(T.uint32(1), part[0], True, out[0], tx, dtype="handle")
 
 
 @T.macro
 def gpu_row_map(y, r, vocab, tx, threads, value):
-    """y[r, v] = value(v) for v < vocab, threads striding over the row."""
-    for k in range((vocab + threads - 1) // threads):
-        if k * threads + tx < vocab:
-            y[r, k * threads + tx] = value(k * threads + tx)
+    """y[r, v] = value(v) for v < vocab, threads striding over the row, GPU_UNROLL elements per thread and step."""
+    for k in range(vocab // (threads * GPU_UNROLL)):
+        for u in T.unroll(GPU_UNROLL):
+            y[r, (k * GPU_UNROLL + u) * threads + tx] = value((k * GPU_UNROLL + u) * threads + tx)
+    for u in T.unroll(GPU_UNROLL):
+        if vocab // (threads * GPU_UNROLL) * (threads * GPU_UNROLL) + u * threads + tx < vocab:
+            y[r, vocab // (threads * GPU_UNROLL) * (threads * GPU_UNROLL) + u * threads + tx] = value(
+                vocab // (threads * GPU_UNROLL) * (threads * GPU_UNROLL) + u * threads + tx)
 
 
 @T.macro

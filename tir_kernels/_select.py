@@ -37,6 +37,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ._common import CPU_LANES, neg_inf, pos_inf
+from ._reductions import GPU_UNROLL
 
 #: Index of the identity entry: larger than every token id, so any real entry of equal value beats it.
 NO_INDEX = 2**31 - 1
@@ -158,6 +159,16 @@ def row_best_cpu(x: tirx.Buffer, r: tirx.PrimExpr, vocab: tirx.PrimExpr, prev_v:
 
 
 @T.macro
+def _pick_gpu(value, i, prev_v, prev_i, lane_v, lane_i, u):
+    """Partial u of a GPU selection takes entry i where it is eligible and better (selects, no branch)."""
+    x: T.let = value(i)
+    take: T.let = T.And(_eligible("all" if prev_v is None else "any", x, i, prev_v, prev_i),
+                        better(x, i, lane_v[u], lane_i[u]))
+    lane_v[u] = T.Select(take, x, lane_v[u])
+    lane_i[u] = T.Select(take, i, lane_i[u])
+
+
+@T.macro
 def row_best_gpu(value: Callable[[tirx.PrimExpr], tirx.PrimExpr], vocab: tirx.PrimExpr, prev_v: tirx.PrimExpr | None,
                  prev_i: tirx.PrimExpr | None, tx: tirx.Var, threads: int, part_v: tirx.Buffer, part_i: tirx.Buffer,
                  best_v: tirx.Buffer, best_i: tirx.Buffer):
@@ -168,15 +179,26 @@ def row_best_gpu(value: Callable[[tirx.PrimExpr], tirx.PrimExpr], vocab: tirx.Pr
     never before it in a loop (keep a previous pick in other buffers). Each thread scans indices tx, tx + threads, ...
     then the block combines the partials with all-reduces (barriers are placed by TVM's lowering, outside any ``if``).
     """
-    part_v[0] = neg_inf()
-    part_i[0] = NO_INDEX
-    for k in range((vocab + threads - 1) // threads):
-        if k * threads + tx < vocab:
-            if T.And(_eligible("all" if prev_v is None else "any", value(k * threads + tx), k * threads + tx, prev_v,
-                               prev_i),
-                     better(value(k * threads + tx), k * threads + tx, part_v[0], part_i[0])):
-                part_v[0] = value(k * threads + tx)
-                part_i[0] = k * threads + tx
+    lane_v = T.alloc_buffer((GPU_UNROLL,), "float32", scope="local")
+    lane_i = T.alloc_buffer((GPU_UNROLL,), "int32", scope="local")
+    for u in T.unroll(GPU_UNROLL):
+        lane_v[u] = neg_inf()
+        lane_i[u] = NO_INDEX
+    # GPU_UNROLL partials per thread (independent loads, as gpu_row_fold; branch-free updates), combined in the same
+    # order of preference; the last step checks bounds
+    span = threads * GPU_UNROLL
+    for k in range(vocab // span):
+        for u in T.unroll(GPU_UNROLL):
+            _pick_gpu(value, (k * GPU_UNROLL + u) * threads + tx, prev_v, prev_i, lane_v, lane_i, u)
+    for u in T.unroll(GPU_UNROLL):
+        if vocab // span * span + u * threads + tx < vocab:
+            _pick_gpu(value, vocab // span * span + u * threads + tx, prev_v, prev_i, lane_v, lane_i, u)
+    part_v[0] = lane_v[0]
+    part_i[0] = lane_i[0]
+    for u in T.unroll(1, GPU_UNROLL):
+        if better(lane_v[u], lane_i[u], part_v[0], part_i[0]):
+            part_v[0] = lane_v[u]
+            part_i[0] = lane_i[u]
     # Two one-value all-reduces: the largest value, then the lowest index among the threads holding it. (A two-value
     # comm_reducer is not safe here: TVM 0.27 lowers its combine as one store per value, in order, and the later
     # stores read the values already overwritten by the earlier ones.)

@@ -23,11 +23,12 @@ import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
+from ..runtime import kernel_abi
 from ._common import CALLER_ARRAY_ALIGN, is_cpu, max_threads
 from ._reductions import row_of
 from ._select import CPU_WIDTH, NO_INDEX, row_best_cpu, row_best_gpu
 
-NAME = "argmax"
+NAME = kernel_abi.ARGMAX
 
 
 def _out_index(best_i: tirx.PrimExpr) -> tirx.PrimExpr:

@@ -22,9 +22,10 @@ import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
+from ..runtime import kernel_abi
 from ._common import CALLER_ARRAY_ALIGN, is_cpu, max_threads, neg_inf
 
-NAME = "apply_bitmask_inplace"
+NAME = kernel_abi.BITMASK
 
 
 def _keep_if_allowed(x: tirx.PrimExpr, word: tirx.PrimExpr, bit: tirx.PrimExpr) -> tirx.PrimExpr:

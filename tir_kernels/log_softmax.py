@@ -28,10 +28,11 @@ import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
+from ..runtime import kernel_abi
 from ._common import CALLER_ARRAY_ALIGN, is_cpu, max_threads, neg_inf
 from ._reductions import CPU_WORD, cpu_row_max, cpu_row_sum_exp, gpu_row_max, gpu_row_sum_exp, safe_shift
 
-NAME = "log_softmax_gather"
+NAME = kernel_abi.LOG_SOFTMAX
 
 
 def _logsumexp(row_max: tirx.PrimExpr, log_sum: tirx.PrimExpr) -> tirx.PrimExpr:

@@ -17,9 +17,10 @@ import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
+from ..runtime import kernel_abi
 from ._common import CALLER_ARRAY_ALIGN, is_cpu, max_threads
 
-NAME = "apply_logit_bias_inplace"
+NAME = kernel_abi.LOGIT_BIAS
 
 
 def _cpu() -> tirx.PrimFunc:

@@ -35,10 +35,11 @@ import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
+from ..runtime import kernel_abi
 from ._common import CALLER_ARRAY_ALIGN, CPU_LANES, is_cpu, max_threads
 from ._reductions import row_of
 
-NAME = "multinomial_from_uniform"
+NAME = kernel_abi.MULTINOMIAL
 
 #: Values per vector step on CPUs (four AVX-512 registers, independent accumulations).
 _CPU_WIDTH = 4 * CPU_LANES

@@ -25,10 +25,11 @@ import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
+from ..runtime import kernel_abi
 from ._common import CALLER_ARRAY_ALIGN, is_cpu, max_threads
 from ._reductions import prefetch
 
-NAME = "apply_penalty_inplace"
+NAME = kernel_abi.PENALTY
 
 #: How many entries ahead the CPU kernel prefetches the logit it will update (at 1.8M entries over 64 x 128256
 #: logits: 16 -> 0.75x the time without, 64 -> 0.5x, on the 2-core EPYC VM).

@@ -75,10 +75,11 @@ import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
+from ..runtime import kernel_abi
 from ._common import CALLER_ARRAY_ALIGN, CPU_LANES, is_cpu, max_threads
-from ._reductions import row_of
+from ._reductions import GPU_UNROLL, gpu_row_map, row_of
 
-NAME = "renormalize_probs"
+NAME = kernel_abi.RENORMALIZE
 
 _INT_MAX = 2147483647
 _INT_MIN = -2147483647  # not -2**31: WGSL has no literal for it
@@ -567,44 +568,72 @@ def gpu_row_macros(threads: int, uniform_loops: bool) -> tuple[Callable[..., Non
 
     @T.macro
     def block_reduce(tx, acc_i, acc_f, acc_mn, acc_mx, s_i, s_f, s_mn, s_mx):
-        # Combine every thread's (count, sum, min, max) through shared memory; every thread gets the result in its
-        # acc_*[0]. Ends with a barrier, so the shared arrays can be reused at once.
-        s_i[tx] = acc_i[0]
-        s_f[tx] = acc_f[0]
-        s_mn[tx] = acc_mn[0]
-        s_mx[tx] = acc_mx[0]
-        T.tvm_storage_sync("shared")
-        for step in T.unroll(log_threads):
-            if tx < T.shift_right(threads, step + 1):
-                s_i[tx] = s_i[tx] + s_i[tx + T.shift_right(threads, step + 1)]
-                s_f[tx] = s_f[tx] + s_f[tx + T.shift_right(threads, step + 1)]
-                s_mn[tx] = T.min(s_mn[tx], s_mn[tx + T.shift_right(threads, step + 1)])
-                s_mx[tx] = T.max(s_mx[tx], s_mx[tx + T.shift_right(threads, step + 1)])
-            T.tvm_storage_sync("shared")
-        acc_i[0] = s_i[0]
-        acc_f[0] = s_f[0]
-        acc_mn[0] = s_mn[0]
-        acc_mx[0] = s_mx[0]
-        T.tvm_storage_sync("shared")
+        # Combine every thread's (count, sum, min, max): four one-value all-reduces (warp shuffles, then one value
+        # per warp through shared memory), every thread gets the result in its acc_*[0]. s_*: unused (kept so the
+        # macros' signatures match the shared-memory tree this replaced).
+        r_i = T.alloc_buffer((1,), "int32", scope="local")
+        r_f = T.alloc_buffer((1,), "float32", scope="local")
+        r_mn = T.alloc_buffer((1,), "int32", scope="local")
+        r_mx = T.alloc_buffer((1,), "int32", scope="local")
+        with T.attr(T.comm_reducer(lambda a, b: a + b, [T.int32(0)]), "reduce_scope",
+                    T.reinterpret("handle", T.uint64(0))):
+            T.tvm_thread_allreduce(T.uint32(1), acc_i[0], True, r_i[0], tx, dtype="handle")
+        with T.attr(T.comm_reducer(lambda a, b: a + b, [T.float32(0)]), "reduce_scope",
+                    T.reinterpret("handle", T.uint64(0))):
+            T.tvm_thread_allreduce(T.uint32(1), acc_f[0], True, r_f[0], tx, dtype="handle")
+        with T.attr(T.comm_reducer(lambda a, b: T.min(a, b), [int_max]), "reduce_scope",
+                    T.reinterpret("handle", T.uint64(0))):
+            T.tvm_thread_allreduce(T.uint32(1), acc_mn[0], True, r_mn[0], tx, dtype="handle")
+        with T.attr(T.comm_reducer(lambda a, b: T.max(a, b), [int_min]), "reduce_scope",
+                    T.reinterpret("handle", T.uint64(0))):
+            T.tvm_thread_allreduce(T.uint32(1), acc_mx[0], True, r_mx[0], tx, dtype="handle")
+        acc_i[0] = r_i[0]
+        acc_f[0] = r_f[0]
+        acc_mn[0] = r_mn[0]
+        acc_mx[0] = r_mx[0]
+
+    @T.macro
+    def scan_one(value, i, mid, max_all, l_i, l_f, l_mn, l_mx, u):
+        # branch-free: the loads of a step's GPU_UNROLL values do not wait on each other's comparisons
+        x: T.let = value(i)
+        b: T.let = _bits(x)
+        above: T.let = b >= mid
+        l_i[u] = l_i[u] + T.Select(above, 1, 0)
+        l_f[u] = l_f[u] + T.Select(above, x, T.float32(0))
+        l_mn[u] = T.Select(above, T.min(l_mn[u], b), l_mn[u])
+        l_mx[u] = T.Select(max_all or not above, T.max(l_mx[u], b), l_mx[u])
 
     @T.macro
     def scan(value, vocab, tx, mid, max_all, live, acc_i, acc_f, acc_mn, acc_mx, s_i, s_f, s_mn, s_mx):
         # Count, sum and smallest bits of the values with bits >= mid, and the largest bits below mid (of all values
-        # with max_all, a Python bool). The row is read only where live; the reduction always runs.
-        acc_i[0] = 0
-        acc_f[0] = T.float32(0)
-        acc_mn[0] = int_max
-        acc_mx[0] = int_min
-        for i in range(T.Select(live, (vocab + threads - 1) // threads, 0)):
-            if i * threads + tx < vocab:
-                x: T.let = value(i * threads + tx)
-                b: T.let = _bits(x)
-                if b >= mid:
-                    acc_i[0] = acc_i[0] + 1
-                    acc_f[0] = acc_f[0] + x
-                    acc_mn[0] = T.min(acc_mn[0], b)
-                if max_all or b < mid:
-                    acc_mx[0] = T.max(acc_mx[0], b)
+        # with max_all, a Python bool). The row is read only where live; the reduction always runs. Each thread
+        # reads GPU_UNROLL values per step into as many partials (independent loads), as gpu_row_fold.
+        l_i = T.alloc_buffer((GPU_UNROLL,), "int32", scope="local")
+        l_f = T.alloc_buffer((GPU_UNROLL,), "float32", scope="local")
+        l_mn = T.alloc_buffer((GPU_UNROLL,), "int32", scope="local")
+        l_mx = T.alloc_buffer((GPU_UNROLL,), "int32", scope="local")
+        for u in T.unroll(GPU_UNROLL):
+            l_i[u] = 0
+            l_f[u] = T.float32(0)
+            l_mn[u] = int_max
+            l_mx[u] = int_min
+        span: T.let = threads * GPU_UNROLL
+        for k in range(T.Select(live, vocab // span, 0)):
+            for u in T.unroll(GPU_UNROLL):
+                scan_one(value, (k * GPU_UNROLL + u) * threads + tx, mid, max_all, l_i, l_f, l_mn, l_mx, u)
+        if live:
+            for u in T.unroll(GPU_UNROLL):
+                if vocab // span * span + u * threads + tx < vocab:
+                    scan_one(value, vocab // span * span + u * threads + tx, mid, max_all, l_i, l_f, l_mn, l_mx, u)
+        acc_i[0] = l_i[0]
+        acc_f[0] = l_f[0]
+        acc_mn[0] = l_mn[0]
+        acc_mx[0] = l_mx[0]
+        for u in T.unroll(1, GPU_UNROLL):
+            acc_i[0] = acc_i[0] + l_i[u]
+            acc_f[0] = acc_f[0] + l_f[u]
+            acc_mn[0] = T.min(acc_mn[0], l_mn[u])
+            acc_mx[0] = T.max(acc_mx[0], l_mx[u])
         block_reduce(tx, acc_i, acc_f, acc_mn, acc_mx, s_i, s_f, s_mn, s_mx)
 
     @T.macro
@@ -685,10 +714,7 @@ def gpu_row_macros(threads: int, uniform_loops: bool) -> tuple[Callable[..., Non
 
     @T.macro
     def scale(value, vocab, tx, lo, mass, out, r):
-        for i in range((vocab + threads - 1) // threads):
-            if i * threads + tx < vocab:
-                x: T.let = value(i * threads + tx)
-                out[r, i * threads + tx] = rescaled(x, lo, mass)
+        gpu_row_map(out, r, vocab, tx, threads, lambda i: rescaled(value(i), lo, mass))
 
     return threshold, scale
 

@@ -56,6 +56,7 @@ import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
+from ..runtime import kernel_abi
 from . import multinomial, renormalize
 from ._common import CALLER_ARRAY_ALIGN, is_cpu, max_threads, neg_inf, pos_inf
 from ._reductions import (
@@ -76,10 +77,10 @@ from ._reductions import (
 from ._select import row_top_cpu, row_top_gpu
 from .softmax import gpu_row_stats, inverse_sum, probability
 
-NAME = "sample_from_logits"
+NAME = kernel_abi.SAMPLE_FROM_LOGITS
 
 #: The token of a row whose logits hold a NaN or a +inf (no distribution to sample from; -1 is "every token masked").
-NON_FINITE = -2
+NON_FINITE = kernel_abi.NON_FINITE
 
 
 def _bits(x: tirx.PrimExpr) -> tirx.PrimExpr:

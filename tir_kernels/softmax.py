@@ -38,6 +38,7 @@ import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
+from ..runtime import kernel_abi
 from ._common import CALLER_ARRAY_ALIGN, is_cpu, max_threads, neg_inf
 from ._reductions import (
     CPU_CHUNK,
@@ -62,7 +63,7 @@ from ._reductions import (
     shifted_exp,
 )
 
-NAME = "softmax_with_temperature"
+NAME = kernel_abi.SOFTMAX
 
 
 def _one_hot(v: tirx.PrimExpr, hot: tirx.PrimExpr) -> tirx.PrimExpr:
@@ -150,10 +151,15 @@ def gpu_row_stats(value, vocab, t, tx, threads, row_max, row_sum, hot):
     part = T.alloc_buffer((1,), "float32", scope="local")
     index_part = T.alloc_buffer((1,), "int32", scope="local")
     gpu_row_fold(vocab, tx, threads, neg_inf(), neg_inf(), maximum, value, True, part, row_max)
-    gpu_row_fold(vocab, tx, threads, T.float32(0), T.float32(0), add,
-                 _numerator(value, safe_shift(row_max[0]), inverse_temperature(t)), True, part, row_sum)
-    gpu_row_fold(vocab, tx, threads, vocab, T.int32(INT32_MAX), minimum, index_where(value, row_max[0], vocab),
-                 t == T.float32(0) and row_max[0] != neg_inf(), index_part, hot)
+    # the row's scalars bound once: an all-reduce result lives in shared memory (read as volatile), and inside the
+    # per-element formula it would be re-read, and 1 / t recomputed, for every element
+    peak: T.let = row_max[0]
+    shift: T.let = safe_shift(peak)
+    scale: T.let = inverse_temperature(t)
+    gpu_row_fold(vocab, tx, threads, T.float32(0), T.float32(0), add, _numerator(value, shift, scale), True, part,
+                 row_sum)
+    gpu_row_fold(vocab, tx, threads, vocab, T.int32(INT32_MAX), minimum, index_where(value, peak, vocab),
+                 t == T.float32(0) and peak != neg_inf(), index_part, hot)
 
 
 def _gpu(threads: int) -> tirx.PrimFunc:

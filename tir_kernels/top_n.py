@@ -32,11 +32,12 @@ import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
+from ..runtime import kernel_abi
 from ._common import CALLER_ARRAY_ALIGN, is_cpu, max_threads
 from ._reductions import row_of
 from ._select import row_top_cpu, row_top_gpu
 
-NAME = "top_n"
+NAME = kernel_abi.TOP_N
 
 
 def _cpu() -> tirx.PrimFunc:

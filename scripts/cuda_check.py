@@ -1,0 +1,269 @@
+"""Check and time logitproc's CUDA kernels through the CUDA driver alone: the kernel table, the runtime, a benchmark.
+
+Runs where a GPU is but TVM's compiler need not be (``TVM_USE_RUNTIME_LIB=1`` with TVM's runtime library): it opens
+``Device("cuda")`` on an exported library (``logitproc compile-kernels --target cuda --arch sm_90 --out DIR``), then
+
+1. every case of ``tests/kernel_cases.py`` (10 kernels x 7 awkward sizes) against the numpy references;
+2. ``LogitProcessor`` and ``Sampler`` on the GPU against the same pipeline in numpy (bias, penalties, masks,
+   temperature, top-k/top-p/min-p, greedy rows, the fused sampling path, logprobs);
+3. with ``--bench``: each kernel at B x V = 1 x 128256, 64 x 128256, 256 x 151936 against a device-to-device copy
+   of the same logits and torch's equivalents on the same card, each timed as a CUDA graph of repeated launches
+   (launch overhead excluded; CUDA events).
+
+Usage: python scripts/cuda_check.py DIR [--bench] [--json OUT]   (``scripts/bench_kernels.py --device cuda`` runs
+``--bench`` alone)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from logitproc.runtime import Device, LogitProcessor, Sampler  # noqa: E402
+from logitproc.runtime.kernel_library import KernelLibrary  # noqa: E402
+
+BENCH_SHAPES = ((1, 128256), (64, 128256), (256, 151936))
+#: Launches captured in one graph (the time per launch is the graph's time over this).
+LAUNCHES_PER_GRAPH = 20
+
+
+def check_cases(device: Device, kernels: dict) -> dict:
+    from kernel_cases import all_cases
+
+    passed, failures = 0, []
+    for case in all_cases():
+        try:
+            args = [device.upload(np.ascontiguousarray(a)) for a in case.args]
+            kernels[case.kernel](*args)
+            case.check([device.download(a) for a in args])
+            passed += 1
+        except Exception as exc:  # noqa: BLE001 - every failure is reported, the run goes on
+            failures.append(f"{case.id}: {type(exc).__name__}: {str(exc)[:300]}")
+    return {"passed": passed, "failed": len(failures), "failures": failures}
+
+
+def check_runtime(library: KernelLibrary, device: Device) -> dict:
+    """The processor and the sampler on the GPU against ``tests/pipeline_reference.py`` (numpy): processed logits
+    and probabilities of a mixed batch (bias, penalties, masks, temperature, top-k/top-p/min-p), greedy tokens, and
+    sampled tokens that the processed distribution allows (staged and fused paths)."""
+    from logitproc import GenerationConfig, RequestState
+    from pipeline_reference import process_row
+
+    vocab = 32003
+    configs = [
+        GenerationConfig(), GenerationConfig(temperature=0.0),
+        GenerationConfig(temperature=0.7, top_p=0.9, top_k=50, min_p=0.05, presence_penalty=0.5,
+                         frequency_penalty=0.3, repetition_penalty=1.1, logit_bias={42: 5.0, 7: -100.0}),
+        GenerationConfig(repetition_penalty=1.3), GenerationConfig(temperature=1.5, top_k=3),
+        GenerationConfig(frequency_penalty=-1.0, presence_penalty=2.0, top_p=0.5),
+        GenerationConfig(logit_bias={0: 100.0, 1002: -50.0}, min_p=0.2, temperature=0.0),
+    ]
+    proc = LogitProcessor(library, vocab_size=vocab, max_num_token=16, device=device)
+    sampler = Sampler(library, vocab_size=vocab, max_num_token=16, device=device)
+    logits = (np.random.default_rng(0).standard_normal((len(configs), vocab)) * 3).astype(np.float32)
+    states, expected_logits, expected_probs = [], [], []
+    for cfg in configs:
+        state = RequestState((5, 6, 7, 5), cfg)
+        for t in (9, 9, 11):
+            state.append_token(t)
+        states.append(state)
+        x, p = process_row(logits[len(states) - 1], cfg, state.prompt_token_ids, state.output_token_ids, None)
+        expected_logits.append(x)
+        expected_probs.append(p)
+    work = logits.copy()
+    proc.inplace_update_logits(work, states)
+    probs = sampler.renormalize(proc.compute_probs_from_logits(work, states), states)
+    exp_x, exp_p = np.stack(expected_logits), np.stack(expected_probs)
+    finite = np.isfinite(exp_x)
+    result: dict = {
+        "logits_max_abs_error": float(np.max(np.abs(np.where(finite, work - exp_x, 0)))),
+        "logits_inf_agree": bool(np.array_equal(np.isfinite(work), finite)),
+        "probs_max_abs_error": float(np.max(np.abs(probs - exp_p))),
+    }
+    for fused in (False, True):
+        out = sampler.sample_from_logits(work.copy(), states) if fused else sampler.sample(probs, states)
+        tokens = [int(t) for t in out.token_ids]
+        allowed = all(exp_p[r, t] > 0 for r, t in enumerate(tokens))
+        greedy = all(tokens[r] == int(np.argmax(exp_x[r])) for r, c in enumerate(configs) if c.temperature == 0)
+        result["fused" if fused else "staged"] = {"tokens": tokens, "allowed": allowed, "greedy_equal": greedy}
+    try:  # a torch CUDA tensor is processed in place, without a host round trip
+        import torch
+
+        if torch.cuda.is_available():
+            tensor = torch.from_numpy(logits.copy()).cuda()
+            torch.cuda.synchronize()
+            proc.inplace_update_logits(tensor, states)
+            device.synchronize()
+            result["torch_cuda_max_abs_error"] = float(np.max(np.abs(np.where(finite, tensor.cpu().numpy() - exp_x,
+                                                                              0))))
+    except ImportError:
+        pass
+    result["ok"] = (result["logits_max_abs_error"] < 1e-4 and result.get("torch_cuda_max_abs_error", 0) < 1e-4
+                    and result["logits_inf_agree"]
+                    and result["probs_max_abs_error"] < 1e-5
+                    and all(result[k]["allowed"] and result[k]["greedy_equal"] for k in ("staged", "fused")))
+    return result
+
+
+def bench(library: KernelLibrary, device: Device, kernels: dict) -> list[dict]:
+    from kernel_cases import CASE_BUILDERS
+
+    rows = []
+    for batch, vocab in BENCH_SHAPES:
+        rng = np.random.default_rng(batch + vocab)
+        src = device.upload((rng.standard_normal((batch, vocab)) * 3).astype(np.float32))
+        dst = device.empty((batch, vocab), "float32")
+        row = {"shape": f"{batch} x {vocab}",
+               "copy_us": device.time_launches(lambda s=src, d=dst: device.copy(d, s), LAUNCHES_PER_GRAPH) * 1e6}
+        for builder in CASE_BUILDERS:
+            case = builder(rng, batch, vocab)
+            args = [device.upload(np.ascontiguousarray(a)) for a in case.args]
+            fn = kernels[case.kernel]
+            try:
+                row[f"{case.kernel}_us"] = device.time_launches(lambda f=fn, a=args: f(*a), LAUNCHES_PER_GRAPH) * 1e6
+            except Exception as exc:  # noqa: BLE001
+                row[f"{case.kernel}_us"] = f"{type(exc).__name__}: {exc}"
+        row.update(variant_times(device, kernels, rng, batch, vocab))
+        row.update(torch_times(batch, vocab))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def variant_times(device: Device, kernels: dict, rng: np.random.Generator, batch: int, vocab: int) -> dict:
+    """The sampling kernels with one filter at a time (what each costs): no filter, top-p 0.9 alone, top-k 50 alone."""
+    from kernel_cases import renormalize_case, sample_from_logits_case
+
+    out = {}
+    settings = {"plain": (0, 1.0, 0.0), "top_p": (0, 0.9, 0.0), "top_k": (50, 1.0, 0.0), "min_p": (0, 1.0, 0.05)}
+    for name, (k, p, m) in settings.items():
+        case = sample_from_logits_case(rng, batch, vocab)
+        args = [np.ascontiguousarray(a) for a in case.args]
+        args[2][:], args[3][:], args[4][:] = k, p, m  # top_k, top_p, min_p
+        args[5][:] = 0 if name == "plain" else 1  # renorm
+        args[7][:] = -1  # no mask
+        args[11][:] = 0  # no top-n
+        on = [device.upload(a) for a in args]
+        out[f"sample_{name}_us"] = device.time_launches(lambda a=on: kernels["sample_from_logits"](*a),
+                                                        LAUNCHES_PER_GRAPH) * 1e6
+        if name != "plain":
+            case = renormalize_case(rng, batch, vocab)
+            args = [np.ascontiguousarray(a) for a in case.args]
+            args[1][:], args[2][:], args[3][:] = k, p, m  # top_k, top_p, min_p
+            on = [device.upload(a) for a in args]
+            out[f"renormalize_{name}_us"] = device.time_launches(lambda a=on: kernels["renormalize_probs"](*a),
+                                                                 LAUNCHES_PER_GRAPH) * 1e6
+    return out
+
+
+def torch_times(batch: int, vocab: int) -> dict:
+    try:
+        import torch
+    except ImportError:
+        return {}
+    if not torch.cuda.is_available():
+        return {"torch": "no CUDA in this torch"}
+    x = torch.randn(batch, vocab, device="cuda") * 3
+    y = torch.empty_like(x)
+    t = torch.full((batch, 1), 0.8, device="cuda")
+
+    def top_p_sample() -> torch.Tensor:  # sort-based top-p, then an exponential-race sample (graph capturable)
+        probs = torch.softmax(x / t, dim=-1)
+        sorted_p, idx = probs.sort(dim=-1, descending=True)
+        keep = sorted_p.cumsum(dim=-1) - sorted_p < 0.9
+        sorted_p = sorted_p * keep
+        q = torch.empty_like(sorted_p).exponential_()
+        return idx.gather(1, (sorted_p / q).argmax(dim=-1, keepdim=True))
+
+    ops = {"torch_copy_us": lambda: y.copy_(x), "torch_softmax_us": lambda: torch.softmax(x / t, dim=-1),
+           "torch_topk8_us": lambda: torch.topk(x, 8, dim=-1), "torch_top_p_sample_us": top_p_sample}
+    out = {}
+    for name, op in ops.items():
+        try:
+            stream = torch.cuda.Stream()
+            with torch.cuda.stream(stream):
+                for _ in range(3):
+                    op()
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(LAUNCHES_PER_GRAPH):
+                    op()
+            graph.replay()
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(10):
+                graph.replay()
+            end.record()
+            torch.cuda.synchronize()
+            out[name] = start.elapsed_time(end) * 1e3 / (10 * LAUNCHES_PER_GRAPH)
+        except Exception as exc:  # noqa: BLE001
+            out[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
+    return out
+
+
+#: The columns of the markdown table: (title, key).
+TABLE = (("copy", "copy_us"), ("softmax", "softmax_with_temperature_us"), ("renormalize", "renormalize_probs_us"),
+         ("fused sampling", "sample_from_logits_us"), ("top_n", "top_n_us"), ("argmax", "argmax_us"),
+         ("torch softmax", "torch_softmax_us"), ("torch top-p sample", "torch_top_p_sample_us"),
+         ("torch topk(8)", "torch_topk8_us"))
+
+
+def markdown(rows: list[dict]) -> str:
+    """The benchmark as a markdown table: microseconds, and each kernel's ratio to the copy."""
+    lines = ["| B x V | " + " | ".join(title for title, _ in TABLE) + " |",
+             "| --- | " + " | ".join("---" for _ in TABLE) + " |"]
+    for row in rows:
+        copy = row["copy_us"]
+        cells = []
+        for _, key in TABLE:
+            value = row.get(key)
+            if not isinstance(value, float):
+                cells.append("-")
+            elif key == "copy_us":
+                cells.append(f"{value:.1f} us")
+            else:
+                cells.append(f"{value:.0f} us ({value / copy:.1f}x)")
+        lines.append(f"| {row['shape']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("library", help="an exported CUDA kernel library (with the PTX and launches)")
+    parser.add_argument("--bench", action="store_true")
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+    library = KernelLibrary.load(args.library)
+    device = Device("cuda")
+    report: dict = {"device": repr(device), "devices": [str(d) for d in Device.available()]}
+    print(report, flush=True)
+    started = time.perf_counter()
+    kernels = device.load(library)
+    report["load_s"] = time.perf_counter() - started
+    report["cases"] = check_cases(device, kernels)
+    print("cases:", json.dumps(report["cases"])[:3000], flush=True)
+    try:
+        report["runtime"] = check_runtime(library, device)
+    except Exception:  # noqa: BLE001
+        report["runtime"] = traceback.format_exc()
+    print("runtime:", report["runtime"], flush=True)
+    if args.bench:
+        report["bench"] = bench(library, device, kernels)
+        print(markdown(report["bench"]))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    return 0 if report["cases"]["failed"] == 0 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

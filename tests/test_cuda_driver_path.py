@@ -1,0 +1,235 @@
+"""The CUDA driver path (``Device("cuda")`` without TVM's CUDA runtime) on a machine without a GPU: a fake driver.
+
+The fake keeps device memory in host bytes and checks each launch against the exported PTX itself (every entry's
+parameter list, its ``.maxntid`` block), so what is tested here is what the real driver would be given: the arguments
+in the kernel's order and types, the grid and block computed from the arrays' shapes, copies landing in the right
+bytes. ``scripts/cuda_check.py`` runs the same path on a real GPU (kernels, runtime, benchmark).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+from kernel_cases import CASE_BUILDERS, SIZES
+from logitproc.compile import build_kernels
+from logitproc.compile.device_code import cuda_compiler_available
+from logitproc.runtime import Device, LogitProcessor
+from logitproc.runtime.cuda_device import CudaArray, CudaDevice
+from logitproc.runtime.cuda_driver import CudaError, GPUProperties
+
+pytestmark = pytest.mark.skipif(not cuda_compiler_available(), reason="no nvcc or NVRTC to export PTX here")
+
+#: PTX parameter type each kernel argument dtype must meet.
+PTX_TYPE = {"handle": ".u64", "int32": ".u32", "float32": ".f32"}
+
+
+@dataclass
+class Launch:
+    entry: str
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    shared: int
+    args: list[tuple[str, int | float]]
+
+
+@dataclass
+class FakeDriver:
+    """``CudaDriver`` in host memory; launches are checked against the loaded PTX and recorded, not run."""
+
+    memory: dict[int, bytearray] = field(default_factory=dict)
+    launches: list[Launch] = field(default_factory=list)
+    entries: dict[str, tuple[list[str], tuple[int, ...]]] = field(default_factory=dict)
+    functions: dict[int, str] = field(default_factory=dict)
+    next_ptr: int = 1 << 20
+
+    def device_count(self) -> int:
+        return 1
+
+    def properties(self, index: int) -> GPUProperties:
+        return GPUProperties("fake", (9, 0), 80 << 30, 132, 1024, 227 * 1024)
+
+    def activate(self, index: int) -> None:
+        pass
+
+    def alloc(self, nbytes: int) -> int:
+        ptr = self.next_ptr
+        self.memory[ptr] = bytearray(max(1, nbytes))
+        self.next_ptr += (max(1, nbytes) + 255) // 256 * 256 + 256
+        return ptr
+
+    def free(self, ptr: int) -> None:
+        del self.memory[ptr]
+
+    def _region(self, ptr: int, nbytes: int) -> tuple[bytearray, int]:
+        for base, buf in self.memory.items():
+            if base <= ptr and ptr + nbytes <= base + len(buf):
+                return buf, ptr - base
+        raise AssertionError(f"{nbytes} bytes at 0x{ptr:x} are outside every allocation")
+
+    def copy_to_device(self, dst: int, src_host: int, nbytes: int, stream: int) -> None:
+        buf, offset = self._region(dst, nbytes)
+        buf[offset:offset + nbytes] = ctypes.string_at(src_host, nbytes)
+
+    def copy_to_host(self, dst_host: int, src: int, nbytes: int) -> None:
+        buf, offset = self._region(src, nbytes)
+        ctypes.memmove(dst_host, bytes(buf[offset:offset + nbytes]), nbytes)
+
+    def copy_on_device(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        s, so = self._region(src, nbytes)
+        d, do = self._region(dst, nbytes)
+        d[do:do + nbytes] = s[so:so + nbytes]
+
+    def time_graph(self, stream: int, enqueue: Callable[[], None], replays: int) -> float:
+        enqueue()
+        return 0.0
+
+    def create_stream(self) -> int:
+        return 1
+
+    def stream_wait(self, waiting: int, on: int) -> None:
+        pass
+
+    def synchronize(self, stream: int) -> None:
+        pass
+
+    def load_module(self, image: bytes) -> int:
+        ptx = image.decode()
+        for m in re.finditer(r"\.entry (\w+)\(([^)]*)\)\s*((?:\.\w+[^\n]*\n\s*)*)", ptx):
+            params = re.findall(r"\.param\s+(\.\w+)", m.group(2))
+            ntid = re.search(r"\.maxntid\s+(\d+),\s*(\d+),\s*(\d+)", m.group(3))
+            self.entries[m.group(1)] = (params, tuple(int(x) for x in ntid.groups()) if ntid else ())
+        return 7
+
+    def function(self, module: int, entry: str) -> int:
+        if entry not in self.entries:
+            raise CudaError(f"cuModuleGetFunction({entry}) failed: CUDA_ERROR_NOT_FOUND")
+        handle = 100 + len(self.functions)
+        self.functions[handle] = entry
+        return handle
+
+    def set_max_dynamic_shared(self, function: int, nbytes: int) -> None:
+        pass
+
+    def launch(self, function: int, grid: tuple[int, int, int], block: tuple[int, int, int], shared_bytes: int,
+               stream: int, args: Sequence[tuple[str, int | float]]) -> None:
+        entry = self.functions[function]
+        params, maxntid = self.entries[entry]
+        assert [PTX_TYPE[dtype] for dtype, _ in args] == params, f"{entry}: arguments do not match the PTX"
+        assert not maxntid or block == maxntid, f"{entry}: block {block}, PTX .maxntid {maxntid}"
+        for dtype, value in args:
+            if dtype == "handle":
+                self._region(int(value), 1)  # every pointer lies in an allocation
+        self.launches.append(Launch(entry, grid, block, shared_bytes, list(args)))
+
+
+@pytest.fixture(scope="module")
+def cuda_library():
+    return build_kernels("cuda", "sm_80")
+
+
+@pytest.fixture
+def fake() -> tuple[CudaDevice, FakeDriver]:
+    driver = FakeDriver()
+    return CudaDevice("cuda", 0, driver=driver), driver
+
+
+def test_arrays_round_trip_and_rows_land_in_place(fake) -> None:
+    device, _ = fake
+    host = np.arange(5 * 7, dtype=np.float32).reshape(5, 7)
+    arr = device.upload(host)
+    np.testing.assert_array_equal(device.download(arr), host)
+    assert device.download(device.prefix(arr, 2)).shape == (2, 7)
+    new = -host
+    device.copy_rows_to_device(new, arr, 1, 3)
+    expected = host.copy()
+    expected[1:3] = new[1:3]
+    np.testing.assert_array_equal(device.download(arr), expected)
+    other = device.empty((5, 7), "float32")
+    device.copy(other, arr)
+    np.testing.assert_array_equal(device.download(other), expected)
+
+
+def _expected_grid(kernel: str, args: Sequence[np.ndarray], batch: int, vocab: int) -> tuple[int, int, int]:
+    """What each kernel's TIR binds: one block per row, except the sparse and bitmask kernels."""
+    if kernel in ("apply_logit_bias_inplace", "apply_penalty_inplace"):
+        return (-(-args[1].size // 1024), 1, 1)
+    if kernel == "apply_bitmask_inplace":
+        return (-(-vocab // 1024), args[1].size, 1)
+    return (batch, 1, 1)
+
+
+@pytest.mark.parametrize("builder", CASE_BUILDERS, ids=lambda b: b.__name__)
+def test_every_kernel_launches_with_the_ptx_arguments_and_its_grid(cuda_library, fake, builder) -> None:
+    device, driver = fake
+    kernels = device.load(cuda_library)
+    for batch, vocab in SIZES[:4]:
+        case = builder(np.random.default_rng(1), batch, vocab)
+        arrays = [device.upload(np.ascontiguousarray(a)) for a in case.args]
+        driver.launches.clear()
+        kernels[case.kernel](*arrays)
+        (launch,) = driver.launches
+        assert launch.entry == f"{case.kernel}_kernel"
+        assert launch.grid == _expected_grid(case.kernel, case.args, batch, vocab)
+        pointers = {int(v) for d, v in launch.args if d == "handle"}
+        assert pointers == {a.ptr for a in arrays}  # each parameter's own buffer, none other
+        assert ("int32", vocab) in launch.args and ("int32", batch) in launch.args
+
+
+def test_bad_arguments_name_the_parameter_and_an_empty_batch_launches_nothing(cuda_library, fake) -> None:
+    device, driver = fake
+    kernels = device.load(cuda_library)
+    logits = device.empty((3, 10), "float32")
+    with pytest.raises(TypeError, match="temperature must be float32"):
+        kernels["softmax_with_temperature"](logits, device.empty((3,), "int32"), device.empty((3, 10), "float32"))
+    with pytest.raises(ValueError, match=r"probs.shape\[1\] = 11 but vocab = 10"):
+        kernels["softmax_with_temperature"](logits, device.empty((3,), "float32"), device.empty((3, 11), "float32"))
+    with pytest.raises(TypeError, match="must be a CudaArray"):
+        kernels["softmax_with_temperature"](np.zeros((3, 10), np.float32), device.empty((3,), "float32"), logits)
+    driver.launches.clear()
+    kernels["softmax_with_temperature"](device.empty((0, 10), "float32"), device.empty((0,), "float32"),
+                                        device.empty((0, 10), "float32"))
+    assert driver.launches == []
+
+
+def test_a_processor_runs_its_stages_through_the_driver(cuda_library, fake) -> None:
+    from logitproc import GenerationConfig, RequestState
+
+    device, driver = fake
+    proc = LogitProcessor(cuda_library, vocab_size=50, max_num_token=4, device=device)
+    states = [RequestState((1, 2, 3), GenerationConfig(repetition_penalty=1.2, logit_bias={4: 1.0}))]
+    driver.launches.clear()
+    logits = np.zeros((1, 50), np.float32)
+    proc.inplace_update_logits(logits, states)
+    assert [launch.entry for launch in driver.launches] == ["apply_logit_bias_inplace_kernel",
+                                                           "apply_penalty_inplace_kernel"]
+
+
+def test_a_library_without_launches_or_ptx_is_refused_clearly(tmp_path, cuda_library, fake) -> None:
+    import json
+
+    from logitproc.runtime.kernel_library import KernelLibrary
+
+    device, _ = fake
+    copy = cuda_library.export(tmp_path / "lib")
+    manifest = json.loads((copy / "manifest.json").read_text())
+    del manifest["launches"]
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(RuntimeError, match="records no kernel launches"):
+        device.load(KernelLibrary.load(copy))
+
+
+def test_without_a_gpu_cuda_is_a_clear_error() -> None:
+    if any(info.kind == "cuda" for info in Device.available()):
+        pytest.skip("this machine has a CUDA GPU")
+    with pytest.raises(RuntimeError, match="(?i)driver|does not exist|CUDA"):
+        Device("cuda")
+
+
+def test_cuda_array_reports_its_shape() -> None:
+    arr = CudaArray(0x1000, (2, 3), np.dtype("float32"))
+    assert arr.nbytes == 24 and arr.ndim == 2
