@@ -4,17 +4,14 @@ Kernels are written once in TVM's TIR (``logitproc.tir_kernels``), compiled for 
 (``logitproc.compile``), and driven by a lean Python runtime (``logitproc.runtime``)::
 
     from logitproc import GenerationConfig, RequestState, LogitProcessor, Sampler
+
+Importing the package (or ``logitproc.runtime``, ``logitproc.serve``) installs no import hook and sets no environment
+variable: the ``logitproc`` command hides torch from TVM's import (``torch_guard.py``) and sizes TVM's thread pool
+(``cpu_threads.py``) when it starts; in a library, opening a kernel library or a compiled model (its first
+``runtime_module``) sizes the pool, setting ``TVM_NUM_THREADS`` then unless it or ``OMP_NUM_THREADS`` is set.
 """
 
 __version__ = "0.1.0"
-
-# Importing TVM must not import torch (seconds at every start); see torch_guard.py. Only as the package: pytest's
-# collection of a checkout also imports this file alone, as a plain module, where a relative import has no parent.
-if __package__:
-    from . import cpu_threads, torch_guard
-
-    torch_guard.install()
-    cpu_threads.configure()  # one TVM thread per physical core (TVM alone takes half the cores on x86 VMs)
 
 __all__ = ["GenerationConfig", "LogitProcessor", "RequestState", "Sampler", "__version__"]
 

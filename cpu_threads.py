@@ -5,7 +5,16 @@ on the assumption that every core runs two hardware threads. Where that is false
 instances that expose one thread per core, like this project's 2-core machines), TVM uses half the cores: every
 kernel and the whole model ran on one of two cores. ``configure()`` sets ``TVM_NUM_THREADS`` to the number of
 physical cores this process may run on, counted from the kernel's topology files, unless the user set either
-variable. It runs when ``logitproc`` is imported; the pool reads the variable when the first parallel kernel runs.
+variable.
+
+When it runs: importing ``logitproc`` sets nothing. The ``logitproc`` command calls ``configure()`` as it starts
+(``__main__.py``); a library user's process calls it when it opens its first kernel library or compiled model
+(``KernelLibrary.runtime_module``; an Engine opens one) or asks ``Device.available()`` for the CPU's threads. The
+variable has to be set, and stay set, before a kernel runs: TVM 0.27 keeps one pool per calling thread, made at that
+thread's first parallel kernel (or ``runtime.NumThreads`` call) from the variable as it is then, and its
+``runtime.config_threadpool`` only ever lowers a pool's size, never raises it (measured: a pool made with one thread
+stays at one after ``config_threadpool(1, 2)``; a thread that starts its pool after the variable was removed gets one).
+A pool some code started before (a kernel compiled and run with TVM directly) keeps its size.
 """
 
 from __future__ import annotations

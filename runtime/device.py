@@ -27,6 +27,7 @@ import numpy as np
 import tvm
 import tvm_ffi
 
+from ..cpu_threads import configure as configure_tvm_threads
 from .kernel_library import KernelLibrary
 
 DEVICE_KINDS = ("cpu", "cuda", "vulkan")
@@ -306,5 +307,6 @@ def _cpu_name() -> str:
 
 
 def _tvm_threads() -> int:
-    """The threads of TVM's CPU pool (``logitproc.cpu_threads`` sized it when the package was imported)."""
+    """The threads of TVM's CPU pool (this thread's: asking starts it, so it is sized first, ``cpu_threads.py``)."""
+    configure_tvm_threads()
     return int(tvm.get_global_func("runtime.NumThreads")())

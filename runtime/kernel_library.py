@@ -17,6 +17,7 @@ from typing import Any
 
 import tvm
 
+from ..cpu_threads import configure as configure_tvm_threads
 from .launch_geometry import FunctionLaunches
 from .targets import TargetSpec, check_runs_here
 
@@ -106,6 +107,7 @@ class KernelLibrary:
             }[kind]
             raise RuntimeError(f"a {kind} kernel library cannot be loaded into TVM's runtime: {reason}")
         path = self.artifact(self.module_file)
+        configure_tvm_threads()  # before any of its kernels starts TVM's thread pool (cpu_threads.py)
         try:
             return tvm.runtime.load_module(str(path))
         except Exception as err:  # TVM raises its own error types; say what is missing

@@ -91,7 +91,32 @@ class RequestState:
         for token in self.prompt_token_ids:
             self._entry(token)
         seed = self.config.seed
+        #: The sequence's random stream; drawn from only through ``draw_uniforms`` (and put back by ``keep_draws``).
         self.rng = np.random.Generator(np.random.PCG64(seed)) if seed is not None else np.random.default_rng()
+        #: The stream's state before the last ``draw_uniforms`` and how many of its draws are kept, until
+        #: ``keep_draws`` settles them; None when nothing is pending.
+        self._pending_draws: tuple[dict[str, Any], int] | None = None
+
+    def draw_uniforms(self, count: int) -> np.ndarray:
+        """``count`` uniform float32 numbers in [0, 1) from the sequence's stream: the sampler's draws for its rows of
+        one step (one each). A step that checked drafts then keeps the draws of the rows it committed
+        (``keep_draws``), so the stream goes on as if the rejected rows had never drawn."""
+        self._pending_draws = (self.rng.bit_generator.state, count)
+        return self.rng.random(count, dtype=np.float32)
+
+    def keep_draws(self, count: int) -> None:
+        """Keep the first ``count`` draws of the last ``draw_uniforms`` and give the others back: the stream is where
+        drawing only those would have left it. Nothing to do when no draws are pending (a greedy sequence draws
+        nothing); settles them either way."""
+        if self._pending_draws is None:
+            return
+        began, made = self._pending_draws
+        if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= made:
+            raise ValueError(f"keep_draws: count must be in [0, {made}] (the draws made), got {count!r}")
+        self._pending_draws = None
+        if count < made:
+            self.rng.bit_generator.state = began
+            self.rng.random(count, dtype=np.float32)
 
     def _entry(self, token: int) -> int:
         position = self._index.get(token)

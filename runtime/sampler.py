@@ -7,10 +7,11 @@ probabilities, and fused (``sample_from_logits``: one kernel from the processed 
 everyone else. With the same seeds both give the same tokens and the same logprobs (chosen token and top-n,
 processed or raw). Inputs are the caller's arrays (numpy, torch, ...), read in place (``logits_io``).
 
-Sampling draws one uniform number per row from the row's own request stream (``RequestState.rng``, seeded by
-``GenerationConfig.seed``), so a seeded request gets the same tokens whatever else is in the batch and at whichever
-row. Greedy rows (temperature 0) arrive as one-hot distributions and draw nothing. A row whose every token was
-masked has all-zero probabilities: it samples token -1 and is flagged in ``SampleResult.no_valid_token``.
+Sampling draws one uniform number per row from the row's own request stream (``RequestState.draw_uniforms``: the
+state owns its stream, seeded by ``GenerationConfig.seed``; a step that checked drafts keeps the draws of the rows it
+committed with ``RequestState.keep_draws``), so a seeded request gets the same tokens whatever else is in the batch
+and at whichever row. Greedy rows (temperature 0) arrive as one-hot distributions and draw nothing. A row whose every
+token was masked has all-zero probabilities: it samples token -1 and is flagged in ``SampleResult.no_valid_token``.
 
 Logprobs are "processed" (of the distribution sampled from, after every stage) or "raw" (the model's own log-softmax
 before any processing), as each request's ``GenerationConfig.logprobs_mode`` says ("auto", the default: raw when
@@ -180,8 +181,10 @@ class Sampler:
         if batch.all_greedy:
             uniform[:] = 0.0
         else:
-            uniform[:] = [0.0 if row[0] == 0.0 else state.rng.random(dtype=np.float32)  # row[0]: temperature
-                          for state, row in zip(batch.row_states, batch.sampling_rows, strict=True)]
+            cum, sampling = batch.cum_num_token, batch.sampling_rows
+            for i, state in enumerate(batch.states):
+                lo, hi = cum[i], cum[i + 1]
+                uniform[lo:hi] = 0.0 if sampling[lo][0] == 0.0 else state.draw_uniforms(hi - lo)  # [0]: temperature
         return self._uniform.to_device(rows)
 
     def _masks_to_device(self, batch: Batch) -> tuple[Any, Any]:

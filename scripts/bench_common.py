@@ -1,4 +1,5 @@
-"""What the benchmark scripts share: timing and a description of the machine."""
+"""What the benchmark scripts share: their process set up as the ``logitproc`` command's, timing and a description of
+the machine."""
 
 from __future__ import annotations
 
@@ -9,7 +10,13 @@ import time
 from collections.abc import Callable
 
 import numpy as np
-import tvm
+from logitproc import cpu_threads, torch_guard
+
+# Importing logitproc sets nothing up; a benchmark's process is the command's (``__main__.py``): TVM imported without
+# torch, its thread pool one thread per physical core (unless TVM_NUM_THREADS says otherwise).
+torch_guard.install()
+cpu_threads.configure()
+import tvm  # noqa: E402
 
 
 def median_us(fn: Callable[[], object], repeat: int) -> float:
@@ -37,8 +44,6 @@ def machine_line() -> str:
         torch_version = torch.__version__
     except ImportError:
         torch_version = "not installed"
-    import logitproc  # noqa: F401  (sizes TVM's thread pool before it starts)
-
     threads = tvm.get_global_func("runtime.NumThreads")()
     return (f"{cpu}, {os.cpu_count()} cores, TVM threads {threads}, TVM {tvm.__version__}, numpy {np.__version__}, "
             f"torch {torch_version}")

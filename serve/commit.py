@@ -21,9 +21,7 @@ what is not yet in the cache becomes the sequence's feed for the next forward.
 from __future__ import annotations
 
 import time
-from typing import Any
 
-import numpy as np
 from logitproc.runtime import LogitProcessor, SampleResult
 
 from .outputs import Delta, EngineStats
@@ -53,7 +51,7 @@ def commit_row(seq: GeneratedSequence, result: SampleResult, row: int, delta: De
         seq.finish("error", delta, error=f"{type(err).__name__}: {err}")
         return
     if token not in seq.stop_token_ids:
-        seq.feed = [token]
+        seq.feed_sampled(token)
     stats.completion_tokens += 1
     if seq.logprobs is not None:
         # a token the closing put in the sample's place was chosen with certainty: 0.0, as a one-token mask gives
@@ -68,11 +66,11 @@ def commit_row(seq: GeneratedSequence, result: SampleResult, row: int, delta: De
 
 
 def commit_verified(model: Runner, seq: GeneratedSequence, result: SampleResult, first: int, drafts: list[int],
-                    delta: Delta, errors: dict[int, str], rng_state: dict[str, Any] | None) -> tuple[int, int]:
+                    delta: Delta, errors: dict[int, str]) -> tuple[int, int]:
     """Commit the rows ``first``, ``first + 1``, ... of a sequence that checked ``drafts`` while each row's token is
-    the next draft (and the sequence goes on); pop the rejected drafts from the KV cache; rewind the random stream
-    from ``rng_state`` (its state before the step's draws; None for greedy) by one draw per committed row. Returns
-    (rows committed, drafts accepted)."""
+    the next draft (and the sequence goes on); pop the rejected drafts from the KV cache; the sequence's random
+    stream keeps the draws of the rows examined only (``RequestState.keep_draws``). Returns (rows committed, drafts
+    accepted)."""
     examined = accepted = 0
     try:
         for j in range(len(drafts) + 1):
@@ -87,14 +85,8 @@ def commit_verified(model: Runner, seq: GeneratedSequence, result: SampleResult,
                 break  # (where jump-forward would append forced tokens, it does so before any further token)
     finally:
         state = seq.state
-        keep = min(seq.kv_len, state.num_tokens - len(seq.feed))  # the KV cache holds all but the token to feed
-        if seq.in_model and seq.seq_id is not None and model.sequence_length(seq.seq_id) > keep:
-            model.popn(seq.seq_id, model.sequence_length(seq.seq_id) - keep)
-        seq.kv_len = keep
-        if rng_state is not None:  # the sampler drew one number per row: keep those of the committed rows
-            state.rng.bit_generator.state = rng_state
-            for _ in range(examined):
-                state.rng.random(dtype=np.float32)
+        seq.keep_in_cache(model, min(seq.kv_len, state.num_tokens - len(seq.feed)))  # all but the token to feed
+        state.keep_draws(examined)  # the sampler drew one number per row: those of the rows examined stay drawn
     return examined, accepted
 
 
@@ -121,17 +113,7 @@ def jump_forward(model: Runner, processor: LogitProcessor, running: list[Generat
         if forced is None or (not forced.rollback and not forced.token_ids):
             continue
         delta = delta_of(deltas, seq)
-        state = seq.state
-        unchanged = state.num_tokens - len(forced.token_ids)
-        if seq.kv_len > unchanged:
-            model.popn(seq.seq_id, seq.kv_len - unchanged)
-            seq.kv_len = unchanged
-        prompt_len = len(state.prompt_token_ids)
-        seq.feed = list(state.output_token_ids[seq.kv_len - prompt_len :])
-        if not seq.feed:  # rolled back to a point already in the cache: feed its last token again
-            model.popn(seq.seq_id, 1)
-            seq.kv_len -= 1
-            seq.feed = [(state.prompt_token_ids + state.output_token_ids)[seq.kv_len]]
+        seq.rewind_cache(model, seq.state.num_tokens - len(forced.token_ids))
         before = len(seq.token_ids)
         seq.rollback(forced.rollback, delta)
         for token in forced.token_ids:

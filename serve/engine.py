@@ -222,9 +222,9 @@ class Engine:
             if config.n > 1 and config.seed is not None:  # each sequence its own stream, reproducibly
                 cfg = replace(config, seed=(config.seed + index) % 2**64)
             state = RequestState(new.prompt_token_ids, cfg, mask_sources=self._mask_sources(cfg))
-            seq = GeneratedSequence(request, index, state, self.model.tokenizer, self.eos_token_ids, new.limit)
-            if index > 0:  # prefilled once, then forked from the first sequence
-                seq.forked_from = request.sequences[0]
+            # n > 1: prefilled once, then forked from the first sequence
+            seq = GeneratedSequence(request, index, state, self.model.tokenizer, self.eos_token_ids, new.limit,
+                                    forked_from=request.sequences[0] if index > 0 else None)
             request.sequences.append(seq)
         return request
 
@@ -433,7 +433,7 @@ class Engine:
         deltas: Deltas = {}
         scheduler = self.scheduler
         scheduler.handle_aborts(deltas)
-        scheduler.retire(deltas)  # aborted sequences leave the KV cache before room is counted
+        scheduler.retire()  # aborted sequences leave the KV cache before room is counted
         scheduler.make_room()
         scheduler.admit()
         drafts = self._plan_drafts() if self._planner is not None else {}
@@ -441,7 +441,7 @@ class Engine:
         step, processing_s = self._forward_isolated(scheduler.live(), deltas, plan)
         if self.jump_forward:
             jump_forward(self.model, self.processor, scheduler.running, deltas, self.stats)
-        scheduler.retire(deltas)
+        scheduler.retire()
         step_s = time.perf_counter() - started
         account_step(self.stats, step, processing_s, step_s)
         if self._planner is not None:  # a token costs its forward and its row's share of the rest of the step
@@ -505,8 +505,6 @@ class Engine:
         run_model(self.model, self.processor, plan, self.scheduler.place, step)
         if step.batch is None or step.logits is None:
             return step, 0.0
-        # A drafting sequence's stream draws for all its rows; commit_verified keeps the committed rows' draws.
-        streams = {seq: seq.state.rng.bit_generator.state for seq in step.drafts if not seq.state.config.greedy}
         t0 = time.perf_counter()
         result = process(self.processor, self.sampler, step.batch, step.logits)
         processing_s = time.perf_counter() - t0
@@ -516,7 +514,7 @@ class Engine:
             delta = delta_of(deltas, seq)
             try:
                 if seq in step.drafts:
-                    self._commit_verified(step, seq, result, row, delta, errors, streams.get(seq))
+                    self._commit_verified(step, seq, result, row, delta, errors)
                 else:
                     commit_row(seq, result, row, delta, errors.get(row))
             except Exception as err:  # e.g. the detokenizer: this sequence ends, the other rows are committed
@@ -524,9 +522,9 @@ class Engine:
         return step, processing_s
 
     def _commit_verified(self, step: ModelStep, seq: GeneratedSequence, result: Any, row: int, delta: Delta,
-                         errors: dict[int, str], stream: dict[str, Any] | None) -> None:
+                         errors: dict[int, str]) -> None:
         drafts = step.drafts[seq]
-        committed, accepted = commit_verified(self.model, seq, result, row, drafts, delta, errors, stream)
+        committed, accepted = commit_verified(self.model, seq, result, row, drafts, delta, errors)
         step.verify_committed += committed
         for stats in (seq.request.stats, self.stats):
             stats.drafts += 1
@@ -649,23 +647,11 @@ class _NewRequest:
 
 
 class _Placement:
-    """A sequence's place in the model before a step (KV length, pending feed), to put it back if the step fails."""
+    """A sequence's place in the model before a step (its KV bookkeeping), to put it back if the step fails."""
 
     def __init__(self, seq: GeneratedSequence) -> None:
         self.seq = seq
-        self.in_model, self.kv_len, self.feed, self.forked_from = seq.in_model, seq.kv_len, list(seq.feed), \
-            seq.forked_from
-        self.in_prefill = seq.in_prefill
+        self.kv = seq.kv_snapshot()
 
     def restore(self, model: Runner) -> None:
-        seq = self.seq
-        if seq.in_model and seq.seq_id is not None:
-            if not self.in_model:  # placed (or forked) by the failed step
-                model.remove_sequence(seq.seq_id)
-                seq.in_model = False
-            else:
-                extra = model.sequence_length(seq.seq_id) - self.kv_len
-                if extra > 0:
-                    model.popn(seq.seq_id, extra)
-        seq.kv_len, seq.feed, seq.forked_from = self.kv_len, list(self.feed), self.forked_from
-        seq.in_prefill = self.in_prefill
+        self.seq.restore_kv(model, self.kv)

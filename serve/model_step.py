@@ -97,8 +97,7 @@ def run_model(model: Runner, processor: LogitProcessor, plan: StepPlan,
         step.decode_seconds = time.perf_counter() - t0
         step.decode_tokens = len(decode)
         for seq in decode:
-            seq.kv_len += 1
-            seq.feed = []
+            seq.fed(1)
         step.sequences.extend(decode)
         blocks.append(out)
     if verify:
@@ -107,8 +106,7 @@ def run_model(model: Runner, processor: LogitProcessor, plan: StepPlan,
         step.verify_seconds = time.perf_counter() - t0
         for seq, out in zip(verify, outs, strict=True):
             step.verify_tokens += len(out)
-            seq.kv_len += len(out)
-            seq.feed = []
+            seq.fed(len(out))  # its token and its drafts
             step.sequences.append(seq)
             step.drafts[seq] = drafts[seq]
             blocks.append(np.asarray(out))
@@ -128,17 +126,14 @@ def _prefill(model: Runner, chunks: list[tuple[GeneratedSequence, int]], step: M
     for i, (seq, take) in enumerate(chunks):
         step.prefill_tokens += take
         step.prefilled.add(seq.request_id)
-        seq.kv_len += take
-        seq.feed = seq.feed[take:]
+        seq.fed(take)
         if seq.feed:  # more of its prompt goes in at a later step
             step.chunked.append(seq)
             continue
-        seq.in_prefill = False
         step.sequences.append(seq)
         blocks.append(out[i : i + 1])
         for child in [c for c in seq.request.sequences if c.forked_from is seq]:
-            model.fork_sequence(seq.seq_id, child.seq_id)
-            child.in_model, child.kv_len, child.forked_from = True, seq.kv_len, None
+            seq.fork_into(model, child)
             step.sequences.append(child)
             blocks.append(out[i : i + 1])
     return blocks

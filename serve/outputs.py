@@ -150,9 +150,11 @@ class EngineStats(DraftCounts):
                 + (f", {self.draft_summary()}" if self.drafts else ""))
 
 
-@dataclass
+@dataclass(frozen=True)
 class Output:
-    """One finished (or aborted) sequence of a request."""
+    """One finished (or aborted) sequence of a request: built once, when the sequence ends (``GeneratedSequence``'s
+    ``finish`` / ``fail``). ``stats`` is the request's own ``RequestStats``: complete once the whole request has
+    ended (its last sequence's final delta)."""
 
     request_id: str
     index: int

@@ -224,9 +224,7 @@ class Scheduler:
             if seq.finish_reason is not None or seq.seq_id is None:
                 continue  # finished (aborted this step) sequences are freed by retire
             self._free(seq)
-            state = seq.state
-            seq.feed, seq.kv_len, seq.forked_from = state.prompt_token_ids + state.output_token_ids, 0, None
-            seq.in_prefill = True
+            seq.recompute()
         self.running = [s for s in self.running if s.request is not request or s.finish_reason is not None]
         request.stats.preemptions += 1
         self.stats.preemptions += 1
@@ -265,17 +263,13 @@ class Scheduler:
         match = None
         if self.prefix_cache is not None and len(seq.feed) > 1:
             match = self.prefix_cache.match(seq.feed, limit=len(seq.feed) - 1)
-        if match is None:
-            self.model.add_sequence(seq.seq_id)
-        else:
-            self.model.fork_sequence(match.seq_id, seq.seq_id, match.length)
-            seq.kv_len, seq.feed = match.length, seq.feed[match.length:]
+        seq.enter_model(self.model, None if match is None else (match.seq_id, match.length))
+        if match is not None:
             seq.request.stats.cached_tokens = max(seq.request.stats.cached_tokens,
                                                   min(match.length, len(seq.request.prompt_token_ids)))
             self.stats.cached_tokens += match.length
-        seq.in_model = True
 
-    def retire(self, deltas: Deltas) -> None:
+    def retire(self) -> None:
         """Free the model slots of finished sequences (or keep them in the prefix cache); forget finished
         requests."""
         keep = []
@@ -287,16 +281,11 @@ class Scheduler:
         self.running = keep
         for rid in [rid for rid, r in self.requests.items() if r.finished]:
             request = self.requests.pop(rid)
-            if request.stats.finish_time is None:
+            if request.stats.finish_time is None:  # its Outputs (built once, as each sequence ended) share the stats
                 request.stats.finish_time = time.perf_counter()
-            for seq in request.sequences:  # a finished request's outputs carry its final statistics
-                if seq in deltas and deltas[seq].output is not None:
-                    deltas[seq].output = seq.output()
 
     def _free(self, seq: GeneratedSequence) -> None:
-        if seq.in_model:
-            self.model.remove_sequence(seq.seq_id)
-            seq.in_model = False
+        seq.leave_model(self.model)
         self._free_ids.append(seq.seq_id)
         seq.seq_id = None
 
@@ -309,7 +298,8 @@ class Scheduler:
             return False
         for seq_id in self.prefix_cache.insert(seq.seq_id, tokens[: seq.kv_len]):
             self._release(seq_id)
-        seq.in_model, seq.seq_id = False, None
+        seq.hand_over_cache()
+        seq.seq_id = None
         return True
 
     def _evict(self) -> None:

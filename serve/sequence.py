@@ -6,6 +6,12 @@ new sequence, the last sampled token for a decoding one, more after a jump-forwa
 its prompt (after a preemption: prompt and output) into the KV cache in chunks, one per step within the step's token
 budget; it is sampled only once its whole feed is in.
 
+This module is the one owner of that bookkeeping (``in_model``, ``kv_len``, ``feed``, ``in_prefill``,
+``forked_from``): the other modules read it and change it only through ``GeneratedSequence``'s methods, each of
+which makes the model's KV cache and the bookkeeping agree (``enter_model``, ``fed``, ``fork_into``,
+``feed_sampled``, ``keep_in_cache``, ``rewind_cache``, ``leave_model``, ``hand_over_cache``, ``recompute``,
+``kv_snapshot`` / ``restore_kv``). (The model slot, ``seq_id``, is the scheduler's.)
+
 ``commit(token)`` applies the finish rules to a token that is already in the state, in this order: EOS or a
 stop token id ("stop", the token kept in ``token_ids`` but not in the text), then the text (UTF-8 safe, through the
 stop strings: "stop" when one appears), then ``max_tokens`` and a full context ("length").
@@ -14,6 +20,7 @@ stop strings: "stop" when one appears), then ``max_tokens`` and a full context (
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from logitproc.runtime import RequestState
@@ -27,7 +34,19 @@ from .stop_strings import StopStringFilter
 
 if TYPE_CHECKING:
     from .detokenizer import Decoder
+    from .runner import Runner
     from .speculation import Drafter
+
+
+@dataclass(frozen=True)
+class KVSnapshot:
+    """A sequence's KV bookkeeping at one moment (``GeneratedSequence.kv_snapshot``)."""
+
+    in_model: bool
+    kv_len: int
+    feed: tuple[int, ...]
+    forked_from: GeneratedSequence | None
+    in_prefill: bool
 
 
 class Request:
@@ -50,7 +69,8 @@ class GeneratedSequence:
     """One of a request's sequences: state, cache bookkeeping, detokenizer and stop strings."""
 
     def __init__(self, request: Request, index: int, state: RequestState, tokenizer: Decoder,
-                 eos_token_ids: Sequence[int], context_length: int) -> None:
+                 eos_token_ids: Sequence[int], context_length: int,
+                 forked_from: GeneratedSequence | None = None) -> None:
         self.request = request
         self.index = index
         self.state = state
@@ -58,7 +78,8 @@ class GeneratedSequence:
         self.in_model = False
         self.kv_len = 0
         self.feed: list[int] = list(state.prompt_token_ids) if index == 0 else []
-        self.forked_from: GeneratedSequence | None = None
+        #: The sequence whose prefilled prompt this one is forked from (n > 1), until it is.
+        self.forked_from = forked_from
         #: The feed is a prompt going in by prefill chunks (the rest of it goes through prefill, however short).
         self.in_prefill = index == 0
         cfg = state.config
@@ -104,6 +125,88 @@ class GeneratedSequence:
     def decoding(self) -> bool:
         """Whether the next forward feeds this sequence its one last sampled token (by decode, or verify)."""
         return self.in_model and not self.prefilling and len(self.feed) == 1
+
+    # ---- KV bookkeeping: every change of in_model, kv_len, feed, in_prefill and forked_from is one of these ----
+    def enter_model(self, model: Runner, prefix: tuple[int, int] | None = None) -> None:
+        """Start the sequence in the model (its ``seq_id`` given): empty, or forked from ``prefix`` = (the model
+        sequence holding the prefix, its length), whose tokens then leave the feed."""
+        if prefix is None:
+            model.add_sequence(self.seq_id)
+        else:
+            model.fork_sequence(prefix[0], self.seq_id, prefix[1])
+            self.kv_len, self.feed = prefix[1], self.feed[prefix[1]:]
+        self.in_model = True
+
+    def fed(self, count: int) -> None:
+        """``count`` tokens went into the KV cache: the feed's first ones, and for a verify the drafts after them
+        (``keep_in_cache`` then trims the rejected ones). A prompt whose feed is all in is no longer in prefill."""
+        self.kv_len += count
+        self.feed = self.feed[count:]
+        if not self.feed:
+            self.in_prefill = False
+
+    def fork_into(self, model: Runner, child: GeneratedSequence) -> None:
+        """``child`` (a sequence of the same request) becomes a fork of this one's KV cache, its prompt."""
+        model.fork_sequence(self.seq_id, child.seq_id)
+        child.in_model, child.kv_len, child.forked_from = True, self.kv_len, None
+
+    def feed_sampled(self, token: int) -> None:
+        """The token just committed is the next to go in (a decoding sequence's feed)."""
+        self.feed = [token]
+
+    def keep_in_cache(self, model: Runner, keep: int) -> None:
+        """The KV cache keeps its first ``keep`` tokens (a verify's rejected drafts leave it)."""
+        if self.in_model and self.seq_id is not None and model.sequence_length(self.seq_id) > keep:
+            model.popn(self.seq_id, model.sequence_length(self.seq_id) - keep)
+        self.kv_len = keep
+
+    def rewind_cache(self, model: Runner, unchanged: int) -> None:
+        """After a jump-forward re-tokenized the output: the KV cache keeps the first ``unchanged`` tokens of prompt +
+        output that it holds, the rest of the state's tokens become the feed (at least one: with nothing new to
+        feed, the last cached token goes in again, for the logits)."""
+        state = self.state
+        if self.kv_len > unchanged:
+            model.popn(self.seq_id, self.kv_len - unchanged)
+            self.kv_len = unchanged
+        self.feed = list(state.output_token_ids[self.kv_len - len(state.prompt_token_ids):])
+        if not self.feed:
+            model.popn(self.seq_id, 1)
+            self.kv_len -= 1
+            self.feed = [(state.prompt_token_ids + state.output_token_ids)[self.kv_len]]
+
+    def leave_model(self, model: Runner) -> None:
+        """The sequence's KV cache is freed (its ``seq_id`` stays until the scheduler takes it back)."""
+        if self.in_model:
+            model.remove_sequence(self.seq_id)
+            self.in_model = False
+
+    def hand_over_cache(self) -> None:
+        """The sequence's KV cache now belongs to another owner (the prefix cache keeps it); the sequence is out."""
+        self.in_model = False
+
+    def recompute(self) -> None:
+        """Preempted, out of the model: everything it has (prompt and output) goes in again as a prompt."""
+        state = self.state
+        self.feed, self.kv_len, self.forked_from = state.prompt_token_ids + state.output_token_ids, 0, None
+        self.in_prefill = True
+
+    def kv_snapshot(self) -> KVSnapshot:
+        """The bookkeeping as it is now, for ``restore_kv`` (before a step that may fail)."""
+        return KVSnapshot(self.in_model, self.kv_len, tuple(self.feed), self.forked_from, self.in_prefill)
+
+    def restore_kv(self, model: Runner, snapshot: KVSnapshot) -> None:
+        """Put the bookkeeping and the model's KV cache back as ``snapshot`` found them: a sequence placed (or forked)
+        since leaves the model, one that was in loses the tokens added since."""
+        if self.in_model and self.seq_id is not None:
+            if not snapshot.in_model:
+                model.remove_sequence(self.seq_id)
+                self.in_model = False
+            else:
+                extra = model.sequence_length(self.seq_id) - snapshot.kv_len
+                if extra > 0:
+                    model.popn(self.seq_id, extra)
+        self.kv_len, self.feed, self.forked_from = snapshot.kv_len, list(snapshot.feed), snapshot.forked_from
+        self.in_prefill = snapshot.in_prefill
 
     @property
     def tokens_left(self) -> int:

@@ -13,6 +13,7 @@ import tempfile
 import time
 
 import pytest
+from logitproc import cpu_threads, torch_guard
 
 # Everything a run writes lives in one private folder of the system's temporary directory, removed when the run ends
 # (kept, and named, when it fails: its server logs and screenshots are the diagnosis): the build cache (never the
@@ -20,7 +21,9 @@ import pytest
 # tmp_path, the cache locks). ``$LOGITPROC_TEST_CACHE`` names a build cache to reuse between runs instead (every build
 # is keyed by its sources, so reuse is safe).
 RUN_FOLDER = tempfile.mkdtemp(prefix="logitproc-test-run-")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # as the logitproc command sets it
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # as the logitproc command sets it, and:
+torch_guard.install()  # TVM imported without torch (seconds saved in each test process)
+cpu_threads.configure()  # TVM's pool one thread per physical core, whatever a test runs first
 os.environ["TMPDIR"] = tempfile.tempdir = os.path.join(RUN_FOLDER, "tmp")
 os.mkdir(tempfile.tempdir)
 os.environ["LOGITPROC_CACHE"] = os.environ.get("LOGITPROC_TEST_CACHE") or os.path.join(RUN_FOLDER, "cache")

@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import jsonschema
 import pexpect
@@ -26,10 +27,9 @@ SCHEMA = {"type": "object", "properties": {"pet": {"enum": ["cat", "dog"]}, "age
 
 
 def spawn(*args: str, timeout: float = 120):
-    # codec_errors: a Ctrl-C that lands while the answer is written can cut a character's bytes on the terminal (a
-    # known defect, seen once in three runs with the tiny model's random bytes); the REPL's behaviour is what is tested
+    # strict UTF-8: whatever the terminal shows must be whole characters, a Ctrl-C during an answer included
     child = pexpect.spawn(sys.executable, ["-m", "logitproc", "chat", *args], env=dict(os.environ),
-                          encoding="utf-8", codec_errors="replace", timeout=timeout, dimensions=(40, 200))
+                          encoding="utf-8", timeout=timeout, dimensions=(40, 200))
     child.expect_exact(PROMPT)
     return child
 
@@ -145,6 +145,58 @@ def test_ctrl_d_and_two_ctrl_c_quit(tiny_compiled) -> None:
     child.expect(pexpect.EOF)
     child.close()
     assert child.exitstatus == 0
+
+
+#: Writes numbered chunks of multi-byte text as the REPL writes an answer (answer_terminal, write_whole) for a while,
+#: Ctrl-C (SIGINT) only counted, as in an answer; then waits for a line before it leaves answer_terminal (a Ctrl-C
+#: after that may flush the output the reader has not read yet: the terminal's defaults, restored). Run unbuffered
+#: (PYTHONUNBUFFERED=1), where an interrupted write used to lose its end.
+_WRITER = """
+import signal, sys, time
+from logitproc.serve.chat import answer_terminal, write_whole
+interrupts = []
+signal.signal(signal.SIGINT, lambda *args: interrupts.append(1))
+terminal = answer_terminal(sys.stdin)
+print("go", flush=True)
+chunks, end = 0, time.monotonic() + 1.5
+while time.monotonic() < end:
+    write_whole(sys.stdout, f"<{chunks:06d}>" + "é€😀" * 48)
+    chunks += 1
+print(f"\\nwritten {chunks}, interrupted {len(interrupts)}", flush=True)
+sys.stdin.readline()
+terminal.close()
+"""
+
+
+def test_ctrl_c_neither_cuts_nor_drops_an_answer_being_written() -> None:
+    """A Ctrl-C every 20 ms while an answer is written: the terminal shows every character written, whole (its
+    defaults echo ^C between a character's bytes and drop output already written)."""
+    child = pexpect.spawn(sys.executable, ["-c", _WRITER], env={**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=60)
+    try:
+        shown, last = b"", 0.0  # read here, not with expect(), to see every byte as it comes
+        deadline = time.monotonic() + 30
+        while b"interrupted" not in shown:
+            assert time.monotonic() < deadline, f"no summary: the writer alive {child.isalive()}, {shown[-100:]!r}"
+            if b"go\r\n" in shown and time.monotonic() - last > 0.02:
+                child.sendcontrol("c")
+                last = time.monotonic()
+            try:
+                shown += child.read_nonblocking(1 << 16, timeout=0.02)
+            except pexpect.TIMEOUT:
+                pass
+        child.sendline("")
+        child.expect(pexpect.EOF)
+        shown += child.before
+    finally:
+        child.close()
+    text = shown.decode("utf-8")  # strict: a cut character fails here
+    answer, summary = text.split("go\r\n", 1)[1].split("\r\nwritten ", 1)
+    chunks, interrupted = map(int, re.findall(r"\d+", summary)[:2])
+    assert interrupted > 10  # the Ctrl-Cs reached the writer while it wrote
+    expected = "".join(f"<{i:06d}>" + "é€😀" * 48 for i in range(chunks))
+    differs = next((i for i, (a, b) in enumerate(zip(answer, expected, strict=False)) if a != b), None)
+    # (compared by hand: pytest's diff of megabytes of text takes minutes)
+    assert (differs, len(answer)) == (None, len(expected)), (answer[differs - 20 : differs + 40] if differs else "")
 
 
 def run_generate(*args: str) -> subprocess.CompletedProcess[str]:

@@ -1,4 +1,5 @@
-"""TVM's CPU thread pool gets one thread per physical core (TVM alone assumes two hardware threads per x86 core)."""
+"""TVM's CPU thread pool gets one thread per physical core (TVM alone assumes two hardware threads per x86 core), in
+the command's process and an Engine's, while importing logitproc changes nothing."""
 
 from __future__ import annotations
 
@@ -46,8 +47,62 @@ def test_unset_gets_the_physical_cores() -> None:
     assert env["TVM_NUM_THREADS"] == str(cpu_threads.physical_cores())
 
 
-def test_importing_logitproc_sizes_tvms_pool() -> None:
-    env = {k: v for k, v in os.environ.items() if k not in ("TVM_NUM_THREADS", "OMP_NUM_THREADS")}
-    code = "import logitproc, tvm; print(tvm.get_global_func('runtime.NumThreads')())"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert int(out.stdout.strip()) == cpu_threads.physical_cores()
+def _without_thread_settings() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in ("TVM_NUM_THREADS", "OMP_NUM_THREADS")}
+
+
+def _python(code: str) -> list[str]:
+    done = subprocess.run([sys.executable, "-c", code], env=_without_thread_settings(), capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.split()
+
+
+def test_importing_logitproc_sets_no_variable_and_installs_no_import_hook() -> None:
+    code = """
+import os, sys
+environ, hooks = dict(os.environ), list(sys.meta_path)
+import logitproc, logitproc.runtime, logitproc.serve, logitproc.serve.engine
+from logitproc import GenerationConfig
+from logitproc.serve import Engine
+added = [type(hook).__module__ for hook in sys.meta_path if hook not in hooks]
+print(dict(os.environ) == environ, [module for module in added if module.split(".")[0] == "logitproc"])
+"""
+    # (TVM's own import adds finders of its modules to sys.meta_path; logitproc adds none)
+    assert _python(code) == ["True", "[]"]
+
+
+def test_the_command_sizes_tvms_pool_as_it_starts() -> None:
+    code = """
+import sys, threading
+sys.argv = ["logitproc", "devices"]
+from logitproc.__main__ import run
+assert run() == 0
+import tvm
+threads = tvm.get_global_func("runtime.NumThreads")
+other = []
+worker = threading.Thread(target=lambda: other.append(threads()))
+worker.start(); worker.join()
+print(threads(), other[0])
+"""
+    out = _python(code)
+    assert out[-2:] == [str(cpu_threads.physical_cores())] * 2, out
+
+
+def test_an_engine_sizes_tvms_pool_when_it_opens_its_model(tiny_model_compiled_by_cli) -> None:
+    code = """
+import os, threading
+from logitproc import GenerationConfig
+from logitproc.serve import Engine
+from logitproc.serve.cli_options import open_model
+import tvm
+assert "TVM_NUM_THREADS" not in os.environ
+engine = Engine(open_model("tiny", "cpu"))
+engine.generate("hi", GenerationConfig(max_tokens=2))
+threads = tvm.get_global_func("runtime.NumThreads")
+other = []
+worker = threading.Thread(target=lambda: other.append(threads()))  # a pool made later, on another thread
+worker.start(); worker.join()
+print(threads(), other[0])
+"""
+    assert _python(code) == [str(cpu_threads.physical_cores())] * 2

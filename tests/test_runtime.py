@@ -289,6 +289,28 @@ def test_a_seed_gives_the_same_tokens_whatever_the_batch_and_row(proc, sampler) 
     assert len(set(alone)) > 1  # it really samples
 
 
+@pytest.mark.parametrize("drawn, kept", [(1, 1), (1, 0), (4, 0), (4, 2), (4, 4), (7, 3)])
+def test_kept_draws_leave_the_stream_where_drawing_only_those_would(drawn: int, kept: int) -> None:
+    """A step's draws for its rows (a verify checks drafts: one per row), then only the committed rows' kept: the
+    stream goes on exactly as one that drew only those; draw / keep / draw again gives the same numbers."""
+    state, shadow = (RequestState([1, 2], GenerationConfig(temperature=1.0, seed=99)) for _ in range(2))
+    first = state.draw_uniforms(drawn)
+    assert first.dtype == np.float32 and first.shape == (drawn,) and ((0 <= first) & (first < 1)).all()
+    state.keep_draws(kept)
+    state.keep_draws(kept)  # settled: nothing left to give back
+    expected = shadow.draw_uniforms(kept + 5)
+    assert np.array_equal(first[:kept], expected[:kept])
+    assert np.array_equal(state.draw_uniforms(5), expected[kept:])
+
+
+def test_keeping_more_draws_than_were_made_is_refused_and_nothing_drawn_keeps_nothing() -> None:
+    state = RequestState([1], GenerationConfig(seed=5))
+    state.keep_draws(3)  # no draws pending (a greedy sequence draws nothing): nothing to do
+    state.draw_uniforms(2)
+    with pytest.raises(ValueError, match=r"keep_draws: count must be in \[0, 2\]"):
+        state.keep_draws(3)
+
+
 def test_temperature_zero_is_greedy_and_takes_the_lowest_id_on_ties(proc, sampler) -> None:
     logits = logits_for(1)
     logits[0, [17, 400]] = logits.max() + 2

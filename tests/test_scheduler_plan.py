@@ -133,7 +133,7 @@ def test_a_prefix_cache_hit_is_counted_out_of_the_budget(scheduler) -> None:
     admit(scheduler, first)
     feed(scheduler, scheduler.plan(StepBudget(), {}))
     first.finish("length", Delta("first", 0))
-    scheduler.retire({})
+    scheduler.retire()
     assert scheduler.cached_tokens == 300
     second = request("second", 300)
     second.feed = second.feed[:250] + [299] * 50
@@ -160,3 +160,54 @@ def test_a_sequence_preempted_mid_prefill_starts_its_prompt_again(scheduler) -> 
     small.make_room()
     assert small.stats.preemptions == 1 and late.kv_len == 0 and len(late.feed) == 150 and late.in_prefill
     assert late.seq_id is None and list(small.waiting) == [late.request]
+
+
+def test_kv_bookkeeping_agrees_with_the_model_after_every_operation() -> None:
+    """The sequence's KV bookkeeping (its one owner: ``GeneratedSequence``'s methods) checked against the runner's
+    lengths after each operation a step performs, as a shadow model: chunked prefill, a sampled token, a verify whose
+    drafts are partly rejected, a failed step put back, a jump-forward re-tokenization, preemption."""
+    model = LengthsOnly()
+    seq = request("kv", 10)
+    seq.seq_id = 0
+    state = seq.state
+
+    def agrees(cached: int, feed: list[int]) -> None:
+        assert (model.sequence_length(0), seq.kv_len, seq.feed) == (cached, cached, feed)
+
+    seq.enter_model(model)
+    agrees(0, state.prompt_token_ids)
+    model.prefill([0], [seq.feed[:6]])  # a chunk
+    seq.fed(6)
+    agrees(6, state.prompt_token_ids[6:])
+    assert seq.in_prefill and seq.prefilling
+    model.prefill([0], [seq.feed])  # the rest of the prompt
+    seq.fed(4)
+    assert not seq.in_prefill
+    state.append_token(50)
+    seq.feed_sampled(50)
+    agrees(10, [50])
+    assert seq.decoding
+    model.prefill([0], [[50, 51, 52, 53]])  # a verify: the token and three drafts go in
+    seq.fed(4)
+    for token in (51, 60):  # draft 51 accepted, then 60 sampled in place of draft 52
+        state.append_token(token)
+    seq.feed_sampled(60)
+    seq.keep_in_cache(model, min(seq.kv_len, state.num_tokens - len(seq.feed)))  # the rejected drafts leave
+    agrees(12, [60])
+    before = seq.kv_snapshot()
+    model.prefill([0], [[60]])  # a step that fails after its forward
+    seq.fed(1)
+    seq.restore_kv(model, before)
+    agrees(12, [60])
+    state.rollback(2)  # a jump-forward re-tokenizes the last two tokens as three forced ones
+    for token in (70, 71, 72):
+        state.append_token(token)
+    seq.rewind_cache(model, state.num_tokens - 3)
+    agrees(11, [70, 71, 72])
+    state.rollback(3)  # rolled back to a point already in the cache: its last token goes in again, for the logits
+    seq.rewind_cache(model, state.num_tokens)
+    agrees(10, [50])
+    seq.leave_model(model)  # preempted: out of the model, everything goes in again as a prompt
+    seq.recompute()
+    assert 0 not in model.sequence_ids and not seq.in_model and seq.in_prefill
+    assert seq.feed == state.prompt_token_ids + [50] and seq.kv_len == 0
