@@ -18,7 +18,7 @@ import pytest
 from kernel_cases import CASE_BUILDERS, SIZES
 from logitproc.compile import build_kernels
 from logitproc.compile.device_code import cuda_compiler_available
-from logitproc.runtime import Device, LogitProcessor
+from logitproc.runtime import LogitProcessor
 from logitproc.runtime.cuda_device import CudaArray, CudaDevice
 from logitproc.runtime.cuda_driver import CudaError, GPUProperties
 
@@ -221,13 +221,6 @@ def test_a_library_without_launches_or_ptx_is_refused_clearly(tmp_path, cuda_lib
     (copy / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(RuntimeError, match="records no kernel launches"):
         device.load(KernelLibrary.load(copy))
-
-
-def test_without_a_gpu_cuda_is_a_clear_error() -> None:
-    if any(info.kind == "cuda" for info in Device.available()):
-        pytest.skip("this machine has a CUDA GPU")
-    with pytest.raises(RuntimeError, match="(?i)driver|does not exist|CUDA"):
-        Device("cuda")
 
 
 def test_cuda_array_reports_its_shape() -> None:
