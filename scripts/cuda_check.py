@@ -4,8 +4,9 @@ Runs where a GPU is but TVM's compiler need not be (``TVM_USE_RUNTIME_LIB=1`` wi
 ``Device("cuda")`` on an exported library (``logitproc compile-kernels --target cuda --arch sm_90 --out DIR``), then
 
 1. every case of ``tests/kernel_cases.py`` (10 kernels x 7 awkward sizes) against the numpy references;
-2. ``LogitProcessor`` and ``Sampler`` on the GPU against the same pipeline in numpy (bias, penalties, masks,
-   temperature, top-k/top-p/min-p, greedy rows, the fused sampling path, logprobs);
+2. ``LogitProcessor`` and ``Sampler`` on the GPU against the same pipeline in numpy (bias, penalties, temperature,
+   top-k/top-p/min-p, greedy rows, the staged and fused sampling paths, a torch CUDA tensor in place), and draft
+   chains with masks from a mask source (each draft row against its prefix alone);
 3. with ``--bench``: each kernel at B x V = 1 x 128256, 64 x 128256, 256 x 151936 against a device-to-device copy
    of the same logits and torch's equivalents on the same card, each timed as a CUDA graph of repeated launches
    (launch overhead excluded; CUDA events).
@@ -111,6 +112,71 @@ def check_runtime(library: KernelLibrary, device: Device) -> dict:
                     and result["probs_max_abs_error"] < 1e-5
                     and all(result[k]["allowed"] and result[k]["greedy_equal"] for k in ("staged", "fused")))
     return result
+
+
+class _AllowedEvery:
+    """A mask source allowing every ``step``-th token, plus token t + 1 after each draft token t (as the tests')."""
+
+    def __init__(self, vocab: int, step: int) -> None:
+        self.allowed = np.zeros(vocab, bool)
+        self.allowed[::step] = True
+
+    def allowed_after(self, path) -> np.ndarray:
+        allowed = self.allowed.copy()
+        for t in path:
+            allowed[(t + 1) % allowed.size] = True
+        return allowed
+
+    def fill_bitmask(self, row: np.ndarray, draft_path) -> bool:
+        bits = np.packbits(self.allowed_after(draft_path), bitorder="little")
+        words = np.zeros(row.size * 4, np.uint8)
+        words[: bits.size] = bits
+        row[:] = words.view(np.int32)[: row.size]
+        return True
+
+    def accept_token(self, token_id: int) -> None:
+        pass
+
+    def rollback(self, num_tokens: int) -> None:
+        pass
+
+    def jump_forward(self, output_token_ids) -> None:
+        return None
+
+
+def check_drafts_and_masks(library: KernelLibrary, device: Device) -> dict:
+    """Draft chains and grammar-style masks through the processor on the device: each draft row equals the numpy
+    pipeline of its prefix alone (its mask after that prefix, its penalties counting the drafted tokens)."""
+    from logitproc import GenerationConfig, RequestState
+    from pipeline_reference import process_row
+
+    vocab = 32003
+    proc = LogitProcessor(library, vocab_size=vocab, max_num_token=16, device=device)
+    configs = [GenerationConfig(temperature=0.7, top_p=0.9, repetition_penalty=1.2, presence_penalty=0.5),
+               GenerationConfig(frequency_penalty=1.0, logit_bias={3: 4.0})]
+    states = []
+    for i, cfg in enumerate(configs):
+        state = RequestState((5, 6, 7, 5), cfg, mask_sources=[_AllowedEvery(vocab, 2 + i)])
+        for t in (9, 9, 11):
+            state.append_token(t)
+        state.draft_token_ids = [50, 51, 50]
+        states.append(state)
+    rows = sum(1 + len(s.draft_token_ids) for s in states)
+    logits = (np.random.default_rng(3).standard_normal((rows, vocab)) * 3).astype(np.float32)
+    work = logits.copy()
+    batch = proc.inplace_update_logits(work, states)
+    worst = 0.0
+    for r in range(rows):
+        state, path = batch.row_states[r], tuple(batch.paths[r])
+        mask = state.mask_sources[0].allowed_after(path)
+        x, _ = process_row(logits[r], state.config, state.prompt_token_ids, list(state.output_token_ids) + list(path),
+                           mask)
+        finite = np.isfinite(x)
+        if not np.array_equal(finite, np.isfinite(work[r])):
+            return {"ok": False, "row": r, "why": "masked tokens differ"}
+        with np.errstate(invalid="ignore"):
+            worst = max(worst, float(np.max(np.abs(np.where(finite, work[r] - x, 0)))))
+    return {"rows": rows, "max_abs_error": worst, "ok": worst < 1e-4}
 
 
 def bench(library: KernelLibrary, device: Device, kernels: dict) -> list[dict]:
@@ -257,6 +323,11 @@ def main() -> int:
     except Exception:  # noqa: BLE001
         report["runtime"] = traceback.format_exc()
     print("runtime:", report["runtime"], flush=True)
+    try:
+        report["drafts_and_masks"] = check_drafts_and_masks(library, device)
+    except Exception:  # noqa: BLE001
+        report["drafts_and_masks"] = traceback.format_exc()
+    print("drafts and masks:", report["drafts_and_masks"], flush=True)
     if args.bench:
         report["bench"] = bench(library, device, kernels)
         print(markdown(report["bench"]))
