@@ -267,6 +267,11 @@ def gpu_row_macro(threads: int) -> Callable[..., None]:
         last = T.alloc_buffer((1,), "int32", scope="local")  # last positive value of the segment
         pick = T.alloc_buffer((1,), "int32", scope="local")
         hit = T.alloc_buffer((2,), "int32", scope="local")  # the segment holding the target, last positive
+        carry = T.alloc_buffer((1,), "float32", scope="local")  # the mass before the current chunk of the segment
+        chunk_total = T.alloc_buffer((1,), "float32", scope="local")
+        mine = T.alloc_buffer((1,), "float32", scope="local")
+        seg_last = T.alloc_buffer((1,), "int32", scope="local")
+        aim = T.alloc_buffer((1,), "float32", scope="local")  # the target mass (u * the row sum)
         seg: T.let = (vocab + threads - 1) // threads
         begin: T.let = T.min(tx * seg, vocab)
         end: T.let = T.min(begin + seg, vocab)
@@ -300,23 +305,53 @@ def gpu_row_macro(threads: int) -> Callable[..., None]:
             T.tvm_storage_sync("shared")
         hit[0] = s_hit[0]  # conditions may not read shared memory (TVM's storage-access check)
         hit[1] = s_last[0]
-        if tx == hit[0]:
-            # scan inside the segment: the first positive value passing the target, else its last one
-            part[0] = below
-            pick[0] = -1
-            for i in range(end - begin):
-                if value(begin + i) > T.float32(0):
-                    part[0] = part[0] + value(begin + i)
-                    if pick[0] < 0 and part[0] > goal:
-                        pick[0] = begin + i
-            if pick[0] < 0:
-                pick[0] = last[0]
-            token[r] = pick[0]
-            chosen[r] = value(pick[0])
-        elif tx == 0 and hit[0] == threads:
-            # nothing holds the target: a row of zeros (-1), or rounding: the last positive value
-            token[r] = hit[1]
-            chosen[r] = T.Select(hit[1] >= 0, value(T.max(hit[1], 0)), T.float32(0))
+        aim[0] = goal  # (incl is reused below)
+        # The target's segment, scanned by the whole block in chunks of ``threads`` values (one value per thread,
+        # an inclusive scan through shared memory, the lowest index passing the target by a min-reduction) rather
+        # than by its one thread walking it value by value. The shared arrays are reused: each thread's last positive
+        # value goes to s_hit (the segment's is then read), the scan to incl, the candidates to s_last.
+        hseg: T.let = T.min(hit[0], threads - 1)
+        hs: T.let = T.min(hseg * seg, vocab)
+        hl: T.let = T.Select(hit[0] < threads, T.min(hs + seg, vocab) - hs, 0)
+        carry[0] = T.Select(hseg > 0, incl[T.max(hseg - 1, 0)], T.float32(0))
+        T.tvm_storage_sync("shared")
+        s_hit[tx] = last[0]
+        T.tvm_storage_sync("shared")
+        seg_last[0] = s_hit[hseg]
+        pick[0] = vocab
+        for c in range((seg + threads - 1) // threads):
+            x: T.let = T.if_then_else(c * threads + tx < hl, value(hs + T.min(c * threads + tx, T.max(hl - 1, 0))),
+                                      T.float32(0))
+            mine[0] = T.Select(x > T.float32(0), x, T.float32(0))
+            incl[tx] = mine[0]
+            T.tvm_storage_sync("shared")
+            for k in T.unroll(log_threads):
+                part[0] = incl[tx]
+                if tx >= T.shift_left(1, k):
+                    part[0] = part[0] + incl[tx - T.shift_left(1, k)]
+                T.tvm_storage_sync("shared")
+                incl[tx] = part[0]
+                T.tvm_storage_sync("shared")
+            running: T.let = carry[0] + incl[tx]
+            s_last[tx] = T.Select(mine[0] > T.float32(0) and running > aim[0], hs + c * threads + tx, vocab)
+            chunk_total[0] = incl[threads - 1]
+            T.tvm_storage_sync("shared")
+            for k in T.unroll(log_threads):
+                if tx < T.shift_right(threads, k + 1):
+                    s_last[tx] = T.min(s_last[tx], s_last[tx + T.shift_right(threads, k + 1)])
+                T.tvm_storage_sync("shared")
+            pick[0] = T.min(pick[0], s_last[0])
+            carry[0] = carry[0] + chunk_total[0]
+            T.tvm_storage_sync("shared")
+        if tx == 0:
+            if hit[0] < threads:
+                # the first positive value passing the target, else (rounding) the segment's last positive one
+                token[r] = T.Select(pick[0] < vocab, pick[0], seg_last[0])
+                chosen[r] = value(T.Select(pick[0] < vocab, pick[0], T.max(seg_last[0], 0)))
+            else:
+                # nothing holds the target: a row of zeros (-1), or rounding: the last positive value
+                token[r] = hit[1]
+                chosen[r] = T.Select(hit[1] >= 0, value(T.max(hit[1], 0)), T.float32(0))
 
     return sample_row
 
