@@ -9,6 +9,7 @@ from them and launches the kernels in order on its compute stream. Host -> devic
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -197,7 +198,13 @@ class CudaDevice(Device):
             for _ in range(launches):
                 enqueue()
 
-        return self.driver.time_graph(self._compute, repeated, replays) / launches
+        collecting = gc.isenabled()
+        gc.disable()  # a collection freeing device memory (cuMemFree) during the capture would invalidate it
+        try:
+            return self.driver.time_graph(self._compute, repeated, replays) / launches
+        finally:
+            if collecting:
+                gc.enable()
 
     def wait_for_copies(self) -> None:
         self.driver.stream_wait(self._compute, self._copies)
