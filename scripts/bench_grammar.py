@@ -271,6 +271,11 @@ def maskbench(folder: Path, adapter: TokenizerAdapter, limits: llguidance.LLPars
                 listed.append(f"{path.name}: a valid instance refused as written; the search for its key order gave "
                               f"up after {FEEDS} feeds")
                 continue
+            except GrammarError as err:  # the engine failed in the search (lowered lexer fuel)
+                counts["undecided"] += 1
+                listed.append(f"{path.name}: a valid instance refused as written; the engine failed in the search "
+                              f"for its key order: {err}")
+                continue
             if raw is None or alone:
                 counts["after rewrites"] += 1
                 why = "llguidance alone cannot compile it" if raw is None else "llguidance alone accepts it"
