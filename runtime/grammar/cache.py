@@ -87,6 +87,8 @@ class CompiledGrammarCache:
                 entry = self._entries[key] = _Entry()
                 self._entries.move_to_end(key)
                 self.failures += 1
+                while len(self._entries) > self.max_entries:
+                    self._entries.popitem(last=False)
         assert entry is not None
         if not owner:
             entry.ready.wait()
