@@ -6,7 +6,8 @@ sequence (each sequence of an n > 1 request separately) ``sources_for(config)`` 
 * the grammar of ``config.response_format``, compiled once per (engine, tokenizer, format) in a shared cache; a
   format the engine cannot compile raises :class:`GrammarError` (a ValueError) for that request only; a JSON
   schema with ``uniqueItems`` gets its grammar wrapped so that arrays keep their scalar items unique
-  (``grammar/unique_items.py``);
+  (``grammar/unique_items.py``); when the engine fails mid-answer, the sequence goes on with the engine's next
+  grammar (the failed one leaves the cache), its tokens replayed, or ends with "error" (``grammar/recovery.py``);
 * with a grammar and ``config.max_tokens``, a :class:`DocumentClosing` after it (or after its think block), which
   closes the document in time so that max_tokens never ends it mid-document (``grammar/closing.py``), with the
   schema's completion hints and the sequence's other sources (its plans use only tokens they allow); inside a
@@ -22,6 +23,7 @@ sequence (each sequence of an n > 1 request separately) ``sources_for(config)`` 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from tokenizers import Tokenizer
 
@@ -31,12 +33,14 @@ from .grammar import (
     GRAMMAR_BACKENDS,
     CompiledGrammarCache,
     GrammarBackend,
+    GrammarEngineError,
     GrammarSource,
     TokenizerAdapter,
     get_backend,
 )
 from .grammar.closing import DocumentClosing
 from .grammar.completion_hints import completion_hints
+from .grammar.recovery import RecoveringMatcher
 from .grammar.unique_items import UniqueItemsCache
 from .mask_source import TokenMaskSource
 from .think_mode import ThinkBudget
@@ -48,14 +52,21 @@ class ConstraintFactory:
     """Makes each sequence's mask sources for one model."""
 
     def __init__(self, tokenizer: Tokenizer | TokenizerAdapter, vocab_size: int, eos_token_ids: Sequence[int],
-                 backend: str = "llguidance", tree_decode: TreeDecodeConfig | None = None,
+                 backend: str | GrammarBackend = "llguidance", tree_decode: TreeDecodeConfig | None = None,
                  cache: CompiledGrammarCache | None = None) -> None:
+        """``backend``: an engine's name (``GRAMMAR_BACKENDS``; made once per tokenizer in the process), or an
+        engine made for this tokenizer (e.g. llguidance with other limits)."""
         self.tokenizer = tokenizer if isinstance(tokenizer, TokenizerAdapter) else TokenizerAdapter(
             tokenizer, vocab_size, eos_token_ids)
+        self._backend: GrammarBackend | None = None
+        if isinstance(backend, GrammarBackend):
+            if backend.tokenizer.fingerprint != self.tokenizer.fingerprint:
+                raise ValueError(f"the grammar backend {backend.name!r} was made for another tokenizer than this "
+                                 "factory's")
+            self._backend, backend = backend, backend.name
         if backend not in GRAMMAR_BACKENDS:
             raise ValueError(f"grammar backend must be one of {list(GRAMMAR_BACKENDS)}, got {backend!r}")
         self.backend_name = backend
-        self._backend: GrammarBackend | None = None
         self.tree_decode = tree_decode
         self.cache = cache if cache is not None else GLOBAL_CACHE
         #: ``uniqueItems`` while generating: the rules of each schema that requires it (``grammar/unique_items.py``).
@@ -73,12 +84,18 @@ class ConstraintFactory:
         if fmt is None:
             return None
         backend = self.backend
-        compiled = self.cache.get((backend.name, self.tokenizer.fingerprint, fmt.key), lambda: backend.compile(fmt))
-        matcher, relaxed = backend.matcher(compiled), backend.relaxed_keywords(compiled)
+        key = (backend.cache_name, self.tokenizer.fingerprint, fmt.key)
+        compiled = self.cache.get(key, lambda: backend.compile(fmt))
         rules = self.unique_items.rules(fmt.text) if fmt.kind == "json_schema" else None
-        if rules is not None:  # arrays whose scalar items must be unique: kept so while generating
-            matcher, relaxed = self.unique_items.wrap(matcher, fmt.text), rules.relaxed_keywords(relaxed)
-        return GrammarSource(matcher, self.tokenizer, backend.name, relaxed)
+
+        def replacement(failed: Any, error: GrammarEngineError) -> Any:
+            return self.cache.replace(key, failed, lambda: backend.after_failure(fmt, failed, error))
+
+        recovering = RecoveringMatcher(backend, compiled, replacement,
+                                       rules.relaxed_keywords if rules is not None else None)
+        # arrays whose scalar items must be unique: kept so while generating
+        matcher = self.unique_items.wrap(recovering, fmt.text) if rules is not None else recovering
+        return GrammarSource(matcher, self.tokenizer, backend.name, recovery=recovering)
 
     def marker_ids(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)

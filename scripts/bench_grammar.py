@@ -7,7 +7,7 @@ step (``closing``); property order with xgrammar's ``any_order`` against its def
 
     python scripts/bench_grammar.py [--only masks|coverage|closing|answers|key-order] [--generations 20] [--batch 16 64]
                                     [--forward-ms 8] [--maskbench ../shared/data/maskbench-dev]
-                                    [--whitespace compact|indented|flexible]
+                                    [--whitespace compact|indented|flexible] [--lexer-fuel N]
 
 ``coverage`` also runs over a MaskBench sample when ``--maskbench`` names its folder (files ``{"schema": ...,
 "tests": [{"data": ..., "valid": ...}]}``): each schema compiled as a request's would be, each labelled instance's
@@ -31,6 +31,7 @@ import sys
 import time
 from pathlib import Path
 
+import llguidance
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
@@ -45,7 +46,8 @@ from logitproc.runtime.constraints import ConstraintFactory  # noqa: E402
 from logitproc.runtime.grammar import GrammarError, GrammarSource, TokenizerAdapter, get_backend  # noqa: E402
 from logitproc.runtime.grammar.closing import DocumentClosing, shortest_completion  # noqa: E402
 from logitproc.runtime.grammar.completion_hints import completion_hints  # noqa: E402
-from logitproc.runtime.grammar.llguidance_backend import LLGuidanceMatcher  # noqa: E402
+from logitproc.runtime.grammar.llguidance_backend import LIMITS, LLGuidanceBackend, LLGuidanceMatcher  # noqa: E402
+from logitproc.runtime.grammar.recovery import RecoveringMatcher  # noqa: E402
 from logitproc.runtime.response_format import ResponseFormat, parse_response_format  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
@@ -82,6 +84,9 @@ def main() -> None:
                         help="run one part (default: all but answers)")
     parser.add_argument("--whitespace", default="compact", help="answers: the JSON whitespace policy")
     parser.add_argument("--every", type=int, default=1, help="key-order: every N-th schema of the sample")
+    parser.add_argument("--lexer-fuel", type=int, default=None,
+                        help="coverage: llguidance's per-step lexer fuel (default its own, 200,000); given, only the "
+                        "MaskBench table runs, a measurement of the margin before the engine fails mid-answer")
     parser.add_argument("--maskbench", type=Path, default=maskbench_folder(),
                         help="a MaskBench sample's folder (coverage; default: shared/data/maskbench-dev beside the "
                         "checkout; skipped when there is none)")
@@ -95,6 +100,10 @@ def main() -> None:
     print(machine_line())
     if args.only == "key-order":
         key_order(args.maskbench, adapter, args.every)
+        return
+    if args.lexer_fuel is not None:
+        maskbench(args.maskbench, adapter, llguidance.LLParserLimits(max_grammar_size=LIMITS.max_grammar_size,
+                                                                     step_lexer_fuel=args.lexer_fuel))
         return
     if args.only in (None, "coverage"):
         coverage(adapter, bonus)
@@ -196,14 +205,16 @@ def _percentile(values: list[float], q: float) -> float:
 FEEDS = 20_000
 
 
-def maskbench(folder: Path, adapter: TokenizerAdapter) -> None:
+def maskbench(folder: Path, adapter: TokenizerAdapter, limits: llguidance.LLParserLimits | None = None) -> None:
     """The MaskBench sample (see the module doc): one table of counts, then mask and compile times; the refused
-    valid instances are listed by file."""
-    backend = get_backend("llguidance", adapter)
+    valid instances are listed by file. ``limits``: llguidance's (lowered to measure the margin); an instance whose
+    feed the engine fails is fed again through the recovery (``grammar/recovery.py``), and the schema's later
+    instances start on the grammar it ended on, as the grammar cache would serve it."""
+    backend = get_backend("llguidance", adapter) if limits is None else LLGuidanceBackend(adapter, limits)
     files = sorted(folder.glob("*.json"))
     counts = dict.fromkeys(("schemas", "compile errors", "valid", "valid refused", "key order", "llguidance itself",
                             "after rewrites", "undecided", "invalid", "invalid accepted", "reported",
-                            "engine failures"), 0)
+                            "engine failures", "recovered"), 0)
     compile_times: list[float] = []
     mask_times: list[float] = []
     listed: list[str] = []
@@ -227,7 +238,15 @@ def maskbench(folder: Path, adapter: TokenizerAdapter) -> None:
             fed = feed_text(backend.matcher(compiled), adapter, text, mask_times)
             if fed.failure is not None:
                 counts["engine failures"] += 1
-                listed.append(f"{path.name}: engine failure: {fed.failure}")
+                recovering = RecoveringMatcher(backend, compiled,
+                                               lambda failed, error, fmt=fmt: backend.after_failure(fmt, failed, error))
+                again = feed_text(recovering, adapter, text, [])
+                compiled = recovering.compiled
+                counts["recovered"] += again.failure is None
+                listed.append(f"{path.name}: engine failure: {fed.failure}; "
+                              + (f"recovered ({'accepted' if again.accepted else 'refused'}, valid: {test['valid']}; "
+                                 f"relaxed: {', '.join(recovering.relaxed_keywords)})" if again.failure is None
+                                 else f"not recovered: {again.failure}"))
                 continue
             if not test["valid"]:
                 counts["invalid"] += 1
@@ -252,6 +271,11 @@ def maskbench(folder: Path, adapter: TokenizerAdapter) -> None:
                 listed.append(f"{path.name}: a valid instance refused as written; the search for its key order gave "
                               f"up after {FEEDS} feeds")
                 continue
+            except GrammarError as err:  # the engine failed in the search (lowered lexer fuel)
+                counts["undecided"] += 1
+                listed.append(f"{path.name}: a valid instance refused as written; the engine failed in the search "
+                              f"for its key order: {err}")
+                continue
             if raw is None or alone:
                 counts["after rewrites"] += 1
                 why = "llguidance alone cannot compile it" if raw is None else "llguidance alone accepts it"
@@ -261,15 +285,15 @@ def maskbench(folder: Path, adapter: TokenizerAdapter) -> None:
                 counts["llguidance itself"] += 1
                 listed.append(f"{path.name}: a valid instance refused by llguidance on the unrewritten schema too")
     print(f"\n## MaskBench sample ({folder.name}: {counts['schemas']} schemas, llguidance, vocabulary "
-          f"{adapter.vocab_size})\n")
+          f"{adapter.vocab_size}{'' if limits is None else f', lexer fuel {limits.step_lexer_fuel} a step'})\n")
     print("| compile errors | valid instances | refused as written | of which: key order only | llguidance itself | "
           "after the rewrites | undecided | invalid instances | accepted | of which reported by schema_valid | "
-          "engine failures |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "engine failures | of which the answer went on |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     c = counts
     print(f"| {c['compile errors']} | {c['valid']} | {c['valid refused']} | {c['key order']} | "
           f"{c['llguidance itself']} | {c['after rewrites']} | {c['undecided']} | {c['invalid']} | "
-          f"{c['invalid accepted']} | {c['reported']} | {c['engine failures']} |")
+          f"{c['invalid accepted']} | {c['reported']} | {c['engine failures']} | {c['recovered']} |")
     us = [t * 1e6 for t in mask_times]
     print(f"\nmask per token: p50 {_percentile(us, 0.5):.0f} us, mean {statistics.mean(us):.0f} us, p99 "
           f"{_percentile(us, 0.99):.0f} us over {len(us)} tokens; compile: p50 "

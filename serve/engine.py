@@ -51,6 +51,7 @@ from typing import Any
 from logitproc.runtime import GenerationConfig, LogitProcessor, RequestState, Sampler, TokenMaskSource
 from logitproc.runtime.constraints import ConstraintFactory
 from logitproc.runtime.field_error import FieldTypeError, FieldValueError
+from logitproc.runtime.grammar import GrammarBackend
 from logitproc.runtime.tree_decode import TreeDecodeConfig
 
 from .commit import commit_row, commit_verified, jump_forward
@@ -78,7 +79,8 @@ class Engine:
 
     ``max_batch`` bounds the sequences running at once (and the rows of one processing call);
     ``jump_forward`` appends the tokens that grammar constraints force without a decode step each;
-    ``grammar_backend`` names the constraint backend used for ``response_format`` and thinking budgets;
+    ``grammar_backend`` names the constraint backend used for ``response_format`` and thinking budgets (or is one
+    made for the model's tokenizer, ``ConstraintFactory``'s ``backend``);
     ``tree_decode`` constrains every sequence to a Tree Decode map; ``prefix_cache`` keeps finished sequences' KV
     cache so that a prompt sharing a prefix with one (a conversation's earlier turns, a system prompt) prefills only
     the rest (``RequestStats.cached_tokens``; entries are evicted LRU when the KV cache or the model's sequence slots
@@ -96,7 +98,7 @@ class Engine:
     """
 
     def __init__(self, model: Runner, max_batch: int = 8, jump_forward: bool = False,
-                 grammar_backend: str = "llguidance", tree_decode: TreeDecodeConfig | None = None,
+                 grammar_backend: str | GrammarBackend = "llguidance", tree_decode: TreeDecodeConfig | None = None,
                  prefix_cache: bool = True, speculative: SpeculativeConfig | Mapping[str, Any] | str | None = None,
                  max_num_batched_tokens: int | None = DEFAULT_MAX_NUM_BATCHED_TOKENS,
                  max_prefill_tokens_with_decode: int | None = DEFAULT_MAX_PREFILL_TOKENS_WITH_DECODE) -> None:

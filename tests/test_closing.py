@@ -77,6 +77,32 @@ def test_the_completion_search_completes_and_leaves_the_matcher_as_it_was(adapte
         assert source.is_accepting, (fmt.kind, adapter.decode_bytes(plan))
 
 
+@pytest.mark.parametrize("spare", [0, 2])
+def test_the_closing_uses_only_tokens_the_masks_allow(adapter, spare) -> None:
+    """Where llguidance forces bytes, its mask holds one spelling of them, which may not be the tokenizer's: after the
+    key ``"authors`` of citation-file-format (forced ``":[{``) it allows ``":`` alone, while the tokenizer spells
+    the completion ``":[`` ... A plan of the tokenizer's spelling that binds there (only its next token allowed)
+    was a dead end: an answer cut at max_tokens 64 in the closing benchmark. Near the point where it binds, the plan
+    is spelled again with tokens the masks allow: no dead end, and the answer closes where that spelling fits."""
+    backend = engine("llguidance", adapter)
+    fmt = ResponseFormat.json_schema(material.vendored_schemas()["citation-file-format"])
+    compiled, hints, bonus = backend.compile(fmt), completion_hints(fmt), closer_bonus(adapter)
+    prefix = b'{"abstract":"a","authors'
+    for seed in range(2):
+        source = GrammarSource(backend.matcher(compiled), adapter)
+        for byte in prefix:
+            source.accept_token(adapter.byte_tokens[byte])
+        plan = shortest_completion(source.matcher, adapter, hints=hints)
+        assert plan is not None
+        assert not mask(source)[plan[0] >> 5] >> (plan[0] & 31) & 1  # the premise: the mask leaves it out
+        budget = len(plan) + spare
+        gen = drive(source, adapter, np.random.default_rng(seed), bonus, max_steps=200, patience=10**6,
+                    max_tokens=budget, closing=DocumentClosing(source, budget, hints))
+        assert not gen.dead_end, (seed, prefix + gen.text)  # the tokenizer's plan would bind at once: a dead end
+        assert gen.complete or not spare, (seed, prefix + gen.text)  # (with no spare token, the spelling the masks
+        # allow is one token longer: the answer is cut, never stuck)
+
+
 @pytest.fixture(scope="module")
 def vendored(adapter) -> dict[str, tuple[ResponseFormat, object, int | None]]:
     """The VENDORED schemas compiled once: (format, grammar, the plan's length from the start)."""

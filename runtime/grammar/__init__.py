@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from .backend import GrammarBackend, GrammarError, GrammarMatcher
+from .backend import GrammarBackend, GrammarEngineError, GrammarError, GrammarMatcher
 from .cache import GLOBAL_CACHE, CompiledGrammarCache
 from .source import GrammarSource, JumpForward
 from .tokenizer_adapter import TokenizerAdapter
@@ -35,6 +35,7 @@ __all__ = [
     "GRAMMAR_BACKENDS",
     "CompiledGrammarCache",
     "GrammarBackend",
+    "GrammarEngineError",
     "GrammarError",
     "GrammarMatcher",
     "GrammarSource",

@@ -23,6 +23,11 @@ class GrammarError(ValueError):
     """A response format the engine cannot compile, or a token the grammar refuses: an error for one request."""
 
 
+class GrammarEngineError(GrammarError):
+    """The engine itself failed while following a sequence (not a refusal of a token: e.g. llguidance's lexer out of
+    its limits): the matcher, and every matcher of its compiled grammar, can no longer be used."""
+
+
 class GrammarMatcher(ABC):
     """The grammar state of one sequence."""
 
@@ -71,6 +76,12 @@ class GrammarBackend(ABC):
     def __init__(self, tokenizer: TokenizerAdapter) -> None:
         self.tokenizer = tokenizer
 
+    @property
+    def cache_name(self) -> str:
+        """The engine's part of a compiled grammar's cache key: its name, and any setting that changes what it
+        compiles."""
+        return self.name
+
     @abstractmethod
     def compile(self, response_format: ResponseFormat) -> Any:
         """The compiled grammar (shared, read-only); GrammarError when the engine cannot compile it."""
@@ -78,6 +89,12 @@ class GrammarBackend(ABC):
     @abstractmethod
     def matcher(self, compiled: Any) -> GrammarMatcher:
         """A fresh matcher at the start of the grammar."""
+
+    def after_failure(self, response_format: ResponseFormat, failed: Any, error: GrammarEngineError) -> Any | None:
+        """The grammar to continue with once a matcher of ``failed`` (compiled for ``response_format``) raised
+        ``error``: the next step of the engine's recovery ladder, each step accepting every document the one before
+        accepts (``grammar/recovery.py``); None when no step is left (the request then ends with the error)."""
+        return None
 
     def relaxed_keywords(self, compiled: Any) -> tuple[str, ...]:
         """The schema keywords the compiled grammar does not enforce (it was compiled relaxed: only validating

@@ -20,6 +20,10 @@ bounded (``MAX_TRIES`` tokens tried, ``MAX_BYTES`` deep); past that it reports n
 that a completion writes required keys only and solves patterns a byte search would loop in. With the sequence's
 other mask sources (``rules``: allowed_token_ids, bad_words ...), a plan holds only tokens they allow.
 
+A plan must also be made of tokens the grammar's *mask* allows, which is not the same as tokens its validation takes
+(where llguidance forces bytes its mask holds its own spelling of them): near the point where a plan binds, it is
+spelled again under the masks (:func:`spelled_under_masks`, ``SPELL_MARGIN``).
+
 **The budget** (:class:`DocumentClosing`, a TokenMaskSource next to the grammar's): at a position with ``budget``
 tokens left (``max_tokens`` minus the tokens generated minus the draft path's length, the token at that position
 included) and a plan of ``len(plan)`` tokens:
@@ -67,6 +71,9 @@ NOVELTY = 32
 #: Plans are computed when the budget left is at most the last plan's length plus WINDOW, else every REFRESH tokens.
 WINDOW = 64
 REFRESH = 16
+#: A plan is spelled with tokens the grammar's masks allow (``spelled_under_masks``) once the budget left is within
+#: this many tokens of its length: before it binds, so that a respelling one token longer still fits.
+SPELL_MARGIN = 4
 #: At most this many hints are tried at one position.
 MACROS = 3
 NO_HINTS = CompletionHints()
@@ -107,6 +114,7 @@ def shortest_completion(matcher: GrammarMatcher, tokenizer: TokenizerAdapter, ma
 #: Symbols of the search from this value on are control tokens (``CompletionHints.tokens``), tried after every byte.
 CONTROL = 256
 
+
 def _tokenised(found: list[int], singles: dict[int, int], tokenizer: TokenizerAdapter) -> list[int]:
     """The tokenizer's tokens of the bytes found, a control token for each control symbol; one token per symbol
     where a run of bytes does not encode back to itself (not UTF-8, or a tokenisation that changes it)."""
@@ -126,6 +134,36 @@ def _tokenised(found: list[int], singles: dict[int, int], tokenizer: TokenizerAd
         if symbol is not None:
             out.append(singles[symbol])
     return out
+
+
+def spelled_under_masks(matcher: GrammarMatcher, tokenizer: TokenizerAdapter, plan: list[int]) -> list[int] | None:
+    """``plan`` with every token one the grammar's mask allows at its position (the matcher left as it was).
+
+    A grammar engine's mask may leave out a token its validation takes: where llguidance forces bytes (``":[{``
+    after the last key's name), its mask holds one spelling of them (``":``), not the tokenizer's (``":[``), so a
+    model cannot sample the latter, and a plan holding it would be a dead end once only the plan's token is allowed.
+    From the first token the mask leaves out, the rest of the plan's text is spelled with the longest tokens the
+    masks allow; None when no allowed token continues it."""
+    text = tokenizer.decode_bytes(plan)
+    row = np.empty((tokenizer.vocab_size + 31) // 32, np.int32)
+    out: list[int] = []
+    position = 0
+    try:
+        while position < len(text):
+            matcher.fill_next_token_bitmask(row)
+            index = len(out)
+            choice = plan[index] if index < len(plan) and out == plan[:index] else None
+            if choice is None or not row[choice >> 5] >> (choice & 31) & 1:
+                rest = text[position:position + tokenizer.longest_token]
+                spellings = (tokenizer.tokens_by_text.get(rest[:size]) for size in range(len(rest), 0, -1))
+                choice = next((t for t in spellings if t is not None and row[t >> 5] >> (t & 31) & 1), None)
+            if choice is None or not matcher.try_accept_token(choice):
+                return None
+            out.append(choice)
+            position += len(tokenizer.token_bytes[choice])
+        return out if matcher.is_accepting() else None
+    finally:
+        matcher.rollback(len(out))
 
 
 #: Byte classes of the second pass: digits, lowercase and uppercase ASCII letters are one class each (-1, -2, -3);
@@ -290,6 +328,8 @@ class DocumentClosing:
         self._eos = grammar.tokenizer.eos_token_ids
         # Plans by the tokens after the committed ones (() is the current state's plan).
         self._plans: dict[tuple[int, ...], list[int] | None] = {}
+        # Plans spelled with tokens the grammar's masks allow (``_allowed``), by their key in ``_plans``.
+        self._checked: set[tuple[int, ...]] = set()
         self._estimate: int | None = None  # length of the latest plan, and where it was computed
         self._estimated_at = 0
         self._retry_after = REFRESH  # after a failed search: tokens until the next one (doubled at each failure)
@@ -380,6 +420,9 @@ class DocumentClosing:
             return False
         else:
             plan = self.plan(draft_path)
+        if plan is not None and len(plan) <= budget <= len(plan) + SPELL_MARGIN and (
+                self.think is None or self.think.phase == "done"):
+            plan = self._allowed(draft_path, plan)
         if plan is None or len(plan) != budget:
             return False
         row.fill(0)
@@ -417,7 +460,28 @@ class DocumentClosing:
         if not plan and not self.permitted([], self._eos[:1]):
             return token_id  # accepting, but EOS is not allowed yet (min_tokens): the closing cannot end it here
         self.closed = True
-        return plan[0] if plan else self._eos[0]
+        return self._allowed((), plan)[0] if plan else self._eos[0]
+
+    def _allowed(self, draft_path: Sequence[int], plan: list[int]) -> list[int]:
+        """The plan after the committed tokens and ``draft_path``, near the point where it binds: spelled with
+        tokens the grammar's masks allow (``spelled_under_masks``: a mask per token, once per plan; the plans it
+        shifts to as its tokens are committed stay checked); kept as it was when no such spelling is found."""
+        key = tuple(int(t) for t in draft_path)
+        if key in self._checked or not plan:
+            return plan
+        self._checked.add(key)
+        matcher = self.grammar.matcher
+        taken = matcher.try_accept_tokens(list(key)) if key else 0
+        try:
+            if taken < len(key):
+                return plan
+            spelled = spelled_under_masks(matcher, self.grammar.tokenizer, plan)
+        finally:
+            matcher.rollback(taken)
+        if spelled is None or spelled == plan or not self.permitted(key, spelled):
+            return plan
+        self._plans[key] = spelled
+        return spelled
 
     def accept_token(self, token_id: int) -> None:
         token = int(token_id)
@@ -434,14 +498,18 @@ class DocumentClosing:
         if plan and len(plan) == budget and plan[0] == token:
             self.closed = True  # the mask allowed this token alone
         # Plans of the states after this token are kept, one token shorter in their key; the others are dropped.
+        checked = () in self._checked
         self._plans = {k[1:]: v for k, v in self._plans.items() if k and k[0] == token}
+        self._checked = {k[1:] for k in self._checked if k and k[0] == token}
         if () not in self._plans and plan and plan[0] == token:
             self._plans[()] = plan[1:]
+            if checked:
+                self._checked.add(())
 
     def rollback(self, num_tokens: int) -> None:
         if num_tokens:
             self.generated -= num_tokens
-            self._plans, self.cut = {}, False
+            self._plans, self._checked, self.cut = {}, set(), False
             self._grammar_seen = self.grammar.accepted
             self._marker_before = self.think.end_marker_left() if self.think is not None else None
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Sequence
 from functools import cached_property
 from typing import Any
 
@@ -26,18 +27,21 @@ import numpy as np
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
 from ..response_format import ResponseFormat
-from .backend import GrammarBackend, GrammarError, GrammarMatcher
+from .backend import GrammarBackend, GrammarEngineError, GrammarError, GrammarMatcher
 from .json_layout import IndentedMatcher, JsonLayout
 from .schema_rewrite import (
     DATA_KEYWORDS,
     NAMED_SUBSCHEMAS,
     UNENFORCED,
     drop_patterns,
+    drop_string_rules,
     normalize,
     relax_subschemas,
     rewrite_schema,
     risky_patterns,
+    risky_strings,
     schema_problem,
+    string_rules,
 )
 from .tokenizer_adapter import TokenizerAdapter
 
@@ -58,7 +62,7 @@ LIMITS = llguidance.LLParserLimits(max_grammar_size=2_000_000)
 
 
 #: Tokens of each random walk that checks a risky string pattern against llguidance's lexer limits before a request
-#: starts (``schema_rewrite.risky_patterns``; a pattern past the limits fails within a few tokens).
+#: starts (``schema_rewrite.risky_strings``; a pattern past the limits fails within a few tokens).
 PATTERN_WALK = 48
 
 #: JSON layout: any whitespace between tokens, as vLLM's default, but at most this many characters in a row, so that
@@ -118,18 +122,26 @@ def relaxed_keywords(schema: Any, error: str) -> tuple[str, ...]:
 
 
 class LLGuidanceGrammar:
-    """A compiled grammar: the pristine matcher, what its compile relaxed, and whether its matchers are held to the
-    indented layout."""
+    """A compiled grammar: the pristine matcher, what its compile relaxed, whether its matchers are held to the
+    indented layout, the schema it was compiled from (a JSON schema after the fallback chain; None for other
+    formats) and its step on the recovery ladder (``LLGuidanceBackend.after_failure``; 0: as first compiled)."""
 
-    __slots__ = ("matcher", "relaxed", "indented")
+    __slots__ = ("matcher", "relaxed", "indented", "schema", "step")
 
-    def __init__(self, matcher: llguidance.LLMatcher, relaxed: tuple[str, ...] = (), indented: bool = False) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, relaxed: tuple[str, ...] = (), indented: bool = False,
+                 schema: Any = None, step: int = 0) -> None:
         self.matcher = matcher
         self.relaxed = relaxed
         self.indented = indented
+        self.schema = schema
+        self.step = step
 
 
 class LLGuidanceMatcher(GrammarMatcher):
+    """One sequence's llguidance matcher. llguidance in its error state (only its own failures put it there: a token
+    is validated before it is consumed) raises :class:`GrammarEngineError` from every call that needs the grammar,
+    never a refusal nor an empty mask."""
+
     __slots__ = ("_m", "_adapter", "_eos")
 
     def __init__(self, matcher: llguidance.LLMatcher, adapter: TokenizerAdapter) -> None:
@@ -137,29 +149,44 @@ class LLGuidanceMatcher(GrammarMatcher):
         self._adapter = adapter
         self._eos = frozenset(adapter.eos_token_ids)
 
-    def fill_next_token_bitmask(self, row: np.ndarray) -> None:
+    def _check(self) -> None:
         if self._m.is_error():  # llguidance would allow EOS alone: an error must not pass for a finished answer
-            raise GrammarError(f"llguidance matcher failed: {first_line(self._m.get_error())}")
+            raise GrammarEngineError(f"llguidance matcher failed: {first_line(self._m.get_error())}")
+
+    def fill_next_token_bitmask(self, row: np.ndarray) -> None:
+        self._check()
         self._m.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
-        if self._m.is_error():
-            raise GrammarError(f"llguidance matcher failed: {first_line(self._m.get_error())}")
+        self._check()
         self._adapter.clear_padding(row)
 
     def try_accept_token(self, token_id: int) -> bool:
         token = int(token_id)
+        self._check()
         if token in self._eos:  # validate_tokens never counts EOS; it is taken exactly where the grammar accepts
-            return self._m.is_accepting() and not self._m.is_error() and bool(self._m.consume_token(token))
-        if self._m.validate_tokens([token]) != 1:
-            return False
-        return bool(self._m.consume_token(token))
+            if not self._m.is_accepting():
+                return False
+            consumed = self._m.consume_token(token)
+        else:
+            if self._m.validate_tokens([token]) != 1:
+                self._check()  # the lexer failing inside the validation is not a refusal
+                return False
+            consumed = self._m.consume_token(token)
+        if not consumed:
+            self._check()
+            raise GrammarEngineError(f"llguidance refused a token it had validated: {token}")
+        return True
 
-    def try_accept_tokens(self, token_ids: list[int]) -> int:
+    def try_accept_tokens(self, token_ids: Sequence[int]) -> int:
         ids = [int(t) for t in token_ids]
         if self._eos.intersection(ids):
             return super().try_accept_tokens(ids)
+        self._check()
         count = self._m.validate_tokens(ids)
+        if count < len(ids):
+            self._check()
         if count and not self._m.consume_tokens(ids[:count]):
-            raise GrammarError(f"llguidance refused tokens it had validated: {first_line(self._m.get_error())}")
+            self._check()
+            raise GrammarEngineError("llguidance refused tokens it had validated")
         return count
 
     def rollback(self, num_tokens: int) -> None:
@@ -173,19 +200,28 @@ class LLGuidanceMatcher(GrammarMatcher):
         return self._m.is_stopped()
 
     def forced_bytes(self) -> bytes:
-        return bytes(self._m.compute_ff_bytes())
+        self._check()
+        forced = bytes(self._m.compute_ff_bytes())
+        self._check()
+        return forced
 
 
 class LLGuidanceBackend(GrammarBackend):
-    """llguidance over the adapter's tokenizer (its JSON), the model's vocabulary size and EOS ids."""
+    """llguidance over the adapter's tokenizer (its JSON), the model's vocabulary size and EOS ids; ``limits``: the
+    parser's limits (``LIMITS`` unless given: lower ones reproduce the lexer failing mid-answer in tests)."""
 
     name = "llguidance"
 
-    def __init__(self, tokenizer: TokenizerAdapter) -> None:
+    def __init__(self, tokenizer: TokenizerAdapter, limits: llguidance.LLParserLimits | None = None) -> None:
         super().__init__(tokenizer)
+        self.limits = LIMITS if limits is None else limits
         self.lltokenizer = llguidance.LLTokenizer(tokenizer.json, n_vocab=tokenizer.vocab_size,
                                                   eos_token=list(tokenizer.eos_token_ids))
         self._lock = threading.Lock()
+
+    @property
+    def cache_name(self) -> str:
+        return self.name if self.limits is LIMITS else f"{self.name} {self.limits}"
 
     @cached_property
     def _closes_string(self) -> np.ndarray:
@@ -209,7 +245,7 @@ class LLGuidanceBackend(GrammarBackend):
             grammar = self.grammar_text(response_format, relaxed, schema)
         except Exception as err:  # the converters raise ValueError or their own errors
             raise GrammarError(f"llguidance cannot read this {response_format.kind}: {err}") from None
-        return llguidance.LLMatcher(self.lltokenizer, grammar, log_level=0, limits=LIMITS)
+        return llguidance.LLMatcher(self.lltokenizer, grammar, log_level=0, limits=self.limits)
 
     def _schema_error(self, response_format: ResponseFormat, schema: Any) -> str | None:
         """Why a relaxed compile of ``schema`` fails (None: it compiles)."""
@@ -228,21 +264,23 @@ class LLGuidanceBackend(GrammarBackend):
             self._probe(matcher, response_format)
             return LLGuidanceGrammar(matcher, indented=response_format.whitespace == "indented")
         matcher, relaxed, schema = self._compile_schema(response_format)
-        broken = {p for p in risky_patterns(schema) if not self._pattern_survives(p)}
+        broken = {string["pattern"] for string in risky_strings(schema) if not self._string_survives(string)}
         if broken:  # llguidance's lexer limits would end an answer mid-way: relaxed before the request starts
-            matcher = self._compile(response_format, relaxed=True, schema=drop_patterns(schema, broken))
+            schema = drop_patterns(schema, broken)
+            matcher = self._compile(response_format, relaxed=True, schema=schema)
             if matcher.is_error():
                 raise GrammarError(f"llguidance cannot compile this json_schema: {first_line(matcher.get_error())}")
             relaxed = tuple(sorted({*relaxed, *(f"pattern {p} (llguidance's lexer limits)" for p in broken)}))
         self._probe(matcher, response_format)
-        return LLGuidanceGrammar(matcher, relaxed, indented=response_format.whitespace == "indented")
+        return LLGuidanceGrammar(matcher, relaxed, indented=response_format.whitespace == "indented", schema=schema)
 
-    def _pattern_survives(self, pattern: str, seeds: int = 2, steps: int = PATTERN_WALK) -> bool:
-        """Whether random walks over a string of ``pattern`` alone (``seeds`` walks of ``steps`` tokens, fixed
-        seeds, never closing the string) stay within llguidance's lexer limits; a pattern past them fails within a
-        few dozen tokens. The walks run on their own compile: llguidance's lexer state is shared by every copy of a
-        compiled grammar, and what one walk builds counts against the limit of the others."""
-        fmt = ResponseFormat.json_schema({"type": "string", "pattern": pattern})
+    def _string_survives(self, string: dict, seeds: int = 2, steps: int = PATTERN_WALK) -> bool:
+        """Whether random walks over the string schema ``string`` alone (a pattern with its length bounds:
+        ``risky_strings``; ``seeds`` walks of ``steps`` tokens, fixed seeds, never closing the string) stay within
+        llguidance's lexer limits; a pattern past them fails within a few dozen tokens, most at the string's start.
+        The walks run on their own compile: llguidance's lexer state is shared by every copy of a compiled grammar,
+        and what one walk builds counts against the limit of the others."""
+        fmt = ResponseFormat.json_schema(string)
         try:
             pristine = self._compile(fmt, relaxed=True)
         except GrammarError:
@@ -307,6 +345,53 @@ class LLGuidanceBackend(GrammarBackend):
 
     def relaxed_keywords(self, compiled: LLGuidanceGrammar) -> tuple[str, ...]:
         return compiled.relaxed
+
+    def after_failure(self, response_format: ResponseFormat, failed: LLGuidanceGrammar,
+                      error: GrammarEngineError) -> LLGuidanceGrammar | None:
+        """The recovery ladder after a matcher of ``failed`` raised ``error`` (``grammar/recovery.py``), from the
+        step after ``failed.step``: 1, the same grammar compiled afresh (llguidance's lexer is shared by every
+        matcher of a compiled grammar, and once failed it stays failed: a new compile has a lexer of its own); for a
+        JSON schema then 2, its risky patterns dropped (``risky_patterns``: groups repeated many times, whose lexer
+        states cost most); 3, every pattern and ``format`` dropped; 4, any JSON value. Each step accepts every
+        document the one before accepts; a step that changes nothing, or does not compile, is passed over. What a
+        step drops is added to the relaxed keywords, with the engine's error."""
+        why = f"relaxed mid-answer: {error}"
+        schema = failed.schema
+        for step in range(failed.step + 1, 5):
+            notes: tuple[str, ...] = ()
+            if step == 1:
+                candidate = schema
+            elif response_format.kind != "json_schema":
+                return None
+            elif step == 2:
+                risky = set(risky_patterns(schema))
+                if not risky:
+                    continue
+                candidate, notes = drop_patterns(schema, risky), tuple(f"pattern {p} ({why})" for p in sorted(risky))
+            elif step == 3:
+                patterns, formats = string_rules(schema)
+                if not patterns and not formats:
+                    continue
+                candidate = drop_string_rules(schema)
+                notes = tuple([f"pattern {p} ({why})" for p in sorted(patterns)]
+                              + [f"format: {f} ({why})" for f in sorted(formats)])
+            else:
+                if schema == {}:
+                    return None
+                candidate, notes = {}, (f"the whole schema: any JSON ({why})",)
+            try:
+                if response_format.kind == "json_schema":
+                    matcher = self._compile(response_format, relaxed=bool(failed.relaxed) or step > 1,
+                                            schema=candidate)
+                else:
+                    matcher = self._compile(response_format, relaxed=False)
+            except GrammarError:
+                continue
+            if matcher.is_error():
+                continue
+            return LLGuidanceGrammar(matcher, tuple(sorted({*failed.relaxed, *notes})), failed.indented,
+                                     schema=candidate, step=step)
+        return None
 
     def unrewritten(self, fmt: ResponseFormat) -> llguidance.LLMatcher | None:
         """llguidance alone on the schema as given (relaxed: lenient, ``oneOf`` as ``anyOf``; none of the chain's

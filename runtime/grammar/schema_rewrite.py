@@ -11,7 +11,9 @@ original schema afterwards).
   ``multipleOf`` with too many digits, ``patternProperties`` whose patterns overlap, a custom meta-schema.
 * :func:`drop_patterns` (relaxed): string patterns that break llguidance's lexer limits while an answer is
   generated (a group repeated many times, ``^(\\w+\\s?){1,300}$``), found before the request starts by a walk
-  over each :func:`risky_patterns` alone.
+  over each of :func:`risky_strings` (the pattern with its string's length bounds) alone.
+* :func:`drop_string_rules` (relaxed): every pattern and ``format``, a step of the recovery after the engine
+  failed mid-answer (``llguidance_backend.LLGuidanceBackend.after_failure``).
 * :func:`relax_subschemas` (relaxed): for any other refusal (``schema too large``, ...), the smallest subschemas
   whose replacement by ``{}`` (any JSON value) lets the schema compile, found by a bounded top-down search.
 """
@@ -216,19 +218,34 @@ def rewrite_schema(schema: Any, error: str) -> tuple[Any, tuple[str, ...]]:
     return copy, tuple(sorted(notes))
 
 
-def risky_patterns(schema: Any) -> list[str]:
-    """The string patterns of ``schema`` (``pattern`` and ``patternProperties`` keys) that repeat a group
-    ``RISKY_REPEAT`` times or more: those whose lexer state can outgrow llguidance's limits mid-answer."""
-    found: list[str] = []
+#: String keywords that narrow a pattern's lexer state with it (``maxLength`` beside a long pattern is the costly
+#: case: the lexer builds the intersection of both).
+STRING_BOUNDS = ("minLength", "maxLength", "format")
+
+
+def risky_strings(schema: Any) -> list[dict]:
+    """The string schemas of ``schema`` whose ``pattern`` (or ``patternProperties`` name) repeats a group
+    ``RISKY_REPEAT`` times or more, with the keywords that bound the string with it (``STRING_BOUNDS``): those
+    whose lexer state can outgrow llguidance's limits mid-answer, as the lexer builds it (a ``{0,49}``-word
+    pattern with ``maxLength: 500`` costs several times what the pattern alone does)."""
+    found: list[dict] = []
     for _path, item in _subschemas(schema):
-        patterns = [item["pattern"]] if isinstance(item.get("pattern"), str) else []
+        strings = []
+        if isinstance(item.get("pattern"), str):
+            strings.append({"type": "string", "pattern": item["pattern"],
+                            **{k: item[k] for k in STRING_BOUNDS if k in item}})
         if isinstance(item.get("patternProperties"), dict):
-            patterns += list(item["patternProperties"])
-        for pattern in patterns:
-            counts = [int(n or m) for m, n in _GROUP_REPEAT.findall(pattern)]
-            if any(c >= RISKY_REPEAT for c in counts) and pattern not in found:
-                found.append(pattern)
+            strings += [{"type": "string", "pattern": name} for name in item["patternProperties"]]
+        for string in strings:
+            counts = [int(n or m) for m, n in _GROUP_REPEAT.findall(string["pattern"])]
+            if any(c >= RISKY_REPEAT for c in counts) and string not in found:
+                found.append(string)
     return found
+
+
+def risky_patterns(schema: Any) -> list[str]:
+    """The patterns of :func:`risky_strings`."""
+    return list(dict.fromkeys(string["pattern"] for string in risky_strings(schema)))
 
 
 def drop_patterns(schema: Any, patterns: set[str]) -> Any:
@@ -243,6 +260,30 @@ def drop_patterns(schema: Any, patterns: set[str]) -> Any:
             for pattern in patterns.intersection(named):
                 del named[pattern]
             item.pop("additionalProperties", None)
+    return copy
+
+
+def string_rules(schema: Any) -> tuple[set[str], set[str]]:
+    """Every string ``pattern`` (and ``patternProperties`` name) and every ``format`` of ``schema``."""
+    patterns: set[str] = set()
+    formats: set[str] = set()
+    for _path, item in _subschemas(schema):
+        if isinstance(item.get("pattern"), str):
+            patterns.add(item["pattern"])
+        if isinstance(item.get("patternProperties"), dict):
+            patterns.update(item["patternProperties"])
+        if isinstance(item.get("format"), str):
+            formats.add(item["format"])
+    return patterns, formats
+
+
+def drop_string_rules(schema: Any) -> Any:
+    """A copy of ``schema`` without any string pattern or ``format`` (:func:`string_rules`): what a grammar engine's
+    lexer builds states for beyond plain JSON strings."""
+    patterns, _formats = string_rules(schema)
+    copy = drop_patterns(schema, patterns)
+    for _path, item in _subschemas(copy):
+        item.pop("format", None)
     return copy
 
 

@@ -21,6 +21,7 @@ import numpy as np
 
 from ..mask_source import JumpForward
 from .backend import GrammarError, GrammarMatcher
+from .recovery import RecoveringMatcher
 from .tokenizer_adapter import TokenizerAdapter
 
 #: Output tokens re-tokenised together with the forced text.
@@ -31,13 +32,20 @@ class GrammarSource:
     """The grammar constraint of one sequence (a TokenMaskSource with rollback and jump-forward)."""
 
     def __init__(self, matcher: GrammarMatcher, tokenizer: TokenizerAdapter, backend: str = "",
-                 relaxed_keywords: tuple[str, ...] = ()) -> None:
+                 relaxed_keywords: tuple[str, ...] = (), recovery: RecoveringMatcher | None = None) -> None:
+        """``recovery``: the matcher (``matcher`` itself or wrapped by it) that goes on with another grammar when
+        the engine fails mid-answer; the relaxed keywords are then its (they grow when a recovery relaxes)."""
         self.matcher = matcher
         self.tokenizer = tokenizer
         self.backend = backend
-        #: Schema keywords the grammar does not enforce (``GrammarBackend.relaxed_keywords``).
-        self.relaxed_keywords = relaxed_keywords
+        self._relaxed = relaxed_keywords
+        self.recovery = recovery
         self.accepted = 0
+
+    @property
+    def relaxed_keywords(self) -> tuple[str, ...]:
+        """Schema keywords the grammar does not enforce (``GrammarBackend.relaxed_keywords``)."""
+        return self.recovery.relaxed_keywords if self.recovery is not None else self._relaxed
 
     # ---- TokenMaskSource -----------------------------------------------------------------------------------------
     def fill_bitmask(self, row: np.ndarray, draft_path: Sequence[int]) -> bool:

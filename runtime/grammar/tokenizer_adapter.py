@@ -115,6 +115,20 @@ class TokenizerAdapter:
         return out
 
     @cached_property
+    def tokens_by_text(self) -> dict[bytes, int]:
+        """Each token text -> the first id with exactly that text (special tokens and padded ids left out)."""
+        out: dict[bytes, int] = {}
+        for index, text in enumerate(self.token_bytes):
+            if text and text not in out:
+                out[text] = index
+        return out
+
+    @cached_property
+    def longest_token(self) -> int:
+        """The length in bytes of the longest token text."""
+        return max(map(len, self.token_bytes), default=0)
+
+    @cached_property
     def byte_tokens(self) -> dict[int, int]:
         """The one-byte tokens: byte value -> the first id whose text is exactly that byte."""
         out: dict[int, int] = {}
