@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 import tvm
 
+from .launch_geometry import encode_expr, evaluate, kernel_calls, lower_split, thread_extents
 from .wgsl_layout import ShaderLayout, fold_grid, parse_shader, split_shaders
 
 try:  # optional dependency: the module imports without wgpu, and says so when a device is needed
@@ -222,103 +223,9 @@ class GPUArray:
 # Reading TVM's lowered IR
 
 
-def _children(stmt: Any) -> list[Any]:
-    kids = list(getattr(stmt, "seq", None) or [])
-    for field in ("body", "then_case", "else_case"):
-        child = getattr(stmt, field, None)
-        if child is not None:
-            kids.append(child)
-    return kids
-
-
-def _thread_extents(stmt: Any, out: dict[str, Any]) -> dict[str, Any]:
-    """thread tag -> extent expression of every ``thread_extent`` attribute under ``stmt``."""
-    if type(stmt).__name__ == "AttrStmt" and stmt.attr_key == "thread_extent":
-        tag = str(stmt.node.thread_tag)
-        if tag in out and str(out[tag]) != str(stmt.value):
-            raise NotImplementedError(f"{tag} is launched with two extents: {out[tag]} and {stmt.value}")
-        out[tag] = stmt.value
-    for child in _children(stmt):
-        _thread_extents(child, out)
-    return out
-
-
-def _kernel_calls(stmt: Any, kernel_names: set[str], out: list[str], nested: bool = False) -> list[str]:
-    """Kernel names the host function launches, in order (a launch under a host loop or branch is refused)."""
-    kind = type(stmt).__name__
-    if kind == "Evaluate":
-        call = stmt.value
-        args = getattr(call, "args", None) or []
-        if args and type(args[0]).__name__ == "StringImm" and str(args[0].value) in kernel_names:
-            if nested:
-                raise NotImplementedError(f"kernel {args[0].value} is launched inside a host loop or branch")
-            out.append(str(args[0].value))
-    for child in _children(stmt):
-        _kernel_calls(child, kernel_names, out, nested or kind in ("For", "While", "IfThenElse"))
-    return out
-
-
-def _truncdiv(a: int, b: int) -> int:
-    """C-style integer division (rounds toward zero), TIR's ``Div`` on integers."""
-    q = abs(a) // abs(b)
-    return q if (a >= 0) == (b >= 0) else -q
-
-
-_BINARY = {
-    "Add": lambda a, b: a + b,
-    "Sub": lambda a, b: a - b,
-    "Mul": lambda a, b: a * b,
-    "FloorDiv": lambda a, b: a // b,
-    "FloorMod": lambda a, b: a % b,
-    "Div": lambda a, b: _truncdiv(a, b) if isinstance(a, int) and isinstance(b, int) else a / b,
-    "Mod": lambda a, b: a - b * _truncdiv(a, b),
-    "Min": min,
-    "Max": max,
-    "EQ": lambda a, b: int(a == b),
-    "NE": lambda a, b: int(a != b),
-    "LT": lambda a, b: int(a < b),
-    "LE": lambda a, b: int(a <= b),
-    "GT": lambda a, b: int(a > b),
-    "GE": lambda a, b: int(a >= b),
-    "And": lambda a, b: int(bool(a) and bool(b)),
-    "Or": lambda a, b: int(bool(a) or bool(b)),
-    "RShift": lambda a, b: a >> b,
-    "LShift": lambda a, b: a << b,
-    "BitwiseAnd": lambda a, b: a & b,
-    "BitwiseOr": lambda a, b: a | b,
-    "BitwiseXor": lambda a, b: a ^ b,
-}
-_CALLS = {
-    "tirx.shift_right": lambda a, b: a >> b,
-    "tirx.shift_left": lambda a, b: a << b,
-    "tirx.bitwise_and": lambda a, b: a & b,
-    "tirx.bitwise_or": lambda a, b: a | b,
-}
-
-
 def evaluate_index_expr(expr: Any, env: Mapping[str, int | float]) -> int | float:
     """Value of an integer TIR expression (a launch extent) with variables looked up by name in ``env``."""
-    kind = type(expr).__name__
-    if kind in ("IntImm", "FloatImm"):
-        return expr.value
-    if kind in ("Var", "SizeVar"):
-        if expr.name not in env:
-            raise KeyError(f"launch extent uses {expr.name!r}, which no argument defines")
-        return env[expr.name]
-    if kind in _BINARY:
-        return _BINARY[kind](evaluate_index_expr(expr.a, env), evaluate_index_expr(expr.b, env))
-    if kind == "Cast":
-        value = evaluate_index_expr(expr.value, env)
-        return float(value) if str(expr.dtype).startswith("float") else int(value)
-    if kind == "Not":
-        return int(not evaluate_index_expr(expr.a, env))
-    if kind == "Select":
-        cond = evaluate_index_expr(expr.condition, env)
-        return evaluate_index_expr(expr.true_value if cond else expr.false_value, env)
-    if kind == "Call" and str(expr.op.name) in _CALLS:
-        a, b = (evaluate_index_expr(x, env) for x in expr.args)
-        return _CALLS[str(expr.op.name)](a, b)
-    raise NotImplementedError(f"cannot evaluate launch extent node {kind}: {expr}")
+    return evaluate(encode_expr(expr), env)
 
 
 @dataclass(frozen=True)
@@ -502,11 +409,10 @@ def lower_to_webgpu(prim_funcs: Mapping[str, tvm.tirx.PrimFunc], target: tvm.tar
                     ) -> tuple[tvm.IRModule, tvm.IRModule, str]:
     """Lower PrimFuncs for the webgpu target the way ``tvm.compile`` does; return (host IR, device IR, WGSL source).
 
-    Runs ``tvm.tirx.build``'s steps (bind target, the default TIR pipeline, host/device split, device finalisation,
-    WebGPU code generation) under ``tirx.disable_cse_tir``, keeping the IR that ``tvm.compile`` discards: the
-    device PrimFuncs carry each kernel's parameters and launch extents, the host PrimFuncs the launch order.
+    ``launch_geometry.lower_split`` keeps the IR that ``tvm.compile`` discards (the device PrimFuncs carry each
+    kernel's parameters and launch extents, the host PrimFuncs the launch order); the WGSL is generated from it.
     """
-    from tvm.tirx.build import codegen_build, split_host_device_mods
+    from tvm.tirx.build import codegen_build
 
     if target is None:
         from .targets import resolve_target
@@ -514,17 +420,8 @@ def lower_to_webgpu(prim_funcs: Mapping[str, tvm.tirx.PrimFunc], target: tvm.tar
         target = resolve_target("vulkan").tvm_target()
     if target.kind.name != "webgpu":
         raise ValueError(f"expected a webgpu target, got {target.kind.name}")
-    if target.host is None:
-        target = tvm.target.Target(target, host={"kind": "llvm"})
+    host_mod, device_mod, device_target = lower_split(prim_funcs, target)
     with tvm.transform.PassContext(config={"tirx.disable_cse_tir": True}):
-        mod = tvm.tirx.transform.BindTarget(target)(tvm.IRModule(dict(prim_funcs)))
-        pipeline, finalize_host, finalize_device = tvm.tirx.get_default_tir_pipeline(target)
-        mod = pipeline(mod)
-        host_mod, device_mods = split_host_device_mods(mod)
-        if len(device_mods) != 1:
-            raise ValueError(f"expected one device target, got {list(device_mods)}")
-        device_target, device_mod = next(iter(device_mods.items()))
-        device_mod = finalize_device()(device_mod)
         source = str(codegen_build(device_mod, device_target).inspect_source(""))
     return host_mod, device_mod, source
 
@@ -550,7 +447,7 @@ class WGSLKernels:
         host_funcs = {str(gv.name_hint): f for gv, f in host_mod.functions.items()}
         functions = {}
         for name, func in prim_funcs.items():
-            order = _kernel_calls(host_funcs[name].body, set(device_funcs), [])
+            order = [str(call.args[0].value) for call in kernel_calls(host_funcs[name].body, set(device_funcs))]
             params = _prim_func_params(func)
             buffer_params = {p.name for p in params if p.shape is not None}
             kernels = []
@@ -560,7 +457,7 @@ class WGSLKernels:
                 unknown = [t for t in launch_tags if not t.startswith(("blockIdx.", "threadIdx."))]
                 if unknown:
                     raise NotImplementedError(f"{kname}: launch parameters {unknown} are not supported")
-                kernel = WGSLKernel(device, kname, shaders[kname], _thread_extents(dev_func.body, {}))
+                kernel = WGSLKernel(device, kname, shaders[kname], thread_extents(dev_func.body))
                 missing = [b.name for b in kernel.layout.storage if b.buffer_name not in buffer_params]
                 if missing:
                     raise NotImplementedError(f"{kname}: storage {missing} is not a buffer parameter of {name} "

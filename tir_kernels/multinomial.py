@@ -258,6 +258,17 @@ def gpu_row_macro(threads: int) -> Callable[..., None]:
     log_threads = threads.bit_length() - 1
     assert threads == 1 << log_threads, "the scans and reductions need a power-of-two block size"
     @T.macro
+    def inclusive_scan(buf, part, tx):
+        # buf[tx] = buf[0] + ... + buf[tx] over the block (Hillis-Steele; buf written by every thread before)
+        for k in T.unroll(log_threads):
+            part[0] = buf[tx]
+            if tx >= T.shift_left(1, k):
+                part[0] = part[0] + buf[tx - T.shift_left(1, k)]
+            T.tvm_storage_sync("shared")
+            buf[tx] = part[0]
+            T.tvm_storage_sync("shared")
+
+    @T.macro
     def sample_row(value, vocab, u, tx, token, chosen, r):
         incl = T.alloc_buffer((threads,), "float32", scope="shared")  # inclusive scan of segment sums
         s_hit = T.alloc_buffer((threads,), "int32", scope="shared")
@@ -284,13 +295,7 @@ def gpu_row_macro(threads: int) -> Callable[..., None]:
         # inclusive scan (Hillis-Steele) of the segment sums
         incl[tx] = seg_sum[0]
         T.tvm_storage_sync("shared")
-        for h in T.unroll(log_threads):
-            part[0] = incl[tx]
-            if tx >= T.shift_left(1, h):
-                part[0] = part[0] + incl[tx - T.shift_left(1, h)]
-            T.tvm_storage_sync("shared")
-            incl[tx] = part[0]
-            T.tvm_storage_sync("shared")
+        inclusive_scan(incl, part, tx)
         goal: T.let = u * incl[threads - 1]
         below: T.let = T.Select(tx > 0, incl[T.max(tx - 1, 0)], T.float32(0))
         # the segment holding the target: the lowest one whose scan interval contains it
@@ -325,13 +330,7 @@ def gpu_row_macro(threads: int) -> Callable[..., None]:
             mine[0] = T.Select(x > T.float32(0), x, T.float32(0))
             incl[tx] = mine[0]
             T.tvm_storage_sync("shared")
-            for k in T.unroll(log_threads):
-                part[0] = incl[tx]
-                if tx >= T.shift_left(1, k):
-                    part[0] = part[0] + incl[tx - T.shift_left(1, k)]
-                T.tvm_storage_sync("shared")
-                incl[tx] = part[0]
-                T.tvm_storage_sync("shared")
+            inclusive_scan(incl, part, tx)
             running: T.let = carry[0] + incl[tx]
             s_last[tx] = T.Select(mine[0] > T.float32(0) and running > aim[0], hs + c * threads + tx, vocab)
             chunk_total[0] = incl[threads - 1]
