@@ -194,38 +194,44 @@ class FunctionLaunches:
 
     def bind(self, shapes: Sequence[tuple[int, ...] | None], scalars: Sequence[int | float | None]
              ) -> dict[str, int | float]:
-        """The value of every shape variable (and scalar parameter) for arguments of these ``shapes`` (None for a
-        scalar) and ``scalars`` (the scalar arguments' values, None for a buffer); ValueError naming the parameter
-        and axis when the shapes disagree."""
-        if len(shapes) != len(self.params):
-            raise TypeError(f"{self.name} takes {len(self.params)} arguments "
-                            f"({', '.join(p.name for p in self.params)}), got {len(shapes)}")
-        env: dict[str, int | float] = {}
-        checks: list[tuple[str, Expr, int]] = []
-        for param, shape, scalar in zip(self.params, shapes, scalars, strict=True):
-            if param.shape is None:
-                if scalar is None:
-                    raise TypeError(f"{self.name}: {param.name} is a scalar {param.dtype}")
-                env[param.name] = scalar
-                continue
-            if shape is None or len(shape) != len(param.shape):
-                raise TypeError(f"{self.name}: {param.name} must be a {len(param.shape)}-d {param.dtype} array, "
-                                f"got shape {shape}")
-            for axis, (dim, size) in enumerate(zip(param.shape, shape, strict=True)):
-                where = f"{param.name}.shape[{axis}]"
-                if isinstance(dim, int):
-                    if dim != size:
-                        raise ValueError(f"{self.name}: {where} must be {dim}, got {size}")
-                elif isinstance(dim, str):
-                    if dim in env and env[dim] != size:
-                        raise ValueError(f"{self.name}: {where} = {size} but {dim} = {env[dim]} from another argument")
-                    env[dim] = size
-                else:
-                    checks.append((where, dim, size))
-        for where, expr, size in checks:
-            if evaluate(expr, env) != size:
-                raise ValueError(f"{self.name}: {where} must be {evaluate(expr, env)}, got {size}")
-        return env
+        """The shape variables' values for arguments of these ``shapes`` (see ``bind_shapes``)."""
+        return bind_shapes(self.name, self.params, shapes, scalars)
+
+
+def bind_shapes(name: str, params: Sequence[Param], shapes: Sequence[tuple[int, ...] | None],
+                scalars: Sequence[int | float | None]) -> dict[str, int | float]:
+    """The value of every shape variable (and scalar parameter) of function ``name`` for arguments of these
+    ``shapes`` (None for a scalar) and ``scalars`` (the scalar arguments' values, None for a buffer); TypeError or
+    ValueError naming the parameter and axis when they do not fit the parameters."""
+    if len(shapes) != len(params):
+        raise TypeError(f"{name} takes {len(params)} arguments ({', '.join(p.name for p in params)}), "
+                        f"got {len(shapes)}")
+    env: dict[str, int | float] = {}
+    checks: list[tuple[str, Expr, int]] = []
+    for param, shape, scalar in zip(params, shapes, scalars, strict=True):
+        if param.shape is None:
+            if scalar is None:
+                raise TypeError(f"{name}: {param.name} is a scalar {param.dtype}")
+            env[param.name] = scalar
+            continue
+        if shape is None or len(shape) != len(param.shape):
+            raise TypeError(f"{name}: {param.name} must be a {len(param.shape)}-d {param.dtype} array, "
+                            f"got shape {shape}")
+        for axis, (dim, size) in enumerate(zip(param.shape, shape, strict=True)):
+            where = f"{param.name}.shape[{axis}]"
+            if isinstance(dim, int):
+                if dim != size:
+                    raise ValueError(f"{name}: {where} must be {dim}, got {size}")
+            elif isinstance(dim, str):
+                if dim in env and env[dim] != size:
+                    raise ValueError(f"{name}: {where} = {size} but {dim} = {env[dim]} from another argument")
+                env[dim] = size
+            else:
+                checks.append((where, dim, size))
+    for where, expr, size in checks:
+        if evaluate(expr, env) != size:
+            raise ValueError(f"{name}: {where} must be {evaluate(expr, env)}, got {size}")
+    return env
 
 
 # ----------------------------------------------------------------------------------------------------------------

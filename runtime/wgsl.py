@@ -29,13 +29,21 @@ from __future__ import annotations
 import os
 import weakref
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import tvm
 
-from .launch_geometry import encode_expr, evaluate, kernel_calls, lower_split, thread_extents
+from .launch_geometry import (
+    Param,
+    bind_shapes,
+    encode_expr,
+    evaluate,
+    function_params,
+    kernel_calls,
+    lower_split,
+    thread_extents,
+)
 from .wgsl_layout import ShaderLayout, fold_grid, parse_shader, split_shaders
 
 try:  # optional dependency: the module imports without wgpu, and says so when a device is needed
@@ -228,32 +236,6 @@ def evaluate_index_expr(expr: Any, env: Mapping[str, int | float]) -> int | floa
     return evaluate(encode_expr(expr), env)
 
 
-@dataclass(frozen=True)
-class _Param:
-    """One PrimFunc parameter: a buffer (shape entries are ints or variable names) or a scalar."""
-
-    name: str
-    dtype: np.dtype
-    shape: tuple[int | str | Any, ...] | None  # None for a scalar; Any = a shape expression
-
-
-def _prim_func_params(func: tvm.tirx.PrimFunc) -> list[_Param]:
-    params = []
-    for p in func.params:
-        if type(p.ty).__name__ == "BufferType":
-            shape: list[int | str | Any] = []
-            for s in p.shape:
-                kind = type(s).__name__
-                shape.append(int(s.value) if kind == "IntImm" else s.name if kind in ("Var", "SizeVar") else s)
-            params.append(_Param(str(p.name), np.dtype(str(p.dtype)), tuple(shape)))
-        else:
-            params.append(_Param(str(p.name), np.dtype(str(p.ty)), None))
-    names = [p.name for p in params]
-    if len(set(names)) != len(names):
-        raise ValueError(f"{func}: parameter names are not unique: {names}")
-    return params
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Kernels
 
@@ -342,7 +324,7 @@ class WGSLKernel:
 class WGSLFunction:
     """A PrimFunc on the device: its parameters and the kernels its host code launches, in order."""
 
-    def __init__(self, device: Any, name: str, params: list[_Param], kernels: list[WGSLKernel]) -> None:
+    def __init__(self, device: Any, name: str, params: Sequence[Param], kernels: list[WGSLKernel]) -> None:
         self.device = device
         self.name = name
         self.params = params
@@ -355,42 +337,31 @@ class WGSLFunction:
             raise TypeError(f"{self.name} takes {len(self.params)} arguments "
                             f"({', '.join(p.name for p in self.params)}), got {len(args)}")
         buffers: dict[str, GPUArray] = {}
-        env: dict[str, int | float] = {}
         uploaded: list[tuple[str, np.ndarray, GPUArray]] = []
-        checks: list[tuple[str, Any, int]] = []
+        shapes: list[tuple[int, ...] | None] = []
+        scalars: list[int | float | None] = []
         for p, arg in zip(self.params, args, strict=True):
+            dtype = np.dtype(p.dtype)
             if p.shape is None:
                 if isinstance(arg, (GPUArray, np.ndarray)) and np.ndim(arg) != 0:
                     raise TypeError(f"{self.name}: {p.name} is a scalar {p.dtype}")
-                env[p.name] = float(arg) if p.dtype.kind == "f" else int(arg)
+                shapes.append(None)
+                scalars.append(float(arg) if dtype.kind == "f" else int(arg))
                 continue
             if isinstance(arg, np.ndarray):
-                if arg.dtype != p.dtype:
+                if arg.dtype != dtype:
                     raise TypeError(f"{self.name}: {p.name} must be {p.dtype}, got {arg.dtype}")
                 gpu_arr = GPUArray.from_numpy(self.device, arg)
                 uploaded.append((p.name, arg, gpu_arr))
                 arg = gpu_arr
             if not isinstance(arg, GPUArray):
                 raise TypeError(f"{self.name}: {p.name} must be a GPUArray or numpy array, got {type(arg).__name__}")
-            if arg.dtype != p.dtype or len(arg.shape) != len(p.shape):
-                raise TypeError(f"{self.name}: {p.name} must be {len(p.shape)}-d {p.dtype}, "
-                                f"got {arg.shape} {arg.dtype}")
-            for axis, (dim, size) in enumerate(zip(p.shape, arg.shape, strict=True)):
-                where = f"{p.name}.shape[{axis}]"
-                if isinstance(dim, int):
-                    if dim != size:
-                        raise ValueError(f"{self.name}: {where} must be {dim}, got {size}")
-                elif isinstance(dim, str):
-                    if dim in env and env[dim] != size:
-                        raise ValueError(f"{self.name}: {where} = {size} but {dim} = {env[dim]} from another argument")
-                    env[dim] = size
-                else:
-                    checks.append((where, dim, size))
+            if arg.dtype != dtype:
+                raise TypeError(f"{self.name}: {p.name} must be {p.dtype}, got {arg.dtype}")
             buffers[p.name] = arg
-        for where, expr, size in checks:
-            if evaluate_index_expr(expr, env) != size:
-                raise ValueError(f"{self.name}: {where} must be {expr} = {evaluate_index_expr(expr, env)}, got {size}")
-        return buffers, env, uploaded
+            shapes.append(arg.shape)
+            scalars.append(None)
+        return buffers, bind_shapes(self.name, self.params, shapes, scalars), uploaded
 
     def __call__(self, *args: ArrayArg) -> None:
         """Launch every kernel in order on the device's queue. numpy arrays are uploaded, and those the kernels
@@ -448,7 +419,7 @@ class WGSLKernels:
         functions = {}
         for name, func in prim_funcs.items():
             order = [str(call.args[0].value) for call in kernel_calls(host_funcs[name].body, set(device_funcs))]
-            params = _prim_func_params(func)
+            params = function_params(func)
             buffer_params = {p.name for p in params if p.shape is not None}
             kernels = []
             for kname in order:
