@@ -299,16 +299,74 @@ def row_top_cpu(x: tirx.Buffer, r: tirx.PrimExpr, vocab: tirx.PrimExpr, count: t
                 indices[out_r, j] = out_index(best_i[0])
 
 
+#: The most entries a GPU top-n takes in one pass over the row (each thread keeps its best GPU_TOP_LOCAL entries);
+#: more take one pass per entry.
+GPU_TOP_LOCAL = 8
+
+
+@T.macro
+def _row_top_gpu_local(value, vocab, rounds, count, tx, threads, values, indices, out_r, prev_v, prev_i):
+    """The first min(rounds, GPU_TOP_LOCAL) rounds of row_top_gpu (the last pick left in prev_v / prev_i): each
+    thread keeps its best GPU_TOP_LOCAL entries (value descending,
+    then index ascending) in one pass over its elements, without barriers; then the merges: the best of the threads'
+    heads by two all-reduces, whose thread moves to its next entry. An entry among the row's first GPU_TOP_LOCAL is
+    among its own thread's, so the lists hold them all."""
+    lv = T.alloc_buffer((GPU_TOP_LOCAL,), "float32", scope="local")
+    li = T.alloc_buffer((GPU_TOP_LOCAL,), "int32", scope="local")
+    head = T.alloc_buffer((1,), "int32", scope="local")
+    cand_v = T.alloc_buffer((1,), "float32", scope="local")
+    cand_i = T.alloc_buffer((1,), "int32", scope="local")
+    # results of this macro's own all-reduces (TVM's lowering rewrites a result buffer per all-reduce site)
+    best_v = T.alloc_buffer((1,), "float32", scope="local")
+    best_i = T.alloc_buffer((1,), "int32", scope="local")
+    for k in T.unroll(GPU_TOP_LOCAL):
+        lv[k] = neg_inf()
+        li[k] = NO_INDEX
+    if count > 0:
+        for k in range((vocab + threads - 1) // threads):
+            if k * threads + tx < vocab:
+                x: T.let = value(k * threads + tx)
+                i: T.let = k * threads + tx
+                if better(x, i, lv[GPU_TOP_LOCAL - 1], li[GPU_TOP_LOCAL - 1]):
+                    for d in T.unroll(GPU_TOP_LOCAL - 1):  # positions GPU_TOP_LOCAL - 1 down to 1
+                        above: T.let = better(x, i, lv[GPU_TOP_LOCAL - 2 - d], li[GPU_TOP_LOCAL - 2 - d])
+                        here: T.let = better(x, i, lv[GPU_TOP_LOCAL - 1 - d], li[GPU_TOP_LOCAL - 1 - d])
+                        lv[GPU_TOP_LOCAL - 1 - d] = T.Select(above, lv[GPU_TOP_LOCAL - 2 - d],
+                                                             T.Select(here, x, lv[GPU_TOP_LOCAL - 1 - d]))
+                        li[GPU_TOP_LOCAL - 1 - d] = T.Select(above, li[GPU_TOP_LOCAL - 2 - d],
+                                                             T.Select(here, i, li[GPU_TOP_LOCAL - 1 - d]))
+                    if better(x, i, lv[0], li[0]):
+                        lv[0] = x
+                        li[0] = i
+    head[0] = 0
+    for j in range(T.min(rounds, GPU_TOP_LOCAL)):
+        cand_v[0] = T.Select(head[0] < GPU_TOP_LOCAL, lv[T.min(head[0], GPU_TOP_LOCAL - 1)], neg_inf())
+        cand_i[0] = T.Select(head[0] < GPU_TOP_LOCAL, li[T.min(head[0], GPU_TOP_LOCAL - 1)], NO_INDEX)
+        with T.attr(_max_reducer(), "reduce_scope", T.reinterpret("handle", T.uint64(0))):
+            T.tvm_thread_allreduce(T.uint32(1), cand_v[0], True, best_v[0], tx, dtype="void")
+        with T.attr(_min_reducer(), "reduce_scope", T.reinterpret("handle", T.uint64(0))):
+            T.tvm_thread_allreduce(T.uint32(1), T.Select(cand_v[0] == best_v[0], cand_i[0], NO_INDEX), True,
+                                   best_i[0], tx, dtype="void")
+        prev_v[0] = best_v[0]
+        prev_i[0] = best_i[0]
+        if cand_i[0] == prev_i[0] and cand_i[0] != NO_INDEX:
+            head[0] = head[0] + 1
+        if tx == 0 and j < count:
+            values[out_r, j] = prev_v[0]
+            indices[out_r, j] = out_index(prev_i[0])
+
+
 @T.macro
 def row_top_gpu(value: Callable[[tirx.PrimExpr], tirx.PrimExpr], vocab: tirx.PrimExpr, rounds: tirx.PrimExpr,
                 count: tirx.PrimExpr, tx: tirx.Var, threads: int, values: tirx.Buffer, indices: tirx.Buffer,
                 out_r: tirx.PrimExpr):
     """values[out_r, j], indices[out_r, j] for j < count: top_n's entries of value(0 .. vocab - 1), one block.
 
-    ``rounds`` (>= count, the same in every thread) rounds of ``row_best_gpu`` run; those past ``count`` only keep the
-    barriers in uniform control flow (WGSL). Every thread holds the previous pick (the all-reduce result), so all
-    scan the same eligibility; the all-reduce result buffers are rewritten by TVM's lowering, so the previous pick
-    lives apart. Thread 0 writes.
+    The first GPU_TOP_LOCAL rounds (``_row_top_gpu_local``): one pass over the row, then merges of the threads' own
+    lists; each round after those is one ``row_best_gpu`` pass. ``rounds`` (>= count, the same in every thread)
+    rounds run; those past ``count`` only keep the barriers in uniform control flow (WGSL). Every thread holds the
+    previous pick (the all-reduce result), so all scan the same eligibility; the all-reduce result buffers are
+    rewritten by TVM's lowering, so the previous pick lives apart. Thread 0 writes.
     """
     part_v = T.alloc_buffer((1,), "float32", scope="local")
     part_i = T.alloc_buffer((1,), "int32", scope="local")
@@ -318,10 +376,11 @@ def row_top_gpu(value: Callable[[tirx.PrimExpr], tirx.PrimExpr], vocab: tirx.Pri
     prev_i = T.alloc_buffer((1,), "int32", scope="local")
     prev_v[0] = pos_inf()
     prev_i[0] = -1
-    for j in range(rounds):
+    _row_top_gpu_local(value, vocab, rounds, count, tx, threads, values, indices, out_r, prev_v, prev_i)
+    for j in range(T.max(rounds - GPU_TOP_LOCAL, 0)):
         row_best_gpu(value, vocab, prev_v[0], prev_i[0], tx, threads, part_v, part_i, best_v, best_i)
         prev_v[0] = best_v[0]
         prev_i[0] = best_i[0]
-        if tx == 0 and j < count:
-            values[out_r, j] = best_v[0]
-            indices[out_r, j] = out_index(best_i[0])
+        if tx == 0 and j + GPU_TOP_LOCAL < count:
+            values[out_r, j + GPU_TOP_LOCAL] = best_v[0]
+            indices[out_r, j + GPU_TOP_LOCAL] = out_index(best_i[0])
