@@ -97,6 +97,7 @@ class BindingsDriver:
         self._cu = driver
         self._contexts: dict[int, Any] = {}
         self._handles: dict[int, Any] = {}  # int -> the bindings' object, for handles passed back in
+        self._events: dict[tuple[int, int], Any] = {}  # (waiting stream, stream waited on) -> its event
         try:
             result = driver.cuInit(0)
         except Exception as exc:  # noqa: BLE001 - cuda-bindings raises its loader's own error without libcuda
@@ -199,13 +200,15 @@ class BindingsDriver:
         return self._keep(stream)
 
     def stream_wait(self, waiting: int, on: int) -> None:
+        # one event per stream pair, made once and recorded again each time (the wait takes the event's state at
+        # the time of the call): this runs before every launch that follows a copy
         cu = self._cu
-        event = self._check("cuEventCreate", cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING))
-        try:
-            self._check("cuEventRecord", cu.cuEventRecord(event, self._handles[on]))
-            self._check("cuStreamWaitEvent", cu.cuStreamWaitEvent(self._handles[waiting], event, 0))
-        finally:
-            cu.cuEventDestroy(event)  # released once the wait is satisfied
+        event = self._events.get((waiting, on))
+        if event is None:
+            event = self._events[(waiting, on)] = self._check(
+                "cuEventCreate", cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING))
+        self._check("cuEventRecord", cu.cuEventRecord(event, self._handles[on]))
+        self._check("cuStreamWaitEvent", cu.cuStreamWaitEvent(self._handles[waiting], event, 0))
 
     def synchronize(self, stream: int) -> None:
         self._check("cuStreamSynchronize", self._cu.cuStreamSynchronize(self._handles[stream]))

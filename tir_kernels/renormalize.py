@@ -565,6 +565,7 @@ def gpu_row_macros(threads: int, uniform_loops: bool, shuffle_reduce: bool = Fal
     stop as soon as the interval closes. ``shuffle_reduce`` (CUDA): block reductions through warp shuffles.
     """
     int_max, int_min = T.int32(_INT_MAX), T.int32(_INT_MIN)
+    tree_size = 1 if shuffle_reduce else threads
     log_threads = threads.bit_length() - 1
     assert threads == 1 << log_threads, "the tree reductions need a power-of-two block size"
 
@@ -687,10 +688,11 @@ def gpu_row_macros(threads: int, uniform_loops: bool, shuffle_reduce: bool = Fal
     def threshold(value, vocab, tx, k, top_p_r, min_p_r, st, ms):
         # The kept set of one row (as the CPU macro): bits >= st[0], its sum in ms[0]; every thread of the block
         # holds the same st (int32 (5,), local) and ms (float32 (2,), local).
-        s_i = T.alloc_buffer((threads,), "int32", scope="shared")
-        s_f = T.alloc_buffer((threads,), "float32", scope="shared")
-        s_mn = T.alloc_buffer((threads,), "int32", scope="shared")
-        s_mx = T.alloc_buffer((threads,), "int32", scope="shared")
+        # the shared tree's arrays (one element where the reductions go through warp shuffles, which never use them)
+        s_i = T.alloc_buffer((tree_size,), "int32", scope="shared")
+        s_f = T.alloc_buffer((tree_size,), "float32", scope="shared")
+        s_mn = T.alloc_buffer((tree_size,), "int32", scope="shared")
+        s_mx = T.alloc_buffer((tree_size,), "int32", scope="shared")
         acc_i = T.alloc_buffer((1,), "int32", scope="local")
         acc_f = T.alloc_buffer((1,), "float32", scope="local")
         acc_mn = T.alloc_buffer((1,), "int32", scope="local")
