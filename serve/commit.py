@@ -26,8 +26,7 @@ from logitproc.runtime import LogitProcessor, SampleResult
 
 from .outputs import Delta, EngineStats
 from .runner import Runner
-from .scheduler import Deltas, delta_of
-from .sequence import GeneratedSequence
+from .sequence import Deltas, GeneratedSequence, delta_of
 
 
 def commit_row(seq: GeneratedSequence, result: SampleResult, row: int, delta: Delta, error: str | None) -> None:

@@ -38,6 +38,15 @@ if TYPE_CHECKING:
     from .speculation import Drafter
 
 
+#: One step's deltas, by sequence (``delta_of`` makes each on first use).
+Deltas = dict["GeneratedSequence", Delta]
+
+
+def delta_of(deltas: Deltas, seq: GeneratedSequence) -> Delta:
+    """The step's delta of ``seq`` (made on first use)."""
+    return deltas.setdefault(seq, Delta(seq.request_id, seq.index))
+
+
 @dataclass(frozen=True)
 class KVSnapshot:
     """A sequence's KV bookkeeping at one moment (``GeneratedSequence.kv_snapshot``)."""
