@@ -21,6 +21,7 @@ what is not yet in the cache becomes the sequence's feed for the next forward.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 
 from logitproc.runtime import LogitProcessor, SampleResult
 
@@ -65,7 +66,7 @@ def commit_row(seq: GeneratedSequence, result: SampleResult, row: int, delta: De
 
 
 def commit_verified(model: Runner, seq: GeneratedSequence, result: SampleResult, first: int, drafts: list[int],
-                    delta: Delta, errors: dict[int, str]) -> tuple[int, int]:
+                    delta: Delta, errors: Mapping[int, str]) -> tuple[int, int]:
     """Commit the rows ``first``, ``first + 1``, ... of a sequence that checked ``drafts`` while each row's token is
     the next draft (and the sequence goes on); pop the rejected drafts from the KV cache; the sequence's random
     stream keeps the draws of the rows examined only (``RequestState.keep_draws``). Returns (rows committed, drafts

@@ -33,8 +33,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from logitproc.runtime import SampleResult
-
 from .commit import commit_row, commit_verified
 from .outputs import EngineStats
 from .prefix_cache import PrefixCache
@@ -43,6 +41,7 @@ from .sequence import Deltas, GeneratedSequence, Request, delta_of
 
 if TYPE_CHECKING:
     from .model_step import ModelStep
+    from .processing import StepTokens
 
 #: ``propose(decoding, room)``: the drafts each decoding sequence checks this step (speculative decoding), given the
 #: decoding sequences and the KV cache tokens left once they are fed.
@@ -206,12 +205,12 @@ class Scheduler:
         plan.chunks = chunks
         return plan
 
-    def commit(self, step: ModelStep, result: SampleResult, deltas: Deltas) -> None:
+    def commit(self, step: ModelStep, tokens: StepTokens, deltas: Deltas) -> None:
         """Commit each sampled row of ``step`` to its sequence (``commit.py``): one token, or a verifying
         sequence's rows while they agree with its drafts (the rejected drafts leave the KV cache). A sequence whose
         commit fails (e.g. its detokenizer) ends with "error"; the other rows are committed."""
         assert step.batch is not None
-        errors = step.batch.mask_errors
+        result, errors = tokens.result, tokens.mask_errors
         for seq in step.sequences:
             row = step.batch.first_row[seq.state]
             delta = delta_of(deltas, seq)
