@@ -34,10 +34,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .commit import commit_row, commit_verified
-from .outputs import EngineStats
+from .outputs import EngineStats, FinishReason
 from .prefix_cache import PrefixCache
 from .runner import Runner
-from .sequence import Deltas, GeneratedSequence, Request, delta_of
+from .sequence import Deltas, GeneratedSequence, Request, SequenceStatus, delta_of
 
 if TYPE_CHECKING:
     from .model_step import ModelStep
@@ -170,7 +170,7 @@ class Scheduler:
         for request in waiting + [self.requests[a] for a in aborts if a in self.requests]:
             for seq in request.sequences:
                 if seq.finish_reason is None:
-                    seq.finish("abort", delta_of(deltas, seq))
+                    seq.finish(FinishReason.ABORT, delta_of(deltas, seq))
             request.stats.finish_time = time.perf_counter()
 
     def schedule(self, budget: StepBudget, deltas: Deltas, propose: ProposeDrafts | None = None) -> StepPlan:
@@ -186,7 +186,7 @@ class Scheduler:
         self.admit()
         drafts: dict[GeneratedSequence, list[int]] = {}
         if propose is not None:
-            decoding = [s for s in self.live() if s.decoding]
+            decoding = [s for s in self.live() if s.status is SequenceStatus.DECODING]
             if decoding:
                 drafts = propose(decoding, self.max_total_tokens - self.kv_needed() - self.cached_tokens)
         plan = self.plan(budget, drafts)
@@ -234,9 +234,10 @@ class Scheduler:
         feed first (a short prompt arriving during a long one is not held up by it; ties in admission order). A
         sequence not in the model yet counts its feed without the prefix a prefix cache entry will give it."""
         live = self.live()
-        decoding = [s for s in live if s.decoding]
+        decoding = [s for s in live if s.status is SequenceStatus.DECODING]
         verify = {s: drafts[s] for s in decoding if drafts.get(s)}
-        rest = {s: self._feed_to_prefill(s) for s in live if s.prefilling}  # (a prefix cache lookup each: once)
+        rest = {s: self._feed_to_prefill(s) for s in live if s.status is SequenceStatus.PREFILLING}  # (a prefix
+        # cache lookup each: once)
         prefilling = sorted(rest, key=rest.__getitem__)
         while verify and budget.max_tokens is not None and (  # drafts give way to a prefill token at least
                 len(decoding) + sum(len(d) for d in verify.values()) + bool(prefilling) > budget.max_tokens):

@@ -6,6 +6,7 @@ scripted runner whose logits say in advance which token each position gets."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import numpy as np
@@ -14,12 +15,12 @@ from logitproc.compile.gguf_model import LlamaConfig
 from logitproc.runtime import GenerationConfig, RequestState
 from logitproc.serve.chat_template import ChatTemplate
 from logitproc.serve.model_step import StepRunner
-from logitproc.serve.outputs import Delta, EngineStats, RequestStats
+from logitproc.serve.outputs import Delta, EngineStats, FinishReason, RequestStats
 from logitproc.serve.prefix_cache import PrefixCache
 from logitproc.serve.processing import process
 from logitproc.serve.runner import ModelRunner
 from logitproc.serve.scheduler import Scheduler, StepBudget, StepPlan
-from logitproc.serve.sequence import GeneratedSequence, Request
+from logitproc.serve.sequence import GeneratedSequence, Request, SequenceStatus
 
 
 class ByteDecoder:
@@ -305,6 +306,7 @@ def test_a_step_is_schedule_run_sample_commit_on_data(parts) -> None:
     budget = StepBudget(max_tokens=64, prefill_with_decode=16)
     one_step(scheduler, runner, sampler, budget)
     scheduler.add(late.request)
+    assert (running.status, late.status) == (SequenceStatus.DECODING, SequenceStatus.WAITING)
     chunks = []
     while late.in_prefill:
         plan = one_step(scheduler, runner, sampler, budget)
@@ -312,11 +314,14 @@ def test_a_step_is_schedule_run_sample_commit_on_data(parts) -> None:
         assert plan.decode == [running] or running.finish_reason is not None
         agrees_with_the_model(scheduler)
         assert late.token_ids == ([] if late.in_prefill else [next_token(40)])
+        assert late.status is (SequenceStatus.PREFILLING if late.in_prefill else SequenceStatus.DECODING)
     assert chunks == [[16], [16], [8]]
     while not late.request.finished:
         one_step(scheduler, runner, sampler, budget)
     assert running.token_ids == [next_token(5 + i) for i in range(6)] and running.finish_reason == "length"
-    assert late.token_ids == [next_token(40 + i) for i in range(6)] and late.finish_reason == "length"
+    assert late.token_ids == [next_token(40 + i) for i in range(6)] and late.finish_reason is FinishReason.LENGTH
+    assert late.status is SequenceStatus.FINISHED
+    assert json.dumps({"finish_reason": late.output().finish_reason}) == '{"finish_reason": "length"}'
 
 
 def test_schedule_places_a_prefix_cache_hit_so_the_chunks_start_where_it_ends(parts) -> None:
@@ -396,7 +401,7 @@ def test_n_forks_after_the_last_chunk_and_drafts_commit_while_they_agree(parts) 
     budget = StepBudget(max_tokens=16)
     while first.in_prefill:
         one_step(scheduler, runner, sampler, budget)
-        assert (second.in_model, second.token_ids) == (False, []) or not first.in_prefill
+        assert second.status is SequenceStatus.FORKING or not first.in_prefill
     assert first.token_ids == second.token_ids == [next_token(30)]
 
     def propose(decoding, room):
