@@ -236,8 +236,8 @@ class Scheduler:
         live = self.live()
         decoding = [s for s in live if s.status is SequenceStatus.DECODING]
         verify = {s: drafts[s] for s in decoding if drafts.get(s)}
-        rest = {s: self._feed_to_prefill(s) for s in live if s.status is SequenceStatus.PREFILLING}  # (a prefix
-        # cache lookup each: once)
+        # (a prefix cache lookup each: once)
+        rest = {s: self._feed_to_prefill(s) for s in live if s.status is SequenceStatus.PREFILLING}
         prefilling = sorted(rest, key=rest.__getitem__)
         while verify and budget.max_tokens is not None and (  # drafts give way to a prefill token at least
                 len(decoding) + sum(len(d) for d in verify.values()) + bool(prefilling) > budget.max_tokens):
