@@ -22,8 +22,8 @@ computed in this package.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -63,6 +63,9 @@ class SampleResult:
     top_logprobs: list[list[tuple[int, float]] | None]
     no_valid_token: np.ndarray
     non_finite_logits: np.ndarray | None = None
+    #: Row -> ``"ExceptionType: message"`` of the mask source that failed for it (the row allowed no token): the
+    #: ``mask_errors`` of the ProcessedBatch sampled from (empty when given a Batch or states).
+    mask_errors: Mapping[int, str] = field(default_factory=dict)
 
     def finish_reason(self, row: int) -> str | None:
         """'non_finite_logits' for a row whose logits held NaN or +inf, 'no_valid_token' for a row whose every
@@ -213,7 +216,10 @@ class Sampler:
         tokens = self._tokens(rows)
         chosen = self._chosen(rows)
         self.kernels[kernel_abi.MULTINOMIAL](on_device, u, tokens, chosen)
-        return self._result(batch, tokens, chosen, raw_logits, lambda n: self._top_n(on_device, rows, n))
+        result = self._result(batch, tokens, chosen, raw_logits, lambda n: self._top_n(on_device, rows, n))
+        if isinstance(states, ProcessedBatch):
+            result.mask_errors = states.mask_errors
+        return result
 
     def sample_from_logits(self, logits: Any, states: BatchArg, cum_num_token: Any = None,
                            draft_trees: DraftArg = None, raw_logits: np.ndarray | None = None, *,
@@ -259,6 +265,8 @@ class Sampler:
         result = self._result(batch, tokens, chosen, raw_logits,
                               lambda n: (self.device.download(top_values), self.device.download(top_ids)))
         result.flag_non_finite(result.token_ids == kernel_abi.NON_FINITE)  # token -1, no logprobs
+        if isinstance(states, ProcessedBatch):
+            result.mask_errors = states.mask_errors
         return result
 
     def _result(self, batch: Batch, tokens: Any, chosen: Any, raw_logits: np.ndarray | None,

@@ -11,25 +11,14 @@ than sampled: the step makes no other pass over the logits.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
-
 import numpy as np
 from logitproc.runtime import LogitProcessor, Sampler, SampleResult
 from logitproc.runtime.batch import Batch
 
 
-@dataclass(frozen=True)
-class StepTokens:
-    """A step's sampled rows (``result``), and per row why its mask failed (``mask_errors``: that row allows no
-    token)."""
-
-    result: SampleResult
-    mask_errors: Mapping[int, str]
-
-
-def process(processor: LogitProcessor, sampler: Sampler, batch: Batch, logits: np.ndarray) -> StepTokens:
-    """One token per row of ``batch`` from ``logits`` (modified in place), with the errors of failed masks."""
+def process(processor: LogitProcessor, sampler: Sampler, batch: Batch, logits: np.ndarray) -> SampleResult:
+    """One token per row of ``batch`` from ``logits`` (modified in place); the rows whose mask source failed are in
+    the result's ``mask_errors``."""
     raw = logits.copy() if batch.any_raw_logprobs else None
     processed = processor.inplace_update_logits(logits, batch, defer_masks=True)  # the fused kernel reads the masks
-    return StepTokens(sampler.sample_from_logits(logits, processed, raw_logits=raw), processed.mask_errors)
+    return sampler.sample_from_logits(logits, processed, raw_logits=raw)

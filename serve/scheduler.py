@@ -40,8 +40,9 @@ from .runner import Runner
 from .sequence import Deltas, GeneratedSequence, Request, SequenceStatus, delta_of
 
 if TYPE_CHECKING:
+    from logitproc.runtime import SampleResult
+
     from .model_step import ModelStep
-    from .processing import StepTokens
 
 #: ``propose(decoding, room)``: the drafts each decoding sequence checks this step (speculative decoding), given the
 #: decoding sequences and the KV cache tokens left once they are fed.
@@ -205,12 +206,12 @@ class Scheduler:
         plan.chunks = chunks
         return plan
 
-    def commit(self, step: ModelStep, tokens: StepTokens, deltas: Deltas) -> None:
+    def commit(self, step: ModelStep, result: SampleResult, deltas: Deltas) -> None:
         """Commit each sampled row of ``step`` to its sequence (``commit.py``): one token, or a verifying
         sequence's rows while they agree with its drafts (the rejected drafts leave the KV cache). A sequence whose
         commit fails (e.g. its detokenizer) ends with "error"; the other rows are committed."""
         assert step.batch is not None
-        result, errors = tokens.result, tokens.mask_errors
+        errors = result.mask_errors
         for seq in step.sequences:
             row = step.batch.first_row[seq.state]
             delta = delta_of(deltas, seq)
