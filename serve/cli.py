@@ -52,10 +52,11 @@ def _models(args: argparse.Namespace) -> int:
     from logitproc.compile.families import FAMILIES
     from logitproc.compile.rope import SCALING_KEYS
 
-    print("family  models                                         Hugging Face architectures            GGUF")
-    for family in FAMILIES:
-        print(f"{family.name:<7} {family.models:<46} {', '.join(family.hf_architectures):<37} "
-              f"{', '.join(family.gguf_architectures)}")
+    rows = [("family", "models", "Hugging Face architectures", "GGUF")]
+    rows += [(f.name, f.models, ", ".join(f.hf_classes), ", ".join(f.gguf_architectures)) for f in FAMILIES]
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    for row in rows:
+        print(" ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=False)) + " " + row[3])
     print(f"\nformats: a GGUF file (--model path.gguf) or a Hugging Face folder (--model path/, safetensors "
           f"F32/F16/BF16); RoPE scaling: {', '.join(SCALING_KEYS)} (and a GGUF's rope_freqs); docs/model.md")
     return 0
