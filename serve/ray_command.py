@@ -60,9 +60,14 @@ def serve_on_ray(args: argparse.Namespace) -> int:
         # workload, as the engine is in the single-process server: they keep the command's priority.
         os.environ.setdefault("RAY_worker_niceness", "0")
         cpus = max(physical_cores(), plan.maximum * plan.threads)
-        ray.init(num_cpus=cpus, include_dashboard=False, object_store_memory=OBJECT_STORE_BYTES,
+        # address="local": a new instance even where `ray start` once ran here (ray.init() alone would join the
+        # cluster named in /tmp/ray/ray_current_cluster or $RAY_ADDRESS)
+        dashboard = args.ray_dashboard is not None
+        ray.init(address="local", num_cpus=cpus, include_dashboard=dashboard, dashboard_host=args.host,
+                 dashboard_port=args.ray_dashboard if dashboard else None, object_store_memory=OBJECT_STORE_BYTES,
                  logging_level=logging.WARNING, log_to_driver=True)
-        log(f"ray: started a local instance ({cpus} CPUs)")
+        log(f"ray: started a local instance ({cpus} CPUs)"
+            + (f"; its dashboard at http://{args.host}:{args.ray_dashboard}" if dashboard else ""))
     else:
         try:
             ray.init(address=args.ray_address, logging_level=logging.WARNING)
@@ -76,7 +81,8 @@ def serve_on_ray(args: argparse.Namespace) -> int:
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
-        scaling = (f"autoscaling {plan.minimum}..{plan.maximum}" if plan.autoscale else f"{plan.initial}")
+        scaling = (f"autoscaling {plan.minimum}..{plan.maximum} (up after {plan.upscale_delay:g} s, down after "
+                   f"{plan.downscale_delay:g} s)" if plan.autoscale else f"{plan.initial}")
         log(f"deploying {scaling} replica(s) of {plan.threads} thread(s) each, routing: {args.routing} "
             "(each replica loads the model; the first use compiles it)")
         try:
