@@ -180,9 +180,10 @@ def test_respell_writes_keys_in_the_grammar_order_and_names_a_refusal(adapter) -
      {"in": "path", "description": "d", "required": True}, b'{"required":true,"in":"path","description":"d"}'),
 ])
 def test_respell_finds_the_order_of_the_real_world_causes(adapter, schema, value, spelled) -> None:
-    """The causes that left 7 valid MaskBench instances undecided (issue 33), all llguidance's key order: a required
-    property between the members (its ranking counts only the members the grammar takes at the position), and
-    branches that order their properties differently (each tried where no member is first)."""
+    """What the MaskBench sample's documents hold, where refusals are llguidance's key order (issue 33; the search
+    before ``respell`` gave up on 7 large ones): a required property between the members (its ranking counts only
+    the members the grammar takes at the position), and branches that order their properties differently (each
+    tried where no member is first)."""
     backend = get_backend("llguidance", adapter)
     fmt = ResponseFormat.json_schema(schema)
     found = respell(backend.matcher(backend.compile(fmt)), adapter, value)
