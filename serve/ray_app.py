@@ -31,8 +31,15 @@ INGRESS_DEPLOYMENT = "Ingress"
 #: Requests one ingress replica holds at once (streams included); each engine replica bounds its own queue.
 INGRESS_MAX_ONGOING = 10_000
 #: Ray Serve settings of the replicas' processes: the deployments' code on the replica's own event loop (no extra
-#: thread hop per call, per streamed item: measured with scripts/bench_serve.py --ray, docs/benchmarks.md).
-SERVE_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
+#: thread hop per call, per streamed item), and calls between deployments (the ingress's streams from the engine
+#: replicas) over Ray Serve's gRPC transport rather than Ray's object-returning actor calls, whose every streamed
+#: item goes through a thread pool and the object store's ownership protocol (measured with
+#: scripts/bench_serve.py --ray: the CPU per streamed token of the ingress and the replica, docs/benchmarks.md).
+SERVE_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
+             "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1"}
+#: The same for Ray Serve's HTTP proxy (its calls to the ingress): read by the proxy's process, which the Serve
+#: controller starts with its node's environment (a local instance: this command's; a cluster: `ray start`'s).
+PROXY_ENV = {"RAY_SERVE_PROXY_USE_GRPC": "1"}
 #: How often Ray checks a replica's health (seconds), and how long a check may take.
 HEALTH_CHECK_PERIOD_S = 2.0
 HEALTH_CHECK_TIMEOUT_S = 30.0
