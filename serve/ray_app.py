@@ -31,8 +31,19 @@ INGRESS_DEPLOYMENT = "Ingress"
 #: Requests one ingress replica holds at once (streams included); each engine replica bounds its own queue.
 INGRESS_MAX_ONGOING = 10_000
 #: Ray Serve settings of the replicas' processes: the deployments' code on the replica's own event loop (no extra
-#: thread hop per call, per streamed item: measured with scripts/bench_serve.py --ray, docs/benchmarks.md).
-SERVE_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
+#: thread hop per call, per streamed item), and calls between deployments (the ingress's streams from the engine
+#: replicas) over Ray Serve's gRPC transport rather than Ray's object-returning actor calls, whose every streamed
+#: item goes through a thread pool and the object store's ownership protocol (measured with
+#: scripts/bench_serve.py --ray: the CPU per streamed token of the ingress and the replica, docs/benchmarks.md).
+SERVE_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
+             "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1"}
+#: The same for Ray Serve's HTTP proxy (its calls to the ingress): read by the proxy's process, which the Serve
+#: controller starts with its node's environment (a local instance: this command's; a cluster: `ray start`'s).
+PROXY_ENV = {"RAY_SERVE_PROXY_USE_GRPC": "1"}
+#: A local instance's background work, which competes with the engines for the CPUs: the Serve controller's loop
+#: every 0.5 s instead of 0.1 s, Ray Serve's own metrics exported every 2 s instead of 0.1 s (measured idle, the
+#: tiny model on 1 replica: 12% of a core -> 8%).
+LOCAL_ENV = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5", "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "2000"}
 #: How often Ray checks a replica's health (seconds), and how long a check may take.
 HEALTH_CHECK_PERIOD_S = 2.0
 HEALTH_CHECK_TIMEOUT_S = 30.0

@@ -49,7 +49,7 @@ def serve_on_ray(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from .ray_app import APP_NAME, build_application
+    from .ray_app import APP_NAME, LOCAL_ENV, PROXY_ENV, build_application
     from .server_cli import server_options
 
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
@@ -59,6 +59,8 @@ def serve_on_ray(args: argparse.Namespace) -> int:
         # Ray lowers its workers' CPU priority (worker_niceness) below the raylet's; here the replicas are the
         # workload, as the engine is in the single-process server: they keep the command's priority.
         os.environ.setdefault("RAY_worker_niceness", "0")
+        for name, value in {**PROXY_ENV, **LOCAL_ENV}.items():  # (inherited by the instance's processes)
+            os.environ.setdefault(name, value)
         cpus = max(physical_cores(), plan.maximum * plan.threads)
         # address="local": a new instance even where `ray start` once ran here (ray.init() alone would join the
         # cluster named in /tmp/ray/ray_current_cluster or $RAY_ADDRESS)
