@@ -180,7 +180,8 @@ def _message_text(index: int, content: Any) -> str:
         texts = []
         for part in content:
             if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise bad_request(f"{where}: only text parts ({{'type': 'text', 'text': ...}}) are supported, got "
+                raise bad_request(f"{where}: only text parts ({{'type': 'text', 'text': ...}}) are supported (the "
+                                  f"models served read text: images, audio and files are refused), got "
                                   f"{shown(part)}", "messages")
             texts.append(part["text"])
         return "".join(texts)
