@@ -176,18 +176,20 @@ ROPE_NAMES = ("fused_rope", "tir_split_rotary")
 
 def replace_attention_kernels(mod: tvm.IRModule, h_kv: int, h_q: int, d: int,
                               inv_freq: tuple[float, ...], kv_dtype: str = "float32",
-                              attention_factor: float = 1.0, softcap: float = 0.0, window: int = 0) -> tvm.IRModule:
+                              attention_factor: float = 1.0, softcap: float = 0.0, window: int = 0,
+                              vnni: bool = False) -> tvm.IRModule:
     """``mod`` with the KV cache's CPU attention kernels (prefill, and decode: ``decode_attention.py``) replaced by
     these (same names and signatures), and its RoPE kernel (``rope_kernel``, with ``inv_freq``; the
     cache must use ``RopeMode.NORMAL``; ``attention_factor``: LongRoPE's); ``kv_dtype``: the cache's
     (``kv_layout.KVLayout``). The cache must be made with ``KVLayout.query_heads(h_q)`` query heads and
     ``KVLayout.heads`` KV heads of ``KVLayout.dtype`` (the kernels read the first ``h_q``; see ``rope_kernel``).
     ``softcap`` and ``window``: the scores' soft-cap and the sliding window of the layers whose ``sm_scale`` marks
-    them windowed (``decode_attention.py``, ``attention_mode.py``; 0: none)."""
+    them windowed (``decode_attention.py``, ``attention_mode.py``; 0: none). ``vnni``: the target has AVX512-VNNI
+    (``packed_matvec.has_vnni``): a q8_0 cache's integer scores by ``vpdpbusd`` (the same results)."""
     functions = {gv.name_hint: gv for gv in mod.get_global_vars()}
     replacements = [(RAGGED_NAMES, ragged_prefill_kernel(h_kv, h_q, d, kv_dtype, softcap, window)),
-                    (PAGED_NAMES, paged_prefill_kernel(h_kv, h_q, d, kv_dtype, softcap, window)),
-                    (DECODE_NAMES, decode_attention_kernel(h_kv, h_q, d, kv_dtype, softcap, window)),
+                    (PAGED_NAMES, paged_prefill_kernel(h_kv, h_q, d, kv_dtype, softcap, window, vnni)),
+                    (DECODE_NAMES, decode_attention_kernel(h_kv, h_q, d, kv_dtype, softcap, window, vnni)),
                     (ROPE_NAMES, rope_kernel(h_kv, h_q, d, inv_freq, kv_dtype, attention_factor))]
     for candidates, new in replacements:
         found = [name for name in candidates if name in functions]

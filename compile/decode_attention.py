@@ -64,10 +64,59 @@ def tree_sum(terms: list[Any]) -> Any:
     return terms[0]
 
 
+def _intrin(name: str, dtype: str, *args: Any) -> Any:
+    return T.call_llvm_pure_intrin(T.llvm_lookup_intrinsic_id(name), *args, dtype=dtype)
+
+
 def _hadd(a: Any, b: Any) -> Any:
     """AVX's ``vhaddps``: ``[a0+a1, a2+a3, b0+b1, b2+b3, a4+a5, a6+a7, b4+b5, b6+b7]``."""
-    return T.call_llvm_pure_intrin(T.llvm_lookup_intrinsic_id("llvm.x86.avx.hadd.ps.256"), a, b,
-                                   dtype=f"float32x{LANES}")
+    return _intrin("llvm.x86.avx.hadd.ps.256", f"float32x{LANES}", a, b)
+
+
+def _hadd_int(a: Any, b: Any) -> Any:
+    """AVX2's ``vphaddd``: ``_hadd`` of int32 lanes."""
+    return _intrin("llvm.x86.avx2.phadd.d", f"int32x{LANES}", a, b)
+
+
+def transposed_sums(sums: list[Any], hadd: Any) -> Any:
+    """The 8 lanes' sums of each of the 8 vectors ``sums`` as one vector (lane ``i``: the sum of ``sums[i]``): a
+    transposing tree of ``hadd`` (``_hadd`` or ``_hadd_int``), then the two 128-bit halves added."""
+    pairs = [hadd(sums[2 * i], sums[2 * i + 1]) for i in range(4)]
+    low, high = hadd(pairs[0], pairs[1]), hadd(pairs[2], pairs[3])
+    return (T.Shuffle([low, high], [0, 1, 2, 3, 8, 9, 10, 11])
+            + T.Shuffle([low, high], [4, 5, 6, 7, 12, 13, 14, 15]))
+
+
+def block_dot(q_abs: Any, q_codes: Any, keys: Any, vnni: bool) -> Any:
+    """int32x8 whose lanes sum to ``dot(q_codes, keys)`` over one q8_0 block (int8x32 each; ``q_abs`` the codes'
+    magnitudes as uint8x32): ``vpsignb`` gives the keys the codes' signs, then ``vpmaddubsw`` (unsigned x signed
+    bytes, adjacent pairs into int16: at most 2 x 127 x 127, no saturation) and ``vpmaddwd`` with ones, or with
+    ``vnni`` one ``vpdpbusd`` (AVX512-VNNI on 256 bits): the same int32 lanes."""
+    signed = _intrin("llvm.x86.avx2.psign.b", "int8x32", keys, q_codes)
+    if vnni:
+        return _intrin("llvm.x86.avx512.vpdpbusd.256", f"int32x{LANES}", T.broadcast(T.int32(0), LANES), q_abs,
+                       signed)
+    return _intrin("llvm.x86.avx2.pmadd.wd", f"int32x{LANES}",
+                   _intrin("llvm.x86.avx2.pmadd.ub.sw", "int16x16", q_abs, signed), T.broadcast(T.int16(1), 16))
+
+
+@T.macro
+def quantise_query(x, row, codes, q_abs, q_scale, amax, d):
+    """Row ``row`` of ``x`` (float32, ``d`` values) as q8_0 blocks, as ``packed_matvec`` quantises activations
+    (GGML's Q8_1 without the sums): per block ``b`` of 32, ``q_scale[row, b] = max|x| / 127`` and
+    ``codes[row, j] = nearbyint(x[row, j] / q_scale)`` (int8, round half to even; 0 for an all-zero block),
+    ``q_abs`` their magnitudes (uint8); ``amax``: a local float32 scratch of 8."""
+    for b in range(d // Q8_BLOCK):
+        for lane in T.vectorized(LANES):
+            amax[lane] = T.max(T.max(T.abs(x[row, b * Q8_BLOCK + lane]), T.abs(x[row, b * Q8_BLOCK + 8 + lane])),
+                               T.max(T.abs(x[row, b * Q8_BLOCK + 16 + lane]), T.abs(x[row, b * Q8_BLOCK + 24 + lane])))
+        scale: T.let = T.max(T.max(T.max(amax[0], amax[1]), T.max(amax[2], amax[3])),
+                             T.max(T.max(amax[4], amax[5]), T.max(amax[6], amax[7]))) / T.float32(127)
+        inverse: T.let = T.Select(scale > T.float32(0), T.float32(1) / T.max(scale, T.float32(1e-30)), T.float32(0))
+        for j in T.vectorized(Q8_BLOCK):
+            codes[row, b * Q8_BLOCK + j] = T.Cast("int8", T.nearbyint(x[row, b * Q8_BLOCK + j] * inverse))
+            q_abs[row, b * Q8_BLOCK + j] = T.Cast("uint8", T.abs(T.nearbyint(x[row, b * Q8_BLOCK + j] * inverse)))
+        q_scale[row, b] = scale
 
 
 @T.macro
@@ -150,13 +199,23 @@ class RowAttention:
     head of the row goes through the same operations in the same order whichever kernel runs them. With a
     ``window``, ``first_key`` is the index of the row's first visible key (``first_visible``; 0 otherwise): the keys
     before it are masked and the chunks split only the pages from the one that holds it; ``softcap`` caps the
-    scores (see the module doc)."""
+    scores (see the module doc).
 
-    def __init__(self, layout: KVLayout, h_q: int, softcap: float = 0.0, window: int = 0) -> None:
+    On a q8_0 cache the scores are integer dot products, as llama.cpp's ``vec_dot_q8_0_q8_0``: each query head's
+    scaled q (``q sm_scale log2(e)``) is quantised once per chunk into q8_0 blocks (``quantise_query``), and a key's
+    score is ``sum_b q_scale[b] k_scale[b] sum_j q_code[32 b + j] k_code[32 b + j]`` (the int8 products summed in
+    int32 per block, ``block_dot``; 8 keys' block sums transposed into one vector by ``vphaddd``, then one
+    conversion and one multiply by the 8 keys' scale products). A value row is widened once for the query heads of
+    its KV head, its scale folded into each head's weight (``vnni``: the block sums by ``vpdpbusd``, the same
+    integers)."""
+
+    def __init__(self, layout: KVLayout, h_q: int, softcap: float = 0.0, window: int = 0,
+                 vnni: bool = False) -> None:
         group = check_heads(layout, h_q)
         check_options(softcap, window)
-        d, dtype = layout.d, layout.dtype
+        d, dtype, h_kv = layout.d, layout.dtype, layout.h_kv
         blocks = d // LANES
+        q8_blocks = max(1, d // Q8_BLOCK)  # q8_0 blocks of a head (the q8_0 buffers' size; 1 unused otherwise)
         words = 2 * layout.heads * PAGE_SIZE * d  # elements of a page (keys and values of every KV head)
         page_lines = words * layout.row_bytes // d // CACHE_LINE
 
@@ -165,71 +224,128 @@ class RowAttention:
             return T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(pages[page, 0, 0, 0, line * (
                 words // page_lines)]), T.int32(0), T.int32(3), T.int32(1))
 
-        per_block = Q8_BLOCK // LANES if layout.quantized else blocks  # 8-lane loads per scale
-
         def key_sum(qs, h, pages, pages8, page, hk, t):
-            """float32x8 whose lanes sum to key ``t``'s dot product with ``qs[h]``: the 8-lane products summed as a
-            tree per q8_0 block, each block's sum scaled once (float caches: one block, no scale)."""
+            """float32x8 whose lanes sum to key ``t``'s dot product with ``qs[h]`` (float caches)."""
             at = lambda r, o: [page, 0, r, t, o]  # noqa: E731
-            parts = [tree_sum([qs.vload([h, blk * LANES], f"float32x{LANES}") * layout.raw(pages, pages8, at, hk,
-                                                                                           blk * LANES)
-                               for blk in range(b0, b0 + per_block)]) for b0 in range(0, blocks, per_block)]
-            if not layout.quantized:
-                return parts[0]
-            return tree_sum([part * T.broadcast(layout.scale(pages, at, hk, b * Q8_BLOCK), LANES)
-                             for b, part in enumerate(parts)])
+            return tree_sum([qs.vload([h, blk * LANES], f"float32x{LANES}") * layout.raw(pages, pages8, at, hk,
+                                                                                          blk * LANES)
+                             for blk in range(blocks)])
 
         def scores8(qs, h, pages, pages8, page, hk, t0):
             """float32x8: the scores of keys ``t0 .. t0 + 7`` of a page of KV head ``hk`` against ``qs``: each key's
             8-lane products summed as a tree, then the 8 keys' lanes summed by a transposing ``vhaddps`` tree."""
-            sums = [key_sum(qs, h, pages, pages8, page, hk, t0 + i) for i in range(LANES)]
-            pairs = [_hadd(sums[2 * i], sums[2 * i + 1]) for i in range(4)]
-            low, high = _hadd(pairs[0], pairs[1]), _hadd(pairs[2], pairs[3])
-            return (T.Shuffle([low, high], [0, 1, 2, 3, 8, 9, 10, 11])
-                    + T.Shuffle([low, high], [4, 5, 6, 7, 12, 13, 14, 15]))
+            return transposed_sums([key_sum(qs, h, pages, pages8, page, hk, t0 + i) for i in range(LANES)], _hadd)
+
+        def scores8_q8(codes, q_abs, q_scale, k_scale, h, pages8, page, hk, t0):
+            """float32x8: the scores of keys ``t0 .. t0 + 7`` of a q8_0 page of KV head ``hk`` against query head
+            ``h``'s codes: per block the 8 keys' int32 sums (``block_dot``, transposed by ``vphaddd``) converted
+            once and scaled by ``q_scale[h, b] * k_scale[hk, b, t]``, the blocks summed as a tree."""
+            parts = []
+            for b in range(d // Q8_BLOCK):
+                sums = [block_dot(q_abs.vload([h, b * Q8_BLOCK], "uint8x32"), codes.vload([h, b * Q8_BLOCK], "int8x32"),
+                                  pages8.vload([page, 0, hk // 2, t0 + i, hk % 2 * d + b * Q8_BLOCK], "int8x32"), vnni)
+                        for i in range(LANES)]
+                parts.append(T.Cast(f"float32x{LANES}", transposed_sums(sums, _hadd_int))
+                             * (T.broadcast(q_scale[h, b], LANES) * k_scale[hk, b, T.ramp(t0, 1, LANES)]))
+            return tree_sum(parts)
 
         def weighted_rows(s, h, pages, pages8, page, hk, t0, blk):
-            """float32x8: lanes ``blk * 8 ..`` of ``sum_t s[h, t] v[t]`` over value rows ``t0 .. t0 + 7`` (a q8_0
-            row's scale folded into its weight)."""
-            def weight(t):
-                if not layout.quantized:
-                    return s[h, t0 + t]
-                return s[h, t0 + t] * layout.scale(pages, lambda r, o: [page, 1, r, t0 + t, o], hk, blk * LANES)
-
-            return tree_sum([T.broadcast(weight(t), LANES) * layout.raw(
+            """float32x8: lanes ``blk * 8 ..`` of ``sum_t s[h, t] v[t]`` over value rows ``t0 .. t0 + 7`` (float
+            caches)."""
+            return tree_sum([T.broadcast(s[h, t0 + t], LANES) * layout.raw(
                 pages, pages8, lambda r, o: [page, 1, r, t0 + t, o], hk, blk * LANES) for t in range(LANES)])
 
+        def masked(scores, p, half, first_key, valid):
+            """float32x8: tile ``half`` of page ``p``'s scores, capped, ``NO_SCORE`` past ``valid`` slots and
+            outside the window."""
+            return T.Select(T.ramp(half * LANES, 1, LANES) < T.broadcast(valid, LANES),
+                            in_window(T.ramp(p * PAGE_SIZE + half * LANES, 1, LANES), first_key, window, LANES,
+                                      soft_capped(scores, softcap, LANES)),
+                            T.broadcast(T.float32(NO_SCORE), LANES))
+
         @T.macro
-        def one_page(src, src8, page, p, first_key, valid, qs, acc, s, vec, h4, red, run):
-            """Page ``page`` of ``src`` (its first ``valid`` slots; the row's page ``p``): the scores of every query
-            head (its scaled q in 8 registers, the key rows from L1; capped, and masked outside the window), then the
-            online softmax of every head (independent chains that the CPU overlaps), then the values of every head."""
+        def partial_values(src, src8, page, valid, acc, s, run):
+            """The values of the sequence's last page, partly filled (the slots past it may hold anything)."""
+            for h in range(h_q):
+                for j in T.vectorized(d):
+                    acc[h, j] = acc[h, j] * run[2, h]
+                for t in range(valid):
+                    for j in T.vectorized(d):
+                        acc[h, j] = acc[h, j] + s[h, t] * layout.value(
+                            src, src8, lambda r, o: [page, 1, r, t, o], h // group, j)
+
+        @T.macro
+        def one_page(src, src8, page, p, first_key, valid, qs, codes, q_abs, q_scale, k_scale, weights, values, row,
+                     acc, s, vec, h4, red, run):
+            """Page ``page`` of a float cache ``src`` (its first ``valid`` slots; the row's page ``p``): the scores of
+            every query head (its scaled q in 8 registers, the key rows from L1; capped, and masked outside the
+            window), then the online softmax of every head (independent chains that the CPU overlaps), then the
+            values of every head."""
             for h in range(h_q):
                 for half in T.unroll(PAGE_SIZE // LANES):
-                    s[h, T.ramp(half * LANES, 1, LANES)] = T.Select(
-                        T.ramp(half * LANES, 1, LANES) < T.broadcast(valid, LANES),
-                        in_window(T.ramp(p * PAGE_SIZE + half * LANES, 1, LANES), first_key, window, LANES,
-                                  soft_capped(scores8(qs, h, src, src8, page, h // group, half * LANES), softcap,
-                                              LANES)),
-                        T.broadcast(T.float32(NO_SCORE), LANES))
+                    s[h, T.ramp(half * LANES, 1, LANES)] = masked(
+                        scores8(qs, h, src, src8, page, h // group, half * LANES), p, half, first_key, valid)
             for h in range(h_q):
                 fold_scores(s, vec, run, h, h, h4, red)
-            for h in range(h_q):
-                hk: T.let = h // group
-                if valid == PAGE_SIZE:  # a full page: 8 weights broadcast into registers, 8 value rows per FMA tree
+            if valid == PAGE_SIZE:  # a full page: 8 weights broadcast into registers, 8 value rows per FMA tree
+                for h in range(h_q):
                     for half in T.unroll(PAGE_SIZE // LANES):
                         for blk in T.unroll(blocks):
                             acc[h, T.ramp(blk * LANES, 1, LANES)] = (
                                 acc[h, T.ramp(blk * LANES, 1, LANES)]
                                 * T.broadcast(T.Select(half == 0, run[2, h], T.float32(1)), LANES)
-                                + weighted_rows(s, h, src, src8, page, hk, half * LANES, blk))
-                else:  # the sequence's last page, partly filled (the slots past it may hold anything)
-                    for j in T.vectorized(d):
-                        acc[h, j] = acc[h, j] * run[2, h]
-                    for t in range(valid):
-                        for j in T.vectorized(d):
-                            acc[h, j] = acc[h, j] + s[h, t] * layout.value(
-                                src, src8, lambda r, o: [page, 1, r, t, o], hk, j)
+                                + weighted_rows(s, h, src, src8, page, h // group, half * LANES, blk))
+            else:
+                partial_values(src, src8, page, valid, acc, s, run)
+
+        @T.macro
+        def scales_of(src, page, kv, k_scale):
+            """``k_scale[hk, b, t]``: the q8_0 scales of block ``b`` of KV head ``hk``'s keys (``kv`` 0) or values
+            (1) in the 16 slots of page ``page``."""
+            for hk in T.unroll(h_kv):
+                for b in T.unroll(d // Q8_BLOCK):
+                    for t in T.vectorized(PAGE_SIZE):  # strided float16 loads, one conversion per 8
+                        k_scale[hk, b, t] = layout.scale(src, lambda r, o: [page, kv, r, t, o], hk, b * Q8_BLOCK)
+
+        @T.macro
+        def one_page_q8(src, src8, page, p, first_key, valid, qs, codes, q_abs, q_scale, k_scale, weights, values,
+                        row, acc, s, vec, h4, red, run):
+            """``one_page`` for a q8_0 cache: integer-dot scores (the class doc); with a full page, each value row
+            widened once for the query heads of its KV head and added with their weights times its scale."""
+            scales_of(src, page, 0, k_scale)
+            for h in range(h_q):
+                for half in T.unroll(PAGE_SIZE // LANES):
+                    s[h, T.ramp(half * LANES, 1, LANES)] = masked(
+                        scores8_q8(codes, q_abs, q_scale, k_scale, h, src8, page, h // group, half * LANES), p, half,
+                        first_key, valid)
+            for h in range(h_q):
+                fold_scores(s, vec, run, h, h, h4, red)
+            if valid == PAGE_SIZE:
+                scales_of(src, page, 1, k_scale)
+                for h in range(h_q):
+                    for b in range(d // Q8_BLOCK):
+                        for t in T.vectorized(PAGE_SIZE):
+                            weights[h, b, t] = s[h, t] * k_scale[h // group, b, t]
+                for hk in range(h_kv):
+                    for blk in T.unroll(blocks):
+                        for g in T.unroll(group):
+                            for lane in T.vectorized(LANES):
+                                values[g, lane] = acc[hk * group + g, blk * LANES + lane] * run[2, hk * group + g]
+                        for t in T.unroll(PAGE_SIZE):
+                            for lane in T.vectorized(LANES):
+                                row[lane] = T.Cast("float32", src8[page, 1, hk // 2, t, hk % 2 * d + blk * LANES
+                                                                   + lane])
+                            for g in T.unroll(group):
+                                for lane in T.vectorized(LANES):
+                                    values[g, lane] = values[g, lane] + weights[
+                                        hk * group + g, blk // (Q8_BLOCK // LANES), t] * row[lane]
+                        for g in T.unroll(group):
+                            for lane in T.vectorized(LANES):
+                                acc[hk * group + g, blk * LANES + lane] = values[g, lane]
+            else:
+                partial_values(src, src8, page, valid, acc, s, run)
+
+        attend_page = one_page_q8 if layout.quantized else one_page
 
         @T.macro
         def chunk(unit, q, q_row, n, first_key, first, tail_from, tail_first, page_values, pages, pages8, tail,
@@ -238,11 +354,19 @@ class RowAttention:
             page (a page of every head is contiguous: the chunk streams from memory in order, and the next page is
             prefetched while this one is read)."""
             qs = T.alloc_buffer((h_q, d), "float32", scope="local")
+            codes = T.alloc_buffer((h_q, d), "int8", scope="local")  # q8_0: the query's codes, scales
+            q_abs = T.alloc_buffer((h_q, d), "uint8", scope="local")
+            q_scale = T.alloc_buffer((h_q, q8_blocks), "float32", scope="local")
+            k_scale = T.alloc_buffer((h_kv, q8_blocks, PAGE_SIZE), "float32", scope="local")
+            weights = T.alloc_buffer((h_q, q8_blocks, PAGE_SIZE), "float32", scope="local")
+            values = T.alloc_buffer((group, LANES), "float32", scope="local")  # q8_0: value accumulators
+            row = T.alloc_buffer((LANES,), "float32", scope="local")
             acc = T.alloc_buffer((h_q, d), "float32", scope="local")
             s = T.alloc_buffer((h_q, PAGE_SIZE), "float32", scope="local")
             vec = T.alloc_buffer((h_q, LANES), "float32", scope="local")
             h4 = T.alloc_buffer((4,), "float32", scope="local")
             red = T.alloc_buffer((1,), "float32", scope="local")
+            amax = T.alloc_buffer((LANES,), "float32", scope="local")
             run = T.alloc_buffer((3, h_q), "float32", scope="local")  # running max, running sum, last rescale
             n_pages: T.let = (n + PAGE_SIZE - 1) // PAGE_SIZE
             p_first: T.let = T.min(T.max(first_key, 0) // PAGE_SIZE, n_pages)
@@ -256,16 +380,19 @@ class RowAttention:
                 for j in T.vectorized(d):
                     qs[h, j] = T.Cast("float32", q[q_row, h, j]) * (scale * T.float32(LOG2E))
                     acc[h, j] = T.float32(0)
+                if layout.quantized:
+                    quantise_query(qs, h, codes, q_abs, q_scale, amax, d)
             for p in range(p_begin, p_end):
                 valid: T.let = T.min(PAGE_SIZE, n - p * PAGE_SIZE)
                 if p < tail_from:
                     if p + 1 < cached_end:
                         for line in range(page_lines):
                             prefetch(pages, page_values[first + p + 1], line)
-                    one_page(pages, pages8, page_values[first + p], p, first_key, valid, qs, acc, s, vec, h4, red, run)
+                    attend_page(pages, pages8, page_values[first + p], p, first_key, valid, qs, codes, q_abs, q_scale,
+                                k_scale, weights, values, row, acc, s, vec, h4, red, run)
                 else:
-                    one_page(tail, tail8, tail_first + p - tail_from, p, first_key, valid, qs, acc, s, vec, h4, red,
-                             run)
+                    attend_page(tail, tail8, tail_first + p - tail_from, p, first_key, valid, qs, codes, q_abs,
+                                q_scale, k_scale, weights, values, row, acc, s, vec, h4, red, run)
             for h in range(h_q):
                 part_max[unit, h] = run[0, h]
                 part_sum[unit, h] = run[1, h]
@@ -303,16 +430,17 @@ class RowAttention:
 
 
 def decode_attention_kernel(h_kv: int, h_q: int, d: int, kv_dtype: str = "float32", softcap: float = 0.0,
-                            window: int = 0) -> tirx.PrimFunc:
+                            window: int = 0, vnni: bool = False) -> tirx.PrimFunc:
     """The decode attention kernel for ``h_q`` query heads over ``h_kv`` KV heads of size ``d`` (see the module
     doc): TVM's ``batch_decode_paged_kv`` signature; pages ``[max_pages, 2, heads, 16, d]``, q and the output
     with ``query_heads`` heads (the carried ones are not read, nor written), all of the cache's element type
     (``kv_layout.KVLayout``: float32 or float16, widened to float32 as they are loaded, F16C's ``vcvtph2ps``; q8_0
-    blocks, their int8 values widened and scaled). ``sm_scale`` carries the scale, the window switch and the exact
-    mode (``attention_mode.py``; a decode step is exact whichever: the verify forward may reach this kernel);
+    blocks: integer dot products with q quantised per block, ``RowAttention``; AVX2, ``vnni``: AVX512-VNNI's
+    ``vpdpbusd``, the same results). ``sm_scale`` carries the scale, the window switch and the exact mode
+    (``attention_mode.py``; a decode step is exact whichever: the verify forward may reach this kernel);
     ``softcap`` and ``window`` as the module doc says (0: none)."""
     layout = KVLayout(kv_dtype, h_kv, d)
-    rows = RowAttention(layout, h_q, softcap, window)
+    rows = RowAttention(layout, h_q, softcap, window, vnni)
     heads, dtype, stored = layout.query_heads(h_q), layout.dtype, layout.heads
     row_bytes = layout.row_bytes
 

@@ -253,6 +253,9 @@ def _build_into(source: _Source, model_hash: str, spec: TargetSpec, options: _Op
     llama = replace(LlamaSpec.from_model(model, weight_dtype, raw), int8_dot=has_int8_dot(features),
                     kv_dtype=kv_dtype, activation_bits=options.activation_bits, vnni=has_vnni(features))
     llama.kv_layout()  # refused here, before the compile, when the model's heads cannot take the cache's type
+    if llama.kv_layout().quantized and not llama.int8_dot:
+        raise ValueError(f"kv_dtype 'q8_0' needs a CPU with AVX2 (its attention scores are integer dot products); "
+                         f"target {target} has none: use kv_dtype 'float16'")
     formats = ", ".join(f"{kind} {fmt}" for kind, fmt in llama.formats)
     progress(f"loaded in {time.perf_counter() - started:.1f}s: {model.config.n_layers} layers, hidden "
              f"{model.config.hidden}, vocab {model.config.vocab}; weights: {formats}"

@@ -47,10 +47,11 @@ from .decode_attention import (
     first_visible,
     fold_scores,
     in_window,
+    quantise_query,
     reduce_lanes,
     soft_capped,
 )
-from .kv_layout import KVLayout
+from .kv_layout import Q8_BLOCK, KVLayout
 
 #: Query tokens per unit of work (times the query heads of a KV head: the rows sharing each key tile).
 QUERY_BLOCK = 8
@@ -60,11 +61,17 @@ TILE = PAGE_SIZE
 
 @T.macro
 def _attend_block(q, i0, rows_q, hk, group, d, limit, n_max, key, value, output, lse, scale, dtype, first_key,
-                  window, softcap):
+                  window, softcap, quantized, q8_blocks):
     """Rows (query token i0 + tq, head hk * group + g) for tq < rows_q, each seeing keys c < limit[tq] (and, with a
     ``window``, c >= first_key[tq]), against keys key(c, j) and values value(c, j) (float32) for c < n_max, the
-    scores scaled by ``scale`` and capped by ``softcap``; writes output and lse of those rows."""
+    scores scaled by ``scale`` and capped by ``softcap``; writes output and lse of those rows. ``quantized`` (a
+    q8_0 cache): the scaled q rounded through q8_0 blocks as the decode kernel quantises it (``quantise_query``,
+    ``q8_blocks`` of them), so that both kernels score with the same query."""
     qs = T.alloc_buffer((QUERY_BLOCK * group, d), "float32")
+    codes = T.alloc_buffer((QUERY_BLOCK * group, d), "int8", scope="local")
+    q_abs = T.alloc_buffer((QUERY_BLOCK * group, d), "uint8", scope="local")
+    q_scale = T.alloc_buffer((QUERY_BLOCK * group, q8_blocks), "float32", scope="local")
+    amax = T.alloc_buffer((LANES,), "float32", scope="local")
     acc = T.alloc_buffer((QUERY_BLOCK * group, d), "float32")
     s = T.alloc_buffer((QUERY_BLOCK * group, TILE), "float32")
     run = T.alloc_buffer((3, QUERY_BLOCK * group), "float32")  # running max, running sum, last rescale
@@ -79,6 +86,10 @@ def _attend_block(q, i0, rows_q, hk, group, d, limit, n_max, key, value, output,
             qs[r, j] = T.Cast("float32", q[i0 + r // group, hk * group + r % group, j]) * (
                 scale * T.float32(LOG2E))
             acc[r, j] = T.float32(0)
+        if quantized:
+            quantise_query(qs, r, codes, q_abs, q_scale, amax, d)
+            for j in T.vectorized(d):
+                qs[r, j] = T.Cast("float32", codes[r, j]) * q_scale[r, j // Q8_BLOCK]
     for tile in range((n_max + TILE - 1) // TILE):
         c0: T.let = tile * TILE
         in_tile: T.let = T.min(TILE, n_max - c0)
@@ -129,6 +140,7 @@ def ragged_prefill_kernel(h_kv: int, h_q: int, d: int, kv_dtype: str = "float32"
     group = check_heads(layout, h_q)
     check_options(softcap, window)
     heads, dtype, stored, row_bytes = layout.query_heads(h_q), layout.dtype, layout.heads, layout.row_bytes
+    q8_blocks = max(1, d // Q8_BLOCK)
 
     @T.prim_func(private=True)
     def attention_prefill_ragged(
@@ -179,13 +191,14 @@ def ragged_prefill_kernel(h_kv: int, h_q: int, d: int, kv_dtype: str = "float32"
                     _attend_block(q, q_indptr[b] + blk * QUERY_BLOCK, rows_q, hk, group, d, limit, n_max,
                                   lambda c, x: layout.value(k, k8, lambda r, o: [kv0 + c, r, o], hk, x),
                                   lambda c, x: layout.value(v, v8, lambda r, o: [kv0 + c, r, o], hk, x),
-                                  output, lse, attention_mode.scale(sm_scale), dtype, first_key, window, softcap)
+                                  output, lse, attention_mode.scale(sm_scale), dtype, first_key, window, softcap,
+                                  layout.quantized, q8_blocks)
 
     return attention_prefill_ragged
 
 
 def paged_prefill_kernel(h_kv: int, h_q: int, d: int, kv_dtype: str = "float32", softcap: float = 0.0,
-                         window: int = 0) -> tirx.PrimFunc:
+                         window: int = 0, vnni: bool = False) -> tirx.PrimFunc:
     """New tokens against the cached ones in the pages: the ``tir_attention_prefill_cpu`` slot of the KV cache.
 
     In the exact mode (``attention_mode.exact``: the verify forward, windowed layers too) each row is computed by
@@ -194,11 +207,13 @@ def paged_prefill_kernel(h_kv: int, h_q: int, d: int, kv_dtype: str = "float32",
     token: ``k_rope_pos_offset[b] + kv_b == q_rope_position[q_indptr[b]]``), the row also sees its sequence's new
     tokens up to itself, read from the carried heads of ``q`` (``KVLayout.query_heads``) and laid out in pages as a
     decode step finds them (the cache appends them after the attention); the ragged kernel's part is then empty.
-    Otherwise (a block its sequence shares with others, or none) every row sees the block's keys."""
+    Otherwise (a block its sequence shares with others, or none) every row sees the block's keys. ``vnni``: the
+    exact mode's q8_0 scores by AVX512-VNNI (``RowAttention``; the same results)."""
     layout = KVLayout(kv_dtype, h_kv, d)
     group = check_heads(layout, h_q)
     heads, dtype, stored, row_bytes = layout.query_heads(h_q), layout.dtype, layout.heads, layout.row_bytes
-    rows = RowAttention(layout, h_q, softcap, window)
+    q8_blocks = max(1, d // Q8_BLOCK)
+    rows = RowAttention(layout, h_q, softcap, window, vnni)
 
     @T.macro
     def entry(b, q_indptr, page_indptr, length_info, k_rope_pos_offset, q_rope_position, info):
@@ -324,7 +339,8 @@ def paged_prefill_kernel(h_kv: int, h_q: int, d: int, kv_dtype: str = "float32",
                                       page_values[first + c // PAGE_SIZE], 0, r, c % PAGE_SIZE, o], hk, x),
                                   lambda c, x: layout.value(pages, pages8, lambda r, o: [
                                       page_values[first + c // PAGE_SIZE], 1, r, c % PAGE_SIZE, o], hk, x),
-                                  output, lse, attention_mode.scale(sm_scale), dtype, first_key, window, softcap)
+                                  output, lse, attention_mode.scale(sm_scale), dtype, first_key, window, softcap,
+                                  layout.quantized, q8_blocks)
 
     return attention_prefill_paged
 

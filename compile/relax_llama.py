@@ -134,7 +134,8 @@ class LlamaSpec:
     #: the bits of the packed Q4_1 matmuls' activation codes (``packed_matvec.ACTIVATION_BITS``)
     activation_bits: int = DEFAULT_ACTIVATION_BITS
     #: the target has AVX512-VNNI (``packed_matvec.has_vnni``): the packed Q4_1 matmuls' VNNI tile (the same
-    #: outputs, fewer instructions) and a packed Q8_0 output head (``packed``)
+    #: outputs, fewer instructions), a packed Q8_0 output head (``packed``) and a q8_0 KV cache's integer scores
+    #: by ``vpdpbusd`` (``decode_attention.RowAttention``, the same outputs)
     vnni: bool = False
     #: the MLP's gate activation (``model_family.Activation`` value: ``silu`` or ``gelu_pytorch_tanh``)
     activation: str = "silu"
@@ -609,5 +610,6 @@ def export_llama(spec: LlamaSpec, target: tvm.target.Target) -> tuple[tvm.IRModu
     with target:
         mod, named_params = module.export_tvm(spec=module.export_spec())
     mod = replace_attention_kernels(mod, spec.n_kv_heads, spec.n_heads, spec.head_dim, spec.inverse_frequencies(),
-                                    spec.kv_dtype, spec.rope_attention_factor, spec.attn_softcap, spec.sliding_window)
+                                    spec.kv_dtype, spec.rope_attention_factor, spec.attn_softcap, spec.sliding_window,
+                                    spec.vnni)
     return mod, [name for name, _ in named_params]

@@ -27,7 +27,8 @@ model has one; then ``cap * tanh(logits / cap)`` with ``config.final_softcap``).
 taken from the GGUF metadata are Python numbers, which NumPy 2 does not let promote float32 arrays to float64.
 
 ``kv_dtype="float16"`` rounds q, k and v to float16 before RoPE, q and k again after it, and the attention's output
-(``"q8_0"`` as float16, but k after RoPE and v go through q8_0 blocks: ``q8_0_roundtrip``),
+(``"q8_0"`` as float16, but k after RoPE and v go through q8_0 blocks, ``q8_0_roundtrip``, and the attention scores
+q through q8_0 blocks too, as llama.cpp and the kernels do: ``q8_0_query``),
 as the compiled model's float16 KV cache does; ``"float32"`` (the default, as the compiled model's) keeps everything
 float32. ``activation_bits=8`` (or 16) rounds the input of every layer matmul (q/k/v, o, gate/up, down) to 8-bit
 (16-bit) codes in blocks of 32 as the compiled model's packed Q4_1 kernels do on AVX2 CPUs
@@ -45,7 +46,7 @@ import numpy as np
 from logitproc.compile.families import family_named
 from logitproc.compile.gguf_model import GGUFModel, load_default_model, load_gguf
 from logitproc.compile.model_family import Activation, NormPlacement
-from logitproc.compile.packed_matvec import ACTIVATION_BITS, round_activations
+from logitproc.compile.packed_matvec import ACTIVATION_BITS, quantise_activations, round_activations
 from logitproc.compile.relax_llama import DEFAULT_KV_DTYPE, KV_DTYPES
 from logitproc.runtime.kernel_library import KernelLibrary
 
@@ -104,6 +105,19 @@ def q8_0_roundtrip(x: np.ndarray) -> np.ndarray:
     y = (blocks * inverse.astype(np.float32)).astype(np.float32)
     q = np.trunc(y + np.where(y < 0, np.float32(-0.5), np.float32(0.5))).astype(np.float32)
     return (q * scale.astype(np.float16).astype(np.float32)).reshape(x.shape)
+
+
+def q8_0_query(q: np.ndarray, sm_scale: float) -> np.ndarray:
+    """``q`` (float32, last axis a multiple of 32) as the attention kernels score it on a q8_0 cache: the scaled
+    query ``q * sm_scale * log2(e)`` (float32) in q8_0 blocks, quantised as the packed matmuls quantise activations
+    (``packed_matvec.quantise_activations``: ``compile/decode_attention.py``'s ``quantise_query``), unscaled again."""
+    if not q.size:
+        return q.astype(np.float32)
+    factor = np.float32(sm_scale) * np.float32(np.log2(np.e))
+    x = (q.astype(np.float32) * factor).reshape(-1, q.shape[-1])
+    codes, scales = quantise_activations(x, 8)
+    held = codes.reshape(x.shape[0], -1, 32).astype(np.float32) * scales[:, :, None]
+    return (held.reshape(q.shape) / factor).astype(np.float32)
 
 
 class NumpyLlama:
@@ -229,6 +243,8 @@ class NumpyLlama:
                 q, k = rms_norm(q, q_norm, self._eps), rms_norm(k, k_norm, self._eps)
             cos, sin = tables[layer]
             q = self._round_kv(apply_rope(self._round_kv(q), cos, sin))
+            if self.kv_dtype == "q8_0":
+                q = q8_0_query(q, self._scale)
             k = self._store_kv(apply_rope(self._round_kv(k), cos, sin))
             v = self._store_kv(self._round_kv((h @ wv.T + bv).reshape(n_tok, n_kv, d)))
             self._k_cache[layer, :, start:end] = k.transpose(1, 0, 2)

@@ -1,8 +1,9 @@
 """The KV cache's attention kernels (``compile/decode_attention.py``, ``compile/prefill_attention.py``) against a
 numpy attention on awkward sizes: contexts not a multiple of the page size or of a chunk, one token, partly filled
 pages, several sequences of different lengths (one with no pages), pages scattered over the cache, GQA with 9 query
-heads over 3 KV heads; float32 and float16 caches. Outputs and base-2 log-sum-exps are compared, as the cache's
-merge uses both."""
+heads over 3 KV heads (and 6 over 3 of 128 on a q8_0 cache); float32, float16 and q8_0 caches (q8_0: the query
+quantised as the kernels do, ``numpy_llama.q8_0_query``). Outputs and base-2 log-sum-exps are compared, as the
+cache's merge uses both."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ import tvm
 from logitproc.compile import attention_mode
 from logitproc.compile.decode_attention import MIN_PAGES, PAGE_SIZE, SERIAL_PAGES, SPLITS, decode_attention_kernel
 from logitproc.compile.kv_layout import KVLayout
+from logitproc.compile.packed_matvec import has_vnni
 from logitproc.compile.prefill_attention import QUERY_BLOCK, paged_prefill_kernel, ragged_prefill_kernel
-from logitproc.runtime.targets import resolve_target
-from logitproc.serve.numpy_llama import q8_0_roundtrip
+from logitproc.runtime.targets import build_features, resolve_target
+from logitproc.serve.numpy_llama import q8_0_query, q8_0_roundtrip
 
 H_Q, H_KV, D = 9, 3, 64
 DTYPES = ["float32", "float16", "q8_0"]
@@ -58,11 +60,11 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, visible: list[int]) -
     output and the base-2 log-sum-exp (0 and -5e4 for a query that sees nothing)."""
     out = np.zeros(q.shape, np.float64)
     lse = np.full(q.shape[:2], EMPTY_LSE)
-    group = H_Q // H_KV
+    group = q.shape[1] // k.shape[1]
     for i, n in enumerate(visible):
         if n <= 0:
             continue
-        for h in range(H_Q):
+        for h in range(q.shape[1]):
             s = k[:n, h // group].astype(np.float64) @ q[i, h] * SM_SCALE * math.log2(math.e)
             w = np.exp2(s - s.max())
             out[i, h] = w @ v[:n, h // group] / w.sum()
@@ -94,14 +96,15 @@ def store(x: np.ndarray, kv_dtype: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 class PagedCache:
-    """Sequences of the given lengths in a cache of scattered pages ``[pages, 2, heads, 16, D]`` of ``kv_dtype``,
+    """Sequences of the given lengths in a cache of scattered pages ``[pages, 2, heads, 16, d]`` of ``kv_dtype``,
     with the page table arrays the kernels read (unused pages hold garbage, so reading past a sequence shows)."""
 
     def __init__(self, lengths: list[int], rng: np.random.Generator, spare_pages: int = 5,
-                 dtype: str = "float32", poison: bool = False) -> None:
+                 dtype: str = "float32", poison: bool = False, h_kv: int = H_KV, d: int = D) -> None:
         counts = [(n + PAGE_SIZE - 1) // PAGE_SIZE for n in lengths]
         total = sum(counts) + spare_pages
-        raw = (rng.standard_normal((total, 2, PAGE_SIZE, H_KV, D)) * 3).astype(np.float32)
+        self.h_kv, self.d = h_kv, d
+        raw = (rng.standard_normal((total, 2, PAGE_SIZE, h_kv, d)) * 3).astype(np.float32)
         rows, self.held = store(raw, dtype)  # [total, 2, 16, heads, D], [total, 2, 16, H_KV, D]
         self.pages = np.ascontiguousarray(rows.transpose(0, 1, 3, 2, 4))
         order = rng.permutation(total).astype(np.int32)
@@ -119,8 +122,8 @@ class PagedCache:
     def kv(self, b: int) -> tuple[np.ndarray, np.ndarray]:
         """Keys and values of sequence ``b`` as the cache holds them, ``[n, H_KV, D]`` each (float32)."""
         ids = self.values[self.indptr[b]: self.indptr[b + 1]]
-        k = self.held[ids, 0].reshape(-1, H_KV, D)[: self.lengths[b]]
-        v = self.held[ids, 1].reshape(-1, H_KV, D)[: self.lengths[b]]
+        k = self.held[ids, 0].reshape(-1, self.h_kv, self.d)[: self.lengths[b]]
+        v = self.held[ids, 1].reshape(-1, self.h_kv, self.d)[: self.lengths[b]]
         return k, v
 
     def rows(self, b: int) -> tuple[np.ndarray, np.ndarray]:
@@ -146,6 +149,12 @@ def element(kv_dtype: str) -> str:
 
 def queries(rng: np.random.Generator, n: int, kv_dtype: str) -> np.ndarray:
     return rng.standard_normal((n, H_Q, D)).astype(element(kv_dtype))
+
+
+def seen(q: np.ndarray, kv_dtype: str) -> np.ndarray:
+    """The query as the kernels score it: on a q8_0 cache through q8_0 blocks (``numpy_llama.q8_0_query``, the
+    kernels' quantisation exactly: the reference then differs only by float32 rounding), else ``q`` itself."""
+    return q8_0_query(q.astype(np.float32), SM_SCALE) if kv_dtype == "q8_0" else q
 
 
 def carried(q: np.ndarray, kv_dtype: str, k: np.ndarray | None = None, v: np.ndarray | None = None) -> np.ndarray:
@@ -205,7 +214,7 @@ def test_decode_attention_matches_numpy(decode, lengths: list[int]) -> None:
     want_lse = np.zeros((b, H_Q))
     for i, n in enumerate(lengths):
         k, v = cache.kv(i)
-        want_out[i], want_lse[i] = (x[0] for x in attention(q[i: i + 1], k, v, [n]))
+        want_out[i], want_lse[i] = (x[0] for x in attention(seen(q[i: i + 1], dtype), k, v, [n]))
     check(out, lse, want_out, want_lse, dtype)
 
 
@@ -235,7 +244,7 @@ def test_paged_prefill_matches_numpy(paged_prefill, new: list[int], cached: list
     for b, n in enumerate(new):
         k, v = cache.kv(b)
         rows = slice(q_indptr[b], q_indptr[b + 1])
-        want_out[rows], want_lse[rows] = attention(q[rows], k, v, [cached[b]] * n)
+        want_out[rows], want_lse[rows] = attention(seen(q[rows], dtype), k, v, [cached[b]] * n)
     check(out, lse, want_out, want_lse, dtype)
 
 
@@ -260,7 +269,7 @@ def test_ragged_prefill_is_causal_attention(ragged_prefill, new: list[int]) -> N
     want_out, want_lse = np.zeros((total, H_Q, D)), np.zeros((total, H_Q))
     for b, n in enumerate(new):
         rows = slice(indptr[b], indptr[b + 1])
-        want_out[rows], want_lse[rows] = attention(q[rows], k[rows], v[rows], list(range(1, n + 1)))
+        want_out[rows], want_lse[rows] = attention(seen(q[rows], dtype), k[rows], v[rows], list(range(1, n + 1)))
     check(out, lse, want_out, want_lse, dtype)
 
 
@@ -348,7 +357,7 @@ def test_exact_mode_rows_are_decode_steps_bit_for_bit(decode_and_paged, cached: 
     for b, n in enumerate(new):
         k, v = full.kv(b)
         sl = slice(q_indptr[b], q_indptr[b + 1])
-        want_out[sl], want_lse[sl] = attention(q[sl], k, v, [cached[b]] * n)
+        want_out[sl], want_lse[sl] = attention(seen(q[sl], dtype), k, v, [cached[b]] * n)
     check(out, lse, want_out, want_lse, dtype)
 
 
@@ -364,6 +373,41 @@ def test_ragged_exact_mode_leaves_the_rows_to_the_paged_kernel(ragged_prefill) -
     ragged_prefill(tensor(carried(q, dtype, k, v)), tensor(indptr), tensor(k), tensor(v), tensor(indptr),
                    tensor(np.zeros(7, np.int32)), tensor(np.zeros(2, np.int32)), out, lse, 1, 0, 1.0, 10000.0, EXACT)
     assert not out.numpy().any() and (lse.numpy() == EMPTY_LSE).all()
+
+
+WIDE_Q, WIDE_KV, WIDE_D = 6, 3, 128
+
+
+def test_q8_0_decode_with_heads_of_128_matches_numpy_and_vnni_gives_the_same_bits() -> None:
+    """Heads of 128 (four q8_0 blocks; 3 KV heads, so a head's values straddle the cache's rows) against numpy on
+    several odd lengths; on a CPU with AVX512-VNNI the ``vpdpbusd`` kernel gives the AVX2 kernel's outputs bit for
+    bit (the same integer block sums)."""
+    rng = np.random.default_rng(128)
+    lengths = [1, 15, 37, 300, 0, 16 * SPLITS * MIN_PAGES + 3]
+    cache = PagedCache(lengths, rng, dtype="q8_0", poison=True, h_kv=WIDE_KV, d=WIDE_D)
+    layout = KVLayout("q8_0", WIDE_KV, WIDE_D)
+    q = rng.standard_normal((len(lengths), WIDE_Q, WIDE_D)).astype(np.float16)
+    q_all = np.concatenate([q, np.full((len(lengths), 2 * layout.heads, WIDE_D), np.nan, np.float16)], axis=1)
+    zeros = tensor(np.zeros(len(lengths), np.int32))
+    vnni = has_vnni(build_features(resolve_target("cpu").tvm_target()))
+    results = []
+    for with_vnni in (False, True) if vnni else (False,):
+        out = tensor(np.full((len(lengths), layout.query_heads(WIDE_Q), WIDE_D), np.nan, np.float16))
+        lse = tensor(np.full((len(lengths), layout.query_heads(WIDE_Q)), np.nan, np.float32))
+        compiled(decode_attention_kernel(WIDE_KV, WIDE_Q, WIDE_D, "q8_0", vnni=with_vnni))(
+            tensor(q_all), *cache.args(), zeros, zeros, out, lse, 0, 1.0, 10000.0, SM_SCALE)
+        results.append((out.numpy()[:, :WIDE_Q], lse.numpy()[:, :WIDE_Q]))
+    want_out, want_lse = np.zeros((len(lengths), WIDE_Q, WIDE_D)), np.zeros((len(lengths), WIDE_Q))
+    for i, n in enumerate(lengths):
+        k, v = cache.kv(i)
+        want_out[i], want_lse[i] = (x[0] for x in attention(seen(q[i: i + 1], "q8_0"), k, v, [n]))
+    out, lse = results[0]
+    np.testing.assert_allclose(out.astype(np.float64), want_out, rtol=2.0**-11,
+                               atol=2e-5 * max(1.0, np.abs(want_out).max()))
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-4)
+    for other in results[1:]:
+        np.testing.assert_array_equal(other[0], out)
+        np.testing.assert_array_equal(other[1], lse)
 
 
 def test_decode_kernel_rejects_bad_head_counts() -> None:
