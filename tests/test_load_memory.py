@@ -17,9 +17,10 @@ import pytest
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "measure_load_memory.py"
 SHAPE = ["--hidden", "1024", "--layers", "4", "--vocab", "32000", "--ffn", "2816"]
-#: what the stage holds besides the weights: the Relax module, numpy's and the npz writer's buffers (measured: see
-#: docs/model.md, "Memory while compiling")
-MARGIN_MB = 100
+#: what the stage holds besides the weights: the Relax module, numpy's and the npz writer's buffers, memory the
+#: allocator keeps (measured 60 MB over stored + largest for the GGUF, once over 100 MB for the folder in a loaded
+#: run: docs/model.md, "Memory while compiling"); the eager loader's 549 MB stays above the bound (450 MB)
+MARGIN_MB = 150
 
 
 def _measure(model: Path, *flags: str) -> dict[str, float]:
