@@ -20,6 +20,7 @@ import family_models
 import numpy as np
 import pytest
 from family_models import CASES
+from greedy_rows import greedy_rows
 from logitproc.compile.gguf_model import load_gguf
 from logitproc.serve.compiled_model import CompiledModel
 from logitproc.serve.numpy_llama import NumpyLlama
@@ -80,11 +81,6 @@ def test_compiled_quantised_file_matches_the_numpy_reference(quantised, name: st
     path = quantised(name, "Q4_K_M")
     compiled = CompiledModel.open(path, kv_dtype="float32", max_num_sequences=2)
     assert not [f for f in compiled.weight_formats.values() if "float" in f], compiled.weight_formats
-    compiled.add_sequence(0)
-    rows = [compiled.prefill([0], [PROMPT])[0]]
-    tokens = list(PROMPT)
-    for _ in range(DECODE_STEPS):
-        tokens.append(int(rows[-1].argmax()))
-        rows.append(compiled.decode([0], [tokens[-1]])[0])
+    rows, tokens = greedy_rows(compiled, PROMPT, DECODE_STEPS)
     expected = NumpyLlama(load_gguf(path)).extend_all(tokens)[len(PROMPT) - 1:]
-    np.testing.assert_allclose(np.stack(rows), expected, atol=TOL, rtol=0)
+    np.testing.assert_allclose(rows, expected, atol=TOL, rtol=0)

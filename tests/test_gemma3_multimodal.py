@@ -25,6 +25,7 @@ import family_models
 import numpy as np
 import pytest
 from family_models import CASES
+from greedy_rows import greedy_rows
 from logitproc.compile.families.gemma3 import GEMMA3_TEXT_DEFAULTS
 from logitproc.compile.hf_config import config_from_hf
 from logitproc.compile.hf_model import load_hf_dir
@@ -105,14 +106,9 @@ def test_compiled_text_model_matches_transformers_over_greedy_decoding(multimoda
     model, folder = multimodal
     compiled = CompiledModel.open(folder, weight_dtype="float32", kv_dtype="float32", max_num_sequences=2)
     assert compiled.eos_token_ids[:2] == (2, 3)
-    compiled.add_sequence(0)
-    rows = [compiled.prefill([0], [PROMPT])[0]]
-    tokens = list(PROMPT)
-    for _ in range(DECODE_STEPS):
-        tokens.append(int(rows[-1].argmax()))
-        rows.append(compiled.decode([0], [tokens[-1]])[0])
+    rows, tokens = greedy_rows(compiled, PROMPT, DECODE_STEPS)
     expected = family_models.reference_logits(model, tokens)[len(PROMPT) - 1:]
-    np.testing.assert_allclose(np.stack(rows), expected, atol=TOL_COMPILED, rtol=0)
+    np.testing.assert_allclose(rows, expected, atol=TOL_COMPILED, rtol=0)
 
 
 def test_module_layout_and_a_sparse_text_config_read_the_same(multimodal, tmp_path: Path) -> None:

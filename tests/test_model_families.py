@@ -27,6 +27,7 @@ import family_models
 import numpy as np
 import pytest
 from family_models import CASES
+from greedy_rows import greedy_rows
 from logitproc.compile.families import FAMILIES, family_named
 from logitproc.compile.gguf_config import config_from_gguf
 from logitproc.compile.gguf_model import load_gguf
@@ -94,14 +95,9 @@ def test_compiled_model_matches_transformers_over_greedy_decoding(families, name
     compiled = CompiledModel.open(gguf_path if fmt == "gguf" else folder, weight_dtype="float32", kv_dtype="float32",
                                   max_num_sequences=2)
     assert compiled.eos_token_ids[:len(CASES[name].eos_ids)] == CASES[name].eos_ids
-    compiled.add_sequence(0)
-    rows = [compiled.prefill([0], [PROMPT])[0]]
-    tokens = list(PROMPT)
-    for _ in range(DECODE_STEPS):
-        tokens.append(int(rows[-1].argmax()))
-        rows.append(compiled.decode([0], [tokens[-1]])[0])
+    rows, tokens = greedy_rows(compiled, PROMPT, DECODE_STEPS)
     expected = family_models.reference_logits(model, tokens)[len(PROMPT) - 1:]
-    np.testing.assert_allclose(np.stack(rows), expected, atol=TOL_COMPILED, rtol=0)
+    np.testing.assert_allclose(rows, expected, atol=TOL_COMPILED, rtol=0)
 
 
 #: llama.cpp's ``phi3`` vocabulary loader looks up tokens of Phi-3's own vocabulary, which the tiny one lacks:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from greedy_rows import greedy_rows
 from logitproc.compile.gguf_model import load_gguf
 from logitproc.compile.llama_weights import dequantize_blocks, read_gguf_tensors
 from logitproc.compile.relax_llama import GGUF_FORMATS
@@ -57,13 +58,7 @@ def test_tiny_file_matches_numpy_and_llama_cpp(quantised, file_type: str) -> Non
     path = quantised("tiny", file_type)
     compiled = CompiledModel.open(path, kv_dtype="float32", max_num_sequences=2)
     assert not [f for f in compiled.weight_formats.values() if "float" in f], compiled.weight_formats
-    compiled.add_sequence(0)
-    rows = [compiled.prefill([0], [PROMPT])[0]]
-    tokens = list(PROMPT)
-    for _ in range(DECODE_STEPS):
-        tokens.append(int(rows[-1].argmax()))
-        rows.append(compiled.decode([0], [tokens[-1]])[0])
-    got = np.stack(rows)
+    got, tokens = greedy_rows(compiled, PROMPT, DECODE_STEPS)
     expected = NumpyLlama(load_gguf(path)).extend_all(tokens)[len(PROMPT) - 1:]
     assert 1.5 < expected.std() < 3
     np.testing.assert_allclose(got, expected, atol=TOL, rtol=0)
