@@ -1,11 +1,14 @@
 """A Hugging Face ``config.json`` (and ``generation_config.json``) read into a ``LlamaConfig`` through the model's
-``ModelFamily``; every key is either read, known not to change the maths, or refused naming it."""
+``ModelFamily`` (a multimodal checkpoint's: its text model's, ``hf_multimodal``); every key is either read, known not
+to change the maths, or refused naming it; a key left out takes the family's transformers default
+(``ModelFamily.hf_defaults``), else the common one of transformers' Llama."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from .families import family_for_hf
+from .hf_multimodal import multimodal_of, text_config
 from .model_config import LlamaConfig
 from .model_family import HF_COMMON_KEYS, HF_INERT_KEYS, ModelFamily
 from .rope import RopeScaling, rope_from_hf, rotary_dim_from_hf
@@ -33,6 +36,16 @@ def _int(cfg: dict[str, Any], key: str, default: int | None = None) -> int:
 _WINDOW_KEYS = ("sliding_window", "use_sliding_window", "layer_types", "max_window_layers")
 #: a layer's attention kind in ``layer_types`` (the sliding ones for a family with ``window_pattern``)
 _LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+#: keys that spell a RoPE base the transformers 4 way: a family's defaults for them apply without ``rope_parameters``
+_LEGACY_ROPE_KEYS = ("rope_theta", "rope_local_base_freq")
+
+
+def _with_defaults(cfg: dict[str, Any], family: ModelFamily) -> dict[str, Any]:
+    """``cfg`` with the family's defaults (``ModelFamily.hf_defaults``) for the keys it leaves out."""
+    spelled = "rope_parameters" in cfg
+    return {**{k: v for k, v in family.hf_defaults.items() if not (spelled and k in _LEGACY_ROPE_KEYS)}, **cfg}
 
 
 def _check_keys(cfg: dict[str, Any], family: ModelFamily) -> None:
@@ -152,6 +165,10 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None
     if not isinstance(architectures, list) or len(architectures) != 1:
         raise ValueError(f"config.json: architectures must name one class, got {architectures!r}")
     family = family_for_hf(architectures[0])
+    wrapper = multimodal_of(cfg, family)
+    if wrapper is not None:
+        cfg = text_config(cfg, family, wrapper)
+    cfg = _with_defaults(cfg, family)
     _check_keys(cfg, family)
     n_heads = _int(cfg, "num_attention_heads")
     hidden = _int(cfg, "hidden_size")
@@ -172,7 +189,7 @@ def config_from_hf(cfg: dict[str, Any], generation: dict[str, Any] | None = None
         raise ValueError(f"config.json: {n_heads} attention heads are not a multiple of {n_kv} KV heads")
     n_layers = _int(cfg, "num_hidden_layers")
     window_layers, window = _windows(cfg, family, n_layers)
-    context, context_limit, all_layers, all_window = _context(cfg, rope, family, architectures[0], n_layers)
+    context, context_limit, all_layers, all_window = _context(cfg, rope, family, cfg["architectures"][0], n_layers)
     if all_layers:
         window_layers, window = all_layers, all_window
     query_scalar = _positive_number(cfg, "query_pre_attn_scalar")

@@ -11,7 +11,10 @@ own: its JSON rides along in ``metadata["tokenizer.huggingface.json"]`` (the com
 vocabulary and merges are also unpacked into ``tokens``/``merges``.
 
 Safetensors are read one tensor at a time with the ``safetensors`` library's numpy API (F32, F16 and BF16:
-``ml_dtypes`` gives numpy its bfloat16); a tensor the family does not have is refused, as is a missing one.
+``ml_dtypes`` gives numpy its bfloat16); a tensor the family does not have is refused, as is a missing one. A
+multimodal checkpoint (``ModelFamily.hf_multimodal``: Gemma 3's ``Gemma3ForConditionalGeneration``) gives its text
+model (``hf_multimodal``: the config's ``text_config``, the tensors under the language model's prefix); the image
+side's tensors are skipped with one line on stderr (their count and size).
 
 ``write_hf_dir(model, path)`` writes a ``GGUFModel`` back out in this format (used to test the loader).
 """
@@ -21,6 +24,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,18 +35,25 @@ from .families import family_named
 from .gguf_model import GGUFModel, build_tokenizer
 from .gguf_tensors import LazyWeights
 from .hf_config import config_from_hf
+from .hf_multimodal import multimodal_of, text_tensor_name
+
+#: the safetensors dtypes read (others are refused), and the bytes per value of every dtype (for the skipped size)
+_READ_DTYPES = ("F32", "F16", "BF16")
+_DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
+                "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 
 GENERATION_CONFIG = "generation_config.json"
 
 
 def hf_files(directory: str | os.PathLike[str]) -> list[Path]:
-    """The files a checkpoint directory's model depends on: config, tokenizer files and the safetensors."""
+    """The files a checkpoint directory's model depends on (its build's hash): config, tokenizer and chat template
+    files and the safetensors."""
     path = Path(directory)
     files = [path / "config.json", path / "tokenizer.json"]
     for file in files:
         if not file.is_file():
             raise FileNotFoundError(f"{path} is not a Hugging Face model directory: {file.name} is missing")
-    for optional in ("tokenizer_config.json", GENERATION_CONFIG):
+    for optional in ("tokenizer_config.json", GENERATION_CONFIG, "chat_template.jinja", "chat_template.json"):
         if (path / optional).is_file():
             files.append(path / optional)
     tensors = sorted(path.glob("*.safetensors"))
@@ -51,19 +62,16 @@ def hf_files(directory: str | os.PathLike[str]) -> list[Path]:
     return files + tensors
 
 
-def _safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    """The tensors of a ``.safetensors`` file by name -> shape (its header only); a dtype other than F32/F16/BF16
-    is refused."""
+def _safetensors_tensors(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """The tensors of a ``.safetensors`` file by name -> (dtype, shape), from its header."""
     from safetensors import safe_open
 
-    shapes = {}
+    tensors = {}
     with safe_open(str(path), framework="np") as handle:
         for name in handle.keys():  # noqa: SIM118  (a safe_open handle is not a mapping)
             info = handle.get_slice(name)
-            if info.get_dtype() not in ("F32", "F16", "BF16"):
-                raise ValueError(f"{path.name}: tensor {name} has dtype {info.get_dtype()} (F32, F16, BF16 only)")
-            shapes[name] = tuple(info.get_shape())
-    return shapes
+            tensors[name] = (info.get_dtype(), tuple(info.get_shape()))
+    return tensors
 
 
 def read_safetensor(path: Path, name: str, rows: slice = slice(None)) -> np.ndarray:
@@ -126,24 +134,35 @@ def load_hf_dir(directory: str | os.PathLike[str]) -> GGUFModel:
     tokens, token_types, merges = _vocabulary(json.loads(tokenizer_text))
 
     names = family.hf_to_gguf_names(config.n_layers)
+    wrapper = multimodal_of(cfg, family)
     loaders: dict[str, Callable[[], np.ndarray]] = {}
+    skipped: list[int] = []  # the image side's tensors (a multimodal checkpoint): their sizes in bytes
     for file in files:
         if file.suffix != ".safetensors":
             continue
-        for name, shape in _safetensors_shapes(file).items():
+        for stored, (dtype, shape) in _safetensors_tensors(file).items():
+            name = stored if wrapper is None else text_tensor_name(stored, wrapper)
+            if name is None:
+                skipped.append(int(np.prod(shape)) * _DTYPE_BYTES.get(dtype, 0))
+                continue
             if name not in names:
-                raise ValueError(f"{path.name}: tensor {name} is not part of the {family.name} family")
+                raise ValueError(f"{path.name}: tensor {stored} is not part of the {family.name} family")
+            if dtype not in _READ_DTYPES:
+                raise ValueError(f"{file.name}: tensor {stored} has dtype {dtype} (F32, F16, BF16 only)")
             config.check_shape(name, names[name], shape, file.name)
             if names[name] == ("output.weight",) and config.tied_embeddings:
                 continue  # a copy of the embedding
             start = 0
             for part in names[name]:  # a fused tensor's canonical parts, by rows (else the tensor itself)
                 rows = None if len(names[name]) == 1 else config.tensor_shape(part)[0]
-                loaders[part] = functools.partial(read_safetensor, file, name,
+                loaders[part] = functools.partial(read_safetensor, file, stored,
                                                   slice(start, None if rows is None else start + rows))
                 if family.hf_norm_offset and part.endswith("norm.weight"):  # Gemma's (1 + w): canonical w + 1
                     loaders[part] = functools.partial(_offset, loaders[part], family.hf_norm_offset)
                 start += rows or 0
+    if wrapper is not None:
+        print(f"{path.name}: {wrapper.architecture}: its text model only; {len(skipped)} image-side tensors "
+              f"({sum(skipped) / 1e6:.1f} MB) skipped (images are not supported)", file=sys.stderr)
     weights = LazyWeights(loaders)
     expected = set(family.tensor_names(config.n_layers, config.tied_embeddings))
     if set(weights) != expected:

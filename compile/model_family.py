@@ -5,11 +5,12 @@ A family is what differs between the decoders this project runs: the optional q/
 of q and k (QK-norm), whether llama.cpp stores q/k rows permuted for adjacent-pair RoPE, the MLP's activation (SiLU
 or gelu-tanh), where the norms sit (before, or before and after: Gemma), ``(1 + w)`` norms stored as ``w`` by
 Hugging Face, the scaled embedding, per-layer sliding windows and a local RoPE (Gemma 2/3), the tensor names in
-Hugging Face checkpoints, and the ``config.json`` / GGUF keys the family understands. Numbers (attention scale,
-soft-caps, windows) are the config's (``LlamaConfig``). Everything else is shared (``docs/model.md``): RMSNorm blocks,
-a gated MLP, RoPE rotating the two halves of each head, grouped-query attention, an optional separate output head. A
-family is one small file in ``compile/families/`` naming a ``ModelFamily``; ``compile/families/__init__.py`` lists
-them.
+Hugging Face checkpoints, the ``config.json`` / GGUF keys the family understands (with transformers' defaults for
+the keys a checkpoint leaves out), and a multimodal checkpoint class whose text model is read (Gemma 3). Numbers
+(attention scale, soft-caps, windows) are the config's (``LlamaConfig``). Everything else is shared
+(``docs/model.md``): RMSNorm blocks, a gated MLP, RoPE rotating the two halves of each head, grouped-query attention,
+an optional separate output head. A family is one small file in ``compile/families/`` naming a ``ModelFamily``;
+``compile/families/__init__.py`` lists them.
 
 Canonical weights: every loader gives tensors by llama.cpp's GGUF names (``token_embd.weight``,
 ``blk.{i}.attn_q.weight``, ...), ``[out, in]``, with q/k rows in Hugging Face's half-rotation order (a ``llama``
@@ -99,6 +100,25 @@ GGUF_COMMON_KEYS = frozenset({
 
 
 @dataclass(frozen=True)
+class MultimodalCheckpoint:
+    """A Hugging Face class holding a family's text model beside an image encoder (Gemma 3 4B-27B's
+    ``Gemma3ForConditionalGeneration``), of which only the text model is read (``compile/hf_multimodal.py``): its
+    ``config.json`` nests the text model's config under ``text_config``; its tensors name the text model under a
+    prefix that moved between transformers versions, and the image side's under prefixes of their own (skipped)."""
+
+    #: ``architectures[0]`` of such a checkpoint
+    architecture: str
+    #: the ``model_type`` of its ``text_config`` (absent: taken as this)
+    text_model_type: str
+    #: top-level ``config.json`` keys of the image side (its encoder's config, the image token ids), read past
+    image_keys: frozenset[str]
+    #: a prefix of the text model's tensors -> the text-only checkpoint's prefix (one pair per transformers layout)
+    text_prefixes: dict[str, str]
+    #: prefixes of the image side's tensors (the encoder, the projector into the text model), skipped
+    image_prefixes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class ModelFamily:
     """One decoder family (see the module doc). Frozen: shared by every model of the family."""
 
@@ -153,6 +173,18 @@ class ModelFamily:
     #: GGUF block counts whose q is scaled by ``(hidden / heads) ** -0.5`` rather than ``head_dim ** -0.5``
     #: (llama.cpp's rule for Gemma's 27B models, whose GGUFs do not store ``query_pre_attn_scalar``)
     gguf_wide_scale_layers: tuple[int, ...] = ()
+    #: transformers' config-class defaults of the ``config.json`` keys a checkpoint may leave out (Gemma 3's
+    #: ``Gemma3TextConfig``: the multimodal checkpoints' ``text_config`` names only a few keys); without them the
+    #: common readers' defaults (``hf_config``) apply; ``rope_theta`` / ``rope_local_base_freq`` only where the
+    #: config spells no ``rope_parameters``
+    hf_defaults: dict[str, object] = field(default_factory=dict)
+    #: the checkpoint class holding this family's text model beside an image encoder (read: its text model only)
+    hf_multimodal: MultimodalCheckpoint | None = None
+
+    @property
+    def hf_classes(self) -> tuple[str, ...]:
+        """Every Hugging Face ``architectures[0]`` read as this family (the multimodal class's text model too)."""
+        return self.hf_architectures + ((self.hf_multimodal.architecture,) if self.hf_multimodal else ())
 
     def window_layers(self, n_layers: int, pattern: int | None = None) -> tuple[int, ...]:
         """The sliding-window layers of ``n_layers`` under ``pattern`` (default: the family's ``window_pattern``):

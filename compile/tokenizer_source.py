@@ -8,10 +8,10 @@ template (None when it has none) and the BOS/EOS token texts the template sees a
   template is ``tokenizer.chat_template``.
 * Hugging Face folder: ``tokenizer.json`` as is; the template is ``chat_template.jinja`` when present, else
   ``tokenizer_config.json``'s ``chat_template`` (a string, or a list of ``{"name", "template"}`` of which the one
-  named ``default`` is used); ``bos_token`` / ``eos_token`` from ``tokenizer_config.json`` (a string or an added-token
-  object). When ``tokenizer_config.json`` sets ``add_bos_token`` / ``add_eos_token``, the tokenizer's post-processor
-  is rebuilt to add exactly those (as transformers' Llama and Gemma tokenizers do); otherwise the post-processor of
-  ``tokenizer.json`` decides.
+  named ``default`` is used), else ``chat_template.json``'s (a multimodal processor's); ``bos_token`` /
+  ``eos_token`` from ``tokenizer_config.json`` (a string or an added-token object). When ``tokenizer_config.json``
+  sets ``add_bos_token`` / ``add_eos_token``, the tokenizer's post-processor is rebuilt to add exactly those (as
+  transformers' Llama and Gemma tokenizers do); otherwise the post-processor of ``tokenizer.json`` decides.
 
 Every template is compiled once here, so a template with a syntax error is refused before the compile.
 """
@@ -103,7 +103,8 @@ def _token_text(value: Any, key: str, origin: str) -> str | None:
 
 
 def hf_template(directory: Path, config: dict[str, Any]) -> str | None:
-    """A folder's chat template: ``chat_template.jinja``, else tokenizer_config.json's ``chat_template``."""
+    """A folder's chat template: ``chat_template.jinja``, else tokenizer_config.json's ``chat_template``, else the
+    ``chat_template`` of ``chat_template.json`` (where a multimodal checkpoint's processor keeps it)."""
     origin = directory.name
     file = directory / "chat_template.jinja"
     if file.is_file():
@@ -120,6 +121,11 @@ def hf_template(directory: Path, config: dict[str, Any]) -> str | None:
             raise ValueError(f"{origin}: tokenizer_config.json has chat templates {sorted(named)} but none named "
                              "'default'; pass one with --chat-template FILE")
         template = named["default"]
+    if template is None and (directory / "chat_template.json").is_file():  # a multimodal processor's (Gemma 3 4B+)
+        processor = json.loads((directory / "chat_template.json").read_text(encoding="utf-8"))
+        if not isinstance(processor, dict) or "chat_template" not in processor:
+            raise ValueError(f"{origin}/chat_template.json holds no 'chat_template'")
+        return check_template(processor["chat_template"], f"{origin}/chat_template.json")
     return check_template(template, f"{origin}/tokenizer_config.json")
 
 

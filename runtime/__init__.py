@@ -10,6 +10,7 @@ from .logits_io import empty_aligned
 from .logprobs import compute_logits, compute_logprobs, logits_to_logprobs
 from .mask_source import JumpForward, TokenMaskSource
 from .paired_buffer import PairedBuffer
+from .processed_batch import ProcessedBatch
 from .request_state import DraftTree, RequestState
 from .sampler import Sampler, SampleResult
 
@@ -24,6 +25,7 @@ __all__ = [
     "KernelLibrary",
     "LogitProcessor",
     "PairedBuffer",
+    "ProcessedBatch",
     "RequestState",
     "SampleResult",
     "Sampler",

@@ -5,25 +5,22 @@ predicts the token after the committed ones, row 1 + m the token after the path 
 sequence i are ``cum_num_token[i]:cum_num_token[i + 1]``.
 
 A batch also says what changed since the batch before it (``BatchUpdate``: the sequences that joined, left, or moved
-to another first row), carries the mask job applied to its logits (filled on worker threads; a failing source's
-message travels on the job, per row: ``mask_errors``), the fast-path flags every stage checks (``any_bias``,
-``any_penalties``, ``any_masks``, ``any_filters``, ``all_greedy``, ``any_logprobs``), and the device arrays of the
-step's logits and probabilities, so that a numpy array is copied to the device once however many stages read it.
+to another first row) and holds the fast-path flags every stage checks (``any_bias``, ``any_penalties``,
+``any_masks``, ``any_filters``, ``all_greedy``, ``any_logprobs``). It describes the rows and nothing else: it is not
+written after it is made. What processing produces (the masks, their errors, the logits on the device) is returned
+by the processor as a ``ProcessedBatch`` (``processed_batch.py``) and passed to the sampler.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from .logits_io import rows_and_vocab
 from .request_state import DraftTree, RequestState
-
-if TYPE_CHECKING:
-    from .mask_filler import MaskJob
 
 DraftArg = Sequence[DraftTree | Sequence[int] | None] | None
 
@@ -70,17 +67,6 @@ def _check_cum(cum_num_token: Any, expected: tuple[int, ...]) -> None:
     if cum_num_token is not None and tuple(int(x) for x in cum_num_token) != expected:
         raise ValueError(f"cum_num_token {list(cum_num_token)} does not match the rows the drafts need "
                          f"{list(expected)} (1 row per sequence plus 1 per draft token)")
-
-
-@dataclass(frozen=True)
-class DeferredMasks:
-    """Masks filled for a step but not yet applied to its logits (``inplace_update_logits(defer_masks=True)``):
-    row ``row_ids[i]`` allows the tokens whose bits are set in ``bitmask[i]``. ``row_ids`` is on the host,
-    ``row_ids_on_device`` and ``bitmask`` ([len(row_ids), words] int32) on the processor's device."""
-
-    row_ids: np.ndarray
-    row_ids_on_device: Any
-    bitmask: Any
 
 
 class Batch:
@@ -134,11 +120,6 @@ class Batch:
         self.sampling_rows = sampling if self.row_states is self.states else [sampling[i] for i in self.row_sequence]
         self.sampling_columns = tuple(np.array(column, dtype) for column, dtype in
                                       zip(zip(*self.sampling_rows, strict=True), _SAMPLING_DTYPES, strict=True))
-        #: The mask job whose rows were applied to this step's logits (set by the processor).
-        self.mask_job: MaskJob | None = None
-        #: Masks the processor filled but left for the sampler to read (``defer_masks=True``), or None.
-        self.deferred_masks: DeferredMasks | None = None
-        self._on_device: list[tuple[Any, Any]] = []
 
     @property
     def num_rows(self) -> int:
@@ -166,23 +147,6 @@ class Batch:
             raise ValueError(f"{what} has {rows} rows but the states (and drafts) need {self.num_rows}")
         if rows > max_rows:
             raise ValueError(f"{rows} {what} rows exceed {owner}max_num_token={max_rows}")
-
-    # ---- the step's arrays on the device ------------------------------------------------------------------------
-    def remember_on_device(self, host: Any, device_array: Any) -> None:
-        """Record that ``device_array`` holds ``host``'s values (so later stages of this step do not copy again)."""
-        self._on_device.append((host, device_array))
-
-    def on_device(self, host: Any) -> Any | None:
-        """The device array recorded for ``host`` in this step, or None."""
-        for known, device_array in self._on_device:
-            if known is host:
-                return device_array
-        return None
-
-    @property
-    def mask_errors(self) -> dict[int, str]:
-        """Row -> why a mask source of that row's sequence failed (its mask then allows no token)."""
-        return {} if self.mask_job is None else self.mask_job.errors
 
     def __repr__(self) -> str:
         return f"Batch({len(self.states)} sequences, {self.num_rows} rows, {self.update})"

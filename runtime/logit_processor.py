@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from . import kernel_abi
-from .batch import Batch, DeferredMasks, DraftArg
+from .batch import Batch, DraftArg
 from .config import MAX_LOGIT_BIAS_ENTRIES
 from .device import Device, PrefixViews
 from .kernel_library import KernelLibrary, require_kernels
@@ -24,11 +24,12 @@ from .mask_filler import MaskFiller, MaskJob
 from .mask_source import JumpForward, TokenMaskSource
 from .paired_buffer import PairedBuffer
 from .penalty_layout import PenaltyLayout
+from .processed_batch import DeferredMasks, ProcessedBatch
 from .request_state import RequestState
 
 #: A request's logit_bias may name at most this many tokens.
 
-BatchArg = Batch | Sequence[RequestState]
+BatchArg = Batch | ProcessedBatch | Sequence[RequestState]
 #: The kernels this processor launches.
 KERNELS = (kernel_abi.LOGIT_BIAS, kernel_abi.PENALTY, kernel_abi.BITMASK, kernel_abi.SOFTMAX)
 
@@ -122,6 +123,8 @@ class LogitProcessor:
                 raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
 
     def _batch_for(self, logits: Any, states: BatchArg, cum_num_token: Any, draft_trees: DraftArg) -> Batch:
+        if isinstance(states, ProcessedBatch):
+            states = states.batch
         if isinstance(states, Batch):
             if states.made_by is not self:
                 raise ValueError("the Batch was made by another LogitProcessor: make it with this one's batch()")
@@ -187,51 +190,55 @@ class LogitProcessor:
         return None
 
     def inplace_update_logits(self, logits: Any, states: BatchArg, cum_num_token: Any = None,
-                              draft_trees: DraftArg = None, *, defer_masks: bool = False) -> Batch:
-        """Apply logit bias, then penalties, then every mask to ``logits`` ``[N, V]`` in place; return the batch.
+                              draft_trees: DraftArg = None, *, defer_masks: bool = False) -> ProcessedBatch:
+        """Apply logit bias, then penalties, then every mask to ``logits`` ``[N, V]`` in place; return the step's
+        ``ProcessedBatch`` (its Batch, the logits on the device, the masks' errors), which the later stages take in
+        place of the Batch.
 
         ``defer_masks=True`` fills the masks but leaves them to ``Sampler.sample_from_logits``, which reads them as it
-        samples (one pass over the logits fewer): the batch's ``deferred_masks`` holds them, and
-        ``compute_probs_from_logits`` applies them first if the step takes the staged path after all.
+        samples (one pass over the logits fewer): the returned ``ProcessedBatch`` holds them (``deferred_masks``;
+        pass it, not the Batch, to the sampler), and ``compute_probs_from_logits`` given it applies them first if
+        the step takes the staged path after all.
 
         ``states`` is this step's Batch (``batch()``), or its states (and ``cum_num_token`` / ``draft_trees``), from
         which a Batch is made. ``logits`` is a float32 numpy array, a CPU tensor with ``__dlpack__`` (torch, ...)
         or a device array of this processor's device; a C-contiguous one is written in place without a copy,
         another one is copied once and written back (``logits_io``). A read-only array is refused.
         Row j of a sequence is processed as if its draft ancestors had been appended; every state is left exactly as
-        it was. Masks started by ``start_masks`` for the same rows are used; the returned batch's ``mask_errors``
-        says which rows' mask sources failed (those rows allow no token).
+        it was. Masks started by ``start_masks`` for the same rows are used; the returned ``mask_errors`` says which
+        rows' mask sources failed (those rows allow no token).
         """
         array = caller_array(logits)  # (a numpy view of a torch tensor, once per call)
         refuse_read_only(array)
         batch = self._batch_for(array, states, cum_num_token, draft_trees)
         on_device, write_back = self._logits.to_device(array)
-        batch.remember_on_device(logits, on_device)
         if batch.any_bias:
             self._apply_logit_bias(on_device, batch)
         if batch.any_penalties:
             self._apply_penalties(on_device, batch)
-        self._apply_masks(on_device, batch, defer_masks)
+        deferred, errors = self._apply_masks(on_device, batch, defer_masks)
         if write_back is not None:
             self.device.synchronize()
             write_back()
-        return batch
+        return ProcessedBatch(batch, logits, on_device, deferred, errors)
 
     def compute_probs_from_logits(self, logits: Any, states: BatchArg, cum_num_token: Any = None,
                                   draft_trees: DraftArg = None) -> Any:
         """Temperature softmax of each row with its request's temperature (0 = one-hot on the argmax).
 
         Returns probabilities ``[N, V]`` in the processor's output buffer: a numpy view for numpy input on the CPU
-        (valid until the next call), a numpy copy from other devices, else a device array. With this step's Batch,
-        logits already on the device (``inplace_update_logits``) are not copied again.
+        (valid until the next call), a numpy copy from other devices, else a device array. Given the step's
+        ``ProcessedBatch`` (``inplace_update_logits``), logits already on the device are not copied again, and masks
+        it deferred are applied first.
         """
         array = caller_array(logits)
         batch = self._batch_for(array, states, cum_num_token, draft_trees)
-        on_device = batch.on_device(logits)
+        processed = states if isinstance(states, ProcessedBatch) else None
+        on_device = None if processed is None else processed.device_array_of(logits)
         if on_device is None:
             on_device, _ = self._logits.to_device(array, writes=False)
-        if batch.deferred_masks is not None:  # inplace_update_logits(defer_masks=True), then the staged path
-            deferred, batch.deferred_masks = batch.deferred_masks, None
+        if processed is not None and processed.deferred_masks is not None:  # defer_masks=True, then the staged path
+            deferred = processed.deferred_masks
             self.kernels[kernel_abi.BITMASK](on_device, deferred.row_ids_on_device, deferred.bitmask)
         rows = batch.num_rows
         temperature = self._temperature.host_prefix(rows)
@@ -240,9 +247,7 @@ class LogitProcessor:
         self.device.wait_for_copies()
         probs = self._probs(rows)
         self.kernels[kernel_abi.SOFTMAX](on_device, args, probs)
-        out = self._logits.from_device(probs, logits)
-        batch.remember_on_device(out, probs)
-        return out
+        return self._logits.from_device(probs, logits)
 
     # ----------------------------------------------------------------------------------------------------------
     def _apply_logit_bias(self, logits: Any, batch: Batch) -> None:
@@ -272,21 +277,23 @@ class LogitProcessor:
         self.device.wait_for_copies()
         self.kernels[kernel_abi.PENALTY](logits, *self._penalty.device_arrays(n), penalties)
 
-    def _apply_masks(self, logits: Any, batch: Batch, defer: bool = False) -> None:
+    def _apply_masks(self, logits: Any, batch: Batch, defer: bool = False) -> tuple[DeferredMasks | None,
+                                                                                    dict[int, str]]:
+        """Fill (or take the started job's) masks and apply them, or with ``defer`` return them for the sampling
+        kernel; and the errors of failing mask sources, by row."""
         job = self._finish_pending_masks()
         if job is None or not job.matches(batch):
             if not batch.any_masks:
-                return
+                return None, {}
             job = self._masks.start(batch, asynchronous=False)
             job.wait()
             self.mask_fill_seconds += job.fill_seconds
-        batch.mask_job = job
         masked = job.count
         if masked == 0:
-            return
+            return None, job.errors
         args = (self._mask_rows.to_device(masked), self._bitmask.to_device(masked))
         self.device.wait_for_copies()
         if defer:
-            batch.deferred_masks = DeferredMasks(self._mask_rows.host[:masked].copy(), *args)
-        else:
-            self.kernels[kernel_abi.BITMASK](logits, *args)
+            return DeferredMasks(self._mask_rows.host[:masked].copy(), *args), job.errors
+        self.kernels[kernel_abi.BITMASK](logits, *args)
+        return None, job.errors

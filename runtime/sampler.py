@@ -22,8 +22,8 @@ computed in this package.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -34,6 +34,7 @@ from .device import Device, PrefixViews
 from .kernel_library import KernelLibrary, require_kernels
 from .logits_io import LogitsStaging, caller_array
 from .paired_buffer import PairedBuffer
+from .processed_batch import DeferredMasks, ProcessedBatch
 from .request_state import RequestState
 
 if TYPE_CHECKING:
@@ -43,7 +44,9 @@ DEFAULT_MAX_ROWS = 256
 #: The kernels this sampler launches.
 KERNELS = (kernel_abi.RENORMALIZE, kernel_abi.MULTINOMIAL, kernel_abi.TOP_N, kernel_abi.LOG_SOFTMAX,
            kernel_abi.SAMPLE_FROM_LOGITS)
-BatchArg = Batch | Sequence[RequestState]
+#: A step's rows: its Batch, the ProcessedBatch the processor returned for it (the masks it deferred, the logits on
+#: the device), or its states (a Batch is made of them).
+BatchArg = Batch | ProcessedBatch | Sequence[RequestState]
 
 
 @dataclass
@@ -60,6 +63,9 @@ class SampleResult:
     top_logprobs: list[list[tuple[int, float]] | None]
     no_valid_token: np.ndarray
     non_finite_logits: np.ndarray | None = None
+    #: Row -> ``"ExceptionType: message"`` of the mask source that failed for it (the row allowed no token): the
+    #: ``mask_errors`` of the ProcessedBatch sampled from (empty when given a Batch or states).
+    mask_errors: Mapping[int, str] = field(default_factory=dict)
 
     def finish_reason(self, row: int) -> str | None:
         """'non_finite_logits' for a row whose logits held NaN or +inf, 'no_valid_token' for a row whose every
@@ -127,6 +133,8 @@ class Sampler:
 
     def _batch_for(self, probs: Any, states: BatchArg, cum_num_token: Any, draft_trees: DraftArg,
                    what: str = "probs") -> Batch:
+        if isinstance(states, ProcessedBatch):
+            states = states.batch
         if isinstance(states, Batch):
             if cum_num_token is not None or draft_trees is not None:
                 raise ValueError("cum_num_token and draft_trees belong to the Batch: it already has its rows")
@@ -136,12 +144,12 @@ class Sampler:
         batch.check_array(probs, what, self.vocab_size, self.max_num_token, "the sampler's ")
         return batch
 
-    def _on_device(self, probs: Any, batch: Batch, array: Any) -> Any:
-        """The device array of the caller's ``probs`` (``array``: it as ``caller_array`` gives it), once a step."""
-        on_device = batch.on_device(probs)
+    def _on_device(self, probs: Any, states: BatchArg, array: Any) -> Any:
+        """The device array of the caller's ``probs`` (``array``: it as ``caller_array`` gives it): the processor's,
+        when ``states`` is the ProcessedBatch of those very logits, else copied (on the CPU: a view where it can)."""
+        on_device = states.device_array_of(probs) if isinstance(states, ProcessedBatch) else None
         if on_device is None:
             on_device, _ = self._probs.to_device(array, writes=False)
-            batch.remember_on_device(probs, on_device)
         return on_device
 
     def renormalize(self, probs: Any, states: BatchArg, cum_num_token: Any = None, draft_trees: DraftArg = None) -> Any:
@@ -157,13 +165,11 @@ class Sampler:
             return probs
         rows = batch.num_rows
         args = self._filters_to_device(batch)
-        on_device = self._on_device(probs, batch, array)
+        on_device = self._on_device(probs, states, array)
         self.device.wait_for_copies()
         out = self._renormalized(rows)
         self.kernels[kernel_abi.RENORMALIZE](on_device, *args, out)
-        result = self._probs.from_device(out, probs)
-        batch.remember_on_device(result, out)
-        return result
+        return self._probs.from_device(out, probs)
 
     def _filters_to_device(self, batch: Batch, temperature: bool = False) -> list[Any]:
         """top_k, top_p, min_p of each row (off values for rows without filters), copied to the device; with
@@ -187,13 +193,12 @@ class Sampler:
                 uniform[lo:hi] = 0.0 if sampling[lo][0] == 0.0 else state.draw_uniforms(hi - lo)  # [0]: temperature
         return self._uniform.to_device(rows)
 
-    def _masks_to_device(self, batch: Batch) -> tuple[Any, Any]:
+    def _masks_to_device(self, batch: Batch, deferred: DeferredMasks | None) -> tuple[Any, Any]:
         """mask_index (the row of the bitmask each row reads, -1 for none) and the bitmask, for the fused kernel:
-        the batch's deferred masks, else none."""
+        the ``deferred`` masks, else none."""
         rows = batch.num_rows
         index = self._mask_index.host_prefix(rows)
         index[:] = -1
-        deferred = batch.deferred_masks
         if deferred is None or len(deferred.row_ids) == 0:
             return self._mask_index.to_device(rows), self._no_masks
         index[deferred.row_ids] = np.arange(len(deferred.row_ids), dtype=np.int32)
@@ -206,12 +211,15 @@ class Sampler:
         batch = self._batch_for(array, states, cum_num_token, draft_trees)
         rows = batch.num_rows
         u = self._uniform_to_device(batch)
-        on_device = self._on_device(probs, batch, array)
+        on_device = self._on_device(probs, states, array)
         self.device.wait_for_copies()
         tokens = self._tokens(rows)
         chosen = self._chosen(rows)
         self.kernels[kernel_abi.MULTINOMIAL](on_device, u, tokens, chosen)
-        return self._result(batch, tokens, chosen, raw_logits, lambda n: self._top_n(on_device, rows, n))
+        result = self._result(batch, tokens, chosen, raw_logits, lambda n: self._top_n(on_device, rows, n))
+        if isinstance(states, ProcessedBatch):
+            result.mask_errors = states.mask_errors
+        return result
 
     def sample_from_logits(self, logits: Any, states: BatchArg, cum_num_token: Any = None,
                            draft_trees: DraftArg = None, raw_logits: np.ndarray | None = None, *,
@@ -220,7 +228,9 @@ class Sampler:
 
         With ``processor``, the whole step in one call: ``processor.inplace_update_logits(logits, batch,
         defer_masks=True)`` first (bias and penalties written into ``logits`` in place, the masks left to this
-        kernel), on one Batch made by that processor (or ``states`` when it is one).
+        kernel), on one Batch made by that processor (or ``states`` when it is one). Without it, ``states`` is the
+        ``ProcessedBatch`` that ``inplace_update_logits`` returned (it holds the masks it deferred), or a Batch or
+        states whose logits need no deferred masks.
 
         The same tokens as ``sample(renormalize(compute_probs_from_logits(logits)))`` with the same seeds: the
         ``sample_from_logits`` kernel runs each row's temperature softmax, min-p / top-k / top-p and the draw in one
@@ -231,17 +241,18 @@ class Sampler:
         (``SampleResult.non_finite_logits``, token -1, no logprobs) rather than sampled.
         """
         if processor is not None:
-            if not isinstance(states, Batch):
+            if not isinstance(states, Batch | ProcessedBatch):
                 states = processor.batch(states, cum_num_token, draft_trees)
                 cum_num_token = draft_trees = None
-            processor.inplace_update_logits(logits, states, defer_masks=True)
+            states = processor.inplace_update_logits(logits, states, defer_masks=True)
         array = caller_array(logits)
         batch = self._batch_for(array, states, cum_num_token, draft_trees, "logits")
+        deferred = states.deferred_masks if isinstance(states, ProcessedBatch) else None
         rows = batch.num_rows
         self._renorm.host_prefix(rows)[:] = 1 if batch.any_filters else 0  # where the staged path renormalizes
         args = [*self._filters_to_device(batch, temperature=True), self._renorm.to_device(rows),
-                self._uniform_to_device(batch), *self._masks_to_device(batch)]
-        on_device = self._on_device(logits, batch, array)
+                self._uniform_to_device(batch), *self._masks_to_device(batch, deferred)]
+        on_device = self._on_device(logits, states, array)
         self.device.wait_for_copies()
         tokens = self._tokens(rows)
         chosen = self._chosen(rows)
@@ -254,6 +265,8 @@ class Sampler:
         result = self._result(batch, tokens, chosen, raw_logits,
                               lambda n: (self.device.download(top_values), self.device.download(top_ids)))
         result.flag_non_finite(result.token_ids == kernel_abi.NON_FINITE)  # token -1, no logprobs
+        if isinstance(states, ProcessedBatch):
+            result.mask_errors = states.mask_errors
         return result
 
     def _result(self, batch: Batch, tokens: Any, chosen: Any, raw_logits: np.ndarray | None,

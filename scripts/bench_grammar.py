@@ -12,10 +12,10 @@ step (``closing``); property order with xgrammar's ``any_order`` against its def
 ``coverage`` also runs over a MaskBench sample when ``--maskbench`` names its folder (files ``{"schema": ...,
 "tests": [{"data": ..., "valid": ...}]}``): each schema compiled as a request's would be, each labelled instance's
 compact JSON text, tokenised by the real tokenizer, fed to a fresh matcher (a mask computed before every token, as
-in generation): compile errors, valid instances refused (told apart: refused only for their key order, which
-llguidance fixes to the schema's; refused by llguidance on the unrewritten schema too; refused only after the
-fallback chain's rewrites), invalid ones accepted (and how many of those the answer's validation reports), engine
-failures, mask time per token and compile times.
+in generation): compile errors, valid instances refused (told apart, ``refusal_cause``: refused by llguidance itself on
+the unrewritten schema, for its key order, which it fixes to the schema's, or for another cause it names; refused
+only after the fallback chain's rewrites), invalid ones accepted (and how many of those the answer's validation
+reports), engine failures, mask time per token and compile times.
 
 Generations are driven by random logits (tests/grammar_driver.py). The "forward" of the overlap measurement is a
 stand-in for a device computing the logits (the host waits; a sleep of --forward-ms), which is what the overlap is
@@ -38,7 +38,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import material  # noqa: E402
 from bench_common import machine_line  # noqa: E402
-from grammar_driver import OutOfBudget, accepts_value, allowed_ids, closer_bonus, drive, maskbench_folder  # noqa: E402
+from grammar_driver import (  # noqa: E402
+    OutOfBudget,
+    Respelled,
+    accepts_value,
+    allowed_ids,
+    closer_bonus,
+    drive,
+    maskbench_folder,
+    respell,
+)
 from logitproc import GenerationConfig, LogitProcessor, RequestState  # noqa: E402
 from logitproc.compile import build_kernels  # noqa: E402
 from logitproc.runtime.answer_check import check_answer  # noqa: E402
@@ -201,8 +210,49 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-#: Texts the search for a refused instance's key order may feed before it gives up (``undecided``).
-FEEDS = 20_000
+#: Texts the respelling of a refused instance in the grammar's key order may feed before it gives up (``undecided``).
+FEEDS = 400_000
+
+
+def _refused_at(respelled: Respelled) -> str:
+    return (f"refused {respelled.refused[:60].decode(errors='replace')!r} after "
+            f"...{respelled.text[-80:].decode(errors='replace')!r}")
+
+
+def refusal_cause(backend: LLGuidanceBackend, fmt: ResponseFormat, compiled, adapter: TokenizerAdapter, text: str,
+                  value: object) -> tuple[str, str]:
+    """Why the chain's grammar ``compiled`` refuses the valid instance ``value`` written as ``text`` (its counts key,
+    and a line for the listing, "" when none is needed):
+
+    * ``key order``: llguidance itself refuses ``text`` on the unrewritten schema (``unrewritten``; or cannot compile
+      it), and the chain's grammar takes the value respelled with its keys in the grammar's order (``respell``; an
+      integral number also without its ``.0``, listed): llguidance writes properties in the schema's order, as
+      OpenAI does (``docs/constrained_decoding.md``);
+    * ``llguidance itself``: llguidance refuses it on the unrewritten schema, in the schema's key order too (the
+      listing says where and what: a ``format`` it enforces, ...);
+    * ``after rewrites``: llguidance alone takes it (as written, or respelled) and the chain's grammar does not;
+    * ``undecided``: the respelling ran out of ``FEEDS``, or the unrewritten schema does not compile and the chain's
+      grammar refuses the respelled value."""
+    raw = backend.unrewritten(fmt)
+    try:
+        ours = respell(backend.matcher(compiled), adapter, value, max_feeds=FEEDS)
+        alone = None if raw is None else respell(LLGuidanceMatcher(raw.deep_copy(), adapter), adapter, value,
+                                                 max_feeds=FEEDS)
+    except OutOfBudget:
+        return "undecided", f"the respelling in the grammar's key order gave up after {FEEDS} feeds"
+    if raw is not None and feed_text(LLGuidanceMatcher(raw.deep_copy(), adapter), adapter, text, []).accepted:
+        return "after rewrites", f"llguidance alone takes it as written; relaxed: {backend.relaxed_keywords(compiled)}"
+    if ours.accepted:
+        notes = [note for note, holds in (("the unrewritten schema does not compile", raw is None),
+                                          ("and an integral number taken only without its .0", ours.numbers)) if holds]
+        return "key order", f"its key order ({'; '.join(notes)})" if notes else ""
+    if alone is not None and alone.accepted:
+        return "after rewrites", (f"llguidance alone takes it in its key order, the chain's grammar "
+                                  f"{_refused_at(ours)}; relaxed: {backend.relaxed_keywords(compiled)}")
+    if alone is not None:
+        return "llguidance itself", (f"llguidance on the unrewritten schema {_refused_at(alone)} (the chain's "
+                                     f"grammar: {_refused_at(ours)})")
+    return "undecided", f"the unrewritten schema does not compile; the chain's grammar {_refused_at(ours)}"
 
 
 def maskbench(folder: Path, adapter: TokenizerAdapter, limits: llguidance.LLParserLimits | None = None) -> None:
@@ -260,34 +310,17 @@ def maskbench(folder: Path, adapter: TokenizerAdapter, limits: llguidance.LLPars
                 continue
             counts["valid refused"] += 1
             try:
-                if accepts_value(backend.matcher(compiled), adapter, test["data"], max_feeds=FEEDS):
-                    counts["key order"] += 1
-                    continue
-                raw = backend.unrewritten(fmt)
-                alone = raw is not None and accepts_value(LLGuidanceMatcher(raw, adapter), adapter, test["data"],
-                                                          max_feeds=FEEDS)
-            except OutOfBudget:
-                counts["undecided"] += 1
-                listed.append(f"{path.name}: a valid instance refused as written; the search for its key order gave "
-                              f"up after {FEEDS} feeds")
-                continue
+                cause, line = refusal_cause(backend, fmt, compiled, adapter, text, test["data"])
             except GrammarError as err:  # the engine failed in the search (lowered lexer fuel)
-                counts["undecided"] += 1
-                listed.append(f"{path.name}: a valid instance refused as written; the engine failed in the search "
-                              f"for its key order: {err}")
-                continue
-            if raw is None or alone:
-                counts["after rewrites"] += 1
-                why = "llguidance alone cannot compile it" if raw is None else "llguidance alone accepts it"
-                listed.append(f"{path.name}: a valid instance refused after the rewrites ({why}); relaxed: "
-                              f"{', '.join(backend.relaxed_keywords(compiled))}")
-            else:
-                counts["llguidance itself"] += 1
-                listed.append(f"{path.name}: a valid instance refused by llguidance on the unrewritten schema too")
+                cause, line = "undecided", f"the engine failed while the refusal was classified: {err}"
+            counts[cause] += 1
+            if line:
+                listed.append(f"{path.name}: a valid instance refused as written: {line}")
     print(f"\n## MaskBench sample ({folder.name}: {counts['schemas']} schemas, llguidance, vocabulary "
           f"{adapter.vocab_size}{'' if limits is None else f', lexer fuel {limits.step_lexer_fuel} a step'})\n")
-    print("| compile errors | valid instances | refused as written | of which: key order only | llguidance itself | "
-          "after the rewrites | undecided | invalid instances | accepted | of which reported by schema_valid | "
+    print("| compile errors | valid instances | refused as written | of which by llguidance itself: its key order | "
+          "another cause | only after the rewrites | undecided | invalid instances | accepted | "
+          "of which reported by schema_valid | "
           "engine failures | of which the answer went on |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     c = counts

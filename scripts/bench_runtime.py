@@ -32,7 +32,7 @@ import numpy as np
 from bench_common import machine_line, median_us
 from logitproc import GenerationConfig, LogitProcessor, RequestState, Sampler
 from logitproc.compile import build_kernels
-from logitproc.runtime import empty_aligned
+from logitproc.runtime import ProcessedBatch, empty_aligned
 from logitproc.runtime.batch import Batch
 from logitproc.runtime.mask_source import NeverForces
 from logitproc.tir_kernels import reference
@@ -134,21 +134,24 @@ def torch_step(logits: np.ndarray, states: list[RequestState], uniform: np.ndarr
     return order.gather(1, torch.multinomial(sp, 1))
 
 
-def staged_sampling(proc: LogitProcessor, sampler: Sampler, logits: np.ndarray, batch: Batch) -> np.ndarray:
+def staged_sampling(proc: LogitProcessor, sampler: Sampler, logits: np.ndarray,
+                    batch: Batch | ProcessedBatch) -> np.ndarray:
     probs = sampler.renormalize(proc.compute_probs_from_logits(logits, batch), batch)
     return sampler.sample(probs, batch).token_ids
 
 
-def fused_sampling(proc: LogitProcessor, sampler: Sampler, logits: np.ndarray, batch: Batch) -> np.ndarray:
+def fused_sampling(proc: LogitProcessor, sampler: Sampler, logits: np.ndarray,
+                   batch: Batch | ProcessedBatch) -> np.ndarray:
     return sampler.sample_from_logits(logits, batch).token_ids
 
 
 def step(proc: LogitProcessor, sampler: Sampler, logits: np.ndarray, states: list[RequestState],
          sampling: Callable[..., np.ndarray] = fused_sampling) -> np.ndarray:
     batch = proc.batch(states)  # the step's rows, worked out once and handed to every stage (as the engine does)
-    # as the engine does: the fused kernel reads the masks itself; the staged path applies them to the logits
-    proc.inplace_update_logits(logits, batch, defer_masks=sampling is fused_sampling)
-    return sampling(proc, sampler, logits, batch)
+    # as the engine does: the fused kernel reads the masks itself (they come back in the ProcessedBatch); the staged
+    # path applies them to the logits
+    processed = proc.inplace_update_logits(logits, batch, defer_masks=sampling is fused_sampling)
+    return sampling(proc, sampler, logits, processed)
 
 
 Contender = Callable[[], object] | tuple[Callable[[], object], Callable[[], object]]

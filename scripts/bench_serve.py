@@ -27,9 +27,13 @@ streamed chat, concurrency 1 and 4, as above); then a shared-prefix load (``--gr
 ``--prefix-tokens`` tokens, 8 questions each, interleaved, at concurrency 4, answers of 32 tokens) on one engine of
 ``--threads`` threads (in process and through Ray), and on ``--threads`` replicas of one thread each with the
 prefix-affinity router and with Ray's power-of-two choices: throughput, TTFT, and the prefix-cache hit rate (cached
-/ prompt tokens, from each answer's ``usage.prompt_tokens_details.cached_tokens``)::
+/ prompt tokens, from each answer's ``usage.prompt_tokens_details.cached_tokens``). With the overhead table comes
+where the CPU went: each server's process tree (the command, and for Ray its GCS, raylet, controller, HTTP proxy,
+ingress and replica processes) in CPU milliseconds per generated token, from ``/proc``. ``--ray-part overhead`` runs
+the first part only::
 
     python scripts/bench_serve.py --ray --threads 2
+    python scripts/bench_serve.py --ray --threads 2 --ray-part overhead --rounds 5
 
 llama.cpp runs as ``python -m llama_cpp.server`` (llama-cpp-python[server], the ``bench`` extra:
 ``pip install -e ".[bench]"``) on the same GGUF with ``--threads`` threads; logitproc with ``TVM_NUM_THREADS`` set to
@@ -360,6 +364,44 @@ async def run_prefix(url: str, groups: int, prefix_tokens: int, concurrency: int
     return run
 
 
+#: Process groups of a server's tree, by a piece of their command line (Ray's workers name themselves ray::...).
+PROCESS_GROUPS = (("EngineReplica", "engine replica"), ("ServeReplica:logitproc:Ingress", "ingress"),
+                  ("ProxyActor", "HTTP proxy"), ("ServeController", "Serve controller"), ("raylet", "raylet"),
+                  ("gcs_server", "GCS"))
+
+
+def process_tree_cpu(root: int) -> dict[str, float]:
+    """CPU seconds (user + system) so far of ``root`` ("command") and its live descendants, summed by group."""
+    children: dict[int, list[int]] = {}
+    stats: dict[int, list[bytes]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    fields = f.read().rsplit(b")", 1)[1].split()
+            except OSError:
+                continue
+            stats[int(entry)] = fields
+            children.setdefault(int(fields[1]), []).append(int(entry))
+    tick = os.sysconf("SC_CLK_TCK")
+    totals: dict[str, float] = {}
+    todo = [root]
+    while todo:
+        pid = todo.pop()
+        todo.extend(children.get(pid, []))
+        if pid not in stats:
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        group = "command" if pid == root else next((g for key, g in PROCESS_GROUPS if key in cmdline), "other")
+        fields = stats[pid]
+        totals[group] = totals.get(group, 0.0) + (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return totals
+
+
 def wait_all_replicas(server: Served, timeout: float = 1800) -> None:
     """Until ``/health`` says ok (every replica asked for runs)."""
     deadline = time.monotonic() + timeout
@@ -380,6 +422,8 @@ def ray_bench(args: argparse.Namespace) -> int:
         return server
 
     overhead: dict[tuple[str, int], list[Level]] = {}
+    cpu: dict[tuple[str, int], dict[str, float]] = {}  # CPU seconds by process group, over every round
+    tokens: dict[tuple[str, int], int] = {}
     servers = []
     try:  # both up at once, levels interleaved: the machine's load drifts less between the two
         for name, extra in ((f"single process, {threads} threads", []),
@@ -390,14 +434,22 @@ def ray_bench(args: argparse.Namespace) -> int:
                 asyncio.run(run_level(server.url, concurrency, concurrency, 8))  # warm-up
             for _ in range(args.rounds):
                 for server in servers:
+                    before = process_tree_cpu(server.proc.pid)
                     level = asyncio.run(run_level(server.url, concurrency, args.requests or 4 * concurrency,
                                                   args.max_tokens))
+                    spent = cpu.setdefault((server.name, concurrency), {})
+                    for group, seconds in process_tree_cpu(server.proc.pid).items():
+                        spent[group] = spent.get(group, 0.0) + seconds - before.get(group, 0.0)
+                    tokens[(server.name, concurrency)] = tokens.get((server.name, concurrency), 0) + level.tokens
                     overhead.setdefault((server.name, concurrency), []).append(level)
                     print(f"{server.name} c={concurrency}: {level.tok_per_s:.1f} tok/s, TTFT p50 "
                           f"{pct(level.ttft, 0.5) * 1e3:.0f} ms", file=sys.stderr)
     finally:
         for server in servers:
             server.stop()
+    print_overhead(args, overhead, cpu, tokens)
+    if args.ray_part == "overhead":
+        return 0
     time.sleep(args.pause)
 
     prefix: dict[str, PrefixRun] = {}
@@ -418,6 +470,19 @@ def ray_bench(args: argparse.Namespace) -> int:
             server.stop()
         time.sleep(args.pause)
 
+    print(f"\nShared prefixes: {args.groups} system prompts of about {args.prefix_tokens} tokens, 8 questions each, "
+          "concurrency 4, 32-token answers\n")
+    print("| configuration | generated tok/s | TTFT p50 / p99 (ms) | prefix-cache hit rate |")
+    print("| --- | --- | --- | --- |")
+    for name, run in prefix.items():
+        print(f"| {name} | {run.level.tok_per_s:.1f} | {pct(run.level.ttft, 0.5) * 1e3:.0f} / "
+              f"{pct(run.level.ttft, 0.99) * 1e3:.0f} | {run.hit_rate:.2f} |")
+    return 0
+
+
+def print_overhead(args: argparse.Namespace, overhead: dict[tuple[str, int], list[Level]],
+                   cpu: dict[tuple[str, int], dict[str, float]], tokens: dict[tuple[str, int], int]) -> None:
+    """The ingress-overhead tables: speed per server and level, and the CPU each process group spent per token."""
     from bench_common import machine_line
 
     print(f"{machine_line()}; load average {os.getloadavg()[0]:.1f}; {args.max_tokens} tokens per answer, greedy, "
@@ -429,14 +494,15 @@ def ray_bench(args: argparse.Namespace) -> int:
         ttft = [statistics.median(pct(lv.ttft, q) for lv in levels) * 1e3 for q in (0.5, 0.99)]
         itl = [statistics.median(pct(lv.itl, q) for lv in levels) * 1e3 for q in (0.5, 0.99)]
         print(f"| {name} | {concurrency} | {rate:.1f} | {ttft[0]:.0f} / {ttft[1]:.0f} | {itl[0]:.1f} / {itl[1]:.1f} |")
-    print(f"\nShared prefixes: {args.groups} system prompts of about {args.prefix_tokens} tokens, 8 questions each, "
-          "concurrency 4, 32-token answers\n")
-    print("| configuration | generated tok/s | TTFT p50 / p99 (ms) | prefix-cache hit rate |")
-    print("| --- | --- | --- | --- |")
-    for name, run in prefix.items():
-        print(f"| {name} | {run.level.tok_per_s:.1f} | {pct(run.level.ttft, 0.5) * 1e3:.0f} / "
-              f"{pct(run.level.ttft, 0.99) * 1e3:.0f} | {run.hit_rate:.2f} |")
-    return 0
+    groups = ["command", *(g for _, g in PROCESS_GROUPS), "other"]
+    print("\nCPU per generated token (ms), every round, by process (command: the `logitproc serve` process itself)\n")
+    print("| server | concurrency | total | " + " | ".join(groups) + " |")
+    print("| --- | --- | --- | " + " | ".join("---" for _ in groups) + " |")
+    for key, spent in cpu.items():
+        per_token = {g: seconds * 1e3 / max(tokens[key], 1) for g, seconds in spent.items()}
+        print(f"| {key[0]} | {key[1]} | {sum(per_token.values()):.2f} | "
+              + " | ".join(f"{per_token[g]:.2f}" if g in per_token else "-" for g in groups) + " |")
+    sys.stdout.flush()
 
 
 def pct(values: list[float], q: float) -> float:
@@ -467,6 +533,8 @@ def main() -> int:
     parser.add_argument("--groups", type=int, default=4, help="--ray: system prompts (default: %(default)s)")
     parser.add_argument("--prefix-tokens", type=int, default=400,
                         help="--ray: tokens of each system prompt, about (default: %(default)s)")
+    parser.add_argument("--ray-part", choices=("all", "overhead"), default="all",
+                        help="--ray: both parts, or the ingress's overhead only (default: %(default)s)")
     args = parser.parse_args()
 
     os.environ["TVM_NUM_THREADS"] = str(args.threads)  # the servers' (and the machine line's) thread count

@@ -9,13 +9,15 @@ The first form runs, in this process, what ``compile_model`` does with the weigh
 ``read_gguf_tensors`` or ``load_hf_dir``, ``iter_relax_weights`` into ``save_params``) and prints the peak RSS above
 the process's RSS before it, next to the stored weights' size and the largest tensor in float32 (the bound of
 ``docs/model.md``: stored weights + largest float32 tensor + a margin). ``--eager`` reads every weight into float32
-first, as the loader did before (for comparison). The second form writes a random F16 ``llama`` GGUF of the given
+first, as the loader did before (for comparison); ``--json`` prints the figures as one JSON object
+(``tests/test_load_memory.py`` reads it). The second form writes a random F16 ``llama`` GGUF of the given
 shape (tokens are placeholders) to measure with.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import resource
 import tempfile
@@ -41,7 +43,7 @@ def write_random(path: Path, hidden: int, layers: int, vocab: int, ffn: int) -> 
         add(value)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_tokenizer_model("gpt2")
-    writer.add_token_list([f"t{i}" for i in range(vocab)])
+    writer.add_token_list(["t", "0", *(f"t{i}" for i in range(vocab - 2))])  # one merge: "t" "0" -> "t0"
     writer.add_token_merges(["t 0"])
     writer.add_bos_token_id(0)
     writer.add_eos_token_id(1)
@@ -64,7 +66,8 @@ def write_random(path: Path, hidden: int, layers: int, vocab: int, ffn: int) -> 
     writer.close()
 
 
-def measure(model_path: Path, weight_dtype: str, eager: bool) -> None:
+def measure(model_path: Path, weight_dtype: str, eager: bool) -> dict[str, float]:
+    """Run the weight stage on ``model_path`` in this process; its sizes and memory in MB (see the module doc)."""
     from logitproc.compile.gguf_model import load_gguf
     from logitproc.compile.hf_model import load_hf_dir
     from logitproc.compile.llama_weights import iter_relax_weights, read_gguf_tensors, save_params
@@ -77,7 +80,7 @@ def measure(model_path: Path, weight_dtype: str, eager: bool) -> None:
     else:
         model = load_gguf(model_path, load_weights=False)
         model.weights, raw = read_gguf_tensors(model_path, model.config, keep_blocks=weight_dtype == "auto")
-    largest = max(np.prod(model.weights[n].shape) * 4 for n in model.weights) / 1e6 if eager else None
+    largest = max(int(np.prod(model.config.tensor_shape(name))) * 4 for name in model.weights) / 1e6
     if eager:
         model.weights = dict(model.weights)
     spec = LlamaSpec.from_model(model, weight_dtype, raw)
@@ -86,10 +89,8 @@ def measure(model_path: Path, weight_dtype: str, eager: bool) -> None:
         written = save_params(Path(out) / "params.npz", iter_relax_weights(model, spec, raw), names) / 1e6
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3
     stored = sum(f.stat().st_size for f in ([model_path] if model_path.is_file() else model_path.iterdir())) / 1e6
-    print(f"{model_path.name}: stored {stored:.0f} MB, params written {written:.0f} MB, "
-          f"{'largest tensor in float32 ' + format(largest, '.0f') + ' MB, ' if largest else ''}"
-          f"RSS before {before:.0f} MB, peak {peak:.0f} MB (peak - before {peak - before:.0f} MB)"
-          f"{' [eager float32 stage]' if eager else ''}")
+    return {"stored_mb": stored, "written_mb": written, "largest_float32_mb": largest, "rss_before_mb": before,
+            "peak_mb": peak, "rise_mb": peak - before}
 
 
 def main() -> None:
@@ -97,6 +98,7 @@ def main() -> None:
     parser.add_argument("model", nargs="?", type=Path)
     parser.add_argument("--weight-dtype", default="auto", choices=("auto", "float16", "float32"))
     parser.add_argument("--eager", action="store_true", help="read every weight into float32 first (the old way)")
+    parser.add_argument("--json", action="store_true", help="print the figures as one JSON object (MB)")
     parser.add_argument("--write-random", type=Path, help="write a random F16 llama GGUF here and stop")
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=8)
@@ -108,7 +110,14 @@ def main() -> None:
     elif args.model is None:
         parser.error("name a model, or --write-random")
     else:
-        measure(args.model, args.weight_dtype, args.eager)
+        result = measure(args.model, args.weight_dtype, args.eager)
+        if args.json:
+            print(json.dumps(result))
+            return
+        print(f"{args.model.name}: stored {result['stored_mb']:.0f} MB, params written {result['written_mb']:.0f} MB, "
+              f"largest tensor in float32 {result['largest_float32_mb']:.0f} MB, RSS before "
+              f"{result['rss_before_mb']:.0f} MB, peak {result['peak_mb']:.0f} MB (peak - before "
+              f"{result['rise_mb']:.0f} MB){' [eager float32 stage]' if args.eager else ''}")
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from .answer_parser import AnswerParser
 from .api_error import bad_request
 from .chat_template import ChatTemplate
 from .tool_definitions import ToolRequest
-from .tool_syntax import JSON_LAYOUT, CallSyntax, ReasoningMarkers, arguments_problem, call_grammar, detect_syntax
+from .tool_syntax import CallSyntax, ReasoningMarkers, arguments_problem, call_grammar, detect_syntax
 
 if TYPE_CHECKING:
     from logitproc.runtime.config import GenerationConfig
@@ -81,9 +81,7 @@ def _grammar(syntax: CallSyntax, tools: ToolRequest, markers: ReasoningMarkers |
     problem = llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_lark(text))
     if not problem:
         return text, False
-    strict = json.dumps(JSON_LAYOUT, separators=(",", ":"))
-    lenient = json.dumps({**JSON_LAYOUT, "lenient": True, "coerce_one_of": True}, separators=(",", ":"))
-    relaxed = text.replace(strict, lenient)
+    relaxed = call_grammar(syntax, tools, markers, marker_tokens, relaxed=True)
     again = llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_lark(relaxed))
     if again:
         first = again.strip().splitlines()[0] if again.strip() else again

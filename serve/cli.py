@@ -15,7 +15,7 @@ import time
 from collections.abc import Sequence
 
 from ..quiet_stderr import filtered_stderr
-from .cli_options import TARGET_CHOICES, add_context_argument, add_kv_dtype_argument
+from .cli_options import TARGET_CHOICES, add_activation_bits_argument, add_context_argument, add_kv_dtype_argument
 
 
 def _compile_kernels(args: argparse.Namespace) -> int:
@@ -42,7 +42,7 @@ def _compile_model(args: argparse.Namespace) -> int:
     model = tiny_model() if args.model == TINY_MODEL else args.model
     with ProgressLine(sys.stderr) as progress:
         out = compile_model(model, args.target, args.out, progress=progress, weight_dtype=args.weight_dtype,
-                            kv_dtype=args.kv_dtype, context=args.context)
+                            kv_dtype=args.kv_dtype, context=args.context, activation_bits=args.activation_bits)
     print(f"done in {time.perf_counter() - started:.1f}s", file=sys.stderr)
     print(out)
     return 0
@@ -52,10 +52,11 @@ def _models(args: argparse.Namespace) -> int:
     from logitproc.compile.families import FAMILIES
     from logitproc.compile.rope import SCALING_KEYS
 
-    print("family  models                                         Hugging Face architectures            GGUF")
-    for family in FAMILIES:
-        print(f"{family.name:<7} {family.models:<46} {', '.join(family.hf_architectures):<37} "
-              f"{', '.join(family.gguf_architectures)}")
+    rows = [("family", "models", "Hugging Face architectures", "GGUF")]
+    rows += [(f.name, f.models, ", ".join(f.hf_classes), ", ".join(f.gguf_architectures)) for f in FAMILIES]
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    for row in rows:
+        print(" ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=False)) + " " + row[3])
     print(f"\nformats: a GGUF file (--model path.gguf) or a Hugging Face folder (--model path/, safetensors "
           f"F32/F16/BF16); RoPE scaling: {', '.join(SCALING_KEYS)} (and a GGUF's rope_freqs); docs/model.md")
     return 0
@@ -96,9 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
     compile_model.add_argument("--target", default="cpu", choices=("cpu",), help="(default: %(default)s)")
     compile_model.add_argument("--out", help="also copy the compiled model into this directory (default: none)")
     compile_model.add_argument("--weight-dtype", default="auto", choices=("auto", "float16", "float32"),
-                               help="auto: keep a GGUF's Q8_0/Q4_1 blocks (float16 for other tensors) "
-                                    "(default: %(default)s)")
+                               help="auto: keep a GGUF's quantised blocks (types without a kernel requantised to "
+                                    "Q8_0), float16 for other tensors (default: %(default)s)")
     add_kv_dtype_argument(compile_model)
+    add_activation_bits_argument(compile_model)
     add_context_argument(compile_model)
     compile_model.set_defaults(run=_compile_model)
 

@@ -45,6 +45,14 @@ def add_kv_dtype_argument(parser: argparse.ArgumentParser) -> None:
                              "(default: %(default)s)")
 
 
+def add_activation_bits_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--activation-bits", type=int, default=16, choices=(16, 8),
+                        help="codes of the activations in the quantised matmuls: 16 keeps a small model's logits "
+                             "within about 1e-2 of float; 8, as llama.cpp's, is up to 1.5x faster where a prefill is "
+                             "compute-bound (larger models) and moves a small model's logits by up to 1 "
+                             "(docs/model.md) (default: %(default)s)")
+
+
 def add_context_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--context", type=int, default=None, metavar="TOKENS",
                         help="tokens per sequence to compile the model for, up to its max_position_embeddings; "
@@ -58,6 +66,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                              "a Hugging Face model folder (default: %(default)s)")
     parser.add_argument("--target", default="cpu", help="compilation target (default: %(default)s)")
     add_kv_dtype_argument(parser)
+    add_activation_bits_argument(parser)
     add_context_argument(parser)
     parser.add_argument("--jump-forward", action="store_true",
                         help="append tokens a grammar forces without a decode step each (default: off)")
@@ -193,16 +202,19 @@ def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def open_model(spec: str, target: str, kv_dtype: str = "float32", context: int | None = None) -> Any:
+def open_model(spec: str, target: str, kv_dtype: str = "float32", context: int | None = None,
+               activation_bits: int = 16) -> Any:
     """Open (fetching and compiling on first use, with visible progress on stderr) the model named by ``spec``,
-    with a KV cache of ``kv_dtype``, serving ``context`` tokens per sequence (None: the model's)."""
+    with a KV cache of ``kv_dtype``, serving ``context`` tokens per sequence (None: the model's), its quantised
+    matmuls on ``activation_bits`` codes."""
     from logitproc.serve.compiled_model import CompiledModel
 
     from .progress_line import ProgressLine
 
     model: Any = tiny_model() if spec == TINY_MODEL else spec
     with ProgressLine(sys.stderr) as progress:
-        return CompiledModel.open(model, target=target, progress=progress, kv_dtype=kv_dtype, context=context)
+        return CompiledModel.open(model, target=target, progress=progress, kv_dtype=kv_dtype, context=context,
+                                  activation_bits=activation_bits)
 
 
 def read_chat_template(args: argparse.Namespace) -> Any:
@@ -238,7 +250,7 @@ def open_engine(args: argparse.Namespace) -> tuple[Any, ModelDefaults]:
     from .model_defaults import model_defaults
 
     template = read_chat_template(args)
-    model = open_model(args.model, args.target, args.kv_dtype, args.context)
+    model = open_model(args.model, args.target, args.kv_dtype, args.context, args.activation_bits)
     use_chat_template(model, template)
     source = Path(args.model)
     model_dir = (source if source.is_dir() else source.parent) if source.exists() else model.directory

@@ -21,13 +21,13 @@ what is not yet in the cache becomes the sequence's feed for the next forward.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 
 from logitproc.runtime import LogitProcessor, SampleResult
 
-from .outputs import Delta, EngineStats
+from .outputs import Delta, EngineStats, FinishReason
 from .runner import Runner
-from .scheduler import Deltas, delta_of
-from .sequence import GeneratedSequence
+from .sequence import Deltas, GeneratedSequence, delta_of
 
 
 def commit_row(seq: GeneratedSequence, result: SampleResult, row: int, delta: Delta, error: str | None) -> None:
@@ -36,11 +36,11 @@ def commit_row(seq: GeneratedSequence, result: SampleResult, row: int, delta: De
     if stats.first_token_time is None:
         stats.first_token_time = time.perf_counter()
     if result.non_finite_logits is not None and result.non_finite_logits[row]:
-        seq.finish("error", delta, error="non_finite_logits: the model's logits for this sequence hold NaN or +inf, "
-                                         "so there is no distribution to sample from")
+        seq.finish(FinishReason.ERROR, delta, error="non_finite_logits: the model's logits for this sequence hold "
+                                                    "NaN or +inf, so there is no distribution to sample from")
         return
     if result.no_valid_token[row]:
-        seq.finish("error" if error else "grammar_dead_end", delta, error=error)
+        seq.finish(FinishReason.ERROR if error else FinishReason.GRAMMAR_DEAD_END, delta, error=error)
         return
     sampled = int(result.token_ids[row])
     try:  # near max_tokens, a sample after which the document cannot close in time gives way to the closing's token
@@ -48,7 +48,7 @@ def commit_row(seq: GeneratedSequence, result: SampleResult, row: int, delta: De
         if token not in seq.stop_token_ids:  # a stop token ends the sequence: its state is not advanced
             seq.state.append_token(token)
     except Exception as err:  # a constraint refusing the token ends this sequence, not the step
-        seq.finish("error", delta, error=f"{type(err).__name__}: {err}")
+        seq.finish(FinishReason.ERROR, delta, error=f"{type(err).__name__}: {err}")
         return
     if token not in seq.stop_token_ids:
         seq.feed_sampled(token)
@@ -66,7 +66,7 @@ def commit_row(seq: GeneratedSequence, result: SampleResult, row: int, delta: De
 
 
 def commit_verified(model: Runner, seq: GeneratedSequence, result: SampleResult, first: int, drafts: list[int],
-                    delta: Delta, errors: dict[int, str]) -> tuple[int, int]:
+                    delta: Delta, errors: Mapping[int, str]) -> tuple[int, int]:
     """Commit the rows ``first``, ``first + 1``, ... of a sequence that checked ``drafts`` while each row's token is
     the next draft (and the sequence goes on); pop the rejected drafts from the KV cache; the sequence's random
     stream keeps the draws of the rows examined only (``RequestState.keep_draws``). Returns (rows committed, drafts
@@ -108,7 +108,7 @@ def jump_forward(model: Runner, processor: LogitProcessor, running: list[Generat
         try:
             forced = processor.jump_forward(seq.state)
         except Exception as err:  # this sequence's constraint failed: it ends, the others go on
-            seq.finish("error", delta_of(deltas, seq), error=f"{type(err).__name__}: {err}")
+            seq.finish(FinishReason.ERROR, delta_of(deltas, seq), error=f"{type(err).__name__}: {err}")
             continue
         if forced is None or (not forced.rollback and not forced.token_ids):
             continue

@@ -36,7 +36,7 @@ import numpy as np
 import tvm
 from logitproc.compile.gguf_model import GGUFModel, LlamaConfig
 from logitproc.compile.model_compile import PARAMS_FILE, TOKENIZER_FILE, Progress, compile_model
-from logitproc.compile.relax_llama import DEFAULT_KV_DTYPE
+from logitproc.compile.relax_llama import DEFAULT_ACTIVATION_BITS, DEFAULT_KV_DTYPE
 from logitproc.runtime.kernel_library import MANIFEST, KernelLibrary
 from tokenizers import Tokenizer
 from tvm import relax
@@ -109,7 +109,7 @@ class CompiledModel(ModelRunner):
     @classmethod
     def open(cls, model: str | os.PathLike[str] | GGUFModel | None = "default", target: str = "cpu",
              progress: Progress | None = None, *, weight_dtype: str = "auto", kv_dtype: str = DEFAULT_KV_DTYPE,
-             context: int | None = None, max_num_sequences: int = 16,
+             context: int | None = None, activation_bits: int = DEFAULT_ACTIVATION_BITS, max_num_sequences: int = 16,
              max_total_tokens: int | None = None, prefill_chunk_size: int = 512) -> CompiledModel:
         """Open ``model``: ``"default"``, a GGUF file, a Hugging Face directory, a ``GGUFModel`` (compiled on first
         use into the cache, serving ``context`` tokens per sequence: ``compile_model``), or a directory written by
@@ -118,7 +118,7 @@ class CompiledModel(ModelRunner):
             directory = Path(model)
         else:
             directory = compile_model(model, target, progress=progress, weight_dtype=weight_dtype, kv_dtype=kv_dtype,
-                                      context=context)
+                                      context=context, activation_bits=activation_bits)
         opened = cls(directory, max_num_sequences=max_num_sequences, max_total_tokens=max_total_tokens,
                      prefill_chunk_size=prefill_chunk_size)
         if progress is not None:
@@ -129,6 +129,11 @@ class CompiledModel(ModelRunner):
     def kv_dtype(self) -> str:
         """The KV cache's type (``float32``, ``float16`` or ``q8_0``; builds from before the option: float32)."""
         return str(self.manifest["model"]["spec"].get("kv_dtype", "float32"))
+
+    @property
+    def activation_bits(self) -> int:
+        """The bits of the activation codes in the quantised matmuls (16 or 8; builds from before the option: 16)."""
+        return int(self.manifest["model"]["spec"].get("activation_bits", DEFAULT_ACTIVATION_BITS))
 
     @property
     def weight_formats(self) -> dict[str, str]:

@@ -1,23 +1,34 @@
 """Engine: continuous batching of generation requests over one model runner; ``step()`` runs one step of them.
 
-One ``step()``, module by module::
+One ``step()`` (``_step`` and ``_forward``)::
 
-    scheduler.py   aborts end their sequences; the latest-arrived requests are preempted while the next forward
-                   would overflow the KV cache; waiting requests are admitted while slots and KV cache are free
-    speculation.py with ``speculative``: decoding sequences propose prompt-lookup drafts; those expected to pay
-                   are checked this step
+    plan = scheduler.schedule(budget, deltas, propose_drafts)   # what the forward feeds, sequences placed
+    step = step_runner.run(plan)                                # the model runs it: rows, Batch, logits
+    tokens = process(processor, sampler, step.batch, step.logits)
+    scheduler.commit(step, tokens, deltas)                      # each row's token to its sequence
+    scheduler.retire()                                          # (after jump-forward) finished sequences leave
+
+module by module::
+
+    scheduler.py   ``schedule``: aborts end their sequences; the latest-arrived requests are preempted while the
+                   next forward would overflow the KV cache; waiting requests are admitted while slots and KV cache
+                   are free;
+    speculation.py (``speculative``) decoding sequences propose prompt-lookup drafts; those expected to pay are
+                   checked this step;
     scheduler.py   the step's plan within its budget (``StepBudget``): every decoding sequence's token (and drafts
-                   while they fit), then prefill chunks of the prompts going in, the shortest rest first
-    model_step.py  a new sequence forks the prefix cache entry sharing the longest prefix, if any; the step's
-                   Batch is made (its masks start filling on worker threads), then the model runs: prefill (the
-                   chunks: new prompts, the rest of long ones, feeds left by a jump-forward; a completed prompt's
-                   n > 1 forks), then decode, then verify (each drafting sequence's last token and drafts, logits
-                   after every one)
+                   while they fit), then prefill chunks of the prompts going in, the shortest rest first; a sequence
+                   getting its first chunk is placed in the model (a fork of the prefix cache entry sharing the
+                   longest prefix, if any)
+    model_step.py  ``StepRunner.run``: the step's Batch is made (its masks start filling on worker threads), then
+                   the model runs: prefill (the chunks: new prompts, the rest of long ones, feeds left by a
+                   jump-forward; a completed prompt's n > 1 forks), then decode, then verify (each drafting
+                   sequence's last token and drafts, logits after every one)
     processing.py  LogitProcessor -> Sampler on the Batch, once over every row
-    commit.py      each row's token is committed (state, text deltas, finish rules); a drafting sequence commits
-                   its rows while they agree with its drafts, and the rejected drafts leave the KV cache; with
-                   ``jump_forward`` the tokens the constraints force are appended without a decode step each
-    scheduler.py   finished sequences free their slots (or keep their KV cache as prefix cache entries);
+    scheduler.py   ``commit`` (commit.py): each row's token is committed (state, text deltas, finish rules); a
+                   drafting sequence commits its rows while they agree with its drafts, and the rejected drafts
+                   leave the KV cache
+    commit.py      with ``jump_forward``, the tokens the constraints force are appended without a decode step each
+    scheduler.py   finished sequences free their slots (or keep their KV cache as prefix cache entries)
     step_stats.py  the step's statistics
 
 Requests join (``add_request``, or ``submit``: its grammar compiled on the engine's grammar thread while the steps
@@ -54,15 +65,15 @@ from logitproc.runtime.field_error import FieldTypeError, FieldValueError
 from logitproc.runtime.grammar import GrammarBackend
 from logitproc.runtime.tree_decode import TreeDecodeConfig
 
-from .commit import commit_row, commit_verified, jump_forward
-from .model_step import ModelStep, run_model
+from .commit import jump_forward
+from .model_step import ModelStep, StepRunner
 from .outputs import Delta, EngineStats, Output, RequestStats
 from .prefix_cache import PrefixCache
 from .processing import process
 from .prompt_tokens import prompt_token_ids
 from .runner import Runner
-from .scheduler import Deltas, Scheduler, StepBudget, StepPlan, delta_of
-from .sequence import GeneratedSequence, Request
+from .scheduler import Scheduler, StepBudget, StepPlan
+from .sequence import Deltas, GeneratedSequence, Request, delta_of
 from .speculation import Candidate, Drafter, SpeculationPlanner, SpeculativeConfig
 from .step_stats import account_step
 
@@ -136,6 +147,7 @@ class Engine:
         self.stats = EngineStats()
         cache = PrefixCache(self.max_total_tokens, int(model.max_num_sequences)) if prefix_cache else None
         self.scheduler = Scheduler(model, self.max_batch, self.max_total_tokens, self.stats, cache)
+        self.step_runner = StepRunner(model, self.processor)
         self._constraints: ConstraintFactory | None = None
         self._ids = itertools.count()
         self._arrivals = itertools.count()  # arrival order: the latest-arrived request is preempted first
@@ -430,20 +442,16 @@ class Engine:
             self._turn.notify_all()
 
     def _step(self) -> list[Delta]:
+        """One step: ``schedule`` -> ``run`` -> ``sample`` -> ``commit`` (in ``_forward``), then jump-forward and the
+        finished sequences' retirement."""
         self._wait_for_compiles()
         started = time.perf_counter()
         deltas: Deltas = {}
-        scheduler = self.scheduler
-        scheduler.handle_aborts(deltas)
-        scheduler.retire()  # aborted sequences leave the KV cache before room is counted
-        scheduler.make_room()
-        scheduler.admit()
-        drafts = self._plan_drafts() if self._planner is not None else {}
-        plan = scheduler.plan(self.budget, drafts)
-        step, processing_s = self._forward_isolated(scheduler.live(), deltas, plan)
+        plan = self.scheduler.schedule(self.budget, deltas, self._propose_drafts if self._planner else None)
+        step, processing_s = self._forward_isolated(plan, deltas)
         if self.jump_forward:
-            jump_forward(self.model, self.processor, scheduler.running, deltas, self.stats)
-        scheduler.retire()
+            jump_forward(self.model, self.processor, self.scheduler.running, deltas, self.stats)
+        self.scheduler.retire()
         step_s = time.perf_counter() - started
         account_step(self.stats, step, processing_s, step_s)
         if self._planner is not None:  # a token costs its forward and its row's share of the rest of the step
@@ -453,11 +461,22 @@ class Engine:
             self._planner.costs.record(step.verify_tokens, step.verify_seconds + per_row * step.verify_tokens)
         return [d for d in deltas.values() if d.text or d.token_ids or d.rollback or d.finish_reason]
 
-    def _plan_drafts(self) -> dict[GeneratedSequence, list[int]]:
-        """The drafts the decoding sequences check this step (``SpeculationPlanner.plan``)."""
+    def _forward(self, plan: StepPlan, deltas: Deltas, step: ModelStep) -> tuple[ModelStep, float]:
+        """The plan carried out: the model runs it, its rows are sampled and committed to their sequences. An
+        exception leaves the sequences' tokens uncommitted (``step`` shows how far the model got)."""
+        self.step_runner.run(plan, step)
+        if step.batch is None or step.logits is None:
+            return step, 0.0
+        t0 = time.perf_counter()
+        tokens = process(self.processor, self.sampler, step.batch, step.logits)
+        processing_s = time.perf_counter() - t0
+        self.scheduler.commit(step, tokens, deltas)
+        return step, processing_s
+
+    def _propose_drafts(self, decoding: list[GeneratedSequence], room: int) -> dict[GeneratedSequence, list[int]]:
+        """The drafts the ``decoding`` sequences check this step, with ``room`` KV cache tokens left
+        (``SpeculationPlanner.plan``)."""
         assert self._planner is not None and self.speculative is not None
-        scheduler = self.scheduler
-        decoding = [s for s in scheduler.live() if s.decoding]
         candidates = []
         for seq in decoding:
             if seq.drafter is None:
@@ -468,14 +487,12 @@ class Engine:
                         self.context_length - seq.kv_need)
             proposal = seq.drafter.propose(limit) if limit > 0 else []
             candidates.append(Candidate(seq, seq.drafter, proposal, limit))
-        room = self.max_total_tokens - scheduler.kv_needed() - scheduler.cached_tokens
         return self._planner.plan(candidates, len(decoding), room)
 
-    def _forward_isolated(self, live: list[GeneratedSequence], deltas: Deltas,
-                          plan: StepPlan) -> tuple[ModelStep, float]:
+    def _forward_isolated(self, plan: StepPlan, deltas: Deltas) -> tuple[ModelStep, float]:
         """``_forward`` of the plan; when that fails, the live sequences are put back as they were and each request
         runs its part of the plan alone: those that fail alone end with "error", the others go on."""
-        kept = [_Placement(seq) for seq in live]
+        kept = [_Placement(seq) for seq in self.scheduler.live()]
         step = ModelStep()
         try:
             return self._forward(plan, deltas, step)
@@ -500,38 +517,6 @@ class Engine:
             total.add(alone)
             processing_s += seconds
         return total, processing_s
-
-    def _forward(self, plan: StepPlan, deltas: Deltas, step: ModelStep) -> tuple[ModelStep, float]:
-        """Run the model over the ``plan``, process and sample, commit each sequence's rows (a sequence whose commit
-        fails ends with "error"). An exception leaves the sequences' tokens uncommitted."""
-        run_model(self.model, self.processor, plan, self.scheduler.place, step)
-        if step.batch is None or step.logits is None:
-            return step, 0.0
-        t0 = time.perf_counter()
-        result = process(self.processor, self.sampler, step.batch, step.logits)
-        processing_s = time.perf_counter() - t0
-        errors = step.batch.mask_errors
-        for seq in step.sequences:
-            row = step.batch.first_row[seq.state]
-            delta = delta_of(deltas, seq)
-            try:
-                if seq in step.drafts:
-                    self._commit_verified(step, seq, result, row, delta, errors)
-                else:
-                    commit_row(seq, result, row, delta, errors.get(row))
-            except Exception as err:  # e.g. the detokenizer: this sequence ends, the other rows are committed
-                seq.fail(delta, f"{type(err).__name__}: {err}")
-        return step, processing_s
-
-    def _commit_verified(self, step: ModelStep, seq: GeneratedSequence, result: Any, row: int, delta: Delta,
-                         errors: dict[int, str]) -> None:
-        drafts = step.drafts[seq]
-        committed, accepted = commit_verified(self.model, seq, result, row, drafts, delta, errors)
-        step.verify_committed += committed
-        for stats in (seq.request.stats, self.stats):
-            stats.drafts += 1
-            stats.draft_tokens += len(drafts)
-            stats.accepted_draft_tokens += accepted
 
     def _undo(self, step: ModelStep, kept: list[_Placement], why: str, deltas: Deltas) -> bool:
         """Put the sequences back as they were before a failed ``_forward`` (its masks finished first); a sequence

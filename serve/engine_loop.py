@@ -20,9 +20,10 @@ import traceback
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
-from .outputs import Delta
+from .outputs import Delta, FinishReason
 from .server_metrics import ServerMetrics
 
 if TYPE_CHECKING:
@@ -31,6 +32,15 @@ if TYPE_CHECKING:
 log = logging.getLogger("logitproc.serve")
 
 Sink = Callable[[Any], None]
+
+
+class LoopState(StrEnum):
+    """Where an EngineLoop stands (str-valued: ``/health`` reports it as it is)."""
+
+    LOADING = "loading"
+    READY = "ready"
+    FAILED = "failed"
+    STOPPED = "stopped"
 
 
 class QueueFull(Exception):
@@ -67,7 +77,7 @@ class _Live:
 class EngineLoop:
     """Loads the engine on its own thread and steps it; ``submit``/``abort``/``call`` are safe from any thread."""
 
-    LOADING, READY, FAILED, STOPPED = "loading", "ready", "failed", "stopped"
+    LOADING, READY, FAILED, STOPPED = LoopState.LOADING, LoopState.READY, LoopState.FAILED, LoopState.STOPPED
 
     def __init__(self, load: Callable[[], Any], metrics: ServerMetrics, max_queue: int = 256,
                  on_failure: Callable[[BaseException], None] | None = None) -> None:
@@ -76,7 +86,7 @@ class EngineLoop:
         self.max_queue = max_queue
         self._on_failure = on_failure
         self.engine: Any = None
-        self.state = self.LOADING
+        self.state: LoopState = LoopState.LOADING
         self.error: str | None = None
         self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._live: dict[str, _Live] = {}
@@ -278,7 +288,7 @@ class EngineLoop:
         live.sink(delta)
         if delta.finish_reason is not None:
             m.finished.labels(delta.finish_reason).inc()
-            if live.grammar and delta.finish_reason in ("grammar_dead_end", "error"):
+            if live.grammar and delta.finish_reason in (FinishReason.GRAMMAR_DEAD_END, FinishReason.ERROR):
                 m.grammar_failures.inc()
             live.finished += 1
             if live.finished == live.n:

@@ -1,5 +1,5 @@
-"""The model runner calls of one step's plan: prefill chunks (with forks), decode, verify, giving the rows to sample
-and their logits.
+"""Carrying out one step's plan on the model (``StepRunner.run``): prefill chunks (with forks), decode, verify, giving
+the rows to sample and their logits.
 
 Rows are in this order: each sequence whose prefill chunk completes its feed, followed by the sequences forked from
 it (a request with n > 1 prefills once), then every decoding sequence, then the sequences that check drafts
@@ -15,7 +15,6 @@ their masks on worker threads while the model computes.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -69,51 +68,64 @@ class ModelStep:
         return len(self.sequences) + sum(len(d) for d in self.drafts.values())
 
 
-def run_model(model: Runner, processor: LogitProcessor, plan: StepPlan,
-              place: Callable[[GeneratedSequence], None], step: ModelStep | None = None) -> ModelStep:
-    """Feed the ``plan``'s tokens through the model; return the step's rows and logits.
-    ``place(seq)`` starts a sequence that is not in the model yet (empty, or forked from the prefix cache).
-    ``step`` is filled in as the call goes (given by a caller that needs to see how far a failed call got).
-    A prefill chunk that leaves part of its sequence's feed for a later step gives no row."""
-    step = ModelStep() if step is None else step
-    for seq, _ in plan.chunks:
-        if not seq.in_model:
-            place(seq)
-    chunks = [(seq, min(take, len(seq.feed))) for seq, take in plan.chunks]  # a prefix cache hit shortens a feed
-    decode, verify, drafts = plan.decode, list(plan.drafts), plan.drafts
-    order = [r for s, take in chunks if take == len(s.feed)
-             for r in [s, *(c for c in s.request.sequences if c.forked_from is s)]] + decode + verify
-    if order:
-        trees = [drafts.get(s) for s in order] if verify else None
-        step.batch = processor.batch([s.state for s in order], draft_trees=trees)
-        if step.batch.any_masks:  # grammar masks fill on worker threads during the forward
-            step.masks = processor.start_masks(step.batch)
-    blocks: list[np.ndarray] = []
-    if chunks:
-        blocks += _prefill(model, chunks, step)
-    if decode:
-        t0 = time.perf_counter()
-        out = np.asarray(model.decode([s.seq_id for s in decode], [s.feed[0] for s in decode]))
-        step.decode_seconds = time.perf_counter() - t0
-        step.decode_tokens = len(decode)
-        for seq in decode:
-            seq.fed(1)
-        step.sequences.extend(decode)
-        blocks.append(out)
-    if verify:
-        t0 = time.perf_counter()
-        outs = model.verify([s.seq_id for s in verify], [s.feed + drafts[s] for s in verify])
-        step.verify_seconds = time.perf_counter() - t0
-        for seq, out in zip(verify, outs, strict=True):
-            step.verify_tokens += len(out)
-            seq.fed(len(out))  # its token and its drafts
-            step.sequences.append(seq)
-            step.drafts[seq] = drafts[seq]
-            blocks.append(np.asarray(out))
-    if step.batch is not None:
-        step.logits = empty_aligned((step.batch.num_rows, processor.vocab_size))
-        np.concatenate(blocks, axis=0, out=step.logits)
-    return step
+class StepRunner:
+    """Carries out a step's plan on the model: ``run(plan)`` makes the step's Batch from the rows to sample (starting
+    their masks on worker threads), then runs prefill, decode and verify, and returns the ``ModelStep``. Every
+    sequence the plan feeds is in the model already (``Scheduler.schedule`` placed it); the runner changes the KV
+    bookkeeping only as the forward does (``fed``, and ``fork_into`` for a completed prompt's n > 1 forks)."""
+
+    def __init__(self, model: Runner, processor: LogitProcessor) -> None:
+        self.model = model
+        self.processor = processor
+
+    def run(self, plan: StepPlan, step: ModelStep | None = None) -> ModelStep:
+        """Feed the ``plan``'s tokens through the model; return the step's rows and logits. ``step`` is filled in as
+        the call goes (given by a caller that needs to see how far a failed call got). A prefill chunk that leaves
+        part of its sequence's feed for a later step gives no row."""
+        step = ModelStep() if step is None else step
+        model, processor = self.model, self.processor
+        for seq, take in plan.chunks:
+            if not seq.in_model:
+                raise ValueError(f"the plan feeds sequence {seq.index} of {seq.request_id!r}, which is not in the "
+                                 "model: Scheduler.schedule places every sequence it plans a chunk for")
+            if not 0 < take <= len(seq.feed):
+                raise ValueError(f"the plan feeds {take} tokens to sequence {seq.index} of {seq.request_id!r}, "
+                                 f"which has {len(seq.feed)} to feed")
+        chunks = plan.chunks
+        decode, verify, drafts = plan.decode, list(plan.drafts), plan.drafts
+        order = [r for s, take in chunks if take == len(s.feed)
+                 for r in [s, *(c for c in s.request.sequences if c.forked_from is s)]] + decode + verify
+        if order:
+            trees = [drafts.get(s) for s in order] if verify else None
+            step.batch = processor.batch([s.state for s in order], draft_trees=trees)
+            if step.batch.any_masks:  # grammar masks fill on worker threads during the forward
+                step.masks = processor.start_masks(step.batch)
+        blocks: list[np.ndarray] = []
+        if chunks:
+            blocks += _prefill(model, chunks, step)
+        if decode:
+            t0 = time.perf_counter()
+            out = np.asarray(model.decode([s.seq_id for s in decode], [s.feed[0] for s in decode]))
+            step.decode_seconds = time.perf_counter() - t0
+            step.decode_tokens = len(decode)
+            for seq in decode:
+                seq.fed(1)
+            step.sequences.extend(decode)
+            blocks.append(out)
+        if verify:
+            t0 = time.perf_counter()
+            outs = model.verify([s.seq_id for s in verify], [s.feed + drafts[s] for s in verify])
+            step.verify_seconds = time.perf_counter() - t0
+            for seq, out in zip(verify, outs, strict=True):
+                step.verify_tokens += len(out)
+                seq.fed(len(out))  # its token and its drafts
+                step.sequences.append(seq)
+                step.drafts[seq] = drafts[seq]
+                blocks.append(np.asarray(out))
+        if step.batch is not None:
+            step.logits = empty_aligned((step.batch.num_rows, processor.vocab_size))
+            np.concatenate(blocks, axis=0, out=step.logits)
+        return step
 
 
 def _prefill(model: Runner, chunks: list[tuple[GeneratedSequence, int]], step: ModelStep) -> list[np.ndarray]:

@@ -6,7 +6,8 @@ stream, stream_options.include_usage, response_format, user) plus vLLM's extensi
 min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids, bad_words, allowed_token_ids, skip_special_tokens,
 structured_outputs with one of json / regex / choice / grammar / json_object), ``jump_forward`` (a boolean: this
 request with or without the server's ``--jump-forward``) and ``json_whitespace`` (compact / indented / flexible: the
-layout of a JSON answer, default the server's ``--json-whitespace``, else compact). Unknown fields are ignored with a
+layout of a JSON answer, and of tool calls' arguments (compact / flexible), default the server's
+``--json-whitespace``, else compact). Unknown fields are ignored with a
 log line, as vLLM does.
 Everything wrong with a request is an ``APIError`` (status 400) whose message names the field and what is allowed;
 the ranges are GenerationConfig's. Fields a request leaves unset take the model's sampling defaults (as vLLM applies
@@ -100,8 +101,10 @@ RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "documents", "add_generation_pr
                             "bos_token", "eos_token")
 
 
-def chat_options(body: Mapping[str, Any], messages: list[dict[str, Any]]) -> ChatOptions:
-    """A chat request's (or ``/tokenize``'s) rendering options; APIError(400) naming the field."""
+def chat_options(body: Mapping[str, Any], messages: list[dict[str, Any]],
+                 default_whitespace: str | None = None) -> ChatOptions:
+    """A chat request's (or ``/tokenize``'s) rendering options; APIError(400) naming the field.
+    ``default_whitespace``: the server's JSON whitespace policy (its calls' arguments follow it, ``parse_tools``)."""
     kwargs = _typed(body, "chat_template_kwargs", dict, "an object of template keywords") or {}
     reserved = sorted(k for k in kwargs if k in RESERVED_TEMPLATE_KWARGS or not isinstance(k, str))
     if reserved:
@@ -116,7 +119,8 @@ def chat_options(body: Mapping[str, Any], messages: list[dict[str, Any]]) -> Cha
         if messages[-1]["role"] != "assistant":
             raise bad_request("continue_final_message needs the last message to be an assistant message (the text "
                               "to continue)", "continue_final_message")
-    return ChatOptions(parse_tools(body), kwargs, not continued if add is None else add, continued)
+    return ChatOptions(parse_tools(body, default_whitespace), kwargs, not continued if add is None else add,
+                       continued)
 
 
 @dataclass
@@ -176,7 +180,8 @@ def _message_text(index: int, content: Any) -> str:
         texts = []
         for part in content:
             if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise bad_request(f"{where}: only text parts ({{'type': 'text', 'text': ...}}) are supported, got "
+                raise bad_request(f"{where}: only text parts ({{'type': 'text', 'text': ...}}) are supported (the "
+                                  f"models served read text: images, audio and files are refused), got "
                                   f"{shown(part)}", "messages")
             texts.append(part["text"])
         return "".join(texts)
@@ -304,7 +309,9 @@ def structured_output_format(value: Any) -> dict[str, Any]:
 
 
 def _config(body: Mapping[str, Any], values: dict[str, Any], fields: tuple[str, ...],
-            defaults: Mapping[str, Any]) -> GenerationConfig:
+            defaults: Mapping[str, Any], tool_calls: bool = False) -> GenerationConfig:
+    """The request's GenerationConfig; ``tool_calls``: the request's tools may be called (its ``json_whitespace``
+    then lays out their arguments: ``tool_definitions.parse_tools``)."""
     from logitproc.runtime.config import GenerationConfig
     from logitproc.runtime.response_format import with_whitespace
 
@@ -327,9 +334,9 @@ def _config(body: Mapping[str, Any], values: dict[str, Any], fields: tuple[str, 
     if body.get("json_whitespace") is not None:  # the layout of a JSON answer (extension)
         whitespace = body["json_whitespace"]
         kind = response_format.get("type") if isinstance(response_format, Mapping) else None
-        if kind not in ("json_object", "json_schema"):
+        if kind not in ("json_object", "json_schema") and not tool_calls:
             raise bad_request("json_whitespace lays out a JSON answer: it needs a response_format of type "
-                              "json_object or json_schema", "json_whitespace")
+                              "json_object or json_schema, or tools the model may call", "json_whitespace")
     try:
         values["response_format"] = with_whitespace(response_format, whitespace)
     except ValueError as err:
@@ -403,8 +410,9 @@ def parse_chat_request(body: Any, defaults: Mapping[str, Any] = MappingProxyType
         if budget < 0:
             raise bad_request(f"thinking_token_budget must be an integer >= 0, got {budget}", "thinking_token_budget")
         values["max_thinking_tokens"] = budget
-    options = chat_options(body, messages)
-    config = _config(body, values, CHAT_FIELDS, defaults)
+    options = chat_options(body, messages, defaults.get("json_whitespace"))
+    calls = options.tools is not None and options.tools.calls_expected
+    config = _config(body, values, CHAT_FIELDS, defaults, calls)
     return ParsedRequest(True, body.get("model"), [messages], config, stream, include_usage,
                          jump_forward=_typed(body, "jump_forward", bool, "a boolean"), chat_options=options)
 

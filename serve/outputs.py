@@ -3,12 +3,28 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 
-#: Why a sequence ended. "stop": EOS, one of stop_token_ids, or a stop string; "length": max_tokens or the context
-#: is full; "grammar_dead_end": the constraints allowed no token at all; "abort": the request was cancelled;
-#: "error": one of its constraints failed at run time, or the model's logits held NaN / +inf (``Output.error`` says
-#: which); the other requests go on.
-FINISH_REASONS = ("stop", "length", "grammar_dead_end", "abort", "error")
+
+class FinishReason(StrEnum):
+    """Why a sequence ended. Its members are strings ("stop" == FinishReason.STOP), so the server's JSON, the metrics'
+    labels and comparisons with plain strings are unchanged."""
+
+    #: EOS, one of stop_token_ids, or a stop string
+    STOP = "stop"
+    #: max_tokens, or the context is full
+    LENGTH = "length"
+    #: the constraints allowed no token at all
+    GRAMMAR_DEAD_END = "grammar_dead_end"
+    #: the request was cancelled
+    ABORT = "abort"
+    #: one of its constraints failed at run time, or the model's logits held NaN / +inf (``Output.error`` says which);
+    #: the other requests go on
+    ERROR = "error"
+
+
+#: Every finish reason, as strings.
+FINISH_REASONS = tuple(FinishReason)
 
 
 def _rate(count: float, seconds: float) -> float:
@@ -160,7 +176,7 @@ class Output:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None
+    finish_reason: FinishReason | None
     prompt_token_ids: list[int]
     stats: RequestStats
     #: The stop string or stop token id that ended the sequence (None otherwise).
@@ -192,12 +208,12 @@ class Output:
     def closing_note(self) -> str | None:
         """For people: how a constrained answer ended against ``max_tokens`` (None when it was not concerned)."""
         if self.closed_at_max_tokens and self.grammar_complete:
-            if self.finish_reason == "length":
+            if self.finish_reason is FinishReason.LENGTH:
                 return ("closed to fit max_tokens: the closing chose the last tokens so that the document is "
                         "complete (the budget, not the model, ended it)")
             return ("closed to fit max_tokens: the closing chose some of the last tokens so that the document is "
                     "complete")
-        if self.grammar_complete is False and self.finish_reason == "length":
+        if self.grammar_complete is False and self.finish_reason is FinishReason.LENGTH:
             return "cut mid-document: no completion of the document fitted in the tokens left"
         return None
 
@@ -219,5 +235,5 @@ class Delta:
     rollback: int = 0
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     output: Output | None = None

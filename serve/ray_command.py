@@ -49,7 +49,7 @@ def serve_on_ray(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from .ray_app import APP_NAME, build_application
+    from .ray_app import APP_NAME, LOCAL_ENV, PROXY_ENV, build_application
     from .server_cli import server_options
 
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
@@ -59,10 +59,17 @@ def serve_on_ray(args: argparse.Namespace) -> int:
         # Ray lowers its workers' CPU priority (worker_niceness) below the raylet's; here the replicas are the
         # workload, as the engine is in the single-process server: they keep the command's priority.
         os.environ.setdefault("RAY_worker_niceness", "0")
+        for name, value in {**PROXY_ENV, **LOCAL_ENV}.items():  # (inherited by the instance's processes)
+            os.environ.setdefault(name, value)
         cpus = max(physical_cores(), plan.maximum * plan.threads)
-        ray.init(num_cpus=cpus, include_dashboard=False, object_store_memory=OBJECT_STORE_BYTES,
+        # address="local": a new instance even where `ray start` once ran here (ray.init() alone would join the
+        # cluster named in /tmp/ray/ray_current_cluster or $RAY_ADDRESS)
+        dashboard = args.ray_dashboard is not None
+        ray.init(address="local", num_cpus=cpus, include_dashboard=dashboard, dashboard_host=args.host,
+                 dashboard_port=args.ray_dashboard if dashboard else None, object_store_memory=OBJECT_STORE_BYTES,
                  logging_level=logging.WARNING, log_to_driver=True)
-        log(f"ray: started a local instance ({cpus} CPUs)")
+        log(f"ray: started a local instance ({cpus} CPUs)"
+            + (f"; its dashboard at http://{args.host}:{args.ray_dashboard}" if dashboard else ""))
     else:
         try:
             ray.init(address=args.ray_address, logging_level=logging.WARNING)
@@ -76,7 +83,8 @@ def serve_on_ray(args: argparse.Namespace) -> int:
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
-        scaling = (f"autoscaling {plan.minimum}..{plan.maximum}" if plan.autoscale else f"{plan.initial}")
+        scaling = (f"autoscaling {plan.minimum}..{plan.maximum} (up after {plan.upscale_delay:g} s, down after "
+                   f"{plan.downscale_delay:g} s)" if plan.autoscale else f"{plan.initial}")
         log(f"deploying {scaling} replica(s) of {plan.threads} thread(s) each, routing: {args.routing} "
             "(each replica loads the model; the first use compiles it)")
         try:

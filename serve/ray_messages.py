@@ -2,8 +2,9 @@
 
 A replica's ``generate`` stream yields ``Accepted`` (the engine's request ids) or ``Rejected`` first, then lists
 of the engine's ``Delta`` / ``RequestFailed`` items (what came since the last list), then one ``MetricsSnapshot``
-(the replica's Prometheus text, for the ingress's ``/metrics``). No Ray import here: the ingress and the replicas
-share these plain dataclasses.
+(the replica's Prometheus text, for the ingress's ``/metrics``). A replica also sends its ``MetricsSnapshot`` to the
+ingress every few seconds from the moment it is up, and ``ReplicaLeft`` when Ray stops it. No Ray import here: the
+ingress and the replicas share these plain dataclasses.
 """
 
 from __future__ import annotations
@@ -49,10 +50,17 @@ class Rejected:
 
 @dataclass(frozen=True)
 class MetricsSnapshot:
-    """A replica's metrics (Prometheus text), taken when one of its requests ended."""
+    """A replica's metrics (Prometheus text), taken when one of its requests ended, or its periodic report."""
 
     replica: str
     text: bytes
+
+
+@dataclass(frozen=True)
+class ReplicaLeft:
+    """A replica that Ray stops (scaled down, replaced, the application deleted): its metrics leave ``/metrics``."""
+
+    replica: str
 
 
 @dataclass(frozen=True)

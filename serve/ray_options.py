@@ -13,12 +13,15 @@ from typing import Any
 
 #: ``--routing`` choices: the prefix-affinity router (``ray_router.py``) or Ray Serve's default power-of-two-choices.
 ROUTING_CHOICES = ("prefix", "pow2")
+#: Ray Serve's own delays before it scales up / down (seconds): ``--autoscale-delays``' default.
+DEFAULT_DELAYS = (30.0, 600.0)
 
 
 @dataclass(frozen=True)
 class ReplicaPlan:
     """How many engine replicas, with how many CPU threads each; autoscaling between ``minimum`` and ``maximum``
-    on queue depth when ``autoscale`` (``target_ongoing`` requests per replica), else a fixed ``initial``."""
+    on queue depth when ``autoscale`` (``target_ongoing`` requests per replica, after the load has called for it
+    ``upscale_delay`` / ``downscale_delay`` seconds), else a fixed ``initial``."""
 
     initial: int
     minimum: int
@@ -26,6 +29,8 @@ class ReplicaPlan:
     threads: int
     autoscale: bool
     target_ongoing: float
+    upscale_delay: float = DEFAULT_DELAYS[0]
+    downscale_delay: float = DEFAULT_DELAYS[1]
 
     @property
     def wanted(self) -> int:
@@ -43,11 +48,17 @@ def add_ray_arguments(parser: Any) -> None:
     group.add_argument("--ray-address", default=None, metavar="ADDR",
                        help="join this Ray cluster (`ray start --head` printed it, e.g. 10.0.0.1:6379) (default: "
                             "start a local Ray instance, stopped with the command)")
+    group.add_argument("--ray-dashboard", type=int, default=None, metavar="PORT",
+                       help="start the local Ray instance's dashboard on --host:PORT (its Serve page shows the "
+                            "deployments and replicas) (default: no dashboard; a cluster's comes with its head node)")
     group.add_argument("--autoscale", default=None, metavar="MIN:MAX",
                        help="scale the replicas between MIN >= 1 and MAX on queue depth (default: a fixed --replicas)")
     group.add_argument("--target-ongoing-requests", type=float, default=None, metavar="R",
                        help="with --autoscale: requests per replica (running and waiting) the autoscaler aims at "
                             "(default: --max-batch)")
+    group.add_argument("--autoscale-delays", default=None, metavar="UP:DOWN",
+                       help="with --autoscale: seconds the load must call for more (UP) or fewer (DOWN) replicas "
+                            "before Ray Serve scales (default: Ray's 30:600)")
     group.add_argument("--routing", choices=ROUTING_CHOICES, default="prefix",
                        help="replica choice: prefix (a request goes to the replica holding the longest prefix of its "
                             "prompt, load permitting) or pow2 (Ray's power of two choices) (default: %(default)s)")
@@ -61,7 +72,8 @@ def uses_ray(args: argparse.Namespace) -> bool:
 def check_ray_arguments(args: argparse.Namespace) -> None:
     """ValueError naming the option for a bad or contradictory value (before anything loads)."""
     ray_only = (("--ray-address", args.ray_address), ("--replica-threads", args.replica_threads),
-                ("--target-ongoing-requests", args.target_ongoing_requests))
+                ("--target-ongoing-requests", args.target_ongoing_requests),
+                ("--autoscale-delays", args.autoscale_delays), ("--ray-dashboard", args.ray_dashboard))
     if not uses_ray(args):
         for option, value in ray_only:
             if value is not None:
@@ -69,6 +81,13 @@ def check_ray_arguments(args: argparse.Namespace) -> None:
         if args.routing != "prefix":
             raise ValueError("--routing chooses among Ray replicas: give --replicas N or --autoscale MIN:MAX too")
         return
+    if args.ray_dashboard is not None:
+        if args.ray_address is not None:
+            raise ValueError("--ray-dashboard starts the dashboard of a local Ray instance; with --ray-address the "
+                             "cluster's dashboard comes with its head node (`ray start --head --include-dashboard="
+                             "true`)")
+        if not 0 < args.ray_dashboard < 65536:
+            raise ValueError(f"--ray-dashboard takes a TCP port (1-65535), got {args.ray_dashboard}")
     replica_plan(args, cores=1)
 
 
@@ -81,6 +100,8 @@ def replica_plan(args: argparse.Namespace, cores: int) -> ReplicaPlan:
     if args.autoscale is None:
         if args.target_ongoing_requests is not None:
             raise ValueError("--target-ongoing-requests sets the autoscaler's target: give --autoscale MIN:MAX too")
+        if args.autoscale_delays is not None:
+            raise ValueError("--autoscale-delays sets the autoscaler's delays: give --autoscale MIN:MAX too")
         count = args.replicas
         threads = args.replica_threads or max(1, cores // count)
         return ReplicaPlan(count, count, count, threads, False, 0.0)
@@ -100,4 +121,15 @@ def replica_plan(args: argparse.Namespace, cores: int) -> ReplicaPlan:
     if not target > 0:
         raise ValueError(f"--target-ongoing-requests must be > 0, got {target}")
     threads = args.replica_threads or max(1, cores // high)
-    return ReplicaPlan(initial, low, high, threads, True, target)
+    return ReplicaPlan(initial, low, high, threads, True, target, *_delays(args.autoscale_delays))
+
+
+def _delays(option: str | None) -> tuple[float, float]:
+    """``--autoscale-delays UP:DOWN`` in seconds (Ray's defaults without it)."""
+    if option is None:
+        return DEFAULT_DELAYS
+    found = re.fullmatch(r"(\d+(?:\.\d*)?):(\d+(?:\.\d*)?)", option.strip())
+    if found is None:
+        raise ValueError(f"--autoscale-delays takes UP:DOWN (two numbers of seconds >= 0, e.g. 30:600), got "
+                         f"{option!r}")
+    return float(found[1]), float(found[2])

@@ -3,14 +3,18 @@
 Each replica runs an ``EngineLoop`` (the single-process server's engine thread) and answers the ingress's calls:
 ``facts()`` (what the ingress needs to tokenize and describe the model), and ``generate()``, a stream of
 ``Accepted`` / ``Rejected``, the engine's deltas, then a ``MetricsSnapshot`` (``ray_messages.py``). A stream that
-the caller cancels (its client left) aborts its engine requests. ``check_health`` (called by Ray Serve) fails once
-the engine has stopped, so Ray replaces the replica; a killed replica process is replaced by Ray as well.
+the caller cancels (its client left) aborts its engine requests. From the moment its model has loaded, a replica
+also sends its ``MetricsSnapshot`` to the ingress deployment every ``REPORT_PERIOD_S`` seconds (its ``report``
+method), and ``ReplicaLeft`` when Ray stops it (``ray_metrics.py``). ``check_health`` (called by Ray Serve) fails
+once the engine has stopped, so Ray replaces the replica; a killed replica process is replaced by Ray as well.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import logging
 import os
 from collections.abc import AsyncIterator
 from typing import Any
@@ -20,24 +24,35 @@ from prometheus_client import generate_latest
 from ray import serve
 
 from .engine_loop import EngineLoop, EngineUnavailable, QueueFull, RequestFailed
-from .ray_messages import Accepted, EngineRequest, MetricsSnapshot, ModelFacts, Refusal, Rejected
+from .ray_messages import Accepted, EngineRequest, MetricsSnapshot, ModelFacts, Refusal, Rejected, ReplicaLeft
+from .ray_metrics import REPORT_PERIOD_S
 from .server_metrics import ServerMetrics
+
+log = logging.getLogger("logitproc.serve")
 
 #: How often the constructor looks whether the model has loaded (seconds).
 LOAD_POLL_SECONDS = 0.1
+#: How long a report to the ingress may take before the next one is due instead (seconds), and the report that
+#: this replica leaves (at shutdown, when the ingress may be going too).
+REPORT_TIMEOUT_S = 10.0
+LEFT_TIMEOUT_S = 1.0
 
 
 class EngineReplica:
     """One engine behind Ray Serve. ``args`` are ``logitproc serve``'s options (the model, the engine's limits);
-    ``threads`` sizes TVM's CPU pool (Ray reserves as many CPUs for the replica)."""
+    ``threads`` sizes TVM's CPU pool (Ray reserves as many CPUs for the replica); ``ingress``: the deployment (of
+    the same application) whose ``report`` method takes this replica's metrics."""
 
-    async def __init__(self, args: argparse.Namespace, threads: int) -> None:
+    async def __init__(self, args: argparse.Namespace, threads: int, ingress: str) -> None:
         from .server_cli import load_engine
 
         self.loop: EngineLoop | None = None
+        self._reporting: asyncio.Task | None = None
         os.environ["TVM_NUM_THREADS"] = str(threads)  # read when the model's first parallel kernel runs
         self._args = args
-        self._replica = serve.get_replica_context().replica_id.unique_id
+        context = serve.get_replica_context()
+        self._replica = context.replica_id.unique_id
+        self._ingress = serve.get_deployment_handle(ingress, context.app_name)
         self.metrics = ServerMetrics()
         loop = EngineLoop(lambda: load_engine(args), self.metrics, args.max_queue)
         loop.start()
@@ -46,6 +61,19 @@ class EngineReplica:
         if loop.state != EngineLoop.READY:
             raise RuntimeError(f"the model did not load: {loop.error}")
         self.loop = loop
+        self._reporting = asyncio.get_running_loop().create_task(self._report_periodically())
+
+    async def _report_periodically(self) -> None:
+        """Send this replica's metrics to the ingress now, then every ``REPORT_PERIOD_S`` seconds."""
+        while True:
+            await self._report(MetricsSnapshot(self._replica, generate_latest(self.metrics.registry)))
+            await asyncio.sleep(REPORT_PERIOD_S)
+
+    async def _report(self, message: MetricsSnapshot | ReplicaLeft, timeout: float = REPORT_TIMEOUT_S) -> None:
+        try:
+            await asyncio.wait_for(self._ingress.report.remote(message), timeout)
+        except Exception as err:  # the ingress is not up yet, or is being replaced: the next report goes again
+            log.debug("metrics report to the ingress failed: %s: %s", type(err).__name__, err)
 
     def facts(self) -> ModelFacts:
         """The model's facts for the ingress."""
@@ -116,6 +144,13 @@ class EngineReplica:
         if self.loop.state != EngineLoop.READY:
             raise RuntimeError(f"the engine is {self.loop.state}: {self.loop.error}")
 
-    def __del__(self) -> None:
+    async def __del__(self) -> None:
+        """Ray Serve's graceful shutdown (after the running requests drained): the ingress drops this replica's
+        metrics, and the engine stops."""
+        if self._reporting is not None:
+            self._reporting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reporting
+            await self._report(ReplicaLeft(self._replica), LEFT_TIMEOUT_S)
         if self.loop is not None and self.loop.state == EngineLoop.READY:
             self.loop.stop(timeout=5.0)

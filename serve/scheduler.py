@@ -18,6 +18,10 @@ With a ``PrefixCache``, a finished sequence keeps its KV cache and model slot as
 new sequence as a fork of the entry that shares the longest prefix with its tokens, so only the rest is prefilled
 (a conversation's earlier turns, a shared system prompt). Entries count against the KV budget and the model's
 sequence slots; when either runs short, entries are evicted least recently used before anything is preempted.
+
+A step, seen from here, is two calls: ``schedule`` (aborts, retire, make room, admit, the drafts, ``plan``, and every
+sequence that gets its first chunk placed in the model) returns the ``StepPlan``, which the model step carries out
+without calling back; ``commit`` then applies the sampled rows to their sequences (``commit.py``).
 """
 
 from __future__ import annotations
@@ -25,20 +29,24 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from .outputs import Delta, EngineStats
+from .commit import commit_row, commit_verified
+from .outputs import EngineStats, FinishReason
 from .prefix_cache import PrefixCache
 from .runner import Runner
-from .sequence import GeneratedSequence, Request
+from .sequence import Deltas, GeneratedSequence, Request, SequenceStatus, delta_of
 
-Deltas = dict[GeneratedSequence, Delta]
+if TYPE_CHECKING:
+    from logitproc.runtime import SampleResult
 
+    from .model_step import ModelStep
 
-def delta_of(deltas: Deltas, seq: GeneratedSequence) -> Delta:
-    """The step's delta of ``seq`` (made on first use)."""
-    return deltas.setdefault(seq, Delta(seq.request_id, seq.index))
+#: ``propose(decoding, room)``: the drafts each decoding sequence checks this step (speculative decoding), given the
+#: decoding sequences and the KV cache tokens left once they are fed.
+ProposeDrafts = Callable[[list[GeneratedSequence], int], dict[GeneratedSequence, list[int]]]
 
 
 @dataclass
@@ -163,8 +171,63 @@ class Scheduler:
         for request in waiting + [self.requests[a] for a in aborts if a in self.requests]:
             for seq in request.sequences:
                 if seq.finish_reason is None:
-                    seq.finish("abort", delta_of(deltas, seq))
+                    seq.finish(FinishReason.ABORT, delta_of(deltas, seq))
             request.stats.finish_time = time.perf_counter()
+
+    def schedule(self, budget: StepBudget, deltas: Deltas, propose: ProposeDrafts | None = None) -> StepPlan:
+        """The next step's plan: aborted requests end (``deltas``), finished sequences leave, room is made (prefix
+        cache entries evicted, then the latest requests preempted), waiting requests admitted; ``propose`` gives the
+        decoding sequences' drafts; then ``plan`` within ``budget``, and every sequence whose first chunk is planned
+        is placed in the model (``place``: a prefix cache fork shortens its chunk to what the cache does not hold).
+        A sequence that cannot be placed (the runner refuses) ends its request with "error". The model step then
+        only carries the plan out."""
+        self.handle_aborts(deltas)
+        self.retire()  # aborted sequences leave the KV cache before room is counted
+        self.make_room()
+        self.admit()
+        drafts: dict[GeneratedSequence, list[int]] = {}
+        if propose is not None:
+            decoding = [s for s in self.live() if s.status is SequenceStatus.DECODING]
+            if decoding:
+                drafts = propose(decoding, self.max_total_tokens - self.kv_needed() - self.cached_tokens)
+        plan = self.plan(budget, drafts)
+        chunks = []
+        for seq, take in plan.chunks:
+            if seq.finish_reason is not None:  # its request failed to place an earlier sequence
+                continue
+            if not seq.in_model:
+                try:
+                    self.place(seq)
+                except Exception as err:  # the runner refused: this request ends, the others go on
+                    for s in seq.request.sequences:
+                        s.fail(delta_of(deltas, s), f"{type(err).__name__}: {err}")
+                    continue
+            chunks.append((seq, min(take, len(seq.feed))))
+        plan.chunks = chunks
+        return plan
+
+    def commit(self, step: ModelStep, result: SampleResult, deltas: Deltas) -> None:
+        """Commit each sampled row of ``step`` to its sequence (``commit.py``): one token, or a verifying
+        sequence's rows while they agree with its drafts (the rejected drafts leave the KV cache). A sequence whose
+        commit fails (e.g. its detokenizer) ends with "error"; the other rows are committed."""
+        assert step.batch is not None
+        errors = result.mask_errors
+        for seq in step.sequences:
+            row = step.batch.first_row[seq.state]
+            delta = delta_of(deltas, seq)
+            try:
+                drafts = step.drafts.get(seq)
+                if drafts is None:
+                    commit_row(seq, result, row, delta, errors.get(row))
+                    continue
+                committed, accepted = commit_verified(self.model, seq, result, row, drafts, delta, errors)
+                step.verify_committed += committed
+                for stats in (seq.request.stats, self.stats):
+                    stats.drafts += 1
+                    stats.draft_tokens += len(drafts)
+                    stats.accepted_draft_tokens += accepted
+            except Exception as err:  # e.g. the detokenizer: this sequence ends, the other rows are committed
+                seq.fail(delta, f"{type(err).__name__}: {err}")
 
     def plan(self, budget: StepBudget, drafts: dict[GeneratedSequence, list[int]]) -> StepPlan:
         """The next forward's work within ``budget``: each decoding sequence's token, with its ``drafts`` while they
@@ -172,9 +235,10 @@ class Scheduler:
         feed first (a short prompt arriving during a long one is not held up by it; ties in admission order). A
         sequence not in the model yet counts its feed without the prefix a prefix cache entry will give it."""
         live = self.live()
-        decoding = [s for s in live if s.decoding]
+        decoding = [s for s in live if s.status is SequenceStatus.DECODING]
         verify = {s: drafts[s] for s in decoding if drafts.get(s)}
-        rest = {s: self._feed_to_prefill(s) for s in live if s.prefilling}  # (a prefix cache lookup each: once)
+        # (a prefix cache lookup each: once)
+        rest = {s: self._feed_to_prefill(s) for s in live if s.status is SequenceStatus.PREFILLING}
         prefilling = sorted(rest, key=rest.__getitem__)
         while verify and budget.max_tokens is not None and (  # drafts give way to a prefill token at least
                 len(decoding) + sum(len(d) for d in verify.values()) + bool(prefilling) > budget.max_tokens):

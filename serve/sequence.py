@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import TYPE_CHECKING
 
 from logitproc.runtime import RequestState
@@ -29,13 +30,37 @@ from logitproc.runtime.grammar.source import GrammarSource
 from logitproc.runtime.think_mode import ThinkBudget
 
 from .detokenizer import IncrementalDetokenizer
-from .outputs import Delta, Output, RequestStats
+from .outputs import Delta, FinishReason, Output, RequestStats
 from .stop_strings import StopStringFilter
 
 if TYPE_CHECKING:
     from .detokenizer import Decoder
     from .runner import Runner
     from .speculation import Drafter
+
+
+class SequenceStatus(StrEnum):
+    """Where a sequence stands between steps (``GeneratedSequence.status``)."""
+
+    #: no model slot: waiting in the queue (or preempted, back in it)
+    WAITING = "waiting"
+    #: admitted (n > 1); waits for its request's first sequence's prompt, to be forked from it
+    FORKING = "forking"
+    #: its feed (a prompt, the rest of one, or the tokens a jump-forward left) goes in by prefill
+    PREFILLING = "prefilling"
+    #: its feed is its one last sampled token (decode, or verify with drafts)
+    DECODING = "decoding"
+    #: ended (``finish_reason`` says why)
+    FINISHED = "finished"
+
+
+#: One step's deltas, by sequence (``delta_of`` makes each on first use).
+Deltas = dict["GeneratedSequence", Delta]
+
+
+def delta_of(deltas: Deltas, seq: GeneratedSequence) -> Delta:
+    """The step's delta of ``seq`` (made on first use)."""
+    return deltas.setdefault(seq, Delta(seq.request_id, seq.index))
 
 
 @dataclass(frozen=True)
@@ -92,7 +117,7 @@ class GeneratedSequence:
         self.stops = StopStringFilter(cfg.stop)
         self.token_ids: list[int] = []  # reported output (equals state.output_token_ids until a finish trims it)
         self.text = ""
-        self.finish_reason: str | None = None
+        self.finish_reason: FinishReason | None = None
         self.stop_reason: str | int | None = None
         self.error: str | None = None  # what failed, for finish_reason "error"
         self.logprobs: list[float] | None = [] if cfg.logprobs else None
@@ -120,6 +145,17 @@ class GeneratedSequence:
         """Whether the next forward feeds this sequence by prefill: a prompt (or part of one) or a jump-forward's
         tokens; a sequence still to fork from its request's first sequence is not (it is forked after that one)."""
         return self.forked_from is None and (self.in_prefill or len(self.feed) > 1 or not self.in_model)
+
+    @property
+    def status(self) -> SequenceStatus:
+        """The sequence's status, from its finish reason, model slot and KV bookkeeping."""
+        if self.finish_reason is not None:
+            return SequenceStatus.FINISHED
+        if self.seq_id is None:
+            return SequenceStatus.WAITING
+        if self.forked_from is not None:
+            return SequenceStatus.FORKING
+        return SequenceStatus.PREFILLING if self.prefilling else SequenceStatus.DECODING
 
     @property
     def decoding(self) -> bool:
@@ -222,17 +258,17 @@ class GeneratedSequence:
         self.token_ids.append(token)
         delta.token_ids.append(token)
         if token in self.stop_token_ids:
-            self.finish("stop", delta, stop_reason=token)
+            self.finish(FinishReason.STOP, delta, stop_reason=token)
             return
         text = self.detok.add_tokens([token])
         # Stop strings count from the text after the first min_tokens tokens (vLLM's rule).
         self._emit(self.stops.feed(text) if len(self.token_ids) > self._min_tokens else text, delta)
         if self.stops.stopped:
-            self.finish("stop", delta, stop_reason=self.stops.matched)
+            self.finish(FinishReason.STOP, delta, stop_reason=self.stops.matched)
         elif self._max_tokens is not None and len(self.token_ids) >= self._max_tokens:
-            self.finish("length", delta)
+            self.finish(FinishReason.LENGTH, delta)
         elif len(self.request.prompt_token_ids) + len(self.token_ids) >= self._context:
-            self.finish("length", delta)
+            self.finish(FinishReason.LENGTH, delta)
 
     def rollback(self, count: int, delta: Delta) -> None:
         """Forget the last ``count`` output tokens (jump-forward re-tokenization); emitted text stays."""
@@ -245,19 +281,22 @@ class GeneratedSequence:
                 count -= undone
             delta.rollback += count
 
-    def finish(self, reason: str, delta: Delta, stop_reason: str | int | None = None, error: str | None = None) -> None:
-        """End the sequence: release the text held back (unless a stop string ended it) and build the Output."""
+    def finish(self, reason: FinishReason | str, delta: Delta, stop_reason: str | int | None = None,
+               error: str | None = None) -> None:
+        """End the sequence: release the text held back (unless a stop string ended it) and build the Output.
+        ``reason`` is a FinishReason (or its string; another string is a ValueError)."""
         if self.finish_reason is not None:
             return
+        reason = FinishReason(reason)
         self.error = error
-        if reason != "stop" or not self.stops.stopped:
+        if reason is not FinishReason.STOP or not self.stops.stopped:
             self._emit(self.stops.feed(self.detok.flush()), delta)
             if self.stops.stopped:  # the last bytes completed a stop string
-                reason, stop_reason = "stop", self.stops.matched
+                reason, stop_reason = FinishReason.STOP, self.stops.matched
             self._emit(self.stops.flush(), delta)
         # checked before the sequence counts as finished: whatever raises up to here, fail() can still end it
         check = check_answer(self.state.config.response_format, self._answer_text()) if reason not in (
-            "abort", "error") else None
+            FinishReason.ABORT, FinishReason.ERROR) else None
         self.finish_reason, self.stop_reason, self.check = reason, stop_reason, check
         delta.finish_reason = reason
         delta.output = self.output()
@@ -271,11 +310,11 @@ class GeneratedSequence:
             return
         if self.finish_reason is None:
             try:
-                self.finish("error", delta, error=error)
+                self.finish(FinishReason.ERROR, delta, error=error)
                 return
             except Exception as err:  # the held-back text is lost; the sequence still ends, with both messages
                 error = f"{error}; and its text could not be flushed: {type(err).__name__}: {err}"
-        self.finish_reason = delta.finish_reason = "error"
+        self.finish_reason = delta.finish_reason = FinishReason.ERROR
         self.error, self.check = error, None
         delta.output = self.output()
         self.reported = True
@@ -311,7 +350,7 @@ class GeneratedSequence:
             schema_valid=None if self.check is None else self.check.valid,
             schema_error=None if self.check is None else self.check.error,
             relaxed_keywords=self.relaxed_keywords,
-            grammar_complete=None if self.finish_reason in (None, "abort", "error") or self.stops.stopped
-            else self.state.grammar_complete,
+            grammar_complete=None if self.finish_reason in (None, FinishReason.ABORT, FinishReason.ERROR)
+            or self.stops.stopped else self.state.grammar_complete,
             closed_at_max_tokens=self.state.closed_at_max_tokens,
         )

@@ -106,7 +106,8 @@ def load_engine(args: argparse.Namespace) -> Any:
     source: Any = tiny_model() if args.model == TINY_MODEL else args.model
     with ProgressLine(sys.stderr) as progress:
         model = CompiledModel.open(source, target=args.target, progress=progress, max_num_sequences=args.max_batch,
-                                   kv_dtype=args.kv_dtype, context=args.context)
+                                   kv_dtype=args.kv_dtype, context=args.context,
+                                   activation_bits=args.activation_bits)
     use_chat_template(model, template)
     path = Path(args.model)
     model_dir = (path if path.is_dir() else path.parent) if path.exists() else model.directory

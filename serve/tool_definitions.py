@@ -4,8 +4,8 @@
 ``APIError`` (400) whose ``param`` is the path of the field (``tools[1].function.parameters``, ``tool_choice``):
 a function name outside OpenAI's ``[A-Za-z0-9_-]{1,64}``, two functions of one name, parameters that are not a valid
 JSON Schema (checked with ``jsonschema`` against the draft the schema declares, 2020-12 by default) or not an object
-schema (a call's arguments are a JSON object), a ``tool_choice`` naming a function that is not in ``tools``, or a
-``tool_choice`` other than none without tools.
+schema (a call's arguments are a JSON object), a ``tool_choice`` naming a function that is not in ``tools``, a
+``tool_choice`` other than none without tools, or a ``json_whitespace`` the calls' arguments cannot be laid out in.
 """
 
 from __future__ import annotations
@@ -23,6 +23,10 @@ FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 #: A function without ``parameters`` takes no arguments (OpenAI's reading): an empty object.
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
+#: The whitespace policies of a call's arguments (``json_whitespace``; the first is the default): those of a JSON
+#: answer (``runtime.response_format.WHITESPACE_POLICIES``) but ``indented``, whose layout the grammar engine holds
+#: only for a whole answer.
+ARGUMENT_WHITESPACE = ("compact", "flexible")
 
 
 class ToolChoice(Enum):
@@ -46,13 +50,15 @@ class FunctionTool:
 @dataclass(frozen=True)
 class ToolRequest:
     """The request's tools as the template gets them (``definitions``, as the client sent them), the functions,
-    the choice (``named``: the function of ``ToolChoice.NAMED``) and whether several calls may come in one turn."""
+    the choice (``named``: the function of ``ToolChoice.NAMED``), whether several calls may come in one turn, and
+    the whitespace policy of the calls' arguments (``ARGUMENT_WHITESPACE``)."""
 
     definitions: tuple[Mapping[str, Any], ...]
     functions: tuple[FunctionTool, ...]
     choice: ToolChoice = ToolChoice.AUTO
     named: str | None = None
     parallel: bool = True
+    whitespace: str = "compact"  # the layout of the calls' arguments: ARGUMENT_WHITESPACE
 
     @property
     def calls_expected(self) -> bool:
@@ -131,8 +137,22 @@ def _choice(value: Any, names: set[str]) -> tuple[ToolChoice, str | None]:
     return ToolChoice.NAMED, name
 
 
-def parse_tools(body: Mapping[str, Any]) -> ToolRequest | None:
-    """The request's tools, choice and parallel flag; None when it has neither tools nor a tool_choice."""
+def _whitespace(body: Mapping[str, Any], default: str | None) -> str:
+    """The calls' whitespace policy: the request's ``json_whitespace``, else the server's default when it is one
+    of ``ARGUMENT_WHITESPACE`` (a server default of ``indented`` lays out JSON answers only), else compact."""
+    policy = body.get("json_whitespace")
+    if policy is None:
+        return default if default in ARGUMENT_WHITESPACE else ARGUMENT_WHITESPACE[0]
+    if policy not in ARGUMENT_WHITESPACE:
+        raise bad_request(f"json_whitespace for tool calls must be one of {list(ARGUMENT_WHITESPACE)} (their "
+                          f"arguments' layout; indented is for a JSON response_format), got {shown(policy)}",
+                          "json_whitespace")
+    return policy
+
+
+def parse_tools(body: Mapping[str, Any], default_whitespace: str | None = None) -> ToolRequest | None:
+    """The request's tools, choice, parallel flag and the arguments' whitespace policy (``json_whitespace``, else
+    ``default_whitespace``, the server's: ``_whitespace``); None when it has neither tools nor a tool_choice."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
@@ -152,5 +172,7 @@ def parse_tools(body: Mapping[str, Any]) -> ToolRequest | None:
                               f"tools[{i}].function.name")
         seen[function.name] = i
     kind, named = _choice("auto" if choice is None else choice, set(seen))
-    return ToolRequest(tuple(tools), tuple(functions), kind, named, True if parallel is None else parallel)
+    whitespace = _whitespace(body, default_whitespace) if kind is not ToolChoice.NONE else ARGUMENT_WHITESPACE[0]
+    return ToolRequest(tuple(tools), tuple(functions), kind, named, True if parallel is None else parallel,
+                       whitespace)
 

@@ -15,9 +15,11 @@ a probe call (``detect_syntax``; a template that writes calls in another form, e
                   after another (Mistral Small 3.2's template also writes ``[CALL_ID]id`` before ``[ARGS]`` in the
                   history; the model writes the call without it).
 
-``call_grammar`` writes a Lark grammar for llguidance in which each call's JSON is ``%json`` of a schema fixing the
-name (``const``) and the arguments (the function's parameter schema; ``mistral_args``: the name as text, the
-arguments' JSON alone), written as the template writes it (``", "`` and ``": "`` separators, no other whitespace):
+``call_grammar`` writes a Lark grammar for llguidance in which each call is its envelope as the template writes it
+(``{"name": "f", "arguments": `` ... ``}``, with ``", "`` and ``": "``; ``mistral_args``: ``f[ARGS]``) around the
+arguments, ``%json`` of the function's parameter schema (its own root, so that its ``$ref``s resolve) laid out by the
+request's whitespace policy (``ToolRequest.whitespace``: compact by default, no whitespace, as OpenAI returns
+arguments; or flexible, any whitespace, at most 16 characters in a row; ``json_options``):
 
 * ``required`` / a named function: the answer is one call, or with ``parallel_tool_calls`` several, from the first
   token;
@@ -48,10 +50,6 @@ from typing import Any
 
 from .chat_template import ChatTemplate
 from .tool_definitions import FunctionTool, ToolChoice, ToolRequest
-
-#: llguidance's JSON options inside ``%json``: the separators templates write with ``tojson``, no other whitespace.
-JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-
 
 #: The characters of a Mistral tool call id (its templates refuse ids other than 9 of them).
 ALPHANUMERIC = string.ascii_letters + string.digits
@@ -132,17 +130,13 @@ class ReasoningMarkers:
     starts_inside: bool = False
 
 
-def _call_schema(syntax: CallSyntax, function: FunctionTool) -> dict[str, Any]:
-    return {"type": "object", "properties": {"name": {"const": function.name},
-                                             syntax.arguments_key: dict(function.parameters)},
-            "required": ["name", syntax.arguments_key], "additionalProperties": False}
+def arguments_options(whitespace: str, relaxed: bool = False) -> dict[str, Any]:
+    """llguidance's JSON options (``x-guidance``) for a call's arguments under the whitespace policy ``whitespace``
+    (``tool_definitions.ARGUMENT_WHITESPACE``), those of a JSON answer; ``relaxed``: keywords llguidance does not
+    implement ignored, ``oneOf`` as ``anyOf``."""
+    from logitproc.runtime.grammar.llguidance_backend import json_options  # the runtime loads with the model
 
-
-def calls_schema(syntax: CallSyntax, functions: tuple[FunctionTool, ...]) -> dict[str, Any]:
-    """The JSON Schema of one call of any of ``functions`` (with llguidance's layout options)."""
-    schemas = [_call_schema(syntax, f) for f in functions]
-    schema: dict[str, Any] = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-    return {**schema, "x-guidance": JSON_LAYOUT}
+    return json_options(relaxed, whitespace)
 
 
 def _lark_string(text: str) -> str:
@@ -166,36 +160,44 @@ class _Lark:
         return [f"{name}[lazy]: TEXT {_lark_string(marker)}"]
 
 
+def _calls(syntax: CallSyntax, tools: ToolRequest, lark: _Lark, relaxed: bool) -> list[str]:
+    """Rule ``call`` (one call of any callable function) and its helpers: each function's envelope, as the template
+    writes it, around ``arguments{i}``, the arguments' JSON."""
+    options = arguments_options(tools.whitespace, relaxed)
+    lines = ["call: " + " | ".join(f"call{i}" for i in range(len(tools.callable)))]
+    for i, function in enumerate(tools.callable):
+        if syntax is CallSyntax.MISTRAL_ARGS:
+            lines.append(f"call{i}: {_lark_string(function.name)} {lark.marker('[ARGS]')} arguments{i}")
+        else:
+            head = f'{{"name": {json.dumps(function.name)}, "{syntax.arguments_key}": '
+            lines.append(f'call{i}: {_lark_string(head)} arguments{i} "}}"')
+        schema = json.dumps({**dict(function.parameters), "x-guidance": options}, separators=(",", ":"))
+        lines.append(f"arguments{i}: %json {schema}")
+    return lines
+
+
 def _marked_calls(syntax: CallSyntax, tools: ToolRequest, lark: _Lark) -> list[str]:
-    """Rules of a marked syntax: ``after_opener`` (all the calls, less the first opener) and ``body`` / helpers."""
+    """Rule ``after_opener`` of a marked syntax: all the calls, less the first opener."""
     opener = lark.marker(syntax.opener)
     if syntax is CallSyntax.HERMES:
         close = lark.marker("</tool_call>")
-        more = f' ("\\n" {opener} "\\n" body "\\n" {close})*' if tools.parallel else ""
-        return [f'after_opener: "\\n" body "\\n" {close}{more}', f"body: {_body(syntax, tools)}"]
+        more = f' ("\\n" {opener} "\\n" call "\\n" {close})*' if tools.parallel else ""
+        return [f'after_opener: "\\n" call "\\n" {close}{more}']
     if syntax is CallSyntax.MISTRAL_JSON:
-        more = ' (", " body)*' if tools.parallel else ""
-        return [f'after_opener: "[" body{more} "]"', f"body: {_body(syntax, tools)}"]
-    args = lark.marker("[ARGS]")
-    lines = ["function: " + " | ".join(f"function{i}" for i in range(len(tools.callable)))]
-    for i, function in enumerate(tools.callable):
-        schema = json.dumps({**dict(function.parameters), "x-guidance": JSON_LAYOUT}, separators=(",", ":"))
-        lines += [f"function{i}: {_lark_string(function.name)} {args} arguments{i}", f"arguments{i}: %json {schema}"]
-    more = f" ({opener} function)*" if tools.parallel else ""
-    return [f"after_opener: function{more}", *lines]
-
-
-def _body(syntax: CallSyntax, tools: ToolRequest) -> str:
-    return "%json " + json.dumps(calls_schema(syntax, tools.callable), separators=(",", ":"))
+        more = ' (", " call)*' if tools.parallel else ""
+        return [f'after_opener: "[" call{more} "]"']
+    more = f" ({opener} call)*" if tools.parallel else ""
+    return [f"after_opener: call{more}"]
 
 
 def call_grammar(syntax: CallSyntax, tools: ToolRequest, reasoning: ReasoningMarkers | None = None,
-                 marker_tokens: Mapping[str, int] | None = None) -> str:
+                 marker_tokens: Mapping[str, int] | None = None, relaxed: bool = False) -> str:
     """The Lark grammar (llguidance) of an answer to ``tools`` (see the module doc); ``tools.calls_expected``.
-    ``marker_tokens``: the markers that are control tokens of the vocabulary, by text, with their ids."""
+    ``marker_tokens``: the markers that are control tokens of the vocabulary, by text, with their ids;
+    ``relaxed``: the arguments' schemas compiled leniently (``arguments_options``)."""
     lark = _Lark(marker_tokens or {})
     free = tools.choice is ToolChoice.AUTO
-    lines = ["%llguidance {}"]
+    lines = ["%llguidance {}", *_calls(syntax, tools, lark, relaxed)]
     if syntax.marked:
         lines += _marked_calls(syntax, tools, lark)
         if free:
@@ -203,7 +205,6 @@ def call_grammar(syntax: CallSyntax, tools: ToolRequest, reasoning: ReasoningMar
         else:
             lines += [f"answer: {lark.marker(syntax.opener)} after_opener"]
     else:
-        lines += [f"call: {_body(syntax, tools)}"]
         lines += ["answer: TEXT_NOT_CALL | call" if free else "answer: call"]
         lines += ["TEXT_NOT_CALL: /([^{\\s]|\\s+[^{\\s])(?s:.*)/ | /\\s*/"]
     lines += ["TEXT: /(?s:.*)/"]

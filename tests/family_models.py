@@ -81,27 +81,48 @@ CASES = {
 
 def build_transformers_model(case: FamilyCase, seed: int = 0) -> Any:
     """The tiny transformers model of ``case`` (float32, eval mode), weights re-randomised (module doc)."""
-    import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     sizes = {"vocab_size": VOCAB, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
              "num_key_value_heads": 2, "intermediate_size": 128, "max_position_embeddings": 512,
              "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
     cfg = AutoConfig.for_model(case.model_type, **{**sizes, **copy.deepcopy(case.overrides)})
+    return _rerandomised(AutoModelForCausalLM.from_config(cfg).eval(), case.model_type in PLUS_ONE_NORMS, seed)
+
+
+def _rerandomised(model: Any, plus_one: bool, seed: int) -> Any:
+    """``model`` with every parameter drawn anew (module doc): norms around 1 (``plus_one``: around 0), biases
+    around 0, embeddings (scaled down for Gemma's embedding scale) and projections at logit scale ~2."""
+    import torch
+
     generator = torch.Generator().manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=generator)
             if "norm" in name:
-                p.copy_((0 if case.model_type in PLUS_ONE_NORMS else 1) + 0.3 * noise)
+                p.copy_((0 if plus_one else 1) + 0.3 * noise)
             elif name.endswith("bias"):
                 p.copy_(0.5 * noise)
             elif "embed_tokens" in name:
-                p.copy_(noise / (4 if case.model_type in PLUS_ONE_NORMS else 1))  # tied: the output head too
+                p.copy_(noise / (4 if plus_one else 1))  # tied: the output head too
             else:
                 p.copy_(noise / math.sqrt(p.shape[-1]) * (2.0 if "lm_head" in name else 1.0))
     return model
+
+
+def build_gemma3_multimodal(seed: int = 0) -> Any:
+    """A tiny random ``Gemma3ForConditionalGeneration``: the text model of the ``gemma3`` case beside a SigLIP
+    vision tower of one layer (28-pixel images, 14-pixel patches, 4 tokens per image), re-randomised as above."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
+
+    sizes = {"vocab_size": VOCAB, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "intermediate_size": 128, "max_position_embeddings": 512, "rms_norm_eps": 1e-5}
+    text = Gemma3TextConfig(**{**sizes, **copy.deepcopy(CASES["gemma3"].overrides)})
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=28, patch_size=14)
+    cfg = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, eos_token_id=[2, 3],
+                       boi_token_index=270, eoi_token_index=271, image_token_index=272)
+    return _rerandomised(Gemma3ForConditionalGeneration(cfg).eval(), True, seed)
 
 
 def reference_logits(model: Any, ids: list[int]) -> np.ndarray:

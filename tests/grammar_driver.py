@@ -238,6 +238,163 @@ def accepts_value(matcher: GrammarMatcher, adapter: TokenizerAdapter, value: obj
     return True
 
 
+@dataclass
+class Respelled:
+    """``respell``'s result: whether the grammar took the whole value, the text it took (the whole value's, or the
+    text before the refusal that names the cause: the deepest refusal of a value's text, else of a key) and, on a
+    refusal, what it refused there (the bytes tried after that text)."""
+
+    accepted: bool
+    text: bytes
+    refused: bytes = b""
+    numbers: bool = False  # an integral number taken only without its ``.0`` (``1`` for ``1.0``)
+
+
+class _Speller:
+    """The greedy search of ``respell``: the matcher, its texts fed so far (``fed``, from the document's start), the
+    refusal that names the cause (``feed``), a budget, and each value's accepted spelling by identity
+    (a subschema's order does not depend on where its value stands: found once, fed again as text)."""
+
+    def __init__(self, matcher: GrammarMatcher, singles: dict[int, int], feeds: int) -> None:
+        self.matcher, self.singles, self.budget = matcher, singles, _Budget(feeds)
+        self.fed = bytearray()
+        self.deepest, self.refused = b"", b""
+        self.rank = (False, -1)
+        self.spelled: dict[int, bytes] = {}
+
+    def feed(self, text: bytes, value: bool = True) -> bool:
+        """Feed ``text`` (part of a value, or with ``value`` false a key); a refusal is remembered when it is the
+        deepest so far, a value's refusals before any key's (a key refused is how a fixed order shows: the cause
+        of a refusal is the value the grammar would not take)."""
+        taken = _feed(self.matcher, self.singles, self.budget, text)
+        if taken is None:
+            rank = (value, len(self.fed))
+            if rank >= self.rank:
+                self.rank, self.deepest, self.refused = rank, bytes(self.fed), text
+            return False
+        self.fed += text
+        return True
+
+    def back(self, count: int) -> bool:
+        """Roll the last ``count`` bytes back; False (for ``value``'s tries)."""
+        self.matcher.rollback(count)
+        del self.fed[len(self.fed) - count:]
+        return False
+
+    def ends(self) -> bool:
+        """Whether the scalar just fed is whole where it stands: the document ends, or a separator or closer
+        follows (``1.0`` may be a prefix that a ``multipleOf`` grammar takes and cannot end)."""
+        if self.matcher.is_accepting():
+            return True
+        for closer in (b",", b"}", b"]"):
+            fed = _feed(self.matcher, self.singles, self.budget, closer)
+            if fed is not None:
+                self.matcher.rollback(fed)
+                return True
+        return False
+
+    def value(self, value: object) -> bytes | None:
+        """Feed ``value`` (keys in the order the grammar takes them); its text, or None (nothing left fed)."""
+        known = self.spelled.get(id(value))
+        if known is not None and self.feed(known, value=False):
+            return known
+        start = len(self.fed)
+        if isinstance(value, dict):
+            ok = self.feed(b"{") and self.members(list(value.items()))
+        elif isinstance(value, list):
+            ok = self.feed(b"[") and all((not i or self.feed(b",")) and self.value(item) is not None
+                                         for i, item in enumerate(value)) and self.feed(b"]")
+        else:
+            ok = any(self.feed(text) and (self.ends() or self.back(len(text))) for text in _spellings(value))
+        if not ok:
+            self.back(len(self.fed) - start)
+            return None
+        text = bytes(self.fed[start:])
+        if isinstance(value, (dict, list)):
+            self.spelled[id(value)] = text
+        return text
+
+    def members(self, members: list[tuple[str, object]], first: bool = True) -> bool:
+        """Feed an object's members, then its ``}``; on a refusal nothing is left fed. At each position, the choices
+        of ``choices``: the one of a fixed order at once, each of the ambiguous ones in turn."""
+        start = len(self.fed)
+        while members:
+            tries = self.choices(members, first)
+            if len(tries) != 1:
+                break
+            i, text = tries[0]
+            self.feed(text, value=False)
+            members, first = members[:i] + members[i + 1:], False
+        else:
+            if self.feed(b"}"):
+                return True
+            tries = []
+        for i, text in tries:
+            self.feed(text, value=False)
+            if self.members(members[:i] + members[i + 1:], first=False):
+                return True
+            self.back(len(text))
+        self.back(len(self.fed) - start)
+        return False
+
+    def choices(self, members: list[tuple[str, object]], first: bool) -> list[tuple[int, bytes]]:
+        """The members to try next (index, text), best first. Of the members the grammar takes here (key and
+        value), the one after which it takes all the others of them is the first of a fixed order, the only choice
+        (the grammar takes, at a position, the members up to the first required one; after the first of them, the
+        others still; after a later one, not the earlier ones). Where none is (branches of an ``anyOf`` that order
+        their properties differently), each, most others open first."""
+        taken: list[tuple[int, bytes]] = []
+        for i, (key, item) in enumerate(members):
+            head = (b"" if first else b",") + json.dumps(key, ensure_ascii=False).encode() + b":"
+            if not self.feed(head, value=False):
+                continue
+            text = self.value(item)
+            if text is None:
+                self.back(len(head))
+                continue
+            self.back(len(head) + len(text))
+            taken.append((i, head + text))
+        if len(taken) < 2:
+            return taken
+        ranked: list[tuple[int, int, bytes]] = []
+        for i, text in taken:
+            self.feed(text, value=False)
+            open_ = 0
+            for j, _ in taken:
+                probe = b"," + json.dumps(members[j][0], ensure_ascii=False).encode() + b":"
+                fed = _feed(self.matcher, self.singles, self.budget, probe) if j != i else None
+                if fed is not None:
+                    open_ += 1
+                    self.matcher.rollback(fed)
+            self.back(len(text))
+            if open_ == len(taken) - 1:
+                return [(i, text)]
+            ranked.append((-open_, i, text))
+        return [(i, text) for _, i, text in sorted(ranked)]
+
+
+def _canonical(value: object) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def respell(matcher: GrammarMatcher, adapter: TokenizerAdapter, value: object,
+            max_feeds: int = 100_000) -> Respelled:
+    """``value`` respelled as a grammar that fixes the order of properties writes it: each object's keys in the
+    order the grammar takes them, found greedily (each value's spelling found once: at most quadratic in an
+    object's members, where ``accepts_value``'s search is exponential in the depth, so it decides large documents),
+    integral numbers with or without ``.0``; whether the grammar takes it as a whole document, or where it refused
+    what (the cause of a refusal other than the key order: the value it would not take). The matcher is left as it
+    was, except after ``OutOfBudget``."""
+    speller = _Speller(matcher, adapter.byte_tokens, max_feeds)
+    text = speller.value(value)
+    if text is not None and matcher.is_accepting():
+        matcher.rollback(len(text))
+        return Respelled(True, text, numbers=_canonical(json.loads(text)) != _canonical(value))
+    if text is not None:
+        matcher.rollback(len(text))
+    return Respelled(False, speller.deepest, speller.refused)
+
+
 def maskbench_folder() -> Path | None:
     """The MaskBench development sample (``shared/data/maskbench-dev`` beside the checkout, or
     ``$LOGITPROC_MASKBENCH``), or None when this machine has none."""

@@ -18,7 +18,8 @@ TEMPLATES = [
     "Qwen-Qwen2.5-7B-Instruct", "Qwen-Qwen3-0.6B", "Qwen-QwQ-32B", "microsoft-Phi-3.5-mini-instruct",
     "google-gemma-2-2b-it", "mistralai-Mistral-Nemo-Instruct-2407", "NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use",
     "NousResearch-Hermes-3-Llama-3.1-8B-tool_use", "deepseek-ai-DeepSeek-R1-Distill-Llama-8B",
-    "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B",
+    "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B", "fireworks-ai-llama-3-firefunction-v2",
+    "meetkai-functionary-medium-v3.1", "meetkai-functionary-medium-v3.2",
 ]
 BOS, EOS = "<s>", "</s>"
 

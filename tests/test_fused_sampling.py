@@ -71,8 +71,7 @@ def run_steps(proc, sampler, states: list[RequestState], fused: bool, steps: int
     for step in range(steps):
         logits = (np.random.default_rng(seed + step).standard_normal((len(states), V)) * 3).astype(np.float32)
         raw = logits.copy()
-        batch = proc.batch(states)
-        proc.inplace_update_logits(logits, batch, defer_masks=defer)
+        batch = proc.inplace_update_logits(logits, proc.batch(states), defer_masks=defer)  # (its deferred masks)
         if fused:
             result = sampler.sample_from_logits(logits, batch, raw_logits=raw)
         else:

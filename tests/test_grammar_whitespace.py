@@ -6,12 +6,12 @@ with random logits on DeepSeek-V3's vocabulary, closed at max_tokens, and with t
 from __future__ import annotations
 
 import json
-import re
 
 import material
 import numpy as np
 import pytest
 from grammar_driver import accepts_value, closer_bonus, drive
+from json_layouts import layout_of
 from logitproc.runtime.grammar import GrammarSource, TokenizerAdapter, get_backend
 from logitproc.runtime.response_format import ResponseFormat, parse_response_format, with_whitespace
 from tokenizers import Tokenizer
@@ -23,39 +23,6 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", 
                          "size": {"type": "number"},
                          "sub": {"type": "object", "properties": {"x": {"type": "boolean"}, "y": {"type": "array"}}}}}
 VALUE = {"name": "a b", "tags": ["a", "c"], "size": 1.5, "sub": {"x": True, "y": []}}
-STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
-NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:[eE][+-]?\d+)?")
-
-
-class _Members(list):
-    """An object's members in order (duplicate keys kept)."""
-
-
-def _laid_out(value: object, indent: int | None, level: int = 0) -> str:
-    """``value`` written as ``json.dumps`` writes it, compact or with ``indent`` (members kept as they came)."""
-    if isinstance(value, (_Members, list)):
-        is_object = isinstance(value, _Members)
-        items = [(json.dumps(k) + (":" if indent is None else ": ") + _laid_out(v, indent, level + 1)) if is_object
-                 else _laid_out(v, indent, level + 1) for k, v in (value if is_object else enumerate(value))]
-        open_, close = "{}" if is_object else "[]"
-        if not items:
-            return open_ + close
-        if indent is None:
-            return open_ + ",".join(items) + close
-        pad = "\n" + " " * (indent * (level + 1))
-        return open_ + pad + ("," + pad).join(items) + "\n" + " " * (indent * level) + close
-    return json.dumps(value)
-
-
-def layout_of(text: str, policy: str) -> bool:
-    """Whether ``text`` is JSON laid out as ``policy`` says, by an independent writer of ``json.dumps``'s layouts;
-    strings and numbers are compared as placeholders (their spelling is the model's choice, not the layout's)."""
-    json.loads(text)  # it parses
-    if policy == "flexible":
-        return True
-    shape = NUMBER.sub("0", STRING.sub('""', text))
-    value = json.loads(shape, object_pairs_hook=_Members)
-    return _laid_out(value, 2 if policy == "indented" else None) == shape
 
 
 def test_the_policy_is_a_field_of_the_response_format() -> None:

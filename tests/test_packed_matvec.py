@@ -248,3 +248,4 @@ def test_the_packed_q8_0_lookup_gives_the_gguf_layouts_rows() -> None:
             _build(kernel)(ids, *[tvm.runtime.tensor(a) for a in arrays], out)
             outs.append(out.numpy())
         np.testing.assert_array_equal(outs[0], outs[1])
+

@@ -27,6 +27,14 @@ def parsed(*options: str):
     (("--autoscale", "3:2"), "MAX must be >= MIN"),
     (("--autoscale", "1:2", "--replicas", "3"), "must lie within --autoscale 1:2"),
     (("--autoscale", "1:2", "--target-ongoing-requests", "0"), "--target-ongoing-requests must be > 0"),
+    (("--autoscale-delays", "5:20"), "--autoscale-delays serves through Ray"),
+    (("--ray-dashboard", "8265"), "--ray-dashboard serves through Ray"),
+    (("--replicas", "1", "--ray-dashboard", "8265", "--ray-address", "10.0.0.1:6379"),
+     "the cluster's dashboard comes with its head node"),
+    (("--replicas", "1", "--ray-dashboard", "0"), "--ray-dashboard takes a TCP port (1-65535), got 0"),
+    (("--replicas", "2", "--autoscale-delays", "5:20"), "--autoscale-delays sets the autoscaler's delays"),
+    (("--autoscale", "1:2", "--autoscale-delays", "5"), "--autoscale-delays takes UP:DOWN"),
+    (("--autoscale", "1:2", "--autoscale-delays", "5:soon"), "--autoscale-delays takes UP:DOWN"),
 ])
 def test_bad_ray_options_are_refused_naming_the_option(options, says) -> None:
     with pytest.raises(ValueError) as err:
@@ -40,6 +48,9 @@ def test_the_replica_plan() -> None:
     assert replica_plan(parsed("--replicas", "3"), cores=2).threads == 1  # never below one thread
     scaled = replica_plan(parsed("--autoscale", "1:4", "--max-batch", "8"), cores=8)
     assert (scaled.initial, scaled.wanted, scaled.maximum, scaled.threads, scaled.target_ongoing) == (1, 1, 4, 2, 8.0)
+    assert (scaled.upscale_delay, scaled.downscale_delay) == (30.0, 600.0)  # Ray Serve's own
+    quick = replica_plan(parsed("--autoscale", "1:2", "--autoscale-delays", "2:20.5"), cores=2)
+    assert (quick.upscale_delay, quick.downscale_delay) == (2.0, 20.5)
 
 
 def test_the_single_process_server_does_not_import_ray() -> None:

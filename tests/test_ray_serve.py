@@ -4,7 +4,8 @@ One local Ray instance for the module: ``python -m logitproc serve --model tiny 
 (two engine replicas of one thread each behind the Ray Serve ingress). The same requests as the single-process
 server's tests (chat, streams, ``n``, seeds, JSON schemas, bad inputs, 401/404/429), the same answers as the
 single-process server for the same seeds, a shared-prefix workload served from one replica's prefix cache, and a
-replica's process killed while 16 streams run.
+replica's process killed while 16 streams run. ``/metrics`` lists every live replica from the moment it is up, and
+drops one that died.
 """
 
 from __future__ import annotations
@@ -94,6 +95,21 @@ def wait_healthy(server: ServerProcess, timeout: float = 90) -> None:
         time.sleep(0.5)
 
 
+def listed_replicas(server: ServerProcess) -> set[str]:
+    """The replicas ``/metrics`` lists (each exports its KV cache's capacity from the moment it is up)."""
+    prefix = 'logitproc_kv_cache_capacity_tokens{replica="'
+    return {key[len(prefix):-2] for key, value in metrics(server).items() if key.startswith(prefix) and value > 0}
+
+
+def wait_listed(server: ServerProcess, check, timeout: float = 60) -> set[str]:
+    """The replicas ``/metrics`` lists, once ``check`` holds for them (fails after ``timeout`` seconds)."""
+    deadline = time.monotonic() + timeout
+    while not check(listed := listed_replicas(server)):
+        assert time.monotonic() < deadline, f"/metrics lists {listed}"
+        time.sleep(0.5)
+    return listed
+
+
 def cached_by_replica(server: ServerProcess) -> dict[str, float]:
     """``logitproc_cached_prompt_tokens_total`` of each replica that has reported."""
     prefix = 'logitproc_cached_prompt_tokens_total{replica="'
@@ -101,6 +117,17 @@ def cached_by_replica(server: ServerProcess) -> dict[str, float]:
 
 
 # ---------------------------------------------------------------------------------------------------- the app
+def test_every_replica_is_in_the_metrics_before_it_serves(server) -> None:
+    # (the module's first test: nothing has been generated yet; a replica reports every 2 s from the moment it is up)
+    listed = wait_listed(server, lambda replicas: len(replicas) == 2, timeout=10)
+    samples = metrics(server)
+    for replica in listed:
+        assert samples[f'logitproc_generation_tokens_total{{replica="{replica}"}}'] == 0
+        assert samples[f'logitproc_requests_running{{replica="{replica}"}}'] == 0
+    # the HTTP responses are the ingress's own (a replica's empty family, its _created included, is not shown)
+    assert not any(key.startswith("logitproc_http_responses") and "replica=" in key for key in samples)
+
+
 def test_health_models_chat_and_the_page(server, client, model_id) -> None:
     assert health(server) == (200, {"status": "ok", "replicas": 2, "replicas_wanted": 2})
     assert len(replica_pids(server)) == 2
@@ -244,6 +271,7 @@ def test_a_killed_replica_during_16_streams(server, model_id) -> None:
     wait_healthy(server)
     victims = replica_pids(server)
     assert len(victims) == 2
+    before = wait_listed(server, lambda replicas: len(replicas) == 2)
 
     async def one(client: openai.AsyncOpenAI, i: int) -> tuple[str, str]:
         text = ""
@@ -275,6 +303,9 @@ def test_a_killed_replica_during_16_streams(server, model_id) -> None:
     while len(replica_pids(server)) != 2 and time.monotonic() < deadline:  # (its process title comes a bit later)
         time.sleep(0.5)
     assert victims[0] not in replica_pids(server) and len(replica_pids(server)) == 2, replica_pids(server)
+    # /metrics: the dead replica dropped (it stopped reporting), its replacement listed before it serves
+    after = wait_listed(server, lambda replicas: len(replicas) == 2 and replicas != before)
+    assert len(after & before) == 1, (before, after)
     with ThreadPoolExecutor(8) as pool:  # both replicas serve again
         answers = list(pool.map(lambda i: raw(server, "/v1/completions", {"prompt": f"again {i}", "max_tokens": 8}),
                                 range(8)))

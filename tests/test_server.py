@@ -229,6 +229,9 @@ BAD_REQUESTS = [
     (CHAT, {"messages": MESSAGES, "seed": -1}, 400, "seed", "seed must be in"),
     (CHAT, {"messages": []}, 400, "messages", "non-empty list"),
     (CHAT, {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages", "role must be one of"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": "What is it?"}, {
+        "type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}]}, 400, "messages",
+     "images, audio and files are refused"),
     (CHAT, {"messages": MESSAGES, "stream_options": {"include_usage": True}}, 400, "stream_options", "stream"),
     (CHAT, {"messages": MESSAGES, "response_format": {"type": "xml"}}, 400, "response_format", "one of"),
     (CHAT, {"messages": MESSAGES, "response_format": {"type": "json_schema", "json_schema": {

@@ -26,8 +26,8 @@ def family_named(name: str) -> ModelFamily:
 
 
 def family_for_hf(architecture: str) -> ModelFamily:
-    """The family of a Hugging Face ``config.json``'s ``architectures[0]``."""
-    return _family_by(architecture, "Hugging Face", lambda family: family.hf_architectures)
+    """The family of a Hugging Face ``config.json``'s ``architectures[0]`` (a multimodal class: its text model's)."""
+    return _family_by(architecture, "Hugging Face", lambda family: family.hf_classes)
 
 
 def family_for_gguf(architecture: str) -> ModelFamily:
