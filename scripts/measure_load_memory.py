@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import tempfile
 from pathlib import Path
 
@@ -29,6 +28,16 @@ import numpy as np
 def _rss_mb() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e6
+
+
+def _peak_rss_mb() -> float:
+    """This process's peak resident memory since its ``exec`` (``VmHWM``). Not ``getrusage``'s ``ru_maxrss``: Linux
+    carries that over ``fork`` and ``exec``, so under a large parent (a test session) it reports the parent's size."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024 / 1e6
+    raise RuntimeError("/proc/self/status has no VmHWM line")
 
 
 def write_random(path: Path, hidden: int, layers: int, vocab: int, ffn: int) -> None:
@@ -87,7 +96,7 @@ def measure(model_path: Path, weight_dtype: str, eager: bool) -> dict[str, float
     _, names = export_llama(spec, resolve_target("cpu").tvm_target())
     with tempfile.TemporaryDirectory() as out:
         written = save_params(Path(out) / "params.npz", iter_relax_weights(model, spec, raw), names) / 1e6
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3
+    peak = _peak_rss_mb()
     stored = sum(f.stat().st_size for f in ([model_path] if model_path.is_file() else model_path.iterdir())) / 1e6
     return {"stored_mb": stored, "written_mb": written, "largest_float32_mb": largest, "rss_before_mb": before,
             "peak_mb": peak, "rise_mb": peak - before}
