@@ -23,11 +23,15 @@ import numpy as np
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-def compiled_rows(path: Path, activation_bits: int, tokens: Sequence[int], prompt_len: int) -> np.ndarray:
-    """logitproc's logits for the rows after ``tokens[:prompt_len]`` and each later token (float32 KV cache)."""
+def open_compiled(path: Path, activation_bits: int):
+    """The file compiled with ``activation_bits`` codes and a float32 KV cache (one sequence)."""
     from logitproc.serve.compiled_model import CompiledModel
 
-    model = CompiledModel.open(path, activation_bits=activation_bits, kv_dtype="float32", max_num_sequences=1)
+    return CompiledModel.open(path, activation_bits=activation_bits, kv_dtype="float32", max_num_sequences=1)
+
+
+def compiled_rows(model, tokens: Sequence[int], prompt_len: int) -> np.ndarray:
+    """logitproc's logits for the rows after ``tokens[:prompt_len]`` and each later token."""
     model.add_sequence(0)
     rows = [model.prefill([0], [list(tokens[:prompt_len])])[0]]
     rows += [model.decode([0], [int(t)])[0] for t in tokens[prompt_len:-1]]
@@ -46,10 +50,9 @@ def llama_cpp_rows(path: Path, tokens: Sequence[int], prompt_len: int) -> np.nda
 def measure(path: Path, steps: int, log: Callable[[str], None]) -> list[tuple[str, float, float, float]]:
     """(runner, largest difference, mean difference, argmax agreement) per runner for one file."""
     from logitproc.compile.gguf_model import load_gguf
-    from logitproc.serve.compiled_model import CompiledModel
     from logitproc.serve.numpy_llama import NumpyLlama
 
-    opened = CompiledModel.open(path, max_num_sequences=1)
+    opened = open_compiled(path, 16)
     prompt = opened.tokenizer.encode(opened.apply_chat_template(QUESTION)).ids
     reference = NumpyLlama(load_gguf(path))
     rows = [reference.prefill(prompt)]
@@ -60,8 +63,8 @@ def measure(path: Path, steps: int, log: Callable[[str], None]) -> list[tuple[st
     tokens.append(int(rows[-1].argmax()))
     expected = np.stack(rows)
     log(f"{path.name}: prompt {len(prompt)} tokens, {steps} decode rows, logits std {expected.std():.2f}")
-    runners = {"logitproc, 16-bit codes": lambda: compiled_rows(path, 16, tokens, len(prompt)),
-               "logitproc, 8-bit codes": lambda: compiled_rows(path, 8, tokens, len(prompt)),
+    runners = {"logitproc, 16-bit codes": lambda: compiled_rows(opened, tokens, len(prompt)),
+               "logitproc, 8-bit codes": lambda: compiled_rows(open_compiled(path, 8), tokens, len(prompt)),
                "llama.cpp": lambda: llama_cpp_rows(path, tokens, len(prompt))}
     results = []
     for name, run in runners.items():
