@@ -2,8 +2,9 @@
 
 ``Device("cuda")`` is this device wherever TVM's own CUDA runtime is missing (PyPI's wheel has none). It plays the
 host code's part of each kernel function from the library's manifest (``launch_geometry``): it checks the arrays
-against the function's parameters, binds the shape variables, computes every kernel's grid, block and shared memory
-from them and launches the kernels in order on its compute stream. Host -> device copies go on a separate copy stream;
+against the function's parameters, binds the shape variables, allocates the function's workspaces (kept for the next
+call), computes every kernel's grid, block and shared memory from them and launches the kernels in order on its
+compute stream. Host -> device copies go on a separate copy stream;
 ``wait_for_copies`` orders them before the next launch with an event, as TVM's CUDA path does.
 """
 
@@ -71,6 +72,9 @@ class CudaFunction:
         self.launches = launches
         self.name = launches.name
         self._functions = functions
+        #: Each workspace's device memory, kept between calls and grown when a call needs more (an allocation
+        #: synchronises the device, and cannot be captured into a CUDA graph: see ``CudaDevice.time_launches``).
+        self._workspaces: dict[str, CudaArray] = {}
         unknown = [a.dtype for k in launches.kernels for a in k.args if a.dtype not in ARG_CTYPES]
         if unknown:
             raise NotImplementedError(f"{self.name}: kernel argument types {sorted(set(unknown))} are not supported")
@@ -98,6 +102,8 @@ class CudaFunction:
             shapes.append(arg.shape)
             scalars.append(None)
         env = self.launches.bind(shapes, scalars)
+        for workspace in self.launches.workspaces:
+            buffers[workspace.name] = self._workspace(workspace.name, workspace.nbytes(env))
         for kernel in self.launches.kernels:
             grid, block, shared = kernel.dims(env)
             if min(grid) <= 0 or min(block) <= 0:
@@ -107,6 +113,14 @@ class CudaFunction:
             values = [("handle", buffers[a.buffer].ptr) if a.buffer is not None
                       else (a.dtype, evaluate(a.value, env)) for a in kernel.args]  # type: ignore[arg-type]
             self.device.launch(self._functions[kernel.entry], grid, block, shared, values)
+
+
+    def _workspace(self, name: str, nbytes: int) -> CudaArray:
+        """The memory of workspace ``name``, at least ``nbytes`` (at least one byte: a pointer is always passed)."""
+        held = self._workspaces.get(name)
+        if held is None or held.nbytes < nbytes:
+            held = self._workspaces[name] = self.device.empty((max(nbytes, 1),), "uint8")
+        return held
 
 
 class CudaDevice(Device):
@@ -191,7 +205,9 @@ class CudaDevice(Device):
 
     def time_launches(self, enqueue: Callable[[], None], launches: int, replays: int = 10) -> float:
         """Seconds per launch of ``enqueue`` (kernel calls or ``copy`` on this device): ``launches`` calls captured
-        into one CUDA graph, replayed ``replays`` times (for benchmarks: no Python launch overhead in the time)."""
+        into one CUDA graph, replayed ``replays`` times (for benchmarks: no Python launch overhead in the time).
+        ``enqueue`` runs once first, outside the capture: kernel functions allocate their workspaces then."""
+        enqueue()
         self.synchronize()
 
         def repeated() -> None:

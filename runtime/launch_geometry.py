@@ -3,9 +3,10 @@
 A TIR PrimFunc compiled for a GPU becomes a host function (checks its arguments, then launches one or more device
 kernels) and the device kernels. A launcher without TVM's runtime (the CUDA driver path, ``cuda_device.py``) plays the
 host function's part, so the export records what the host function would do (``describe_functions``): for each
-function its parameters, and for each kernel it launches, in order, the entry name, the kernel's arguments (a buffer
-parameter's pointer, or a scalar expression), the grid and block extents and the dynamic shared memory, each as an
-expression of the function's shape variables. Expressions are JSON (``encode_expr``): an int or float literal, a
+function its parameters, the workspaces its host code allocates (device memory for values passed between its
+kernels), and for each kernel it launches, in order, the entry name, the kernel's arguments (the pointer of a buffer
+parameter or a workspace, or a scalar expression), the grid and block extents and the dynamic shared memory, each as
+an expression of the function's shape variables. Expressions are JSON (``encode_expr``): an int or float literal, a
 variable's name, or ``[op, operand, ...]``; ``evaluate`` computes one for the shapes of the arrays passed.
 
 ``lower_split`` lowers PrimFuncs for a GPU target the way ``tvm.compile`` does and keeps the host and device IR this
@@ -176,21 +177,54 @@ class KernelLaunch:
                    tuple(data["grid"]), tuple(data["block"]), data.get("dynamic_shared_bytes", 0))
 
 
+#: Bytes per element of the dtypes a workspace may have.
+DTYPE_BYTES = {"float32": 4, "int32": 4, "uint32": 4, "float64": 8, "int64": 8, "float16": 2, "int8": 1, "uint8": 1}
+
+
+@dataclass(frozen=True)
+class Workspace:
+    """Device memory the host function allocates for its kernels (a ``global`` buffer of the PrimFunc's body, not a
+    parameter: e.g. the per-block partials of a row split over several blocks). Its contents do not outlive the
+    call; every kernel writes what it later reads. ``size``: elements, as an expression of the shape variables."""
+
+    name: str
+    dtype: str
+    size: Expr
+
+    def nbytes(self, env: Mapping[str, int | float]) -> int:
+        """Bytes for the shape values in ``env``."""
+        return int(evaluate(self.size, env)) * DTYPE_BYTES[self.dtype]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "dtype": self.dtype, "size": self.size}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Workspace:
+        dtype = str(data["dtype"])
+        if dtype not in DTYPE_BYTES:
+            raise ValueError(f"workspace {data['name']}: dtype {dtype} is not one of {sorted(DTYPE_BYTES)}")
+        return cls(str(data["name"]), dtype, data["size"])
+
+
 @dataclass(frozen=True)
 class FunctionLaunches:
-    """A function of the library as its host code runs it: its parameters and the kernels it launches in order."""
+    """A function of the library as its host code runs it: its parameters, the workspaces it allocates and the
+    kernels it launches in order (a kernel argument names a parameter or a workspace)."""
 
     name: str
     params: tuple[Param, ...]
     kernels: tuple[KernelLaunch, ...]
+    workspaces: tuple[Workspace, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
-        return {"params": [p.to_json() for p in self.params], "kernels": [k.to_json() for k in self.kernels]}
+        return {"params": [p.to_json() for p in self.params], "kernels": [k.to_json() for k in self.kernels],
+                "workspaces": [w.to_json() for w in self.workspaces]}
 
     @classmethod
     def from_json(cls, name: str, data: Mapping[str, Any]) -> FunctionLaunches:
         return cls(name, tuple(Param.from_json(p) for p in data["params"]),
-                   tuple(KernelLaunch.from_json(k) for k in data["kernels"]))
+                   tuple(KernelLaunch.from_json(k) for k in data["kernels"]),
+                   tuple(Workspace.from_json(w) for w in data.get("workspaces", [])))
 
     def bind(self, shapes: Sequence[tuple[int, ...] | None], scalars: Sequence[int | float | None]
              ) -> dict[str, int | float]:
@@ -287,6 +321,30 @@ def _declared_buffers(stmt: Any, out: list[tuple[Any, str]]) -> list[tuple[Any, 
     return out
 
 
+def allocations(stmt: Any, out: list[tuple[Any, str, str, tuple[Any, ...]]] | None = None
+                ) -> list[tuple[Any, str, str, tuple[Any, ...]]]:
+    """(data pointer, name, dtype, extents) of every buffer the host function allocates itself (TIR ``AllocBuffer``
+    or ``Allocate``): the workspaces it passes to its kernels."""
+    out = [] if out is None else out
+    kind = type(stmt).__name__
+    if kind == "AllocBuffer":
+        buf = stmt.buffer
+        out.append((buf.data, str(buf.name), str(buf.dtype), tuple(buf.shape)))
+    elif kind == "Allocate":
+        out.append((stmt.buffer_var, str(stmt.buffer_var.name), str(stmt.dtype), tuple(stmt.extents)))
+    for child in _children(stmt):
+        allocations(child, out)
+    return out
+
+
+def element_count(extents: Sequence[Any]) -> Expr:
+    """The element count of a buffer of these extents, encoded."""
+    size: Expr = 1
+    for extent in extents:
+        size = encode_expr(extent) if size == 1 else ["Mul", size, encode_expr(extent)]
+    return size
+
+
 def _buffer_of(value: Any, declared: list[tuple[Any, str]]) -> str | None:
     """The name of the declared buffer whose data pointer is ``value`` (structurally the same expression), or None."""
     from tvm_ffi import structural_equal
@@ -319,6 +377,8 @@ def describe_functions(prim_funcs: Mapping[str, Any], host_mod: Any, device_mod:
         buffer_params = {p.name for p in params if p.shape is not None}
         host = host_funcs[name]
         declared = _declared_buffers(host.body, [])
+        allocated = allocations(host.body)
+        workspaces: dict[str, Workspace] = {}
         kernels = []
         for call in kernel_calls(host.body, set(device_funcs)):
             entry = str(call.args[0].value)
@@ -337,8 +397,7 @@ def describe_functions(prim_funcs: Mapping[str, Any], host_mod: Any, device_mod:
                 if type(param.ty).__name__ == "PointerType":
                     buffer = _buffer_of(value, declared)
                     if buffer not in buffer_params:
-                        raise NotImplementedError(f"{entry}: argument {param.name} is not a buffer parameter of "
-                                                  f"{name} (a workspace the host would allocate is not supported)")
+                        buffer = _workspace_of(name, entry, param, value, allocated, buffer_params, workspaces)
                     args.append(KernelArg("handle", buffer=buffer))
                 else:
                     args.append(KernelArg(str(param.ty), value=encode_expr(value)))
@@ -348,8 +407,28 @@ def describe_functions(prim_funcs: Mapping[str, Any], host_mod: Any, device_mod:
                 tuple(launch.get(t, 1) for t in GRID_TAGS),  # type: ignore[arg-type]
                 tuple(launch.get(t, 1) for t in BLOCK_TAGS),  # type: ignore[arg-type]
                 launch.get(DYNAMIC_SHARED_TAG, 0)))
-        described[name] = FunctionLaunches(name, params, tuple(kernels))
+        described[name] = FunctionLaunches(name, params, tuple(kernels), tuple(workspaces.values()))
     return described
+
+
+def _workspace_of(name: str, entry: str, param: Any, value: Any,
+                  allocated: list[tuple[Any, str, str, tuple[Any, ...]]], buffer_params: set[str],
+                  workspaces: dict[str, Workspace]) -> str:
+    """The workspace a kernel argument points to (recorded in ``workspaces``); NotImplementedError where it is
+    neither a parameter nor a buffer the host function allocates."""
+    from tvm_ffi import structural_equal
+
+    found = next(((n, d, e) for data, n, d, e in allocated if structural_equal(data, value)), None)
+    if found is None:
+        raise NotImplementedError(f"{entry}: argument {param.name} is neither a buffer parameter of {name} nor a "
+                                  "workspace its host code allocates")
+    ws_name, dtype, extents = found
+    if ws_name in buffer_params:
+        raise ValueError(f"{name}: workspace {ws_name} has a parameter's name")
+    if dtype not in DTYPE_BYTES:
+        raise NotImplementedError(f"{name}: workspace {ws_name} of dtype {dtype} is not supported")
+    workspaces.setdefault(ws_name, Workspace(ws_name, dtype, element_count(extents)))
+    return ws_name
 
 
 def lower_split(prim_funcs: Mapping[str, Any], target: Any) -> tuple[Any, Any, Any]:

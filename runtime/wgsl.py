@@ -9,8 +9,9 @@ JavaScript runtime (``web/src/webgpu.ts``) knows how to launch it. This module p
    order the host function would use), generates the WGSL, and builds one compute pipeline per kernel.
 2. A launch binds each symbolic shape variable of the PrimFunc to the shapes of the arrays passed (and scalar
    parameters to their values), evaluates every kernel's grid, fills the ``PODArgs`` uniform, binds the storage
-   buffers by name (see ``wgsl_layout``), folds grids wider than 65535 blocks into z, and submits the kernels in
-   order on the device's queue, so a later launch sees the writes of an earlier one.
+   buffers by name (see ``wgsl_layout``; a buffer the host code allocates is a workspace the function keeps), folds
+   grids wider than 65535 blocks into z, and submits the kernels in order on the device's queue, so a later launch
+   sees the writes of an earlier one.
 
 Usage::
 
@@ -35,8 +36,12 @@ import numpy as np
 import tvm
 
 from .launch_geometry import (
+    DTYPE_BYTES,
     Param,
+    Workspace,
+    allocations,
     bind_shapes,
+    element_count,
     encode_expr,
     evaluate,
     function_params,
@@ -324,12 +329,23 @@ class WGSLKernel:
 class WGSLFunction:
     """A PrimFunc on the device: its parameters and the kernels its host code launches, in order."""
 
-    def __init__(self, device: Any, name: str, params: Sequence[Param], kernels: list[WGSLKernel]) -> None:
+    def __init__(self, device: Any, name: str, params: Sequence[Param], kernels: list[WGSLKernel],
+                 workspaces: Sequence[Workspace] = ()) -> None:
         self.device = device
         self.name = name
         self.params = params
         self.kernels = kernels
+        self.workspaces = tuple(workspaces)
         self.written = {b.buffer_name for k in kernels for b in k.layout.storage if not b.read_only}
+        self._held: dict[str, GPUArray] = {}  # each workspace's buffer, grown when a call needs more
+
+    def _workspace(self, workspace: Workspace, env: Mapping[str, int | float]) -> GPUArray:
+        """The buffer of ``workspace`` for the shapes in ``env`` (its dtype, as many elements as it needs)."""
+        count = workspace.nbytes(env) // DTYPE_BYTES[workspace.dtype]
+        held = self._held.get(workspace.name)
+        if held is None or held.shape[0] < count:
+            held = self._held[workspace.name] = GPUArray.empty(self.device, (max(count, 1),), workspace.dtype)
+        return held
 
     def _bind(self, args: Sequence[ArrayArg]) -> tuple[dict[str, GPUArray], dict[str, int | float],
                                                           list[tuple[str, np.ndarray, GPUArray]]]:
@@ -367,6 +383,8 @@ class WGSLFunction:
         """Launch every kernel in order on the device's queue. numpy arrays are uploaded, and those the kernels
         write are downloaded back into the same numpy arrays (which waits for completion)."""
         buffers, env, uploaded = self._bind(args)
+        for workspace in self.workspaces:
+            buffers[workspace.name] = self._workspace(workspace, env)
         encoder = self.device.create_command_encoder()
         for kernel in self.kernels:
             kernel.encode(encoder, buffers, env)
@@ -421,6 +439,9 @@ class WGSLKernels:
             order = [str(call.args[0].value) for call in kernel_calls(host_funcs[name].body, set(device_funcs))]
             params = function_params(func)
             buffer_params = {p.name for p in params if p.shape is not None}
+            allocated = {n: Workspace(n, d, element_count(e)) for _, n, d, e in allocations(host_funcs[name].body)
+                         if d in DTYPE_BYTES}
+            used: dict[str, Workspace] = {}
             kernels = []
             for kname in order:
                 dev_func = device_funcs[kname]
@@ -429,12 +450,15 @@ class WGSLKernels:
                 if unknown:
                     raise NotImplementedError(f"{kname}: launch parameters {unknown} are not supported")
                 kernel = WGSLKernel(device, kname, shaders[kname], thread_extents(dev_func.body))
-                missing = [b.name for b in kernel.layout.storage if b.buffer_name not in buffer_params]
-                if missing:
-                    raise NotImplementedError(f"{kname}: storage {missing} is not a buffer parameter of {name} "
-                                              "(a global workspace the host would allocate is not supported)")
+                for b in kernel.layout.storage:
+                    if b.buffer_name in buffer_params:
+                        continue
+                    if b.buffer_name not in allocated:
+                        raise NotImplementedError(f"{kname}: storage {b.name} is neither a buffer parameter of {name} "
+                                                  "nor a workspace its host code allocates")
+                    used[b.buffer_name] = allocated[b.buffer_name]
                 kernels.append(kernel)
-            functions[name] = WGSLFunction(device, name, params, kernels)
+            functions[name] = WGSLFunction(device, name, params, kernels, tuple(used.values()))
         return cls(device, functions, source)
 
     def __call__(self, name: str, *args: ArrayArg) -> None:

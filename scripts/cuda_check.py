@@ -9,7 +9,7 @@ Runs where a GPU is but TVM's compiler need not be (``TVM_USE_RUNTIME_LIB=1`` wi
    chains with masks from a mask source (each draft row against its prefix alone);
 3. with ``--bench``: each kernel at B x V = 1 x 128256, 64 x 128256, 256 x 151936 against a device-to-device copy
    of the same logits and torch's equivalents on the same card, each timed as a CUDA graph of repeated launches
-   (launch overhead excluded; CUDA events).
+   (launch overhead excluded; CUDA events), then one line per aim of issue 38 (measured, bound, met or not).
 
 Usage: python scripts/cuda_check.py DIR [--bench] [--json OUT]   (``scripts/bench_kernels.py --device cuda`` runs
 ``--bench`` alone)
@@ -303,6 +303,39 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+#: Issue 38's aims: (shape, kernel column, what it is compared with, the bound). "copy": at most bound x the copy of
+#: the same logits; "us": at most bound microseconds; a torch column: faster than torch's equivalent.
+AIMS = (
+    ("64 x 128256", "sample_from_logits_us", "copy", 3.0),
+    ("64 x 128256", "softmax_with_temperature_us", "copy", 2.0),
+    ("64 x 128256", "renormalize_probs_us", "copy", 4.0),
+    ("64 x 128256", "top_n_us", "copy", 3.0),
+    ("64 x 128256", "sample_from_logits_us", "torch_top_p_sample_us", 1.0),
+    ("64 x 128256", "softmax_with_temperature_us", "torch_softmax_us", 1.0),
+    ("64 x 128256", "top_n_us", "torch_topk8_us", 1.0),
+    ("1 x 128256", "sample_from_logits_us", "us", 40.0),
+)
+
+
+def aims(rows: list[dict]) -> list[str]:
+    """One line per aim: the measured figure, the bound, met or not (or why it cannot be judged)."""
+    by_shape = {row["shape"]: row for row in rows}
+    lines = []
+    for shape, key, against, bound in AIMS:
+        row = by_shape.get(shape, {})
+        value, base = row.get(key), row.get("copy_us" if against == "copy" else against)
+        name = f"{key.removesuffix('_us')} at {shape}"
+        if not isinstance(value, float) or (against != "us" and not isinstance(base, float)):
+            lines.append(f"aim {name} vs {against}: not measured ({value!r}, {base!r})")
+        elif against == "us":
+            lines.append(f"aim {name} <= {bound:g} us: {value:.1f} us, {'met' if value <= bound else 'NOT met'}")
+        else:
+            ratio = value / base
+            lines.append(f"aim {name} <= {bound:g}x {against.removesuffix('_us')}: {ratio:.2f}x "
+                         f"({value:.1f} / {base:.1f} us), {'met' if ratio <= bound else 'NOT met'}")
+    return lines
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("library", help="an exported CUDA kernel library (with the PTX and launches)")
@@ -331,6 +364,8 @@ def main() -> int:
     if args.bench:
         report["bench"] = bench(library, device, kernels)
         print(markdown(report["bench"]))
+        report["aims"] = aims(report["bench"])
+        print("\n".join(report["aims"]))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
     return 0 if report["cases"]["failed"] == 0 else 1

@@ -21,6 +21,7 @@ from logitproc.compile.device_code import cuda_compiler_available
 from logitproc.runtime import LogitProcessor
 from logitproc.runtime.cuda_device import CudaArray, CudaDevice
 from logitproc.runtime.cuda_driver import CudaError, GPUProperties
+from logitproc.tir_kernels.softmax import SPLIT_CHUNK
 
 pytestmark = pytest.mark.skipif(not cuda_compiler_available(), reason="no nvcc or NVRTC to export PTX here")
 
@@ -65,23 +66,23 @@ class FakeDriver:
     def free(self, ptr: int) -> None:
         del self.memory[ptr]
 
-    def _region(self, ptr: int, nbytes: int) -> tuple[bytearray, int]:
+    def region(self, ptr: int, nbytes: int) -> tuple[bytearray, int]:
         for base, buf in self.memory.items():
             if base <= ptr and ptr + nbytes <= base + len(buf):
                 return buf, ptr - base
         raise AssertionError(f"{nbytes} bytes at 0x{ptr:x} are outside every allocation")
 
     def copy_to_device(self, dst: int, src_host: int, nbytes: int, stream: int) -> None:
-        buf, offset = self._region(dst, nbytes)
+        buf, offset = self.region(dst, nbytes)
         buf[offset:offset + nbytes] = ctypes.string_at(src_host, nbytes)
 
     def copy_to_host(self, dst_host: int, src: int, nbytes: int) -> None:
-        buf, offset = self._region(src, nbytes)
+        buf, offset = self.region(src, nbytes)
         ctypes.memmove(dst_host, bytes(buf[offset:offset + nbytes]), nbytes)
 
     def copy_on_device(self, dst: int, src: int, nbytes: int, stream: int) -> None:
-        s, so = self._region(src, nbytes)
-        d, do = self._region(dst, nbytes)
+        s, so = self.region(src, nbytes)
+        d, do = self.region(dst, nbytes)
         d[do:do + nbytes] = s[so:so + nbytes]
 
     def time_graph(self, stream: int, enqueue: Callable[[], None], replays: int) -> float:
@@ -123,7 +124,7 @@ class FakeDriver:
         assert not maxntid or block == maxntid, f"{entry}: block {block}, PTX .maxntid {maxntid}"
         for dtype, value in args:
             if dtype == "handle":
-                self._region(int(value), 1)  # every pointer lies in an allocation
+                self.region(int(value), 1)  # every pointer lies in an allocation
         self.launches.append(Launch(entry, grid, block, shared_bytes, list(args)))
 
 
@@ -154,13 +155,19 @@ def test_arrays_round_trip_and_rows_land_in_place(fake) -> None:
     np.testing.assert_array_equal(device.download(other), expected)
 
 
-def _expected_grid(kernel: str, args: Sequence[np.ndarray], batch: int, vocab: int) -> tuple[int, int, int]:
-    """What each kernel's TIR binds: one block per row, except the sparse and bitmask kernels."""
+def _expected_grids(kernel: str, args: Sequence[np.ndarray], batch: int, vocab: int) -> list[tuple[int, int, int]]:
+    """What each kernel's TIR binds, per kernel it launches: one block per row, except the sparse and bitmask
+    kernels, and the softmax, whose two kernels split each row into chunks of SPLIT_CHUNK values."""
     if kernel in ("apply_logit_bias_inplace", "apply_penalty_inplace"):
-        return (-(-args[1].size // 1024), 1, 1)
+        return [(-(-args[1].size // 1024), 1, 1)]
     if kernel == "apply_bitmask_inplace":
-        return (-(-vocab // 1024), args[1].size, 1)
-    return (batch, 1, 1)
+        return [(-(-vocab // 1024), args[1].size, 1)]
+    split = (batch * -(-vocab // SPLIT_CHUNK), 1, 1)
+    if kernel == "softmax_with_temperature":  # chunk statistics, row statistics, the chunks' writes
+        return [split, (batch, 1, 1), split]
+    if kernel == "sample_from_logits":  # the softmax's chunk statistics, then a block per row
+        return [split, (batch, 1, 1)]
+    return [(batch, 1, 1)]
 
 
 @pytest.mark.parametrize("builder", CASE_BUILDERS, ids=lambda b: b.__name__)
@@ -172,12 +179,45 @@ def test_every_kernel_launches_with_the_ptx_arguments_and_its_grid(cuda_library,
         arrays = [device.upload(np.ascontiguousarray(a)) for a in case.args]
         driver.launches.clear()
         kernels[case.kernel](*arrays)
-        (launch,) = driver.launches
-        assert launch.entry == f"{case.kernel}_kernel"
-        assert launch.grid == _expected_grid(case.kernel, case.args, batch, vocab)
-        pointers = {int(v) for d, v in launch.args if d == "handle"}
-        assert pointers == {a.ptr for a in arrays}  # each parameter's own buffer, none other
-        assert ("int32", vocab) in launch.args and ("int32", batch) in launch.args
+        grids = _expected_grids(case.kernel, case.args, batch, vocab)
+        assert [launch.entry for launch in driver.launches] == [
+            f"{case.kernel}_kernel" + (f"_{i}" if i else "") for i in range(len(grids))]
+        assert [launch.grid for launch in driver.launches] == grids
+        workspaces = cuda_library.launches()[case.kernel].workspaces
+        pointers = {int(v) for launch in driver.launches for d, v in launch.args if d == "handle"}
+        # each parameter's own buffer, and as many others as the function has workspaces
+        assert {a.ptr for a in arrays} <= pointers and len(pointers) == len(arrays) + len(workspaces)
+        scalars = {a for launch in driver.launches for a in launch.args if a[0] != "handle"}
+        assert ("int32", vocab) in scalars and ("int32", batch) in scalars
+
+
+def test_a_split_row_function_passes_one_workspace_per_buffer_between_its_kernels(cuda_library, fake) -> None:
+    """The softmax's kernels pass per-block partials and per-row statistics through workspaces: each launch gets
+    the same pointers, memory of the size the manifest records, kept for the next call, grown for a larger batch."""
+    device, driver = fake
+    kernels = device.load(cuda_library)
+    (function,) = [f for name, f in cuda_library.launches().items() if name == "softmax_with_temperature"]
+    sizes = {w.name: w.nbytes({"batch": 3, "vocab": 5000}) for w in function.workspaces}
+    parts = 3 * -(-5000 // SPLIT_CHUNK)
+    assert sizes == {"part_max": parts * 4, "part_sum": parts * 4, "part_first": parts * 4,
+                     "row_max": 3 * 4, "row_sum": 3 * 4, "row_hot": 3 * 4}
+
+    def call(batch: int, vocab: int) -> set[int]:
+        """The workspaces' pointers after one call on fresh arrays."""
+        driver.launches.clear()
+        arrays = [device.empty((batch, vocab), "float32"), device.empty((batch,), "float32"),
+                  device.empty((batch, vocab), "float32")]
+        kernels["softmax_with_temperature"](*arrays)
+        used = [{int(v) for d, v in launch.args if d == "handle"} - {a.ptr for a in arrays}
+                for launch in driver.launches]
+        assert used[0] <= used[1] and used[1] - used[0] <= used[2]  # written by one kernel, read by the next
+        return set().union(*used)
+
+    held = call(3, 5000)
+    assert sorted(len(driver.region(p, 1)[0]) for p in held) == sorted(sizes.values())
+    assert call(3, 5000) == held  # kept for the next call
+    grown = call(7, 5000)
+    assert sorted(len(driver.region(p, 1)[0]) for p in grown) == [7 * 4] * 3 + [7 * -(-5000 // SPLIT_CHUNK) * 4] * 3
 
 
 def test_bad_arguments_name_the_parameter_and_an_empty_batch_launches_nothing(cuda_library, fake) -> None:

@@ -286,3 +286,26 @@ def test_gpu_variant_runs_on_lavapipe() -> None:
     out = np.full_like(probs, np.nan)
     kernels[NAME](probs, top_k, top_p, min_p, out)
     check(probs, top_k, top_p, min_p, out)
+
+
+def test_gpu_candidate_list_and_row_searches_on_lavapipe() -> None:
+    """The GPU search's two paths on lavapipe: rows whose values above the bound pass's lower bound fit the list in
+    shared memory (peaked rows with top-k, top-p, min-p with top-p, top-k with top-p, ties straddling a pivot) and
+    rows that overflow it (a flat row with top_p near 1, a top-k of thousands), against the reference."""
+    kernels = vulkan_kernels_or_skip()
+    rng = np.random.default_rng(23)
+    vocab = 20000
+    probs = np.stack([make_probs(rng, 1, vocab, scale)[0] for scale in (6.0, 6.0, 4.0, 0.05, 2.5, 6.0)]
+                     + [np.full(vocab, 1e-7, np.float32)] * 2)
+    for r in (6, 7):  # the maximum, and ten values of exactly half of it (just below the first pivot)
+        probs[r, 3] = 0.5
+        probs[r, 100:110] = 0.25
+    top_k = np.array([20, 0, 0, 0, 3000, 50, 5, 0], np.int32)
+    min_p = np.array([0, 0, 0.01, 0, 0, 0, 0, 0], np.float32)
+    top_p = np.ones(8, np.float32)
+    for r, want in ((1, 0.9), (2, 0.5), (3, 0.99), (5, 0.9), (7, 0.6)):
+        top_p[r] = safe_top_p(probs[r], int(top_k[r]), float(min_p[r]), want)
+    out = np.full_like(probs, np.nan)
+    kernels[NAME](probs, top_k, top_p, min_p, out)
+    check(probs, top_k, top_p, min_p, out)
+    assert (out[6] > 0).sum() == 11  # the five largest, with every value tied at the fifth

@@ -386,3 +386,30 @@ def test_vulkan_matches_the_staged_vulkan_kernels(batch: int, vocab: int) -> Non
             np.testing.assert_array_equal(values[r, :k], ref_values[r, :k])
             np.testing.assert_array_equal(ids[r, :k], ref_ids[r, :k])
             assert np.isnan(values[r, k:]).all() and (ids[r, k:] == -7).all()
+
+
+def test_gpu_rows_do_not_depend_on_the_batch_on_vulkan() -> None:
+    """On lavapipe: a row's softmax, renormalized row, token and chosen probability are the same bits whether it is
+    sampled alone or among other rows (the softmax's split over blocks depends on the vocabulary alone)."""
+    kernels = vulkan_kernels_or_skip()
+    vocab = 5003
+    logits = edge_logits(9, vocab, 11)
+    p = row_params(9, vocab, 5)
+    allowed = np.ones((1, vocab), bool)
+    results = {}
+    for batch in (1, 4, 9):
+        rows = [logits[:batch], p["temperature"][:batch], p["top_k"][:batch], p["top_p"][:batch], p["min_p"][:batch]]
+        probs = np.full((batch, vocab), np.nan, np.float32)
+        kernels[softmax.NAME](rows[0], rows[1], probs)
+        out = np.full((batch, vocab), np.nan, np.float32)
+        kernels[renormalize.NAME](probs, rows[2], rows[3], rows[4], out)
+        token, chosen = np.full(batch, -7, np.int32), np.full(batch, np.nan, np.float32)
+        kernels[NAME](*rows, np.ones(batch, np.int32), p["uniform"][:batch], np.full(batch, -1, np.int32),
+                      reference.pack_bitmask(allowed), token, chosen, np.zeros(batch, np.int32),
+                      np.zeros((batch, 1), np.float32), np.zeros((batch, 1), np.int32))
+        results[batch] = (probs, out, token, chosen)
+    for batch in (4, 9):
+        for wide, alone in zip(results[batch], results[1], strict=True):
+            np.testing.assert_array_equal(wide[:1], alone)
+    for wide, narrow in zip(results[9], results[4], strict=True):
+        np.testing.assert_array_equal(wide[:4], narrow)

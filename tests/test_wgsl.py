@@ -255,3 +255,32 @@ def test_1024_threads_need_the_raised_limit(device):
     x = np.arange(3001, dtype=np.float32)
     kernels("add_one", x)
     np.testing.assert_array_equal(x, np.arange(1, 3002, dtype=np.float32))
+
+
+@T.prim_func
+def _scaled_by_row_sums(var_x: T.handle, var_out: T.handle):
+    T.func_attr({"tirx.noalias": True})
+    rows, n = T.int32(), T.int32()
+    x = T.match_buffer(var_x, (rows, n), "float32")
+    out = T.match_buffer(var_out, (rows, n), "float32")
+    sums = T.alloc_buffer((rows,), "float32", scope="global")  # a workspace: written by kernel 1, read by kernel 2
+    for bx in T.thread_binding(rows, thread="blockIdx.x"):
+        for _ in T.thread_binding(1, thread="threadIdx.x"):
+            sums[bx] = T.float32(0)
+            for i in range(n):
+                sums[bx] = sums[bx] + x[bx, i]
+    for bx in T.thread_binding(rows, thread="blockIdx.x"):
+        for tx in T.thread_binding(64, thread="threadIdx.x"):
+            for k in range((n + 63) // 64):
+                if k * 64 + tx < n:
+                    out[bx, k * 64 + tx] = x[bx, k * 64 + tx] / sums[bx]
+
+
+def test_a_workspace_carries_values_between_kernels_and_is_kept(device):
+    scaled = wgsl.WGSLKernels.from_prim_funcs(device, {"scaled": _scaled_by_row_sums})["scaled"]
+    assert [(w.name, w.dtype) for w in scaled.workspaces] == [("sums", "float32")]
+    for rows in (3, 2, 9):  # kept for the smaller call, grown for the larger one
+        x = np.random.default_rng(rows).random((rows, 100)).astype(np.float32) + 0.5
+        out = np.zeros_like(x)
+        scaled(x, out)
+        np.testing.assert_allclose(out, x / x.sum(axis=1, keepdims=True), rtol=1e-5)

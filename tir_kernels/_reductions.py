@@ -462,3 +462,21 @@ def gpu_first_index_of(x, r, vocab, value, active, tx, threads, part, out):
     """out[0] = lowest v with x[r, v] == value (vocab if none, or if the block-uniform ``active`` is false)."""
     gpu_row_fold(vocab, tx, threads, vocab, T.int32(INT32_MAX), minimum,
                  index_where(row_of(x, r), value, vocab), active, part, out)
+
+
+def gpu_inclusive_scan(log_threads: int):
+    """The macro ``scan(buf, part, tx)``: buf[tx] = buf[0] + ... + buf[tx] over a block of 2**log_threads threads
+    (Hillis-Steele in shared memory; every thread wrote its buf[tx] and a barrier passed before the call; part: a
+    local (1,) scratch of buf's dtype). Its barriers must be reached by the whole block."""
+
+    @T.macro
+    def scan(buf, part, tx):
+        for k in T.unroll(log_threads):
+            part[0] = buf[tx]
+            if tx >= T.shift_left(1, k):
+                part[0] = part[0] + buf[tx - T.shift_left(1, k)]
+            T.tvm_storage_sync("shared")
+            buf[tx] = part[0]
+            T.tvm_storage_sync("shared")
+
+    return scan

@@ -305,6 +305,22 @@ GPU_TOP_LOCAL = 8
 
 
 @T.macro
+def _insert_local(x, i, lv, li):
+    """Entry (x, i) into a thread's list of its best GPU_TOP_LOCAL entries, in order (selects, no inner branch)."""
+    if better(x, i, lv[GPU_TOP_LOCAL - 1], li[GPU_TOP_LOCAL - 1]):
+        for d in T.unroll(GPU_TOP_LOCAL - 1):  # positions GPU_TOP_LOCAL - 1 down to 1
+            above: T.let = better(x, i, lv[GPU_TOP_LOCAL - 2 - d], li[GPU_TOP_LOCAL - 2 - d])
+            here: T.let = better(x, i, lv[GPU_TOP_LOCAL - 1 - d], li[GPU_TOP_LOCAL - 1 - d])
+            lv[GPU_TOP_LOCAL - 1 - d] = T.Select(above, lv[GPU_TOP_LOCAL - 2 - d],
+                                                 T.Select(here, x, lv[GPU_TOP_LOCAL - 1 - d]))
+            li[GPU_TOP_LOCAL - 1 - d] = T.Select(above, li[GPU_TOP_LOCAL - 2 - d],
+                                                 T.Select(here, i, li[GPU_TOP_LOCAL - 1 - d]))
+        if better(x, i, lv[0], li[0]):
+            lv[0] = x
+            li[0] = i
+
+
+@T.macro
 def _row_top_gpu_local(value, vocab, rounds, count, tx, threads, values, indices, out_r, prev_v, prev_i):
     """The first min(rounds, GPU_TOP_LOCAL) rounds of row_top_gpu (the last pick left in prev_v / prev_i): each
     thread keeps its best GPU_TOP_LOCAL entries (value descending,
@@ -313,6 +329,7 @@ def _row_top_gpu_local(value, vocab, rounds, count, tx, threads, values, indices
     among its own thread's, so the lists hold them all."""
     lv = T.alloc_buffer((GPU_TOP_LOCAL,), "float32", scope="local")
     li = T.alloc_buffer((GPU_TOP_LOCAL,), "int32", scope="local")
+    xs = T.alloc_buffer((GPU_UNROLL,), "float32", scope="local")
     head = T.alloc_buffer((1,), "int32", scope="local")
     cand_v = T.alloc_buffer((1,), "float32", scope="local")
     cand_i = T.alloc_buffer((1,), "int32", scope="local")
@@ -323,21 +340,16 @@ def _row_top_gpu_local(value, vocab, rounds, count, tx, threads, values, indices
         lv[k] = neg_inf()
         li[k] = NO_INDEX
     if count > 0:
-        for k in range((vocab + threads - 1) // threads):
-            if k * threads + tx < vocab:
-                x: T.let = value(k * threads + tx)
-                i: T.let = k * threads + tx
-                if better(x, i, lv[GPU_TOP_LOCAL - 1], li[GPU_TOP_LOCAL - 1]):
-                    for d in T.unroll(GPU_TOP_LOCAL - 1):  # positions GPU_TOP_LOCAL - 1 down to 1
-                        above: T.let = better(x, i, lv[GPU_TOP_LOCAL - 2 - d], li[GPU_TOP_LOCAL - 2 - d])
-                        here: T.let = better(x, i, lv[GPU_TOP_LOCAL - 1 - d], li[GPU_TOP_LOCAL - 1 - d])
-                        lv[GPU_TOP_LOCAL - 1 - d] = T.Select(above, lv[GPU_TOP_LOCAL - 2 - d],
-                                                             T.Select(here, x, lv[GPU_TOP_LOCAL - 1 - d]))
-                        li[GPU_TOP_LOCAL - 1 - d] = T.Select(above, li[GPU_TOP_LOCAL - 2 - d],
-                                                             T.Select(here, i, li[GPU_TOP_LOCAL - 1 - d]))
-                    if better(x, i, lv[0], li[0]):
-                        lv[0] = x
-                        li[0] = i
+        # GPU_UNROLL values a step, their loads issued together (one load at a time left the pass latency-bound),
+        # then inserted one by one (the insertion order does not matter: ``better`` is a total order)
+        span = threads * GPU_UNROLL
+        for k in range((vocab + span - 1) // span):
+            for u in T.unroll(GPU_UNROLL):
+                xs[u] = T.if_then_else((k * GPU_UNROLL + u) * threads + tx < vocab,
+                                       value(T.min((k * GPU_UNROLL + u) * threads + tx, vocab - 1)), neg_inf())
+            for u in T.unroll(GPU_UNROLL):
+                if (k * GPU_UNROLL + u) * threads + tx < vocab:
+                    _insert_local(xs[u], (k * GPU_UNROLL + u) * threads + tx, lv, li)
     head[0] = 0
     for j in range(T.min(rounds, GPU_TOP_LOCAL)):
         cand_v[0] = T.Select(head[0] < GPU_TOP_LOCAL, lv[T.min(head[0], GPU_TOP_LOCAL - 1)], neg_inf())

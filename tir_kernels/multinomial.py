@@ -37,7 +37,7 @@ from tvm.script import tirx as T
 
 from ..runtime import kernel_abi
 from ._common import CALLER_ARRAY_ALIGN, CPU_LANES, is_cpu, max_threads
-from ._reductions import row_of
+from ._reductions import GPU_UNROLL, gpu_inclusive_scan, row_of
 
 NAME = kernel_abi.MULTINOMIAL
 
@@ -257,16 +257,7 @@ def gpu_row_macro(threads: int) -> Callable[..., None]:
     zeros)."""
     log_threads = threads.bit_length() - 1
     assert threads == 1 << log_threads, "the scans and reductions need a power-of-two block size"
-    @T.macro
-    def inclusive_scan(buf, part, tx):
-        # buf[tx] = buf[0] + ... + buf[tx] over the block (Hillis-Steele; buf written by every thread before)
-        for k in T.unroll(log_threads):
-            part[0] = buf[tx]
-            if tx >= T.shift_left(1, k):
-                part[0] = part[0] + buf[tx - T.shift_left(1, k)]
-            T.tvm_storage_sync("shared")
-            buf[tx] = part[0]
-            T.tvm_storage_sync("shared")
+    inclusive_scan = gpu_inclusive_scan(log_threads)
 
     @T.macro
     def sample_row(value, vocab, u, tx, token, chosen, r):
@@ -283,15 +274,25 @@ def gpu_row_macro(threads: int) -> Callable[..., None]:
         mine = T.alloc_buffer((1,), "float32", scope="local")
         seg_last = T.alloc_buffer((1,), "int32", scope="local")
         aim = T.alloc_buffer((1,), "float32", scope="local")  # the target mass (u * the row sum)
+        xs = T.alloc_buffer((GPU_UNROLL,), "float32", scope="local")
         seg: T.let = (vocab + threads - 1) // threads
         begin: T.let = T.min(tx * seg, vocab)
         end: T.let = T.min(begin + seg, vocab)
         seg_sum[0] = T.float32(0)
         last[0] = -1
-        for i in range(end - begin):
-            if value(begin + i) > T.float32(0):
-                seg_sum[0] = seg_sum[0] + value(begin + i)
-                last[0] = begin + i
+        # the segment in order, GPU_UNROLL values a step whose loads are issued together (one at a time, each
+        # waited for, left the pass latency-bound), then added one by one as before
+        for s in range((end - begin) // GPU_UNROLL):
+            for u in T.unroll(GPU_UNROLL):
+                xs[u] = value(begin + s * GPU_UNROLL + u)
+            for u in T.unroll(GPU_UNROLL):
+                if xs[u] > T.float32(0):
+                    seg_sum[0] = seg_sum[0] + xs[u]
+                    last[0] = begin + s * GPU_UNROLL + u
+        for t in range((end - begin) % GPU_UNROLL):
+            if value(begin + (end - begin) // GPU_UNROLL * GPU_UNROLL + t) > T.float32(0):
+                seg_sum[0] = seg_sum[0] + value(begin + (end - begin) // GPU_UNROLL * GPU_UNROLL + t)
+                last[0] = begin + (end - begin) // GPU_UNROLL * GPU_UNROLL + t
         # inclusive scan (Hillis-Steele) of the segment sums
         incl[tx] = seg_sum[0]
         T.tvm_storage_sync("shared")

@@ -56,11 +56,20 @@ method) close enough to the midpoint that the interval is at most 2**34 / 2**k w
 whatever the data. Each step is the same exact pass, so the threshold found (the largest data value with G >= goal,
 G as this kernel sums it) is the one bisection finds: on softmaxes of Gaussian logits (top_p 0.5-0.95, vocab 128256)
 2.4-7.6 top-p passes on average instead of 6.9-19 (with and without top-k).
-GPU: one block per row, threads striding over the row, and each step ends with a block reduction of (count, sum,
-min, max) in shared memory; every thread holds the same bisection state. CUDA, ROCm and Metal bisect in while loops;
+GPU: one block per row, threads striding over the row; every count, sum, minimum and maximum ends with a block
+reduction, and every thread holds the same search state. After the first pass (count, sum, maximum) a bound pass
+counts and sums, in one read of the row, the values at or above GPU_PIVOTS pivots: the min-p threshold and 1, 2, 4
+and 8 binades below the maximum. lb, a lower bound of the final threshold, is the highest pivot holding k values
+(top-k), or whose values alone reach top_p of the mass at or above the min-p threshold (top-p without top-k), else
+the min-p threshold. Where the values >= lb fit a list in shared memory (``gpu_list_capacity``: 4 per thread on CUDA,
+4096 values), one more pass copies them there (each thread's share at an offset from a block scan of the bound
+pass's per-thread counts) and every search step, and the kept sum, reads the list instead of the row; the bound
+pass's sums give the kept mass after min-p and top-p's starting point. Rows whose list would overflow (flat rows,
+top_p near 1) run the bisection over the row, as before. CUDA, ROCm and Metal bisect in while loops;
 WGSL runs a fixed 31 steps per bisection (idle, without reading the row, once converged) because its uniformity
 analysis only allows barriers in uniform control flow. Sums of subnormal values assume no flush-to-zero (Metal
-flushes: rows whose whole mass is subnormal are not supported there).
+flushes: rows whose whole mass is subnormal are not supported there). The list's sums are in another order than the
+row's (the same kept set, within float32 rounding of the budget).
 
 The per-row work is written once as TVMScript macros reading the row through ``value(i)`` (``cpu_row_macros``,
 ``gpu_row_macros``): this kernel passes ``probs[r, i]``; ``sample_from_logits`` passes the probability it computes,
@@ -77,7 +86,7 @@ from tvm.script import tirx as T
 
 from ..runtime import kernel_abi
 from ._common import CALLER_ARRAY_ALIGN, CPU_LANES, is_cpu, max_threads
-from ._reductions import GPU_UNROLL, gpu_row_map, row_of
+from ._reductions import GPU_UNROLL, gpu_inclusive_scan, gpu_row_map, row_of
 
 NAME = kernel_abi.RENORMALIZE
 
@@ -105,6 +114,38 @@ _BOUND_FIRST_REACH = 12 << 23
 CPU_LIST_SIZE = _LIST_CAP + _CPU_WIDTH
 #: Size of the group-maxima scratch (``gmax``: the largest bits of each lane of each block) the CPU row macros take.
 CPU_GROUPS = _MAX_BLOCKS * _CPU_WIDTH // 2
+
+
+#: Pivots of the GPU bound pass: the min-p threshold, then 1, 2, 4, 8 binades below the row's largest value (each
+#: pivot costs four operations per value of the pass).
+GPU_PIVOTS = 5
+#: Bit patterns per binade of float32 (one step of the exponent field).
+_BINADE = 1 << 23
+#: Size of the GPU state (``st``) the callers of ``gpu_row_macros``' threshold allocate.
+GPU_STATE = 8
+#: Candidates per thread the GPU list holds in shared memory, by target kind: CUDA's reductions use warp shuffles,
+#: the others a block-sized tree of four arrays, and Metal has 32 KB of threadgroup memory.
+_LIST_PER_THREAD = {"cuda": 4.0, "rocm": 2.0, "webgpu": 2.0, "vulkan": 2.0, "opencl": 2.0, "metal": 0.25}
+
+
+def gpu_list_capacity(target: tvm.target.Target, threads: int) -> int:
+    """Entries of the GPU threshold search's candidate list in shared memory on ``target``."""
+    return int(_LIST_PER_THREAD[target.kind.name] * threads)
+
+
+def _entry(buf: tirx.Buffer, j: tirx.PrimExpr, n: int) -> tirx.PrimExpr:
+    """buf[j] for j < n, as a chain of selects over constant indices (a local array indexed by a variable would be
+    placed in memory, not registers)."""
+    value = buf[n - 1]
+    for i in reversed(range(n - 1)):
+        value = T.Select(j == i, buf[i], value)
+    return value
+
+
+def _from_list(use: tirx.PrimExpr, lst: tirx.Buffer, cap: int,
+               value: Callable[[tirx.PrimExpr], tirx.PrimExpr]) -> Callable[[tirx.PrimExpr], tirx.PrimExpr]:
+    """i -> the list's entry i where ``use``, else value(i) (``if_then_else``: CUDA reads only the one it needs)."""
+    return lambda i: T.if_then_else(use, lst[T.min(i, cap - 1)], value(i))
 
 
 def _bits(x: tirx.PrimExpr) -> tirx.PrimExpr:
@@ -556,7 +597,7 @@ def _cpu() -> tirx.PrimFunc:
     return renormalize_probs
 
 
-def gpu_row_macros(threads: int, uniform_loops: bool, shuffle_reduce: bool = False
+def gpu_row_macros(threads: int, uniform_loops: bool, shuffle_reduce: bool, list_cap: int
                    ) -> tuple[Callable[..., None], Callable[..., None]]:
     """The GPU row macros ``threshold`` and ``scale`` (as ``cpu_row_macros``), for one block per row.
 
@@ -568,6 +609,44 @@ def gpu_row_macros(threads: int, uniform_loops: bool, shuffle_reduce: bool = Fal
     tree_size = 1 if shuffle_reduce else threads
     log_threads = threads.bit_length() - 1
     assert threads == 1 << log_threads, "the tree reductions need a power-of-two block size"
+    list_scan = gpu_inclusive_scan(log_threads)
+    # the collect pass's block scan: in the tree's int array where there is one (no reduction runs meanwhile)
+    offs_size = threads if shuffle_reduce else 1
+
+    def scan_buffer(offs: tirx.Buffer, s_i: tirx.Buffer) -> tirx.Buffer:
+        return offs if shuffle_reduce else s_i
+
+    def trips(live: tirx.PrimExpr) -> tirx.PrimExpr | int:
+        """Runs of a block of reductions needed only where ``live``: once or not at all, always once on WGSL
+        (barriers in uniform control flow)."""
+        return 1 if uniform_loops else T.Select(live, 1, 0)
+
+    @T.macro
+    def pair_reduce(tx, acc_i, acc_f, s_i, s_f):
+        # block_reduce of the (count, sum) pair alone
+        if shuffle_reduce:
+            r_i = T.alloc_buffer((1,), "int32", scope="local")
+            r_f = T.alloc_buffer((1,), "float32", scope="local")
+            with T.attr(T.comm_reducer(lambda a, b: a + b, [T.int32(0)]), "reduce_scope",
+                        T.reinterpret("handle", T.uint64(0))):
+                T.tvm_thread_allreduce(T.uint32(1), acc_i[0], True, r_i[0], tx, dtype="handle")
+            with T.attr(T.comm_reducer(lambda a, b: a + b, [T.float32(0)]), "reduce_scope",
+                        T.reinterpret("handle", T.uint64(0))):
+                T.tvm_thread_allreduce(T.uint32(1), acc_f[0], True, r_f[0], tx, dtype="handle")
+            acc_i[0] = r_i[0]
+            acc_f[0] = r_f[0]
+        else:
+            s_i[tx] = acc_i[0]
+            s_f[tx] = acc_f[0]
+            T.tvm_storage_sync("shared")
+            for step in T.unroll(log_threads):
+                if tx < T.shift_right(threads, step + 1):
+                    s_i[tx] = s_i[tx] + s_i[tx + T.shift_right(threads, step + 1)]
+                    s_f[tx] = s_f[tx] + s_f[tx + T.shift_right(threads, step + 1)]
+                T.tvm_storage_sync("shared")
+            acc_i[0] = s_i[0]
+            acc_f[0] = s_f[0]
+            T.tvm_storage_sync("shared")
 
     @T.macro
     def block_reduce(tx, acc_i, acc_f, acc_mn, acc_mx, s_i, s_f, s_mn, s_mx):
@@ -576,24 +655,15 @@ def gpu_row_macros(threads: int, uniform_loops: bool, shuffle_reduce: bool = Fal
         # the shared arrays s_*, which ends with a barrier so they can be reused at once (an all-reduce per call site
         # takes a block-sized shared buffer there: the fused kernel's would exceed ROCm's 64 KB of LDS).
         if shuffle_reduce:
-            r_i = T.alloc_buffer((1,), "int32", scope="local")
-            r_f = T.alloc_buffer((1,), "float32", scope="local")
+            pair_reduce(tx, acc_i, acc_f, s_i, s_f)
             r_mn = T.alloc_buffer((1,), "int32", scope="local")
             r_mx = T.alloc_buffer((1,), "int32", scope="local")
-            with T.attr(T.comm_reducer(lambda a, b: a + b, [T.int32(0)]), "reduce_scope",
-                        T.reinterpret("handle", T.uint64(0))):
-                T.tvm_thread_allreduce(T.uint32(1), acc_i[0], True, r_i[0], tx, dtype="handle")
-            with T.attr(T.comm_reducer(lambda a, b: a + b, [T.float32(0)]), "reduce_scope",
-                        T.reinterpret("handle", T.uint64(0))):
-                T.tvm_thread_allreduce(T.uint32(1), acc_f[0], True, r_f[0], tx, dtype="handle")
             with T.attr(T.comm_reducer(lambda a, b: T.min(a, b), [int_max]), "reduce_scope",
                         T.reinterpret("handle", T.uint64(0))):
                 T.tvm_thread_allreduce(T.uint32(1), acc_mn[0], True, r_mn[0], tx, dtype="handle")
             with T.attr(T.comm_reducer(lambda a, b: T.max(a, b), [int_min]), "reduce_scope",
                         T.reinterpret("handle", T.uint64(0))):
                 T.tvm_thread_allreduce(T.uint32(1), acc_mx[0], True, r_mx[0], tx, dtype="handle")
-            acc_i[0] = r_i[0]
-            acc_f[0] = r_f[0]
             acc_mn[0] = r_mn[0]
             acc_mx[0] = r_mx[0]
         else:
@@ -685,20 +755,102 @@ def gpu_row_macros(threads: int, uniform_loops: bool, shuffle_reduce: bool = Fal
                      s_i, s_f, s_mn, s_mx)
 
     @T.macro
-    def threshold(value, vocab, tx, k, top_p_r, min_p_r, st, ms):
+    def bound_one(value, i, pv, lc, ls):
+        # this thread's count and sum of the values with bits >= each pivot take value(i) (branch-free)
+        x: T.let = value(i)
+        b: T.let = _bits(x)
+        for j in T.unroll(GPU_PIVOTS):
+            above: T.let = b >= pv[j]
+            lc[j] = lc[j] + T.Select(above, 1, 0)
+            ls[j] = ls[j] + T.Select(above, x, T.float32(0))
+
+    @T.macro
+    def bound_pass(value, vocab, tx, live, pv, lc, ls, cnt, sums, acc_i, acc_f, s_i, s_f):
+        # One pass: lc[j], ls[j] = this thread's count and sum of the values with bits >= pv[j] (j < GPU_PIVOTS);
+        # cnt[j], sums[j] = the block's. The row is read only where live (the reductions always run on WGSL).
+        for j in T.unroll(GPU_PIVOTS):
+            lc[j] = 0
+            ls[j] = T.float32(0)
+            cnt[j] = 0
+            sums[j] = T.float32(0)
+        span: T.let = threads * GPU_UNROLL
+        for kk in range(T.Select(live, vocab // span, 0)):
+            for u in T.unroll(GPU_UNROLL):
+                bound_one(value, (kk * GPU_UNROLL + u) * threads + tx, pv, lc, ls)
+        if live:
+            for u in T.unroll(GPU_UNROLL):
+                if vocab // span * span + u * threads + tx < vocab:
+                    bound_one(value, vocab // span * span + u * threads + tx, pv, lc, ls)
+        for once in range(trips(live)):
+            # a serial loop: an all-reduce in an unrolled one is copied before it is lowered (one result buffer,
+            # several all-reduces); the partials are picked by constant indices, so they stay in registers
+            for j in range(GPU_PIVOTS):
+                acc_i[0] = _entry(lc, j, GPU_PIVOTS)
+                acc_f[0] = _entry(ls, j, GPU_PIVOTS)
+                pair_reduce(tx, acc_i, acc_f, s_i, s_f)
+                cnt[j] = acc_i[0]
+                sums[j] = acc_f[0]
+
+    @T.macro
+    def collect_one(value, i, lb, lst, at, end):
+        x: T.let = value(i)
+        if _bits(x) >= lb:
+            lst[T.min(at[0], end - 1)] = x  # (end: the thread's share, as the bound pass counted it)
+            at[0] = at[0] + 1
+
+    @T.macro
+    def collect(value, vocab, tx, on, lb, j_lb, lc, lst, offs, part, at):
+        # lst[0 .. n) = the values with bits >= lb (pivot j_lb of the bound pass): each thread's in the order it read
+        # them, the threads in order (their offsets: a block scan of their counts). Reads the row only where on.
+        part[0] = 0
+        for j in T.unroll(GPU_PIVOTS):
+            part[0] = T.Select(j == j_lb, lc[j], part[0])
+        at[1] = part[0]
+        for once in range(trips(on)):
+            offs[tx] = at[1]
+            T.tvm_storage_sync("shared")
+            list_scan(offs, part, tx)
+            at[2] = offs[tx]  # the end of this thread's share
+            at[0] = at[2] - at[1]
+            T.tvm_storage_sync("shared")
+        span: T.let = threads * GPU_UNROLL
+        for kk in range(T.Select(on, vocab // span, 0)):
+            for u in T.unroll(GPU_UNROLL):
+                collect_one(value, (kk * GPU_UNROLL + u) * threads + tx, lb, lst, at, at[2])
+        if on:
+            for u in T.unroll(GPU_UNROLL):
+                if vocab // span * span + u * threads + tx < vocab:
+                    collect_one(value, vocab // span * span + u * threads + tx, lb, lst, at, at[2])
+        T.tvm_storage_sync("shared")
+
+    @T.macro
+    def threshold(value, vocab, tx, k, top_p_r, min_p_r, st, ms, needed):
         # The kept set of one row (as the CPU macro): bits >= st[0], its sum in ms[0]; every thread of the block
-        # holds the same st (int32 (5,), local) and ms (float32 (2,), local).
+        # holds the same st (int32 (GPU_STATE,), local) and ms (float32 (2,), local). Where the block-uniform
+        # ``needed`` is false the row is not read at all (the results are then those of a row of zeros).
+        # st: 0: kept = bits >= st[0]; 1, 2: bisection interval; 3: max bits; 4: ms[0] is the kept sum; 5: the list's
+        # bound lb; 6: the values >= lb; 7: lb's pivot.
         # the shared tree's arrays (one element where the reductions go through warp shuffles, which never use them)
         s_i = T.alloc_buffer((tree_size,), "int32", scope="shared")
         s_f = T.alloc_buffer((tree_size,), "float32", scope="shared")
         s_mn = T.alloc_buffer((tree_size,), "int32", scope="shared")
         s_mx = T.alloc_buffer((tree_size,), "int32", scope="shared")
+        lst = T.alloc_buffer((list_cap,), "float32", scope="shared")  # the candidate list
+        offs = T.alloc_buffer((offs_size,), "int32", scope="shared")
         acc_i = T.alloc_buffer((1,), "int32", scope="local")
         acc_f = T.alloc_buffer((1,), "float32", scope="local")
         acc_mn = T.alloc_buffer((1,), "int32", scope="local")
         acc_mx = T.alloc_buffer((1,), "int32", scope="local")
+        pv = T.alloc_buffer((GPU_PIVOTS,), "int32", scope="local")  # the bound pass's pivots
+        lc = T.alloc_buffer((GPU_PIVOTS,), "int32", scope="local")  # this thread's counts and sums at them
+        ls = T.alloc_buffer((GPU_PIVOTS,), "float32", scope="local")
+        cnt = T.alloc_buffer((GPU_PIVOTS,), "int32", scope="local")  # the block's
+        sums = T.alloc_buffer((GPU_PIVOTS,), "float32", scope="local")
+        fl = T.alloc_buffer((3,), "int32", scope="local")  # 0: top-k on, 1: top-p on, 2: the list is used
+        part = T.alloc_buffer((1,), "int32", scope="local")
+        at = T.alloc_buffer((3,), "int32", scope="local")
         # pass 1: count, sum and maximum of the positive values
-        scan(value, vocab, tx, 1, True, True, acc_i, acc_f, acc_mn, acc_mx, s_i, s_f, s_mn, s_mx)
+        scan(value, vocab, tx, 1, True, needed, acc_i, acc_f, acc_mn, acc_mx, s_i, s_f, s_mn, s_mx)
         st[3] = acc_mx[0]
         st[0] = 1
         st[4] = 1
@@ -706,29 +858,61 @@ def gpu_row_macros(threads: int, uniform_loops: bool, shuffle_reduce: bool = Fal
         if min_p_r > T.float32(0) and st[3] >= 1:
             st[0] = T.max(1, _bits(min_p_r * T.reinterpret("float32", st[3])))
             st[4] = 0
-        # top-k (a zero row has st[3] < 1: every bisection below is then empty)
-        st[1] = st[0]
+        # (a zero row has st[3] < 1: every search below is then off)
+        fl[0] = T.Select(k > 0 and k < vocab and (st[4] == 0 or acc_i[0] > k) and st[3] >= 1, 1, 0)
+        fl[1] = T.Select(top_p_r < T.float32(1) and st[3] >= 1, 1, 0)
+        # the bound pass: count and sum at the min-p threshold (pivot 0) and at 1, 2, 4, 8 binades below the
+        # maximum (clamped to it)
+        pv[0] = st[0]
+        for j in T.unroll(1, GPU_PIVOTS):
+            pv[j] = T.max(st[0], st[3] - T.shift_left(1, j - 1) * _BINADE + 1)
+        bound_live: T.let = st[3] >= 1 and (fl[0] == 1 or fl[1] == 1 or st[4] == 0)
+        bound_pass(value, vocab, tx, bound_live, pv, lc, ls, cnt, sums, acc_i, acc_f, s_i, s_f)
+        # lb, a lower bound of the final threshold: the highest pivot holding k values (top-k), or whose values
+        # alone reach the top-p goal of the values >= pivot 0 (top-p without top-k); else pivot 0
+        st[5] = st[0]
+        st[7] = 0
+        for jj in T.unroll(GPU_PIVOTS - 1):
+            if (fl[0] == 1 and cnt[GPU_PIVOTS - 1 - jj] >= k) or (
+                    fl[0] == 0 and fl[1] == 1 and sums[GPU_PIVOTS - 1 - jj] >= top_p_r * sums[0]):
+                st[5] = pv[GPU_PIVOTS - 1 - jj]
+                st[7] = GPU_PIVOTS - 1 - jj
+        st[6] = cnt[0]
+        for j in T.unroll(1, GPU_PIVOTS):
+            st[6] = T.Select(st[7] == j, cnt[j], st[6])
+        fl[2] = T.Select(bound_live and (fl[0] == 1 or fl[1] == 1) and st[6] <= list_cap, 1, 0)
+        collect(value, vocab, tx, fl[2] == 1, st[5], st[7], lc, lst, scan_buffer(offs, s_i), part, at)
+        # the searches read the list where it is used, else the row
+        on_list: T.let = fl[2] == 1
+        n_src: T.let = T.Select(on_list, st[6], vocab)
+        # top-k (from lb on the list: lb holds at least k values there)
+        st[1] = T.Select(on_list and fl[0] == 1, st[5], st[0])
         st[2] = st[1] + 1
-        if k > 0 and k < vocab and (st[4] == 0 or acc_i[0] > k) and st[3] >= 1:
+        if fl[0] == 1:
             st[2] = st[3] + 1
-        bisect(value, vocab, tx, False, k, st, ms, acc_i, acc_f, acc_mn, acc_mx,
-               s_i, s_f, s_mn, s_mx)
+        bisect(_from_list(on_list, lst, list_cap, value), n_src, tx, False, k, st, ms, acc_i, acc_f, acc_mn,
+               acc_mx, s_i, s_f, s_mn, s_mx)
         if st[1] > st[0]:
             st[0] = st[1]
             st[4] = 0
-        # the kept sum, where a filter changed the kept set
-        mass_pass: T.let = st[4] == 0 and st[3] >= 1
-        scan(value, vocab, tx, st[0], False, mass_pass, acc_i, acc_f, acc_mn, acc_mx,
-             s_i, s_f, s_mn, s_mx)
+        # the kept sum, where a filter changed the kept set (the bound pass summed it at the min-p threshold)
+        mass_pass: T.let = st[4] == 0 and st[3] >= 1 and st[0] != pv[0]
+        scan(_from_list(on_list, lst, list_cap, value), n_src, tx, st[0], False, mass_pass, acc_i, acc_f, acc_mn,
+             acc_mx, s_i, s_f, s_mn, s_mx)
         if mass_pass:
             ms[0] = acc_f[0]
-        # top-p
-        st[1] = st[0]
+        elif st[4] == 0 and st[3] >= 1:
+            ms[0] = sums[0]
+        # top-p (from lb on the list when top-p set it: G(lb) reaches the goal, and its sum is the bound pass's)
+        st[1] = T.Select(on_list, T.max(st[0], st[5]), st[0])
+        ms[1] = sums[0]
+        for j in T.unroll(1, GPU_PIVOTS):
+            ms[1] = T.Select(st[7] == j, sums[j], ms[1])
         st[2] = st[1] + 1
-        if top_p_r < T.float32(1) and st[3] >= 1:
+        if fl[1] == 1:
             st[2] = st[3] + 1
-        bisect(value, vocab, tx, True, top_p_r * ms[0], st, ms, acc_i, acc_f, acc_mn, acc_mx,
-               s_i, s_f, s_mn, s_mx)
+        bisect(_from_list(on_list, lst, list_cap, value), n_src, tx, True, top_p_r * ms[0], st, ms, acc_i, acc_f,
+               acc_mn, acc_mx, s_i, s_f, s_mn, s_mx)
         if st[1] > st[0]:
             st[0] = st[1]
             ms[0] = ms[1]
@@ -743,8 +927,8 @@ def gpu_row_macros(threads: int, uniform_loops: bool, shuffle_reduce: bool = Fal
     return threshold, scale
 
 
-def _gpu(threads: int, uniform_loops: bool, shuffle_reduce: bool) -> tirx.PrimFunc:
-    threshold, scale = gpu_row_macros(threads, uniform_loops, shuffle_reduce)
+def _gpu(threads: int, uniform_loops: bool, shuffle_reduce: bool, list_cap: int) -> tirx.PrimFunc:
+    threshold, scale = gpu_row_macros(threads, uniform_loops, shuffle_reduce, list_cap)
 
     @T.prim_func
     def renormalize_probs(var_probs: T.handle, var_top_k: T.handle, var_top_p: T.handle, var_min_p: T.handle,
@@ -759,9 +943,9 @@ def _gpu(threads: int, uniform_loops: bool, shuffle_reduce: bool) -> tirx.PrimFu
         for r in T.thread_binding(batch, thread="blockIdx.x"):
             for tx in T.thread_binding(threads, thread="threadIdx.x"):
                 # the same state as the CPU kernel, held identically by every thread of the block
-                st = T.alloc_buffer((5,), "int32", scope="local")
+                st = T.alloc_buffer((GPU_STATE,), "int32", scope="local")
                 ms = T.alloc_buffer((2,), "float32", scope="local")
-                threshold(row_of(probs, r), vocab, tx, top_k[r], top_p[r], min_p[r], st, ms)
+                threshold(row_of(probs, r), vocab, tx, top_k[r], top_p[r], min_p[r], st, ms, True)
                 scale(row_of(probs, r), vocab, tx, st[0], ms[0], out, r)
     return renormalize_probs
 
@@ -770,5 +954,6 @@ def get_renormalize_probs(target: tvm.target.Target) -> tirx.PrimFunc:
     """The kernel scheduled for ``target``'s kind (see the module docstring for the operation)."""
     if is_cpu(target):
         return _cpu()
-    return _gpu(max_threads(target), uniform_loops=target.kind.name == "webgpu",
-                shuffle_reduce=target.kind.name == "cuda")
+    threads = max_threads(target)
+    return _gpu(threads, uniform_loops=target.kind.name == "webgpu", shuffle_reduce=target.kind.name == "cuda",
+                list_cap=gpu_list_capacity(target, threads))

@@ -42,10 +42,15 @@ each logit's bits (|bits|, less 1 if negative: at least +inf's bits exactly for 
 a row is flagged (NON_FINITE) at no extra pass (greedy rows take the maximum of ``flagging(value)`` instead).
 Processed top-n: the row the draw read (one-hot, zeros, or ``exp * (1 / sum)`` renormalized) is written into the
 scratch row, and ``_select.row_top_cpu`` selects from it (block maxima, then a short list).
-GPU: one block per row; nothing is stored: each pass recomputes ``exp((x - max) * scale) * (1 / sum)`` from the
-logits (as the staged softmax's write pass does; masked through ``if_then_else``, so an unmasked row never reads the
-bitmask), then renormalize's and multinomial's block algorithms run on it, then top_n's rounds (``row_best_gpu``) for
-top-n. A flagged row is read as zeros by those passes, then marked NON_FINITE.
+GPU: two kernels. The first is the staged softmax's first kernel (``softmax.split_chunk_stats``: each row split over
+blocks, each recording its chunk's maximum, sum of exps and first index of the maximum in workspaces), reading the
+masked logit (``if_then_else``, so an unmasked row never reads the bitmask) with NaN and +inf flagged. The second runs
+one block per row: the row's statistics from the partials in the staged softmax's order
+(``softmax.row_stats_of_parts``: the same numbers), then every pass recomputes ``exp((x - max) * scale) * (1 / sum)``
+from the logits (as the staged softmax's write does; nothing is stored), renormalize's threshold search
+(``renormalize.gpu_row_macros``: a bound pass and, usually, a candidate list in shared memory) and multinomial's draw
+on it, then top_n's rounds (``row_best_gpu``) for top-n. A flagged row is read as zeros by those passes, then marked
+NON_FINITE.
 """
 
 from __future__ import annotations
@@ -75,7 +80,7 @@ from ._reductions import (
     safe_shift,
 )
 from ._select import row_top_cpu, row_top_gpu
-from .softmax import gpu_row_stats, inverse_sum, probability
+from .softmax import SPLIT_THREADS, inverse_sum, probability, row_stats_of_parts, split_chunk_stats, split_parts
 
 NAME = kernel_abi.SAMPLE_FROM_LOGITS
 
@@ -264,43 +269,56 @@ def _cpu_rows() -> Callable[..., None]:
     return rows
 
 
-def _gpu_rows(threads: int, uniform_loops: bool, shuffle_reduce: bool) -> Callable[..., None]:
+def _gpu_rows(threads: int, uniform_loops: bool, shuffle_reduce: bool, list_cap: int) -> Callable[..., None]:
     """The GPU loop nest: one block of ``threads`` per row (see the module docstring)."""
-    threshold, _ = renormalize.gpu_row_macros(threads, uniform_loops, shuffle_reduce)
+    threshold, _ = renormalize.gpu_row_macros(threads, uniform_loops, shuffle_reduce, list_cap)
     sample_row = multinomial.gpu_row_macro(threads)
 
     @T.macro
     def rows(batch, vocab, logits, temperature, top_k, top_p, min_p, renorm, uniform, mask_index, bitmask, token,
              chosen, top_count, top_values, top_ids):
+        # workspaces: the staged softmax's per-block partials (``softmax.split_chunk_stats``)
+        part_max = T.alloc_buffer((batch * split_parts(vocab),), "float32", scope="global")
+        part_sum = T.alloc_buffer((batch * split_parts(vocab),), "float32", scope="global")
+        part_first = T.alloc_buffer((batch * split_parts(vocab),), "int32", scope="global")
+        # kernel 1: the staged softmax's first kernel on the masked row (the maximum +inf for a row with a NaN or
+        # +inf logit: it is then read as zeros, and flagged); each row split over blocks of SPLIT_THREADS
+        for b in T.thread_binding(batch * split_parts(vocab), thread="blockIdx.x"):
+            for tx in T.thread_binding(SPLIT_THREADS, thread="threadIdx.x"):
+                r1: T.let = b // split_parts(vocab)
+                m1: T.let = mask_index[r1]
+                masked1: T.let = m1 >= 0 and m1 < bitmask.shape[0] and bitmask.shape[1] * 32 >= vocab
+                split_chunk_stats(flagging(_gpu_logit(logits, r1, bitmask, T.Select(masked1, m1, 0), masked1),
+                                           row_of(logits, r1)),
+                                  vocab, temperature[r1], b, tx, part_max, part_sum, part_first)
+        # kernel 2: one block per row
         for r in T.thread_binding(batch, thread="blockIdx.x"):
             for tx in T.thread_binding(threads, thread="threadIdx.x"):
                 # the mask row and whether it applies, branch-free (the passes below hold barriers); a row without a
                 # valid mask never reads the bitmask
                 m: T.let = mask_index[r]
                 masked: T.let = m >= 0 and m < bitmask.shape[0] and bitmask.shape[1] * 32 >= vocab
-                row_max = T.alloc_buffer((1,), "float32", scope="local")
-                row_sum = T.alloc_buffer((1,), "float32", scope="local")
+                stats = T.alloc_buffer((2,), "float32", scope="local")
                 hot = T.alloc_buffer((1,), "int32", scope="local")
-                st = T.alloc_buffer((5,), "int32", scope="local")
+                st = T.alloc_buffer((renormalize.GPU_STATE,), "int32", scope="local")
                 ms = T.alloc_buffer((2,), "float32", scope="local")
                 row: T.let = T.Select(masked, m, 0)
-                # the staged softmax's statistics (the maximum +inf for a row with a NaN or +inf logit: it is then
-                # read as zeros, and flagged), then its probability formula wherever a pass reads the row
-                gpu_row_stats(flagging(_gpu_logit(logits, r, bitmask, row, masked), row_of(logits, r)), vocab,
-                              temperature[r], tx, threads, row_max, row_sum, hot)
-                bad: T.let = row_max[0] == pos_inf()
-                shift: T.let = safe_shift(row_max[0])
+                # the staged softmax's statistics (the same numbers as its second kernel), then its probability
+                # formula wherever a pass reads the row
+                row_stats_of_parts(part_max, part_sum, part_first, r, vocab, temperature[r], stats, hot)
+                bad: T.let = stats[0] == pos_inf()
+                shift: T.let = safe_shift(stats[0])
                 scale: T.let = inverse_temperature(temperature[r])
                 greedy: T.let = temperature[r] == T.float32(0)
-                inv: T.let = inverse_sum(row_sum[0])
-                # rows the staged path would not renormalize run the threshold search with every filter off (one
-                # pass; barriers must stay in uniform control flow) and sample from the softmax itself
+                inv: T.let = inverse_sum(stats[1])
+                # rows the staged path would not renormalize run the threshold search with every filter off and
+                # without reading the row (barriers must stay in uniform control flow), and sample from the softmax
                 on: T.let = renorm[r] != 0
                 threshold(_unless(bad, probability(_gpu_logit(logits, r, bitmask, row, masked), greedy, hot[0], shift,
                                                    scale, inv)),
                           vocab, tx,
                           T.Select(on, top_k[r], 0), T.Select(on, top_p[r], T.float32(1)),
-                          T.Select(on, min_p[r], T.float32(0)), st, ms)
+                          T.Select(on, min_p[r], T.float32(0)), st, ms, on)
                 lo: T.let = st[0]
                 mass: T.let = ms[0]
                 sample_row(_sampled(_unless(bad, probability(_gpu_logit(logits, r, bitmask, row, masked), greedy,
@@ -349,5 +367,7 @@ def get_sample_from_logits(target: tvm.target.Target) -> tirx.PrimFunc:
     """The kernel scheduled for ``target``'s kind (see the module docstring for the operation)."""
     if is_cpu(target):
         return _kernel(_cpu_rows())
-    return _kernel(_gpu_rows(max_threads(target), uniform_loops=target.kind.name == "webgpu",
-                             shuffle_reduce=target.kind.name == "cuda"))
+    threads = max_threads(target)
+    return _kernel(_gpu_rows(threads, uniform_loops=target.kind.name == "webgpu",
+                             shuffle_reduce=target.kind.name == "cuda",
+                             list_cap=renormalize.gpu_list_capacity(target, threads)))

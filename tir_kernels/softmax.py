@@ -25,9 +25,14 @@ per chunk of 1024 values, exps ``2**((x - running max) * log2(e) / t)`` written 
 whose running maximum was below the row's are rescaled and a scale pass multiplies by 1 / sum (the rows are hot in
 L2). Greedy rows take a max pass, a first-index-of-max pass and a one-hot write instead. The exps and sums are those
 of ``sample_from_logits``, which runs the same macros.
-GPU: one block per row, threads striding over the vocabulary, block allreduces for the max, the sum and (at
-temperature 0) the first index of the max; the exps are recomputed in the final write pass rather than stored and
-reloaded.
+GPU: each row split over blocks of SPLIT_THREADS threads, SPLIT_CHUNK values each (a split that depends on the
+vocabulary alone, so a row's result does not depend on the batch; 63 blocks per row at vocab 128256), in three
+kernels passing their results through workspaces: each block reads its chunk once (GPU_UNROLL values a thread, in
+registers) and records its maximum, the sum of its exps against it and the first index holding it
+(``split_chunk_stats``); one warp per row combines the chunks in a fixed order (``row_stats_of_parts``); each block
+writes its chunk, recomputing the exps (the logits are read twice, the second time from L2 where they fit, and the
+probabilities written once). ``sample_from_logits`` runs the same two macros, so its probabilities are these, bit for
+bit.
 """
 
 from __future__ import annotations
@@ -39,10 +44,11 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ..runtime import kernel_abi
-from ._common import CALLER_ARRAY_ALIGN, is_cpu, max_threads, neg_inf
+from ._common import CALLER_ARRAY_ALIGN, is_cpu, neg_inf
 from ._reductions import (
     CPU_CHUNK,
     CPU_WORD,
+    GPU_UNROLL,
     INT32_MAX,
     add,
     cpu_first_index_of,
@@ -51,10 +57,7 @@ from ._reductions import (
     cpu_row_max,
     cpu_row_softmax_pass,
     exp2_scale,
-    gpu_row_fold,
-    gpu_row_map,
     guarded_exp,
-    index_where,
     inverse_temperature,
     maximum,
     minimum,
@@ -143,26 +146,100 @@ def _cpu() -> tirx.PrimFunc:
     return softmax_with_temperature
 
 
+def _peak_of(xs: tirx.Buffer) -> tirx.PrimExpr:
+    """The largest of xs[0 .. GPU_UNROLL) as a tree of maxima."""
+    values = [xs[u] for u in range(GPU_UNROLL)]
+    while len(values) > 1:
+        values = [T.max(a, b) for a, b in zip(values[::2], values[1::2], strict=True)] + values[len(values) // 2 * 2:]
+    return values[0]
+
+
+#: Threads per block of the GPU kernels that split a row over several blocks (the softmax statistics and writes).
+SPLIT_THREADS = 256
+#: Values of a row each such block reads: GPU_UNROLL per thread, whose loads are issued together. The split depends
+#: on the vocabulary alone, so a row's result does not depend on the batch.
+SPLIT_CHUNK = SPLIT_THREADS * GPU_UNROLL
+
+
+def split_parts(vocab: tirx.PrimExpr) -> tirx.PrimExpr:
+    """Blocks (chunks of SPLIT_CHUNK values) per row of a split kernel."""
+    return (vocab + SPLIT_CHUNK - 1) // SPLIT_CHUNK
+
+
+def _sum_exps(xs: tirx.Buffer, shift: tirx.PrimExpr, scale: tirx.PrimExpr) -> tirx.PrimExpr:
+    """The sum of the softmax numerators of xs[0 .. GPU_UNROLL)."""
+    total = shifted_exp(xs[0], shift, scale, guarded_exp)
+    for u in range(1, GPU_UNROLL):
+        total = total + shifted_exp(xs[u], shift, scale, guarded_exp)
+    return total
+
+
+def _first_of(xs: tirx.Buffer, peak: tirx.PrimExpr, base: tirx.PrimExpr, tx: tirx.Var,
+              vocab: tirx.PrimExpr) -> tirx.PrimExpr:
+    """The lowest index base + u * SPLIT_THREADS + tx (< vocab) whose value xs[u] equals peak, else vocab."""
+    first = vocab
+    for u in reversed(range(GPU_UNROLL)):
+        i = base + u * SPLIT_THREADS + tx
+        first = T.Select(T.And(i < vocab, xs[u] == peak), i, first)
+    return first
+
+
 @T.macro
-def gpu_row_stats(value, vocab, t, tx, threads, row_max, row_sum, hot):
-    """One block per row, reading it as value(v), at temperature t: row_max[0] = the row's maximum, row_sum[0] = the
-    sum of its softmax numerators, hot[0] = the first index of the maximum when greedy (t = 0) on a row with a finite
-    maximum, else vocab (no token). The results are local (1,) buffers every thread of the block reads."""
-    part = T.alloc_buffer((1,), "float32", scope="local")
-    index_part = T.alloc_buffer((1,), "int32", scope="local")
-    gpu_row_fold(vocab, tx, threads, neg_inf(), neg_inf(), maximum, value, True, part, row_max)
-    # the row's scalars bound once: an all-reduce result lives in shared memory (read as volatile), and inside the
-    # per-element formula it would be re-read, and 1 / t recomputed, for every element
-    peak: T.let = row_max[0]
-    shift: T.let = safe_shift(peak)
+def _block_all(combine, identity, value, out, tx):
+    """out[0] = combine of ``value`` over the block's threads, in every thread."""
+    with T.attr(T.comm_reducer(combine, [identity]), "reduce_scope", T.reinterpret("handle", T.uint64(0))):
+        T.tvm_thread_allreduce(T.uint32(1), value, True, out[0], tx, dtype="handle")
+
+
+@T.macro
+def split_chunk_stats(value, vocab, t, b, tx, part_max, part_sum, part_first):
+    """Block b of a split kernel (SPLIT_THREADS threads ``tx``; row b // parts, its chunk b % parts), reading the row
+    as value(i): part_max[b], part_sum[b], part_first[b] = the chunk's maximum, the sum of its softmax numerators
+    against it at temperature t, the first index holding it (vocab where none). The chunk is read once (GPU_UNROLL
+    values a thread, kept in registers); thread 0 writes."""
+    xs = T.alloc_buffer((GPU_UNROLL,), "float32", scope="local")
+    peak = T.alloc_buffer((1,), "float32", scope="local")
+    total = T.alloc_buffer((1,), "float32", scope="local")
+    first = T.alloc_buffer((1,), "int32", scope="local")
+    base: T.let = b % split_parts(vocab) * SPLIT_CHUNK
     scale: T.let = inverse_temperature(t)
-    gpu_row_fold(vocab, tx, threads, T.float32(0), T.float32(0), add, _numerator(value, shift, scale), True, part,
-                 row_sum)
-    gpu_row_fold(vocab, tx, threads, vocab, T.int32(INT32_MAX), minimum, index_where(value, peak, vocab),
-                 t == T.float32(0) and peak != neg_inf(), index_part, hot)
+    for u in T.unroll(GPU_UNROLL):
+        xs[u] = T.if_then_else(base + u * SPLIT_THREADS + tx < vocab,
+                               value(T.min(base + u * SPLIT_THREADS + tx, vocab - 1)), neg_inf())
+    _block_all(maximum, neg_inf(), _peak_of(xs), peak, tx)
+    m: T.let = peak[0]
+    _block_all(add, T.float32(0), _sum_exps(xs, safe_shift(m), scale), total, tx)
+    _block_all(minimum, T.int32(INT32_MAX), _first_of(xs, m, base, tx, vocab), first, tx)
+    if tx == 0:
+        part_max[b] = m
+        part_sum[b] = total[0]
+        part_first[b] = first[0]
 
 
-def _gpu(threads: int) -> tirx.PrimFunc:
+@T.macro
+def row_stats_of_parts(part_max, part_sum, part_first, r, vocab, t, stats, hot):
+    """Row r's softmax statistics from its blocks' partials (``split_chunk_stats``), in every thread that runs it, in
+    a fixed order (the same numbers in every kernel that calls it): stats[0] = the maximum, stats[1] = the sum of the
+    numerators, hot[0] = the first index of the maximum (vocab for a row of only -inf)."""
+    parts: T.let = split_parts(vocab)
+    scale: T.let = inverse_temperature(t)
+    stats[0] = neg_inf()
+    for p in range(parts):
+        stats[0] = T.max(stats[0], part_max[r * parts + p])
+    top: T.let = stats[0]
+    shift: T.let = safe_shift(top)
+    stats[1] = T.float32(0)
+    hot[0] = vocab
+    for p in range(parts):
+        stats[1] = stats[1] + part_sum[r * parts + p] * shifted_exp(part_max[r * parts + p], shift, scale,
+                                                                    guarded_exp)
+        hot[0] = T.Select(part_max[r * parts + p] == top, T.min(hot[0], part_first[r * parts + p]), hot[0])
+    hot[0] = T.Select(top == neg_inf(), vocab, hot[0])
+
+
+def _gpu_split() -> tirx.PrimFunc:
+    threads = SPLIT_THREADS
+
     @T.prim_func
     def softmax_with_temperature(var_logits: T.handle, var_temperature: T.handle, var_probs: T.handle):
         T.func_attr({"tirx.noalias": True})
@@ -170,21 +247,45 @@ def _gpu(threads: int) -> tirx.PrimFunc:
         logits = T.match_buffer(var_logits, (batch, vocab), "float32", align=CALLER_ARRAY_ALIGN)
         temperature = T.match_buffer(var_temperature, (batch,), "float32")
         probs = T.match_buffer(var_probs, (batch, vocab), "float32")
-        for bx in T.thread_binding(batch, thread="blockIdx.x"):
+        # workspaces: each block's partials (a row's blocks are consecutive), then each row's statistics
+        part_max = T.alloc_buffer((batch * split_parts(vocab),), "float32", scope="global")
+        part_sum = T.alloc_buffer((batch * split_parts(vocab),), "float32", scope="global")
+        part_first = T.alloc_buffer((batch * split_parts(vocab),), "int32", scope="global")
+        row_max = T.alloc_buffer((batch,), "float32", scope="global")
+        row_sum = T.alloc_buffer((batch,), "float32", scope="global")
+        row_hot = T.alloc_buffer((batch,), "int32", scope="global")
+        # kernel 1: each block's chunk, read once
+        for b in T.thread_binding(batch * split_parts(vocab), thread="blockIdx.x"):
             for tx in T.thread_binding(threads, thread="threadIdx.x"):
-                row_max = T.alloc_buffer((1,), "float32", scope="local")
-                row_sum = T.alloc_buffer((1,), "float32", scope="local")
+                split_chunk_stats(row_of(logits, b // split_parts(vocab)), vocab,
+                                  temperature[b // split_parts(vocab)], b, tx, part_max, part_sum, part_first)
+        # kernel 2: each row's statistics from its blocks' partials (one warp a row, thread 0 writes)
+        for r in T.thread_binding(batch, thread="blockIdx.x"):
+            for tx in T.thread_binding(32, thread="threadIdx.x"):
+                stats = T.alloc_buffer((2,), "float32", scope="local")
                 hot = T.alloc_buffer((1,), "int32", scope="local")
-                gpu_row_stats(row_of(logits, bx), vocab, temperature[bx], tx, threads, row_max, row_sum, hot)
-                shift: T.let = safe_shift(row_max[0])
-                scale: T.let = inverse_temperature(temperature[bx])
-                greedy: T.let = temperature[bx] == T.float32(0)
-                inv_sum: T.let = inverse_sum(row_sum[0])
-                gpu_row_map(probs, bx, vocab, tx, threads,
-                            probability(row_of(logits, bx), greedy, hot[0], shift, scale, inv_sum))
+                row_stats_of_parts(part_max, part_sum, part_first, r, vocab, temperature[r], stats, hot)
+                if tx == 0:
+                    row_max[r] = stats[0]
+                    row_sum[r] = stats[1]
+                    row_hot[r] = hot[0]
+        # kernel 3: each block writes its chunk of the row
+        for b in T.thread_binding(batch * split_parts(vocab), thread="blockIdx.x"):
+            for tx in T.thread_binding(threads, thread="threadIdx.x"):
+                r: T.let = b // split_parts(vocab)
+                base: T.let = b % split_parts(vocab) * SPLIT_CHUNK
+                shift: T.let = safe_shift(row_max[r])
+                scale: T.let = inverse_temperature(temperature[r])
+                greedy: T.let = temperature[r] == T.float32(0)
+                inv_sum: T.let = inverse_sum(row_sum[r])
+                hot: T.let = row_hot[r]
+                for u in T.unroll(GPU_UNROLL):
+                    if base + u * threads + tx < vocab:
+                        probs[r, base + u * threads + tx] = probability(
+                            row_of(logits, r), greedy, hot, shift, scale, inv_sum)(base + u * threads + tx)
     return softmax_with_temperature
 
 
 def get_softmax_with_temperature(target: tvm.target.Target) -> tirx.PrimFunc:
     """The kernel scheduled for ``target``'s kind (see the module docstring for the operation)."""
-    return _cpu() if is_cpu(target) else _gpu(max_threads(target))
+    return _cpu() if is_cpu(target) else _gpu_split()
