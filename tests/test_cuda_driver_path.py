@@ -21,7 +21,7 @@ from logitproc.compile.device_code import cuda_compiler_available
 from logitproc.runtime import LogitProcessor
 from logitproc.runtime.cuda_device import CudaArray, CudaDevice
 from logitproc.runtime.cuda_driver import CudaError, GPUProperties
-from logitproc.tir_kernels.softmax import SPLIT_CHUNK
+from logitproc.tir_kernels._reductions import SPLIT_CHUNK
 
 pytestmark = pytest.mark.skipif(not cuda_compiler_available(), reason="no nvcc or NVRTC to export PTX here")
 
@@ -167,6 +167,8 @@ def _expected_grids(kernel: str, args: Sequence[np.ndarray], batch: int, vocab: 
         return [split, (batch, 1, 1), split]
     if kernel == "sample_from_logits":  # the softmax's chunk statistics, then a block per row
         return [split, (batch, 1, 1)]
+    if kernel == "renormalize_probs":  # a block per row finds the threshold, then the chunks are rescaled
+        return [(batch, 1, 1), split]
     return [(batch, 1, 1)]
 
 

@@ -404,6 +404,29 @@ def cpu_rescale_chunks(store, sr, vocab, scale2, shifts, row_max):
 #: issued together (one dependent load at a time leaves a block latency-bound, far under its share of bandwidth).
 GPU_UNROLL = 8
 
+#: Threads per block of the GPU kernels that split a row over several blocks (the softmax's statistics and writes,
+#: renormalize's writes).
+SPLIT_THREADS = 256
+#: Values of a row each such block reads: GPU_UNROLL per thread, whose loads are issued together. The split depends
+#: on the vocabulary alone, so a row's result does not depend on the batch.
+SPLIT_CHUNK = SPLIT_THREADS * GPU_UNROLL
+
+
+def split_parts(vocab: tirx.PrimExpr) -> tirx.PrimExpr:
+    """Blocks (chunks of SPLIT_CHUNK values) per row of a split kernel."""
+    return (vocab + SPLIT_CHUNK - 1) // SPLIT_CHUNK
+
+
+@T.macro
+def split_map(y, vocab, b, tx, value):
+    """Block b of a split kernel (SPLIT_THREADS threads ``tx``; row b // parts, its chunk b % parts):
+    y[row, v] = value(row, v) for the chunk's v < vocab (``value`` takes the row and the index)."""
+    r: T.let = b // split_parts(vocab)
+    base: T.let = b % split_parts(vocab) * SPLIT_CHUNK
+    for u in T.unroll(GPU_UNROLL):
+        if base + u * SPLIT_THREADS + tx < vocab:
+            y[r, base + u * SPLIT_THREADS + tx] = value(r, base + u * SPLIT_THREADS + tx)
+
 
 @T.macro
 def gpu_row_fold(vocab, tx, threads, init, identity, combine, value, active, part, out):

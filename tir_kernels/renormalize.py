@@ -65,14 +65,15 @@ the min-p threshold. Where the values >= lb fit a list in shared memory (``gpu_l
 4096 values), one more pass copies them there (each thread's share at an offset from a block scan of the bound
 pass's per-thread counts) and every search step, and the kept sum, reads the list instead of the row; the bound
 pass's sums give the kept mass after min-p and top-p's starting point. Rows whose list would overflow (flat rows,
-top_p near 1) run the bisection over the row, as before. CUDA, ROCm and Metal bisect in while loops;
-WGSL runs a fixed 31 steps per bisection (idle, without reading the row, once converged) because its uniformity
-analysis only allows barriers in uniform control flow. Sums of subnormal values assume no flush-to-zero (Metal
-flushes: rows whose whole mass is subnormal are not supported there). The list's sums are in another order than the
-row's (the same kept set, within float32 rounding of the budget).
+top_p near 1) run the bisection over the row, as before. The rescaling is a second kernel, each row split over
+blocks of SPLIT_THREADS (``_reductions.split_map``), the row's threshold and kept sum passed through workspaces.
+CUDA, ROCm and Metal bisect in while loops; WGSL runs a fixed 31 steps per bisection (idle, without reading the row,
+once converged) because its uniformity analysis only allows barriers in uniform control flow. Sums of subnormal
+values assume no flush-to-zero (Metal flushes: rows whose whole mass is subnormal are not supported there). The
+list's sums are in another order than the row's (the same kept set, within float32 rounding of the budget).
 
 The per-row work is written once as TVMScript macros reading the row through ``value(i)`` (``cpu_row_macros``,
-``gpu_row_macros``): this kernel passes ``probs[r, i]``; ``sample_from_logits`` passes the probability it computes,
+``gpu_row_threshold``): this kernel passes ``probs[r, i]``; ``sample_from_logits`` passes the probability it computes,
 so that both find the same threshold.
 """
 
@@ -86,7 +87,7 @@ from tvm.script import tirx as T
 
 from ..runtime import kernel_abi
 from ._common import CALLER_ARRAY_ALIGN, CPU_LANES, is_cpu, max_threads
-from ._reductions import GPU_UNROLL, gpu_inclusive_scan, gpu_row_map, row_of
+from ._reductions import GPU_UNROLL, SPLIT_THREADS, gpu_inclusive_scan, row_of, split_map, split_parts
 
 NAME = kernel_abi.RENORMALIZE
 
@@ -121,7 +122,7 @@ CPU_GROUPS = _MAX_BLOCKS * _CPU_WIDTH // 2
 GPU_PIVOTS = 5
 #: Bit patterns per binade of float32 (one step of the exponent field).
 _BINADE = 1 << 23
-#: Size of the GPU state (``st``) the callers of ``gpu_row_macros``' threshold allocate.
+#: Size of the GPU state (``st``) the callers of ``gpu_row_threshold`` allocate.
 GPU_STATE = 8
 #: Candidates per thread the GPU list holds in shared memory, by target kind: CUDA's reductions use warp shuffles,
 #: the others a block-sized tree of four arrays, and Metal has 32 KB of threadgroup memory.
@@ -597,9 +598,8 @@ def _cpu() -> tirx.PrimFunc:
     return renormalize_probs
 
 
-def gpu_row_macros(threads: int, uniform_loops: bool, shuffle_reduce: bool, list_cap: int
-                   ) -> tuple[Callable[..., None], Callable[..., None]]:
-    """The GPU row macros ``threshold`` and ``scale`` (as ``cpu_row_macros``), for one block per row.
+def gpu_row_threshold(threads: int, uniform_loops: bool, shuffle_reduce: bool, list_cap: int) -> Callable[..., None]:
+    """The GPU row macro ``threshold`` (as ``cpu_row_macros``' one), for one block per row.
 
     ``uniform_loops`` (WGSL): bisections run a fixed 31 steps, idle once converged, so that every barrier sits in
     uniform control flow as WGSL's uniformity analysis demands (Tint enforces it); elsewhere they are while loops that
@@ -920,15 +920,17 @@ def gpu_row_macros(threads: int, uniform_loops: bool, shuffle_reduce: bool, list
             st[0] = int_max
             ms[0] = T.float32(1)
 
-    @T.macro
-    def scale(value, vocab, tx, lo, mass, out, r):
-        gpu_row_map(out, r, vocab, tx, threads, lambda i: rescaled(value(i), lo, mass))
+    return threshold
 
-    return threshold, scale
+
+def _rescaled_rows(probs: tirx.Buffer, lo: tirx.Buffer, mass: tirx.Buffer
+                   ) -> Callable[[tirx.PrimExpr, tirx.PrimExpr], tirx.PrimExpr]:
+    """(r, i) -> probs[r, i] renormalized with row r's kept set (bits >= lo[r]) and its sum mass[r]."""
+    return lambda r, i: rescaled(probs[r, i], lo[r], mass[r])
 
 
 def _gpu(threads: int, uniform_loops: bool, shuffle_reduce: bool, list_cap: int) -> tirx.PrimFunc:
-    threshold, scale = gpu_row_macros(threads, uniform_loops, shuffle_reduce, list_cap)
+    threshold = gpu_row_threshold(threads, uniform_loops, shuffle_reduce, list_cap)
 
     @T.prim_func
     def renormalize_probs(var_probs: T.handle, var_top_k: T.handle, var_top_p: T.handle, var_min_p: T.handle,
@@ -940,13 +942,23 @@ def _gpu(threads: int, uniform_loops: bool, shuffle_reduce: bool, list_cap: int)
         top_p = T.match_buffer(var_top_p, (batch,), "float32")
         min_p = T.match_buffer(var_min_p, (batch,), "float32")
         out = T.match_buffer(var_out, (batch, vocab), "float32")
+        # workspaces: each row's kept set (bits >= row_lo) and its sum
+        row_lo = T.alloc_buffer((batch,), "int32", scope="global")
+        row_mass = T.alloc_buffer((batch,), "float32", scope="global")
+        # kernel 1: each row's threshold search, one block per row
         for r in T.thread_binding(batch, thread="blockIdx.x"):
             for tx in T.thread_binding(threads, thread="threadIdx.x"):
                 # the same state as the CPU kernel, held identically by every thread of the block
                 st = T.alloc_buffer((GPU_STATE,), "int32", scope="local")
                 ms = T.alloc_buffer((2,), "float32", scope="local")
                 threshold(row_of(probs, r), vocab, tx, top_k[r], top_p[r], min_p[r], st, ms, True)
-                scale(row_of(probs, r), vocab, tx, st[0], ms[0], out, r)
+                if tx == 0:
+                    row_lo[r] = st[0]
+                    row_mass[r] = ms[0]
+        # kernel 2: the rescaling, each row split over blocks
+        for b in T.thread_binding(batch * split_parts(vocab), thread="blockIdx.x"):
+            for tx in T.thread_binding(SPLIT_THREADS, thread="threadIdx.x"):
+                split_map(out, vocab, b, tx, _rescaled_rows(probs, row_lo, row_mass))
     return renormalize_probs
 
 

@@ -67,6 +67,7 @@ from ._common import CALLER_ARRAY_ALIGN, is_cpu, max_threads, neg_inf, pos_inf
 from ._reductions import (
     CPU_CHUNK,
     CPU_WORD,
+    SPLIT_THREADS,
     cpu_rescale_chunks,
     cpu_row_fold,
     cpu_row_peak,
@@ -78,9 +79,10 @@ from ._reductions import (
     minimum,
     row_of,
     safe_shift,
+    split_parts,
 )
 from ._select import row_top_cpu, row_top_gpu
-from .softmax import SPLIT_THREADS, inverse_sum, probability, row_stats_of_parts, split_chunk_stats, split_parts
+from .softmax import inverse_sum, probability, row_stats_of_parts, split_chunk_stats
 
 NAME = kernel_abi.SAMPLE_FROM_LOGITS
 
@@ -271,7 +273,7 @@ def _cpu_rows() -> Callable[..., None]:
 
 def _gpu_rows(threads: int, uniform_loops: bool, shuffle_reduce: bool, list_cap: int) -> Callable[..., None]:
     """The GPU loop nest: one block of ``threads`` per row (see the module docstring)."""
-    threshold, _ = renormalize.gpu_row_macros(threads, uniform_loops, shuffle_reduce, list_cap)
+    threshold = renormalize.gpu_row_threshold(threads, uniform_loops, shuffle_reduce, list_cap)
     sample_row = multinomial.gpu_row_macro(threads)
 
     @T.macro

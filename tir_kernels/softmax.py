@@ -50,6 +50,8 @@ from ._reductions import (
     CPU_WORD,
     GPU_UNROLL,
     INT32_MAX,
+    SPLIT_CHUNK,
+    SPLIT_THREADS,
     add,
     cpu_first_index_of,
     cpu_rescale_chunks,
@@ -64,6 +66,7 @@ from ._reductions import (
     row_of,
     safe_shift,
     shifted_exp,
+    split_parts,
 )
 
 NAME = kernel_abi.SOFTMAX
@@ -152,18 +155,6 @@ def _peak_of(xs: tirx.Buffer) -> tirx.PrimExpr:
     while len(values) > 1:
         values = [T.max(a, b) for a, b in zip(values[::2], values[1::2], strict=True)] + values[len(values) // 2 * 2:]
     return values[0]
-
-
-#: Threads per block of the GPU kernels that split a row over several blocks (the softmax statistics and writes).
-SPLIT_THREADS = 256
-#: Values of a row each such block reads: GPU_UNROLL per thread, whose loads are issued together. The split depends
-#: on the vocabulary alone, so a row's result does not depend on the batch.
-SPLIT_CHUNK = SPLIT_THREADS * GPU_UNROLL
-
-
-def split_parts(vocab: tirx.PrimExpr) -> tirx.PrimExpr:
-    """Blocks (chunks of SPLIT_CHUNK values) per row of a split kernel."""
-    return (vocab + SPLIT_CHUNK - 1) // SPLIT_CHUNK
 
 
 def _sum_exps(xs: tirx.Buffer, shift: tirx.PrimExpr, scale: tirx.PrimExpr) -> tirx.PrimExpr:
