@@ -184,15 +184,17 @@ def bench_case(lib, batch: int, vocab: int, repeat: int, rng: np.random.Generato
 
 def bench_cuda(library_dir: str | None) -> None:
     """The GPU table: every kernel at 1 x 128256, 64 x 128256 and 256 x 151936 against a device-to-device copy and
-    torch's equivalents on the same card (``scripts/cuda_check.py``)."""
-    from cuda_check import bench, markdown
+    torch's equivalents on the same card, then issue 38's aims, met or not (``scripts/cuda_check.py``)."""
+    from cuda_check import aims, bench, markdown
     from logitproc.runtime import Device
     from logitproc.runtime.kernel_library import KernelLibrary
 
     library = KernelLibrary.load(library_dir) if library_dir else build_kernels("cuda", "sm_90")
     device = Device("cuda")
     print(f"# machine: {machine_line()}; GPU: {[str(d) for d in Device.available() if d.kind == 'cuda']}")
-    print(markdown(bench(library, device, device.load(library))))
+    rows = bench(library, device, device.load(library))
+    print(markdown(rows))
+    print("\n".join(aims(rows)))
 
 
 def main() -> None:
