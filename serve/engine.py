@@ -360,7 +360,7 @@ class Engine:
                 self.abort(rid)
                 if self._loop.try_drive():
                     self._turn()
-            self._loop.call(lambda: self._forget_if_done(rid))
+            self._loop.post(lambda: self._forget_if_done(rid))  # (not waiting for a step running elsewhere)
 
     def _forget_if_done(self, request_id: str) -> None:
         """(Driving) a closed stream's inbox goes once its request has ended (else with the step that ends it)."""
