@@ -21,6 +21,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
+from enum import Enum
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -89,21 +90,35 @@ class ServerOptions:
     created: int = field(default_factory=lambda: int(time.time()))
 
 
+class Cancellation(Enum):
+    """What a response cancelled by the ASGI server means (``StatusCounter``)."""
+
+    #: uvicorn (the single-process server) cancels responses only when ``--drain-timeout`` expired at shutdown (a
+    #: client disconnecting is told to the app by ``http.disconnect``).
+    SHUTDOWN = "shutdown"
+    #: Ray Serve cancels the ingress's call when its HTTP proxy saw the client disconnect (or the client's own
+    #: ``x-request-timeout-seconds`` pass): nobody reads an answer.
+    CLIENT_LEFT = "client left"
+
+
 class StatusCounter:
     """The outermost ASGI middleware: counts responses by endpoint and status (it watches ``send``), 500s included.
 
     Starlette's error middleware answers an unexpected exception with a 500 (``server_error`` logs it once, with its
     traceback), then re-raises it for the ASGI server, which would log it again: it stops here. One that escapes
     before any response started is answered with a 500 here. A response that uvicorn cancels because
-    ``--drain-timeout`` expired (a client that does not read its stream) ends with one log line, not a traceback.
+    ``--drain-timeout`` expired (a client that does not read its stream) ends with one log line, not a traceback;
+    one that Ray Serve cancels because its client left (``Cancellation.CLIENT_LEFT``) is counted as a 499 (nginx's
+    "client closed request", as the app answers a client that left) if no status was sent yet, and is not logged.
 
     A response that starts before the request's body was read (a refusal, a GET with a body) first reads what is left
     of it (up to ``DRAIN_BYTES`` within ``DRAIN_SECONDS``): broken framing that arrived after a response had started
     would make uvicorn answer 400 on a connection already answering, and log a traceback."""
 
-    def __init__(self, app: Any, metrics: ServerMetrics) -> None:
+    def __init__(self, app: Any, metrics: ServerMetrics, cancellation: Cancellation = Cancellation.SHUTDOWN) -> None:
         self.app = app
         self.metrics = metrics
+        self.cancellation = cancellation
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -143,7 +158,12 @@ class StatusCounter:
                 log.error("unexpected error in %s: %s", ascii(scope["path"][:200]), _described(err))
                 error = APIError(500, f"internal error: {_described(err)}", kind="server_error")
                 await _ErrorResponse(error.body(), status_code=500)(scope, receive, counted)
-        except asyncio.CancelledError:  # the drain timeout expired: end what can be ended, without waiting long
+        except asyncio.CancelledError:
+            if self.cancellation is Cancellation.CLIENT_LEFT:
+                if not started:
+                    self.metrics.response(scope["path"], 499)
+                raise
+            # the drain timeout expired: end what can be ended, without waiting long
             log.warning("%s: cut short at shutdown (--drain-timeout expired)", ascii(scope["path"][:200]))
             error = APIError(503, "the server is stopping", kind="server_error", code="model_not_ready")
             end = (_ErrorResponse(error.body(), status_code=503)(scope, receive, counted) if not started else
@@ -211,7 +231,7 @@ class Server:
 
     def __init__(self, load: Callable[[], Any] | None, options: ServerOptions,
                  on_failure: Callable[[BaseException], None] | None = None, *, client: EngineClient | None = None,
-                 metrics: ServerMetrics | None = None) -> None:
+                 metrics: ServerMetrics | None = None, cancellation: Cancellation = Cancellation.SHUTDOWN) -> None:
         self.options = options
         self.metrics = metrics if metrics is not None else ServerMetrics()
         if client is None:
@@ -223,7 +243,7 @@ class Server:
         self._limits: RequestLimits | None = None
         self._traits: ChatTraits | None = None
         #: The ASGI application: the FastAPI app inside the request policy, inside the status counter.
-        self.app = StatusCounter(PolicyMiddleware(self._make_app(), options.policy), self.metrics)
+        self.app = StatusCounter(PolicyMiddleware(self._make_app(), options.policy), self.metrics, cancellation)
 
     # ---------------------------------------------------------------------------------------------- helpers
     @property
@@ -457,7 +477,6 @@ class Server:
             await asyncio.to_thread(server.loop.stop)
 
         app = FastAPI(title="logitproc", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-        app.add_middleware(StatusCounter, metrics=self.metrics)
 
         def authorized(request: Request) -> None:
             key = server.options.api_key
