@@ -90,15 +90,16 @@ class ServerOptions:
     created: int = field(default_factory=lambda: int(time.time()))
 
 
-class Cancellation(Enum):
-    """What a response cancelled by the ASGI server means (``StatusCounter``)."""
+class AsgiHost(Enum):
+    """What calls the app (``StatusCounter``), and what its cancelling a call or ``receive`` failing means."""
 
-    #: uvicorn (the single-process server) cancels responses only when ``--drain-timeout`` expired at shutdown (a
-    #: client disconnecting is told to the app by ``http.disconnect``).
-    SHUTDOWN = "shutdown"
-    #: Ray Serve cancels the ingress's call when its HTTP proxy saw the client disconnect (or the client's own
-    #: ``x-request-timeout-seconds`` pass): nobody reads an answer.
-    CLIENT_LEFT = "client left"
+    #: uvicorn (the single-process server): it cancels a call only when ``--drain-timeout`` expired at shutdown (a
+    #: client that disconnects is told to the app by ``http.disconnect``); its ``receive`` does not fail.
+    UVICORN = "uvicorn"
+    #: Ray Serve's ingress replica: it cancels the call when its HTTP proxy saw the client disconnect (or the
+    #: client's own ``x-request-timeout-seconds`` pass), and ``receive`` (a call back into the proxy) fails when the
+    #: proxy has gone (Serve shutting down, its node lost): either way the client is gone.
+    RAY_SERVE = "Ray Serve"
 
 
 class StatusCounter:
@@ -108,17 +109,18 @@ class StatusCounter:
     traceback), then re-raises it for the ASGI server, which would log it again: it stops here. One that escapes
     before any response started is answered with a 500 here. A response that uvicorn cancels because
     ``--drain-timeout`` expired (a client that does not read its stream) ends with one log line, not a traceback;
-    one that Ray Serve cancels because its client left (``Cancellation.CLIENT_LEFT``) is counted as a 499 (nginx's
-    "client closed request", as the app answers a client that left) if no status was sent yet, and is not logged.
+    under Ray Serve (``AsgiHost.RAY_SERVE``) a cancelled call is a client that left: counted as a 499 (nginx's
+    "client closed request", as the app answers a client that left) if no status was sent yet, not logged; and a
+    failing ``receive`` is that client's ``http.disconnect``.
 
     A response that starts before the request's body was read (a refusal, a GET with a body) first reads what is left
     of it (up to ``DRAIN_BYTES`` within ``DRAIN_SECONDS``): broken framing that arrived after a response had started
     would make uvicorn answer 400 on a connection already answering, and log a traceback."""
 
-    def __init__(self, app: Any, metrics: ServerMetrics, cancellation: Cancellation = Cancellation.SHUTDOWN) -> None:
+    def __init__(self, app: Any, metrics: ServerMetrics, host: AsgiHost = AsgiHost.UVICORN) -> None:
         self.app = app
         self.metrics = metrics
-        self.cancellation = cancellation
+        self.host = host
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -129,7 +131,12 @@ class StatusCounter:
 
         async def tracked() -> Any:
             nonlocal received
-            message = await receive()
+            try:
+                message = await receive()
+            except Exception:
+                if self.host is not AsgiHost.RAY_SERVE:
+                    raise
+                message = {"type": "http.disconnect"}
             if message["type"] == "http.disconnect" or not message.get("more_body", False):
                 received = True
             return message
@@ -159,7 +166,7 @@ class StatusCounter:
                 error = APIError(500, f"internal error: {_described(err)}", kind="server_error")
                 await _ErrorResponse(error.body(), status_code=500)(scope, receive, counted)
         except asyncio.CancelledError:
-            if self.cancellation is Cancellation.CLIENT_LEFT:
+            if self.host is AsgiHost.RAY_SERVE:
                 if not started:
                     self.metrics.response(scope["path"], 499)
                 raise
@@ -231,7 +238,7 @@ class Server:
 
     def __init__(self, load: Callable[[], Any] | None, options: ServerOptions,
                  on_failure: Callable[[BaseException], None] | None = None, *, client: EngineClient | None = None,
-                 metrics: ServerMetrics | None = None, cancellation: Cancellation = Cancellation.SHUTDOWN) -> None:
+                 metrics: ServerMetrics | None = None, host: AsgiHost = AsgiHost.UVICORN) -> None:
         self.options = options
         self.metrics = metrics if metrics is not None else ServerMetrics()
         if client is None:
@@ -243,7 +250,7 @@ class Server:
         self._limits: RequestLimits | None = None
         self._traits: ChatTraits | None = None
         #: The ASGI application: the FastAPI app inside the request policy, inside the status counter.
-        self.app = StatusCounter(PolicyMiddleware(self._make_app(), options.policy), self.metrics, cancellation)
+        self.app = StatusCounter(PolicyMiddleware(self._make_app(), options.policy), self.metrics, host)
 
     # ---------------------------------------------------------------------------------------------- helpers
     @property

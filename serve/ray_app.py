@@ -16,7 +16,7 @@ from typing import Any
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from .http_server import Cancellation, Server, ServerOptions
+from .http_server import AsgiHost, Server, ServerOptions
 from .ray_client import RayEngineClient
 from .ray_logging import log_to_stderr
 from .ray_messages import MetricsSnapshot, ModelFacts, ReplicaLeft
@@ -74,7 +74,7 @@ class Ingress:
 
     def __serve_build_asgi_app__(self) -> Any:
         return Server(None, self._options, client=self._client, metrics=self._metrics,
-                      cancellation=Cancellation.CLIENT_LEFT).app
+                      host=AsgiHost.RAY_SERVE).app
 
 
 def build_application(args: argparse.Namespace, plan: ReplicaPlan, options: ServerOptions) -> Any:

@@ -7,10 +7,11 @@ against ``logitproc serve --model tiny --replicas 2 --replica-threads 1`` (malfo
 half-sent bodies and broken chunked framing, an 8 MB body, the queue's limit, a recursive schema, cross-site requests
 and DNS rebinding, the fuzz over methods, paths, bodies, headers and framing); the ones whose observation differs
 through Ray are written here: the unknown-field log line (it comes from the ingress's process, through Ray's log
-streaming), a client that never reads its stream or gives up waiting (the request is aborted on its replica), and
-Ctrl-C with a client that never reads (a second, one-replica instance: marked ``slow``). Added for Ray: the request
-headers Ray Serve's proxy reads itself, with values it cannot read (``serve/ray_proxy_guard.py``). Bad fields' 400s
-naming the field, 401, 404 and 429 through Ray are in ``test_ray_serve.py``.
+streaming), a client that never reads its stream or gives up waiting (the request is aborted on its replica), the
+fuzz's check that nothing is left running (per replica), and Ctrl-C with a client that never reads (a second,
+one-replica instance, about 60 s: marked ``slow``). Added for Ray: the request headers Ray Serve's proxy reads
+itself, with values it cannot read (``serve/ray_proxy_guard.py``), and its own routes. Bad fields' 400s naming the
+field, 401, 404 and 429 through Ray are in ``test_ray_serve.py``.
 """
 
 from __future__ import annotations
