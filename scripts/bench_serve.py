@@ -486,7 +486,9 @@ def ray_prefix(args: argparse.Namespace) -> None:
                                                                   "--routing", "pow2"], "1")):
         server = _served(args, name, extra, tvm_threads)
         try:
-            asyncio.run(run_level(server.url, 2, 2, 8))  # warm-up (other prompts)
+            # warm-up: the same load with a system prompt of its own (a fresh single-process server's first run of
+            # long prompts was several times slower than the next, 2026-11-28)
+            asyncio.run(run_prefix(server.url, 1, args.prefix_tokens, first_group=10_000))
             for round_ in range(args.rounds):
                 loads.append(os.getloadavg()[0])
                 run = asyncio.run(run_prefix(server.url, args.groups, args.prefix_tokens, first_group=round_ * 100))
