@@ -9,7 +9,8 @@ tokens arrives, and the steps go on until its first token and ``--steps-after`` 
 ``bench_serve.py --mixed``'s arrivals as its server's loop does (``Engine.submit`` between steps, grammars compiled
 on the engine's grammar thread): after 30 stream tokens a 1k-token prompt; once it has its first token and 10 more
 stream tokens, a 4k-token prompt; 10 stream tokens later, ``--schemas`` requests with the largest JSON schemas of
-``--schema-dir`` (8 tokens each, as the bench asks).
+``--schema-dir`` (8 tokens each, as the bench asks); the grammar backend is made first, as the server makes it
+while loading (``Engine.prepare_constraints``).
 
 Every step gives the stream one token, so a step's wall time plus the time between steps (the arrivals' ``submit``
 calls, run between steps as the server's loop runs them) is the stream's gap. Per step: prefill tokens, the
@@ -218,6 +219,8 @@ def main() -> int:
 
     model = open_model(args.model, "cpu")
     engine = Engine(model, max_batch=args.max_batch, **ast.literal_eval(args.engine_args))
+    if args.mixed:
+        engine.prepare_constraints()  # as `logitproc serve` does while loading
     tracer = mixed_trace(args, model, engine) if args.mixed else long_prompt_trace(args, model, engine)
 
     print(f"{machine_line()}; load average {os.getloadavg()[0]:.1f}; {model.name}; "
