@@ -143,8 +143,13 @@ def filler_messages(engine: Any, tokens: int) -> list[dict[str, str]]:
     def text(sentences: int) -> str:
         return "".join(FILLER.format(n=i) for i in range(sentences)) + "Summarise the log in one sentence."
 
-    sentences = tokens // 25
-    while len(engine.tokenize([{"role": "user", "content": text(sentences + 1)}])) <= tokens:
+    def count(sentences: int) -> int:
+        return len(engine.tokenize([{"role": "user", "content": text(sentences)}]))
+
+    sentences = tokens // 40  # (a sentence is about 35 tokens)
+    while sentences > 0 and count(sentences) > tokens:
+        sentences -= 1
+    while count(sentences + 1) <= tokens:
         sentences += 1
     return [{"role": "user", "content": text(sentences)}]
 
