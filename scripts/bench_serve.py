@@ -279,6 +279,8 @@ def mixed(args: argparse.Namespace) -> int:
     schemas = largest_schemas(args.schema_dir, args.schemas)
     settings = {"chunked (defaults)": [], "whole prompts in one step": ["--max-num-batched-tokens", "0",
                                                                        "--max-prefill-tokens-with-decode", "0"]}
+    if args.chunked_only:
+        del settings["whole prompts in one step"]
     results: dict[str, Mixed] = {}
     for label, extra in settings.items():
         server = start("logitproc", [sys.executable, "-m", "logitproc", "serve", "--model", args.model,
@@ -527,6 +529,8 @@ def main() -> int:
     parser.add_argument("--mixed", action="store_true", help="the mixed-load run (see the module doc)")
     parser.add_argument("--pause", type=float, default=10.0, help="--mixed: seconds between the two servers")
     parser.add_argument("--schemas", type=int, default=6, help="--mixed: schema requests (default: %(default)s)")
+    parser.add_argument("--chunked-only", action="store_true",
+                        help="--mixed: the default step budgets only (not the engine with whole prefills)")
     parser.add_argument("--schema-dir", default="/work/shared/data/maskbench-dev",
                         help="--mixed: a folder of maskbench JSON files ({'schema': ...}) (default: %(default)s)")
     parser.add_argument("--ray", action="store_true", help="the Ray Serve runs (see the module doc)")
