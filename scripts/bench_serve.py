@@ -17,7 +17,7 @@ over the rounds.
 4k prompt's prefill). It reports the running stream's median and largest gap between tokens while the arrivals come
 in, and each arrival's time to first token, for logitproc with its default step budgets and with every prompt
 prefilled whole in one step (``--max-num-batched-tokens 0 --max-prefill-tokens-with-decode 0``: the engine before
-chunked prefill)::
+chunked prefill; ``--chunked-only`` skips that one)::
 
     python scripts/bench_serve.py --mixed
 
