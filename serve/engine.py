@@ -60,6 +60,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from logitproc.runtime import GenerationConfig, LogitProcessor, RequestState, Sampler, TokenMaskSource
+from logitproc.runtime.answer_check import load_checker
 from logitproc.runtime.constraints import ConstraintFactory
 from logitproc.runtime.field_error import FieldTypeError, FieldValueError
 from logitproc.runtime.grammar import GrammarBackend
@@ -335,7 +336,10 @@ class Engine:
         """Make the constraint backend for the model's tokenizer now (``ConstraintFactory.prepare``) instead of at
         the first request with a response format, whose compile would then hold up the steps for about a second
         (llguidance reads the vocabulary holding Python's GIL; docs/serving.md). ``logitproc serve`` calls it while
-        loading. ValueError (as such a request would get) when the tokenizer cannot carry grammars."""
+        loading; it also imports the checker of finished JSON answers (``answer_check.load_checker``), which the
+        first such answer would import inside a step. ValueError (as such a request would get) when the tokenizer
+        cannot carry grammars."""
+        load_checker()
         self._constraint_factory().prepare()
 
     def _constraint_factory(self) -> ConstraintFactory:
