@@ -3,8 +3,10 @@ that no step waits for them.
 
 The first mask of a sequence with a grammar is its dearest: with ``max_tokens`` set, its ``DocumentClosing`` searches
 the shortest completion of the whole document from the grammar's start (a depth-first search over bytes through the
-matcher; 0.1-0.6 s for a large real-world schema on a 2-core CPU), and a grammar engine may build lexer states on
-the way. Made inside a step, on the mask workers, that time is every running stream's gap. Filling each source's
+matcher, bounded at 4,000 tokens tried; 1-10 ms for the maskbench Kubernetes schemas on a 2-core CPU), and a grammar
+engine may build lexer states on the way. Made inside a step, on the mask workers, that time is every running
+stream's gap (the first search in a process also built the tokenizer's byte tables, 0.4-0.6 s, before
+``Engine.prepare_constraints`` made them while the server loads). Filling each source's
 row once for the first position, before the request is queued, leaves the results where the step finds them: the
 closing keeps its plan for the state it was made in (no token is committed before the first step), and the grammar
 engine keeps what it built. A mask source's ``fill_bitmask`` leaves the source's state as it was, so an extra fill
