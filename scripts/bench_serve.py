@@ -17,7 +17,7 @@ over the rounds.
 4k prompt's prefill). It reports the running stream's median and largest gap between tokens while the arrivals come
 in, and each arrival's time to first token, for logitproc with its default step budgets and with every prompt
 prefilled whole in one step (``--max-num-batched-tokens 0 --max-prefill-tokens-with-decode 0``: the engine before
-chunked prefill)::
+chunked prefill; ``--chunked-only`` skips that one)::
 
     python scripts/bench_serve.py --mixed
 
@@ -193,6 +193,19 @@ class Mixed:
     times: list[float] = field(default_factory=list)
     window: tuple[float, float] = (0.0, 0.0)  # from the first arrival to the end of the last one
     ttft: dict[str, float] = field(default_factory=dict)
+    events: list[tuple[float, str]] = field(default_factory=list)  # (when, what): each arrival sent, its first token
+
+    def largest(self, count: int = 3) -> list[str]:
+        """The ``count`` largest gaps, each with when it ended (from the first arrival) and the last event before
+        it."""
+        start = self.window[0]
+        ends = sorted(zip(self.gaps, self.times[1:], strict=True), reverse=True)[:count]
+        out = []
+        for gap, end in ends:
+            before = [(t, what) for t, what in self.events if t <= end]
+            last = f"{before[-1][1]} at {before[-1][0] - start:+.2f} s" if before else "no arrival yet"
+            out.append(f"{gap * 1e3:.0f} ms ending at {end - start:+.2f} s (last event: {last})")
+        return out
 
     @property
     def gaps(self) -> list[float]:
@@ -214,11 +227,14 @@ class Mixed:
 async def arrival(client: openai.AsyncOpenAI, model: str, name: str, messages: list[dict[str, str]],
                   result: Mixed, **extra: object) -> None:
     started = time.perf_counter()
+    result.events.append((started, f"{name} sent"))
     stream = await client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0,
                                                   stream=True, **extra)
     async for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content and name not in result.ttft:
-            result.ttft[name] = time.perf_counter() - started
+            now = time.perf_counter()
+            result.ttft[name] = now - started
+            result.events.append((now, f"{name}'s first token"))
 
 
 async def run_mixed(url: str, schemas: list[tuple[str, dict]]) -> Mixed:
@@ -282,6 +298,8 @@ def mixed(args: argparse.Namespace) -> int:
     schemas = largest_schemas(args.schema_dir, args.schemas)
     settings = {"chunked (defaults)": [], "whole prompts in one step": ["--max-num-batched-tokens", "0",
                                                                        "--max-prefill-tokens-with-decode", "0"]}
+    if args.chunked_only:
+        del settings["whole prompts in one step"]
     results: dict[str, Mixed] = {}
     for label, extra in settings.items():
         server = start("logitproc", [sys.executable, "-m", "logitproc", "serve", "--model", args.model,
@@ -291,8 +309,8 @@ def mixed(args: argparse.Namespace) -> int:
         finally:
             server.stop()
         gaps = results[label].gaps
-        print(f"{label}: median gap {statistics.median(gaps) * 1e3:.0f} ms, largest {max(gaps) * 1e3:.0f} ms",
-              file=sys.stderr)
+        print(f"{label}: median gap {statistics.median(gaps) * 1e3:.0f} ms, largest {max(gaps) * 1e3:.0f} ms; "
+              "largest gaps: " + "; ".join(results[label].largest()), file=sys.stderr)
         time.sleep(args.pause)  # the machine settles between the two servers
 
     from bench_common import machine_line
@@ -588,6 +606,8 @@ def main() -> int:
     parser.add_argument("--mixed", action="store_true", help="the mixed-load run (see the module doc)")
     parser.add_argument("--pause", type=float, default=10.0, help="--mixed: seconds between the two servers")
     parser.add_argument("--schemas", type=int, default=6, help="--mixed: schema requests (default: %(default)s)")
+    parser.add_argument("--chunked-only", action="store_true",
+                        help="--mixed: the default step budgets only (not the engine with whole prefills)")
     parser.add_argument("--schema-dir", default="/work/shared/data/maskbench-dev",
                         help="--mixed: a folder of maskbench JSON files ({'schema': ...}) (default: %(default)s)")
     parser.add_argument("--ray", action="store_true", help="the Ray Serve runs (see the module doc)")
