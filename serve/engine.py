@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from logitproc.runtime import GenerationConfig, LogitProcessor, RequestState, Sampler, TokenMaskSource
+from logitproc.runtime.answer_check import load_checker
 from logitproc.runtime.constraints import ConstraintFactory
 from logitproc.runtime.field_error import FieldTypeError, FieldValueError
 from logitproc.runtime.grammar import GrammarBackend
@@ -38,6 +39,7 @@ from logitproc.runtime.tree_decode import TreeDecodeConfig
 
 from .core_loop import CoreLoop
 from .engine_core import EngineCore
+from .first_masks import make_first_masks
 from .outputs import Delta, EngineStats, Output, RequestStats
 from .prefix_cache import PrefixCache
 from .prompt_tokens import prompt_token_ids
@@ -197,7 +199,8 @@ class Engine:
                            RequestStats(prompt_tokens=len(ids), arrival=time.perf_counter()), arrival)
 
     def _build(self, new: _NewRequest) -> Request:
-        """The request and its sequences, each with fresh mask sources (this compiles its grammar, if not cached)."""
+        """The request and its sequences, each with fresh mask sources (this compiles its grammar, if not cached)
+        and its first masks made (``first_masks.py``)."""
         config = new.config
         request = Request(new.request_id, new.prompt_token_ids, new.stats, new.arrival)
         request.jump_forward = new.jump_forward
@@ -210,6 +213,7 @@ class Engine:
             seq = GeneratedSequence(request, index, state, self.model.tokenizer, self.eos_token_ids, new.limit,
                                     forked_from=request.sequences[0] if index > 0 else None)
             request.sequences.append(seq)
+        make_first_masks((s.state for s in request.sequences), self.vocab_size)  # not left for a step to make
         return request
 
     def submit(self, prompt: Prompt, config: GenerationConfig | None = None, *, chat: bool | None = None,
@@ -262,6 +266,16 @@ class Engine:
         if not config.needs_mask_sources and self.tree_decode is None:
             return []
         return list(self._constraint_factory().sources_for(config))
+
+    def prepare_constraints(self) -> None:
+        """Make the constraint backend for the model's tokenizer now (``ConstraintFactory.prepare``) instead of at
+        the first request with a response format, whose compile would then hold up the steps for about a second
+        (llguidance reads the vocabulary holding Python's GIL; docs/serving.md). ``logitproc serve`` calls it while
+        loading; it also imports the checker of finished JSON answers (``answer_check.load_checker``), which the
+        first such answer would import inside a step. ValueError (as such a request would get) when the tokenizer
+        cannot carry grammars."""
+        load_checker()
+        self._constraint_factory().prepare()
 
     def _constraint_factory(self) -> ConstraintFactory:
         """The ConstraintFactory for this model, made on first use (the grammar backend reads the tokenizer)."""
