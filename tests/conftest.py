@@ -60,6 +60,29 @@ def pytest_sessionfinish(session, exitstatus) -> None:
         shutil.rmtree(RUN_FOLDER, ignore_errors=True)
 
 
+#: ``$LOGITPROC_TEST_RECORD_SKIPS`` names a file to which a run appends the node id of each test it skips (and of each
+#: test module skipped whole at import), one per line: CI's second pass, with the optional engines installed, runs
+#: only those (``.ci/run``) instead of those files again in full.
+RECORD_SKIPS = "LOGITPROC_TEST_RECORD_SKIPS"
+
+
+def _record_skip(nodeid: str) -> None:
+    path = os.environ.get(RECORD_SKIPS)
+    if path:
+        with open(path, "a", encoding="utf-8") as out:
+            out.write(nodeid + "\n")
+
+
+def pytest_runtest_logreport(report) -> None:
+    if report.skipped:
+        _record_skip(report.nodeid)
+
+
+def pytest_collectreport(report) -> None:
+    if report.skipped:
+        _record_skip(report.nodeid)
+
+
 @pytest.fixture(scope="session")
 def device_kernels():
     """kind -> (Device, kernels) for every matrix device; None where the device is missing (reason recorded)."""
