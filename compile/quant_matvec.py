@@ -62,16 +62,17 @@ _ARRAYS = ("codes", "high", "d", "sc", "m", "dmin", "mq", "lut")  # every layout
 
 
 def _codes(raw: Any, high: Any, lut: Any, g: Any, b: Any, v: Any, half: int, planes: int, codebook: bool) -> Any:
-    """uint8x32 codes of nibble plane ``2 v + half``: the nibbles plus ``planes`` high bits (bits 4, 5), or with
-    ``codebook`` the ``lut`` values the nibbles index (``vpshufb``)."""
+    """uint8x32 codes of nibble plane ``p = 2 v + half``: the nibbles plus ``planes`` high bits (``quant_formats``'s
+    ``high``: Q5's bit ``p`` of each byte, Q6's bits ``2 k, 2 k + 1`` of vector ``u``, ``p = 4 u + k``, moved to bits
+    4 and 5), or with ``codebook`` the ``lut`` values the nibbles index (``vpshufb``)."""
     out = T.bitwise_and(raw, T.broadcast(T.uint8(15), 32)) if half == 0 else T.shift_right(
         raw, T.broadcast(T.uint8(4), 32))
-    for i in range(planes):  # in 16-bit lanes (x86 has no byte shifts): bit p of each byte to bit 4 + i of it
-        words = T.reinterpret("uint16x16", high.vload([g, b, QBLOCK * i], "uint8x32"))
-        moved = T.shift_left(T.shift_right(words, T.broadcast(T.Cast("uint16", 2 * v + half), 16)),
-                             T.broadcast(T.uint16(4 + i), 16))
-        out = T.bitwise_or(out, T.reinterpret("uint8x32", T.bitwise_and(moved, T.broadcast(T.uint16(0x0101 << (4 + i)),
-                                                                                           16))))
+    if planes:  # in 16-bit lanes (x86 has no byte shifts): the mask keeps each byte's own bits
+        words = T.reinterpret("uint16x16", high.vload([g, b, QBLOCK * (v // 2 if planes == 2 else 0)], "uint8x32"))
+        at = 2 * (v % 2 * 2 + half) if planes == 2 else 2 * v + half  # the plane's lowest bit in its byte
+        moved = T.shift_left(T.shift_right(words, T.broadcast(T.Cast("uint16", at), 16)), T.broadcast(T.uint16(4), 16))
+        out = T.bitwise_or(out, T.reinterpret("uint8x32", T.bitwise_and(moved, T.broadcast(
+            T.uint16(0x1010 if planes == 1 else 0x3030), 16))))
     if codebook:
         table = T.reinterpret("int8x32", lut.vload([0], "uint8x32"))
         out = T.reinterpret("uint8x32", _intrin(_PSHUFB, "int8x32", table, T.reinterpret("int8x32", out)))
@@ -384,9 +385,13 @@ def quant_embed_kernel(layout: QuantLayout, vocab: int, hidden: int) -> tirx.Pri
         b, j = h // QBLOCK, h % QBLOCK
         v, half, jj = j // 8, j % 8 // 4, j % 4
         q = T.bitwise_and(T.shift_right(codes[g, b, v * 32 + r * 4 + jj], T.Cast("uint8", half * 4)), T.uint8(15))
-        for i in range(hb):
+        p = 2 * v + half
+        if hb == 1:
             q = T.bitwise_or(q, T.shift_left(T.bitwise_and(T.shift_right(
-                high[g, b, QBLOCK * i + r * 4 + jj], T.Cast("uint8", 2 * v + half)), T.uint8(1)), T.uint8(4 + i)))
+                high[g, b, r * 4 + jj], T.Cast("uint8", p)), T.uint8(1)), T.uint8(4)))
+        elif hb == 2:
+            q = T.bitwise_or(q, T.shift_left(T.bitwise_and(T.shift_right(
+                high[g, b, QBLOCK * (p // 4) + r * 4 + jj], T.Cast("uint8", 2 * (p % 4))), T.uint8(3)), T.uint8(4)))
         return T.Cast("float32", lut[q] if layout.codebook else q)
 
     def weight(codes: Any, high: Any, dd: Any, sc: Any, mm: Any, dmin: Any, mq: Any, lut: Any, row: Any,
