@@ -43,6 +43,7 @@ from .packed_matvec import (
     _SPLIT_TILE,
     _TILE,
     DEFAULT_ACTIVATION_BITS,
+    ROW_PAD,
     ROWS,
     SPLIT_QMAX,
     _check,
@@ -307,8 +308,8 @@ def quant_matmul_kernel(layout: QuantLayout, out_features: int, in_features: int
 
     @T.macro
     def body(x, y, n, codes, high, dd, sc, mm, dmin, mq, lut):
-        xq = T.alloc_buffer((planes, n, K), "int8")
-        xq4 = T.decl_buffer((planes, n, K // 4), "int32", data=xq.data)
+        xq = T.alloc_buffer((planes, n, K + ROW_PAD), "int8")
+        xq4 = T.decl_buffer((planes, n, (K + ROW_PAD) // 4), "int32", data=xq.data)
         xd = T.alloc_buffer((n, blocks), "float32")
         xs = T.alloc_buffer((n, blocks), "float32")
         xc = T.alloc_buffer((n, xc_width), "int32")
