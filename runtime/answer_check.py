@@ -28,6 +28,13 @@ class AnswerCheck:
     error: str | None = None
 
 
+def load_checker() -> None:
+    """Import the checker (``jsonschema``: 0.1-0.3 s) now rather than when the first answer is checked, which is
+    inside a step (``Engine.prepare_constraints``)."""
+    import jsonschema  # noqa: F401
+    import referencing.exceptions  # noqa: F401
+
+
 def check_answer(fmt: ResponseFormat | None, text: str) -> AnswerCheck | None:
     """Validate ``text`` against a json_object / json_schema format; None for other formats (regexes and grammars
     are enforced exactly while generating). Never raises (what cannot be checked says so)."""

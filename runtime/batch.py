@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -69,11 +69,20 @@ def _check_cum(cum_num_token: Any, expected: tuple[int, ...]) -> None:
                          f"{list(expected)} (1 row per sequence plus 1 per draft token)")
 
 
+class BatchMaker(Protocol):
+    """What made a Batch (``LogitProcessor``), as the later stages of its step ask it."""
+
+    def masks_deferred(self, batch: Batch) -> bool:
+        """Whether ``batch``'s masks were left to the sampler (``inplace_update_logits(defer_masks=True)``): a
+        later stage must then be given the ProcessedBatch that holds them, not the Batch."""
+        ...
+
+
 class Batch:
     """One step: per row its sequence and draft path; per sequence its first row; what changed since the last step."""
 
     def __init__(self, states: Sequence[RequestState], cum_num_token: Any = None, draft_trees: DraftArg = None,
-                 previous: Batch | None = None, made_by: object = None) -> None:
+                 previous: Batch | None = None, made_by: BatchMaker | None = None) -> None:
         #: The processor that made this batch (it keeps the caches the batch's update applies to), or None.
         self.made_by = made_by
         self.states = _validated_states(states)
@@ -147,6 +156,13 @@ class Batch:
             raise ValueError(f"{what} has {rows} rows but the states (and drafts) need {self.num_rows}")
         if rows > max_rows:
             raise ValueError(f"{rows} {what} rows exceed {owner}max_num_token={max_rows}")
+
+    def refuse_if_masks_deferred(self, stage: str) -> None:
+        """Raise ValueError when this Batch's masks were deferred (``inplace_update_logits(defer_masks=True)``) and
+        not applied since: ``stage`` given the Batch would process its rows without them."""
+        if self.made_by is not None and self.made_by.masks_deferred(self):
+            raise ValueError(f"{stage} was given the Batch, but inplace_update_logits(defer_masks=True) left its masks "
+                             "to the sampler: pass the ProcessedBatch it returned (it holds the masks), not the Batch")
 
     def __repr__(self) -> str:
         return f"Batch({len(self.states)} sequences, {self.num_rows} rows, {self.update})"

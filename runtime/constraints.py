@@ -79,6 +79,14 @@ class ConstraintFactory:
             self._backend = get_backend(self.backend_name, self.tokenizer)
         return self._backend
 
+    def prepare(self) -> None:
+        """Make now what the first constrained request would otherwise make while the engine steps: the grammar
+        engine for this tokenizer (llguidance reads a 49k vocabulary in about 1 s and holds Python's GIL all that
+        time, so every thread of the process, the stepping one included, waits) and the tokenizer's tables that
+        masks, closings and jump-forward read (``TokenizerAdapter.build_tables``)."""
+        _ = self.backend  # made once per (engine, tokenizer) in the process
+        self.tokenizer.build_tables()
+
     def grammar_source(self, config: GenerationConfig) -> GrammarSource | None:
         fmt = config.response_format
         if fmt is None:

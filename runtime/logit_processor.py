@@ -9,6 +9,7 @@ a masked token's probability is exactly 0, and a row with every token masked has
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -83,6 +84,9 @@ class LogitProcessor:
         self._masks = MaskFiller(self._bitmask.host, self._mask_rows.host, mask_workers)
         self._pending_masks: MaskJob | None = None
         self._last_batch: Batch | None = None
+        # Batches whose masks inplace_update_logits(defer_masks=True) left to the sampler, not applied since: a later
+        # stage given one of them rather than its ProcessedBatch is refused (it would miss the masks).
+        self._deferred: weakref.WeakSet[Batch] = weakref.WeakSet()
         #: Seconds spent filling masks (summed over workers) and waiting for them, for statistics.
         self.mask_fill_seconds = 0.0
         self.mask_wait_seconds = 0.0
@@ -110,6 +114,11 @@ class LogitProcessor:
         self._penalty.forget(batch.update.left)
         self._last_batch = batch
         return batch
+
+    def masks_deferred(self, batch: Batch) -> bool:
+        """Whether ``inplace_update_logits(batch, defer_masks=True)`` left ``batch``'s masks to the sampler and they
+        have not been applied since (``compute_probs_from_logits`` given its ProcessedBatch applies them)."""
+        return batch in self._deferred
 
     def _check_joined(self, state: RequestState) -> None:
         state.config.check_vocab(self.vocab_size)
@@ -197,8 +206,9 @@ class LogitProcessor:
 
         ``defer_masks=True`` fills the masks but leaves them to ``Sampler.sample_from_logits``, which reads them as it
         samples (one pass over the logits fewer): the returned ``ProcessedBatch`` holds them (``deferred_masks``;
-        pass it, not the Batch, to the sampler), and ``compute_probs_from_logits`` given it applies them first if
-        the step takes the staged path after all.
+        pass it, not the Batch, to the sampler: a later stage given the Batch is refused with a ValueError, until
+        ``compute_probs_from_logits`` given the ProcessedBatch applies them, if the step takes the staged path after
+        all).
 
         ``states`` is this step's Batch (``batch()``), or its states (and ``cum_num_token`` / ``draft_trees``), from
         which a Batch is made. ``logits`` is a float32 numpy array, a CPU tensor with ``__dlpack__`` (torch, ...)
@@ -217,6 +227,10 @@ class LogitProcessor:
         if batch.any_penalties:
             self._apply_penalties(on_device, batch)
         deferred, errors = self._apply_masks(on_device, batch, defer_masks)
+        if defer_masks:
+            self._deferred.add(batch)
+        else:
+            self._deferred.discard(batch)
         if write_back is not None:
             self.device.synchronize()
             write_back()
@@ -234,12 +248,16 @@ class LogitProcessor:
         array = caller_array(logits)
         batch = self._batch_for(array, states, cum_num_token, draft_trees)
         processed = states if isinstance(states, ProcessedBatch) else None
+        if processed is None:
+            batch.refuse_if_masks_deferred("compute_probs_from_logits")
         on_device = None if processed is None else processed.device_array_of(logits)
         if on_device is None:
             on_device, _ = self._logits.to_device(array, writes=False)
         if processed is not None and processed.deferred_masks is not None:  # defer_masks=True, then the staged path
             deferred = processed.deferred_masks
             self.kernels[kernel_abi.BITMASK](on_device, deferred.row_ids_on_device, deferred.bitmask)
+        if processed is not None:
+            self._deferred.discard(batch)  # (applied: the later stages may take the Batch)
         rows = batch.num_rows
         temperature = self._temperature.host_prefix(rows)
         temperature[:] = [s.config.temperature for s in batch.row_states]

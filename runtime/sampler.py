@@ -131,10 +131,12 @@ class Sampler:
         self._top_buffers: dict[int, tuple[PrefixViews, PrefixViews]] = {}
         self._probs = LogitsStaging(dev, cap, vocab_size)
 
-    def _batch_for(self, probs: Any, states: BatchArg, cum_num_token: Any, draft_trees: DraftArg,
+    def _batch_for(self, probs: Any, states: BatchArg, cum_num_token: Any, draft_trees: DraftArg, stage: str,
                    what: str = "probs") -> Batch:
         if isinstance(states, ProcessedBatch):
             states = states.batch
+        elif isinstance(states, Batch):
+            states.refuse_if_masks_deferred(f"Sampler.{stage}")
         if isinstance(states, Batch):
             if cum_num_token is not None or draft_trees is not None:
                 raise ValueError("cum_num_token and draft_trees belong to the Batch: it already has its rows")
@@ -160,7 +162,7 @@ class Sampler:
         valid until the next call).
         """
         array = caller_array(probs, "probs")
-        batch = self._batch_for(array, states, cum_num_token, draft_trees)
+        batch = self._batch_for(array, states, cum_num_token, draft_trees, "renormalize")
         if not batch.any_filters:
             return probs
         rows = batch.num_rows
@@ -208,7 +210,7 @@ class Sampler:
                raw_logits: np.ndarray | None = None) -> SampleResult:
         """Draw one token per row from ``probs`` ``[N, V]`` (after ``renormalize``), with logprobs as requested."""
         array = caller_array(probs, "probs")
-        batch = self._batch_for(array, states, cum_num_token, draft_trees)
+        batch = self._batch_for(array, states, cum_num_token, draft_trees, "sample")
         rows = batch.num_rows
         u = self._uniform_to_device(batch)
         on_device = self._on_device(probs, states, array)
@@ -230,7 +232,8 @@ class Sampler:
         defer_masks=True)`` first (bias and penalties written into ``logits`` in place, the masks left to this
         kernel), on one Batch made by that processor (or ``states`` when it is one). Without it, ``states`` is the
         ``ProcessedBatch`` that ``inplace_update_logits`` returned (it holds the masks it deferred), or a Batch or
-        states whose logits need no deferred masks.
+        states whose logits need no deferred masks (a Batch whose masks were deferred is refused with a ValueError:
+        it would be sampled without them).
 
         The same tokens as ``sample(renormalize(compute_probs_from_logits(logits)))`` with the same seeds: the
         ``sample_from_logits`` kernel runs each row's temperature softmax, min-p / top-k / top-p and the draw in one
@@ -246,7 +249,7 @@ class Sampler:
                 cum_num_token = draft_trees = None
             states = processor.inplace_update_logits(logits, states, defer_masks=True)
         array = caller_array(logits)
-        batch = self._batch_for(array, states, cum_num_token, draft_trees, "logits")
+        batch = self._batch_for(array, states, cum_num_token, draft_trees, "sample_from_logits", "logits")
         deferred = states.deferred_masks if isinstance(states, ProcessedBatch) else None
         rows = batch.num_rows
         self._renorm.host_prefix(rows)[:] = 1 if batch.any_filters else 0  # where the staged path renormalizes

@@ -17,23 +17,26 @@ over the rounds.
 4k prompt's prefill). It reports the running stream's median and largest gap between tokens while the arrivals come
 in, and each arrival's time to first token, for logitproc with its default step budgets and with every prompt
 prefilled whole in one step (``--max-num-batched-tokens 0 --max-prefill-tokens-with-decode 0``: the engine before
-chunked prefill)::
+chunked prefill; ``--chunked-only`` skips that one)::
 
     python scripts/bench_serve.py --mixed
 
-``--ray`` measures ``logitproc serve --replicas`` on Ray Serve (the ``ray`` extra; issue 35): first the
-ingress's overhead, one replica through Ray against the single-process server (both running, levels interleaved;
-streamed chat, concurrency 1 and 4, as above); then a shared-prefix load (``--groups`` system prompts of about
-``--prefix-tokens`` tokens, 8 questions each, interleaved, at concurrency 4, answers of 32 tokens) on one engine of
-``--threads`` threads (in process and through Ray), and on ``--threads`` replicas of one thread each with the
-prefix-affinity router and with Ray's power-of-two choices: throughput, TTFT, and the prefix-cache hit rate (cached
-/ prompt tokens, from each answer's ``usage.prompt_tokens_details.cached_tokens``). With the overhead table comes
-where the CPU went: each server's process tree (the command, and for Ray its GCS, raylet, controller, HTTP proxy,
-ingress and replica processes) in CPU milliseconds per generated token, from ``/proc``. ``--ray-part overhead`` runs
-the first part only::
+``--ray`` measures ``logitproc serve --replicas`` on Ray Serve (the ``ray`` extra; issue 35), in two parts.
+``--ray-part overhead``: the ingress's overhead, one replica through Ray against the single-process server (both
+running; streamed chat at concurrency 1 and 4, as above; ``--rounds`` rounds, the two servers interleaved and the
+order alternating): each figure's median and range over the rounds, then Ray against the single-process server round
+by round (the ratio of tok/s, the TTFT and ITL added: each round ran both back to back, so the pair shares the
+machine's load), and where the CPU went: each server's process tree (the command, and for Ray its GCS, raylet,
+controller, HTTP proxy, ingress and replica processes) in CPU milliseconds per generated token, from ``/proc``.
+``--ray-part prefix``: a shared-prefix load (``--groups`` system prompts of about ``--prefix-tokens`` tokens, 8
+questions each, interleaved, at concurrency 4, answers of 32 tokens) on one engine of ``--threads`` threads (in
+process and through Ray), and on ``--threads`` replicas of one thread each with the prefix-affinity router and with
+Ray's power-of-two choices, ``--rounds`` rounds each with system prompts of their own: throughput, TTFT, and the
+prefix-cache hit rate (cached / prompt tokens, from each answer's ``usage.prompt_tokens_details.cached_tokens``),
+median and range. Without ``--ray-part`` both run::
 
-    python scripts/bench_serve.py --ray --threads 2
-    python scripts/bench_serve.py --ray --threads 2 --ray-part overhead --rounds 5
+    python scripts/bench_serve.py --ray --threads 2 --ray-part overhead --max-tokens 64 --rounds 7
+    python scripts/bench_serve.py --ray --threads 2 --ray-part prefix --rounds 3
 
 llama.cpp runs as ``python -m llama_cpp.server`` (llama-cpp-python[server], the ``bench`` extra:
 ``pip install -e ".[bench]"``) on the same GGUF with ``--threads`` threads; logitproc with ``TVM_NUM_THREADS`` set to
@@ -190,6 +193,19 @@ class Mixed:
     times: list[float] = field(default_factory=list)
     window: tuple[float, float] = (0.0, 0.0)  # from the first arrival to the end of the last one
     ttft: dict[str, float] = field(default_factory=dict)
+    events: list[tuple[float, str]] = field(default_factory=list)  # (when, what): each arrival sent, its first token
+
+    def largest(self, count: int = 3) -> list[str]:
+        """The ``count`` largest gaps, each with when it ended (from the first arrival) and the last event before
+        it."""
+        start = self.window[0]
+        ends = sorted(zip(self.gaps, self.times[1:], strict=True), reverse=True)[:count]
+        out = []
+        for gap, end in ends:
+            before = [(t, what) for t, what in self.events if t <= end]
+            last = f"{before[-1][1]} at {before[-1][0] - start:+.2f} s" if before else "no arrival yet"
+            out.append(f"{gap * 1e3:.0f} ms ending at {end - start:+.2f} s (last event: {last})")
+        return out
 
     @property
     def gaps(self) -> list[float]:
@@ -211,11 +227,14 @@ class Mixed:
 async def arrival(client: openai.AsyncOpenAI, model: str, name: str, messages: list[dict[str, str]],
                   result: Mixed, **extra: object) -> None:
     started = time.perf_counter()
+    result.events.append((started, f"{name} sent"))
     stream = await client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0,
                                                   stream=True, **extra)
     async for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content and name not in result.ttft:
-            result.ttft[name] = time.perf_counter() - started
+            now = time.perf_counter()
+            result.ttft[name] = now - started
+            result.events.append((now, f"{name}'s first token"))
 
 
 async def run_mixed(url: str, schemas: list[tuple[str, dict]]) -> Mixed:
@@ -279,6 +298,8 @@ def mixed(args: argparse.Namespace) -> int:
     schemas = largest_schemas(args.schema_dir, args.schemas)
     settings = {"chunked (defaults)": [], "whole prompts in one step": ["--max-num-batched-tokens", "0",
                                                                        "--max-prefill-tokens-with-decode", "0"]}
+    if args.chunked_only:
+        del settings["whole prompts in one step"]
     results: dict[str, Mixed] = {}
     for label, extra in settings.items():
         server = start("logitproc", [sys.executable, "-m", "logitproc", "serve", "--model", args.model,
@@ -288,8 +309,8 @@ def mixed(args: argparse.Namespace) -> int:
         finally:
             server.stop()
         gaps = results[label].gaps
-        print(f"{label}: median gap {statistics.median(gaps) * 1e3:.0f} ms, largest {max(gaps) * 1e3:.0f} ms",
-              file=sys.stderr)
+        print(f"{label}: median gap {statistics.median(gaps) * 1e3:.0f} ms, largest {max(gaps) * 1e3:.0f} ms; "
+              "largest gaps: " + "; ".join(results[label].largest()), file=sys.stderr)
         time.sleep(args.pause)  # the machine settles between the two servers
 
     from bench_common import machine_line
@@ -332,12 +353,12 @@ class PrefixRun:
 
 
 async def run_prefix(url: str, groups: int, prefix_tokens: int, concurrency: int = 4,
-                     max_tokens: int = 32) -> PrefixRun:
+                     max_tokens: int = 32, first_group: int = 0) -> PrefixRun:
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
     model = (await client.models.list()).data[0].id
     run = PrefixRun(Level())
     gate = asyncio.Semaphore(concurrency)
-    order = [(q, g) for q in range(8) for g in range(groups)]  # the groups interleaved
+    order = [(q, first_group + g) for q in range(8) for g in range(groups)]  # the groups interleaved
 
     async def one(question: int, group: int) -> None:
         async with gate:
@@ -412,28 +433,45 @@ def wait_all_replicas(server: Served, timeout: float = 1800) -> None:
 
 
 def ray_bench(args: argparse.Namespace) -> int:
-    serve = [sys.executable, "-m", "logitproc", "serve", "--model", args.model, "--max-batch", str(args.max_batch)]
+    if args.ray_part in ("all", "overhead"):
+        ray_overhead(args)
+    if args.ray_part == "all":
+        time.sleep(args.pause)
+    if args.ray_part in ("all", "prefix"):
+        ray_prefix(args)
+    return 0
+
+
+def _serve_command(args: argparse.Namespace) -> list[str]:
+    return [sys.executable, "-m", "logitproc", "serve", "--model", args.model, "--max-batch", str(args.max_batch)]
+
+
+def _served(args: argparse.Namespace, name: str, extra: list[str], tvm_threads: str) -> Served:
+    server = start(name, [*_serve_command(args), *extra], {**os.environ, "TVM_NUM_THREADS": tvm_threads})
+    if extra:
+        wait_all_replicas(server)
+    return server
+
+
+def ray_overhead(args: argparse.Namespace) -> None:
+    """The ingress's overhead: the single-process server and one replica through Ray, both up, rounds interleaved
+    (the order alternating from round to round), at concurrency 1 and 4."""
     threads = str(args.threads)
-
-    def served(name: str, extra: list[str], tvm_threads: str) -> Served:
-        server = start(name, [*serve, *extra], {**os.environ, "TVM_NUM_THREADS": tvm_threads})
-        if extra:
-            wait_all_replicas(server)
-        return server
-
     overhead: dict[tuple[str, int], list[Level]] = {}
     cpu: dict[tuple[str, int], dict[str, float]] = {}  # CPU seconds by process group, over every round
     tokens: dict[tuple[str, int], int] = {}
+    loads: list[float] = []
     servers = []
     try:  # both up at once, levels interleaved: the machine's load drifts less between the two
         for name, extra in ((f"single process, {threads} threads", []),
                             (f"Ray, 1 replica x {threads} threads", ["--replicas", "1", "--replica-threads", threads])):
-            servers.append(served(name, extra, threads))
+            servers.append(_served(args, name, extra, threads))
         for concurrency in (1, 4):
             for server in servers:
                 asyncio.run(run_level(server.url, concurrency, concurrency, 8))  # warm-up
-            for _ in range(args.rounds):
-                for server in servers:
+            for round_ in range(args.rounds):
+                loads.append(os.getloadavg()[0])
+                for server in servers if round_ % 2 == 0 else servers[::-1]:
                     before = process_tree_cpu(server.proc.pid)
                     level = asyncio.run(run_level(server.url, concurrency, args.requests or 4 * concurrency,
                                                   args.max_tokens))
@@ -442,17 +480,21 @@ def ray_bench(args: argparse.Namespace) -> int:
                         spent[group] = spent.get(group, 0.0) + seconds - before.get(group, 0.0)
                     tokens[(server.name, concurrency)] = tokens.get((server.name, concurrency), 0) + level.tokens
                     overhead.setdefault((server.name, concurrency), []).append(level)
-                    print(f"{server.name} c={concurrency}: {level.tok_per_s:.1f} tok/s, TTFT p50 "
+                    print(f"round {round_ + 1}: {server.name} c={concurrency}: {level.tok_per_s:.1f} tok/s, TTFT p50 "
                           f"{pct(level.ttft, 0.5) * 1e3:.0f} ms", file=sys.stderr)
     finally:
         for server in servers:
             server.stop()
-    print_overhead(args, overhead, cpu, tokens)
-    if args.ray_part == "overhead":
-        return 0
-    time.sleep(args.pause)
+    print_overhead(args, [server.name for server in servers], overhead, cpu, tokens, loads)
 
-    prefix: dict[str, PrefixRun] = {}
+
+def ray_prefix(args: argparse.Namespace) -> None:
+    """The shared-prefix load on one engine of ``--threads`` threads (in process, through Ray) and on ``--threads``
+    replicas of one thread (prefix affinity, power of two): each configuration's server up in turn, ``--rounds``
+    rounds each, every round with system prompts of its own (nothing cached by an earlier round)."""
+    threads = str(args.threads)
+    prefix: dict[str, list[PrefixRun]] = {}
+    loads: list[float] = []
     one_thread = ["--replica-threads", "1"]
     for name, extra, tvm_threads in (
             (f"single process, 1 engine x {threads} threads", [], threads),
@@ -460,40 +502,77 @@ def ray_bench(args: argparse.Namespace) -> int:
             (f"Ray, {threads} replicas x 1 thread, prefix affinity", ["--replicas", threads, *one_thread], "1"),
             (f"Ray, {threads} replicas x 1 thread, power of two", ["--replicas", threads, *one_thread,
                                                                   "--routing", "pow2"], "1")):
-        server = served(name, extra, tvm_threads)
+        server = _served(args, name, extra, tvm_threads)
         try:
-            asyncio.run(run_level(server.url, 2, 2, 8))  # warm-up (other prompts)
-            prefix[name] = asyncio.run(run_prefix(server.url, args.groups, args.prefix_tokens))
-            print(f"{name}: {prefix[name].level.tok_per_s:.1f} tok/s, hit rate {prefix[name].hit_rate:.2f}",
-                  file=sys.stderr)
+            # warm-up: the same load with a system prompt of its own (a fresh single-process server's first run of
+            # long prompts was several times slower than the next, 2026-11-28)
+            asyncio.run(run_prefix(server.url, 1, args.prefix_tokens, first_group=10_000))
+            for round_ in range(args.rounds):
+                loads.append(os.getloadavg()[0])
+                run = asyncio.run(run_prefix(server.url, args.groups, args.prefix_tokens, first_group=round_ * 100))
+                prefix.setdefault(name, []).append(run)
+                print(f"round {round_ + 1}: {name}: {run.level.tok_per_s:.1f} tok/s, hit rate {run.hit_rate:.2f}",
+                      file=sys.stderr)
         finally:
             server.stop()
         time.sleep(args.pause)
 
-    print(f"\nShared prefixes: {args.groups} system prompts of about {args.prefix_tokens} tokens, 8 questions each, "
-          "concurrency 4, 32-token answers\n")
-    print("| configuration | generated tok/s | TTFT p50 / p99 (ms) | prefix-cache hit rate |")
-    print("| --- | --- | --- | --- |")
-    for name, run in prefix.items():
-        print(f"| {name} | {run.level.tok_per_s:.1f} | {pct(run.level.ttft, 0.5) * 1e3:.0f} / "
-              f"{pct(run.level.ttft, 0.99) * 1e3:.0f} | {run.hit_rate:.2f} |")
-    return 0
-
-
-def print_overhead(args: argparse.Namespace, overhead: dict[tuple[str, int], list[Level]],
-                   cpu: dict[tuple[str, int], dict[str, float]], tokens: dict[tuple[str, int], int]) -> None:
-    """The ingress-overhead tables: speed per server and level, and the CPU each process group spent per token."""
     from bench_common import machine_line
 
-    print(f"{machine_line()}; load average {os.getloadavg()[0]:.1f}; {args.max_tokens} tokens per answer, greedy, "
-          f"{args.rounds} rounds (median)\n")
-    print("| server | concurrency | generated tok/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) |")
+    print(f"\n{machine_line()}; load average {min(loads):.1f}-{max(loads):.1f} during the rounds")
+    print(f"Shared prefixes: {args.groups} system prompts of about {args.prefix_tokens} tokens, 8 questions each "
+          f"(the groups interleaved), concurrency 4, 32-token answers, greedy; {args.rounds} rounds per "
+          "configuration, each with system prompts of its own: median [lowest, highest] over the rounds. The hit "
+          "rate is cached / prompt tokens (usage.prompt_tokens_details.cached_tokens); one engine's ideal: each "
+          "group's first request misses.\n")
+    print("| configuration | generated tok/s | TTFT p50 (ms) | TTFT p99 (ms) | prefix-cache hit rate |")
     print("| --- | --- | --- | --- | --- |")
+    for name, runs in prefix.items():
+        print(f"| {name} | {spread([r.level.tok_per_s for r in runs])} | "
+              f"{spread([pct(r.level.ttft, 0.5) * 1e3 for r in runs], 0)} | "
+              f"{spread([pct(r.level.ttft, 0.99) * 1e3 for r in runs], 0)} | "
+              f"{spread([r.hit_rate for r in runs], 2)} |")
+    sys.stdout.flush()
+
+
+def spread(values: list[float], digits: int = 1) -> str:
+    """``median [lowest, highest]`` of ``values`` (the median alone for one value)."""
+    median = f"{statistics.median(values):.{digits}f}"
+    return median if len(values) == 1 else f"{median} [{min(values):.{digits}f}, {max(values):.{digits}f}]"
+
+
+def print_overhead(args: argparse.Namespace, names: list[str], overhead: dict[tuple[str, int], list[Level]],
+                   cpu: dict[tuple[str, int], dict[str, float]], tokens: dict[tuple[str, int], int],
+                   loads: list[float]) -> None:
+    """The ingress-overhead tables: speed per server and level (median and range over the rounds), Ray against the
+    single-process server round by round (the rounds' ratios and differences: each round ran both, back to back),
+    and the CPU each process group spent per token."""
+    from bench_common import machine_line
+
+    print(f"\n{machine_line()}; load average {min(loads):.1f}-{max(loads):.1f} during the rounds; "
+          f"{args.max_tokens} tokens per answer, greedy; {args.rounds} rounds, the two servers interleaved: "
+          "median [lowest, highest] over the rounds\n")
+    print("| server | concurrency | generated tok/s | TTFT p50 (ms) | TTFT p99 (ms) | ITL p50 (ms) | ITL p99 (ms) |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for (name, concurrency), levels in overhead.items():
-        rate = statistics.median(lv.tok_per_s for lv in levels)
-        ttft = [statistics.median(pct(lv.ttft, q) for lv in levels) * 1e3 for q in (0.5, 0.99)]
-        itl = [statistics.median(pct(lv.itl, q) for lv in levels) * 1e3 for q in (0.5, 0.99)]
-        print(f"| {name} | {concurrency} | {rate:.1f} | {ttft[0]:.0f} / {ttft[1]:.0f} | {itl[0]:.1f} / {itl[1]:.1f} |")
+        print(f"| {name} | {concurrency} | {spread([lv.tok_per_s for lv in levels])} | "
+              f"{spread([pct(lv.ttft, 0.5) * 1e3 for lv in levels], 0)} | "
+              f"{spread([pct(lv.ttft, 0.99) * 1e3 for lv in levels], 0)} | "
+              f"{spread([pct(lv.itl, 0.5) * 1e3 for lv in levels])} | "
+              f"{spread([pct(lv.itl, 0.99) * 1e3 for lv in levels])} |")
+    plain, ray = names
+    print("\nRay against the single-process server, round by round (aims at concurrency 1: throughput >= 0.90x, "
+          "TTFT p50 <= +20 ms)\n")
+    print("| concurrency | tok/s ratio | TTFT p50 added (ms) | ITL p50 added (ms) | rounds within both aims |")
+    print("| --- | --- | --- | --- | --- |")
+    for concurrency in sorted({c for _, c in overhead}):
+        pairs = list(zip(overhead[(plain, concurrency)], overhead[(ray, concurrency)], strict=True))
+        ratios = [r.tok_per_s / p.tok_per_s for p, r in pairs]
+        ttft = [(pct(r.ttft, 0.5) - pct(p.ttft, 0.5)) * 1e3 for p, r in pairs]
+        itl = [(pct(r.itl, 0.5) - pct(p.itl, 0.5)) * 1e3 for p, r in pairs]
+        within = sum(ratio >= 0.9 and added <= 20 for ratio, added in zip(ratios, ttft, strict=True))
+        print(f"| {concurrency} | {spread(ratios, 2)} | {spread(ttft, 0)} | {spread(itl)} | "
+              f"{within} of {len(pairs)} |")
     groups = ["command", *(g for _, g in PROCESS_GROUPS), "other"]
     print("\nCPU per generated token (ms), every round, by process (command: the `logitproc serve` process itself)\n")
     print("| server | concurrency | total | " + " | ".join(groups) + " |")
@@ -527,14 +606,17 @@ def main() -> int:
     parser.add_argument("--mixed", action="store_true", help="the mixed-load run (see the module doc)")
     parser.add_argument("--pause", type=float, default=10.0, help="--mixed: seconds between the two servers")
     parser.add_argument("--schemas", type=int, default=6, help="--mixed: schema requests (default: %(default)s)")
+    parser.add_argument("--chunked-only", action="store_true",
+                        help="--mixed: the default step budgets only (not the engine with whole prefills)")
     parser.add_argument("--schema-dir", default="/work/shared/data/maskbench-dev",
                         help="--mixed: a folder of maskbench JSON files ({'schema': ...}) (default: %(default)s)")
     parser.add_argument("--ray", action="store_true", help="the Ray Serve runs (see the module doc)")
     parser.add_argument("--groups", type=int, default=4, help="--ray: system prompts (default: %(default)s)")
     parser.add_argument("--prefix-tokens", type=int, default=400,
                         help="--ray: tokens of each system prompt, about (default: %(default)s)")
-    parser.add_argument("--ray-part", choices=("all", "overhead"), default="all",
-                        help="--ray: both parts, or the ingress's overhead only (default: %(default)s)")
+    parser.add_argument("--ray-part", choices=("all", "overhead", "prefix"), default="all",
+                        help="--ray: both parts, the ingress's overhead only, or the shared-prefix load only "
+                             "(default: %(default)s)")
     args = parser.parse_args()
 
     os.environ["TVM_NUM_THREADS"] = str(args.threads)  # the servers' (and the machine line's) thread count

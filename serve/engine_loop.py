@@ -1,13 +1,16 @@
-"""EngineLoop: the one thread that loads and owns the Engine; others reach it only through a thread-safe queue.
+"""EngineLoop: the server's thread that loads the Engine and steps it; the app reaches it only through its queue.
 
 The thread loads the model (``load()``), then repeats: run the queued commands (add requests, abort, any call on
 the engine), and ``engine.step()`` while anything is unfinished, handing each delta to its request's sink (a
 callable, e.g. one that moves it onto an asyncio queue with ``call_soon_threadsafe``). Commands run between steps,
-so requests join and leave the running batch there; a request's grammar compiles on the engine's grammar thread
-(``Engine.submit``), so the steps go on meanwhile, and the request is answered (its ids) once it compiled. A request
-refused by the engine (its ValueError / TypeError, a grammar that cannot compile included) is refused to its caller
-only; a step that raises ends the requests then running with a ``RequestFailed`` item, and the loop goes on; so does a
-request that the engine forgot without its final delta (never expected), so none waits forever.
+so requests join and leave the running batch there. The engine keeps its own state on one thread at a time
+(``core_loop.py``): this thread is the one that drives it, except when a request's grammar, compiled on the engine's
+grammar thread (``Engine.submit``) while the steps go on, joins the queue while this thread waits for work (the
+grammar thread then queues it itself); the request is answered (its ids) once it compiled. This queue orders the
+server's own bookkeeping (which request's deltas go to which sink, the metrics), which only this thread touches.
+A request refused by the engine (its ValueError / TypeError, a grammar that cannot compile included) is refused to
+its caller only; a step that raises ends the requests then running with a ``RequestFailed`` item, and the loop goes
+on; so does a request that the engine forgot without its final delta (never expected), so none waits forever.
 """
 
 from __future__ import annotations
@@ -301,7 +304,7 @@ class EngineLoop:
         """A request the engine has forgotten without handing over all its final deltas (never expected: a sequence
         always ends with one) still ends for its client, with a RequestFailed, rather than waiting forever."""
         for rid, live in list(self._live.items()):
-            if live.started and self.engine.scheduler.is_done(rid):  # (one not started yet has had no step)
+            if live.started and self.engine.is_done(rid):  # (one not started yet has had no step)
                 log.error("request %s ended without its final answer", rid)
                 live.sink(RequestFailed(rid, "the request ended without its final answer"))
                 del self._live[rid]

@@ -21,6 +21,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
+from enum import Enum
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -89,21 +90,37 @@ class ServerOptions:
     created: int = field(default_factory=lambda: int(time.time()))
 
 
+class AsgiHost(Enum):
+    """What calls the app (``StatusCounter``), and what its cancelling a call or ``receive`` failing means."""
+
+    #: uvicorn (the single-process server): it cancels a call only when ``--drain-timeout`` expired at shutdown (a
+    #: client that disconnects is told to the app by ``http.disconnect``); its ``receive`` does not fail.
+    UVICORN = "uvicorn"
+    #: Ray Serve's ingress replica: it cancels the call when its HTTP proxy saw the client disconnect (or the
+    #: client's own ``x-request-timeout-seconds`` pass), and ``receive`` (a call back into the proxy) fails when the
+    #: proxy has gone (Serve shutting down, its node lost): either way the client is gone.
+    RAY_SERVE = "Ray Serve"
+
+
 class StatusCounter:
     """The outermost ASGI middleware: counts responses by endpoint and status (it watches ``send``), 500s included.
 
     Starlette's error middleware answers an unexpected exception with a 500 (``server_error`` logs it once, with its
     traceback), then re-raises it for the ASGI server, which would log it again: it stops here. One that escapes
     before any response started is answered with a 500 here. A response that uvicorn cancels because
-    ``--drain-timeout`` expired (a client that does not read its stream) ends with one log line, not a traceback.
+    ``--drain-timeout`` expired (a client that does not read its stream) ends with one log line, not a traceback;
+    under Ray Serve (``AsgiHost.RAY_SERVE``) a cancelled call is a client that left: counted as a 499 (nginx's
+    "client closed request", as the app answers a client that left) if no status was sent yet, not logged; and a
+    failing ``receive`` is that client's ``http.disconnect``.
 
     A response that starts before the request's body was read (a refusal, a GET with a body) first reads what is left
     of it (up to ``DRAIN_BYTES`` within ``DRAIN_SECONDS``): broken framing that arrived after a response had started
     would make uvicorn answer 400 on a connection already answering, and log a traceback."""
 
-    def __init__(self, app: Any, metrics: ServerMetrics) -> None:
+    def __init__(self, app: Any, metrics: ServerMetrics, host: AsgiHost = AsgiHost.UVICORN) -> None:
         self.app = app
         self.metrics = metrics
+        self.host = host
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -114,7 +131,12 @@ class StatusCounter:
 
         async def tracked() -> Any:
             nonlocal received
-            message = await receive()
+            try:
+                message = await receive()
+            except Exception:
+                if self.host is not AsgiHost.RAY_SERVE:
+                    raise
+                message = {"type": "http.disconnect"}
             if message["type"] == "http.disconnect" or not message.get("more_body", False):
                 received = True
             return message
@@ -143,7 +165,12 @@ class StatusCounter:
                 log.error("unexpected error in %s: %s", ascii(scope["path"][:200]), _described(err))
                 error = APIError(500, f"internal error: {_described(err)}", kind="server_error")
                 await _ErrorResponse(error.body(), status_code=500)(scope, receive, counted)
-        except asyncio.CancelledError:  # the drain timeout expired: end what can be ended, without waiting long
+        except asyncio.CancelledError:
+            if self.host is AsgiHost.RAY_SERVE:
+                if not started:
+                    self.metrics.response(scope["path"], 499)
+                raise
+            # the drain timeout expired: end what can be ended, without waiting long
             log.warning("%s: cut short at shutdown (--drain-timeout expired)", ascii(scope["path"][:200]))
             error = APIError(503, "the server is stopping", kind="server_error", code="model_not_ready")
             end = (_ErrorResponse(error.body(), status_code=503)(scope, receive, counted) if not started else
@@ -211,7 +238,7 @@ class Server:
 
     def __init__(self, load: Callable[[], Any] | None, options: ServerOptions,
                  on_failure: Callable[[BaseException], None] | None = None, *, client: EngineClient | None = None,
-                 metrics: ServerMetrics | None = None) -> None:
+                 metrics: ServerMetrics | None = None, host: AsgiHost = AsgiHost.UVICORN) -> None:
         self.options = options
         self.metrics = metrics if metrics is not None else ServerMetrics()
         if client is None:
@@ -223,7 +250,7 @@ class Server:
         self._limits: RequestLimits | None = None
         self._traits: ChatTraits | None = None
         #: The ASGI application: the FastAPI app inside the request policy, inside the status counter.
-        self.app = StatusCounter(PolicyMiddleware(self._make_app(), options.policy), self.metrics)
+        self.app = StatusCounter(PolicyMiddleware(self._make_app(), options.policy), self.metrics, host)
 
     # ---------------------------------------------------------------------------------------------- helpers
     @property
@@ -457,7 +484,6 @@ class Server:
             await asyncio.to_thread(server.loop.stop)
 
         app = FastAPI(title="logitproc", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-        app.add_middleware(StatusCounter, metrics=self.metrics)
 
         def authorized(request: Request) -> None:
             key = server.options.api_key

@@ -123,6 +123,9 @@ class EngineStats(DraftCounts):
     decode_tokens: int = 0
     decode_seconds: float = 0.0
     processing_seconds: float = 0.0
+    #: Grammar masks: seconds the mask workers spent filling rows (summed over workers; they fill during the
+    #: forward, and the processing waits for what is left).
+    mask_seconds: float = 0.0
     step_seconds: float = 0.0
     sampled_tokens: int = 0
     jump_forward_tokens: int = 0

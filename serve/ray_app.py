@@ -16,11 +16,13 @@ from typing import Any
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from .http_server import Server, ServerOptions
+from .http_server import AsgiHost, Server, ServerOptions
 from .ray_client import RayEngineClient
+from .ray_logging import log_to_stderr
 from .ray_messages import MetricsSnapshot, ModelFacts, ReplicaLeft
 from .ray_metrics import ReplicaMetrics
 from .ray_options import ReplicaPlan
+from .ray_proxy_guard import CALLBACK_ENV, CALLBACK_IMPORT_PATH
 from .ray_replica import EngineReplica
 from .server_metrics import ServerMetrics
 
@@ -37,9 +39,10 @@ INGRESS_MAX_ONGOING = 10_000
 #: scripts/bench_serve.py --ray: the CPU per streamed token of the ingress and the replica, docs/benchmarks.md).
 SERVE_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
              "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1"}
-#: The same for Ray Serve's HTTP proxy (its calls to the ingress): read by the proxy's process, which the Serve
-#: controller starts with its node's environment (a local instance: this command's; a cluster: `ray start`'s).
-PROXY_ENV = {"RAY_SERVE_PROXY_USE_GRPC": "1"}
+#: The same for Ray Serve's HTTP proxy (its calls to the ingress), and the proxy's header guard
+#: (``ray_proxy_guard.py``): read by the proxy's process, which the Serve controller starts with its node's
+#: environment (a local instance: this command's; a cluster: `ray start`'s).
+PROXY_ENV = {"RAY_SERVE_PROXY_USE_GRPC": "1", CALLBACK_ENV: CALLBACK_IMPORT_PATH}
 #: A local instance's background work, which competes with the engines for the CPUs: the Serve controller's loop
 #: every 0.5 s instead of 0.1 s, Ray Serve's own metrics exported every 2 s instead of 0.1 s (measured idle, the
 #: tiny model on 1 replica: 12% of a core -> 8%).
@@ -54,6 +57,7 @@ class Ingress:
     """The OpenAI app over the engine replicas (``replicas``), with ``options`` as the single-process server's."""
 
     def __init__(self, replicas: DeploymentHandle, options: ServerOptions, wanted: int) -> None:
+        log_to_stderr()
         self._options = options
         self._metrics = ServerMetrics(engine=False)
         self._replica_metrics = ReplicaMetrics()
@@ -69,7 +73,8 @@ class Ingress:
         self._options.sampling_defaults = dict(facts.sampling_defaults)
 
     def __serve_build_asgi_app__(self) -> Any:
-        return Server(None, self._options, client=self._client, metrics=self._metrics).app
+        return Server(None, self._options, client=self._client, metrics=self._metrics,
+                      host=AsgiHost.RAY_SERVE).app
 
 
 def build_application(args: argparse.Namespace, plan: ReplicaPlan, options: ServerOptions) -> Any:

@@ -25,6 +25,7 @@ from typing import Any
 from logitproc.runtime.field_error import FieldValueError
 from ray import serve
 from ray.exceptions import RayActorError
+from ray.serve.exceptions import RequestCancelledError
 from ray.serve.handle import DeploymentHandle
 from tokenizers import Tokenizer
 
@@ -206,7 +207,8 @@ class RayEngineClient:
                         self._fail(call, reason)
                         return
                     log.warning("%s before anything was streamed: trying again", reason)
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, RequestCancelledError):
+            # aborted, or Ray Serve cancelled the HTTP request's call (its client left), and this call with it
             if call.stream is not None:
                 call.stream.cancel()
             if not call.future.done():

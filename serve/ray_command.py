@@ -44,12 +44,26 @@ def _proxy_answers(url: str, timeout: float) -> bool:
     return False
 
 
+def _proxy_guarded(url: str) -> bool:
+    """Whether Ray Serve's proxy at ``url`` runs ``ray_proxy_guard.ProxyHeaderGuard`` (it refuses a request that
+    asks to run on after its client left)."""
+    request = urllib.request.Request(f"{url}/health", headers={"x-request-disconnect-disabled": "?1"})
+    try:
+        with urllib.request.urlopen(request, timeout=10):
+            return False
+    except urllib.error.HTTPError as err:
+        return err.code == 400
+    except OSError:
+        return False
+
+
 def serve_on_ray(args: argparse.Namespace) -> int:
     """Run the command (see the module doc)."""
     import ray
     from ray import serve
 
     from .ray_app import APP_NAME, LOCAL_ENV, PROXY_ENV, build_application
+    from .ray_proxy_guard import CALLBACK_ENV, CALLBACK_IMPORT_PATH
     from .server_cli import server_options
 
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
@@ -82,7 +96,9 @@ def serve_on_ray(args: argparse.Namespace) -> int:
     stop = threading.Event()
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
     try:
-        serve.start(http_options={"host": args.host, "port": args.port})
+        # (the proxies' and the controller's log at WARNING, as the app's: no line for each client that disconnects)
+        serve.start(http_options={"host": args.host, "port": args.port},
+                    logging_config={"log_level": "WARNING", "enable_access_log": False})
         scaling = (f"autoscaling {plan.minimum}..{plan.maximum} (up after {plan.upscale_delay:g} s, down after "
                    f"{plan.downscale_delay:g} s)" if plan.autoscale else f"{plan.initial}")
         log(f"deploying {scaling} replica(s) of {plan.threads} thread(s) each, routing: {args.routing} "
@@ -95,6 +111,10 @@ def serve_on_ray(args: argparse.Namespace) -> int:
         if not _proxy_answers(f"{url}/health", PROXY_WAIT_SECONDS):
             raise RuntimeError(f"Ray Serve's HTTP proxy does not answer at {url} (a Serve instance already "
                                "running on the cluster keeps its own host and port)")
+        if not _proxy_guarded(url):
+            log(f"warning: Ray Serve's HTTP proxy at {url} runs without logitproc's header guard (export "
+                f"{CALLBACK_ENV}={CALLBACK_IMPORT_PATH} before `ray start` on each node: docs/server.md); a "
+                "request header that is not UTF-8 gets a 500 from the proxy")
         log(f"ready: serving at {url}/v1 through Ray Serve")
         while not stop.wait(0.5):
             pass

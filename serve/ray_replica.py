@@ -24,6 +24,7 @@ from prometheus_client import generate_latest
 from ray import serve
 
 from .engine_loop import EngineLoop, EngineUnavailable, QueueFull, RequestFailed
+from .ray_logging import log_to_stderr
 from .ray_messages import Accepted, EngineRequest, MetricsSnapshot, ModelFacts, Refusal, Rejected, ReplicaLeft
 from .ray_metrics import REPORT_PERIOD_S
 from .server_metrics import ServerMetrics
@@ -46,6 +47,7 @@ class EngineReplica:
     async def __init__(self, args: argparse.Namespace, threads: int, ingress: str) -> None:
         from .server_cli import load_engine
 
+        log_to_stderr()
         self.loop: EngineLoop | None = None
         self._reporting: asyncio.Task | None = None
         os.environ["TVM_NUM_THREADS"] = str(threads)  # read when the model's first parallel kernel runs

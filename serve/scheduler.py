@@ -5,8 +5,8 @@ prompts fit in the KV cache with a margin of one token per running sequence (wit
 always fits). ``make_room`` preempts the latest-arrived running request while the running sequences' next forward
 would overflow the KV cache: its KV cache and slots are freed and it goes back to the front of the queue, to be
 prefilled again (prompt + output so far, its state untouched) when there is room: recomputation, as vLLM does.
-``retire`` frees the slots of finished sequences and forgets finished requests. Everything that other threads may
-call (``add``, ``abort``, ``has_unfinished``, ``is_done``) takes the lock.
+``retire`` frees the slots of finished sequences and forgets finished requests. Like the rest of the engine core it
+is single-threaded: only the thread driving the engine calls it (``core_loop.py``), so it takes no lock.
 
 ``plan`` decides what the next forward feeds, within a token budget per step (``StepBudget``: vLLM's
 ``max_num_batched_tokens``, and a smaller bound on the prefill of a step that also decodes): every decoding
@@ -26,7 +26,6 @@ without calling back; ``commit`` then applies the sampled rows to their sequence
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -102,7 +101,6 @@ class Scheduler:
         self.max_total_tokens = max_total_tokens
         self.stats = stats
         self.prefix_cache = prefix_cache
-        self.lock = threading.Lock()
         self.waiting: deque[Request] = deque()
         self.requests: dict[str, Request] = {}  # admitted, not yet finished
         self.running: list[GeneratedSequence] = []
@@ -113,21 +111,19 @@ class Scheduler:
         slots = max(max_batch, int(model.max_num_sequences)) if prefix_cache is not None else max_batch
         self._free_ids = list(range(slots - 1, -1, -1))
 
-    # ---- from any thread ---------------------------------------------------------------------------------------
+    # ---- requests joining and leaving -------------------------------------------------------------------------
     def add(self, request: Request) -> None:
-        with self.lock:
-            rid = request.request_id
-            if self._known(rid):
-                raise ValueError(f"request id {rid!r} is already in use")
-            self._aborts.discard(rid)  # an abort left over from an earlier request of that id is not for this one
-            self.waiting.append(request)
+        rid = request.request_id
+        if self._known(rid):
+            raise ValueError(f"request id {rid!r} is already in use")
+        self._aborts.discard(rid)  # an abort left over from an earlier request of that id is not for this one
+        self.waiting.append(request)
 
     def abort(self, request_id: str) -> None:
         """Abort the request (at the next step) if it is waiting or running; otherwise (finished, or not added
         yet) nothing happens."""
-        with self.lock:
-            if self._known(request_id):
-                self._aborts.add(request_id)
+        if self._known(request_id):
+            self._aborts.add(request_id)
 
     def _known(self, request_id: str) -> bool:
         return request_id in self.requests or any(r.request_id == request_id for r in self.waiting)
@@ -135,39 +131,35 @@ class Scheduler:
     def prompt_progress(self, request_id: str) -> tuple[int, int] | None:
         """(prompt tokens in the KV cache, prompt tokens) while the request's prompt is going in (waiting included:
         0 in); None once its first sequence decodes, or for a request it does not hold."""
-        with self.lock:
-            request = self.requests.get(request_id) or next(
-                (r for r in self.waiting if r.request_id == request_id), None)
-            if request is None:
-                return None
-            total = len(request.prompt_token_ids)
-            first = request.sequences[0] if request.sequences else None
-            if first is None:
-                return 0, total
-            if first.finish_reason is not None or not first.in_prefill:
-                return None
-            return min(first.kv_len, total), total
+        request = self.requests.get(request_id) or next(
+            (r for r in self.waiting if r.request_id == request_id), None)
+        if request is None:
+            return None
+        total = len(request.prompt_token_ids)
+        first = request.sequences[0] if request.sequences else None
+        if first is None:
+            return 0, total
+        if first.finish_reason is not None or not first.in_prefill:
+            return None
+        return min(first.kv_len, total), total
 
     def has_unfinished(self) -> bool:
-        with self.lock:
-            return bool(self.waiting or self.running or self._aborts)
+        return bool(self.waiting or self.running or self._aborts)
 
     def is_done(self, request_id: str) -> bool:
-        with self.lock:
-            return not self._known(request_id)
+        return not self._known(request_id)
 
-    # ---- from the stepping thread ------------------------------------------------------------------------------
+    # ---- the step ----------------------------------------------------------------------------------------------
     def live(self) -> list[GeneratedSequence]:
         """The running sequences that have not finished."""
         return [s for s in self.running if s.finish_reason is None]
 
     def handle_aborts(self, deltas: Deltas) -> None:
         """End every sequence of the aborted requests (waiting or running) with "abort"."""
-        with self.lock:
-            aborts, self._aborts = self._aborts, set()
-            waiting = [r for r in self.waiting if r.request_id in aborts]
-            for r in waiting:
-                self.waiting.remove(r)
+        aborts, self._aborts = self._aborts, set()
+        waiting = [r for r in self.waiting if r.request_id in aborts]
+        for r in waiting:
+            self.waiting.remove(r)
         for request in waiting + [self.requests[a] for a in aborts if a in self.requests]:
             for seq in request.sequences:
                 if seq.finish_reason is None:
@@ -292,34 +284,32 @@ class Scheduler:
         self.running = [s for s in self.running if s.request is not request or s.finish_reason is not None]
         request.stats.preemptions += 1
         self.stats.preemptions += 1
-        with self.lock:  # never seen as finished from another thread: it moves to the queue in one go
-            del self.requests[request.request_id]
-            self.waiting.appendleft(request)
+        del self.requests[request.request_id]
+        self.waiting.appendleft(request)
 
     def admit(self) -> None:
         """Admit waiting requests in order while their sequences get slots and their prompts fit in the KV cache
         with a margin of one token per running sequence (with nothing running, the next request always fits)."""
         used = self.kv_needed()
         running = len(self.live())
-        with self.lock:
-            while self.waiting:
-                request = self.waiting[0]
-                live = [s for s in request.sequences if s.finish_reason is None]
-                need = sum(s.kv_need for s in live)
-                if running + len(live) > self.max_batch:
-                    break
-                while self.cached_tokens and (len(live) > len(self._free_ids) or (
-                        used + self.cached_tokens + need + running + len(live) > self.max_total_tokens)):
-                    self._evict()  # cache entries make way for requests
-                if len(live) > len(self._free_ids) or (
-                        running and used + need + running + len(live) > self.max_total_tokens):
-                    break
-                self.waiting.popleft()
-                used, running = used + need, running + len(live)
-                self.requests[request.request_id] = request
-                for seq in live:
-                    seq.seq_id = self._free_ids.pop()
-                    self.running.append(seq)
+        while self.waiting:
+            request = self.waiting[0]
+            live = [s for s in request.sequences if s.finish_reason is None]
+            need = sum(s.kv_need for s in live)
+            if running + len(live) > self.max_batch:
+                break
+            while self.cached_tokens and (len(live) > len(self._free_ids) or (
+                    used + self.cached_tokens + need + running + len(live) > self.max_total_tokens)):
+                self._evict()  # cache entries make way for requests
+            if len(live) > len(self._free_ids) or (
+                    running and used + need + running + len(live) > self.max_total_tokens):
+                break
+            self.waiting.popleft()
+            used, running = used + need, running + len(live)
+            self.requests[request.request_id] = request
+            for seq in live:
+                seq.take_slot(self._free_ids.pop())
+                self.running.append(seq)
 
     def place(self, seq: GeneratedSequence) -> None:
         """Start ``seq`` in the model: as a fork of the prefix cache entry sharing the longest prefix with its feed
@@ -350,8 +340,7 @@ class Scheduler:
 
     def _free(self, seq: GeneratedSequence) -> None:
         seq.leave_model(self.model)
-        self._free_ids.append(seq.seq_id)
-        seq.seq_id = None
+        self._free_ids.append(seq.give_slot_back())
 
     def _cache(self, seq: GeneratedSequence) -> bool:
         """Hand a finished sequence's model slot to the prefix cache; False when it has nothing to keep."""
@@ -363,7 +352,6 @@ class Scheduler:
         for seq_id in self.prefix_cache.insert(seq.seq_id, tokens[: seq.kv_len]):
             self._release(seq_id)
         seq.hand_over_cache()
-        seq.seq_id = None
         return True
 
     def _evict(self) -> None:

@@ -6,11 +6,13 @@ new sequence, the last sampled token for a decoding one, more after a jump-forwa
 its prompt (after a preemption: prompt and output) into the KV cache in chunks, one per step within the step's token
 budget; it is sampled only once its whole feed is in.
 
-This module is the one owner of that bookkeeping (``in_model``, ``kv_len``, ``feed``, ``in_prefill``,
+This module is the one owner of that bookkeeping (``seq_id``, ``in_model``, ``kv_len``, ``feed``, ``in_prefill``,
 ``forked_from``): the other modules read it and change it only through ``GeneratedSequence``'s methods, each of
-which makes the model's KV cache and the bookkeeping agree (``enter_model``, ``fed``, ``fork_into``,
-``feed_sampled``, ``keep_in_cache``, ``rewind_cache``, ``leave_model``, ``hand_over_cache``, ``recompute``,
-``kv_snapshot`` / ``restore_kv``). (The model slot, ``seq_id``, is the scheduler's.)
+which makes the model's KV cache and the bookkeeping agree (``take_slot`` / ``give_slot_back``: the model slot the
+scheduler lends; ``enter_model``, ``fed``, ``fork_into``, ``feed_sampled``, ``keep_in_cache``, ``rewind_cache``,
+``leave_model``, ``hand_over_cache``, ``recompute``, ``kv_snapshot`` / ``restore_kv``). The only other writer of the
+model's KV cache is the scheduler, for the prefix cache's entries (a finished sequence's cache, handed over), which
+belong to no sequence.
 
 ``commit(token)`` applies the finish rules to a token that is already in the state, in this order: EOS or a
 stop token id ("stop", the token kept in ``token_ids`` but not in the text), then the text (UTF-8 safe, through the
@@ -162,7 +164,21 @@ class GeneratedSequence:
         """Whether the next forward feeds this sequence its one last sampled token (by decode, or verify)."""
         return self.in_model and not self.prefilling and len(self.feed) == 1
 
-    # ---- KV bookkeeping: every change of in_model, kv_len, feed, in_prefill and forked_from is one of these ----
+    # ---- KV bookkeeping: every change of seq_id, in_model, kv_len, feed, in_prefill and forked_from is one of these
+    def take_slot(self, seq_id: int) -> None:
+        """The scheduler gives the sequence a model slot (admission); it enters the model at placement."""
+        if self.seq_id is not None or self.in_model:
+            raise RuntimeError(f"sequence {self.request.request_id}/{self.index} already has slot {self.seq_id}")
+        self.seq_id = seq_id
+
+    def give_slot_back(self) -> int:
+        """The sequence, out of the model, gives its slot back to the scheduler (returned)."""
+        if self.seq_id is None or self.in_model:
+            raise RuntimeError(f"sequence {self.request.request_id}/{self.index} has no slot to give back, or is "
+                               "still in the model")
+        seq_id, self.seq_id = self.seq_id, None
+        return seq_id
+
     def enter_model(self, model: Runner, prefix: tuple[int, int] | None = None) -> None:
         """Start the sequence in the model (its ``seq_id`` given): empty, or forked from ``prefix`` = (the model
         sequence holding the prefix, its length), whose tokens then leave the feed."""
@@ -211,14 +227,16 @@ class GeneratedSequence:
             self.feed = [(state.prompt_token_ids + state.output_token_ids)[self.kv_len]]
 
     def leave_model(self, model: Runner) -> None:
-        """The sequence's KV cache is freed (its ``seq_id`` stays until the scheduler takes it back)."""
+        """The sequence's KV cache is freed (its ``seq_id`` stays until it gives it back, ``give_slot_back``)."""
         if self.in_model:
             model.remove_sequence(self.seq_id)
             self.in_model = False
 
-    def hand_over_cache(self) -> None:
-        """The sequence's KV cache now belongs to another owner (the prefix cache keeps it); the sequence is out."""
+    def hand_over_cache(self) -> int:
+        """The sequence's KV cache and its slot now belong to another owner (the prefix cache keeps them, under the
+        returned slot); the sequence is out."""
         self.in_model = False
+        return self.give_slot_back()
 
     def recompute(self) -> None:
         """Preempted, out of the model: everything it has (prompt and output) goes in again as a prompt."""

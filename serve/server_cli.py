@@ -15,6 +15,7 @@ import os
 import re
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -94,7 +95,8 @@ def server_options(args: argparse.Namespace) -> Any:
 
 
 def load_engine(args: argparse.Namespace) -> Any:
-    """The Engine over ``--model`` with ``--max-batch`` sequences (compiling the model on first use)."""
+    """The Engine over ``--model`` with ``--max-batch`` sequences (compiling the model on first use), its grammar
+    backend made (``Engine.prepare_constraints``)."""
     from logitproc.runtime.tree_decode import load_tree_decode_config
     from logitproc.serve.compiled_model import CompiledModel
     from logitproc.serve.engine import Engine
@@ -114,10 +116,19 @@ def load_engine(args: argparse.Namespace) -> Any:
     tree = load_tree_decode_config(args.tree_decode_config, model.vocab_size, os.environ, model_dir)
     if tree is not None:
         log("tree decode: map loaded; it constrains every answer")
-    return Engine(model, max_batch=args.max_batch, jump_forward=args.jump_forward,
-                  grammar_backend=args.grammar_backend, tree_decode=tree, speculative=args.speculative,
-                  max_num_batched_tokens=args.max_num_batched_tokens or None,
-                  max_prefill_tokens_with_decode=args.max_prefill_tokens_with_decode or None)
+    engine = Engine(model, max_batch=args.max_batch, jump_forward=args.jump_forward,
+                    grammar_backend=args.grammar_backend, tree_decode=tree, speculative=args.speculative,
+                    max_num_batched_tokens=args.max_num_batched_tokens or None,
+                    max_prefill_tokens_with_decode=args.max_prefill_tokens_with_decode or None)
+    # made now, not by the first request with a response format (it would hold up the steps for about a second)
+    started = time.perf_counter()
+    try:
+        engine.prepare_constraints()
+    except ValueError as err:  # requests with a response format get the same error (400); the others are served
+        log(f"response formats are not available for this model: {err}")
+    else:
+        log(f"grammar backend {args.grammar_backend} ready in {time.perf_counter() - started:.1f}s")
+    return engine
 
 
 def sampling_defaults(args: argparse.Namespace, model: Any) -> Any:

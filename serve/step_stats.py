@@ -17,6 +17,7 @@ def account_step(stats: EngineStats, step: ModelStep, processing_seconds: float,
     stats.decode_tokens += step.decode_tokens + step.verify_committed
     stats.decode_seconds += step.decode_seconds + step.verify_seconds
     stats.processing_seconds += processing_seconds
+    stats.mask_seconds += step.masks.fill_seconds if step.masks is not None else 0.0
     stats.step_seconds += step_seconds
     stats.sampled_tokens += step.rows
     for request in {id(s.request): s.request for s in step.sequences + step.chunked}.values():

@@ -146,3 +146,67 @@ def test_closing_one_stream_leaves_the_other_whole(model) -> None:
     deltas.extend(kept)
     assert [t for d in deltas for t in d.token_ids] == want.token_ids
     assert not engine.has_unfinished() and engine.step() == []
+
+
+class OneThreadAtATime:
+    """The tiny model, recording how many threads are inside its KV cache and forward calls at once (the engine's
+    state has one owner thread at a time: never more than one)."""
+
+    CALLS = ("sequence_length", "add_sequence", "remove_sequence", "fork_sequence", "popn", "prefill", "decode",
+             "verify")
+
+    def __init__(self, model) -> None:
+        self._model = model
+        self._lock = threading.Lock()
+        self.inside = 0
+        self.most = 0
+        self.threads: set[int] = set()
+
+    def __getattr__(self, name: str):
+        attr = getattr(self._model, name)
+        if name not in self.CALLS:
+            return attr
+
+        def counted(*args, **kwargs):
+            with self._lock:
+                self.inside += 1
+                self.most = max(self.most, self.inside)
+                self.threads.add(threading.get_ident())
+            try:
+                return attr(*args, **kwargs)
+            finally:
+                with self._lock:
+                    self.inside -= 1
+
+        return counted
+
+
+def test_questions_from_other_threads_never_meet_a_step(model) -> None:
+    """Three threads generate while a fourth asks the engine everything it can be asked and aborts requests that
+    never were: the model is entered by one thread at a time (several take turns), nothing breaks, and every answer
+    equals the request alone."""
+    requests = jobs()[:6]
+    expected = [summary(Engine(model, max_batch=8).generate(p, c)) for p, c in requests]
+    counted = OneThreadAtATime(model)
+    engine = Engine(counted, max_batch=4)
+    done = threading.Event()
+    asked = [0]
+
+    def ask() -> None:
+        while not done.is_set():
+            engine.has_unfinished(), engine.has_runnable(), engine.num_running, engine.kv_tokens
+            engine.prefix_cache_tokens, engine.num_compiling, engine.prompt_progress("req-0"), engine.is_done("x")
+            engine.abort("never-added")
+            asked[0] += 1
+
+    asker = threading.Thread(target=ask)
+    asker.start()
+    try:
+        results = run_threads(engine, requests, threads=3)
+    finally:
+        done.set()
+        asker.join(timeout=60)
+    for answers in results:
+        assert answers == dict(enumerate(expected))
+    assert counted.most == 1 and len(counted.threads) > 1 and asked[0] > 0
+    assert not engine.has_unfinished() and engine.kv_tokens == 0

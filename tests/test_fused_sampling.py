@@ -137,6 +137,31 @@ def test_processed_top_n_logprobs_are_the_log_of_the_largest_probabilities(proc,
     assert result.top_logprobs[2] is None
 
 
+@pytest.mark.parametrize("with_masks", [False, True])
+def test_the_batch_instead_of_its_processed_batch_after_deferring_masks_is_refused(proc, sampler, with_masks) -> None:
+    """After ``inplace_update_logits(defer_masks=True)`` the masks live in the returned ProcessedBatch only: every
+    later stage given the plain Batch refuses it (it would sample without them), whether or not a row has a mask;
+    given the ProcessedBatch, the masks hold. Once the staged path applied them, the Batch is accepted again."""
+    sources: list[list[object]] = [[AllowedSet([3])] if with_masks else [], []]
+    states = [RequestState([1], GenerationConfig(temperature=0.0), mask_sources=src) for src in sources]
+    logits = (np.random.default_rng(0).standard_normal((2, V)) * 3).astype(np.float32)
+    logits[0, 3] = -30.0  # the mask's only token would never win without the mask
+    batch = proc.batch(states)
+    processed = proc.inplace_update_logits(logits, batch, defer_masks=True)
+    probs = np.full((2, V), 1.0 / V, np.float32)
+    for call in (lambda: sampler.sample_from_logits(logits, batch), lambda: sampler.sample(probs, batch),
+                 lambda: sampler.renormalize(probs, batch), lambda: proc.compute_probs_from_logits(logits, batch)):
+        with pytest.raises(ValueError, match="defer_masks=True.*pass the ProcessedBatch"):
+            call()
+    fused = sampler.sample_from_logits(logits, processed)
+    staged = sampler.sample(sampler.renormalize(proc.compute_probs_from_logits(logits, processed), batch), batch)
+    np.testing.assert_array_equal(fused.token_ids, staged.token_ids)  # the masks applied, the Batch accepted after
+    if with_masks:
+        assert fused.token_ids[0] == 3
+    kept = proc.inplace_update_logits(logits, proc.batch(states))  # masks written into the logits: no refusal
+    assert sampler.sample_from_logits(logits, kept.batch).token_ids[0] == fused.token_ids[0]
+
+
 @pytest.mark.parametrize("top_logprobs", [0, 3])
 def test_the_engine_step_gives_the_staged_tokens_either_way(proc, sampler, top_logprobs) -> None:
     """serve.processing.process (always fused) gives the staged path's tokens and logprobs, with and without

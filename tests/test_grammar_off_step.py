@@ -4,9 +4,14 @@ cache compiles a schema once however many requests ask for it. On the tiny compi
 
 from __future__ import annotations
 
+import threading
+from typing import Any
+
+import numpy as np
 import pytest
 from logitproc.runtime import GenerationConfig
-from logitproc.runtime.grammar import GLOBAL_CACHE
+from logitproc.runtime.grammar import GLOBAL_CACHE, GrammarMatcher, TokenizerAdapter
+from logitproc.runtime.grammar.llguidance_backend import LLGuidanceBackend
 from logitproc.serve.engine import Engine
 
 RUNNING = GenerationConfig(temperature=0.0, max_tokens=400, ignore_eos=True)
@@ -114,3 +119,82 @@ def test_the_grammar_cache_compiles_a_schema_once_for_many_requests(model) -> No
         engine.step()
     assert [p.ready.result() for p in pending] == [p.request_id for p in pending]
     assert GLOBAL_CACHE.compiles == before + 1
+
+
+class HeldFirstMask(GrammarMatcher):
+    """llguidance's matcher whose first mask waits until the test lets it go (``Gate``): a grammar whose first mask
+    takes as long as the test wants. Everything else is the real matcher's."""
+
+    def __init__(self, inner: GrammarMatcher, gate: threading.Event) -> None:
+        self.inner, self.gate, self.first = inner, gate, True
+
+    def fill_next_token_bitmask(self, row: np.ndarray) -> None:
+        if self.first:
+            self.first = False
+            if not self.gate.wait(timeout=30):
+                raise AssertionError("the first mask was held for 30 s")
+        self.inner.fill_next_token_bitmask(row)
+
+    def try_accept_token(self, token_id: int) -> bool:
+        return self.inner.try_accept_token(token_id)
+
+    def rollback(self, num_tokens: int) -> None:
+        self.inner.rollback(num_tokens)
+
+    def is_accepting(self) -> bool:
+        return self.inner.is_accepting()
+
+    def is_terminated(self) -> bool:
+        return self.inner.is_terminated()
+
+    def forced_bytes(self) -> bytes:
+        return self.inner.forced_bytes()
+
+
+class HeldFirstMasks(LLGuidanceBackend):
+    """llguidance, each of its matchers' first mask held by ``gate``."""
+
+    def __init__(self, tokenizer: TokenizerAdapter, gate: threading.Event) -> None:
+        super().__init__(tokenizer)
+        self.gate = gate
+
+    def matcher(self, compiled: Any) -> GrammarMatcher:
+        return HeldFirstMask(super().matcher(compiled), self.gate)
+
+
+def test_a_first_mask_is_made_before_its_request_joins_the_steps(model) -> None:
+    """A request's first grammar mask is made on the grammar thread, before the request joins the steps: however
+    long it takes (here held until the test lets it go, after 6 steps), every step gives the running stream its
+    next token, and the request waits in the compiling state; then it runs and answers as it does alone."""
+    config = constrained(large_schema("first mask held", 40))
+    probe = Engine(model)
+    [alone] = probe.generate("Some JSON:", config)
+    adapter = TokenizerAdapter(model.tokenizer, probe.vocab_size, probe.eos_token_ids)
+    gate = threading.Event()
+    engine = Engine(model, grammar_backend=HeldFirstMasks(adapter, gate))
+    running = engine.add_request("Hello there", RUNNING)
+    engine.step()
+    pending = engine.submit("Some JSON:", config)
+    for _ in range(6):
+        deltas = {d.request_id: d for d in engine.step()}
+        assert len(deltas[running].token_ids) == 1
+        assert engine.num_compiling == 1 and pending.request_id not in deltas
+    gate.set()
+    outputs = {}
+    while pending.request_id not in outputs:
+        deltas = {d.request_id: d for d in engine.step()}
+        assert len(deltas[running].token_ids) == 1
+        outputs.update({rid: d.output for rid, d in deltas.items() if d.output is not None})
+    assert outputs[pending.request_id].token_ids == alone.token_ids
+
+
+def test_constraints_prepared_at_load_answer_as_made_on_demand(model) -> None:
+    """``prepare_constraints`` (what ``logitproc serve`` calls while loading) makes the grammar backend and the
+    tokenizer's tables up front; requests then answer as they do with everything made by the first request."""
+    config = constrained(large_schema("prepared at load", 20))
+    [on_demand] = Engine(model).generate("Some JSON:", config)
+    engine = Engine(model)
+    engine.prepare_constraints()
+    engine.prepare_constraints()  # once is enough; again changes nothing
+    [prepared] = engine.generate("Some JSON:", config)
+    assert prepared.token_ids == on_demand.token_ids and prepared.text == on_demand.text

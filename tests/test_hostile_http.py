@@ -15,7 +15,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import h11
 import httpx
@@ -239,6 +239,32 @@ def test_500s_are_counted_and_logged_once_without_reaching_the_asgi_server() -> 
     assert b'logitproc_http_responses_total{endpoint="/v1/models",status="500"} 1.0' in server_metrics.text()
 
 
+def test_each_response_is_counted_once() -> None:
+    """(Two status counters once counted every response that passed the request policy twice.)"""
+    from fastapi.testclient import TestClient
+    from logitproc.serve.http_server import Server, ServerOptions
+
+    release = threading.Event()
+
+    def load() -> None:
+        release.wait(30)
+        raise FileNotFoundError("no model here")
+
+    server = Server(load, ServerOptions())
+    try:
+        with TestClient(server.app, base_url="http://127.0.0.1:8000") as http:
+            assert http.get("/health").status_code == 503 and http.get("/v1/nothing").status_code == 404
+            assert http.get("/health", headers={"Host": "evil.example"}).status_code == 403
+            counted = [line for line in server.metrics.text().decode().splitlines()
+                       if line.startswith("logitproc_http_responses_total{")]
+            assert sorted(counted) == ['logitproc_http_responses_total{endpoint="/health",status="403"} 1.0',
+                                       'logitproc_http_responses_total{endpoint="/health",status="503"} 1.0',
+                                       'logitproc_http_responses_total{endpoint="other",status="404"} 1.0']
+            release.set()  # the load fails: the app stops at once
+    finally:
+        release.set()
+
+
 # ---------------------------------------------------------------------------------------------------- logs
 def test_unknown_field_names_are_logged_escaped_counted_and_bounded(server) -> None:
     before = len(server.output())
@@ -375,7 +401,7 @@ def _requests(server: ServerProcess) -> st.SearchStrategy:
     return st.tuples(methods, paths, hosts, origins, types, keys, _bodies(), framings, st.integers(0, 64))
 
 
-def _fuzz(server: ServerProcess, examples: int) -> None:
+def _fuzz(server: ServerProcess, examples: int, idle: Callable[..., object] = wait_idle) -> None:
     @settings(max_examples=examples, deadline=None, database=None, derandomize=False,
               suppress_health_check=list(HealthCheck))
     @given(_requests(server))
@@ -392,7 +418,7 @@ def _fuzz(server: ServerProcess, examples: int) -> None:
 
     one()
     assert_clean(server)
-    wait_idle(server, timeout=30)  # no request left running
+    idle(server, timeout=30)  # no request left running
 
 
 def test_fuzz_the_http_layer(server) -> None:
