@@ -63,6 +63,9 @@ ACTIVATION_BITS = (8, 16)
 DEFAULT_ACTIVATION_BITS = 16  # 8 puts SmolLM2's logits about 1.5 from the float reference's (docs/model.md)
 SPLIT_QMAX = 32512  # 16-bit codes' largest magnitude: 127 * 256, so the high byte fits int8 with the low in [-128, 128)
 _SPAN = 128       # tokens whose activations stay in L2 while a chunk's rows pass over them
+#: bytes after each token's activation codes, so that the codes a tile reads at once (tokens x planes) fall in
+#: different L1 sets where a row is a multiple of 4096 bytes (K = 8192: 8 ways per set, 16 codes in a wide tile)
+ROW_PAD = 64
 _MADDUBS = "llvm.x86.avx2.pmadd.ub.sw"
 _DPBUSD = "llvm.x86.avx512.vpdpbusd.256"
 #: LLVM features of the VNNI tile (``vpdpbusd`` on 256-bit vectors: AVX512-VNNI with AVX512-VL)
@@ -312,8 +315,8 @@ def _matmul_body(tile_macro: Any) -> Any:
 
     @T.macro
     def body(x, y, n, codes, scales, mins, planes, qmax, tile, lanes, acc_dtype, K, N, blocks, groups, chunks):
-        xq = T.alloc_buffer((planes, n, K), "int8")
-        xq4 = T.decl_buffer((planes, n, K // 4), "int32", data=xq.data)
+        xq = T.alloc_buffer((planes, n, K + ROW_PAD), "int8")
+        xq4 = T.decl_buffer((planes, n, (K + ROW_PAD) // 4), "int32", data=xq.data)
         xd = T.alloc_buffer((n, blocks), "float32")
         xs = T.alloc_buffer((n, blocks), "float32")
         if n >= 16:

@@ -16,8 +16,10 @@ block of 32 weights):
 * ``codes[g, b, 128]`` uint8: the codes' low 4 bits, as ``packed_matvec.pack_q4_1`` lays out Q4_1's: byte
   ``32 v + 4 r + j`` of the block holds weight ``8 v + j`` of row ``8 g + r`` in its low nibble and ``8 v + 4 + j``
   in its high nibble (nibble plane ``p = 2 v + half``);
-* ``high[g, b, 32 h]`` uint8 (``h = bits - 4`` planes, Q5: 1, Q6: 2): bit ``p`` of byte ``32 i + c`` is bit
-  ``4 + i`` of the code whose low bits are at position ``c`` of nibble plane ``p``;
+* ``high[g, b, 32 h]`` uint8 (``h = bits - 4`` vectors, Q5: 1, Q6: 2): the codes' 5th (and 6th) bits. Q5: bit ``p``
+  of byte ``c`` is bit 4 of the code whose low bits are at position ``c`` of nibble plane ``p``; Q6: bits
+  ``2 k, 2 k + 1`` of byte ``32 u + c`` are bits 4 and 5 of that code of plane ``p = 4 u + k`` (so that one
+  shift and one mask put a plane's two bits in place: ``quant_matvec._codes``);
 * ``d[g, b, 8]`` float16 (Q4_0, Q5_0, Q5_1) or ``d[g, b // 8, 8]`` (K-quants): the rows' scales;
 * ``sc[g, b, 8]`` uint8 (Q4_K, Q5_K), int8 (IQ4_XS: ``ls - 32``) or ``sc[g, b, 16]`` int8 (Q6_K: ``[half, row]``): the
   sub-block scales;
@@ -212,10 +214,14 @@ def pack(layout: QuantLayout, parts: dict[str, np.ndarray]) -> dict[str, np.ndar
         ((q[..., 0, :] & 15) | ((q[..., 1, :] & 15) << 4)).astype(np.uint8).reshape(groups, blocks, 4 * QBLOCK))}
     if layout.high_planes:
         planes = q.transpose(0, 1, 2, 4, 3, 5).reshape(groups, blocks, 8, QBLOCK)  # [g, b, p = 2 v + half, 4 r + j]
-        weights = (np.uint8(1) << np.arange(8, dtype=np.uint8))[:, None]
-        out["high"] = np.ascontiguousarray(np.concatenate(
-            [(((planes >> (4 + i)) & 1) * weights).sum(axis=2, dtype=np.uint8) for i in range(layout.high_planes)],
-            axis=2))
+        if layout.high_planes == 1:
+            weights = (np.uint8(1) << np.arange(8, dtype=np.uint8))[:, None]
+            high = (((planes >> 4) & 1) * weights).sum(axis=2, dtype=np.uint8)
+        else:  # [g, b, u, k, c]: bits 4-5 of plane 4 u + k at bits 2 k of byte 32 u + c
+            pairs = ((planes >> 4) & 3).reshape(groups, blocks, 2, 4, QBLOCK)
+            weights = (np.uint8(1) << (2 * np.arange(4, dtype=np.uint8)))[:, None]
+            high = (pairs * weights).sum(axis=3, dtype=np.uint8).reshape(groups, blocks, 2 * QBLOCK)
+        out["high"] = np.ascontiguousarray(high.astype(np.uint8))
     out["d"] = _rows(parts["d"], pad)
     if layout.superblock:
         sc = parts["sc"]
@@ -238,11 +244,15 @@ def unpack_packed(layout: QuantLayout, packed: dict[str, np.ndarray], out_featur
     groups, blocks = packed["codes"].shape[:2]
     raw = packed["codes"].reshape(groups, blocks, 4, ROWS, 4)                       # [g, b, v, r, j]
     q = np.stack([raw & 15, raw >> 4], axis=4)                                       # [g, b, v, r, half, j]
-    for i in range(layout.high_planes):
-        bits = packed["high"][:, :, QBLOCK * i: QBLOCK * (i + 1)].reshape(groups, blocks, ROWS, 4)  # [g, b, r, j]
-        for v in range(4):
-            for half in range(2):
-                q[:, :, v, :, half, :] |= ((bits >> (2 * v + half)) & 1) << (4 + i)
+    for v in range(4):
+        for half in range(2):
+            p = 2 * v + half
+            if layout.high_planes == 1:
+                bits = packed["high"].reshape(groups, blocks, ROWS, 4)  # [g, b, r, j]
+                q[:, :, v, :, half, :] |= ((bits >> p) & 1) << 4
+            elif layout.high_planes == 2:
+                bits = packed["high"][:, :, QBLOCK * (p // 4): QBLOCK * (p // 4 + 1)].reshape(groups, blocks, ROWS, 4)
+                q[:, :, v, :, half, :] |= ((bits >> (2 * (p % 4))) & 3) << 4
     out = {"codes": q.transpose(0, 3, 1, 2, 4, 5).reshape(groups * ROWS, -1)[:out_features]}
 
     def rows(a: np.ndarray) -> np.ndarray:

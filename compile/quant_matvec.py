@@ -21,7 +21,9 @@ looked-up codes, up to 241, as ``16 x (code >> 4) + (code & 15)``: two such prod
 offset comes off the int32 sums (exact), then one FMA per sub-block with ``S x xd`` (``S`` rebuilt from ``d`` and
 ``sc`` for the 8 rows: one convert and multiply per block, not per token) and one with ``M x xs``. Tokens in tiles of
 3 (16-bit codes) or 4, then 2, then 1; row groups in 64 parallel chunks, tokens in spans of 128: a token's
-operations are the same, in the same order, whatever its tile (batch invariance).
+operations are the same, in the same order, whatever its tile (batch invariance). With the VNNI tile, wide tiles of
+8 tokens (Q6_K: 4) come first (``_wide_tile``: one accumulator per plane and token, the codes rebuilt once for 8
+tokens instead of 3, the offset put in the accumulator before the block): the same int32 sums, so the same outputs.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from .packed_matvec import (
     _SPLIT_TILE,
     _TILE,
     DEFAULT_ACTIVATION_BITS,
+    ROW_PAD,
     ROWS,
     SPLIT_QMAX,
     _check,
@@ -51,22 +54,26 @@ from .packed_matvec import (
 from .quant_formats import QBLOCK, QuantLayout
 
 _CHUNKS = 64
+#: tokens of a wide tile (``wide_tile``; half as many with two sub-blocks a block): each vector's codes rebuilt once
+#: for them all
+WIDE_TILE = 8
 _PSHUFB = "llvm.x86.avx2.pshuf.b"
 _MIN_KINDS = {"none": 0, "block": 1, "super": 2}
 _ARRAYS = ("codes", "high", "d", "sc", "m", "dmin", "mq", "lut")  # every layout's arrays in parameter order
 
 
 def _codes(raw: Any, high: Any, lut: Any, g: Any, b: Any, v: Any, half: int, planes: int, codebook: bool) -> Any:
-    """uint8x32 codes of nibble plane ``2 v + half``: the nibbles plus ``planes`` high bits (bits 4, 5), or with
-    ``codebook`` the ``lut`` values the nibbles index (``vpshufb``)."""
+    """uint8x32 codes of nibble plane ``p = 2 v + half``: the nibbles plus ``planes`` high bits (``quant_formats``'s
+    ``high``: Q5's bit ``p`` of each byte, Q6's bits ``2 k, 2 k + 1`` of vector ``u``, ``p = 4 u + k``, moved to bits
+    4 and 5), or with ``codebook`` the ``lut`` values the nibbles index (``vpshufb``)."""
     out = T.bitwise_and(raw, T.broadcast(T.uint8(15), 32)) if half == 0 else T.shift_right(
         raw, T.broadcast(T.uint8(4), 32))
-    for i in range(planes):  # in 16-bit lanes (x86 has no byte shifts): bit p of each byte to bit 4 + i of it
-        words = T.reinterpret("uint16x16", high.vload([g, b, QBLOCK * i], "uint8x32"))
-        moved = T.shift_left(T.shift_right(words, T.broadcast(T.Cast("uint16", 2 * v + half), 16)),
-                             T.broadcast(T.uint16(4 + i), 16))
-        out = T.bitwise_or(out, T.reinterpret("uint8x32", T.bitwise_and(moved, T.broadcast(T.uint16(0x0101 << (4 + i)),
-                                                                                           16))))
+    if planes:  # in 16-bit lanes (x86 has no byte shifts): the mask keeps each byte's own bits
+        words = T.reinterpret("uint16x16", high.vload([g, b, QBLOCK * (v // 2 if planes == 2 else 0)], "uint8x32"))
+        at = 2 * (v % 2 * 2 + half) if planes == 2 else 2 * v + half  # the plane's lowest bit in its byte
+        moved = T.shift_left(T.shift_right(words, T.broadcast(T.Cast("uint16", at), 16)), T.broadcast(T.uint16(4), 16))
+        out = T.bitwise_or(out, T.reinterpret("uint8x32", T.bitwise_and(moved, T.broadcast(
+            T.uint16(0x1010 if planes == 1 else 0x3030), 16))))
     if codebook:
         table = T.reinterpret("int8x32", lut.vload([0], "uint8x32"))
         out = T.reinterpret("uint8x32", _intrin(_PSHUFB, "int8x32", table, T.reinterpret("int8x32", out)))
@@ -103,6 +110,27 @@ def _sums(iacc: Any, s: Any, size: int, h: Any, planes: int) -> Any:
         return iacc[T.ramp(at, 1, ROWS)]
     return T.shift_left(iacc[T.ramp(at, 1, ROWS)], T.broadcast(T.int32(8), ROWS)) + iacc[
         T.ramp(at + size * 2 * ROWS, 1, ROWS)]
+
+
+def _block_sum(facc: Any, s: Any, totals: tuple[Any, Any], sv: tuple[Any, Any], xdv: Any, xs: Any, xc: Any,
+               t0: Any, b: Any, off: int, halves: int, min_kind: int, mm: Any, dmin: Any, mq: Any, g: Any) -> Any:
+    """Token ``s``'s accumulator plus block ``b``, from its exact int32 block sums (``totals``: per sub-block with
+    two scales a block, else the whole block's and nothing): the offset off the integers, one FMA per sub-block with
+    ``S x xd`` (``sv``), one with ``M x xs``. Every tile ends its blocks here, so equal integer sums give a token
+    the same floats in any tile."""
+    acc = facc[T.ramp(s * ROWS, 1, ROWS)]
+
+    def less(total: Any, bh: Any) -> Any:  # the offset off the integer sums (already off where ``off`` is 0)
+        return total - T.broadcast(off * xc[t0 + s, bh], ROWS) if off else total
+
+    if halves == 2:
+        return (acc + T.Cast("float32x8", less(totals[0], b * 2)) * (sv[0] * xdv)
+                + T.Cast("float32x8", less(totals[1], b * 2 + 1)) * (sv[1] * xdv))
+    if min_kind == 0:
+        return acc + T.Cast("float32x8", less(totals[0], b)) * (sv[0] * xdv)
+    return (acc + T.Cast("float32x8", totals[0]) * (sv[0] * xdv)
+            + _min(mm, dmin, mq, g, b, min_kind) * T.broadcast(xs[t0 + s, b], ROWS))
+
 
 
 @T.macro
@@ -151,23 +179,79 @@ def _tile(y, xq4, xd, xs, xc, t0, size, g, blocks, out_features, codes, high, dd
         sv1: T.let = _scale(dd, sc, g, b, halves - 1, superblock, sc_type)
         for s in T.unroll(size):
             xdv: T.let = T.broadcast(xd[t0 + s, b], ROWS)
-            if halves == 2:
-                facc[T.ramp(s * ROWS, 1, ROWS)] = (
-                    facc[T.ramp(s * ROWS, 1, ROWS)]
-                    + T.Cast("float32x8", _sums(iacc, s, size, 0, planes)
-                             - T.broadcast(off * xc[t0 + s, b * 2], ROWS)) * (sv0 * xdv)
-                    + T.Cast("float32x8", _sums(iacc, s, size, 1, planes)
-                             - T.broadcast(off * xc[t0 + s, b * 2 + 1], ROWS)) * (sv1 * xdv))
-            elif min_kind == 0:
-                facc[T.ramp(s * ROWS, 1, ROWS)] = facc[T.ramp(s * ROWS, 1, ROWS)] + T.Cast(
-                    "float32x8", _sums(iacc, s, size, 0, planes) + _sums(iacc, s, size, 1, planes)
-                    - T.broadcast(off * xc[t0 + s, b], ROWS)) * (sv0 * xdv)
-            else:
-                facc[T.ramp(s * ROWS, 1, ROWS)] = (
-                    facc[T.ramp(s * ROWS, 1, ROWS)]
-                    + T.Cast("float32x8", _sums(iacc, s, size, 0, planes) + _sums(iacc, s, size, 1, planes))
-                    * (sv0 * xdv) + _min(mm, dmin, mq, g, b, min_kind) * T.broadcast(xs[t0 + s, b], ROWS))
+            facc[T.ramp(s * ROWS, 1, ROWS)] = _block_sum(
+                facc, s, (_sums(iacc, s, size, 0, planes), _sums(iacc, s, size, 1, planes)) if halves == 2 else (
+                    _sums(iacc, s, size, 0, planes) + _sums(iacc, s, size, 1, planes), None), (sv0, sv1), xdv, xs,
+                xc, t0, b, off, halves, min_kind, mm, dmin, mq, g)
     _store(y, facc, t0, size, g, out_features)
+
+
+def _offset_sum(xc: Any, t: Any, bh: Any, off: int) -> Any:
+    """int32 ``-off x`` token ``t``'s code sum over sub-block ``bh`` (0 without an offset)."""
+    return xc[t, bh] * -off if off else T.int32(0)
+
+
+def _wide_sum(iacc: Any, s: Any, h: int, size: int, planes: int, halves: int) -> Any:
+    """int32x8 block sums of token ``s`` of a wide tile, sub-block ``h`` (the planes joined; with one scale a block,
+    ``h`` 1 is nothing)."""
+    if h >= halves:
+        return None
+    at = (s * halves + h) * ROWS
+    if planes == 1:
+        return iacc[T.ramp(at, 1, ROWS)]
+    return T.shift_left(iacc[T.ramp(at, 1, ROWS)], T.broadcast(T.int32(8), ROWS)) + iacc[
+        T.ramp(at + size * halves * ROWS, 1, ROWS)]
+
+
+@T.macro
+def _wide_tile(y, xq4, xd, xs, xc, t0, size, g, blocks, out_features, codes, high, dd, sc, mm, dmin, mq, lut, iacc,
+               facc, planes, hb, halves, off, superblock, sc_type, min_kind, codebook):
+    """``_tile``'s VNNI tile for more tokens (``wide_tile``): one accumulator per plane, token and sub-block (the low
+    and the high nibbles into the same one: 16 of the 32 vector registers for 8 tokens and two planes), the codes
+    rebuilt once for all the tile's tokens, and the offset put in the low plane's accumulator before the block (its
+    ``-off x`` code sum) instead of taken off after it. The int32 block sums are ``_tile``'s exactly and the float
+    operations after them the same (``_block_sum``), so a token's row is bitwise the same in either tile."""
+    for s in T.unroll(size):
+        facc[T.ramp(s * ROWS, 1, ROWS)] = T.broadcast(T.float32(0), ROWS)
+    for b in range(blocks):
+        for a in T.unroll((planes - 1) * size * halves):
+            iacc[T.ramp(a * ROWS, 1, ROWS)] = T.broadcast(T.int32(0), ROWS)
+        for a in T.unroll(size * halves):  # the low plane's (the only one with 8-bit codes)
+            iacc[T.ramp(((planes - 1) * size * halves + a) * ROWS, 1, ROWS)] = T.broadcast(
+                _offset_sum(xc, t0 + a // halves, b * halves + a % halves, off), ROWS)
+        for v in T.unroll(4):
+            raw: T.let = codes.vload([g, b, v * 32], "uint8x32")
+            low: T.let = _codes(raw, high, lut, g, b, v, 0, hb, codebook)
+            hig: T.let = _codes(raw, high, lut, g, b, v, 1, hb, codebook)
+            for p in T.unroll(planes):
+                for s in T.unroll(size):
+                    at: T.let = ((p * size + s) * halves + (v // 2 if halves == 2 else 0)) * ROWS
+                    iacc[T.ramp(at, 1, ROWS)] = _intrin(_DPBUSD, "int32x8", _intrin(
+                        _DPBUSD, "int32x8", iacc[T.ramp(at, 1, ROWS)], low, T.reinterpret(
+                            "int8x32", T.broadcast(xq4[p, t0 + s, b * 8 + v * 2], ROWS))), hig, T.reinterpret(
+                        "int8x32", T.broadcast(xq4[p, t0 + s, b * 8 + v * 2 + 1], ROWS)))
+        sv0: T.let = _scale(dd, sc, g, b, 0, superblock, sc_type)
+        sv1: T.let = _scale(dd, sc, g, b, halves - 1, superblock, sc_type)
+        for s in T.unroll(size):
+            facc[T.ramp(s * ROWS, 1, ROWS)] = _block_sum(
+                facc, s, (_wide_sum(iacc, s, 0, size, planes, halves), _wide_sum(iacc, s, 1, size, planes, halves)),
+                (sv0, sv1), T.broadcast(xd[t0 + s, b], ROWS), xs, xc, t0, b, 0, halves, min_kind, mm, dmin, mq, g)
+    _store(y, facc, t0, size, g, out_features)
+
+
+
+
+def wide_tile(vnni: bool) -> bool:
+    """Whether ``quant_matmul_kernel`` runs wide tiles (``_wide_tile``): with the VNNI tile (32 vector registers)."""
+    return vnni
+
+
+def _wide_span(wide_tokens: int, halves: int, vnni: bool) -> int:
+    """The tokens of a kernel's wide tiles, or, where it has none, ``_SPAN + 1`` (more than a span holds); raises
+    ValueError unless ``wide_tokens`` is 0 (none) to ``_SPAN``."""
+    if not 0 <= wide_tokens <= _SPAN:
+        raise ValueError(f"wide_tokens must be 0 to {_SPAN}, got {wide_tokens}")
+    return wide_tokens // halves if wide_tile(vnni) and wide_tokens // halves else _SPAN + 1
 
 
 @T.macro
@@ -192,54 +276,72 @@ def _validate(layout: QuantLayout, out_features: int, in_features: int, x_dtype:
 @functools.cache
 def quant_matmul_kernel(layout: QuantLayout, out_features: int, in_features: int, x_dtype: str = "float32",
                         y_dtype: str = "float32", xbits: int = DEFAULT_ACTIVATION_BITS,
-                        vnni: bool = False) -> tirx.PrimFunc:
+                        vnni: bool = False, wide_tokens: int = WIDE_TILE) -> tirx.PrimFunc:
     """``y[t, o] = sum_k x[t, k] * W[o, k]`` (module doc) for ``x[n, K]`` of ``x_dtype`` and ``y[n, N]`` of
     ``y_dtype`` (float32 or float16); parameters ``x``, the packed arrays (``layout.shapes``), ``y``. ``xbits``:
-    the activation codes' bits (8 or 16); ``vnni``: the AVX512-VNNI tile (else AVX2; the same outputs)."""
+    the activation codes' bits (8 or 16); ``vnni``: the AVX512-VNNI tile (else AVX2; the same outputs);
+    ``wide_tokens``: the tokens of a ``_wide_tile`` where the kernel has them (``wide_tile``; 0: none; the same
+    outputs)."""
     _validate(layout, out_features, in_features, x_dtype, y_dtype, xbits)
+    # past a span where the kernel has none; half as many tokens with two sub-blocks a block (as many accumulators)
+    wtile = _wide_span(wide_tokens, layout.halves, vnni)
     N, K, blocks, groups = out_features, in_features, in_features // QBLOCK, -(-out_features // ROWS)
     chunks = min(_CHUNKS, groups)
     planes, qmax, tile = (1, _QMAX, _TILE) if xbits == 8 else (2, SPLIT_QMAX, _SPLIT_TILE)
     hb, halves, off, superblock = layout.high_planes, layout.halves, layout.offset, layout.superblock
     sc_type, min_kind, codebook = layout.sc_dtype, _MIN_KINDS[layout.min], bool(layout.codebook)
     xc_width = blocks * halves if off else 1
+    wide = wtile <= _SPAN
+    iacc_len = max(planes * tile * 2, planes * wtile * halves if wide else 0) * ROWS
+    facc_len = max(tile, wtile if wide else 0) * ROWS
+
+    @T.macro
+    def quantise(x, xq, xd, xs, xc, t, amax):
+        _quantise(x, xq, xd, xs, t, blocks, amax, qmax)
+        if off != 0:
+            _code_sums(xq, xc, t, blocks, halves, planes)
+
+    @T.macro
+    def narrow(y, xq4, xd, xs, xc, t0, size, g, codes, high, dd, sc, mm, dmin, mq, lut, iacc, facc):
+        _tile(y, xq4, xd, xs, xc, t0, size, g, blocks, N, codes, high, dd, sc, mm, dmin, mq, lut, iacc, facc,
+              planes, hb, halves, off, superblock, sc_type, min_kind, vnni, codebook)
 
     @T.macro
     def body(x, y, n, codes, high, dd, sc, mm, dmin, mq, lut):
-        xq = T.alloc_buffer((planes, n, K), "int8")
-        xq4 = T.decl_buffer((planes, n, K // 4), "int32", data=xq.data)
+        xq = T.alloc_buffer((planes, n, K + ROW_PAD), "int8")
+        xq4 = T.decl_buffer((planes, n, (K + ROW_PAD) // 4), "int32", data=xq.data)
         xd = T.alloc_buffer((n, blocks), "float32")
         xs = T.alloc_buffer((n, blocks), "float32")
         xc = T.alloc_buffer((n, xc_width), "int32")
         if n >= 16:
             for t in T.parallel(n):
                 amax = T.alloc_buffer((16,), "float32", scope="local")
-                _quantise(x, xq, xd, xs, t, blocks, amax, qmax)
-                if off != 0:
-                    _code_sums(xq, xc, t, blocks, halves, planes)
+                quantise(x, xq, xd, xs, xc, t, amax)
         else:
             amax = T.alloc_buffer((16,), "float32", scope="local")
             for t in range(n):
-                _quantise(x, xq, xd, xs, t, blocks, amax, qmax)
-                if off != 0:
-                    _code_sums(xq, xc, t, blocks, halves, planes)
+                quantise(x, xq, xd, xs, xc, t, amax)
         for chunk in T.parallel(chunks):
-            iacc = T.alloc_buffer((planes * tile * 2 * ROWS,), "int32", scope="local")
-            facc = T.alloc_buffer((tile * ROWS,), "float32", scope="local")
+            iacc = T.alloc_buffer((iacc_len,), "int32", scope="local")
+            facc = T.alloc_buffer((facc_len,), "float32", scope="local")
             for span in range((n + _SPAN - 1) // _SPAN):
                 t1: T.let = T.min(n, span * _SPAN + _SPAN)
+                # the wide tiles first (where the kernel has them), then tiles of ``tile``, 2 and 1
+                t0: T.let = span * _SPAN + (t1 - span * _SPAN) // wtile * wtile
                 for g in range(chunk * groups // chunks, (chunk + 1) * groups // chunks):
-                    for tt in range((t1 - span * _SPAN) // tile):
-                        _tile(y, xq4, xd, xs, xc, span * _SPAN + tt * tile, tile, g, blocks, N, codes, high, dd, sc,
-                              mm, dmin, mq, lut, iacc, facc, planes, hb, halves, off, superblock, sc_type, min_kind,
-                              vnni, codebook)
-                    if (t1 - span * _SPAN) % tile >= 2:
-                        _tile(y, xq4, xd, xs, xc, t1 - (t1 - span * _SPAN) % tile, 2, g, blocks, N, codes, high, dd,
-                              sc, mm, dmin, mq, lut, iacc, facc, planes, hb, halves, off, superblock, sc_type,
-                              min_kind, vnni, codebook)
-                    if (t1 - span * _SPAN) % tile % 2 == 1:
-                        _tile(y, xq4, xd, xs, xc, t1 - 1, 1, g, blocks, N, codes, high, dd, sc, mm, dmin, mq, lut,
-                              iacc, facc, planes, hb, halves, off, superblock, sc_type, min_kind, vnni, codebook)
+                    if wide:
+                        for tt in range((t1 - span * _SPAN) // wtile):
+                            _wide_tile(y, xq4, xd, xs, xc, span * _SPAN + tt * wtile, wtile, g, blocks, N, codes,
+                                       high, dd, sc, mm, dmin, mq, lut, iacc, facc, planes, hb, halves, off,
+                                       superblock, sc_type, min_kind, codebook)
+                    for tt in range((t1 - t0) // tile):
+                        narrow(y, xq4, xd, xs, xc, t0 + tt * tile, tile, g, codes, high, dd, sc, mm, dmin, mq, lut,
+                               iacc, facc)
+                    if (t1 - t0) % tile >= 2:
+                        narrow(y, xq4, xd, xs, xc, t1 - (t1 - t0) % tile, 2, g, codes, high, dd, sc, mm, dmin, mq,
+                               lut, iacc, facc)
+                    if (t1 - t0) % tile % 2 == 1:
+                        narrow(y, xq4, xd, xs, xc, t1 - 1, 1, g, codes, high, dd, sc, mm, dmin, mq, lut, iacc, facc)
 
     _codes_, _high, _d, _sc, _m, _dmin, _mq, _lut = _param_shapes(layout, N, K)
 
@@ -284,9 +386,13 @@ def quant_embed_kernel(layout: QuantLayout, vocab: int, hidden: int) -> tirx.Pri
         b, j = h // QBLOCK, h % QBLOCK
         v, half, jj = j // 8, j % 8 // 4, j % 4
         q = T.bitwise_and(T.shift_right(codes[g, b, v * 32 + r * 4 + jj], T.Cast("uint8", half * 4)), T.uint8(15))
-        for i in range(hb):
+        p = 2 * v + half
+        if hb == 1:
             q = T.bitwise_or(q, T.shift_left(T.bitwise_and(T.shift_right(
-                high[g, b, QBLOCK * i + r * 4 + jj], T.Cast("uint8", 2 * v + half)), T.uint8(1)), T.uint8(4 + i)))
+                high[g, b, r * 4 + jj], T.Cast("uint8", p)), T.uint8(1)), T.uint8(4)))
+        elif hb == 2:
+            q = T.bitwise_or(q, T.shift_left(T.bitwise_and(T.shift_right(
+                high[g, b, QBLOCK * (p // 4) + r * 4 + jj], T.Cast("uint8", 2 * (p % 4))), T.uint8(3)), T.uint8(4)))
         return T.Cast("float32", lut[q] if layout.codebook else q)
 
     def weight(codes: Any, high: Any, dd: Any, sc: Any, mm: Any, dmin: Any, mq: Any, lut: Any, row: Any,

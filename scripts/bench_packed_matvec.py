@@ -3,7 +3,8 @@ output head at 1 to n tokens, with 16-bit and 8-bit activation codes, CPU time o
 
     TVM_NUM_THREADS=1 python scripts/bench_packed_matvec.py [--tokens 1,2,3,4,6,64] [--rounds 7] [--verify 6]
     python scripts/bench_packed_matvec.py --forward [--tokens 1,2,3,6] [--rounds 7]
-    TVM_NUM_THREADS=1 python scripts/bench_packed_matvec.py --types [--shape 576x1536] [--tokens 1,8,64]
+    TVM_NUM_THREADS=1 python scripts/bench_packed_matvec.py --types [--shape 576x1536] [--tokens 1,8,64] \
+        [--wide-tokens 0,8]
 
 Prints per kernel and token count the best CPU milliseconds of interleaved rounds, and the cost of each token past
 the first up to ``--verify`` tokens (a verify of 1 + K tokens), as milliseconds and as GMAC/s. One thread and CPU
@@ -19,7 +20,8 @@ in-cache time and the time the bytes take at one token's rate.
 
 ``--types``: every GGUF type's packed kernel at one shape (``--shape``, default SmolLM2's ffn_down), VNNI tile where
 the CPU has it, one thread, CPU time: milliseconds per token count and GMAC/s at the largest (packed Q4_1 and Q8_0
-beside ``quant_matvec``'s Q4_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K; random blocks).
+beside ``quant_matvec``'s Q4_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K; random blocks), these (``--only``: some) once per
+``--wide-tokens`` size of their wide tile where they have one (``quant_matvec.wide_tile``; 0: without it).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import tvm
 from logitproc.compile.linear_kernels import linear_kernel
 from logitproc.compile.packed_matvec import has_vnni, pack_q4_1, pack_q8_0, packed_q4_1_kernel, packed_q8_0_kernel
 from logitproc.compile.quant_formats import LAYOUTS, pack, unpack_gguf
-from logitproc.compile.quant_matvec import quant_matmul_kernel
+from logitproc.compile.quant_matvec import WIDE_TILE, quant_matmul_kernel, wide_tile
 from logitproc.runtime.targets import build_features, resolve_target
 
 #: SmolLM2-135M's packed matrices (out, in) per layer, and its output head
@@ -133,13 +135,14 @@ def _random_blocks(ggml: str, rows: int, in_features: int, rng: np.random.Genera
     return raw.reshape(rows, -1)
 
 
-def types(shape: tuple[int, int], tokens: list[int], rounds: int) -> None:
+def types(shape: tuple[int, int], tokens: list[int], rounds: int, wide: list[int], only: set[str]) -> None:
     """``--types`` (module doc)."""
     if os.environ.get("TVM_NUM_THREADS") != "1":
         raise SystemExit("run with TVM_NUM_THREADS=1 (one thread, CPU time)")
     rng = np.random.default_rng(0)
     n_out, n_in = shape
     vnni = vnni_here()
+    sizes = wide if wide_tile(vnni) else [0]  # one row per wide tile's size (0: none)
     kernels = {"Q4_1": (build(packed_q4_1_kernel(n_out, n_in, vnni=vnni)), [tvm.runtime.tensor(a) for a in pack_q4_1(
         rng.integers(0, 256, (n_out, n_in // 2)).astype(np.uint8),
         rng.uniform(0.001, 0.02, (n_out, n_in // 32)).astype(np.float16),
@@ -149,10 +152,12 @@ def types(shape: tuple[int, int], tokens: list[int], rounds: int) -> None:
             rng.integers(-127, 128, (n_out, n_in)).astype(np.int8),
             rng.uniform(0.001, 0.02, (n_out, n_in // 32)).astype(np.float16)).values()])
     for ggml, layout in LAYOUTS.items():
-        if n_in % layout.block_weights == 0 and (vnni or not layout.codebook):
-            arrays = pack(layout, unpack_gguf(layout, _random_blocks(ggml, n_out, n_in, rng)))
-            kernels[ggml] = (build(quant_matmul_kernel(layout, n_out, n_in, vnni=vnni)),
-                             [tvm.runtime.tensor(a) for a in arrays.values()])
+        if n_in % layout.block_weights == 0 and (vnni or not layout.codebook) and ggml in only:
+            arrays = [tvm.runtime.tensor(a) for a in pack(layout, unpack_gguf(
+                layout, _random_blocks(ggml, n_out, n_in, rng))).values()]
+            for size in sizes:
+                kernels[f"{ggml} wide {size}" if len(sizes) > 1 else ggml] = (build(quant_matmul_kernel(
+                    layout, n_out, n_in, vnni=vnni, wide_tokens=size)), arrays)
     best: dict[tuple[str, int], float] = {}
     for n in tokens:
         x = tvm.runtime.tensor(rng.standard_normal((n, n_in)).astype(np.float32))
@@ -183,10 +188,14 @@ def main() -> int:
     parser.add_argument("--forward", action="store_true", help="a whole forward's matmuls, streaming (module doc)")
     parser.add_argument("--types", action="store_true", help="every GGUF type's packed kernel (module doc)")
     parser.add_argument("--shape", default="576x1536", help="with --types: out x in")
+    parser.add_argument("--wide-tokens", default=f"0,{WIDE_TILE}",
+                        help="with --types: the wide tile's sizes to time (0: without it)")
+    parser.add_argument("--only", default="", help="with --types: these quant_matvec types (Q4_0,Q4_K), not all")
     args = parser.parse_args()
     if args.types:
         n_out, n_in = (int(v) for v in args.shape.split("x"))
-        types((n_out, n_in), sorted({int(t) for t in args.tokens.split(",")}), args.rounds)
+        types((n_out, n_in), sorted({int(t) for t in args.tokens.split(",")}), args.rounds,
+              [int(v) for v in args.wide_tokens.split(",")], set(args.only.split(",")) if args.only else set(LAYOUTS))
         return 0
     if args.forward:
         forward(sorted({int(t) for t in args.tokens.split(",")}), args.rounds)

@@ -1,12 +1,11 @@
 """The packed kernels of the GGUF block types Q4_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS
-(``compile/quant_formats.py``,
-``compile/quant_matvec.py``): unpacked and repacked blocks dequantise to gguf-py's ``dequantize`` bit for bit, exact
-widenings keep every weight, the matmul equals float64 numpy on the activations rounded as
-``quantise_activations`` rounds them (within 1e-5 of the output's scale) on rows not a multiple of 8, a single row,
-1 to 9 and 131 tokens, with 16-bit and 8-bit activation codes; a token's row is bitwise the same whatever the other
-tokens; the VNNI tile gives the AVX2 tile's outputs bit for bit; the lookup is the dequantised rows exactly; bad
-shapes and types are refused. The blocks are random bytes (every code, sub-scale and min pattern) with finite
-float16 scales."""
+(``compile/quant_formats.py``, ``compile/quant_matvec.py``): unpacked and repacked blocks dequantise to gguf-py's
+``dequantize`` bit for bit, exact widenings keep every weight, the matmul equals float64 numpy on the activations
+rounded as ``quantise_activations`` rounds them (within 1e-5 of the output's scale) on rows not a multiple of 8, a
+single row, 1 to 9 and 131 tokens, with 16-bit and 8-bit activation codes; a token's row is bitwise the same
+whatever the other tokens; the VNNI tile gives the AVX2 tile's outputs bit for bit, and so does the wide VNNI
+tile; the lookup is the dequantised rows exactly; bad shapes and types are refused. The blocks are random bytes
+(every code, sub-scale and min pattern) with finite float16 scales."""
 
 from __future__ import annotations
 
@@ -27,7 +26,7 @@ from logitproc.compile.quant_formats import (
     unpack_packed,
     widen,
 )
-from logitproc.compile.quant_matvec import quant_embed_kernel, quant_matmul_kernel
+from logitproc.compile.quant_matvec import WIDE_TILE, quant_embed_kernel, quant_matmul_kernel, wide_tile
 from logitproc.runtime.targets import build_features, resolve_target
 
 TARGET = resolve_target("cpu").tvm_target()
@@ -108,20 +107,21 @@ def test_exact_widenings_keep_every_weight_and_other_mixes_are_not_exact() -> No
         widen("Q6_K", random_blocks("Q6_K", 1, 256, rng), "Q5_K")
 
 
-def _check_kernel(ggml: str, n_out: int, vnni: bool, xbits: int, rng: np.random.Generator) -> dict[int, np.ndarray]:
+def _check_kernel(ggml: str, n_out: int, vnni: bool, xbits: int, rng: np.random.Generator,
+                  wide_tokens: int = WIDE_TILE, tokens: tuple[int, ...] = TOKENS) -> dict[int, np.ndarray]:
     layout = LAYOUTS[ggml]
     in_features = _in_features(ggml)
     raw = random_blocks(ggml, n_out, in_features, rng)
     packed = pack(layout, unpack_gguf(layout, raw))
     weights = _gguf(ggml, raw).astype(np.float64)
-    run = _build(quant_matmul_kernel(layout, n_out, in_features, xbits=xbits, vnni=vnni))
+    run = _build(quant_matmul_kernel(layout, n_out, in_features, xbits=xbits, vnni=vnni, wide_tokens=wide_tokens))
     dev = tvm.cpu()
     arrays = [tvm.runtime.tensor(a, dev) for a in packed.values()]
-    x = rng.standard_normal((max(TOKENS), in_features)).astype(np.float32)
+    x = rng.standard_normal((max(tokens), in_features)).astype(np.float32)
     x[1, :32] = 0.0  # an all-zero block
     x[2, 32:64] = 0.75  # a constant one
     rows = {}
-    for n in TOKENS:
+    for n in tokens:
         y = tvm.runtime.tensor(np.full((n, n_out), np.nan, np.float32), dev)
         run(tvm.runtime.tensor(x[:n], dev), *arrays, y)
         expected = round_activations(x[:n], xbits).astype(np.float64) @ weights.T
@@ -129,7 +129,7 @@ def _check_kernel(ggml: str, n_out: int, vnni: bool, xbits: int, rng: np.random.
                                    err_msg=f"{ggml} {n_out} rows, {n} tokens")
         rows[n] = y.numpy()
     for n, y in rows.items():  # batch invariance: the first n tokens' rows as in the widest call
-        np.testing.assert_array_equal(y, rows[max(TOKENS)][:n], err_msg=f"{ggml}: {n} tokens")
+        np.testing.assert_array_equal(y, rows[max(tokens)][:n], err_msg=f"{ggml}: {n} tokens")
     return rows
 
 
@@ -156,6 +156,22 @@ def test_vnni_tile_gives_the_avx2_tiles_outputs_bit_for_bit(ggml: str) -> None:
         np.testing.assert_array_equal(avx2[n], vnni[n])
 
 
+@needs_avx2
+@pytest.mark.skipif(not has_vnni(FEATURES), reason="no AVX512-VNNI")
+@pytest.mark.parametrize("ggml", ["Q4_0", "Q6_K"])
+def test_wide_tile_with_8_bit_codes_and_against_the_kernel_without_it(ggml: str) -> None:
+    """The VNNI kernel's wide tiles (8 tokens, Q6_K 4; with 16-bit codes every type's batch invariance above already
+    compares them with the narrow tiles bit for bit) with 8-bit codes, and against the kernel without them on the
+    same tokens (of 5 here, Q6_K 2, so that 1-4 tokens run the narrow tiles only and 13 both)."""
+    assert wide_tile(True) and not wide_tile(False)
+    _check_kernel(ggml, 21, True, 8, np.random.default_rng(6))
+    tokens = (1, 4, 5, 13, 131)
+    narrow = _check_kernel(ggml, 21, True, 16, np.random.default_rng(7), wide_tokens=0, tokens=tokens)
+    wide = _check_kernel(ggml, 21, True, 16, np.random.default_rng(7), wide_tokens=5, tokens=tokens)
+    for n in tokens:
+        np.testing.assert_array_equal(narrow[n], wide[n], err_msg=f"{ggml}: {n} tokens")
+
+
 @pytest.mark.parametrize("ggml", list(LAYOUTS))
 def test_lookup_gives_the_dequantised_rows_exactly(ggml: str) -> None:
     rng = np.random.default_rng(5)
@@ -180,5 +196,7 @@ def test_bad_shapes_and_types_are_refused() -> None:
         quant_matmul_kernel(LAYOUTS["Q6_K"], 8, 256, "int8")
     with pytest.raises(ValueError, match="activation bits must be one of"):
         quant_matmul_kernel(LAYOUTS["Q6_K"], 8, 256, xbits=4)
+    with pytest.raises(ValueError, match="wide_tokens must be 0 to 128, got 129"):
+        quant_matmul_kernel(LAYOUTS["Q4_0"], 8, 256, wide_tokens=129)
     with pytest.raises(ValueError, match="whole blocks of 210 bytes"):
         unpack_gguf(LAYOUTS["Q6_K"], np.zeros((2, 200), np.uint8))
