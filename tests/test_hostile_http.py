@@ -279,20 +279,26 @@ def test_unknown_field_names_are_logged_escaped_counted_and_bounded(server) -> N
 
 
 # ---------------------------------------------------------------------------------------------------- shutdown
+def ctrl_c_beside_an_unread_stream(proc: ServerProcess, exit_within: float) -> str:
+    """Start a long stream whose client never reads (a small receive buffer), send the server Ctrl-C, check that it
+    exits 130 within ``exit_within`` seconds, and return its output."""
+    body = json.dumps({"prompt": "x", "max_tokens": 4000, "ignore_eos": True, "stream": True}).encode()
+    with socket.create_connection(("127.0.0.1", proc.port)) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body) + body)  # and never read
+        time.sleep(2)
+        proc.proc.send_signal(signal.SIGINT)
+        assert proc.proc.wait(exit_within) == 128 + signal.SIGINT
+    return proc.output()
+
+
 def test_ctrl_c_with_a_client_that_never_reads_drains_then_exits_130() -> None:
     """Ctrl-C drains as SIGTERM does (test_server.py: exit 0), then exits 130 (the shell's convention, as
     docs/server.md says); the drain timeout expiring on a stream nobody reads writes one line, not a traceback."""
     proc = ServerProcess("--model", "tiny", "--drain-timeout", "1", api_key=None)
     try:
-        body = json.dumps({"prompt": "x", "max_tokens": 4000, "ignore_eos": True, "stream": True}).encode()
-        with socket.create_connection(("127.0.0.1", proc.port)) as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                         b"Content-Length: %d\r\n\r\n" % len(body) + body)  # and never read
-            time.sleep(2)
-            proc.proc.send_signal(signal.SIGINT)
-            assert proc.proc.wait(30) == 128 + signal.SIGINT
-        log = proc.output()
+        log = ctrl_c_beside_an_unread_stream(proc, exit_within=30)
         # The stream is either blocked on the full socket when the drain timeout expires (then cut short: one line)
         # or ended with the engine's stop (no line): which depends on the machine's speed; never a traceback.
         assert "Traceback" not in log and log.count("cut short at shutdown (--drain-timeout expired)") <= 1, log[-3000:]

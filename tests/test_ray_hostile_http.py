@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import socket
 import time
 from collections.abc import Iterator
@@ -35,6 +34,7 @@ from test_hostile_http import (  # noqa: E402, F401 (the tests themselves, run h
     MAX_QUEUE,
     MESSAGES,
     _fuzz,
+    ctrl_c_beside_an_unread_stream,
     post,
     test_a_deep_answer_to_a_recursive_schema_ends,
     test_a_huge_message_is_refused_by_its_size_before_tokenizing_and_health_stays_quick,
@@ -168,15 +168,7 @@ def test_ctrl_c_with_a_client_that_never_reads_drains_then_exits_130() -> None:
     proc = ServerProcess("--model", "tiny", "--replicas", "1", "--replica-threads", "1", "--drain-timeout", "1",
                          api_key=None)
     try:
-        body = json.dumps({"prompt": "x", "max_tokens": 4000, "ignore_eos": True, "stream": True}).encode()
-        with socket.create_connection(("127.0.0.1", proc.port)) as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                         b"Content-Length: %d\r\n\r\n" % len(body) + body)  # and never read
-            time.sleep(2)
-            proc.proc.send_signal(signal.SIGINT)
-            assert proc.proc.wait(60) == 128 + signal.SIGINT
-        log = proc.output()
+        log = ctrl_c_beside_an_unread_stream(proc, exit_within=60)
         assert "Traceback" not in log, log[-3000:]
     finally:
         proc.stop()
