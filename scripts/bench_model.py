@@ -5,6 +5,7 @@ step that the engine spends in logit processing + sampling.
                                   [--no-engine] [--markdown]
     python scripts/bench_model.py --llama-cpp [--contexts 64,1024,4096] [--threads 2] [--batch 8]
     python scripts/bench_model.py --profile [--prompt-tokens 128] [--profile-prefill 1024,4096] [--profile-verify 6]
+                                  [--profile-batch 8]
     (every mode: [--kv-dtype float16|float32], the compiled model's KV cache; float16 by default, as llama.cpp's;
     [--activation-bits 16|8], the codes of its packed Q4_1 matmuls on AVX2 CPUs)
 
@@ -20,7 +21,8 @@ GGUF file, same prompt tokens and same thread count, at each of ``--contexts``: 
 ratios, decode as a fraction of the memory floor, and ``--batch`` sequences decoded together (``side_by_side.py``).
 ``--profile`` instead times each packed function of one decode step (``decode_profile.py``), with
 ``--profile-prefill`` of a prefill of each of the given lengths, and with ``--profile-verify`` of a verify forward
-of each of the given token counts (speculative decoding's check of 1 + K tokens).
+of each of the given token counts (speculative decoding's check of 1 + K tokens), with ``--profile-batch`` of a
+decode step of that many sequences.
 """
 
 from __future__ import annotations
@@ -124,6 +126,7 @@ def main() -> int:
                         help="activation codes of the packed Q4_1 matmuls (8: as llama.cpp's)")
     parser.add_argument("--profile-prefill", default="", help="with --profile: prompt lengths to profile prefills of")
     parser.add_argument("--profile-verify", default="", help="with --profile: token counts to profile verifies of")
+    parser.add_argument("--profile-batch", default="", help="with --profile: batch sizes to profile decode steps of")
     args = parser.parse_args()
     if args.llama_cpp:
         os.environ["TVM_NUM_THREADS"] = str(args.threads)  # read when TVM's thread pool starts (first kernel)
@@ -155,6 +158,8 @@ def main() -> int:
             print_prefill_profile(model, prompt_ids(model.tokenizer, n))
         for n in [int(n) for n in args.profile_verify.split(",") if n]:
             print_profile(model, prompt_ids(model.tokenizer, args.prompt_tokens), verify=n)
+        for n in [int(n) for n in args.profile_batch.split(",") if n]:
+            print_profile(model, prompt_ids(model.tokenizer, args.prompt_tokens), batch=n)
         return 0
     gguf = load_default_model() if args.model == "default" else load_gguf(args.model)
     prompt = prompt_ids(model.tokenizer, args.prompt_tokens)

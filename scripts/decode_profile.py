@@ -2,7 +2,7 @@
 function the VM calls (kernels, KV-cache builtins, VM builtins), timed with the VM's instrument, as calls per step
 and milliseconds per step (median call x calls; for a prefill, the sum over its chunks).
 
-Used by ``scripts/bench_model.py --profile``, ``--profile-prefill`` and ``--profile-verify``.
+Used by ``scripts/bench_model.py --profile``, ``--profile-prefill``, ``--profile-verify`` and ``--profile-batch``.
 """
 
 from __future__ import annotations
@@ -34,26 +34,31 @@ def _instrument(vm) -> dict[str, list[float]]:
     return times
 
 
-def profile_decode(model, prompt: list[int], steps: int = 8,
-                   verify: int = 0) -> tuple[float, list[tuple[str, int, float]]]:
-    """(ms of a plain decode step, [(function, calls per step, ms per step)] sorted by time) for batch 1 after
-    ``prompt``, on a VM of its own over the model's library and weights. ``verify``: profile instead a verify
-    forward of that many tokens (speculative decoding's check of 1 + K tokens), rolled back after each."""
+def profile_decode(model, prompt: list[int], steps: int = 8, verify: int = 0,
+                   batch: int = 1) -> tuple[float, list[tuple[str, int, float]]]:
+    """(ms of a plain decode step, [(function, calls per step, ms per step)] sorted by time) for ``batch``
+    sequences after ``prompt`` each, on a VM of its own over the model's library and weights. ``verify``: profile
+    instead a verify forward of that many tokens of one sequence (speculative decoding's check of 1 + K tokens),
+    rolled back after each."""
     vm = relax.VirtualMachine(model.kernel_library.runtime_module, model.device)
-    kv = vm["create_paged_kv_cache"](_shape([1]), _shape([len(prompt) + 64 + steps * 2]), _shape([len(prompt)]),
-                                     _shape([16]), _shape([0]))
+    kv = vm["create_paged_kv_cache"](_shape([batch]), _shape([batch * (len(prompt) + 64 + steps * 2)]),
+                                     _shape([len(prompt)]), _shape([16]), _shape([0]))
     get = tvm.get_global_func
-    get("vm.builtin.kv_state_add_sequence")(kv, 0)
     begin, end = get("vm.builtin.kv_state_begin_forward"), get("vm.builtin.kv_state_end_forward")
-    begin(kv, _shape([0]), _shape([len(prompt)]))
-    vm["prefill"](tvm.runtime.tensor(np.array(prompt, np.int32)),
-                  tvm.runtime.tensor(np.array([len(prompt) - 1], np.int32)), kv, model._params)
-    end(kv)
-    ids = tvm.runtime.tensor(np.array([prompt[-1]] * max(verify, 1), np.int32))
+    for seq in range(batch):
+        get("vm.builtin.kv_state_add_sequence")(kv, seq)
+        begin(kv, _shape([seq]), _shape([len(prompt)]))
+        vm["prefill"](tvm.runtime.tensor(np.array(prompt, np.int32)),
+                      tvm.runtime.tensor(np.array([len(prompt) - 1], np.int32)), kv, model._params)
+        end(kv)
+    ids = tvm.runtime.tensor(np.array([prompt[-1]] * max(verify, batch), np.int32))
     popn = get("vm.builtin.kv_state_popn")
 
     def step() -> None:
-        begin(kv, _shape([0]), _shape([max(verify, 1)]))
+        if verify:
+            begin(kv, _shape([0]), _shape([verify]))
+        else:
+            begin(kv, _shape(list(range(batch))), _shape([1] * batch))
         if verify:
             vm["verify"](ids, kv, model._params)
         else:
@@ -105,9 +110,9 @@ def print_prefill_profile(model, prompt: list[int]) -> None:
         print(f"| {name} | {calls} | {ms:.1f} | {ms / total_ms:.0%} |")
 
 
-def print_profile(model, prompt: list[int], verify: int = 0) -> None:
-    plain_ms, rows = profile_decode(model, prompt, verify=verify)
-    what = f"verify of {verify} tokens" if verify else "decode step"
+def print_profile(model, prompt: list[int], verify: int = 0, batch: int = 1) -> None:
+    plain_ms, rows = profile_decode(model, prompt, verify=verify, batch=batch)
+    what = f"verify of {verify} tokens" if verify else f"decode step of {batch} sequences"
     print(f"\none {what} after {len(prompt)} tokens: {plain_ms:.2f} ms plain; by packed function "
           "(VM instrument, median call x calls per step):\n\n| function | calls | ms per step |\n|---|---|---|")
     for name, calls, ms in rows:

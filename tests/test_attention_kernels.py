@@ -273,6 +273,49 @@ def test_ragged_prefill_is_causal_attention(ragged_prefill, new: list[int]) -> N
     check(out, lse, want_out, want_lse, dtype)
 
 
+@pytest.mark.parametrize(("h_q", "h_kv"), [(8, 2), (4, 4)], ids=["4 query heads a KV head", "1 a KV head"])
+def test_prefill_with_other_head_groups_matches_numpy(h_q: int, h_kv: int) -> None:
+    """The prefill kernels with 32 rows a block (Llama 3.2 1B's 32 / 8 heads: 4 a KV head) and 8 (1 a KV head),
+    float16 pages: the new tokens against themselves (causal) and against cached ones."""
+    rng = np.random.default_rng(h_q * 10 + h_kv)
+    dtype, new, cached = "float16", [70, 1, 33], [100, 5, 0]
+    total = sum(new)
+    indptr = np.concatenate([[0], np.cumsum(new)]).astype(np.int32)
+    layout = KVLayout(dtype, h_kv, D)
+    q = rng.standard_normal((total, h_q, D)).astype(dtype)
+    k, v = (rng.standard_normal((total, h_kv, D)).astype(dtype) for _ in range(2))
+    q_rows = np.concatenate([q, np.full((total, 2 * layout.heads, D), np.nan, dtype)], axis=1)
+
+    def outs() -> tuple[tvm.runtime.Tensor, tvm.runtime.Tensor]:
+        return (tensor(np.full((total, layout.query_heads(h_q), D), np.nan, dtype)),
+                tensor(np.full((total, layout.query_heads(h_q)), np.nan, np.float32)))
+
+    def compare(out, lse, want_out, want_lse) -> None:
+        np.testing.assert_allclose(out.numpy()[:, :h_q].astype(np.float64), want_out, rtol=2.0**-11,
+                                   atol=2e-5 * max(1.0, np.abs(want_out).max()))
+        np.testing.assert_allclose(lse.numpy()[:, :h_q], want_lse, rtol=1e-5, atol=1e-4)
+
+    zeros_b, zeros_t = tensor(np.zeros(len(new), np.int32)), tensor(np.zeros(total, np.int32))
+    out, lse = outs()
+    compiled(ragged_prefill_kernel(h_kv, h_q, D, dtype))(
+        tensor(q_rows), tensor(indptr), tensor(k), tensor(v), tensor(indptr), zeros_t, zeros_b, out, lse, 1, 0, 1.0,
+        10000.0, SM_SCALE)
+    want_out, want_lse = np.zeros((total, h_q, D)), np.zeros((total, h_q))
+    for b, n in enumerate(new):
+        rows = slice(indptr[b], indptr[b + 1])
+        want_out[rows], want_lse[rows] = attention(q[rows], k[rows], v[rows], list(range(1, n + 1)))
+    compare(out, lse, want_out, want_lse)
+
+    cache = PagedCache(cached, rng, dtype=dtype, poison=True, h_kv=h_kv)
+    out, lse = outs()
+    compiled(paged_prefill_kernel(h_kv, h_q, D, dtype))(
+        tensor(q_rows), tensor(indptr), *cache.args(), zeros_b, zeros_t, out, lse, 0, 0, 1.0, 10000.0, SM_SCALE)
+    for b, n in enumerate(new):
+        rows = slice(indptr[b], indptr[b + 1])
+        want_out[rows], want_lse[rows] = attention(q[rows], *cache.kv(b), [cached[b]] * n)
+    compare(out, lse, want_out, want_lse)
+
+
 @pytest.fixture(scope="module", params=[(dtype, sliding) for dtype in DTYPES for sliding in (False, True)],
                 ids=[f"{dtype}{'-sliding' if sliding else ''}" for dtype in DTYPES for sliding in (False, True)])
 def decode_and_paged(request):
