@@ -1,9 +1,9 @@
 """The KV cache's attention kernels (``compile/decode_attention.py``, ``compile/prefill_attention.py``) against a
 numpy attention on awkward sizes: contexts not a multiple of the page size or of a chunk, one token, partly filled
 pages, several sequences of different lengths (one with no pages), pages scattered over the cache, GQA with 9 query
-heads over 3 KV heads (and 6 over 3 of 128 on a q8_0 cache); float32, float16 and q8_0 caches (q8_0: the query
-quantised as the kernels do, ``numpy_llama.q8_0_query``). Outputs and base-2 log-sum-exps are compared, as the
-cache's merge uses both."""
+heads over 3 KV heads (and 6 over 3 of 128 on a q8_0 cache; the prefill kernels also with 8 over 2 and 4 over 4);
+float32, float16 and q8_0 caches (q8_0: the query quantised as the kernels do, ``numpy_llama.q8_0_query``). Outputs
+and base-2 log-sum-exps are compared, as the cache's merge uses both."""
 
 from __future__ import annotations
 
