@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 import tvm
+from logitproc.serve.compiled_model import PREFILL_CHUNK
 from tvm import relax
 
 
@@ -80,7 +81,7 @@ def profile_decode(model, prompt: list[int], steps: int = 8, verify: int = 0,
     return plain_ms, sorted(rows, key=lambda row: -row[2])
 
 
-def profile_prefill(model, prompt: list[int], chunk: int = 512) -> tuple[float, list[tuple[str, int, float]]]:
+def profile_prefill(model, prompt: list[int], chunk: int = PREFILL_CHUNK) -> tuple[float, list[tuple[str, int, float]]]:
     """(ms of the whole prefill, [(function, calls, ms in all)] sorted by time) of ``prompt`` from empty in passes of
     ``chunk`` tokens (as ``CompiledModel.prefill`` splits it), timed with the VM's instrument."""
     vm = relax.VirtualMachine(model.kernel_library.runtime_module, model.device)

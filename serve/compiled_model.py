@@ -60,11 +60,18 @@ def _chat_template(info: dict[str, Any], directory: Path) -> ChatTemplate:
     return ChatTemplate.for_model(chat["template"], chat["bos_token"], chat["eos_token"])
 
 
+#: Tokens of one prefill pass (``prefill_chunk_size``'s default). A pass's matmuls cost more per token from a few
+#: hundred tokens on: the 1B-shaped Q4_K_M's 1024-token prefill took 16.5-17.8 s of CPU (one thread) in passes of
+#: 512, 14.2 in passes of 256 and 13.8-15.2 in passes of 128; SmolLM2 Q4_0 1.915 / 1.891 / 1.886 s
+#: (docs/model.md, issue 30).
+PREFILL_CHUNK = 256
+
+
 class CompiledModel(ModelRunner):
     """A compiled Llama-family model with a paged KV cache (see the module doc and ``ModelRunner``)."""
 
     def __init__(self, directory: str | os.PathLike[str], *, max_num_sequences: int = 16,
-                 max_total_tokens: int | None = None, prefill_chunk_size: int = 512) -> None:
+                 max_total_tokens: int | None = None, prefill_chunk_size: int = PREFILL_CHUNK) -> None:
         started = time.perf_counter()
         self.directory = Path(directory)
         self.manifest = json.loads((self.directory / MANIFEST).read_text())
@@ -110,7 +117,7 @@ class CompiledModel(ModelRunner):
     def open(cls, model: str | os.PathLike[str] | GGUFModel | None = "default", target: str = "cpu",
              progress: Progress | None = None, *, weight_dtype: str = "auto", kv_dtype: str = DEFAULT_KV_DTYPE,
              context: int | None = None, activation_bits: int = DEFAULT_ACTIVATION_BITS, max_num_sequences: int = 16,
-             max_total_tokens: int | None = None, prefill_chunk_size: int = 512) -> CompiledModel:
+             max_total_tokens: int | None = None, prefill_chunk_size: int = PREFILL_CHUNK) -> CompiledModel:
         """Open ``model``: ``"default"``, a GGUF file, a Hugging Face directory, a ``GGUFModel`` (compiled on first
         use into the cache, serving ``context`` tokens per sequence: ``compile_model``), or a directory written by
         ``compile_model`` / ``logitproc compile --out``."""
