@@ -238,6 +238,27 @@ def test_bad_arguments_name_the_parameter_and_an_empty_batch_launches_nothing(cu
     assert driver.launches == []
 
 
+def test_the_first_k_kernels_of_a_function_launch_alone_for_a_breakdown(cuda_library, fake) -> None:
+    """``launch_first(k)`` (scripts/cuda_check.py's per-kernel breakdown) launches the function's first k kernels, in
+    order, and refuses a k it does not have."""
+    device, driver = fake
+    fn = device.load(cuda_library)["sample_from_logits"]
+    entries = [k.entry for k in fn.launches.kernels]
+    assert len(entries) == 10  # softmax statistics (2), the search's split passes (5), its steps, segments, draw
+    batch, vocab = 2, 3000
+    args = [device.empty((batch, vocab), "float32"), device.empty((batch,), "float32"),
+            device.empty((batch,), "int32"), device.empty((batch,), "float32"), device.empty((batch,), "float32"),
+            device.empty((batch,), "int32"), device.empty((batch,), "float32"), device.empty((batch,), "int32"),
+            device.empty((1, 94), "int32"), device.empty((batch,), "int32"), device.empty((batch,), "float32"),
+            device.empty((batch,), "int32"), device.empty((batch, 2), "float32"), device.empty((batch, 2), "int32")]
+    for k in (1, 4, 10):
+        driver.launches.clear()
+        fn.launch_first(k, *args)
+        assert [launch.entry for launch in driver.launches] == entries[:k]
+    with pytest.raises(ValueError, match="has 10 kernels"):
+        fn.launch_first(11, *args)
+
+
 def test_a_processor_runs_its_stages_through_the_driver(cuda_library, fake) -> None:
     from logitproc import GenerationConfig, RequestState
 
