@@ -347,7 +347,6 @@ def breakdown(device: Device, kernels: dict) -> list[str]:
     (the first k kernels timed, less the first k - 1), at BREAKDOWN_SHAPES; the fused sampler and renormalize with
     top-p 0.9 on every row, no mask, no top-n."""
     from kernel_cases import renormalize_case, sample_from_logits_case, softmax_case
-
     from logitproc.runtime.cuda_device import CudaFunction
 
     lines = []
