@@ -37,6 +37,9 @@ from .sequence import Deltas, GeneratedSequence, Request, delta_of
 from .speculation import Candidate, Drafter, SpeculationPlanner, SpeculativeConfig
 from .step_stats import account_step
 
+#: How much lower the grammar thread's CPU priority is than the engine's (Linux nice levels).
+GRAMMAR_THREAD_NICENESS = 5
+
 
 class EngineCore:
     """The engine's state and step (not thread-safe: the driving thread's only; ``Engine`` is the way in)."""
@@ -73,7 +76,7 @@ class EngineCore:
         self._compiling[request_id] = False  # not aborted
         if self._grammar_pool is None:
             self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="logitproc-grammar",
-                                                    initializer=run_when_cores_idle)
+                                                    initializer=_lower_thread_priority)
         self._grammar_pool.submit(build)
 
     def compiled(self, request_id: str, request: Request | None, error: BaseException | None,
@@ -220,19 +223,16 @@ class EngineCore:
         return failed
 
 
-def run_when_cores_idle() -> None:
-    """On Linux, put the calling thread in the idle scheduling class (``SCHED_IDLE``: it gets a core only when no
-    other thread of the machine wants one); elsewhere, or when the system refuses, it keeps its priority. The
-    grammar thread runs so, since a compile beside a step slows the step far more than the compile's own CPU time:
-    the model's thread pool has a thread per core, and its threads wait for each other at every kernel (py-spy, six
-    Kubernetes schemas compiling beside one 16-token prefill chunk: the stepping thread spun in TVM's wait
-    (``sched_yield``) inside the kernels for the whole 0.9 s that the grammar thread ran llguidance's compile, which
-    holds no GIL; with the thread's nice level raised by 5 as well; docs/benchmarks.md, "Mixed load"). The compiles
-    then take longer while the model is busy, not the step."""
+def _lower_thread_priority() -> None:
+    """On Linux, lower the calling thread's CPU priority (its own nice level: Linux threads are tasks) by
+    ``GRAMMAR_THREAD_NICENESS``, so that on a machine with few cores the model's threads are preferred while a
+    grammar compiles (on 2 cores a compile beside a step slows the step down: the model's thread pool then shares
+    the cores with it; docs/serving.md). Elsewhere (or when the system refuses), the thread keeps its priority."""
     if sys.platform != "linux":
         return
+    tid = threading.get_native_id()
     try:
-        os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + GRAMMAR_THREAD_NICENESS)
     except OSError:
         pass
 

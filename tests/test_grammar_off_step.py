@@ -4,8 +4,6 @@ cache compiles a schema once however many requests ask for it. On the tiny compi
 
 from __future__ import annotations
 
-import os
-import sys
 import threading
 from typing import Any
 
@@ -200,30 +198,3 @@ def test_constraints_prepared_at_load_answer_as_made_on_demand(model) -> None:
     engine.prepare_constraints()  # once is enough; again changes nothing
     [prepared] = engine.generate("Some JSON:", config)
     assert prepared.token_ids == on_demand.token_ids and prepared.text == on_demand.text
-
-
-class RecordsItsThread(LLGuidanceBackend):
-    """llguidance, recording the scheduling policy of the thread each compile runs on."""
-
-    def __init__(self, tokenizer: TokenizerAdapter) -> None:
-        super().__init__(tokenizer)
-        self.policies: list[int] = []
-
-    def compile(self, response_format: Any) -> Any:
-        self.policies.append(os.sched_getscheduler(0))
-        return super().compile(response_format)
-
-
-@pytest.mark.skipif(sys.platform != "linux", reason="the idle scheduling class is Linux's")
-def test_submitted_grammars_compile_in_the_idle_scheduling_class(model) -> None:
-    """The grammar thread takes a core only when no other thread wants one (a compile beside a step took a core
-    from the model's thread pool); the stepping thread keeps its own class."""
-    probe = Engine(model)
-    backend = RecordsItsThread(TokenizerAdapter(model.tokenizer, probe.vocab_size, probe.eos_token_ids))
-    engine = Engine(model, grammar_backend=backend)
-    pending = engine.submit("Some JSON:", constrained(large_schema("idle class", 5)))
-    while engine.has_unfinished():
-        engine.step()
-    assert pending.ready.result() == pending.request_id
-    assert backend.policies == [os.SCHED_IDLE]
-    assert os.sched_getscheduler(0) != os.SCHED_IDLE
