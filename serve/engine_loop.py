@@ -149,7 +149,7 @@ class EngineLoop:
         (``Engine.submit``): the running requests go on stepping meanwhile."""
         result: Future = Future()
 
-        def add(engine: Any) -> list[PendingRequest]:
+        def add(engine: Any) -> None:
             waiting = sum(1 for live in self._live.values() if not live.started)
             if waiting + len(prompts) > self.max_queue:
                 raise QueueFull(f"the waiting queue is full ({waiting} of {self.max_queue} requests)")
@@ -167,27 +167,23 @@ class EngineLoop:
                 if config.response_format is not None:
                     self.metrics.grammar_requests.inc()
             self._update_gauges()
-            return pending
-
-        def added(future: Future) -> None:
-            if future.exception() is not None:
-                result.set_exception(future.exception())
-                return
-            pending: list[PendingRequest] = future.result()
             left = [len(pending)]
-            lock = threading.Lock()
 
-            def compiled(_: Future) -> None:  # on the grammar thread: the loop settles it between steps
-                with lock:
-                    left[0] -= 1
-                    last = left[0] == 0
-                if last:
-                    self._post(lambda: self._settle(pending, result))
+            def compiled(_: Future) -> None:
+                # a request's ready is settled by a command of the core (EngineCore.compiled), or at once: on the
+                # thread driving the engine, as this is
+                left[0] -= 1
+                if left[0] == 0:
+                    self._settle(pending, result)
 
             for p in pending:
                 p.ready.add_done_callback(compiled)
 
-        self.call(add).add_done_callback(added)
+        def refused(future: Future) -> None:
+            if future.exception() is not None:
+                result.set_exception(future.exception())
+
+        self.call(add).add_done_callback(refused)
         return result
 
     def _settle(self, pending: list[PendingRequest], result: Future) -> None:
