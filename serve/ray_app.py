@@ -104,4 +104,5 @@ def build_application(args: argparse.Namespace, plan: ReplicaPlan, options: Serv
         name=INGRESS_DEPLOYMENT, ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": SERVE_ENV}},
         max_ongoing_requests=INGRESS_MAX_ONGOING,
         graceful_shutdown_timeout_s=args.drain_timeout)
-    return ingress.bind(engine.bind(args, plan.threads, INGRESS_DEPLOYMENT), options, plan.wanted)
+    engines = engine.bind(args, plan.threads, INGRESS_DEPLOYMENT, plan.stream_interval_s)
+    return ingress.bind(engines, options, plan.wanted)
