@@ -28,6 +28,8 @@ order alternating): each figure's median and range over the rounds, then Ray aga
 by round (the ratio of tok/s, the TTFT and ITL added: each round ran both back to back, so the pair shares the
 machine's load), and where the CPU went: each server's process tree (the command, and for Ray its GCS, raylet,
 controller, HTTP proxy, ingress and replica processes) in CPU milliseconds per generated token, from ``/proc``.
+``--ray-stream-interval MS [MS ...]`` runs one Ray server per value of that option, all beside the single-process
+server in the same rounds (the CPU per token of each, from the same run).
 ``--ray-part prefix``: a shared-prefix load (``--groups`` system prompts of about ``--prefix-tokens`` tokens, 8
 questions each, interleaved, at concurrency 4, answers of 32 tokens) on one engine of ``--threads`` threads (in
 process and through Ray), and on ``--threads`` replicas of one thread each with the prefix-affinity router and with
@@ -37,6 +39,7 @@ median and range. Without ``--ray-part`` both run::
 
     python scripts/bench_serve.py --ray --threads 2 --ray-part overhead --max-tokens 64 --rounds 7
     python scripts/bench_serve.py --ray --threads 2 --ray-part prefix --rounds 3
+    python scripts/bench_serve.py --ray --threads 2 --ray-part overhead --rounds 3 --ray-stream-interval 0 20
 
 llama.cpp runs as ``python -m llama_cpp.server`` (llama-cpp-python[server], the ``bench`` extra:
 ``pip install -e ".[bench]"``) on the same GGUF with ``--threads`` threads; logitproc with ``TVM_NUM_THREADS`` set to
@@ -463,8 +466,14 @@ def ray_overhead(args: argparse.Namespace) -> None:
     loads: list[float] = []
     servers = []
     try:  # both up at once, levels interleaved: the machine's load drifts less between the two
-        for name, extra in ((f"single process, {threads} threads", []),
-                            (f"Ray, 1 replica x {threads} threads", ["--replicas", "1", "--replica-threads", threads])):
+        ray = ["--replicas", "1", "--replica-threads", threads]
+        configurations = [(f"single process, {threads} threads", [])]
+        if args.ray_stream_interval is None:  # the server's default
+            configurations.append((f"Ray, 1 replica x {threads} threads", ray))
+        for ms in args.ray_stream_interval or ():
+            configurations.append((f"Ray, 1 replica x {threads} threads, stream interval {ms:g} ms",
+                                   [*ray, "--ray-stream-interval", f"{ms:g}"]))
+        for name, extra in configurations:
             servers.append(_served(args, name, extra, threads))
         for concurrency in (1, 4):
             for server in servers:
@@ -560,19 +569,20 @@ def print_overhead(args: argparse.Namespace, names: list[str], overhead: dict[tu
               f"{spread([pct(lv.ttft, 0.99) * 1e3 for lv in levels], 0)} | "
               f"{spread([pct(lv.itl, 0.5) * 1e3 for lv in levels])} | "
               f"{spread([pct(lv.itl, 0.99) * 1e3 for lv in levels])} |")
-    plain, ray = names
+    plain, *rays = names
     print("\nRay against the single-process server, round by round (aims at concurrency 1: throughput >= 0.90x, "
           "TTFT p50 <= +20 ms)\n")
-    print("| concurrency | tok/s ratio | TTFT p50 added (ms) | ITL p50 added (ms) | rounds within both aims |")
-    print("| --- | --- | --- | --- | --- |")
-    for concurrency in sorted({c for _, c in overhead}):
-        pairs = list(zip(overhead[(plain, concurrency)], overhead[(ray, concurrency)], strict=True))
-        ratios = [r.tok_per_s / p.tok_per_s for p, r in pairs]
-        ttft = [(pct(r.ttft, 0.5) - pct(p.ttft, 0.5)) * 1e3 for p, r in pairs]
-        itl = [(pct(r.itl, 0.5) - pct(p.itl, 0.5)) * 1e3 for p, r in pairs]
-        within = sum(ratio >= 0.9 and added <= 20 for ratio, added in zip(ratios, ttft, strict=True))
-        print(f"| {concurrency} | {spread(ratios, 2)} | {spread(ttft, 0)} | {spread(itl)} | "
-              f"{within} of {len(pairs)} |")
+    print("| server | concurrency | tok/s ratio | TTFT p50 added (ms) | ITL p50 added (ms) | rounds within both aims |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for ray in rays:
+        for concurrency in sorted({c for _, c in overhead}):
+            pairs = list(zip(overhead[(plain, concurrency)], overhead[(ray, concurrency)], strict=True))
+            ratios = [r.tok_per_s / p.tok_per_s for p, r in pairs]
+            ttft = [(pct(r.ttft, 0.5) - pct(p.ttft, 0.5)) * 1e3 for p, r in pairs]
+            itl = [(pct(r.itl, 0.5) - pct(p.itl, 0.5)) * 1e3 for p, r in pairs]
+            within = sum(ratio >= 0.9 and added <= 20 for ratio, added in zip(ratios, ttft, strict=True))
+            print(f"| {ray} | {concurrency} | {spread(ratios, 2)} | {spread(ttft, 0)} | {spread(itl)} | "
+                  f"{within} of {len(pairs)} |")
     groups = ["command", *(g for _, g in PROCESS_GROUPS), "other"]
     print("\nCPU per generated token (ms), every round, by process (command: the `logitproc serve` process itself)\n")
     print("| server | concurrency | total | " + " | ".join(groups) + " |")
@@ -614,6 +624,9 @@ def main() -> int:
     parser.add_argument("--groups", type=int, default=4, help="--ray: system prompts (default: %(default)s)")
     parser.add_argument("--prefix-tokens", type=int, default=400,
                         help="--ray: tokens of each system prompt, about (default: %(default)s)")
+    parser.add_argument("--ray-stream-interval", type=float, nargs="+", default=None, metavar="MS",
+                        help="--ray-part overhead: one Ray server per value of its --ray-stream-interval, all beside "
+                             "the single-process server (default: one, with the server's default)")
     parser.add_argument("--ray-part", choices=("all", "overhead", "prefix"), default="all",
                         help="--ray: both parts, the ingress's overhead only, or the shared-prefix load only "
                              "(default: %(default)s)")
