@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import threading
 
-import tvm
-
 #: TVM's ``ThreadGroup::kBig``: the pool's threads over the (big) cores, as TVM makes a pool by default.
 _AFFINITY_BIG = 1
 
@@ -27,6 +25,8 @@ class StepThreads:
     """The stepping thread's pool size: whole, or one fewer while something else takes a core."""
 
     def __init__(self) -> None:
+        import tvm  # with the engine's kernels, not at import
+
         self._configure = tvm.get_global_func("runtime.config_threadpool")
         self._num_threads = tvm.get_global_func("runtime.NumThreads")
         self._sizes = _PoolSizes()
