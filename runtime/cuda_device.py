@@ -81,6 +81,13 @@ class CudaFunction:
 
     def __call__(self, *args: Any) -> None:
         """Launch every kernel of the function on the device's compute stream (arguments in parameter order)."""
+        self.launch_first(len(self.launches.kernels), *args)
+
+    def launch_first(self, count: int, *args: Any) -> None:
+        """Launch the function's first ``count`` kernels only (for a benchmark's per-kernel breakdown: the
+        differences between successive counts; the later kernels' inputs are then whatever the workspaces hold)."""
+        if not 0 <= count <= len(self.launches.kernels):
+            raise ValueError(f"{self.name} has {len(self.launches.kernels)} kernels, asked for the first {count}")
         params = self.launches.params
         if len(args) != len(params):
             raise TypeError(f"{self.name} takes {len(params)} arguments "
@@ -104,7 +111,7 @@ class CudaFunction:
         env = self.launches.bind(shapes, scalars)
         for workspace in self.launches.workspaces:
             buffers[workspace.name] = self._workspace(workspace.name, workspace.nbytes(env))
-        for kernel in self.launches.kernels:
+        for kernel in self.launches.kernels[:count]:
             grid, block, shared = kernel.dims(env)
             if min(grid) <= 0 or min(block) <= 0:
                 continue  # nothing to do (an empty batch): CUDA refuses an empty grid

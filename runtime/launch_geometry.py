@@ -397,7 +397,8 @@ def describe_functions(prim_funcs: Mapping[str, Any], host_mod: Any, device_mod:
                 if type(param.ty).__name__ == "PointerType":
                     buffer = _buffer_of(value, declared)
                     if buffer not in buffer_params:
-                        buffer = _workspace_of(name, entry, param, value, allocated, buffer_params, workspaces)
+                        buffer = _workspace_of(name, entry, param, value, allocated, buffer_params, workspaces,
+                                               _view_of(value, host.body))
                     args.append(KernelArg("handle", buffer=buffer))
                 else:
                     args.append(KernelArg(str(param.ty), value=encode_expr(value)))
@@ -411,14 +412,35 @@ def describe_functions(prim_funcs: Mapping[str, Any], host_mod: Any, device_mod:
     return described
 
 
+def _view_of(value: Any, stmt: Any) -> str | None:
+    """The name of the buffer whose view (a declared buffer at offset 0 over its memory) has ``value`` as its data
+    pointer, or None. TVM's storage rewrite lets workspaces whose kernels' lifetimes do not overlap share one
+    allocation, each passed as such a view of it."""
+    from tvm_ffi import structural_equal
+
+    if type(stmt).__name__ == "DeclBuffer" and structural_equal(stmt.buffer.data, value):
+        offset = stmt.buffer.elem_offset
+        if type(offset).__name__ != "IntImm" or offset.value != 0:
+            raise NotImplementedError(f"workspace view {stmt.buffer.name} at offset {offset}")
+        return str(stmt.buffer.name)
+    for child in _children(stmt):
+        found = _view_of(value, child)
+        if found is not None:
+            return found
+    return None
+
+
 def _workspace_of(name: str, entry: str, param: Any, value: Any,
                   allocated: list[tuple[Any, str, str, tuple[Any, ...]]], buffer_params: set[str],
-                  workspaces: dict[str, Workspace]) -> str:
-    """The workspace a kernel argument points to (recorded in ``workspaces``); NotImplementedError where it is
-    neither a parameter nor a buffer the host function allocates."""
+                  workspaces: dict[str, Workspace], view: str | None) -> str:
+    """The workspace a kernel argument points to (recorded in ``workspaces``): the allocation whose data pointer it
+    is, or the allocation that ``view`` (a view's buffer name, which is the allocation's) covers; NotImplementedError
+    where it is neither a parameter nor a buffer the host function allocates."""
     from tvm_ffi import structural_equal
 
     found = next(((n, d, e) for data, n, d, e in allocated if structural_equal(data, value)), None)
+    if found is None and view is not None:
+        found = next(((n, d, e) for _, n, d, e in allocated if n == view), None)
     if found is None:
         raise NotImplementedError(f"{entry}: argument {param.name} is neither a buffer parameter of {name} nor a "
                                   "workspace its host code allocates")

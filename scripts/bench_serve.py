@@ -27,7 +27,11 @@ running; streamed chat at concurrency 1 and 4, as above; ``--rounds`` rounds, th
 order alternating): each figure's median and range over the rounds, then Ray against the single-process server round
 by round (the ratio of tok/s, the TTFT and ITL added: each round ran both back to back, so the pair shares the
 machine's load), and where the CPU went: each server's process tree (the command, and for Ray its GCS, raylet,
-controller, HTTP proxy, ingress and replica processes) in CPU milliseconds per generated token, from ``/proc``.
+controller, HTTP proxy, ingress and replica processes) in CPU milliseconds per generated token, from ``/proc``;
+with py-spy installed (it names a process's Python threads) the engine replica's process split by thread into its
+engine's (the engine-loop thread and the threads it started: TVM's pool) and the rest, its side of the streams.
+``--ray-stream-interval MS [MS ...]`` runs one Ray server per value of that option, all beside the single-process
+server in the same rounds (the CPU per token of each, from the same run).
 ``--ray-part prefix``: a shared-prefix load (``--groups`` system prompts of about ``--prefix-tokens`` tokens, 8
 questions each, interleaved, at concurrency 4, answers of 32 tokens) on one engine of ``--threads`` threads (in
 process and through Ray), and on ``--threads`` replicas of one thread each with the prefix-affinity router and with
@@ -37,6 +41,7 @@ median and range. Without ``--ray-part`` both run::
 
     python scripts/bench_serve.py --ray --threads 2 --ray-part overhead --max-tokens 64 --rounds 7
     python scripts/bench_serve.py --ray --threads 2 --ray-part prefix --rounds 3
+    python scripts/bench_serve.py --ray --threads 2 --ray-part overhead --rounds 3 --ray-stream-interval 0 20
 
 llama.cpp runs as ``python -m llama_cpp.server`` (llama-cpp-python[server], the ``bench`` extra:
 ``pip install -e ".[bench]"``) on the same GGUF with ``--threads`` threads; logitproc with ``TVM_NUM_THREADS`` set to
@@ -49,6 +54,8 @@ import argparse
 import asyncio
 import json
 import os
+import re
+import shutil
 import signal
 import socket
 import statistics
@@ -391,8 +398,60 @@ PROCESS_GROUPS = (("EngineReplica", "engine replica"), ("ServeReplica:logitproc:
                   ("gcs_server", "GCS"))
 
 
-def process_tree_cpu(root: int) -> dict[str, float]:
-    """CPU seconds (user + system) so far of ``root`` ("command") and its live descendants, summed by group."""
+#: The engine replica's CPU split by thread (``--ray-part overhead`` with py-spy installed): its engine's threads
+#: (the engine-loop thread, and the threads it started, TVM's pool, which carry its name) and the rest, its stream side.
+ENGINE_THREADS, STREAM_SIDE = "replica: engine threads", "replica: stream side"
+
+
+def _thread_cpu(pid: int, tick: int) -> dict[int, tuple[str, float]]:
+    """Each thread of ``pid``: its name (``comm``) and CPU seconds so far."""
+    threads = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+                raw = f.read()
+        except OSError:
+            continue
+        name = raw[raw.index(b"(") + 1:raw.rindex(b")")].decode(errors="replace")
+        fields = raw.rsplit(b")", 1)[1].split()
+        threads[int(tid)] = (name, (int(fields[11]) + int(fields[12])) / tick)
+    return threads
+
+
+def python_threads(pid: int) -> dict[int, str]:
+    """The Python threads of ``pid`` (native id -> Python name) from ``py-spy dump``; empty without py-spy."""
+    if shutil.which("py-spy") is None:
+        return {}
+    dump = subprocess.run(["py-spy", "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=60).stdout
+    return {int(m[1]): m[2] for m in re.finditer(r'Thread (\d+) \(\w+\): "([^"]*)"', dump)}
+
+
+def replica_threads(root: int) -> dict[int, dict[int, str]]:
+    """The Python threads (``python_threads``) of each engine replica process under ``root``."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    children.setdefault(int(f.read().rsplit(b")", 1)[1].split()[1]), []).append(int(entry))
+            except OSError:
+                continue
+    found, todo = {}, list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        todo.extend(children.get(pid, []))
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"EngineReplica" in f.read():
+                    found[pid] = python_threads(pid)
+        except OSError:
+            continue
+    return found
+
+
+def process_tree_cpu(root: int, named: dict[int, dict[int, str]] | None = None) -> dict[str, float]:
+    """CPU seconds (user + system) so far of ``root`` ("command") and its live descendants, summed by group; an engine
+    replica whose Python threads ``named`` holds (``python_threads``) split into its engine's threads and the rest."""
     children: dict[int, list[int]] = {}
     stats: dict[int, list[bytes]] = {}
     for entry in os.listdir("/proc"):
@@ -418,6 +477,15 @@ def process_tree_cpu(root: int) -> dict[str, float]:
         except OSError:
             continue
         group = "command" if pid == root else next((g for key, g in PROCESS_GROUPS if key in cmdline), "other")
+        if group == "engine replica" and "engine-loop" in (named or {}).get(pid, {}).values():
+            threads = _thread_cpu(pid, tick)
+            engine = next((tid for tid, name in named[pid].items() if name == "engine-loop"), None)
+            engine_name = threads.get(engine, ("", 0.0))[0]
+            for tid, (name, seconds) in threads.items():
+                mine = tid == engine or (tid not in named[pid] and name == engine_name)
+                key = ENGINE_THREADS if mine else STREAM_SIDE
+                totals[key] = totals.get(key, 0.0) + seconds
+            continue
         fields = stats[pid]
         totals[group] = totals.get(group, 0.0) + (int(fields[11]) + int(fields[12])) / tick  # utime, stime
     return totals
@@ -463,20 +531,28 @@ def ray_overhead(args: argparse.Namespace) -> None:
     loads: list[float] = []
     servers = []
     try:  # both up at once, levels interleaved: the machine's load drifts less between the two
-        for name, extra in ((f"single process, {threads} threads", []),
-                            (f"Ray, 1 replica x {threads} threads", ["--replicas", "1", "--replica-threads", threads])):
+        ray = ["--replicas", "1", "--replica-threads", threads]
+        configurations = [(f"single process, {threads} threads", [])]
+        if args.ray_stream_interval is None:  # the server's default
+            configurations.append((f"Ray, 1 replica x {threads} threads", ray))
+        for ms in args.ray_stream_interval or ():
+            configurations.append((f"Ray, 1 replica x {threads} threads, stream interval {ms:g} ms",
+                                   [*ray, "--ray-stream-interval", f"{ms:g}"]))
+        for name, extra in configurations:
             servers.append(_served(args, name, extra, threads))
+        named: dict[str, dict[int, dict[int, str]]] = {}
         for concurrency in (1, 4):
             for server in servers:
                 asyncio.run(run_level(server.url, concurrency, concurrency, 8))  # warm-up
+                named[server.name] = replica_threads(server.proc.pid)  # (TVM's pool has started by now)
             for round_ in range(args.rounds):
                 loads.append(os.getloadavg()[0])
                 for server in servers if round_ % 2 == 0 else servers[::-1]:
-                    before = process_tree_cpu(server.proc.pid)
+                    before = process_tree_cpu(server.proc.pid, named[server.name])
                     level = asyncio.run(run_level(server.url, concurrency, args.requests or 4 * concurrency,
                                                   args.max_tokens))
                     spent = cpu.setdefault((server.name, concurrency), {})
-                    for group, seconds in process_tree_cpu(server.proc.pid).items():
+                    for group, seconds in process_tree_cpu(server.proc.pid, named[server.name]).items():
                         spent[group] = spent.get(group, 0.0) + seconds - before.get(group, 0.0)
                     tokens[(server.name, concurrency)] = tokens.get((server.name, concurrency), 0) + level.tokens
                     overhead.setdefault((server.name, concurrency), []).append(level)
@@ -560,20 +636,21 @@ def print_overhead(args: argparse.Namespace, names: list[str], overhead: dict[tu
               f"{spread([pct(lv.ttft, 0.99) * 1e3 for lv in levels], 0)} | "
               f"{spread([pct(lv.itl, 0.5) * 1e3 for lv in levels])} | "
               f"{spread([pct(lv.itl, 0.99) * 1e3 for lv in levels])} |")
-    plain, ray = names
+    plain, *rays = names
     print("\nRay against the single-process server, round by round (aims at concurrency 1: throughput >= 0.90x, "
           "TTFT p50 <= +20 ms)\n")
-    print("| concurrency | tok/s ratio | TTFT p50 added (ms) | ITL p50 added (ms) | rounds within both aims |")
-    print("| --- | --- | --- | --- | --- |")
-    for concurrency in sorted({c for _, c in overhead}):
-        pairs = list(zip(overhead[(plain, concurrency)], overhead[(ray, concurrency)], strict=True))
-        ratios = [r.tok_per_s / p.tok_per_s for p, r in pairs]
-        ttft = [(pct(r.ttft, 0.5) - pct(p.ttft, 0.5)) * 1e3 for p, r in pairs]
-        itl = [(pct(r.itl, 0.5) - pct(p.itl, 0.5)) * 1e3 for p, r in pairs]
-        within = sum(ratio >= 0.9 and added <= 20 for ratio, added in zip(ratios, ttft, strict=True))
-        print(f"| {concurrency} | {spread(ratios, 2)} | {spread(ttft, 0)} | {spread(itl)} | "
-              f"{within} of {len(pairs)} |")
-    groups = ["command", *(g for _, g in PROCESS_GROUPS), "other"]
+    print("| server | concurrency | tok/s ratio | TTFT p50 added (ms) | ITL p50 added (ms) | rounds within both aims |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for ray in rays:
+        for concurrency in sorted({c for _, c in overhead}):
+            pairs = list(zip(overhead[(plain, concurrency)], overhead[(ray, concurrency)], strict=True))
+            ratios = [r.tok_per_s / p.tok_per_s for p, r in pairs]
+            ttft = [(pct(r.ttft, 0.5) - pct(p.ttft, 0.5)) * 1e3 for p, r in pairs]
+            itl = [(pct(r.itl, 0.5) - pct(p.itl, 0.5)) * 1e3 for p, r in pairs]
+            within = sum(ratio >= 0.9 and added <= 20 for ratio, added in zip(ratios, ttft, strict=True))
+            print(f"| {ray} | {concurrency} | {spread(ratios, 2)} | {spread(ttft, 0)} | {spread(itl)} | "
+                  f"{within} of {len(pairs)} |")
+    groups = ["command", *(g for _, g in PROCESS_GROUPS), ENGINE_THREADS, STREAM_SIDE, "other"]
     print("\nCPU per generated token (ms), every round, by process (command: the `logitproc serve` process itself)\n")
     print("| server | concurrency | total | " + " | ".join(groups) + " |")
     print("| --- | --- | --- | " + " | ".join("---" for _ in groups) + " |")
@@ -614,6 +691,9 @@ def main() -> int:
     parser.add_argument("--groups", type=int, default=4, help="--ray: system prompts (default: %(default)s)")
     parser.add_argument("--prefix-tokens", type=int, default=400,
                         help="--ray: tokens of each system prompt, about (default: %(default)s)")
+    parser.add_argument("--ray-stream-interval", type=float, nargs="+", default=None, metavar="MS",
+                        help="--ray-part overhead: one Ray server per value of its --ray-stream-interval, all beside "
+                             "the single-process server (default: one, with the server's default)")
     parser.add_argument("--ray-part", choices=("all", "overhead", "prefix"), default="all",
                         help="--ray: both parts, the ingress's overhead only, or the shared-prefix load only "
                              "(default: %(default)s)")

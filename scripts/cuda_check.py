@@ -9,7 +9,9 @@ Runs where a GPU is but TVM's compiler need not be (``TVM_USE_RUNTIME_LIB=1`` wi
    chains with masks from a mask source (each draft row against its prefix alone);
 3. with ``--bench``: each kernel at B x V = 1 x 128256, 64 x 128256, 256 x 151936 against a device-to-device copy
    of the same logits and torch's equivalents on the same card, each timed as a CUDA graph of repeated launches
-   (launch overhead excluded; CUDA events), then one line per aim of issue 38 (measured, bound, met or not).
+   (launch overhead excluded; CUDA events), then one line per aim of issue 38 (measured, bound, met or not), and
+   each kernel's share of the multi-kernel functions (softmax, renormalize, the fused sampler with top-p 0.9) at
+   1 x 128256 and 64 x 128256 (the time of the first k kernels, less that of the first k - 1).
 
 Usage: python scripts/cuda_check.py DIR [--bench] [--json OUT]   (``scripts/bench_kernels.py --device cuda`` runs
 ``--bench`` alone)
@@ -336,6 +338,42 @@ def aims(rows: list[dict]) -> list[str]:
     return lines
 
 
+#: The shapes of the per-kernel breakdown.
+BREAKDOWN_SHAPES = ((1, 128256), (64, 128256))
+
+
+def breakdown(device: Device, kernels: dict) -> list[str]:
+    """One line per kernel of each multi-kernel function: its entry name and its share of the function's time
+    (the first k kernels timed, less the first k - 1), at BREAKDOWN_SHAPES; the fused sampler and renormalize with
+    top-p 0.9 on every row, no mask, no top-n."""
+    from kernel_cases import renormalize_case, sample_from_logits_case, softmax_case
+    from logitproc.runtime.cuda_device import CudaFunction
+
+    lines = []
+    for batch, vocab in BREAKDOWN_SHAPES:
+        rng = np.random.default_rng(batch * 7 + vocab)
+        fused = [np.ascontiguousarray(a) for a in sample_from_logits_case(rng, batch, vocab).args]
+        fused[2][:], fused[3][:], fused[4][:], fused[5][:], fused[7][:], fused[11][:] = 0, 0.9, 0, 1, -1, 0
+        renorm = [np.ascontiguousarray(a) for a in renormalize_case(rng, batch, vocab).args]
+        renorm[1][:], renorm[2][:], renorm[3][:] = 0, 0.9, 0
+        soft = [np.ascontiguousarray(a) for a in softmax_case(rng, batch, vocab).args]
+        for name, host in (("sample_from_logits", fused), ("renormalize_probs", renorm),
+                           ("softmax_with_temperature", soft)):
+            fn = kernels[name]
+            if not isinstance(fn, CudaFunction):
+                lines.append(f"breakdown of {name}: not available on {device!r} (not the CUDA driver path)")
+                continue
+            args = [device.upload(a) for a in host]
+            before = 0.0
+            for count, kernel in enumerate(fn.launches.kernels, start=1):
+                total = device.time_launches(lambda f=fn, c=count, a=args: f.launch_first(c, *a),
+                                             LAUNCHES_PER_GRAPH) * 1e6
+                lines.append(f"breakdown {name} {batch} x {vocab}: kernel {count} {kernel.entry}: "
+                             f"{total - before:.1f} us (first {count}: {total:.1f} us)")
+                before = total
+    return lines
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("library", help="an exported CUDA kernel library (with the PTX and launches)")
@@ -366,6 +404,8 @@ def main() -> int:
         print(markdown(report["bench"]))
         report["aims"] = aims(report["bench"])
         print("\n".join(report["aims"]))
+        report["breakdown"] = breakdown(device, kernels)
+        print("\n".join(report["breakdown"]))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
     return 0 if report["cases"]["failed"] == 0 else 1

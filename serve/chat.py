@@ -28,6 +28,7 @@ from .cli_options import (
     read_schema,
 )
 from .model_defaults import ModelDefaults
+from .outputs import FinishReason
 from .progress_line import ProgressLine
 
 PROMPT = ">>> "
@@ -334,10 +335,10 @@ class ChatSession:
                 reading.close()
         cut = "closed to fit max_tokens" if output.closed_at_max_tokens and output.grammar_complete else cut_note(
             output, self.config)
-        self.say(" [stopped]" if output.finish_reason == "abort" else f" [{cut}]" if cut else "")
-        if output.finish_reason == "grammar_dead_end":
+        self.say(" [stopped]" if output.finish_reason == FinishReason.ABORT else f" [{cut}]" if cut else "")
+        if output.finish_reason == FinishReason.GRAMMAR_DEAD_END:
             self.say("(the constraint allowed no further token)")
-        elif output.finish_reason == "error":
+        elif output.finish_reason == FinishReason.ERROR:
             self.say(f"(the constraint failed: {output.error})")
         self.last_output = output
         self.history += [{"role": "user", "content": text}, {"role": "assistant", "content": "".join(parts)}]

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from .model_defaults import ModelDefaults
+from .outputs import FinishReason
 
 #: ``--model tiny`` opens the small random test model (compile/tiny_model.py): fast, meaningless answers.
 TINY_MODEL = "tiny"
@@ -265,7 +266,7 @@ def open_engine(args: argparse.Namespace) -> tuple[Any, ModelDefaults]:
 
 def cut_note(output: Any, config: Any) -> str | None:
     """Why an answer ended early, when it was cut (finish ``length``); None for a complete answer."""
-    if output.finish_reason != "length":
+    if output.finish_reason != FinishReason.LENGTH:
         return None
     if config.max_tokens is not None and len(output.token_ids) >= config.max_tokens:
         return f"cut at max_tokens = {config.max_tokens}"

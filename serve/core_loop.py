@@ -7,7 +7,8 @@ thread runs the queued commands before each step and before it gives the drive u
 in the order they were queued, and none is left behind. There is no thread of its own: a thread that queues a command
 while no thread drives takes the drive and runs it itself (``Engine.generate`` without a server runs on the caller's
 thread), and the caller of a step (``Engine.step``, a ``stream`` waiting for its deltas) takes the drive for that step.
-In the server, ``EngineLoop``'s thread is the one that steps, so it drives almost always.
+A thread may also hold the drive for as long as it likes (``take_drive``: ``Engine.driving``): the server's
+``EngineLoop`` thread drives so for the engine's life, so every command, its own bookkeeping included, runs there.
 
 Each step's deltas go out through here too: to the inbox of the stream that watches their request, or to the
 ``unclaimed`` list that ``Engine.step()`` returns. All of this state (commands, the driver, the inboxes, the count of
@@ -109,6 +110,10 @@ class CoreLoop:
                 return False
             self._driver = threading.get_ident()
             return True
+
+    def take_drive(self) -> None:
+        """Wait until no thread drives, then drive (the caller gives it up with ``release``)."""
+        self.drive_unless(lambda: False)
 
     def try_drive(self) -> bool:
         """Take the drive if no thread drives (True; the caller gives it up with ``release``), else False."""

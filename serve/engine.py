@@ -6,8 +6,9 @@ single-threaded; this class is the way in from any thread. It checks and builds 
 ``CoreLoop`` (``core_loop.py``): a command queued there runs on the thread driving the core, between steps, and at
 most one thread drives at a time. There is no engine thread: a caller that finds no thread driving drives itself
 (``add_request`` then queues its request on its own thread; ``step()``, or a ``stream``/``generate`` waiting for its
-deltas, runs the next step), so in-process use needs no thread of its own, and in the server ``EngineLoop``'s thread
-is the one that steps.
+deltas, runs the next step), so in-process use needs no thread of its own. The server's ``EngineLoop`` thread drives
+for the engine's life instead (``driving()``), stepping and running every command queued from other threads
+(``post``; ``run_commands``).
 
 Requests join (``add_request``, or ``submit``: its grammar compiled on the engine's grammar thread while the steps
 go on) and leave (finish or ``abort``) between steps; everything about a bad request is checked in ``add_request``
@@ -25,8 +26,9 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -332,24 +334,57 @@ class Engine:
         """Admit, prefill, decode, process and sample once; return the deltas of the requests added with
         ``add_request`` (this step's, after those of steps that ``stream``/``generate`` callers ran since the last
         ``step()``). While another thread runs a step, waits for it and returns its deltas instead of running one
-        more (so a ``step()`` caller is never starved by busy streams)."""
-        if self._loop.drive_unless(self._loop.step_ran_since(self._loop.steps)):
+        more (so a ``step()`` caller is never starved by busy streams). Inside ``driving()``, steps at once."""
+        if self._loop.driving:
+            self._turn_held()
+        elif self._loop.drive_unless(self._loop.step_ran_since(self._loop.steps)):
             self._turn()
         return self._loop.take_unclaimed()
 
     def _turn(self) -> None:
-        """(Driving) one turn of the loop: the queued commands; with nothing to step but grammars compiling, wait
-        for one to join (or fail); one step, its deltas handed out; then the drive given up (even on an
-        exception)."""
+        """(Driving) ``_turn_held``, then the drive given up (even on an exception)."""
         try:
-            self._loop.run_commands()
-            while self._core.only_compiling():
-                self._loop.wait_for_command()
-                self._loop.run_commands()
-            deltas = self._core.step()
-            self._loop.deliver(deltas, self._core.is_done)
+            self._turn_held()
         finally:
             self._loop.release()
+
+    def _turn_held(self) -> None:
+        """(Driving) one turn of the loop: the queued commands; with nothing to step but grammars compiling, wait
+        for one to join (or fail); one step, its deltas handed out."""
+        self._loop.run_commands()
+        while self._core.only_compiling():
+            self._loop.wait_for_command()
+            self._loop.run_commands()
+        deltas = self._core.step()
+        self._loop.deliver(deltas, self._core.is_done)
+
+    @contextmanager
+    def driving(self) -> Iterator[None]:
+        """Drive the engine on this thread for the ``with`` block (once no other thread drives it): the commands
+        other threads queue meanwhile (``submit``, ``abort``, ``post``, every question) run here, in ``step()`` and
+        ``run_commands()``, and nowhere else; when the block ends, those left run and the drive is given up. The
+        server's loop (``engine_loop.py``) drives so for the engine's life: then its thread is the only one that
+        ever touches the engine's state."""
+        self._loop.take_drive()
+        try:
+            yield
+        finally:
+            self._loop.release()
+
+    def run_commands(self, wait: bool = False) -> None:
+        """(Inside ``driving()``) run the commands queued for the engine; with ``wait``, first wait for one when
+        none is queued (a request joining, a grammar compiled, ``post``)."""
+        if not self._loop.driving:
+            raise RuntimeError("run_commands is for the thread driving the engine (inside Engine.driving())")
+        if wait:
+            self._loop.wait_for_command()
+        self._loop.run_commands()
+
+    def post(self, command: Callable[[], None]) -> None:
+        """Queue ``command`` (it must not raise) to run on the thread driving the engine, between steps, in the
+        order queued; returns at once (with no thread driving, this one runs it now). Inside the command, every
+        engine method answers at once."""
+        self._loop.post(command)
 
     # ---------------------------------------------------------------------------------------------- convenience
     def stream(self, prompt: Prompt, config: GenerationConfig | None = None, *,

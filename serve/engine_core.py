@@ -36,6 +36,7 @@ from .scheduler import Scheduler, StepBudget, StepPlan
 from .sequence import Deltas, GeneratedSequence, Request, delta_of
 from .speculation import Candidate, Drafter, SpeculationPlanner, SpeculativeConfig
 from .step_stats import account_step
+from .step_threads import StepThreads
 
 #: How much lower the grammar thread's CPU priority is than the engine's (Linux nice levels).
 GRAMMAR_THREAD_NICENESS = 5
@@ -60,6 +61,7 @@ class EngineCore:
         self._planner = SpeculationPlanner(speculative) if speculative is not None else None
         self._compiling: dict[str, bool] = {}  # requests whose grammar compiles (id -> aborted meanwhile)
         self._grammar_pool: ThreadPoolExecutor | None = None
+        self._step_threads = StepThreads()
 
     # ---------------------------------------------------------------------------------------------- requests
     def add(self, request: Request) -> None:
@@ -136,6 +138,8 @@ class EngineCore:
         finished sequences' retirement; the deltas of every request it touched."""
         started = time.perf_counter()
         deltas: Deltas = {}
+        # while a grammar compiles on its thread, it has a core: the kernels use the others (step_threads.py)
+        self._step_threads.use(beside_other_work=bool(self._compiling))
         plan = self.scheduler.schedule(self.budget, deltas, self._propose_drafts if self._planner else None)
         step, processing_s = self._forward_isolated(plan, deltas)
         if self.jump_forward:

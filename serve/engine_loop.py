@@ -1,22 +1,24 @@
-"""EngineLoop: the server's thread that loads the Engine and steps it; the app reaches it only through its queue.
+"""EngineLoop: the server's thread that loads the Engine and drives it; the app reaches it only through the engine's
+one command queue.
 
-The thread loads the model (``load()``), then repeats: run the queued commands (add requests, abort, any call on
-the engine), and ``engine.step()`` while anything is unfinished, handing each delta to its request's sink (a
-callable, e.g. one that moves it onto an asyncio queue with ``call_soon_threadsafe``). Commands run between steps,
-so requests join and leave the running batch there. The engine keeps its own state on one thread at a time
-(``core_loop.py``): this thread is the one that drives it, except when a request's grammar, compiled on the engine's
-grammar thread (``Engine.submit``) while the steps go on, joins the queue while this thread waits for work (the
-grammar thread then queues it itself); the request is answered (its ids) once it compiled. This queue orders the
-server's own bookkeeping (which request's deltas go to which sink, the metrics), which only this thread touches.
-A request refused by the engine (its ValueError / TypeError, a grammar that cannot compile included) is refused to
-its caller only; a step that raises ends the requests then running with a ``RequestFailed`` item, and the loop goes
-on; so does a request that the engine forgot without its final delta (never expected), so none waits forever.
+The thread loads the model (``load()``), then drives the engine for its whole life (``Engine.driving``: one owner
+of the engine's command queue, the ``CoreLoop``; no queue of its own): it runs the queued commands (add requests,
+abort, any call on the engine, the server's own bookkeeping), and ``engine.step()`` while anything is runnable,
+handing each delta to its request's sink (a callable, e.g. one that moves it onto an asyncio queue with
+``call_soon_threadsafe``); with nothing to step it waits for a command. Commands run between steps, so requests join
+and leave the running batch there. A request's grammar compiles on the engine's grammar thread (``Engine.submit``)
+while the steps go on; the compile's end is a command too, and the request is answered (its ids) once it compiled.
+The server's bookkeeping (which request's deltas go to which sink, the metrics, the queue limit) is state of the
+driving thread like the engine's: only commands and the loop touch it. A request refused by the engine (its
+ValueError / TypeError, a grammar that cannot compile included) is refused to its caller only; a step that raises
+ends the requests then running with a ``RequestFailed`` item, and the loop goes on; so does a request that the
+engine forgot without its final delta (never expected), so none waits forever. Before the engine has loaded, and
+once it stopped, a call is answered at once with ``EngineUnavailable``.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 import traceback
@@ -78,7 +80,7 @@ class _Live:
 
 
 class EngineLoop:
-    """Loads the engine on its own thread and steps it; ``submit``/``abort``/``call`` are safe from any thread."""
+    """Loads the engine on its own thread and drives it; ``submit``/``abort``/``call`` are safe from any thread."""
 
     LOADING, READY, FAILED, STOPPED = LoopState.LOADING, LoopState.READY, LoopState.FAILED, LoopState.STOPPED
 
@@ -91,7 +93,7 @@ class EngineLoop:
         self.engine: Any = None
         self.state: LoopState = LoopState.LOADING
         self.error: str | None = None
-        self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._stopping = threading.Event()
         self._live: dict[str, _Live] = {}
         self._last_engine_stats: tuple[int, ...] = (0, 0, 0, 0, 0)
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -107,8 +109,9 @@ class EngineLoop:
         return 503, {"status": self.state, "error": self.error}
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Abort what is left, stop stepping and join the thread."""
-        self._commands.put(None)
+        """Abort what is left, stop stepping and join the thread (one still loading stops once loaded)."""
+        self._stopping.set()
+        self._post(lambda: None)  # the loop wakes, sees it and stops
         self._thread.join(timeout)
 
     def call(self, fn: Callable[[Any], Any]) -> Future:
@@ -126,11 +129,17 @@ class EngineLoop:
             except BaseException as err:  # handed to the caller, who decides what it means
                 future.set_exception(err)
 
-        if self.state in (self.FAILED, self.STOPPED):
-            command()  # the thread is gone or going: answer at once
-        else:
-            self._commands.put(command)
+        self._post(command)
         return future
+
+    def _post(self, command: Callable[[], None]) -> None:
+        """Queue ``command`` on the engine's command queue (it runs on the loop thread between steps); before the
+        engine exists (loading, or it failed to load), run it now: it answers ``EngineUnavailable``."""
+        engine = self.engine
+        if engine is None:
+            command()
+        else:
+            engine.post(command)
 
     def submit(self, prompts: Sequence[Any], config: Any, chat: bool, sink: Sink,
                jump_forward: bool | None = None) -> Future:
@@ -140,7 +149,7 @@ class EngineLoop:
         (``Engine.submit``): the running requests go on stepping meanwhile."""
         result: Future = Future()
 
-        def add(engine: Any) -> list[PendingRequest]:
+        def add(engine: Any) -> None:
             waiting = sum(1 for live in self._live.values() if not live.started)
             if waiting + len(prompts) > self.max_queue:
                 raise QueueFull(f"the waiting queue is full ({waiting} of {self.max_queue} requests)")
@@ -158,27 +167,23 @@ class EngineLoop:
                 if config.response_format is not None:
                     self.metrics.grammar_requests.inc()
             self._update_gauges()
-            return pending
-
-        def added(future: Future) -> None:
-            if future.exception() is not None:
-                result.set_exception(future.exception())
-                return
-            pending: list[PendingRequest] = future.result()
             left = [len(pending)]
-            lock = threading.Lock()
 
-            def compiled(_: Future) -> None:  # on the grammar thread: the loop settles it between steps
-                with lock:
-                    left[0] -= 1
-                    last = left[0] == 0
-                if last:
-                    self._commands.put(lambda: self._settle(pending, result))
+            def compiled(_: Future) -> None:
+                # a request's ready is settled by a command of the core (EngineCore.compiled), or at once: on the
+                # thread driving the engine, as this is
+                left[0] -= 1
+                if left[0] == 0:
+                    self._settle(pending, result)
 
             for p in pending:
                 p.ready.add_done_callback(compiled)
 
-        self.call(add).add_done_callback(added)
+        def refused(future: Future) -> None:
+            if future.exception() is not None:
+                result.set_exception(future.exception())
+
+        self.call(add).add_done_callback(refused)
         return result
 
     def _settle(self, pending: list[PendingRequest], result: Future) -> None:
@@ -208,44 +213,23 @@ class EngineLoop:
     # -------------------------------------------------------------------------------------------- the thread
     def _run(self) -> None:
         try:
-            self.engine = self._load()
+            engine = self._load()
         except BaseException as err:  # a model that cannot load: the server reports it and exits
             self.state, self.error = self.FAILED, f"{type(err).__name__}: {err}"
             log.error("loading the model failed: %s", self.error)
-            self._fail_commands()
             if self._on_failure is not None:
                 self._on_failure(err)
             return
-        self.metrics.kv_capacity.set(getattr(self.engine, "max_total_tokens", 0))
-        self.state = self.READY
-        while True:  # (requests whose grammar compiles wake the loop when they are ready: a command)
-            busy = self.engine.has_runnable()
-            if not self._run_commands(block=not busy):
-                break
-            if self.engine.has_runnable():
-                self._step()
-        self._shutdown()
-
-    def _run_commands(self, block: bool) -> bool:
-        """Run queued commands (waiting for one when ``block``); False once stop was asked."""
-        while True:
-            try:
-                command = self._commands.get(block=block)
-            except queue.Empty:
-                return True
-            if command is None:
-                return False
-            command()
-            block = False
-
-    def _fail_commands(self) -> None:
-        while True:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            if command is not None:
-                command()  # not READY: the caller gets EngineUnavailable
+        self.metrics.kv_capacity.set(getattr(engine, "max_total_tokens", 0))
+        with engine.driving():  # from here on, every command queued for the engine runs on this thread
+            self.engine = engine
+            self.state = self.READY
+            while not self._stopping.is_set():  # (a grammar compiled, or stop(), is a command: it wakes the wait)
+                engine.run_commands(wait=not engine.has_runnable())
+                if engine.has_runnable() and not self._stopping.is_set():
+                    self._step()
+            self._shutdown()
+        # the commands left ran as the drive was given up, answered EngineUnavailable (STOPPED)
 
     def _shutdown(self) -> None:
         for rid in list(self._live):
@@ -253,7 +237,6 @@ class EngineLoop:
         while self.engine.has_unfinished():
             self._step()
         self.state = self.STOPPED
-        self._fail_commands()
 
     def _step(self) -> None:
         try:

@@ -15,6 +15,7 @@ from .cli_options import (
     open_engine,
     options_from_args,
 )
+from .outputs import FinishReason
 
 
 def run(args: argparse.Namespace) -> int:
@@ -57,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
             verdict = {True: "valid", False: "INVALID", None: "not checked"}[output.schema_valid]
             log(f"schema: the answer is {verdict}{relaxed}"
                 + (f": {output.schema_error}" if output.schema_error else ""))
-        if output.finish_reason == "error":
+        if output.finish_reason == FinishReason.ERROR:
             log(f"error: {output.error}")
             return 1
     return 0

@@ -432,13 +432,17 @@ class Server:
         offsets: dict[int, int] = {}
         parsers: dict[int, AnswerParser] = {}
         complete = False
+        events: list[str] = []  # written as one body chunk once no item is waiting (or at the end)
         try:
             if head.chat:
-                yield _sse(chunk(head, [role_choice(i) for i in range(total)], parsed.include_usage))
+                events.append(_sse(chunk(head, [role_choice(i) for i in range(total)], parsed.include_usage)))
             while finished < total:
+                if events and items.empty():
+                    yield "".join(events)
+                    events.clear()
                 item = await items.get()
                 if isinstance(item, RequestFailed):
-                    yield _sse(APIError(item.status, item.message, kind="server_error").body())
+                    events.append(_sse(APIError(item.status, item.message, kind="server_error").body()))
                     break
                 index = choice_of[item.request_id] + item.index
                 text = item.text
@@ -463,11 +467,12 @@ class Server:
                 elif not (piece if piece is not None else text) and not item.logprobs:
                     continue
                 choice = delta_choice(head, index, item, self.token_text, text, offset, piece, answer)
-                yield _sse(chunk(head, [choice], parsed.include_usage))
+                events.append(_sse(chunk(head, [choice], parsed.include_usage)))
             if parsed.include_usage:
                 prompt_tokens, cached_tokens = _prompt_usage(prompt_stats)
-                yield _sse(usage_chunk(head, prompt_tokens, completion_tokens, cached_tokens))
-            yield "data: [DONE]\n\n"
+                events.append(_sse(usage_chunk(head, prompt_tokens, completion_tokens, cached_tokens)))
+            events.append("data: [DONE]\n\n")
+            yield "".join(events)
             complete = True
         finally:
             if not complete:  # the client went away (the response task was cancelled): abort now

@@ -39,10 +39,12 @@ INGRESS_MAX_ONGOING = 10_000
 #: scripts/bench_serve.py --ray: the CPU per streamed token of the ingress and the replica, docs/benchmarks.md).
 SERVE_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
              "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1"}
-#: The same for Ray Serve's HTTP proxy (its calls to the ingress), and the proxy's header guard
+#: The same for Ray Serve's HTTP proxy (its calls to the ingress over gRPC, its router on its own event loop rather
+#: than a thread of its own, which cost a cross-thread hop per streamed item), and the proxy's header guard
 #: (``ray_proxy_guard.py``): read by the proxy's process, which the Serve controller starts with its node's
 #: environment (a local instance: this command's; a cluster: `ray start`'s).
-PROXY_ENV = {"RAY_SERVE_PROXY_USE_GRPC": "1", CALLBACK_ENV: CALLBACK_IMPORT_PATH}
+PROXY_ENV = {"RAY_SERVE_PROXY_USE_GRPC": "1", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
+             CALLBACK_ENV: CALLBACK_IMPORT_PATH}
 #: A local instance's background work, which competes with the engines for the CPUs: the Serve controller's loop
 #: every 0.5 s instead of 0.1 s, Ray Serve's own metrics exported every 2 s instead of 0.1 s (measured idle, the
 #: tiny model on 1 replica: 12% of a core -> 8%).
@@ -104,4 +106,5 @@ def build_application(args: argparse.Namespace, plan: ReplicaPlan, options: Serv
         name=INGRESS_DEPLOYMENT, ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": SERVE_ENV}},
         max_ongoing_requests=INGRESS_MAX_ONGOING,
         graceful_shutdown_timeout_s=args.drain_timeout)
-    return ingress.bind(engine.bind(args, plan.threads, INGRESS_DEPLOYMENT), options, plan.wanted)
+    engines = engine.bind(args, plan.threads, INGRESS_DEPLOYMENT, plan.stream_interval_s)
+    return ingress.bind(engines, options, plan.wanted)

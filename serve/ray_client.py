@@ -104,7 +104,11 @@ class RayEngineClient:
 
     def __init__(self, replicas: DeploymentHandle, app_name: str, deployment: str, wanted: int,
                  metrics: ReplicaMetrics, on_ready: Callable[[ModelFacts], None]) -> None:
-        self._handle = replicas
+        # Ray Serve's gRPC transport for the calls to the replicas, not its actor calls (each streamed item of which
+        # goes through a thread pool and the object store's bookkeeping in both processes). Said here: the handle was
+        # made by the `logitproc serve` command, whose environment does not set RAY_SERVE_USE_GRPC_BY_DEFAULT (the
+        # replicas' does, ray_app.SERVE_ENV), and a handle keeps the transport of the process that made it.
+        self._handle = replicas.options(_by_reference=False)
         self._app_name, self._deployment, self._wanted = app_name, deployment, wanted
         self._metrics = metrics
         self._on_ready = on_ready

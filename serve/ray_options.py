@@ -15,13 +15,19 @@ from typing import Any
 ROUTING_CHOICES = ("prefix", "pow2")
 #: Ray Serve's own delays before it scales up / down (seconds): ``--autoscale-delays``' default.
 DEFAULT_DELAYS = (30.0, 600.0)
+#: ``--ray-stream-interval``: how often (at most) a replica sends a request's deltas to the ingress, in milliseconds
+#: (``ray_stream.py``), its default and its bounds; the default comes from scripts/bench_serve.py --ray
+#: (docs/server.md).
+DEFAULT_STREAM_INTERVAL_MS = 0.0
+MAX_STREAM_INTERVAL_MS = 1000.0
 
 
 @dataclass(frozen=True)
 class ReplicaPlan:
     """How many engine replicas, with how many CPU threads each; autoscaling between ``minimum`` and ``maximum``
     on queue depth when ``autoscale`` (``target_ongoing`` requests per replica, after the load has called for it
-    ``upscale_delay`` / ``downscale_delay`` seconds), else a fixed ``initial``."""
+    ``upscale_delay`` / ``downscale_delay`` seconds), else a fixed ``initial``; each replica sends a request's
+    deltas at most every ``stream_interval_s`` seconds."""
 
     initial: int
     minimum: int
@@ -31,6 +37,7 @@ class ReplicaPlan:
     target_ongoing: float
     upscale_delay: float = DEFAULT_DELAYS[0]
     downscale_delay: float = DEFAULT_DELAYS[1]
+    stream_interval_s: float = DEFAULT_STREAM_INTERVAL_MS / 1000
 
     @property
     def wanted(self) -> int:
@@ -59,6 +66,11 @@ def add_ray_arguments(parser: Any) -> None:
     group.add_argument("--autoscale-delays", default=None, metavar="UP:DOWN",
                        help="with --autoscale: seconds the load must call for more (UP) or fewer (DOWN) replicas "
                             "before Ray Serve scales (default: Ray's 30:600)")
+    group.add_argument("--ray-stream-interval", type=float, default=None, metavar="MS",
+                       help="each replica sends a request's tokens to the ingress at most every MS milliseconds, "
+                            "what came meanwhile in one message (the end of an answer at once); fewer, longer "
+                            f"messages cost Ray less CPU per token (0 to {MAX_STREAM_INTERVAL_MS:g}; default: "
+                            f"{DEFAULT_STREAM_INTERVAL_MS:g}: each step's tokens at once)")
     group.add_argument("--routing", choices=ROUTING_CHOICES, default="prefix",
                        help="replica choice: prefix (a request goes to the replica holding the longest prefix of its "
                             "prompt, load permitting) or pow2 (Ray's power of two choices) (default: %(default)s)")
@@ -73,7 +85,8 @@ def check_ray_arguments(args: argparse.Namespace) -> None:
     """ValueError naming the option for a bad or contradictory value (before anything loads)."""
     ray_only = (("--ray-address", args.ray_address), ("--replica-threads", args.replica_threads),
                 ("--target-ongoing-requests", args.target_ongoing_requests),
-                ("--autoscale-delays", args.autoscale_delays), ("--ray-dashboard", args.ray_dashboard))
+                ("--autoscale-delays", args.autoscale_delays), ("--ray-dashboard", args.ray_dashboard),
+                ("--ray-stream-interval", args.ray_stream_interval))
     if not uses_ray(args):
         for option, value in ray_only:
             if value is not None:
@@ -104,7 +117,7 @@ def replica_plan(args: argparse.Namespace, cores: int) -> ReplicaPlan:
             raise ValueError("--autoscale-delays sets the autoscaler's delays: give --autoscale MIN:MAX too")
         count = args.replicas
         threads = args.replica_threads or max(1, cores // count)
-        return ReplicaPlan(count, count, count, threads, False, 0.0)
+        return ReplicaPlan(count, count, count, threads, False, 0.0, stream_interval_s=_stream_interval(args))
     found = re.fullmatch(r"(\d+):(\d+)", args.autoscale.strip())
     if found is None:
         raise ValueError(f"--autoscale takes MIN:MAX (two integers, e.g. 1:4), got {args.autoscale!r}")
@@ -121,7 +134,19 @@ def replica_plan(args: argparse.Namespace, cores: int) -> ReplicaPlan:
     if not target > 0:
         raise ValueError(f"--target-ongoing-requests must be > 0, got {target}")
     threads = args.replica_threads or max(1, cores // high)
-    return ReplicaPlan(initial, low, high, threads, True, target, *_delays(args.autoscale_delays))
+    return ReplicaPlan(initial, low, high, threads, True, target, *_delays(args.autoscale_delays),
+                       stream_interval_s=_stream_interval(args))
+
+
+def _stream_interval(args: argparse.Namespace) -> float:
+    """``--ray-stream-interval MS`` in seconds (the default without it)."""
+    interval = args.ray_stream_interval
+    if interval is None:
+        return DEFAULT_STREAM_INTERVAL_MS / 1000
+    if not 0 <= interval <= MAX_STREAM_INTERVAL_MS:  # (NaN too)
+        raise ValueError(f"--ray-stream-interval takes milliseconds from 0 to {MAX_STREAM_INTERVAL_MS:g}, got "
+                         f"{interval:g}")
+    return interval / 1000
 
 
 def _delays(option: str | None) -> tuple[float, float]:

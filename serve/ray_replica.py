@@ -27,6 +27,7 @@ from .engine_loop import EngineLoop, EngineUnavailable, QueueFull, RequestFailed
 from .ray_logging import log_to_stderr
 from .ray_messages import Accepted, EngineRequest, MetricsSnapshot, ModelFacts, Refusal, Rejected, ReplicaLeft
 from .ray_metrics import REPORT_PERIOD_S
+from .ray_stream import StreamCoalescer
 from .server_metrics import ServerMetrics
 
 log = logging.getLogger("logitproc.serve")
@@ -42,9 +43,10 @@ LEFT_TIMEOUT_S = 1.0
 class EngineReplica:
     """One engine behind Ray Serve. ``args`` are ``logitproc serve``'s options (the model, the engine's limits);
     ``threads`` sizes TVM's CPU pool (Ray reserves as many CPUs for the replica); ``ingress``: the deployment (of
-    the same application) whose ``report`` method takes this replica's metrics."""
+    the same application) whose ``report`` method takes this replica's metrics; ``stream_interval_s``: a request's
+    stream sends its deltas at most this often (``ray_stream.py``)."""
 
-    async def __init__(self, args: argparse.Namespace, threads: int, ingress: str) -> None:
+    async def __init__(self, args: argparse.Namespace, threads: int, ingress: str, stream_interval_s: float) -> None:
         from .server_cli import load_engine
 
         log_to_stderr()
@@ -52,6 +54,7 @@ class EngineReplica:
         self._reporting: asyncio.Task | None = None
         os.environ["TVM_NUM_THREADS"] = str(threads)  # read when the model's first parallel kernel runs
         self._args = args
+        self._stream_interval = stream_interval_s
         context = serve.get_replica_context()
         self._replica = context.replica_id.unique_id
         self._ingress = serve.get_deployment_handle(ingress, context.app_name)
@@ -94,15 +97,10 @@ class EngineReplica:
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[Any]:
         """The request's stream: ``Accepted`` or ``Rejected``, then lists of deltas (or a ``RequestFailed``), each
-        list what arrived since the last, until each of its sequences has finished, then this replica's
-        ``MetricsSnapshot``."""
-        items: asyncio.Queue = asyncio.Queue()
-        aloop = asyncio.get_running_loop()
-
-        def sink(item: Any) -> None:
-            aloop.call_soon_threadsafe(items.put_nowait, item)
-
-        submitted = self.loop.submit([list(p) for p in request.prompts], request.config, request.chat, sink,
+        list what arrived since the last (at most every stream interval; the end of a sequence at once), until each
+        of its sequences has finished, then this replica's ``MetricsSnapshot``."""
+        stream = StreamCoalescer(asyncio.get_running_loop(), self._stream_interval)
+        submitted = self.loop.submit([list(p) for p in request.prompts], request.config, request.chat, stream.put,
                                      request.jump_forward)
         try:
             ids = await asyncio.wrap_future(submitted)
@@ -124,9 +122,7 @@ class EngineReplica:
         left = len(ids) * request.config.n
         try:
             while left:
-                batch = [await items.get()]  # and whatever else has come meanwhile: one message for them all
-                while not items.empty():
-                    batch.append(items.get_nowait())
+                batch = await stream.get()  # what came since the last, at most every stream interval
                 yield batch
                 if any(isinstance(item, RequestFailed) for item in batch):
                     break

@@ -109,3 +109,43 @@ def test_a_driver_waiting_for_a_step_of_its_own_is_refused() -> None:
     with pytest.raises(RuntimeError, match="drives the engine already"):
         loop.drive_unless(lambda: False)
     loop.release()
+
+
+def test_a_thread_holding_the_drive_runs_every_command_queued_meanwhile() -> None:
+    """``take_drive`` (the server's loop, for the engine's life): commands from other threads queue, wake the driver
+    waiting for one, and run on it; ``call`` from another thread waits for it; what is left runs as it lets go."""
+    loop = CoreLoop()
+    loop.take_drive()
+    answers: list[int] = []
+    caller = threading.Thread(target=lambda: answers.append(loop.call(threading.get_ident)))
+    caller.start()
+    loop.wait_for_command()  # the call's command wakes it
+    loop.run_commands()
+    caller.join(timeout=10)
+    assert answers == [threading.get_ident()]
+    left: list[int] = []
+    poster = threading.Thread(target=loop.post, args=(lambda: left.append(threading.get_ident()),))
+    poster.start()
+    poster.join(timeout=10)
+    assert left == []  # queued: still held
+    loop.release()
+    assert left == [threading.get_ident()]
+
+
+def test_take_drive_waits_for_the_thread_driving() -> None:
+    loop = CoreLoop()
+    assert loop.try_drive()
+    took = threading.Event()
+
+    def take() -> None:
+        loop.take_drive()
+        took.set()
+        loop.release()
+
+    taker = threading.Thread(target=take)
+    taker.start()
+    time.sleep(0.1)
+    assert not took.is_set()
+    loop.release()
+    taker.join(timeout=10)
+    assert took.is_set()

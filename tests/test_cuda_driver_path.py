@@ -157,7 +157,8 @@ def test_arrays_round_trip_and_rows_land_in_place(fake) -> None:
 
 def _expected_grids(kernel: str, args: Sequence[np.ndarray], batch: int, vocab: int) -> list[tuple[int, int, int]]:
     """What each kernel's TIR binds, per kernel it launches: one block per row, except the sparse and bitmask
-    kernels, and the softmax, whose two kernels split each row into chunks of SPLIT_CHUNK values."""
+    kernels, and the kernels that split each row into chunks of SPLIT_CHUNK values (the softmax's, the threshold
+    search's passes) or into the draw's segments (16 blocks of 64 a row)."""
     if kernel in ("apply_logit_bias_inplace", "apply_penalty_inplace"):
         return [(-(-args[1].size // 1024), 1, 1)]
     if kernel == "apply_bitmask_inplace":
@@ -165,10 +166,12 @@ def _expected_grids(kernel: str, args: Sequence[np.ndarray], batch: int, vocab: 
     split = (batch * -(-vocab // SPLIT_CHUNK), 1, 1)
     if kernel == "softmax_with_temperature":  # chunk statistics, row statistics, the chunks' writes
         return [split, (batch, 1, 1), split]
-    if kernel == "sample_from_logits":  # the softmax's chunk statistics, then a block per row
-        return [split, (batch, 1, 1)]
-    if kernel == "renormalize_probs":  # a block per row finds the threshold, then the chunks are rescaled
-        return [(batch, 1, 1), split]
+    # the threshold search's passes: first pass, row setup, bound pass, row bound, the list's copy
+    search = [split, (batch, 1, 1), split, (batch, 1, 1), split]
+    if kernel == "sample_from_logits":  # softmax statistics, the search's passes and steps, segment sums, the draw
+        return [split, (batch, 1, 1), *search, (batch, 1, 1), (batch * 16, 1, 1), (batch, 1, 1)]
+    if kernel == "renormalize_probs":  # the search's passes, its steps (a block per row), the chunks rescaled
+        return [*search, (batch, 1, 1), split]
     return [(batch, 1, 1)]
 
 
@@ -236,6 +239,27 @@ def test_bad_arguments_name_the_parameter_and_an_empty_batch_launches_nothing(cu
     kernels["softmax_with_temperature"](device.empty((0, 10), "float32"), device.empty((0,), "float32"),
                                         device.empty((0, 10), "float32"))
     assert driver.launches == []
+
+
+def test_the_first_k_kernels_of_a_function_launch_alone_for_a_breakdown(cuda_library, fake) -> None:
+    """``launch_first(k)`` (scripts/cuda_check.py's per-kernel breakdown) launches the function's first k kernels, in
+    order, and refuses a k it does not have."""
+    device, driver = fake
+    fn = device.load(cuda_library)["sample_from_logits"]
+    entries = [k.entry for k in fn.launches.kernels]
+    assert len(entries) == 10  # softmax statistics (2), the search's split passes (5), its steps, segments, draw
+    batch, vocab = 2, 3000
+    args = [device.empty((batch, vocab), "float32"), device.empty((batch,), "float32"),
+            device.empty((batch,), "int32"), device.empty((batch,), "float32"), device.empty((batch,), "float32"),
+            device.empty((batch,), "int32"), device.empty((batch,), "float32"), device.empty((batch,), "int32"),
+            device.empty((1, 94), "int32"), device.empty((batch,), "int32"), device.empty((batch,), "float32"),
+            device.empty((batch,), "int32"), device.empty((batch, 2), "float32"), device.empty((batch, 2), "int32")]
+    for k in (1, 4, 10):
+        driver.launches.clear()
+        fn.launch_first(k, *args)
+        assert [launch.entry for launch in driver.launches] == entries[:k]
+    with pytest.raises(ValueError, match="has 10 kernels"):
+        fn.launch_first(11, *args)
 
 
 def test_a_processor_runs_its_stages_through_the_driver(cuda_library, fake) -> None:

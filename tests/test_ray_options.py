@@ -8,7 +8,7 @@ import sys
 
 import pytest
 from logitproc.serve.cli import build_parser
-from logitproc.serve.ray_options import check_ray_arguments, replica_plan
+from logitproc.serve.ray_options import DEFAULT_STREAM_INTERVAL_MS, check_ray_arguments, replica_plan
 
 
 def parsed(*options: str):
@@ -35,6 +35,12 @@ def parsed(*options: str):
     (("--replicas", "2", "--autoscale-delays", "5:20"), "--autoscale-delays sets the autoscaler's delays"),
     (("--autoscale", "1:2", "--autoscale-delays", "5"), "--autoscale-delays takes UP:DOWN"),
     (("--autoscale", "1:2", "--autoscale-delays", "5:soon"), "--autoscale-delays takes UP:DOWN"),
+    (("--ray-stream-interval", "20"), "--ray-stream-interval serves through Ray"),
+    (("--replicas", "1", "--ray-stream-interval", "-1"), "--ray-stream-interval takes milliseconds from 0 to 1000, "
+                                                          "got -1"),
+    (("--replicas", "1", "--ray-stream-interval", "1001"), "got 1001"),
+    (("--replicas", "1", "--ray-stream-interval", "nan"), "got nan"),
+    (("--autoscale", "1:2", "--ray-stream-interval", "inf"), "got inf"),
 ])
 def test_bad_ray_options_are_refused_naming_the_option(options, says) -> None:
     with pytest.raises(ValueError) as err:
@@ -51,6 +57,8 @@ def test_the_replica_plan() -> None:
     assert (scaled.upscale_delay, scaled.downscale_delay) == (30.0, 600.0)  # Ray Serve's own
     quick = replica_plan(parsed("--autoscale", "1:2", "--autoscale-delays", "2:20.5"), cores=2)
     assert (quick.upscale_delay, quick.downscale_delay) == (2.0, 20.5)
+    assert fixed.stream_interval_s == quick.stream_interval_s == DEFAULT_STREAM_INTERVAL_MS / 1000
+    assert replica_plan(parsed("--replicas", "1", "--ray-stream-interval", "25"), cores=2).stream_interval_s == 0.025
 
 
 def test_the_single_process_server_does_not_import_ray() -> None:

@@ -251,22 +251,99 @@ def _cpu() -> tirx.PrimFunc:
     return multinomial_from_uniform
 
 
+@T.macro
+def gpu_segment_sum(value, vocab, segments, g, seg_sum, last):
+    """Segment g of ``segments`` (each ceil(vocab / segments) consecutive values, the GPU draw's per-thread share):
+    seg_sum[0] = the sum of its positive values ``value(i)`` in index order, last[0] = the last index holding one
+    (-1 where none). One thread; GPU_UNROLL values a step whose loads are issued together."""
+    xs = T.alloc_buffer((GPU_UNROLL,), "float32", scope="local")
+    seg: T.let = (vocab + segments - 1) // segments
+    begin: T.let = T.min(g * seg, vocab)
+    end: T.let = T.min(begin + seg, vocab)
+    seg_sum[0] = T.float32(0)
+    last[0] = -1
+    for s in range((end - begin) // GPU_UNROLL):
+        for u in T.unroll(GPU_UNROLL):
+            xs[u] = value(begin + s * GPU_UNROLL + u)
+        for u in T.unroll(GPU_UNROLL):
+            if xs[u] > T.float32(0):
+                seg_sum[0] = seg_sum[0] + xs[u]
+                last[0] = begin + s * GPU_UNROLL + u
+    for t in range((end - begin) % GPU_UNROLL):
+        if value(begin + (end - begin) // GPU_UNROLL * GPU_UNROLL + t) > T.float32(0):
+            seg_sum[0] = seg_sum[0] + value(begin + (end - begin) // GPU_UNROLL * GPU_UNROLL + t)
+            last[0] = begin + (end - begin) // GPU_UNROLL * GPU_UNROLL + t
+
+
+def _entry_of(base: tirx.PrimExpr, e: tirx.PrimExpr, cap: int) -> tirx.PrimExpr:
+    """base + e, e clamped to [0, cap) (an index computed from a local buffer: TVM's buffer-region analysis needs
+    bounds that do not depend on it)."""
+    return base + T.max(T.min(e, cap - 1), 0)
+
+
+@T.macro
+def _first_at_or_above(ids, base, n, cap, bound, steps, at):
+    """at[0] = the first e < n with ids[base + e] >= bound (n where none), ids increasing, n <= cap (a Python int);
+    ``steps`` bisection steps (a Python int, at least log2(n) + 1)."""
+    at[0] = 0
+    at[1] = n
+    for it in range(steps):
+        if at[0] < at[1]:
+            if ids[_entry_of(base, (at[0] + at[1]) // 2, cap)] < bound:
+                at[0] = (at[0] + at[1]) // 2 + 1
+            else:
+                at[1] = (at[0] + at[1]) // 2
+
+
+@T.macro
+def gpu_list_segment_sum(cand, cand_id, base, n, cap, kept, vocab, segments, g, seg_sum, last):
+    """``gpu_segment_sum`` of segment g for a row given as a list: ``kept(cand[base + e])`` at index
+    ``cand_id[base + e]`` for its n entries (indices increasing; n <= cap, a Python int), 0 elsewhere. The same
+    additions in the same order (the row's other values are 0, which the row's pass skips). One thread; two
+    bisections over the indices find the segment's entries."""
+    first = T.alloc_buffer((2,), "int32", scope="local")
+    stop = T.alloc_buffer((2,), "int32", scope="local")
+    seg: T.let = (vocab + segments - 1) // segments
+    begin: T.let = T.min(g * seg, vocab)
+    _first_at_or_above(cand_id, base, n, cap, begin, cap.bit_length() + 1, first)
+    _first_at_or_above(cand_id, base, n, cap, T.min(begin + seg, vocab), cap.bit_length() + 1, stop)
+    seg_sum[0] = T.float32(0)
+    last[0] = -1
+    for e in range(stop[0] - first[0]):
+        x: T.let = kept(cand[_entry_of(base, first[0] + e, cap)])
+        if x > T.float32(0):
+            seg_sum[0] = seg_sum[0] + x
+            last[0] = cand_id[_entry_of(base, first[0] + e, cap)]
+
+
 def gpu_row_macro(threads: int) -> Callable[..., None]:
     """The GPU row macro ``sample_row(value, vocab, u, tx, token, chosen, r)``, one block per row: token[r],
-    chosen[r] = the token drawn from row values ``value(i)`` with uniform ``u``, and its value (-1, 0 for a row of
-    zeros)."""
+    chosen[r] = the token drawn from row values ``value(i)`` with uniform ``u`` (-1, 0 for a row of zeros)."""
+    sample_segments = gpu_segments_macro(threads)
+
+    @T.macro
+    def sample_row(value, vocab, u, tx, token, chosen, r):
+        seg_sum = T.alloc_buffer((1,), "float32", scope="local")
+        last = T.alloc_buffer((1,), "int32", scope="local")  # last positive value of the segment
+        gpu_segment_sum(value, vocab, threads, tx, seg_sum, last)
+        sample_segments(value, vocab, u, tx, token, chosen, r, seg_sum, last)
+
+    return sample_row
+
+
+def gpu_segments_macro(threads: int) -> Callable[..., None]:
+    """The GPU row macro ``sample_segments(value, vocab, u, tx, token, chosen, r, seg_sum, last)``, one block per
+    row, each thread tx holding its segment's ``gpu_segment_sum`` (``threads`` segments): the draw that follows."""
     log_threads = threads.bit_length() - 1
     assert threads == 1 << log_threads, "the scans and reductions need a power-of-two block size"
     inclusive_scan = gpu_inclusive_scan(log_threads)
 
     @T.macro
-    def sample_row(value, vocab, u, tx, token, chosen, r):
+    def sample_segments(value, vocab, u, tx, token, chosen, r, seg_sum, last):
         incl = T.alloc_buffer((threads,), "float32", scope="shared")  # inclusive scan of segment sums
         s_hit = T.alloc_buffer((threads,), "int32", scope="shared")
         s_last = T.alloc_buffer((threads,), "int32", scope="shared")
-        seg_sum = T.alloc_buffer((1,), "float32", scope="local")
         part = T.alloc_buffer((1,), "float32", scope="local")
-        last = T.alloc_buffer((1,), "int32", scope="local")  # last positive value of the segment
         pick = T.alloc_buffer((1,), "int32", scope="local")
         hit = T.alloc_buffer((2,), "int32", scope="local")  # the segment holding the target, last positive
         carry = T.alloc_buffer((1,), "float32", scope="local")  # the mass before the current chunk of the segment
@@ -274,25 +351,7 @@ def gpu_row_macro(threads: int) -> Callable[..., None]:
         mine = T.alloc_buffer((1,), "float32", scope="local")
         seg_last = T.alloc_buffer((1,), "int32", scope="local")
         aim = T.alloc_buffer((1,), "float32", scope="local")  # the target mass (u * the row sum)
-        xs = T.alloc_buffer((GPU_UNROLL,), "float32", scope="local")
         seg: T.let = (vocab + threads - 1) // threads
-        begin: T.let = T.min(tx * seg, vocab)
-        end: T.let = T.min(begin + seg, vocab)
-        seg_sum[0] = T.float32(0)
-        last[0] = -1
-        # the segment in order, GPU_UNROLL values a step whose loads are issued together (one at a time, each
-        # waited for, left the pass latency-bound), then added one by one as before
-        for s in range((end - begin) // GPU_UNROLL):
-            for u in T.unroll(GPU_UNROLL):
-                xs[u] = value(begin + s * GPU_UNROLL + u)
-            for u in T.unroll(GPU_UNROLL):
-                if xs[u] > T.float32(0):
-                    seg_sum[0] = seg_sum[0] + xs[u]
-                    last[0] = begin + s * GPU_UNROLL + u
-        for t in range((end - begin) % GPU_UNROLL):
-            if value(begin + (end - begin) // GPU_UNROLL * GPU_UNROLL + t) > T.float32(0):
-                seg_sum[0] = seg_sum[0] + value(begin + (end - begin) // GPU_UNROLL * GPU_UNROLL + t)
-                last[0] = begin + (end - begin) // GPU_UNROLL * GPU_UNROLL + t
         # inclusive scan (Hillis-Steele) of the segment sums
         incl[tx] = seg_sum[0]
         T.tvm_storage_sync("shared")
@@ -353,7 +412,7 @@ def gpu_row_macro(threads: int) -> Callable[..., None]:
                 token[r] = hit[1]
                 chosen[r] = T.Select(hit[1] >= 0, value(T.max(hit[1], 0)), T.float32(0))
 
-    return sample_row
+    return sample_segments
 
 
 def _gpu(threads: int) -> tirx.PrimFunc:

@@ -56,16 +56,17 @@ method) close enough to the midpoint that the interval is at most 2**34 / 2**k w
 whatever the data. Each step is the same exact pass, so the threshold found (the largest data value with G >= goal,
 G as this kernel sums it) is the one bisection finds: on softmaxes of Gaussian logits (top_p 0.5-0.95, vocab 128256)
 2.4-7.6 top-p passes on average instead of 6.9-19 (with and without top-k).
-GPU: one block per row, threads striding over the row; every count, sum, minimum and maximum ends with a block
-reduction, and every thread holds the same search state. After the first pass (count, sum, maximum) a bound pass
-counts and sums, in one read of the row, the values at or above GPU_PIVOTS pivots: the min-p threshold and 1, 2, 4
-and 8 binades below the maximum. lb, a lower bound of the final threshold, is the highest pivot holding k values
-(top-k), or whose values alone reach top_p of the mass at or above the min-p threshold (top-p without top-k), else
-the min-p threshold. Where the values >= lb fit a list in shared memory (``gpu_list_capacity``: 4 per thread on CUDA,
-4096 values), one more pass copies them there (each thread's share at an offset from a block scan of the bound
-pass's per-thread counts) and every search step, and the kept sum, reads the list instead of the row; the bound
-pass's sums give the kept mass after min-p and top-p's starting point. Rows whose list would overflow (flat rows,
-top_p near 1) run the bisection over the row, as before. The rescaling is a second kernel, each row split over
+GPU: the passes over whole rows are split over blocks (``_threshold_split``: each block one chunk of SPLIT_CHUNK
+values, partials in workspaces, combined per row in chunk order): the first pass (count, sum and maximum of the
+positive values), the bound pass (count and sum at or above GPU_PIVOTS pivots: the min-p threshold and 1, 2, 4 and 8
+binades below the maximum), and the copy of the values at or above lb, a lower bound of the final threshold (the
+highest pivot holding k values with top-k, or whose values alone reach top_p of the mass at or above the min-p
+threshold with top-p alone, else the min-p threshold), into the row's candidate list in a workspace, in index order,
+where they fit (``gpu_list_capacity``: 4 per thread of the search's block on CUDA, 4096 values). Then one block per
+row (``gpu_row_threshold``) loads the list into shared memory and runs every search step and the kept sum on it
+(every thread holding the same search state, each count, sum, minimum and maximum ending with a block reduction);
+rows whose list would overflow (flat rows, top_p near 1) bisect over the row in that block. The bound pass's sums
+give the kept mass after min-p and top-p's starting point. The rescaling is the last kernel, each row split over
 blocks of SPLIT_THREADS (``_reductions.split_map``), the row's threshold and kept sum passed through workspaces.
 CUDA, ROCm and Metal bisect in while loops; WGSL runs a fixed 31 steps per bisection (idle, without reading the row,
 once converged) because its uniformity analysis only allows barriers in uniform control flow. Sums of subnormal
@@ -87,7 +88,25 @@ from tvm.script import tirx as T
 
 from ..runtime import kernel_abi
 from ._common import CALLER_ARRAY_ALIGN, CPU_LANES, is_cpu, max_threads
-from ._reductions import GPU_UNROLL, SPLIT_THREADS, gpu_inclusive_scan, row_of, split_map, split_parts
+from ._reductions import GPU_UNROLL, SPLIT_THREADS, row_of, split_map, split_parts
+from ._threshold_split import (
+    F_MASS,
+    F_SUM0,
+    F_SUMLB,
+    I_COUNT,
+    I_EXACT,
+    I_JLB,
+    I_LB,
+    I_LIST,
+    I_LO,
+    I_MAX,
+    I_PIVOT,
+    I_TOPK,
+    I_TOPP,
+    ROW_FLOATS,
+    ROW_INTS,
+    split_threshold_passes,
+)
 
 NAME = kernel_abi.RENORMALIZE
 
@@ -117,11 +136,6 @@ CPU_LIST_SIZE = _LIST_CAP + _CPU_WIDTH
 CPU_GROUPS = _MAX_BLOCKS * _CPU_WIDTH // 2
 
 
-#: Pivots of the GPU bound pass: the min-p threshold, then 1, 2, 4, 8 binades below the row's largest value (each
-#: pivot costs four operations per value of the pass).
-GPU_PIVOTS = 5
-#: Bit patterns per binade of float32 (one step of the exponent field).
-_BINADE = 1 << 23
 #: Size of the GPU state (``st``) the callers of ``gpu_row_threshold`` allocate.
 GPU_STATE = 8
 #: Candidates per thread the GPU list holds in shared memory, by target kind: CUDA's reductions use warp shuffles,
@@ -132,15 +146,6 @@ _LIST_PER_THREAD = {"cuda": 4.0, "rocm": 2.0, "webgpu": 2.0, "vulkan": 2.0, "ope
 def gpu_list_capacity(target: tvm.target.Target, threads: int) -> int:
     """Entries of the GPU threshold search's candidate list in shared memory on ``target``."""
     return int(_LIST_PER_THREAD[target.kind.name] * threads)
-
-
-def _entry(buf: tirx.Buffer, j: tirx.PrimExpr, n: int) -> tirx.PrimExpr:
-    """buf[j] for j < n, as a chain of selects over constant indices (a local array indexed by a variable would be
-    placed in memory, not registers)."""
-    value = buf[n - 1]
-    for i in reversed(range(n - 1)):
-        value = T.Select(j == i, buf[i], value)
-    return value
 
 
 def _from_list(use: tirx.PrimExpr, lst: tirx.Buffer, cap: int,
@@ -609,18 +614,6 @@ def gpu_row_threshold(threads: int, uniform_loops: bool, shuffle_reduce: bool, l
     tree_size = 1 if shuffle_reduce else threads
     log_threads = threads.bit_length() - 1
     assert threads == 1 << log_threads, "the tree reductions need a power-of-two block size"
-    list_scan = gpu_inclusive_scan(log_threads)
-    # the collect pass's block scan: in the tree's int array where there is one (no reduction runs meanwhile)
-    offs_size = threads if shuffle_reduce else 1
-
-    def scan_buffer(offs: tirx.Buffer, s_i: tirx.Buffer) -> tirx.Buffer:
-        return offs if shuffle_reduce else s_i
-
-    def trips(live: tirx.PrimExpr) -> tirx.PrimExpr | int:
-        """Runs of a block of reductions needed only where ``live``: once or not at all, always once on WGSL
-        (barriers in uniform control flow)."""
-        return 1 if uniform_loops else T.Select(live, 1, 0)
-
     @T.macro
     def pair_reduce(tx, acc_i, acc_f, s_i, s_f):
         # block_reduce of the (count, sum) pair alone
@@ -755,79 +748,13 @@ def gpu_row_threshold(threads: int, uniform_loops: bool, shuffle_reduce: bool, l
                      s_i, s_f, s_mn, s_mx)
 
     @T.macro
-    def bound_one(value, i, pv, lc, ls):
-        # this thread's count and sum of the values with bits >= each pivot take value(i) (branch-free)
-        x: T.let = value(i)
-        b: T.let = _bits(x)
-        for j in T.unroll(GPU_PIVOTS):
-            above: T.let = b >= pv[j]
-            lc[j] = lc[j] + T.Select(above, 1, 0)
-            ls[j] = ls[j] + T.Select(above, x, T.float32(0))
-
-    @T.macro
-    def bound_pass(value, vocab, tx, live, pv, lc, ls, cnt, sums, acc_i, acc_f, s_i, s_f):
-        # One pass: lc[j], ls[j] = this thread's count and sum of the values with bits >= pv[j] (j < GPU_PIVOTS);
-        # cnt[j], sums[j] = the block's. The row is read only where live (the reductions always run on WGSL).
-        for j in T.unroll(GPU_PIVOTS):
-            lc[j] = 0
-            ls[j] = T.float32(0)
-            cnt[j] = 0
-            sums[j] = T.float32(0)
-        span: T.let = threads * GPU_UNROLL
-        for kk in range(T.Select(live, vocab // span, 0)):
-            for u in T.unroll(GPU_UNROLL):
-                bound_one(value, (kk * GPU_UNROLL + u) * threads + tx, pv, lc, ls)
-        if live:
-            for u in T.unroll(GPU_UNROLL):
-                if vocab // span * span + u * threads + tx < vocab:
-                    bound_one(value, vocab // span * span + u * threads + tx, pv, lc, ls)
-        for once in range(trips(live)):
-            # a serial loop: an all-reduce in an unrolled one is copied before it is lowered (one result buffer,
-            # several all-reduces); the partials are picked by constant indices, so they stay in registers
-            for j in range(GPU_PIVOTS):
-                acc_i[0] = _entry(lc, j, GPU_PIVOTS)
-                acc_f[0] = _entry(ls, j, GPU_PIVOTS)
-                pair_reduce(tx, acc_i, acc_f, s_i, s_f)
-                cnt[j] = acc_i[0]
-                sums[j] = acc_f[0]
-
-    @T.macro
-    def collect_one(value, i, lb, lst, at, end):
-        x: T.let = value(i)
-        if _bits(x) >= lb:
-            lst[T.min(at[0], end - 1)] = x  # (end: the thread's share, as the bound pass counted it)
-            at[0] = at[0] + 1
-
-    @T.macro
-    def collect(value, vocab, tx, on, lb, j_lb, lc, lst, offs, part, at):
-        # lst[0 .. n) = the values with bits >= lb (pivot j_lb of the bound pass): each thread's in the order it read
-        # them, the threads in order (their offsets: a block scan of their counts). Reads the row only where on.
-        part[0] = 0
-        for j in T.unroll(GPU_PIVOTS):
-            part[0] = T.Select(j == j_lb, lc[j], part[0])
-        at[1] = part[0]
-        for once in range(trips(on)):
-            offs[tx] = at[1]
-            T.tvm_storage_sync("shared")
-            list_scan(offs, part, tx)
-            at[2] = offs[tx]  # the end of this thread's share
-            at[0] = at[2] - at[1]
-            T.tvm_storage_sync("shared")
-        span: T.let = threads * GPU_UNROLL
-        for kk in range(T.Select(on, vocab // span, 0)):
-            for u in T.unroll(GPU_UNROLL):
-                collect_one(value, (kk * GPU_UNROLL + u) * threads + tx, lb, lst, at, at[2])
-        if on:
-            for u in T.unroll(GPU_UNROLL):
-                if vocab // span * span + u * threads + tx < vocab:
-                    collect_one(value, vocab // span * span + u * threads + tx, lb, lst, at, at[2])
-        T.tvm_storage_sync("shared")
-
-    @T.macro
-    def threshold(value, vocab, tx, k, top_p_r, min_p_r, st, ms, needed):
+    def threshold(value, vocab, tx, k, top_p_r, min_p_r, st, ms, r, row_i, row_f, cand):
         # The kept set of one row (as the CPU macro): bits >= st[0], its sum in ms[0]; every thread of the block
-        # holds the same st (int32 (GPU_STATE,), local) and ms (float32 (2,), local). Where the block-uniform
-        # ``needed`` is false the row is not read at all (the results are then those of a row of zeros).
+        # holds the same st (int32 (GPU_STATE,), local) and ms (float32 (2,), local). The first pass, the bound
+        # pass and the list's copy ran before, split over blocks (``_threshold_split``): their results are row r's
+        # record (row_i, row_f) and its list (cand, list_cap entries from r * list_cap), loaded here into shared
+        # memory. A row whose record has no positive maximum (a row of zeros, or one the caller does not search)
+        # reads nothing.
         # st: 0: kept = bits >= st[0]; 1, 2: bisection interval; 3: max bits; 4: ms[0] is the kept sum; 5: the list's
         # bound lb; 6: the values >= lb; 7: lb's pivot.
         # the shared tree's arrays (one element where the reductions go through warp shuffles, which never use them)
@@ -836,52 +763,26 @@ def gpu_row_threshold(threads: int, uniform_loops: bool, shuffle_reduce: bool, l
         s_mn = T.alloc_buffer((tree_size,), "int32", scope="shared")
         s_mx = T.alloc_buffer((tree_size,), "int32", scope="shared")
         lst = T.alloc_buffer((list_cap,), "float32", scope="shared")  # the candidate list
-        offs = T.alloc_buffer((offs_size,), "int32", scope="shared")
         acc_i = T.alloc_buffer((1,), "int32", scope="local")
         acc_f = T.alloc_buffer((1,), "float32", scope="local")
         acc_mn = T.alloc_buffer((1,), "int32", scope="local")
         acc_mx = T.alloc_buffer((1,), "int32", scope="local")
-        pv = T.alloc_buffer((GPU_PIVOTS,), "int32", scope="local")  # the bound pass's pivots
-        lc = T.alloc_buffer((GPU_PIVOTS,), "int32", scope="local")  # this thread's counts and sums at them
-        ls = T.alloc_buffer((GPU_PIVOTS,), "float32", scope="local")
-        cnt = T.alloc_buffer((GPU_PIVOTS,), "int32", scope="local")  # the block's
-        sums = T.alloc_buffer((GPU_PIVOTS,), "float32", scope="local")
         fl = T.alloc_buffer((3,), "int32", scope="local")  # 0: top-k on, 1: top-p on, 2: the list is used
-        part = T.alloc_buffer((1,), "int32", scope="local")
-        at = T.alloc_buffer((3,), "int32", scope="local")
-        # pass 1: count, sum and maximum of the positive values
-        scan(value, vocab, tx, 1, True, needed, acc_i, acc_f, acc_mn, acc_mx, s_i, s_f, s_mn, s_mx)
-        st[3] = acc_mx[0]
-        st[0] = 1
-        st[4] = 1
-        ms[0] = acc_f[0]
-        if min_p_r > T.float32(0) and st[3] >= 1:
-            st[0] = T.max(1, _bits(min_p_r * T.reinterpret("float32", st[3])))
-            st[4] = 0
-        # (a zero row has st[3] < 1: every search below is then off)
-        fl[0] = T.Select(k > 0 and k < vocab and (st[4] == 0 or acc_i[0] > k) and st[3] >= 1, 1, 0)
-        fl[1] = T.Select(top_p_r < T.float32(1) and st[3] >= 1, 1, 0)
-        # the bound pass: count and sum at the min-p threshold (pivot 0) and at 1, 2, 4, 8 binades below the
-        # maximum (clamped to it)
-        pv[0] = st[0]
-        for j in T.unroll(1, GPU_PIVOTS):
-            pv[j] = T.max(st[0], st[3] - T.shift_left(1, j - 1) * _BINADE + 1)
-        bound_live: T.let = st[3] >= 1 and (fl[0] == 1 or fl[1] == 1 or st[4] == 0)
-        bound_pass(value, vocab, tx, bound_live, pv, lc, ls, cnt, sums, acc_i, acc_f, s_i, s_f)
-        # lb, a lower bound of the final threshold: the highest pivot holding k values (top-k), or whose values
-        # alone reach the top-p goal of the values >= pivot 0 (top-p without top-k); else pivot 0
-        st[5] = st[0]
-        st[7] = 0
-        for jj in T.unroll(GPU_PIVOTS - 1):
-            if (fl[0] == 1 and cnt[GPU_PIVOTS - 1 - jj] >= k) or (
-                    fl[0] == 0 and fl[1] == 1 and sums[GPU_PIVOTS - 1 - jj] >= top_p_r * sums[0]):
-                st[5] = pv[GPU_PIVOTS - 1 - jj]
-                st[7] = GPU_PIVOTS - 1 - jj
-        st[6] = cnt[0]
-        for j in T.unroll(1, GPU_PIVOTS):
-            st[6] = T.Select(st[7] == j, cnt[j], st[6])
-        fl[2] = T.Select(bound_live and (fl[0] == 1 or fl[1] == 1) and st[6] <= list_cap, 1, 0)
-        collect(value, vocab, tx, fl[2] == 1, st[5], st[7], lc, lst, scan_buffer(offs, s_i), part, at)
+        ri: T.let = r * ROW_INTS
+        st[0] = row_i[ri + I_LO]
+        st[3] = row_i[ri + I_MAX]
+        st[4] = row_i[ri + I_EXACT]
+        st[5] = row_i[ri + I_LB]
+        st[6] = row_i[ri + I_COUNT]
+        st[7] = row_i[ri + I_JLB]
+        fl[0] = row_i[ri + I_TOPK]
+        fl[1] = row_i[ri + I_TOPP]
+        fl[2] = row_i[ri + I_LIST]
+        ms[0] = row_f[r * ROW_FLOATS + F_MASS]
+        for j in range(list_cap // threads):
+            if fl[2] == 1 and j * threads + tx < st[6]:
+                lst[j * threads + tx] = cand[r * list_cap + j * threads + tx]
+        T.tvm_storage_sync("shared")
         # the searches read the list where it is used, else the row
         on_list: T.let = fl[2] == 1
         n_src: T.let = T.Select(on_list, st[6], vocab)
@@ -896,18 +797,16 @@ def gpu_row_threshold(threads: int, uniform_loops: bool, shuffle_reduce: bool, l
             st[0] = st[1]
             st[4] = 0
         # the kept sum, where a filter changed the kept set (the bound pass summed it at the min-p threshold)
-        mass_pass: T.let = st[4] == 0 and st[3] >= 1 and st[0] != pv[0]
+        mass_pass: T.let = st[4] == 0 and st[3] >= 1 and st[0] != row_i[ri + I_PIVOT]
         scan(_from_list(on_list, lst, list_cap, value), n_src, tx, st[0], False, mass_pass, acc_i, acc_f, acc_mn,
              acc_mx, s_i, s_f, s_mn, s_mx)
         if mass_pass:
             ms[0] = acc_f[0]
         elif st[4] == 0 and st[3] >= 1:
-            ms[0] = sums[0]
+            ms[0] = row_f[r * ROW_FLOATS + F_SUM0]
         # top-p (from lb on the list when top-p set it: G(lb) reaches the goal, and its sum is the bound pass's)
         st[1] = T.Select(on_list, T.max(st[0], st[5]), st[0])
-        ms[1] = sums[0]
-        for j in T.unroll(1, GPU_PIVOTS):
-            ms[1] = T.Select(st[7] == j, sums[j], ms[1])
+        ms[1] = row_f[r * ROW_FLOATS + F_SUMLB]
         st[2] = st[1] + 1
         if fl[1] == 1:
             st[2] = st[3] + 1
@@ -931,6 +830,7 @@ def _rescaled_rows(probs: tirx.Buffer, lo: tirx.Buffer, mass: tirx.Buffer
 
 def _gpu(threads: int, uniform_loops: bool, shuffle_reduce: bool, list_cap: int) -> tirx.PrimFunc:
     threshold = gpu_row_threshold(threads, uniform_loops, shuffle_reduce, list_cap)
+    passes = split_threshold_passes(list_cap)
 
     @T.prim_func
     def renormalize_probs(var_probs: T.handle, var_top_k: T.handle, var_top_p: T.handle, var_min_p: T.handle,
@@ -942,20 +842,27 @@ def _gpu(threads: int, uniform_loops: bool, shuffle_reduce: bool, list_cap: int)
         top_p = T.match_buffer(var_top_p, (batch,), "float32")
         min_p = T.match_buffer(var_min_p, (batch,), "float32")
         out = T.match_buffer(var_out, (batch, vocab), "float32")
-        # workspaces: each row's kept set (bits >= row_lo) and its sum
+        # workspaces: each row's record and candidate list (the split passes'), its kept set (bits >= row_lo)
+        # and its sum
+        row_i = T.alloc_buffer((batch * ROW_INTS,), "int32", scope="global")
+        row_f = T.alloc_buffer((batch * ROW_FLOATS,), "float32", scope="global")
+        cand = T.alloc_buffer((batch * list_cap,), "float32", scope="global")
         row_lo = T.alloc_buffer((batch,), "int32", scope="global")
         row_mass = T.alloc_buffer((batch,), "float32", scope="global")
-        # kernel 1: each row's threshold search, one block per row
+        # kernels 1-5: the first pass, the bound pass and the list's copy, each row split over blocks
+        passes(batch, vocab, lambda r, k: T.int32(0), lambda r, scalars: row_of(probs, r), lambda r: top_k[r],
+               lambda r: top_p[r], lambda r: min_p[r], lambda r: True, row_i, row_f, cand, None)
+        # kernel 6: each row's threshold search, one block per row
         for r in T.thread_binding(batch, thread="blockIdx.x"):
             for tx in T.thread_binding(threads, thread="threadIdx.x"):
                 # the same state as the CPU kernel, held identically by every thread of the block
                 st = T.alloc_buffer((GPU_STATE,), "int32", scope="local")
                 ms = T.alloc_buffer((2,), "float32", scope="local")
-                threshold(row_of(probs, r), vocab, tx, top_k[r], top_p[r], min_p[r], st, ms, True)
+                threshold(row_of(probs, r), vocab, tx, top_k[r], top_p[r], min_p[r], st, ms, r, row_i, row_f, cand)
                 if tx == 0:
                     row_lo[r] = st[0]
                     row_mass[r] = ms[0]
-        # kernel 2: the rescaling, each row split over blocks
+        # kernel 7: the rescaling, each row split over blocks
         for b in T.thread_binding(batch * split_parts(vocab), thread="blockIdx.x"):
             for tx in T.thread_binding(SPLIT_THREADS, thread="threadIdx.x"):
                 split_map(out, vocab, b, tx, _rescaled_rows(probs, row_lo, row_mass))

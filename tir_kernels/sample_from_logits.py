@@ -42,15 +42,15 @@ each logit's bits (|bits|, less 1 if negative: at least +inf's bits exactly for 
 a row is flagged (NON_FINITE) at no extra pass (greedy rows take the maximum of ``flagging(value)`` instead).
 Processed top-n: the row the draw read (one-hot, zeros, or ``exp * (1 / sum)`` renormalized) is written into the
 scratch row, and ``_select.row_top_cpu`` selects from it (block maxima, then a short list).
-GPU: two kernels. The first is the staged softmax's first kernel (``softmax.split_chunk_stats``: each row split over
-blocks, each recording its chunk's maximum, sum of exps and first index of the maximum in workspaces), reading the
-masked logit (``if_then_else``, so an unmasked row never reads the bitmask) with NaN and +inf flagged. The second runs
-one block per row: the row's statistics from the partials in the staged softmax's order
-(``softmax.row_stats_of_parts``: the same numbers), then every pass recomputes ``exp((x - max) * scale) * (1 / sum)``
-from the logits (as the staged softmax's write does; nothing is stored), renormalize's threshold search
-(``renormalize.gpu_row_macros``: a bound pass and, usually, a candidate list in shared memory) and multinomial's draw
-on it, then top_n's rounds (``row_best_gpu``) for top-n. A flagged row is read as zeros by those passes, then marked
-NON_FINITE.
+GPU: ten kernels, most with each row split over blocks (docs/kernels.md). The staged softmax's statistics
+(``softmax.split_chunk_stats``, then ``row_stats_of_parts``: the same numbers as its kernels) on the masked logit
+(``if_then_else``, so an unmasked row never reads the bitmask), with NaN and +inf flagged; the threshold search's
+passes over the row split over blocks (``_threshold_split``: first pass, bound pass, candidate list), each reading
+``exp((x - max) * scale) * (1 / sum)`` recomputed from the logits (as the staged softmax's write does; nothing is
+stored); one block per row for the search's steps (``renormalize.gpu_row_threshold``, on the list where it fits);
+the draw's segment sums split over blocks (from the list, where the row used it: it holds every kept value); one
+block per row for the rest of the draw (``multinomial.gpu_segments_macro``) and top_n's rounds (``row_best_gpu``).
+A flagged row is read as zeros by those passes, then marked NON_FINITE.
 """
 
 from __future__ import annotations
@@ -82,6 +82,7 @@ from ._reductions import (
     split_parts,
 )
 from ._select import row_top_cpu, row_top_gpu
+from ._threshold_split import I_COUNT, I_LIST, ROW_FLOATS, ROW_INTS, split_threshold_passes
 from .softmax import inverse_sum, probability, row_stats_of_parts, split_chunk_stats
 
 NAME = kernel_abi.SAMPLE_FROM_LOGITS
@@ -271,18 +272,67 @@ def _cpu_rows() -> Callable[..., None]:
     return rows
 
 
+def _mask_on(mask_index: tirx.Buffer, bitmask: tirx.Buffer, r: tirx.PrimExpr, vocab: tirx.PrimExpr) -> tirx.PrimExpr:
+    """Whether row r reads its logits through a mask row (a valid index, and a bitmask wide enough)."""
+    return tirx.all(mask_index[r] >= 0, mask_index[r] < bitmask.shape[0], bitmask.shape[1] * 32 >= vocab)
+
+
+# The row scalars the fused GPU kernel's second kernel writes for the later ones: float32 ``row_fs`` [batch * 3]
+# (the softmax's shift, inverse temperature, 1 / sum) and int32 ``row_is`` [batch * 4] (the first index of the
+# maximum, the mask row or -1, greedy, flagged). Stored floats read back are the same floats; one load each keeps the
+# per-token expressions small (the lowering's time grows with their size).
+_F_SHIFT, _F_SCALE, _F_INV = 0, 1, 2
+_I_HOT, _I_MASK, _I_GREEDY, _I_BAD = 0, 1, 2, 3
+
+
+def _row_scalar(row_fs: tirx.Buffer, row_is: tirx.Buffer) -> Callable[[tirx.PrimExpr, int], tirx.PrimExpr]:
+    """(r, k) -> row r's scalar k: shift, scale, 1 / sum, then the first index of the maximum, the mask row,
+    greedy, flagged (the order ``_row_probability`` reads them in)."""
+    slots = [(row_fs, 3, _F_SHIFT), (row_fs, 3, _F_SCALE), (row_fs, 3, _F_INV), (row_is, 4, _I_HOT),
+             (row_is, 4, _I_MASK), (row_is, 4, _I_GREEDY), (row_is, 4, _I_BAD)]
+    return lambda r, k: slots[k][0][r * slots[k][1] + slots[k][2]]
+
+
+def _row_probability(logits: tirx.Buffer, bitmask: tirx.Buffer) -> Callable[..., Value]:
+    """(r, scalars) -> row r's probability as the staged softmax writes it, from the row's scalars (``_row_scalar``,
+    bound once by the caller): 0 throughout a flagged row."""
+
+    def value(r: tirx.PrimExpr, s: tuple) -> Value:
+        shift, scale, inv, hot, m, greedy, bad = s
+        return _unless(bad != 0, probability(_gpu_logit(logits, r, bitmask, T.max(m, 0), m >= 0), greedy != 0, hot,
+                                             shift, scale, inv))
+
+    return value
+
+
+#: Threads per block of the fused kernel's split segment sums (each thread one of the draw's segments).
+_SEGMENT_THREADS = 64
+
+
 def _gpu_rows(threads: int, uniform_loops: bool, shuffle_reduce: bool, list_cap: int) -> Callable[..., None]:
-    """The GPU loop nest: one block of ``threads`` per row (see the module docstring)."""
+    """The GPU loop nest: rows split over blocks, then one block per row (see the module docstring)."""
     threshold = renormalize.gpu_row_threshold(threads, uniform_loops, shuffle_reduce, list_cap)
-    sample_row = multinomial.gpu_row_macro(threads)
+    passes = split_threshold_passes(list_cap)
+    sample_segments = multinomial.gpu_segments_macro(threads)
 
     @T.macro
     def rows(batch, vocab, logits, temperature, top_k, top_p, min_p, renorm, uniform, mask_index, bitmask, token,
              chosen, top_count, top_values, top_ids):
-        # workspaces: the staged softmax's per-block partials (``softmax.split_chunk_stats``)
+        # workspaces: the staged softmax's per-block partials (``softmax.split_chunk_stats``) and row statistics,
+        # the threshold search's row records and candidate lists (``_threshold_split``)
         part_max = T.alloc_buffer((batch * split_parts(vocab),), "float32", scope="global")
         part_sum = T.alloc_buffer((batch * split_parts(vocab),), "float32", scope="global")
         part_first = T.alloc_buffer((batch * split_parts(vocab),), "int32", scope="global")
+        row_fs = T.alloc_buffer((batch * 3,), "float32", scope="global")
+        row_is = T.alloc_buffer((batch * 4,), "int32", scope="global")
+        row_i = T.alloc_buffer((batch * ROW_INTS,), "int32", scope="global")
+        row_f = T.alloc_buffer((batch * ROW_FLOATS,), "float32", scope="global")
+        cand = T.alloc_buffer((batch * list_cap,), "float32", scope="global")
+        cand_id = T.alloc_buffer((batch * list_cap,), "int32", scope="global")
+        row_lo = T.alloc_buffer((batch,), "int32", scope="global")
+        row_mass = T.alloc_buffer((batch,), "float32", scope="global")
+        seg_sums = T.alloc_buffer((batch * threads,), "float32", scope="global")
+        seg_last = T.alloc_buffer((batch * threads,), "int32", scope="global")
         # kernel 1: the staged softmax's first kernel on the masked row (the maximum +inf for a row with a NaN or
         # +inf logit: it is then read as zeros, and flagged); each row split over blocks of SPLIT_THREADS
         for b in T.thread_binding(batch * split_parts(vocab), thread="blockIdx.x"):
@@ -293,47 +343,103 @@ def _gpu_rows(threads: int, uniform_loops: bool, shuffle_reduce: bool, list_cap:
                 split_chunk_stats(flagging(_gpu_logit(logits, r1, bitmask, T.Select(masked1, m1, 0), masked1),
                                            row_of(logits, r1)),
                                   vocab, temperature[r1], b, tx, part_max, part_sum, part_first)
-        # kernel 2: one block per row
+        # kernel 2: each row's statistics from its blocks' partials (the staged softmax's second kernel), and the
+        # scalars of its probability formula
+        for r2 in T.thread_binding(batch, thread="blockIdx.x"):
+            for tx in T.thread_binding(32, thread="threadIdx.x"):
+                stats2 = T.alloc_buffer((2,), "float32", scope="local")
+                hot2 = T.alloc_buffer((1,), "int32", scope="local")
+                row_stats_of_parts(part_max, part_sum, part_first, r2, vocab, temperature[r2], stats2, hot2)
+                if tx == 0:
+                    row_fs[r2 * 3 + _F_SHIFT] = safe_shift(stats2[0])
+                    row_fs[r2 * 3 + _F_SCALE] = inverse_temperature(temperature[r2])
+                    row_fs[r2 * 3 + _F_INV] = inverse_sum(stats2[1])
+                    row_is[r2 * 4 + _I_HOT] = hot2[0]
+                    row_is[r2 * 4 + _I_MASK] = T.Select(_mask_on(mask_index, bitmask, r2, vocab), mask_index[r2], -1)
+                    row_is[r2 * 4 + _I_GREEDY] = T.Select(temperature[r2] == T.float32(0), 1, 0)
+                    row_is[r2 * 4 + _I_BAD] = T.Select(stats2[0] == pos_inf(), 1, 0)
+        # kernels 3-7: the threshold search's passes over the row, split over blocks; rows the staged path would
+        # not renormalize run them with every filter off and without reading the row
+        passes(batch, vocab, _row_scalar(row_fs, row_is), _row_probability(logits, bitmask),
+               lambda r: T.Select(renorm[r] != 0, top_k[r], 0), lambda r: T.Select(renorm[r] != 0, top_p[r],
+                                                                                   T.float32(1)),
+               lambda r: T.Select(renorm[r] != 0, min_p[r], T.float32(0)), lambda r: renorm[r] != 0,
+               row_i, row_f, cand, cand_id)
+        # kernel 8: one block per row: the search's steps (on the list in shared memory where it is used)
         for r in T.thread_binding(batch, thread="blockIdx.x"):
             for tx in T.thread_binding(threads, thread="threadIdx.x"):
-                # the mask row and whether it applies, branch-free (the passes below hold barriers); a row without a
-                # valid mask never reads the bitmask
-                m: T.let = mask_index[r]
-                masked: T.let = m >= 0 and m < bitmask.shape[0] and bitmask.shape[1] * 32 >= vocab
-                stats = T.alloc_buffer((2,), "float32", scope="local")
-                hot = T.alloc_buffer((1,), "int32", scope="local")
                 st = T.alloc_buffer((renormalize.GPU_STATE,), "int32", scope="local")
                 ms = T.alloc_buffer((2,), "float32", scope="local")
-                row: T.let = T.Select(masked, m, 0)
-                # the staged softmax's statistics (the same numbers as its second kernel), then its probability
-                # formula wherever a pass reads the row
-                row_stats_of_parts(part_max, part_sum, part_first, r, vocab, temperature[r], stats, hot)
-                bad: T.let = stats[0] == pos_inf()
-                shift: T.let = safe_shift(stats[0])
-                scale: T.let = inverse_temperature(temperature[r])
-                greedy: T.let = temperature[r] == T.float32(0)
-                inv: T.let = inverse_sum(stats[1])
-                # rows the staged path would not renormalize run the threshold search with every filter off and
-                # without reading the row (barriers must stay in uniform control flow), and sample from the softmax
                 on: T.let = renorm[r] != 0
-                threshold(_unless(bad, probability(_gpu_logit(logits, r, bitmask, row, masked), greedy, hot[0], shift,
-                                                   scale, inv)),
-                          vocab, tx,
-                          T.Select(on, top_k[r], 0), T.Select(on, top_p[r], T.float32(1)),
-                          T.Select(on, min_p[r], T.float32(0)), st, ms, on)
-                lo: T.let = st[0]
-                mass: T.let = ms[0]
-                sample_row(_sampled(_unless(bad, probability(_gpu_logit(logits, r, bitmask, row, masked), greedy,
-                                                             hot[0], shift, scale, inv)), on, lo, mass),
-                           vocab, uniform[r], tx, token, chosen, r)
-                if tx == 0 and bad:  # the thread that wrote the -1 of a row of zeros
+                h0: T.let = row_fs[r * 3 + _F_SHIFT]
+                h1: T.let = row_fs[r * 3 + _F_SCALE]
+                h2: T.let = row_fs[r * 3 + _F_INV]
+                h3: T.let = row_is[r * 4 + _I_HOT]
+                h4: T.let = row_is[r * 4 + _I_MASK]
+                h5: T.let = row_is[r * 4 + _I_GREEDY]
+                h6: T.let = row_is[r * 4 + _I_BAD]
+                threshold(_row_probability(logits, bitmask)(r, (h0, h1, h2, h3, h4, h5, h6)),
+                          vocab, tx, T.Select(on, top_k[r], 0), T.Select(on, top_p[r], T.float32(1)),
+                          T.Select(on, min_p[r], T.float32(0)), st, ms, r, row_i, row_f, cand)
+                if tx == 0:
+                    row_lo[r] = st[0]
+                    row_mass[r] = ms[0]
+        # kernel 9: the draw's segment sums (``threads`` segments a row, one thread each), split over blocks: from
+        # the list where the row used it (it holds every kept value), else from the row
+        for b in T.thread_binding(batch * (threads // _SEGMENT_THREADS), thread="blockIdx.x"):
+            for tx in T.thread_binding(_SEGMENT_THREADS, thread="threadIdx.x"):
+                rs: T.let = b // (threads // _SEGMENT_THREADS)
+                g: T.let = b % (threads // _SEGMENT_THREADS) * _SEGMENT_THREADS + tx
+                seg_sum = T.alloc_buffer((1,), "float32", scope="local")
+                last = T.alloc_buffer((1,), "int32", scope="local")
+                ons: T.let = renorm[rs] != 0
+                los: T.let = row_lo[rs]
+                mass_s: T.let = row_mass[rs]
+                k0: T.let = row_fs[rs * 3 + _F_SHIFT]
+                k1: T.let = row_fs[rs * 3 + _F_SCALE]
+                k2: T.let = row_fs[rs * 3 + _F_INV]
+                k3: T.let = row_is[rs * 4 + _I_HOT]
+                k4: T.let = row_is[rs * 4 + _I_MASK]
+                k5: T.let = row_is[rs * 4 + _I_GREEDY]
+                k6: T.let = row_is[rs * 4 + _I_BAD]
+                if row_i[rs * ROW_INTS + I_LIST] == 1:
+                    multinomial.gpu_list_segment_sum(cand, cand_id, rs * list_cap, row_i[rs * ROW_INTS + I_COUNT],
+                                                     list_cap, _rescale(los, mass_s), vocab, threads, g, seg_sum, last)
+                else:
+                    multinomial.gpu_segment_sum(
+                        _sampled(_row_probability(logits, bitmask)(rs, (k0, k1, k2, k3, k4, k5, k6)), ons, los,
+                                 mass_s), vocab, threads, g, seg_sum, last)
+                seg_sums[rs * threads + g] = seg_sum[0]
+                seg_last[rs * threads + g] = last[0]
+        # kernel 10: one block per row: the draw from the segment sums, then top-n
+        for r in T.thread_binding(batch, thread="blockIdx.x"):
+            for tx in T.thread_binding(threads, thread="threadIdx.x"):
+                seg_sum = T.alloc_buffer((1,), "float32", scope="local")
+                last = T.alloc_buffer((1,), "int32", scope="local")
+                seg_sum[0] = seg_sums[r * threads + tx]
+                last[0] = seg_last[r * threads + tx]
+                on: T.let = renorm[r] != 0
+                lo: T.let = row_lo[r]
+                mass: T.let = row_mass[r]
+                q0: T.let = row_fs[r * 3 + _F_SHIFT]
+                q1: T.let = row_fs[r * 3 + _F_SCALE]
+                q2: T.let = row_fs[r * 3 + _F_INV]
+                q3: T.let = row_is[r * 4 + _I_HOT]
+                q4: T.let = row_is[r * 4 + _I_MASK]
+                q5: T.let = row_is[r * 4 + _I_GREEDY]
+                bad: T.let = row_is[r * 4 + _I_BAD]
+                sample_segments(_sampled(_row_probability(logits, bitmask)(r, (q0, q1, q2, q3, q4, q5, bad)), on, lo,
+                                         mass),
+                                vocab, uniform[r], tx, token, chosen, r, seg_sum, last)
+                if tx == 0 and bad != 0:  # the thread that wrote the -1 of a row of zeros
                     token[r] = NON_FINITE
                 # processed top-n: WGSL runs the width's rounds in every row (its barriers need uniform control
                 # flow); elsewhere a row runs the rounds it asks for (the bound is the same in every thread)
-                count: T.let = T.Select(bad, 0, T.min(top_count[r], top_values.shape[1]))
-                row_top_gpu(_sampled(_unless(bad, probability(_gpu_logit(logits, r, bitmask, row, masked), greedy,
-                                                              hot[0], shift, scale, inv)), on, lo, mass), vocab,
-                            top_values.shape[1] if uniform_loops else count, count, tx, threads, top_values, top_ids, r)
+                count: T.let = T.Select(bad != 0, 0, T.min(top_count[r], top_values.shape[1]))
+                row_top_gpu(_sampled(_row_probability(logits, bitmask)(r, (q0, q1, q2, q3, q4, q5, bad)), on, lo,
+                                     mass),
+                            vocab, top_values.shape[1] if uniform_loops else count, count, tx, threads, top_values,
+                            top_ids, r)
 
     return rows
 
