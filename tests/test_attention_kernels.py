@@ -12,6 +12,7 @@ import math
 import numpy as np
 import pytest
 import tvm
+from kernel_harness import compiled_for_cpu
 from logitproc.compile import attention_mode
 from logitproc.compile.decode_attention import MIN_PAGES, PAGE_SIZE, SERIAL_PAGES, SPLITS, decode_attention_kernel
 from logitproc.compile.kv_layout import KVLayout
@@ -33,10 +34,7 @@ DEV = tvm.cpu()
 
 def compiled(func):
     """A standalone TIR kernel compiled for this CPU, as a callable."""
-    with tvm.transform.PassContext(opt_level=3):
-        lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}),
-                          target=resolve_target("cpu").tvm_target())
-    return lib.mod["main"]
+    return compiled_for_cpu(func)
 
 
 @pytest.fixture(scope="module", params=DTYPES)

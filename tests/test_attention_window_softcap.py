@@ -13,10 +13,10 @@ import math
 import numpy as np
 import pytest
 import tvm
+from kernel_harness import compiled_for_cpu
 from logitproc.compile import attention_mode
 from logitproc.compile.decode_attention import PAGE_SIZE, decode_attention_kernel
 from logitproc.compile.prefill_attention import paged_prefill_kernel, ragged_prefill_kernel
-from logitproc.runtime.targets import resolve_target
 
 H_Q, H_KV, D = 4, 2, 32
 SCALE = 1 / math.sqrt(24)
@@ -26,10 +26,7 @@ DEV = tvm.cpu()
 
 
 def compiled(func):
-    with tvm.transform.PassContext(opt_level=3):
-        lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}),
-                          target=resolve_target("cpu").tvm_target())
-    return lib.mod["main"]
+    return compiled_for_cpu(func)
 
 
 @pytest.fixture(scope="module", params=["float32", "float16"])

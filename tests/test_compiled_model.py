@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 import tiny_variants
 import tvm
+from kernel_harness import compiled_for_cpu
 from logitproc import GenerationConfig, LogitProcessor, RequestState
 from logitproc.compile import model_compile
 from logitproc.compile.attention_kernels import rope_kernel
@@ -35,7 +36,6 @@ from logitproc.compile.linear_kernels import FORMATS, linear_kernel, param_shape
 from logitproc.compile.model_compile import compile_model
 from logitproc.compile.rope import RopeScaling, llama3_factors
 from logitproc.compile.tiny_model import make_tiny_model
-from logitproc.runtime.targets import resolve_target
 from logitproc.serve.chat_template import model_chat_template
 from logitproc.serve.cli_options import TINY_CONTEXT, tiny_model
 from logitproc.serve.compiled_model import CompiledModel
@@ -413,10 +413,7 @@ def test_integer_dot_kernels_are_batch_invariant(fmt: str) -> None:
 
 def _cpu_kernel(func):
     """A standalone TIR kernel compiled for this CPU, as a callable."""
-    with tvm.transform.PassContext(opt_level=3):
-        lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}),
-                          target=resolve_target("cpu").tvm_target())
-    return lib.mod["main"]
+    return compiled_for_cpu(func)
 
 
 def test_swiglu_kernel_matches_numpy() -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tvm
+from kernel_harness import compiled_for_cpu
 from logitproc.compile.integer_matvec import has_int8_dot
 from logitproc.compile.linear_kernels import embed_kernel
 from logitproc.compile.packed_matvec import (
@@ -36,8 +37,7 @@ TOKENS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 131)  # tiles of 4, a pair, one; a second s
 
 
 def _build(func):
-    with tvm.transform.PassContext(opt_level=3):
-        return tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=TARGET).mod["main"]
+    return compiled_for_cpu(func, TARGET)
 
 
 def _weights(n_out: int, n_in: int, rng: np.random.Generator):

@@ -14,6 +14,7 @@ import pytest
 import tvm
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
+from kernel_harness import compiled_for_cpu
 from logitproc.compile.integer_matvec import has_int8_dot
 from logitproc.compile.packed_matvec import has_vnni, round_activations
 from logitproc.compile.quant_formats import (
@@ -67,8 +68,7 @@ def _gguf(ggml: str, raw: np.ndarray) -> np.ndarray:
 
 
 def _build(func):
-    with tvm.transform.PassContext(opt_level=3):
-        return tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=TARGET).mod["main"]
+    return compiled_for_cpu(func, TARGET)
 
 
 def _in_features(ggml: str) -> int:
