@@ -5,9 +5,11 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import logitproc
 import numpy as np
 import pytest
 import tvm
@@ -46,6 +48,30 @@ def cpu_kernel(name: str) -> tvm.runtime.Function:
     return cpu_library()[name]
 
 
+def built_for_cpu(factory: Callable[..., tvm.tir.PrimFunc], *args: object, **kwargs: object) -> tvm.runtime.Function:
+    """``compiled_for_cpu(factory(*args, **kwargs))`` without making the kernel when the cache has it: keyed by the
+    factory's name, its arguments (plain values: their ``repr``), the sources of ``compile/``, ``runtime/`` and
+    ``tir_kernels/`` (where a kernel factory and what it calls live), the CPU target and TVM's version. Making a kernel
+    (TVMScript's parser) takes seconds of its own; a warm cache then costs nothing."""
+    target = resolve_target("cpu").tvm_target()
+    material = json.dumps([tvm.__version__, str(target), _kernel_sources_hash(), factory.__module__,
+                           factory.__qualname__, repr(args), repr(sorted(kwargs.items()))])
+    key = "f" + hashlib.sha256(material.encode()).hexdigest()[:23]
+    if key not in _standalone:
+        _standalone[key] = _build_standalone(key, lambda: factory(*args, **kwargs), target)
+    return _standalone[key]
+
+
+@functools.cache
+def _kernel_sources_hash() -> str:
+    digest = hashlib.sha256()
+    for folder in ("compile", "runtime", "tir_kernels"):
+        for path in sorted((Path(logitproc.__file__).parent / folder).rglob("*.py")):
+            digest.update(str(path.relative_to(Path(logitproc.__file__).parent)).encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
 def compiled_for_cpu(func: tvm.tir.PrimFunc, target: tvm.target.Target | None = None) -> tvm.runtime.Function:
     """The standalone TIR kernel ``func`` compiled (``opt_level=3``) for ``target`` (this machine's CPU by default), as
     a callable. Compiled once per kernel into the tests' build cache, keyed by the kernel's whole TVMScript text, the
@@ -56,17 +82,19 @@ def compiled_for_cpu(func: tvm.tir.PrimFunc, target: tvm.target.Target | None = 
     material = json.dumps([tvm.__version__, str(target), func.script()])
     key = hashlib.sha256(material.encode()).hexdigest()[:24]
     if key not in _standalone:
-        _standalone[key] = _build_standalone(key, func, target)
+        _standalone[key] = _build_standalone(key, lambda: func, target)
     return _standalone[key]
 
 
 _standalone: dict[str, tvm.runtime.Function] = {}
 
 
-def _build_standalone(key: str, func: tvm.tir.PrimFunc, target: tvm.target.Target) -> tvm.runtime.Function:
+def _build_standalone(key: str, make: Callable[[], tvm.tir.PrimFunc],
+                      target: tvm.target.Target) -> tvm.runtime.Function:
     final = cache_root() / STANDALONE_KERNELS / key
 
     def build(out: Path) -> None:
+        func = make().with_attr("global_symbol", "main")
         with tvm.transform.PassContext(opt_level=3):
             executable = tvm.compile(tvm.IRModule({"main": func}), target=target)
         executable.export_library(str(out / "kernel.so"))

@@ -13,7 +13,7 @@ import math
 import numpy as np
 import pytest
 import tvm
-from kernel_harness import compiled_for_cpu
+from kernel_harness import built_for_cpu
 from logitproc.compile import attention_mode
 from logitproc.compile.decode_attention import PAGE_SIZE, decode_attention_kernel
 from logitproc.compile.prefill_attention import paged_prefill_kernel, ragged_prefill_kernel
@@ -25,15 +25,15 @@ EMPTY_LSE = -5e4
 DEV = tvm.cpu()
 
 
-def compiled(func):
-    return compiled_for_cpu(func)
+def compiled(factory, *args):
+    return built_for_cpu(factory, *args)
 
 
 @pytest.fixture(scope="module", params=["float32", "float16"])
 def kernels(request):
     """(decode, paged prefill, ragged prefill) with the soft-cap and the window, and the cache's dtype."""
     dtype = request.param
-    return tuple(compiled(k(H_KV, H_Q, D, dtype, SOFTCAP, WINDOW)) for k in (
+    return tuple(compiled(k, H_KV, H_Q, D, dtype, SOFTCAP, WINDOW) for k in (
         decode_attention_kernel, paged_prefill_kernel, ragged_prefill_kernel)), dtype
 
 
