@@ -129,6 +129,8 @@ SLOW_TESTS: dict[str, str] = {
         "[18 to open the device, then 0.1-1 each] every kernel on the CPU against the same references (the same "
         "cases, ``-cpu``)",
     "tests/test_device.py::*vulkan]": "[1-2] the same ordering on the CPU",
+    "tests/test_kernel_*.py::test_*vulkan*": "[26 to open the device, then 0.1-1 each] the same kernels on the CPU "
+        "against the same references (these files)",
     # Ray Serve: a local Ray instance and replica processes per module (15 s to start, 6 s to stop)
     "tests/test_ray_serve.py::*": "[~70] Ray's parts without Ray (test_ray_options, test_ray_metrics, "
         "test_ray_proxy_guard) and the single-process server they must equal (test_server, test_hostile_http)",
