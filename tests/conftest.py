@@ -131,6 +131,8 @@ SLOW_TESTS: dict[str, str] = {
     "tests/test_device.py::*vulkan]": "[1-2] the same ordering on the CPU",
     "tests/test_kernel_*.py::test_*vulkan*": "[26 to open the device, then 0.1-1 each] the same kernels on the CPU "
         "against the same references (these files)",
+    "tests/test_kernel_log_softmax.py::test_gpu_variant_runs_on_lavapipe": "[33] the same kernel on the CPU (this "
+        "file); the GPU variants' sources in test_library",
     # Ray Serve: a local Ray instance and replica processes per module (15 s to start, 6 s to stop)
     "tests/test_ray_serve.py::*": "[~70] Ray's parts without Ray (test_ray_options, test_ray_metrics, "
         "test_ray_proxy_guard) and the single-process server they must equal (test_server, test_hostile_http)",
