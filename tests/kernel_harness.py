@@ -3,13 +3,23 @@
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+import logitproc
 import numpy as np
 import pytest
 import tvm
 from logitproc.compile import build_kernels
+from logitproc.compile.kernel_library import MANIFEST, build_in_cache, cache_root
+from logitproc.runtime.targets import resolve_target
 from logitproc.tir_kernels import KERNEL_FACTORIES
+
+#: the folder of the build cache that holds ``compiled_for_cpu``'s kernels
+STANDALONE_KERNELS = "test-kernels"
 
 #: (batch, vocab) pairs for the probability kernels: vocab 1, not a multiple of 32, and the 128k/152k vocabularies.
 PROB_SHAPES = [(1, 1), (7, 1), (99, 1), (1, 31), (7, 31), (99, 31), (1, 33), (7, 33), (99, 33),
@@ -36,6 +46,62 @@ def cpu_kernel(name: str) -> tvm.runtime.Function:
     if name not in KERNEL_FACTORIES:
         raise KeyError(f"no kernel named {name!r}")
     return cpu_library()[name]
+
+
+def built_for_cpu(factory: Callable[..., tvm.tir.PrimFunc], *args: object, **kwargs: object) -> tvm.runtime.Function:
+    """``compiled_for_cpu(factory(*args, **kwargs))`` without making the kernel when the cache has it: keyed by the
+    factory's name, its arguments (plain values: their ``repr``), the sources of ``compile/``, ``runtime/`` and
+    ``tir_kernels/`` (where a kernel factory and what it calls live), the CPU target and TVM's version. Making a kernel
+    (TVMScript's parser) takes seconds of its own; a warm cache then costs nothing."""
+    target = resolve_target("cpu").tvm_target()
+    material = json.dumps([tvm.__version__, str(target), _kernel_sources_hash(), factory.__module__,
+                           factory.__qualname__, repr(args), repr(sorted(kwargs.items()))])
+    key = "f" + hashlib.sha256(material.encode()).hexdigest()[:23]
+    if key not in _standalone:
+        _standalone[key] = _build_standalone(key, lambda: factory(*args, **kwargs), target)
+    return _standalone[key]
+
+
+@functools.cache
+def _kernel_sources_hash() -> str:
+    digest = hashlib.sha256()
+    for folder in ("compile", "runtime", "tir_kernels"):
+        for path in sorted((Path(logitproc.__file__).parent / folder).rglob("*.py")):
+            digest.update(str(path.relative_to(Path(logitproc.__file__).parent)).encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def compiled_for_cpu(func: tvm.tir.PrimFunc, target: tvm.target.Target | None = None) -> tvm.runtime.Function:
+    """The standalone TIR kernel ``func`` compiled (``opt_level=3``) for ``target`` (this machine's CPU by default), as
+    a callable. Compiled once per kernel into the tests' build cache, keyed by the kernel's whole TVMScript text, the
+    target and TVM's version (what the compiled code depends on), so that a run on a warm cache compiles none of the
+    kernels it has seen and two test processes never compile the same one twice (``build_in_cache``'s lock)."""
+    target = target or resolve_target("cpu").tvm_target()
+    func = func.with_attr("global_symbol", "main")
+    material = json.dumps([tvm.__version__, str(target), func.script()])
+    key = hashlib.sha256(material.encode()).hexdigest()[:24]
+    if key not in _standalone:
+        _standalone[key] = _build_standalone(key, lambda: func, target)
+    return _standalone[key]
+
+
+_standalone: dict[str, tvm.runtime.Function] = {}
+
+
+def _build_standalone(key: str, make: Callable[[], tvm.tir.PrimFunc],
+                      target: tvm.target.Target) -> tvm.runtime.Function:
+    final = cache_root() / STANDALONE_KERNELS / key
+
+    def build(out: Path) -> None:
+        func = make().with_attr("global_symbol", "main")
+        with tvm.transform.PassContext(opt_level=3):
+            executable = tvm.compile(tvm.IRModule({"main": func}), target=target)
+        executable.export_library(str(out / "kernel.so"))
+        (out / MANIFEST).write_text(json.dumps({"tvm_version": tvm.__version__, "target": str(target)}))
+
+    build_in_cache(final, build)
+    return tvm.runtime.load_module(str(final / "kernel.so"))["main"]
 
 
 def run_cpu(name: str, *arrays: np.ndarray) -> list[np.ndarray]:

@@ -12,6 +12,7 @@ import math
 import numpy as np
 import pytest
 import tvm
+from kernel_harness import built_for_cpu
 from logitproc.compile import attention_mode
 from logitproc.compile.decode_attention import MIN_PAGES, PAGE_SIZE, SERIAL_PAGES, SPLITS, decode_attention_kernel
 from logitproc.compile.kv_layout import KVLayout
@@ -31,28 +32,25 @@ EMPTY_LSE = -5e4
 DEV = tvm.cpu()
 
 
-def compiled(func):
-    """A standalone TIR kernel compiled for this CPU, as a callable."""
-    with tvm.transform.PassContext(opt_level=3):
-        lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}),
-                          target=resolve_target("cpu").tvm_target())
-    return lib.mod["main"]
+def compiled(factory, *args, **kwargs):
+    """The kernel ``factory(*args, **kwargs)`` compiled for this CPU, as a callable (once, in the build cache)."""
+    return built_for_cpu(factory, *args, **kwargs)
 
 
 @pytest.fixture(scope="module", params=DTYPES)
 def decode(request):
     """(the decode kernel over pages of this dtype, the dtype)."""
-    return compiled(decode_attention_kernel(H_KV, H_Q, D, request.param)), request.param
+    return compiled(decode_attention_kernel, H_KV, H_Q, D, request.param), request.param
 
 
 @pytest.fixture(scope="module", params=DTYPES)
 def paged_prefill(request):
-    return compiled(paged_prefill_kernel(H_KV, H_Q, D, request.param)), request.param
+    return compiled(paged_prefill_kernel, H_KV, H_Q, D, request.param), request.param
 
 
 @pytest.fixture(scope="module", params=DTYPES)
 def ragged_prefill(request):
-    return compiled(ragged_prefill_kernel(H_KV, H_Q, D, request.param)), request.param
+    return compiled(ragged_prefill_kernel, H_KV, H_Q, D, request.param), request.param
 
 
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, visible: list[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -323,8 +321,8 @@ def decode_and_paged(request):
     ``WINDOW`` and a ``SOFTCAP``, called with the window's switch)."""
     dtype, sliding = request.param
     options = (SOFTCAP, WINDOW) if sliding else (0.0, 0)
-    return (compiled(decode_attention_kernel(H_KV, H_Q, D, dtype, *options)),
-            compiled(paged_prefill_kernel(H_KV, H_Q, D, dtype, *options)), dtype, sliding)
+    return (compiled(decode_attention_kernel, H_KV, H_Q, D, dtype, *options),
+            compiled(paged_prefill_kernel, H_KV, H_Q, D, dtype, *options), dtype, sliding)
 
 
 EXACT_CASES = {
@@ -437,7 +435,7 @@ def test_q8_0_decode_with_heads_of_128_matches_numpy_and_vnni_gives_the_same_bit
     for with_vnni in (False, True) if vnni else (False,):
         out = tensor(np.full((len(lengths), layout.query_heads(WIDE_Q), WIDE_D), np.nan, np.float16))
         lse = tensor(np.full((len(lengths), layout.query_heads(WIDE_Q)), np.nan, np.float32))
-        compiled(decode_attention_kernel(WIDE_KV, WIDE_Q, WIDE_D, "q8_0", vnni=with_vnni))(
+        compiled(decode_attention_kernel, WIDE_KV, WIDE_Q, WIDE_D, "q8_0", vnni=with_vnni)(
             tensor(q_all), *cache.args(), zeros, zeros, out, lse, 0, 1.0, 10000.0, SM_SCALE)
         results.append((out.numpy()[:, :WIDE_Q], lse.numpy()[:, :WIDE_Q]))
     want_out, want_lse = np.zeros((len(lengths), WIDE_Q, WIDE_D)), np.zeros((len(lengths), WIDE_Q))

@@ -13,10 +13,10 @@ import math
 import numpy as np
 import pytest
 import tvm
+from kernel_harness import built_for_cpu
 from logitproc.compile import attention_mode
 from logitproc.compile.decode_attention import PAGE_SIZE, decode_attention_kernel
 from logitproc.compile.prefill_attention import paged_prefill_kernel, ragged_prefill_kernel
-from logitproc.runtime.targets import resolve_target
 
 H_Q, H_KV, D = 4, 2, 32
 SCALE = 1 / math.sqrt(24)
@@ -25,18 +25,15 @@ EMPTY_LSE = -5e4
 DEV = tvm.cpu()
 
 
-def compiled(func):
-    with tvm.transform.PassContext(opt_level=3):
-        lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}),
-                          target=resolve_target("cpu").tvm_target())
-    return lib.mod["main"]
+def compiled(factory, *args):
+    return built_for_cpu(factory, *args)
 
 
 @pytest.fixture(scope="module", params=["float32", "float16"])
 def kernels(request):
     """(decode, paged prefill, ragged prefill) with the soft-cap and the window, and the cache's dtype."""
     dtype = request.param
-    return tuple(compiled(k(H_KV, H_Q, D, dtype, SOFTCAP, WINDOW)) for k in (
+    return tuple(compiled(k, H_KV, H_Q, D, dtype, SOFTCAP, WINDOW) for k in (
         decode_attention_kernel, paged_prefill_kernel, ragged_prefill_kernel)), dtype
 
 

@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 import tiny_variants
 import tvm
+from kernel_harness import built_for_cpu
 from logitproc import GenerationConfig, LogitProcessor, RequestState
 from logitproc.compile import model_compile
 from logitproc.compile.attention_kernels import rope_kernel
@@ -35,7 +36,6 @@ from logitproc.compile.linear_kernels import FORMATS, linear_kernel, param_shape
 from logitproc.compile.model_compile import compile_model
 from logitproc.compile.rope import RopeScaling, llama3_factors
 from logitproc.compile.tiny_model import make_tiny_model
-from logitproc.runtime.targets import resolve_target
 from logitproc.serve.chat_template import model_chat_template
 from logitproc.serve.cli_options import TINY_CONTEXT, tiny_model
 from logitproc.serve.compiled_model import CompiledModel
@@ -371,7 +371,7 @@ def test_linear_kernels_match_numpy_on_awkward_token_counts(fmt: str, mode: str)
     rng = np.random.default_rng(1)
     dev = tvm.cpu()
     for n_out, n_in in LINEAR_SHAPES[fmt] if mode == "auto" else LINEAR_SHAPES[fmt][-1:]:
-        run = _cpu_kernel(linear_kernel(n_out, n_in, fmt, mode=mode))
+        run = _cpu_kernel(linear_kernel, n_out, n_in, fmt, mode=mode)
         arrays, w = random_weights(n_out, n_in, fmt, rng)
         weights = [tvm.runtime.tensor(a, dev) for a in arrays]
         counts = TOKEN_COUNTS if n_out < 10000 else (1, 4, 17)
@@ -401,7 +401,7 @@ def test_integer_dot_kernels_are_batch_invariant(fmt: str) -> None:
     weights = [tvm.runtime.tensor(a, dev) for a in arrays]
     x = rng.standard_normal((40, n_in)).astype(np.float32)
     for mode in ("decode", "prefill"):
-        run = _cpu_kernel(linear_kernel(n_out, n_in, fmt, True, mode=mode))
+        run = _cpu_kernel(linear_kernel, n_out, n_in, fmt, True, mode=mode)
         rows = {}
         for n in (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 40):
             y = tvm.runtime.tensor(np.zeros((n, n_out), np.float32), dev)
@@ -411,17 +411,14 @@ def test_integer_dot_kernels_are_batch_invariant(fmt: str) -> None:
             np.testing.assert_array_equal(y, rows[40][:n], err_msg=f"{fmt} {mode}: {n} tokens")
 
 
-def _cpu_kernel(func):
-    """A standalone TIR kernel compiled for this CPU, as a callable."""
-    with tvm.transform.PassContext(opt_level=3):
-        lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}),
-                          target=resolve_target("cpu").tvm_target())
-    return lib.mod["main"]
+def _cpu_kernel(factory, *args, **kwargs):
+    """The kernel ``factory(*args, **kwargs)`` compiled for this CPU, as a callable (once, in the build cache)."""
+    return built_for_cpu(factory, *args, **kwargs)
 
 
 def test_swiglu_kernel_matches_numpy() -> None:
     rng = np.random.default_rng(2)
-    run, dev = _cpu_kernel(swiglu_kernel(48)), tvm.cpu()
+    run, dev = _cpu_kernel(swiglu_kernel, 48), tvm.cpu()
     for n in (1, 5, 70):
         gu = (rng.standard_normal((n, 96)) * 6).astype(np.float32)
         gu[0, :4] = [-200.0, -90.0, 90.0, 0.0]  # exp's clamp and both tails
@@ -445,7 +442,7 @@ def test_rope_kernel_rotates_halves_like_numpy(scaling: str) -> None:
     elif scaling == "longrope-partial":
         rope_dim, factor, factors = 12, 1.13, (1.0, 1.2, 1.5, 2.0, 3.0, 4.5)
     inv_freq = RopeScaling(theta, factors).inverse_frequencies(rope_dim)
-    run, dev = _cpu_kernel(rope_kernel(h_kv, h_q, d, tuple(inv_freq), attention_factor=factor)), tvm.cpu()
+    run, dev = _cpu_kernel(rope_kernel, h_kv, h_q, d, tuple(inv_freq), attention_factor=factor), tvm.cpu()
     half = rope_dim // 2
     for n in (1, 3, 70):
         qkv = rng.standard_normal((n, h_q + 2 * h_kv, d)).astype(np.float32)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tvm
+from kernel_harness import built_for_cpu
 from logitproc.compile.integer_matvec import has_int8_dot
 from logitproc.compile.linear_kernels import integer_linear_kernel, linear_kernel
 from logitproc.runtime.targets import build_features, resolve_target
@@ -47,9 +48,7 @@ def weights(fmt: str, n_out: int, n_in: int, rng: np.random.Generator):
 def test_integer_matvec_matches_the_emulated_quantisation(fmt: str, xbits: int) -> None:
     rng = np.random.default_rng(3)
     for n_out, n_in in SHAPES[fmt]:
-        kernel = linear_kernel(n_out, n_in, fmt, True, xbits).with_attr("global_symbol", "main")
-        with tvm.transform.PassContext(opt_level=3):
-            run = tvm.compile(tvm.IRModule({"main": kernel}), target=TARGET).mod["main"]
+        run = built_for_cpu(linear_kernel, n_out, n_in, fmt, True, xbits)
         arrays, q_w, scales, mins = weights(fmt, n_out, n_in, rng)
         offset = 0 if mins is None else mins[:, :, None].astype(np.float64)
         dense = (q_w * scales[:, :, None].astype(np.float64) + offset).reshape(n_out, n_in)
@@ -79,12 +78,8 @@ def test_float16_inputs_and_outputs_give_the_float32_kernels_sums_rounded_once(x
     attention output): bitwise the float32 kernel's result on the same (float16) inputs, rounded once."""
     rng = np.random.default_rng(5)
     for fmt, (n_out, n_in) in (("q4_1", (100, 96)), ("q8_0", (37, 64))):
-        kernels = {}
-        for key, func in (("f32", linear_kernel(n_out, n_in, fmt, True, 16, mode="decode")),
-                          ("mixed", integer_linear_kernel(n_out, n_in, fmt, x_dtype, y_dtype))):
-            with tvm.transform.PassContext(opt_level=3):
-                kernels[key] = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}),
-                                           target=TARGET).mod["main"]
+        kernels = {"f32": built_for_cpu(linear_kernel, n_out, n_in, fmt, True, 16, mode="decode"),
+                   "mixed": built_for_cpu(integer_linear_kernel, n_out, n_in, fmt, x_dtype, y_dtype)}
         arrays = [tvm.runtime.tensor(a) for a in weights(fmt, n_out, n_in, rng)[0]]
         for n in (1, 6, 9):
             x = rng.standard_normal((n, n_in)).astype(x_dtype)

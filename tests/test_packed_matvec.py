@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tvm
+from kernel_harness import built_for_cpu, compiled_for_cpu
 from logitproc.compile.integer_matvec import has_int8_dot
 from logitproc.compile.linear_kernels import embed_kernel
 from logitproc.compile.packed_matvec import (
@@ -35,9 +36,8 @@ SHAPES = [(960, 576), (37, 96), (5, 32), (8, 64)]
 TOKENS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 131)  # tiles of 4, a pair, one; a second span of 128
 
 
-def _build(func):
-    with tvm.transform.PassContext(opt_level=3):
-        return tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=TARGET).mod["main"]
+def _build(factory, *args, **kwargs):
+    return built_for_cpu(factory, *args, **kwargs)
 
 
 def _weights(n_out: int, n_in: int, rng: np.random.Generator):
@@ -90,7 +90,7 @@ def test_quantise_activations_rounds_blocks_to_127_steps() -> None:
 def test_packed_kernel_matches_numpy_on_the_rounded_activations(xbits: int) -> None:
     rng = np.random.default_rng(1)
     for n_out, n_in in SHAPES if xbits == 16 else SHAPES[1:3]:  # the default codes also on SmolLM2's shape
-        run = _build(packed_q4_1_kernel(n_out, n_in, xbits=xbits))
+        run = _build(packed_q4_1_kernel, n_out, n_in, xbits=xbits)
         arrays, dense = _weights(n_out, n_in, rng)
         weights = [tvm.runtime.tensor(a) for a in pack_q4_1(*arrays).values()]
         for n in TOKENS:
@@ -121,7 +121,7 @@ def _assert_rows_independent(run, weights: list, x: np.ndarray, n_out: int) -> N
 def test_a_tokens_row_does_not_depend_on_the_other_tokens(xbits: int) -> None:
     rng = np.random.default_rng(2)
     n_out, n_in = 37, 96
-    run = _build(packed_q4_1_kernel(n_out, n_in, xbits=xbits))
+    run = _build(packed_q4_1_kernel, n_out, n_in, xbits=xbits)
     arrays, _ = _weights(n_out, n_in, rng)
     weights = [tvm.runtime.tensor(a) for a in pack_q4_1(*arrays).values()]
     _assert_rows_independent(run, weights, rng.standard_normal((140, n_in)).astype(np.float32), n_out)
@@ -137,7 +137,7 @@ def test_the_vnni_tile_gives_the_avx2_tiles_outputs_bit_for_bit(xbits: int) -> N
     for n_out, n_in in SHAPES:
         arrays, _ = _weights(n_out, n_in, rng)
         weights = [tvm.runtime.tensor(a) for a in pack_q4_1(*arrays).values()]
-        avx2, vnni = (_build(packed_q4_1_kernel(n_out, n_in, xbits=xbits, vnni=v)) for v in (False, True))
+        avx2, vnni = (_build(packed_q4_1_kernel, n_out, n_in, xbits=xbits, vnni=v) for v in (False, True))
         for n in TOKENS:
             x = (rng.standard_normal((n, n_in)) * rng.uniform(0.01, 100, (n, 1))).astype(np.float32)
             x[0, :32] = 0.0
@@ -153,7 +153,7 @@ def test_float16_inputs_and_outputs_are_the_float32_sums_rounded_once() -> None:
     x_dtype = y_dtype = "float16"
     rng = np.random.default_rng(3)
     n_out, n_in = 37, 96
-    f32, mixed = (_build(packed_q4_1_kernel(n_out, n_in, *types))
+    f32, mixed = (_build(packed_q4_1_kernel, n_out, n_in, *types)
                   for types in (("float32", "float32"), (x_dtype, y_dtype)))
     weights = [tvm.runtime.tensor(a) for a in pack_q4_1(*_weights(n_out, n_in, rng)[0]).values()]
     for n in (1, 6):
@@ -212,7 +212,7 @@ def test_packed_q8_0_matches_numpy_on_the_rounded_activations(xbits: int) -> Non
     for n_out, n_in in [(49152, 576), *SHAPES[1:]]:
         codes, scales, dense = _q8_0(n_out, n_in, rng)
         weights = [tvm.runtime.tensor(a) for a in pack_q8_0(codes, scales).values()]
-        run = _build(packed_q8_0_kernel(n_out, n_in, xbits=xbits))
+        run = _build(packed_q8_0_kernel, n_out, n_in, xbits=xbits)
         for n in TOKENS if n_out < 1000 else (1, 6, 131):
             x = (rng.standard_normal((n, n_in)) * rng.uniform(0.01, 100, (n, 1))).astype(np.float32)
             x[0, :32] = 0.0
@@ -231,7 +231,7 @@ def test_packed_q8_0_rows_do_not_depend_on_the_other_tokens() -> None:
     n_out, n_in = 37, 96
     codes, scales, _ = _q8_0(n_out, n_in, rng)
     weights = [tvm.runtime.tensor(a) for a in pack_q8_0(codes, scales).values()]
-    run = _build(packed_q8_0_kernel(n_out, n_in))
+    run = _build(packed_q8_0_kernel, n_out, n_in)
     _assert_rows_independent(run, weights, rng.standard_normal((140, n_in)).astype(np.float32), n_out)
 
 
@@ -245,7 +245,7 @@ def test_the_packed_q8_0_lookup_gives_the_gguf_layouts_rows() -> None:
         for kernel, arrays in ((packed_q8_0_embed_kernel(n_out, n_in), pack_q8_0(codes, scales).values()),
                                (embed_kernel(n_out, n_in, "q8_0"), (codes, scales))):
             out = tvm.runtime.tensor(np.zeros((6, n_in), np.float32))
-            _build(kernel)(ids, *[tvm.runtime.tensor(a) for a in arrays], out)
+            compiled_for_cpu(kernel, TARGET)(ids, *[tvm.runtime.tensor(a) for a in arrays], out)
             outs.append(out.numpy())
         np.testing.assert_array_equal(outs[0], outs[1])
 

@@ -14,6 +14,7 @@ import pytest
 import tvm
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
+from kernel_harness import built_for_cpu
 from logitproc.compile.integer_matvec import has_int8_dot
 from logitproc.compile.packed_matvec import has_vnni, round_activations
 from logitproc.compile.quant_formats import (
@@ -66,9 +67,8 @@ def _gguf(ggml: str, raw: np.ndarray) -> np.ndarray:
     return np.asarray(dequantize(raw, GGMLQuantizationType[ggml]), np.float32).reshape(raw.shape[0], -1)
 
 
-def _build(func):
-    with tvm.transform.PassContext(opt_level=3):
-        return tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=TARGET).mod["main"]
+def _build(factory, *args, **kwargs):
+    return built_for_cpu(factory, *args, **kwargs)
 
 
 def _in_features(ggml: str) -> int:
@@ -114,7 +114,7 @@ def _check_kernel(ggml: str, n_out: int, vnni: bool, xbits: int, rng: np.random.
     raw = random_blocks(ggml, n_out, in_features, rng)
     packed = pack(layout, unpack_gguf(layout, raw))
     weights = _gguf(ggml, raw).astype(np.float64)
-    run = _build(quant_matmul_kernel(layout, n_out, in_features, xbits=xbits, vnni=vnni, wide_tokens=wide_tokens))
+    run = _build(quant_matmul_kernel, layout, n_out, in_features, xbits=xbits, vnni=vnni, wide_tokens=wide_tokens)
     dev = tvm.cpu()
     arrays = [tvm.runtime.tensor(a, dev) for a in packed.values()]
     x = rng.standard_normal((max(tokens), in_features)).astype(np.float32)
@@ -182,7 +182,7 @@ def test_lookup_gives_the_dequantised_rows_exactly(ggml: str) -> None:
     ids = np.array([0, 20, 7, 8, 7], np.int32)
     dev = tvm.cpu()
     out = tvm.runtime.tensor(np.full((len(ids), hidden), np.nan, np.float32), dev)
-    _build(quant_embed_kernel(layout, vocab, hidden))(
+    _build(quant_embed_kernel, layout, vocab, hidden)(
         tvm.runtime.tensor(ids, dev), *[tvm.runtime.tensor(a, dev) for a in packed.values()], out)
     np.testing.assert_array_equal(out.numpy().view(np.uint32), _gguf(ggml, raw)[ids].view(np.uint32))
 
