@@ -94,6 +94,7 @@ class EngineLoop:
         self.state: LoopState = LoopState.LOADING
         self.error: str | None = None
         self._stopping = threading.Event()
+        self._settled = threading.Event()  # the load ended: READY or FAILED
         self._live: dict[str, _Live] = {}
         self._last_engine_stats: tuple[int, ...] = (0, 0, 0, 0, 0)
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -101,6 +102,11 @@ class EngineLoop:
     # -------------------------------------------------------------------------------------------- any thread
     def start(self) -> None:
         self._thread.start()
+
+    def wait_loaded(self, timeout: float | None = None) -> LoopState:
+        """Wait until the model has loaded or failed to (at most ``timeout`` seconds); the state then."""
+        self._settled.wait(timeout)
+        return self.state
 
     async def health(self) -> tuple[int, dict[str, Any]]:
         """``/health``: 200 ``{"status": "ok"}`` once loaded, else 503 with the state and the load's error."""
@@ -216,6 +222,7 @@ class EngineLoop:
             engine = self._load()
         except BaseException as err:  # a model that cannot load: the server reports it and exits
             self.state, self.error = self.FAILED, f"{type(err).__name__}: {err}"
+            self._settled.set()
             log.error("loading the model failed: %s", self.error)
             if self._on_failure is not None:
                 self._on_failure(err)
@@ -224,6 +231,7 @@ class EngineLoop:
         with engine.driving():  # from here on, every command queued for the engine runs on this thread
             self.engine = engine
             self.state = self.READY
+            self._settled.set()
             while not self._stopping.is_set():  # (a grammar compiled, or stop(), is a command: it wakes the wait)
                 engine.run_commands(wait=not engine.has_runnable())
                 if engine.has_runnable() and not self._stopping.is_set():

@@ -295,7 +295,7 @@ def test_prefill_with_other_head_groups_matches_numpy(h_q: int, h_kv: int) -> No
 
     zeros_b, zeros_t = tensor(np.zeros(len(new), np.int32)), tensor(np.zeros(total, np.int32))
     out, lse = outs()
-    compiled(ragged_prefill_kernel(h_kv, h_q, D, dtype))(
+    compiled(ragged_prefill_kernel, h_kv, h_q, D, dtype)(
         tensor(q_rows), tensor(indptr), tensor(k), tensor(v), tensor(indptr), zeros_t, zeros_b, out, lse, 1, 0, 1.0,
         10000.0, SM_SCALE)
     want_out, want_lse = np.zeros((total, h_q, D)), np.zeros((total, h_q))
@@ -306,7 +306,7 @@ def test_prefill_with_other_head_groups_matches_numpy(h_q: int, h_kv: int) -> No
 
     cache = PagedCache(cached, rng, dtype=dtype, poison=True, h_kv=h_kv)
     out, lse = outs()
-    compiled(paged_prefill_kernel(h_kv, h_q, D, dtype))(
+    compiled(paged_prefill_kernel, h_kv, h_q, D, dtype)(
         tensor(q_rows), tensor(indptr), *cache.args(), zeros_b, zeros_t, out, lse, 0, 0, 1.0, 10000.0, SM_SCALE)
     for b, n in enumerate(new):
         rows = slice(indptr[b], indptr[b + 1])

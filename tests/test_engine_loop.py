@@ -44,8 +44,7 @@ def test_only_the_loop_thread_enters_the_model_whatever_other_threads_do(model) 
     loop = EngineLoop(lambda: Engine(counted, max_batch=4), ServerMetrics())
     loop.start()
     try:
-        while loop.state == EngineLoop.LOADING:
-            threading.Event().wait(0.01)
+        assert loop.wait_loaded(timeout=120) == EngineLoop.READY
         loop_thread = loop.call(lambda engine: threading.get_ident()).result(timeout=60)
         assert loop_thread != threading.get_ident()
         results: dict[int, list] = {}
@@ -107,8 +106,7 @@ def test_a_submit_past_the_queue_limit_is_refused(model) -> None:
     loop = EngineLoop(lambda: Engine(model, max_batch=1), ServerMetrics(), max_queue=2)
     loop.start()
     try:
-        while loop.state == EngineLoop.LOADING:
-            threading.Event().wait(0.01)
+        assert loop.wait_loaded(timeout=120) == EngineLoop.READY
         config = GenerationConfig(temperature=0.0, max_tokens=1)
         # both submitted between the same two steps (from a command, on the loop thread): nothing has started
         first, second = loop.call(lambda engine: (loop.submit(["a", "b"], config, False, lambda item: None),

@@ -181,6 +181,7 @@ def test_the_server_loop_ends_a_request_whose_final_delta_was_lost(model) -> Non
     loop = EngineLoop(lambda: FinalDeltaDropper(model, max_batch=2), ServerMetrics())
     loop.start()
     try:
+        assert loop.wait_loaded(timeout=120) == EngineLoop.READY  # (a submit while loading is refused at once)
         items: queue.SimpleQueue = queue.SimpleQueue()
         [rid] = loop.submit(["Hello"], GREEDY, False, items.put).result(timeout=60)
         while not isinstance(item := items.get(timeout=60), RequestFailed):
