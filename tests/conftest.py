@@ -34,7 +34,9 @@ else:
     RUN_FOLDER = os.environ[RUN_FOLDER_VARIABLE] = tempfile.mkdtemp(prefix="logitproc-test-run-")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # as the logitproc command sets it, and:
 torch_guard.install()  # TVM imported without torch (seconds saved in each test process)
-cpu_threads.configure()  # TVM's pool one thread per physical core, whatever a test runs first
+_threads = cpu_threads.configure()  # TVM's pool one thread per physical core, whatever a test runs first
+if XDIST_WORKER:  # the run's threads shared among its workers: pools of all the cores each would fight over them
+    os.environ["TVM_NUM_THREADS"] = str(max(1, _threads // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 os.environ["TMPDIR"] = tempfile.tempdir = os.path.join(RUN_FOLDER, "tmp")
 os.makedirs(tempfile.tempdir, exist_ok=True)
 os.environ["LOGITPROC_CACHE"] = os.environ.get("LOGITPROC_TEST_CACHE") or os.path.join(RUN_FOLDER, "cache")
