@@ -156,6 +156,13 @@ def minimum(a: tirx.PrimExpr, b: tirx.PrimExpr) -> tirx.PrimExpr:
 
 
 @T.macro
+def block_all(combine, identity, value, out, tx):
+    """out[0] = combine of ``value`` over the block's threads, in every thread."""
+    with T.attr(T.comm_reducer(combine, [identity]), "reduce_scope", T.reinterpret("handle", T.uint64(0))):
+        T.tvm_thread_allreduce(T.uint32(1), value, True, out[0], tx, dtype="handle")
+
+
+@T.macro
 def _cpu_span(base, count, loop, value, store, r, lanes, combine):
     # Elements base .. base + count - 1: lanes[l] = combine(lanes[l], e) and/or store[r, base + l] = e.
     for l in loop(count):

@@ -23,7 +23,16 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ._reductions import GPU_UNROLL, SPLIT_CHUNK, SPLIT_THREADS, add, gpu_inclusive_scan, maximum, split_parts
+from ._reductions import (
+    GPU_UNROLL,
+    SPLIT_CHUNK,
+    SPLIT_THREADS,
+    add,
+    block_all,
+    gpu_inclusive_scan,
+    maximum,
+    split_parts,
+)
 
 #: Pivots of the bound pass: the min-p threshold, then 1, 2, 4, 8 binades below the row's largest value.
 GPU_PIVOTS = 5
@@ -75,13 +84,6 @@ def _entry(buf: tirx.Buffer, j: tirx.PrimExpr, n: int) -> tirx.PrimExpr:
 
 
 @T.macro
-def _all(combine, identity, value, out, tx):
-    """out[0] = combine of ``value`` over the block's threads, in every thread."""
-    with T.attr(T.comm_reducer(combine, [identity]), "reduce_scope", T.reinterpret("handle", T.uint64(0))):
-        T.tvm_thread_allreduce(T.uint32(1), value, True, out[0], tx, dtype="handle")
-
-
-@T.macro
 def first_pass_chunk(value, vocab, b, tx, live, p1_cnt, p1_sum, p1_max):
     """Block b (row b // parts, chunk b % parts; SPLIT_THREADS threads ``tx``): the count, sum and largest bits of
     the chunk's positive values ``value(i)`` (read only where ``live``: else a row of zeros), thread 0 writes."""
@@ -102,9 +104,9 @@ def first_pass_chunk(value, vocab, b, tx, live, p1_cnt, p1_sum, p1_max):
         l_i[0] = l_i[0] + T.Select(above, 1, 0)
         l_f[0] = l_f[0] + T.Select(above, x, T.float32(0))
         l_mx[0] = T.max(l_mx[0], _bits(x))
-    _all(add, T.int32(0), l_i[0], r_i, tx)
-    _all(add, T.float32(0), l_f[0], r_f, tx)
-    _all(maximum, T.int32(0), l_mx[0], r_mx, tx)
+    block_all(add, T.int32(0), l_i[0], r_i, tx)
+    block_all(add, T.float32(0), l_f[0], r_f, tx)
+    block_all(maximum, T.int32(0), l_mx[0], r_mx, tx)
     if tx == 0:
         p1_cnt[b] = r_i[0]
         p1_sum[b] = r_f[0]
@@ -168,8 +170,8 @@ def bound_pass_chunk(value, vocab, b, tx, row_i, bd_cnt, bd_sum):
     # a serial loop: an all-reduce in an unrolled one is copied before it is lowered (one result buffer, several
     # all-reduces); the partials are picked by constant indices, so they stay in registers
     for j in range(GPU_PIVOTS):
-        _all(add, T.int32(0), _entry(lc, j, GPU_PIVOTS), r_i, tx)
-        _all(add, T.float32(0), _entry(ls, j, GPU_PIVOTS), r_f, tx)
+        block_all(add, T.int32(0), _entry(lc, j, GPU_PIVOTS), r_i, tx)
+        block_all(add, T.float32(0), _entry(ls, j, GPU_PIVOTS), r_f, tx)
         if tx == 0:
             bd_cnt[b * GPU_PIVOTS + j] = r_i[0]
             bd_sum[b * GPU_PIVOTS + j] = r_f[0]

@@ -53,6 +53,7 @@ from ._reductions import (
     SPLIT_CHUNK,
     SPLIT_THREADS,
     add,
+    block_all,
     cpu_first_index_of,
     cpu_rescale_chunks,
     cpu_row_map,
@@ -176,13 +177,6 @@ def _first_of(xs: tirx.Buffer, peak: tirx.PrimExpr, base: tirx.PrimExpr, tx: tir
 
 
 @T.macro
-def _block_all(combine, identity, value, out, tx):
-    """out[0] = combine of ``value`` over the block's threads, in every thread."""
-    with T.attr(T.comm_reducer(combine, [identity]), "reduce_scope", T.reinterpret("handle", T.uint64(0))):
-        T.tvm_thread_allreduce(T.uint32(1), value, True, out[0], tx, dtype="handle")
-
-
-@T.macro
 def split_chunk_stats(value, vocab, t, b, tx, part_max, part_sum, part_first):
     """Block b of a split kernel (SPLIT_THREADS threads ``tx``; row b // parts, its chunk b % parts), reading the row
     as value(i): part_max[b], part_sum[b], part_first[b] = the chunk's maximum, the sum of its softmax numerators
@@ -197,10 +191,10 @@ def split_chunk_stats(value, vocab, t, b, tx, part_max, part_sum, part_first):
     for u in T.unroll(GPU_UNROLL):
         xs[u] = T.if_then_else(base + u * SPLIT_THREADS + tx < vocab,
                                value(T.min(base + u * SPLIT_THREADS + tx, vocab - 1)), neg_inf())
-    _block_all(maximum, neg_inf(), _peak_of(xs), peak, tx)
+    block_all(maximum, neg_inf(), _peak_of(xs), peak, tx)
     m: T.let = peak[0]
-    _block_all(add, T.float32(0), _sum_exps(xs, safe_shift(m), scale), total, tx)
-    _block_all(minimum, T.int32(INT32_MAX), _first_of(xs, m, base, tx, vocab), first, tx)
+    block_all(add, T.float32(0), _sum_exps(xs, safe_shift(m), scale), total, tx)
+    block_all(minimum, T.int32(INT32_MAX), _first_of(xs, m, base, tx, vocab), first, tx)
     if tx == 0:
         part_max[b] = m
         part_sum[b] = total[0]
