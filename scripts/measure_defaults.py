@@ -79,6 +79,7 @@ def run(model_spec: str, seeds: int, max_tokens: int, batch: int) -> dict[str, S
     from logitproc import GenerationConfig
     from logitproc.serve.cli_options import open_model
     from logitproc.serve.engine import Engine
+    from logitproc.serve.outputs import FinishReason
 
     engine = Engine(open_model(model_spec, "cpu"), max_batch=batch)
     scores = {name: Score() for name in SETTINGS}
@@ -107,7 +108,7 @@ def run(model_spec: str, seeds: int, max_tokens: int, batch: int) -> dict[str, S
                 continue
             score.answers += 1
             score.correct += bool(re.search(pattern, out.text, re.IGNORECASE))
-            score.ran_on += out.finish_reason == "length"
+            score.ran_on += out.finish_reason is FinishReason.LENGTH
             score.repetitive += repeats_itself(list(out.token_ids))
             score.tokens += len(out.token_ids)
     return scores

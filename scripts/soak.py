@@ -147,7 +147,7 @@ def random_config(rng: random.Random) -> tuple[Any, dict[str, Any] | None]:
 
 def check(job: Job, context: int, jump_forward: bool) -> list[str]:
     """Every invariant of one finished job; the broken ones, described."""
-    from logitproc.serve.outputs import FINISH_REASONS
+    from logitproc.serve.outputs import FinishReason
 
     if job.refused is not None:
         return [] if job.refused else [f"{job.rid}: refused with an empty message"]
@@ -168,27 +168,27 @@ def check(job: Job, context: int, jump_forward: bool) -> list[str]:
         for d in mine:
             del tokens[len(tokens) - d.rollback:]
             tokens.extend(d.token_ids)
-        if reason not in FINISH_REASONS:
+        if not isinstance(reason, FinishReason):
             problems.append(f"{where}: unknown finish reason {reason!r}")
         if tokens != out.token_ids:
             problems.append(f"{where}: streamed tokens {tokens} differ from the output's {out.token_ids}")
         if "".join(d.text for d in mine) != out.text:
             problems.append(f"{where}: streamed text differs from the output's")
-        if reason == "error" and not (poisoned and out.error):
+        if reason is FinishReason.ERROR and not (poisoned and out.error):
             problems.append(f"{where}: error without an injected fault: {out.error}")
-        if reason == "abort" and not job.aborted:
+        if reason is FinishReason.ABORT and not job.aborted:
             problems.append(f"{where}: aborted but never asked to")
         if config.max_tokens is not None and len(out.token_ids) > config.max_tokens:
             problems.append(f"{where}: {len(out.token_ids)} tokens > max_tokens={config.max_tokens}")
-        if reason == "length" and len(out.token_ids) != config.max_tokens and \
+        if reason is FinishReason.LENGTH and len(out.token_ids) != config.max_tokens and \
                 len(out.prompt_token_ids) + len(out.token_ids) < context // config.n - 1:
             problems.append(f"{where}: 'length' after {len(out.token_ids)} tokens, below max_tokens and the context")
-        if reason == "stop" and len(out.token_ids) < config.min_tokens:
+        if reason is FinishReason.STOP and len(out.token_ids) < config.min_tokens:
             problems.append(f"{where}: stopped after {len(out.token_ids)} < min_tokens={config.min_tokens}")
         for stop in config.stop if config.min_tokens == 0 else ():  # (not looked for before min_tokens)
             if stop in out.text:
                 problems.append(f"{where}: stop string {stop!r} in the text {out.text!r}")
-        if config.logprobs and not jump_forward and reason not in ("abort", "error") and (
+        if config.logprobs and not jump_forward and reason not in (FinishReason.ABORT, FinishReason.ERROR) and (
                 out.logprobs is None or len(out.logprobs) != len(out.token_ids)
                 or not all(np.isfinite(x) and x <= 1e-6 for x in out.logprobs)):
             problems.append(f"{where}: logprobs {out.logprobs} do not match the {len(out.token_ids)} tokens")
@@ -197,9 +197,11 @@ def check(job: Job, context: int, jump_forward: bool) -> list[str]:
     return problems
 
 
-def check_format(where: str, response_format: Any, reason: str, text: str) -> list[str]:
-    """A constrained answer that ended by itself ("stop") is valid in its format."""
-    if response_format is None or reason != "stop":
+def check_format(where: str, response_format: Any, reason: Any, text: str) -> list[str]:
+    """A constrained answer that ended by itself (``FinishReason.STOP``) is valid in its format."""
+    from logitproc.serve.outputs import FinishReason
+
+    if response_format is None or reason is not FinishReason.STOP:
         return []
     kind = response_format["type"]
     if kind == "regex":
@@ -316,7 +318,7 @@ def soak(model: Any, requests: int = 200, seconds: float = 60.0, seed: int = 0, 
             report.refused += 1
         for d in job.deltas:
             if d.finish_reason is not None:
-                report.finish[d.finish_reason] = report.finish.get(d.finish_reason, 0) + 1
+                report.finish[d.finish_reason.value] = report.finish.get(d.finish_reason.value, 0) + 1
         report.problems += check(job, context, jump_forward)
     report.compared_alone, problems = compare_with_alone(model, jobs, compare_alone, jump_forward)
     report.problems += problems
@@ -326,9 +328,10 @@ def soak(model: Any, requests: int = 200, seconds: float = 60.0, seed: int = 0, 
 def compare_with_alone(model: Any, jobs: list[Job], count: int, jump_forward: bool) -> tuple[int, list[str]]:
     """Greedy or seeded answers that ended by themselves equal the same request run alone on a fresh engine."""
     from logitproc.serve.engine import Engine
+    from logitproc.serve.outputs import FinishReason
 
     chosen = [j for j in jobs if j.refused is None and not j.aborted and not j.poisoned and j.deltas
-              and all(d.finish_reason != "error" for d in j.deltas)
+              and all(d.finish_reason is not FinishReason.ERROR for d in j.deltas)
               and (j.config.temperature == 0 or j.config.seed is not None)][:count]
     problems = []
     for job in chosen:

@@ -51,6 +51,12 @@ def _shape(values: list[int]) -> Any:
     return tvm.runtime.ShapeTuple([int(v) for v in values])
 
 
+def _host(logits: Any) -> np.ndarray:
+    """The logits a forward returned, as a numpy array over the same memory (the model runs on the CPU): no copy. The
+    array keeps the VM's output tensor alive, and the VM never hands an output's storage to a later call."""
+    return np.from_dlpack(logits)
+
+
 def _chat_template(info: dict[str, Any], directory: Path) -> ChatTemplate:
     """The manifest's chat template (the model's own, or ChatML when it has none)."""
     chat = info.get("chat")
@@ -189,7 +195,7 @@ class CompiledModel(ModelRunner):
             logits = self._prefill_fn(ids, positions, self._kv, self._params)
         finally:
             self._kv_end(self._kv)
-        return logits.numpy()
+        return _host(logits)
 
     def _prefill(self, seq_ids: list[int], token_ids: list[np.ndarray]) -> np.ndarray:
         out = np.empty((len(seq_ids), self.vocab_size), np.float32)
@@ -208,6 +214,9 @@ class CompiledModel(ModelRunner):
             logits = self._forward(batch, pieces)
             for index, row in enumerate(rows):
                 done[row] += pieces[index].size
+            if len(rows) == len(seq_ids) and done == [t.size for t in token_ids]:
+                return logits  # (every row ends in this pass, in order: the forward's own array, no copy)
+            for index, row in enumerate(rows):
                 if done[row] == token_ids[row].size:
                     out[row] = logits[index]
 
@@ -247,7 +256,7 @@ class CompiledModel(ModelRunner):
             self._fresh_block.difference_update(seq_ids[start:end])
             try:
                 ids = tvm.runtime.tensor(np.concatenate(pieces).astype(np.int32), self.device)
-                logits = self._verify_fn(ids, self._kv, self._params).numpy()
+                logits = _host(self._verify_fn(ids, self._kv, self._params))
             finally:
                 self._kv_end(self._kv)
             bounds = np.cumsum([0] + [t.size for t in token_ids[start:end]])
@@ -262,4 +271,4 @@ class CompiledModel(ModelRunner):
             logits = self._decode_fn(tvm.runtime.tensor(token_ids, self.device), self._kv, self._params)
         finally:
             self._kv_end(self._kv)
-        return logits.numpy()
+        return _host(logits)

@@ -123,9 +123,20 @@ class StepRunner:
                 step.drafts[seq] = drafts[seq]
                 blocks.append(np.asarray(out))
         if step.batch is not None:
-            step.logits = empty_aligned((step.batch.num_rows, processor.vocab_size))
-            np.concatenate(blocks, axis=0, out=step.logits)
+            step.logits = _joined(blocks, (step.batch.num_rows, processor.vocab_size))
         return step
+
+
+def _joined(blocks: list[np.ndarray], shape: tuple[int, int]) -> np.ndarray:
+    """The step's logits, its rows in the batch's order: the one block the runner returned when it holds them all as
+    they are (a decode-only step: the kernels process it in place, no copy), else the blocks copied once into one
+    array."""
+    if len(blocks) == 1 and blocks[0].shape == shape and blocks[0].dtype == np.float32 and \
+            blocks[0].flags.c_contiguous and blocks[0].flags.writeable:
+        return blocks[0]
+    out = empty_aligned(shape)
+    np.concatenate(blocks, axis=0, out=out)
+    return out
 
 
 def _prefill(model: Runner, chunks: list[tuple[GeneratedSequence, int]], step: ModelStep) -> list[np.ndarray]:

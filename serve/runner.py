@@ -17,7 +17,8 @@ Interface::
     runner.prefill(seq_ids, token_ids)          append token_ids[i] to seq_ids[i]; logits [len(seq_ids), vocab]
     runner.decode(seq_ids, token_ids)           append one token to each; logits [len(seq_ids), vocab]
 
-Logits are float32 numpy arrays, row i after the last token appended to ``seq_ids[i]``. A call rejected with
+Logits are float32 numpy arrays, row i after the last token appended to ``seq_ids[i]``, each call's a new array the
+caller owns (no later call writes it; the engine processes a step's logits in place). A call rejected with
 ValueError leaves every sequence as it was (the checks run before the KV cache is touched).
 """
 

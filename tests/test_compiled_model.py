@@ -185,6 +185,22 @@ def test_batched_prefill_and_decode_equal_each_alone(m32, prompt) -> None:
         m32.remove_sequence(0)
 
 
+def test_logits_returned_stay_as_returned_after_later_calls(m32, prompt) -> None:
+    """Each call's logits are the caller's (the forward's own array, not a copy): later calls never write them."""
+    m32.add_sequence(0)
+    m32.add_sequence(1)
+    returned = [m32.prefill([0, 1], [prompt[:7], prompt[:12]]), m32.decode([0, 1], [prompt[7], prompt[12]]),
+                *m32.verify([0], [prompt[8:11]])]
+    kept = [r.copy() for r in returned]
+    m32.prefill([1], [prompt[13:20]])
+    for _ in range(3):
+        m32.decode([0, 1], [prompt[1], prompt[2]])
+    for r, k in zip(returned, kept, strict=True):
+        np.testing.assert_array_equal(r, k)
+    m32.remove_sequence(0)
+    m32.remove_sequence(1)
+
+
 def test_chunked_prefill_equals_one_pass(qwen_tiny, m32, prompt) -> None:
     small = CompiledModel(m32.directory, max_num_sequences=4, prefill_chunk_size=8)
     lists = [prompt[:30], prompt[:3], prompt[5:25]]
