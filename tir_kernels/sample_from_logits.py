@@ -115,8 +115,15 @@ def _masked_logit(logits: tirx.Buffer, r: tirx.PrimExpr, bitmask: tirx.Buffer, m
 
 def _gpu_logit(logits: tirx.Buffer, r: tirx.PrimExpr, bitmask: tirx.Buffer, m: tirx.PrimExpr,
                on: tirx.PrimExpr) -> Value:
-    """The GPU's reading of row r: masked by row m where ``on`` (``if_then_else``: the mask is not read otherwise)."""
-    return lambda i: T.if_then_else(on, T.Select(_allowed(bitmask, m, i), logits[r, i], neg_inf()), logits[r, i])
+    """The GPU's reading of row r: masked by row m where ``on`` (``if_then_else``: the mask is not read otherwise);
+    the logit is read once (a ``Let``)."""
+
+    def value(i: tirx.PrimExpr) -> tirx.PrimExpr:
+        x = tirx.Var("logit", "float32")
+        return tirx.Let(x, logits[r, i], T.Select(T.if_then_else(on, _allowed(bitmask, m, i), T.bool(True)), x,
+                                                  neg_inf()))
+
+    return value
 
 
 # Per-token values for the row macros (callables i -> PrimExpr, built at parse time from the row's scalars).
@@ -147,8 +154,13 @@ def _unless(bad: tirx.PrimExpr, value: Value) -> Value:
 
 
 def _sampled(prob: Value, on: tirx.PrimExpr, lo: tirx.PrimExpr, mass: tirx.PrimExpr) -> Value:
-    """The values the GPU draw reads: renormalized where ``on``, else the softmax itself."""
-    return lambda i: T.Select(on, _kept(prob(i), lo, mass), prob(i))
+    """The values the GPU draw reads: renormalized where ``on``, else the softmax itself (prob(i) bound once)."""
+
+    def value(i: tirx.PrimExpr) -> tirx.PrimExpr:
+        p = tirx.Var("prob", "float32")
+        return tirx.Let(p, prob(i), T.Select(on, _kept(p, lo, mass), p))
+
+    return value
 
 
 def _cpu_rows() -> Callable[..., None]:
