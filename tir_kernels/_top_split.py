@@ -7,9 +7,10 @@ groups of GROUP_SIZE values (each a distinct entry). Four kernels find them, for
 
     group max:  gmax[r, g] = max(x[r, group g])                                      # split over blocks
     bound:      t[r] = n-th largest of gmax[r, :] (-inf with fewer than n groups)   # one block a row
-    candidates: chunk c of row r lists its values > t[r] and its first n equal to t[r] (index order)
-                into S = SPLIT_SLOTS slots; count[r, c] = how many it has (> S: overflow)     # split over blocks
-    merge:      every listed entry's rank = the listed entries that rank before it;
+    candidates: chunk c of row r lists its values > t[r], then its first n equal to t[r] (index order),
+                into S = SPLIT_SLOTS slots, and how many of each (more than S: overflow)  # split over blocks
+    merge:      the chunks' entries above t[r] and, of those equal to it, the row's first n, gathered;
+                every entry's rank = the gathered entries that rank before it;
                 values[r, rank], indices[r, rank] = the entry where rank < n          # one block a row
 
 The listed entries hold the row's first n (every value above t, and among the values equal to t the first n of the
