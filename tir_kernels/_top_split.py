@@ -27,6 +27,7 @@ Workspaces (parts = ``split_parts(vocab)``): ``gmax`` [batch * parts * GROUPS] (
 
 from __future__ import annotations
 
+import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
@@ -51,8 +52,14 @@ GROUPS = SPLIT_CHUNK // GROUP_SIZE
 SPLIT_SLOTS = 64
 #: The largest n the split passes serve (larger n: the rounds over the row).
 SPLIT_TOP_MAX = 32
-#: The merge's list in shared memory, by threads per block (8 bytes an entry: 16 KB on CUDA, 8 KB on WebGPU).
-MERGE_PER_THREAD = 2
+#: Entries of the merge's list in shared memory per thread of its block (8 bytes an entry), by target kind: 16 KB on
+#: CUDA and ROCm, 4 KB on WebGPU (256 threads), 4 KB on Metal (32 KB of threadgroup memory, its all-reduces take more).
+_MERGE_PER_THREAD = {"cuda": 2.0, "rocm": 2.0, "webgpu": 2.0, "vulkan": 2.0, "opencl": 1.0, "metal": 0.5}
+
+
+def merge_capacity(target: tvm.target.Target, threads: int) -> int:
+    """Entries of the merge's list in shared memory on ``target``."""
+    return int(_MERGE_PER_THREAD[target.kind.name] * threads)
 
 #: Low half of the candidates' packed per-thread counts: the values equal to the bound (at most SPLIT_CHUNK each).
 _HALF = 16
@@ -172,15 +179,14 @@ def candidates_chunk(x, vocab, n, b, tx, row_t, slot_v, slot_i, slot_n):
         slot_n[2 * b + 1] = T.min(ties, n)
 
 
-def merge_macro(threads: int, uniform_loops: bool):
+def merge_macro(threads: int, uniform_loops: bool, cap: int):
     """The macro ``merge(x, vocab, n, r, tx, slot_v, slot_i, slot_n, values, indices)``, one block of ``threads``
     per row: from each chunk's slots its values above the bound and, of its values equal to the bound, those among the
     row's first n (a block scan of the chunks' counts of them), gathered into shared memory (a second scan places
     them); each ranked by counting the entries that rank before it, those ranked below n written out. A row the split
     does not serve (n > SPLIT_TOP_MAX, a chunk whose candidates overflow its slots, a list past the shared memory,
     more chunks than threads) runs ``row_top_gpu``'s rounds over the row instead. ``uniform_loops`` (WGSL): those
-    rounds' barriers run in every row (idle where the split served it)."""
-    cap = MERGE_PER_THREAD * threads
+    rounds' barriers run in every row (idle where the split served it). ``cap``: the list's entries."""
     scan = gpu_inclusive_scan(threads.bit_length() - 1)
     assert threads == 1 << (threads.bit_length() - 1), "the scan needs a power-of-two block size"
 
@@ -226,7 +232,7 @@ def merge_macro(threads: int, uniform_loops: bool):
                                                                           + q % SPLIT_SLOTS]
         T.tvm_storage_sync("shared")
         # ranks: an entry's rank among the listed is its rank in the row where it is among the first n
-        for k in range(MERGE_PER_THREAD):
+        for k in range((cap + threads - 1) // threads):
             e: T.let = k * threads + tx
             if st[1] == 1 and e < st[0]:
                 v: T.let = lst_v[T.min(e, cap - 1)]
@@ -248,10 +254,11 @@ def merge_macro(threads: int, uniform_loops: bool):
     return merge
 
 
-def split_top_n(threads: int, uniform_loops: bool):
-    """The macro ``top(x, batch, vocab, n, values, indices)``: the four kernels (see the module docstring)."""
+def split_top_n(threads: int, uniform_loops: bool, cap: int):
+    """The macro ``top(x, batch, vocab, n, values, indices)``: the four kernels (see the module docstring), the
+    merge's list holding ``cap`` entries (``merge_capacity``)."""
     bound = row_bound_macro(threads)
-    merge = merge_macro(threads, uniform_loops)
+    merge = merge_macro(threads, uniform_loops, cap)
 
     @T.macro
     def top(x, batch, vocab, n, values, indices):

@@ -37,7 +37,7 @@ from tvm.script import tirx as T
 from ..runtime import kernel_abi
 from ._common import CALLER_ARRAY_ALIGN, is_cpu, max_threads
 from ._select import row_top_cpu
-from ._top_split import split_top_n
+from ._top_split import merge_capacity, split_top_n
 
 NAME = kernel_abi.TOP_N
 
@@ -55,8 +55,8 @@ def _cpu() -> tirx.PrimFunc:
     return top_n
 
 
-def _gpu(threads: int, uniform_loops: bool) -> tirx.PrimFunc:
-    top = split_top_n(threads, uniform_loops)
+def _gpu(threads: int, uniform_loops: bool, cap: int) -> tirx.PrimFunc:
+    top = split_top_n(threads, uniform_loops, cap)
 
     @T.prim_func
     def top_n(var_x: T.handle, var_values: T.handle, var_indices: T.handle):
@@ -71,4 +71,7 @@ def _gpu(threads: int, uniform_loops: bool) -> tirx.PrimFunc:
 
 def get_top_n(target: tvm.target.Target) -> tirx.PrimFunc:
     """The kernel scheduled for ``target``'s kind (see the module docstring for the operation)."""
-    return _cpu() if is_cpu(target) else _gpu(max_threads(target), uniform_loops=target.kind.name == "webgpu")
+    if is_cpu(target):
+        return _cpu()
+    threads = max_threads(target)
+    return _gpu(threads, uniform_loops=target.kind.name == "webgpu", cap=merge_capacity(target, threads))
