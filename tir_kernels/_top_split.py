@@ -42,7 +42,7 @@ from ._reductions import (
     row_of,
     split_parts,
 )
-from ._select import better, row_top_gpu
+from ._select import GPU_TOP_LOCAL, better, row_top_gpu
 
 #: Values per group of the bound: one warp's share of a chunk (32 threads x GPU_UNROLL values).
 GROUP_SIZE = 32 * GPU_UNROLL
@@ -279,5 +279,100 @@ def split_top_n(threads: int, uniform_loops: bool, cap: int):
         for r in T.thread_binding(batch, thread="blockIdx.x"):
             for tx in T.thread_binding(threads, thread="threadIdx.x"):
                 merge(x, vocab, n, r, tx, slot_v, slot_i, slot_n, values, indices)
+
+    return top
+
+
+def block_top_macro(threads: int, uniform_loops: bool, cap: int):
+    """The macro ``top(value, vocab, rounds, count, tx, values, indices, out_r)``: ``_select.row_top_gpu``'s result
+    (values[out_r, j], indices[out_r, j] for j < count, of value(0 .. vocab - 1)) in one block of ``threads``, for
+    a row read through a formula (the fused kernel's processed top-n). Rows asking for more than GPU_TOP_LOCAL
+    entries (at most SPLIT_TOP_MAX) take three passes over the row instead of one per entry past GPU_TOP_LOCAL: each
+    thread's maximum of its segment of consecutive values, t = the count-th largest of those maxima, each segment's
+    values above t and the row's first ``count`` equal to t into a list in shared memory (two block scans place
+    them), ranked as in the merge above. Other rows, and rows whose list would not fit ``cap``, take the rounds.
+    ``rounds`` (>= count, block-uniform; the output width on WGSL) as ``row_top_gpu``'s."""
+    scan = gpu_inclusive_scan(threads.bit_length() - 1)
+    assert threads == 1 << (threads.bit_length() - 1), "the scan needs a power-of-two block size"
+
+    @T.macro
+    def top(value, vocab, rounds, count, tx, values, indices, out_r):
+        peaks = T.alloc_buffer((threads,), "float32", scope="shared")
+        g_off = T.alloc_buffer((threads,), "int32", scope="shared")
+        e_off = T.alloc_buffer((threads,), "int32", scope="shared")
+        lst_v = T.alloc_buffer((cap,), "float32", scope="shared")
+        lst_i = T.alloc_buffer((cap,), "int32", scope="shared")
+        mine = T.alloc_buffer((1,), "float32", scope="local")
+        t = T.alloc_buffer((1,), "float32", scope="local")
+        cnt = T.alloc_buffer((2,), "int32", scope="local")  # this segment: above t, equal to t
+        run = T.alloc_buffer((2,), "int32", scope="local")  # the row before the current value: above t, equal
+        st = T.alloc_buffer((3,), "int32", scope="local")  # the row: above t, equal to t; 1 where the list is used
+        part = T.alloc_buffer((1,), "int32", scope="local")
+        rank = T.alloc_buffer((1,), "int32", scope="local")
+        listed: T.let = count > GPU_TOP_LOCAL and count <= SPLIT_TOP_MAX
+        seg: T.let = (vocab + threads - 1) // threads
+        begin: T.let = T.min(tx * seg, vocab)
+        size: T.let = T.Select(listed, T.min(begin + seg, vocab) - begin, 0)
+        # each thread's maximum (-inf for an empty segment: a weaker bound, never a wrong one)
+        mine[0] = neg_inf()
+        for i in range(size):
+            mine[0] = T.max(mine[0], value(begin + i))
+        peaks[tx] = mine[0]
+        T.tvm_storage_sync("shared")
+        cnt[0] = 0
+        cnt[1] = 0
+        for j in range(threads):
+            w: T.let = peaks[j]
+            cnt[0] = cnt[0] + T.Select(w > mine[0], 1, 0)
+            cnt[1] = cnt[1] + T.Select(w >= mine[0], 1, 0)
+        block_all(maximum, neg_inf(), T.Select(listed and cnt[0] < count and cnt[1] >= count, mine[0], neg_inf()),
+                  t, tx)
+        # each segment's values above t and equal to t, then their places in the row's order
+        cnt[0] = 0
+        cnt[1] = 0
+        for i in range(size):
+            x: T.let = value(begin + i)
+            cnt[0] = cnt[0] + T.Select(x > t[0], 1, 0)
+            cnt[1] = cnt[1] + T.Select(x == t[0], 1, 0)
+        g_off[tx] = cnt[0]
+        e_off[tx] = cnt[1]
+        T.tvm_storage_sync("shared")
+        scan(g_off, part, tx)
+        scan(e_off, part, tx)
+        run[0] = g_off[tx] - cnt[0]
+        run[1] = e_off[tx] - cnt[1]
+        st[0] = g_off[threads - 1]
+        st[1] = e_off[threads - 1]
+        st[2] = T.Select(listed and st[0] + T.min(st[1], count) <= cap, 1, 0)
+        for i in range(T.Select(st[2] == 1, size, 0)):
+            x: T.let = value(begin + i)
+            if x > t[0]:
+                lst_v[T.max(T.min(run[0] + T.min(run[1], count), cap - 1), 0)] = x
+                lst_i[T.max(T.min(run[0] + T.min(run[1], count), cap - 1), 0)] = begin + i
+                run[0] = run[0] + 1
+            elif x == t[0]:
+                if run[1] < count:
+                    lst_v[T.max(T.min(run[0] + run[1], cap - 1), 0)] = x
+                    lst_i[T.max(T.min(run[0] + run[1], cap - 1), 0)] = begin + i
+                run[1] = run[1] + 1
+        T.tvm_storage_sync("shared")
+        for k in range((cap + threads - 1) // threads):
+            e: T.let = k * threads + tx
+            if st[2] == 1 and e < st[0] + T.min(st[1], count):
+                v: T.let = lst_v[T.min(e, cap - 1)]
+                i: T.let = lst_i[T.min(e, cap - 1)]
+                rank[0] = 0
+                for h in range(st[0] + T.min(st[1], count)):
+                    rank[0] = rank[0] + T.Select(better(lst_v[T.min(h, cap - 1)], lst_i[T.min(h, cap - 1)], v, i),
+                                                 1, 0)
+                if rank[0] < count:
+                    values[out_r, T.max(rank[0], 0)] = v
+                    indices[out_r, T.max(rank[0], 0)] = i
+        # slots past the row (count > vocab): -inf and -1, as the rounds write them
+        if st[2] == 1 and tx >= st[0] + T.min(st[1], count) and tx < count:
+            values[out_r, tx] = neg_inf()
+            indices[out_r, tx] = -1
+        rest: T.let = T.Select(st[2] == 1, 0, count)
+        row_top_gpu(value, vocab, rounds if uniform_loops else rest, rest, tx, threads, values, indices, out_r)
 
     return top
