@@ -1,5 +1,6 @@
 # fmt: off
-"""top_n's GPU passes with each row split over blocks: group maxima, the row's bound, per-chunk candidates, merge.
+"""top_n's GPU passes with each row split over blocks (group maxima, the row's bound, per-chunk candidates, merge),
+and the same bound-and-list selection inside one block (``block_top_macro``: the fused kernel's processed top-n).
 
 The n largest entries of a row (larger value first, lower index first among equal values: ``_select``'s order) are
 all at or above t, the n-th largest of any n distinct entries of the row; here t is the n-th largest of the maxima of
@@ -60,6 +61,7 @@ _MERGE_PER_THREAD = {"cuda": 2.0, "rocm": 2.0, "webgpu": 2.0, "vulkan": 2.0, "op
 def merge_capacity(target: tvm.target.Target, threads: int) -> int:
     """Entries of the merge's list in shared memory on ``target``."""
     return int(_MERGE_PER_THREAD[target.kind.name] * threads)
+
 
 #: Low half of the candidates' packed per-thread counts: the values equal to the bound (at most SPLIT_CHUNK each).
 _HALF = 16
