@@ -192,7 +192,7 @@ def bench_cuda(library_dir: str | None) -> None:
     library = KernelLibrary.load(library_dir) if library_dir else build_kernels("cuda", "sm_90")
     device = Device("cuda")
     print(f"# machine: {machine_line()}; GPU: {[str(d) for d in Device.available() if d.kind == 'cuda']}")
-    rows = bench(library, device, device.load(library))
+    rows = bench(device, device.load(library))
     print(markdown(rows))
     print("\n".join(aims(rows)))
 

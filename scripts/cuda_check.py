@@ -1,20 +1,26 @@
-"""Check and time logitproc's CUDA kernels through the CUDA driver alone: the kernel table, the runtime, a benchmark.
+"""Check and time logitproc's CUDA kernels through the CUDA driver: the kernel table, the runtime, a benchmark.
 
-Runs where a GPU is but TVM's compiler need not be (``TVM_USE_RUNTIME_LIB=1`` with TVM's runtime library): it opens
-``Device("cuda")`` on an exported library (``logitproc compile-kernels --target cuda --arch sm_90 --out DIR``), then
+Runs on a GPU machine from an exported library (``logitproc compile-kernels --target cuda --arch sm_90 --out DIR``),
+numpy and NVIDIA's cuda-bindings; TVM is not needed: the kernels load and launch through
+``runtime/cuda_launch.py`` (which imports no TVM), and where TVM is missing the ``logitproc`` folders are imported
+without running their package ``__init__`` (``import_logitproc_without_tvm``), whatever this checkout's folder is
+named. Then
 
 1. every case of ``tests/kernel_cases.py`` (10 kernels x 7 awkward sizes) against the numpy references;
-2. ``LogitProcessor`` and ``Sampler`` on the GPU against the same pipeline in numpy (bias, penalties, temperature,
-   top-k/top-p/min-p, greedy rows, the staged and fused sampling paths, a torch CUDA tensor in place), and draft
-   chains with masks from a mask source (each draft row against its prefix alone);
+2. where TVM is installed (the runtime imports it): ``LogitProcessor`` and ``Sampler`` on the GPU against the same
+   pipeline in numpy (bias, penalties, temperature, top-k/top-p/min-p, greedy rows, the staged and fused sampling
+   paths, a torch CUDA tensor in place), and draft chains with masks from a mask source (each draft row against its
+   prefix alone); skipped with the reason otherwise;
 3. with ``--bench``: each kernel at B x V = 1 x 128256, 64 x 128256, 256 x 151936 against a device-to-device copy
    of the same logits and torch's equivalents on the same card, each timed as a CUDA graph of repeated launches
    (launch overhead excluded; CUDA events), then one line per aim of issue 38 (measured, bound, met or not), and
-   each kernel's share of the multi-kernel functions (softmax, renormalize, the fused sampler with top-p 0.9) at
-   1 x 128256 and 64 x 128256 (the time of the first k kernels, less that of the first k - 1).
+   each kernel's share of the multi-kernel functions (softmax, renormalize, the fused sampler with top-p 0.9, top_n)
+   at 1 x 128256 and 64 x 128256 (the time of the first k kernels, less that of the first k - 1).
 
 Usage: python scripts/cuda_check.py DIR [--bench] [--json OUT]   (``scripts/bench_kernels.py --device cuda`` runs
-``--bench`` alone)
+``--bench`` alone). For a lent GPU session (docs/kernels.md, "Measuring on a GPU"): export the library here into the
+ignored folder ``.dev`` (``python -m logitproc compile-kernels --target cuda --arch sm_90 --out .dev/cuda-sm_90``),
+carry ``.dev``, and run ``python3 scripts/cuda_check.py .dev/cuda-sm_90 --bench --json $OUT/cuda.json`` there.
 """
 
 from __future__ import annotations
@@ -24,21 +30,43 @@ import json
 import sys
 import time
 import traceback
+import types
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+#: The checkout's root: the ``logitproc`` package itself.
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
 
-from logitproc.runtime import Device, LogitProcessor, Sampler  # noqa: E402
-from logitproc.runtime.kernel_library import KernelLibrary  # noqa: E402
+
+def tvm_installed() -> bool:
+    """Whether TVM imports here (the runtime's checks need it; the kernels and the benchmark do not)."""
+    try:
+        import tvm  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def import_logitproc_without_tvm() -> None:
+    """Make ``logitproc.runtime.cuda_launch`` and ``logitproc.tir_kernels.reference`` importable where TVM is not:
+    ``logitproc`` and ``logitproc.runtime`` become plain namespaces over this checkout's folders (their ``__init__``
+    files, which import TVM, do not run). Modules imported later through them must not import TVM themselves."""
+    for name, folder in (("logitproc", REPO), ("logitproc.runtime", REPO / "runtime")):
+        if name in sys.modules:
+            continue
+        package = types.ModuleType(name)
+        package.__path__ = [str(folder)]
+        sys.modules[name] = package
 
 BENCH_SHAPES = ((1, 128256), (64, 128256), (256, 151936))
 #: Launches captured in one graph (the time per launch is the graph's time over this).
 LAUNCHES_PER_GRAPH = 20
 
 
-def check_cases(device: Device, kernels: dict) -> dict:
+def check_cases(device: Any, kernels: dict) -> dict:
     from kernel_cases import all_cases
 
     passed, failures = 0, []
@@ -53,11 +81,12 @@ def check_cases(device: Device, kernels: dict) -> dict:
     return {"passed": passed, "failed": len(failures), "failures": failures}
 
 
-def check_runtime(library: KernelLibrary, device: Device) -> dict:
+def check_runtime(library: Any, device: Any) -> dict:
     """The processor and the sampler on the GPU against ``tests/pipeline_reference.py`` (numpy): processed logits
     and probabilities of a mixed batch (bias, penalties, masks, temperature, top-k/top-p/min-p), greedy tokens, and
     sampled tokens that the processed distribution allows (staged and fused paths)."""
     from logitproc import GenerationConfig, RequestState
+    from logitproc.runtime import LogitProcessor, Sampler
     from pipeline_reference import process_row
 
     vocab = 32003
@@ -146,10 +175,11 @@ class _AllowedEvery:
         return None
 
 
-def check_drafts_and_masks(library: KernelLibrary, device: Device) -> dict:
+def check_drafts_and_masks(library: Any, device: Any) -> dict:
     """Draft chains and grammar-style masks through the processor on the device: each draft row equals the numpy
     pipeline of its prefix alone (its mask after that prefix, its penalties counting the drafted tokens)."""
     from logitproc import GenerationConfig, RequestState
+    from logitproc.runtime import LogitProcessor
     from pipeline_reference import process_row
 
     vocab = 32003
@@ -181,7 +211,7 @@ def check_drafts_and_masks(library: KernelLibrary, device: Device) -> dict:
     return {"rows": rows, "max_abs_error": worst, "ok": worst < 1e-4}
 
 
-def bench(library: KernelLibrary, device: Device, kernels: dict) -> list[dict]:
+def bench(device: Any, kernels: dict) -> list[dict]:
     from kernel_cases import CASE_BUILDERS
 
     rows = []
@@ -206,7 +236,7 @@ def bench(library: KernelLibrary, device: Device, kernels: dict) -> list[dict]:
     return rows
 
 
-def variant_times(device: Device, kernels: dict, rng: np.random.Generator, batch: int, vocab: int) -> dict:
+def variant_times(device: Any, kernels: dict, rng: np.random.Generator, batch: int, vocab: int) -> dict:
     """The sampling kernels with one filter at a time (what each costs): no filter, top-p 0.9 alone, top-k 50 alone."""
     from kernel_cases import renormalize_case, sample_from_logits_case
 
@@ -229,6 +259,10 @@ def variant_times(device: Device, kernels: dict, rng: np.random.Generator, batch
             on = [device.upload(a) for a in args]
             out[f"renormalize_{name}_us"] = device.time_launches(lambda a=on: kernels["renormalize_probs"](*a),
                                                                  LAUNCHES_PER_GRAPH) * 1e6
+    # top_n at the width of OpenAI's top_logprobs (20) on logits without ties (the table's case rounds them)
+    on = [device.upload((rng.standard_normal((batch, vocab)) * 3).astype(np.float32)),
+          device.empty((batch, 20), "float32"), device.empty((batch, 20), "int32")]
+    out["top_n20_us"] = device.time_launches(lambda a=on: kernels["top_n"](*a), LAUNCHES_PER_GRAPH) * 1e6
     return out
 
 
@@ -281,7 +315,8 @@ def torch_times(batch: int, vocab: int) -> dict:
 
 #: The columns of the markdown table: (title, key).
 TABLE = (("copy", "copy_us"), ("softmax", "softmax_with_temperature_us"), ("renormalize", "renormalize_probs_us"),
-         ("fused sampling", "sample_from_logits_us"), ("top_n", "top_n_us"), ("argmax", "argmax_us"),
+         ("fused sampling", "sample_from_logits_us"), ("top_n", "top_n_us"), ("top_n (20)", "top_n20_us"),
+         ("argmax", "argmax_us"),
          ("torch softmax", "torch_softmax_us"), ("torch top-p sample", "torch_top_p_sample_us"),
          ("torch topk(8)", "torch_topk8_us"))
 
@@ -312,6 +347,7 @@ AIMS = (
     ("64 x 128256", "softmax_with_temperature_us", "copy", 2.0),
     ("64 x 128256", "renormalize_probs_us", "copy", 4.0),
     ("64 x 128256", "top_n_us", "copy", 3.0),
+    ("64 x 128256", "top_n20_us", "copy", 3.0),
     ("64 x 128256", "sample_from_logits_us", "torch_top_p_sample_us", 1.0),
     ("64 x 128256", "softmax_with_temperature_us", "torch_softmax_us", 1.0),
     ("64 x 128256", "top_n_us", "torch_topk8_us", 1.0),
@@ -342,12 +378,12 @@ def aims(rows: list[dict]) -> list[str]:
 BREAKDOWN_SHAPES = ((1, 128256), (64, 128256))
 
 
-def breakdown(device: Device, kernels: dict) -> list[str]:
+def breakdown(device: Any, kernels: dict) -> list[str]:
     """One line per kernel of each multi-kernel function: its entry name and its share of the function's time
     (the first k kernels timed, less the first k - 1), at BREAKDOWN_SHAPES; the fused sampler and renormalize with
-    top-p 0.9 on every row, no mask, no top-n."""
+    top-p 0.9 on every row, no mask, no top-n; top_n of width 20."""
     from kernel_cases import renormalize_case, sample_from_logits_case, softmax_case
-    from logitproc.runtime.cuda_device import CudaFunction
+    from logitproc.runtime.cuda_launch import CudaFunction
 
     lines = []
     for batch, vocab in BREAKDOWN_SHAPES:
@@ -357,8 +393,10 @@ def breakdown(device: Device, kernels: dict) -> list[str]:
         renorm = [np.ascontiguousarray(a) for a in renormalize_case(rng, batch, vocab).args]
         renorm[1][:], renorm[2][:], renorm[3][:] = 0, 0.9, 0
         soft = [np.ascontiguousarray(a) for a in softmax_case(rng, batch, vocab).args]
+        top = [(rng.standard_normal((batch, vocab)) * 3).astype(np.float32), np.zeros((batch, 20), np.float32),
+               np.zeros((batch, 20), np.int32)]
         for name, host in (("sample_from_logits", fused), ("renormalize_probs", renorm),
-                           ("softmax_with_temperature", soft)):
+                           ("softmax_with_temperature", soft), ("top_n", top)):
             fn = kernels[name]
             if not isinstance(fn, CudaFunction):
                 lines.append(f"breakdown of {name}: not available on {device!r} (not the CUDA driver path)")
@@ -380,31 +418,40 @@ def main() -> int:
     parser.add_argument("--bench", action="store_true")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
-    library = KernelLibrary.load(args.library)
-    device = Device("cuda")
-    report: dict = {"device": repr(device), "devices": [str(d) for d in Device.available()]}
+    with_runtime = tvm_installed()
+    if not with_runtime:
+        import_logitproc_without_tvm()
+    from logitproc.runtime.cuda_launch import CudaRunner, read_exported
+
+    launches, ptx = read_exported(args.library)
+    gpu = CudaRunner(0)
+    report: dict = {"device": repr(gpu), "tvm": with_runtime}
     print(report, flush=True)
     started = time.perf_counter()
-    kernels = device.load(library)
+    kernels = gpu.functions(launches, ptx, sorted(launches))
     report["load_s"] = time.perf_counter() - started
-    report["cases"] = check_cases(device, kernels)
+    report["cases"] = check_cases(gpu, kernels)
     print("cases:", json.dumps(report["cases"])[:3000], flush=True)
-    try:
-        report["runtime"] = check_runtime(library, device)
-    except Exception:  # noqa: BLE001
-        report["runtime"] = traceback.format_exc()
-    print("runtime:", report["runtime"], flush=True)
-    try:
-        report["drafts_and_masks"] = check_drafts_and_masks(library, device)
-    except Exception:  # noqa: BLE001
-        report["drafts_and_masks"] = traceback.format_exc()
-    print("drafts and masks:", report["drafts_and_masks"], flush=True)
+    if with_runtime:
+        from logitproc.runtime import Device
+        from logitproc.runtime.kernel_library import KernelLibrary
+
+        library, device = KernelLibrary.load(args.library), Device("cuda")
+        for key, check in (("runtime", check_runtime), ("drafts_and_masks", check_drafts_and_masks)):
+            try:
+                report[key] = check(library, device)
+            except Exception:  # noqa: BLE001
+                report[key] = traceback.format_exc()
+            print(f"{key}:", report[key], flush=True)
+    else:
+        report["runtime"] = "skipped: TVM is not installed here (the runtime imports it)"
+        print("runtime:", report["runtime"], flush=True)
     if args.bench:
-        report["bench"] = bench(library, device, kernels)
+        report["bench"] = bench(gpu, kernels)
         print(markdown(report["bench"]))
         report["aims"] = aims(report["bench"])
         print("\n".join(report["aims"]))
-        report["breakdown"] = breakdown(device, kernels)
+        report["breakdown"] = breakdown(gpu, kernels)
         print("\n".join(report["breakdown"]))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))

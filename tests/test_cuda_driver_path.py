@@ -158,7 +158,7 @@ def test_arrays_round_trip_and_rows_land_in_place(fake) -> None:
 def _expected_grids(kernel: str, args: Sequence[np.ndarray], batch: int, vocab: int) -> list[tuple[int, int, int]]:
     """What each kernel's TIR binds, per kernel it launches: one block per row, except the sparse and bitmask
     kernels, and the kernels that split each row into chunks of SPLIT_CHUNK values (the softmax's, the threshold
-    search's passes) or into the draw's segments (16 blocks of 64 a row)."""
+    search's passes, top_n's) or into the draw's segments (16 blocks of 64 a row)."""
     if kernel in ("apply_logit_bias_inplace", "apply_penalty_inplace"):
         return [(-(-args[1].size // 1024), 1, 1)]
     if kernel == "apply_bitmask_inplace":
@@ -172,6 +172,8 @@ def _expected_grids(kernel: str, args: Sequence[np.ndarray], batch: int, vocab: 
         return [split, (batch, 1, 1), *search, (batch, 1, 1), (batch * 16, 1, 1), (batch, 1, 1)]
     if kernel == "renormalize_probs":  # the search's passes, its steps (a block per row), the chunks rescaled
         return [*search, (batch, 1, 1), split]
+    if kernel == "top_n":  # group maxima, the row's bound, each chunk's candidates, the merge
+        return [split, (batch, 1, 1), split, (batch, 1, 1)]
     return [(batch, 1, 1)]
 
 
@@ -292,3 +294,32 @@ def test_a_library_without_launches_or_ptx_is_refused_clearly(tmp_path, cuda_lib
 def test_cuda_array_reports_its_shape() -> None:
     arr = CudaArray(0x1000, (2, 3), np.dtype("float32"))
     assert arr.nbytes == 24 and arr.ndim == 2
+
+
+def test_the_gpu_check_reads_the_library_and_the_case_table_without_tvm(cuda_library) -> None:
+    """scripts/cuda_check.py on a GPU machine without TVM: with ``tvm`` unimportable, its launcher
+    (``runtime/cuda_launch.py``), the library's launches and PTX and the case table import and read, and nothing
+    imports TVM on the way."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    scripts = Path(__file__).resolve().parent.parent / "scripts"
+    code = f"""
+import sys
+sys.modules["tvm"] = None  # `import tvm` raises ImportError from here on
+sys.path.insert(0, {str(scripts)!r})
+import cuda_check
+assert not cuda_check.tvm_installed()
+cuda_check.import_logitproc_without_tvm()
+from logitproc.runtime.cuda_launch import CudaRunner, read_exported
+from kernel_cases import all_cases
+launches, ptx = read_exported({str(cuda_library.directory)!r})
+assert b".entry top_n_kernel" in ptx, "the PTX"
+print(len(launches), len(all_cases()), sorted(m for m in sys.modules if m.startswith("tvm") and sys.modules[m]))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/", timeout=120)
+    assert out.returncode == 0, out.stderr
+    functions, cases, tvm_modules = out.stdout.split(maxsplit=2)
+    assert int(functions) == len(cuda_library.kernel_names) and int(cases) >= 70
+    assert tvm_modules.strip() == "[]"

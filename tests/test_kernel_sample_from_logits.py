@@ -349,9 +349,11 @@ def test_vulkan_flags_rows_holding_nan_or_plus_inf() -> None:
     assert token[4] == -1 and 0 <= token[5] < vocab and chosen[5] > 0
 
 
+@pytest.mark.parametrize("width", [6, 20])
 @pytest.mark.parametrize(("batch", "vocab"), [(1, 1), (8, 33), (16, 1003), (3, 128256)])
-def test_vulkan_matches_the_staged_vulkan_kernels(batch: int, vocab: int) -> None:
-    """On lavapipe: the GPU variant gives the staged GPU kernels' tokens with the same uniforms."""
+def test_vulkan_matches_the_staged_vulkan_kernels(batch: int, vocab: int, width: int) -> None:
+    """On lavapipe: the GPU variant gives the staged GPU kernels' tokens with the same uniforms, and their top_n for
+    the processed top-n (width 20: rows asking for more than 8 take the bound and the list, the others the rounds)."""
     kernels = vulkan_kernels_or_skip()
     logits = edge_logits(batch, vocab, vocab + 1)
     p = row_params(batch, vocab, batch)
@@ -362,8 +364,8 @@ def test_vulkan_matches_the_staged_vulkan_kernels(batch: int, vocab: int) -> Non
     for r in range(batch):
         if mask_index[r] >= 0:
             masked[r] = np.where(allowed[mask_index[r]], logits[r], -np.inf)
-    n = min(vocab, 6)
-    top_count = np.resize(np.int32([n, 0, 2]), batch)
+    n = min(vocab, width)
+    top_count = np.resize(np.int32([n, 0, 2, n // 2 + 1]), batch)
     for renorm in (0, 1):
         token, chosen = np.full(batch, -7, np.int32), np.full(batch, np.nan, np.float32)
         values, ids = np.full((batch, n), np.nan, np.float32), np.full((batch, n), -7, np.int32)

@@ -113,10 +113,40 @@ def vulkan_kernels():
     return vulkan_kernels_or_skip()
 
 
+def run_vulkan(kernels, x: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    values, indices = np.zeros((x.shape[0], n), np.float32), np.full((x.shape[0], n), -7, np.int32)
+    kernels[top_n.NAME](x, values, indices)
+    return values, indices
+
+
+@pytest.mark.parametrize("ties", [True, False], ids=["ties", "normal"])
 @pytest.mark.parametrize(("batch", "vocab", "n"), [(7, 1, 1), (99, 33, 33), (11, 257, 20), (6, 128001, 5),
-                                                   (1, 151936, 20)])
-def test_vulkan_matches_reference(vulkan_kernels, batch: int, vocab: int, n: int) -> None:
-    x = logits_with_special_rows(np.random.default_rng(batch + vocab), batch, vocab, ties=True)
-    values, indices = np.zeros((batch, n), np.float32), np.full((batch, n), -7, np.int32)
-    vulkan_kernels[top_n.NAME](x, values, indices)
-    assert_matches_reference(values, indices, x, n)
+                                                   (1, 151936, 20), (12, 128256, 20), (3, 5000, 32), (2, 4097, 8)])
+def test_vulkan_matches_reference(vulkan_kernels, batch: int, vocab: int, n: int, ties: bool) -> None:
+    """Rows split over blocks (n <= 32, rows long enough for a bound: group maxima, per-chunk candidates, a merge)
+    and the rounds over the row (n = 33, short rows, rows whose candidates overflow) on random and special rows."""
+    x = logits_with_special_rows(np.random.default_rng(batch + vocab), batch, vocab, ties=ties)
+    assert_matches_reference(*run_vulkan(vulkan_kernels, x, n), x, n)
+
+
+def test_vulkan_rows_that_overflow_the_split_and_ties_at_the_bound(vulkan_kernels) -> None:
+    """Sorted rows (every chunk near the top holds hundreds of values above the bound), a value repeated across
+    every chunk exactly where the n-th largest falls, and a row of equal values: each equals the reference."""
+    vocab, n = 70001, 20
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((5, vocab)).astype(np.float32)
+    x[0] = np.arange(vocab, dtype=np.float32)
+    x[1] = -np.arange(vocab, dtype=np.float32)
+    x[2, rng.choice(vocab, 400, replace=False)] = 5.0  # 400 equal values above the noise, in every chunk
+    x[3] = 1.5
+    x[4, ::3001] = 9.0  # 24 equal maxima, one in each chunk or so: ties straddle the n-th place
+    assert_matches_reference(*run_vulkan(vulkan_kernels, x, n), x, n)
+
+
+def test_vulkan_rows_alone_and_in_a_batch_give_the_same_bits(vulkan_kernels) -> None:
+    x = logits_with_special_rows(np.random.default_rng(11), 9, 128256, ties=False)
+    together = run_vulkan(vulkan_kernels, x, 20)
+    for r in (0, 4, 8):
+        alone = run_vulkan(vulkan_kernels, x[r:r + 1].copy(), 20)
+        np.testing.assert_array_equal(alone[0][0], together[0][r])
+        np.testing.assert_array_equal(alone[1][0], together[1][r])

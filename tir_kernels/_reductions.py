@@ -81,8 +81,10 @@ ExpFn = Callable[["tirx.PrimExpr"], "tirx.PrimExpr"]
 
 
 def guarded_exp(z: tirx.PrimExpr) -> tirx.PrimExpr:
-    """exp(z) with the hardware exp, and exactly 0 where float32 exp underflows (z < EXP_UNDERFLOW, z = -inf)."""
-    return T.Select(z < T.float32(EXP_UNDERFLOW), T.float32(0), T.exp(z))
+    """exp(z) with the hardware exp, and exactly 0 where float32 exp underflows (z < EXP_UNDERFLOW, z = -inf).
+    z is bound once (a ``Let``): inlined twice, a long z (a masked logit read) doubled the kernels' IR."""
+    zv = tirx.Var("exp_z", "float32")
+    return tirx.Let(zv, z, T.Select(zv < T.float32(EXP_UNDERFLOW), T.float32(0), T.exp(zv)))
 
 
 def shifted_exp(x: tirx.PrimExpr, shift: tirx.PrimExpr, scale: tirx.PrimExpr, exp: ExpFn) -> tirx.PrimExpr:

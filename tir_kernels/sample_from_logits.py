@@ -49,7 +49,8 @@ passes over the row split over blocks (``_threshold_split``: first pass, bound p
 ``exp((x - max) * scale) * (1 / sum)`` recomputed from the logits (as the staged softmax's write does; nothing is
 stored); one block per row for the search's steps (``renormalize.gpu_row_threshold``, on the list where it fits);
 the draw's segment sums split over blocks (from the list, where the row used it: it holds every kept value); one
-block per row for the rest of the draw (``multinomial.gpu_segments_macro``) and top_n's rounds (``row_best_gpu``).
+block per row for the rest of the draw (``multinomial.gpu_segments_macro``) and the processed top-n
+(``_top_split.block_top_macro``: a bound and a list for rows asking for 9 to 32 entries, else top_n's rounds).
 A flagged row is read as zeros by those passes, then marked NON_FINITE.
 """
 
@@ -81,8 +82,9 @@ from ._reductions import (
     safe_shift,
     split_parts,
 )
-from ._select import row_top_cpu, row_top_gpu
+from ._select import row_top_cpu
 from ._threshold_split import I_COUNT, I_LIST, ROW_FLOATS, ROW_INTS, split_threshold_passes
+from ._top_split import block_top_macro
 from .softmax import inverse_sum, probability, row_stats_of_parts, split_chunk_stats
 
 NAME = kernel_abi.SAMPLE_FROM_LOGITS
@@ -115,8 +117,15 @@ def _masked_logit(logits: tirx.Buffer, r: tirx.PrimExpr, bitmask: tirx.Buffer, m
 
 def _gpu_logit(logits: tirx.Buffer, r: tirx.PrimExpr, bitmask: tirx.Buffer, m: tirx.PrimExpr,
                on: tirx.PrimExpr) -> Value:
-    """The GPU's reading of row r: masked by row m where ``on`` (``if_then_else``: the mask is not read otherwise)."""
-    return lambda i: T.if_then_else(on, T.Select(_allowed(bitmask, m, i), logits[r, i], neg_inf()), logits[r, i])
+    """The GPU's reading of row r: masked by row m where ``on`` (``if_then_else``: the mask is not read otherwise);
+    the logit is read once (a ``Let``)."""
+
+    def value(i: tirx.PrimExpr) -> tirx.PrimExpr:
+        x = tirx.Var("logit", "float32")
+        return tirx.Let(x, logits[r, i], T.Select(T.if_then_else(on, _allowed(bitmask, m, i), T.bool(True)), x,
+                                                  neg_inf()))
+
+    return value
 
 
 # Per-token values for the row macros (callables i -> PrimExpr, built at parse time from the row's scalars).
@@ -147,8 +156,13 @@ def _unless(bad: tirx.PrimExpr, value: Value) -> Value:
 
 
 def _sampled(prob: Value, on: tirx.PrimExpr, lo: tirx.PrimExpr, mass: tirx.PrimExpr) -> Value:
-    """The values the GPU draw reads: renormalized where ``on``, else the softmax itself."""
-    return lambda i: T.Select(on, _kept(prob(i), lo, mass), prob(i))
+    """The values the GPU draw reads: renormalized where ``on``, else the softmax itself (prob(i) bound once)."""
+
+    def value(i: tirx.PrimExpr) -> tirx.PrimExpr:
+        p = tirx.Var("prob", "float32")
+        return tirx.Let(p, prob(i), T.Select(on, _kept(p, lo, mass), p))
+
+    return value
 
 
 def _cpu_rows() -> Callable[..., None]:
@@ -309,11 +323,16 @@ def _row_probability(logits: tirx.Buffer, bitmask: tirx.Buffer) -> Callable[...,
 _SEGMENT_THREADS = 64
 
 
+#: Entries per thread of the processed top-n's list in shared memory (the draw's scans hold 12 KB of it too).
+_TOP_LIST_PER_THREAD = 0.5
+
+
 def _gpu_rows(threads: int, uniform_loops: bool, shuffle_reduce: bool, list_cap: int) -> Callable[..., None]:
     """The GPU loop nest: rows split over blocks, then one block per row (see the module docstring)."""
     threshold = renormalize.gpu_row_threshold(threads, uniform_loops, shuffle_reduce, list_cap)
     passes = split_threshold_passes(list_cap)
     sample_segments = multinomial.gpu_segments_macro(threads)
+    row_top = block_top_macro(threads, uniform_loops, int(_TOP_LIST_PER_THREAD * threads))
 
     @T.macro
     def rows(batch, vocab, logits, temperature, top_k, top_p, min_p, renorm, uniform, mask_index, bitmask, token,
@@ -434,12 +453,11 @@ def _gpu_rows(threads: int, uniform_loops: bool, shuffle_reduce: bool, list_cap:
                 if tx == 0 and bad != 0:  # the thread that wrote the -1 of a row of zeros
                     token[r] = NON_FINITE
                 # processed top-n: WGSL runs the width's rounds in every row (its barriers need uniform control
-                # flow); elsewhere a row runs the rounds it asks for (the bound is the same in every thread)
+                # flow); elsewhere a row runs the rounds it asks for (the bound is the same in every thread); rows
+                # asking for more than 8 entries take a bound and a list instead where it fits
                 count: T.let = T.Select(bad != 0, 0, T.min(top_count[r], top_values.shape[1]))
-                row_top_gpu(_sampled(_row_probability(logits, bitmask)(r, (q0, q1, q2, q3, q4, q5, bad)), on, lo,
-                                     mass),
-                            vocab, top_values.shape[1] if uniform_loops else count, count, tx, threads, top_values,
-                            top_ids, r)
+                row_top(_sampled(_row_probability(logits, bitmask)(r, (q0, q1, q2, q3, q4, q5, bad)), on, lo, mass),
+                        vocab, top_values.shape[1] if uniform_loops else count, count, tx, top_values, top_ids, r)
 
     return rows
 
