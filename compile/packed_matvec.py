@@ -68,8 +68,9 @@ _SPAN = 128       # tokens whose activations stay in L2 while a chunk's rows pas
 ROW_PAD = 64
 _MADDUBS = "llvm.x86.avx2.pmadd.ub.sw"
 _DPBUSD = "llvm.x86.avx512.vpdpbusd.256"
-#: LLVM features of the VNNI tile (``vpdpbusd`` on 256-bit vectors: AVX512-VNNI with AVX512-VL)
-VNNI_FEATURES = ("avx512vnni", "avx512vl")
+#: LLVM features of the VNNI tiles (``vpdpbusd`` on 256-bit vectors: AVX512-VNNI with AVX512-VL; on 512-bit vectors
+#: of bytes, ``quant_matvec``'s pair tile: AVX512-BW, which every CPU with AVX512-VNNI has)
+VNNI_FEATURES = ("avx512vnni", "avx512vl", "avx512bw")
 _MADDWD = "llvm.x86.avx2.pmadd.wd"
 _SCALE = "float16"
 
