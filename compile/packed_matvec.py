@@ -353,9 +353,6 @@ def _matmul_body(tile_macro: Any, pair_macro: Any = None) -> Any:
 
     paired = pair_macro is not None
 
-    def pairs_of(out_features: int) -> int:
-        return out_features // ROWS // 2 if paired else 0
-
     @T.macro
     def rest(y, xq4, xd, xs, t0, t1, g, blocks, codes, scales, mins, iacc, facc, planes, tile, N):
         """Row group ``g``'s tokens ``t0`` to ``t1``: tiles of ``tile``, 2 and 1."""
@@ -367,6 +364,18 @@ def _matmul_body(tile_macro: Any, pair_macro: Any = None) -> Any:
                        facc, planes)
         if (t1 - t0) % tile % 2 == 1:
             tile_macro(y, xq4, xd, xs, t1 - 1, 1, g, blocks, N, codes, scales, mins, iacc, facc, planes)
+
+    @T.macro
+    def groupwise(y, n, xq4, xd, xs, blocks, codes, scales, mins, planes, tile, lanes, acc_dtype, N, groups, chunks):
+        """Every row group's tokens span by span in the narrow tiles."""
+        for chunk in T.parallel(chunks):
+            iacc = T.alloc_buffer((planes * tile * lanes,), acc_dtype, scope="local")
+            facc = T.alloc_buffer((tile * ROWS,), "float32", scope="local")
+            for span in range((n + _SPAN - 1) // _SPAN):
+                t1: T.let = T.min(n, span * _SPAN + _SPAN)
+                for g in range(chunk * groups // chunks, (chunk + 1) * groups // chunks):
+                    rest(y, xq4, xd, xs, span * _SPAN, t1, g, blocks, codes, scales, mins, iacc, facc, planes, tile,
+                         N)
 
     @T.macro
     def body(x, y, n, codes, scales, mins, planes, qmax, tile, lanes, acc_dtype, K, N, blocks, groups, chunks):
@@ -382,30 +391,36 @@ def _matmul_body(tile_macro: Any, pair_macro: Any = None) -> Any:
             amax = T.alloc_buffer((16,), "float32", scope="local")
             for t in range(n):
                 _quantise(x, xq, xd, xs, t, blocks, amax, qmax)
-        for chunk in T.parallel(chunks):
-            iacc = T.alloc_buffer((planes * tile * lanes,), acc_dtype, scope="local")
-            facc = T.alloc_buffer((tile * ROWS,), "float32", scope="local")
-            pacc = T.alloc_buffer((planes * PAIR_TOKENS * _PAIR,), "int32", scope="local")
-            pfacc = T.alloc_buffer((PAIR_TOKENS * _PAIR,), "float32", scope="local")
-            for span in range((n + _SPAN - 1) // _SPAN):
-                t1: T.let = T.min(n, span * _SPAN + _SPAN)
-                t0: T.let = span * _SPAN + (t1 - span * _SPAN) // PAIR_TOKENS * PAIR_TOKENS
-                for u in range(chunk * (groups - pairs_of(N)) // chunks,
-                               (chunk + 1) * (groups - pairs_of(N)) // chunks):
-                    if paired:
-                        if u < pairs_of(N):
-                            for tt in range((t1 - span * _SPAN) // PAIR_TOKENS):
-                                pair_macro(y, xq4, xd, xs, span * _SPAN + tt * PAIR_TOKENS, PAIR_TOKENS, 2 * u,
-                                           blocks, codes, scales, pacc, pfacc, planes)
-                            for h in range(2):
-                                rest(y, xq4, xd, xs, t0, t1, 2 * u + h, blocks, codes, scales, mins, iacc, facc,
-                                     planes, tile, N)
-                        else:
-                            rest(y, xq4, xd, xs, span * _SPAN, t1, u + pairs_of(N), blocks, codes, scales, mins,
-                                 iacc, facc, planes, tile, N)
-                    else:
-                        rest(y, xq4, xd, xs, span * _SPAN, t1, u, blocks, codes, scales, mins, iacc, facc, planes,
-                             tile, N)
+        # with pairs, two parallel loops, so two functions: the few tokens' one keeps its registers (in one function
+        # with the pair tiles, LLVM spilled pointers and constants in the narrow tiles' loops)
+        if paired:
+            if n >= PAIR_TOKENS:
+                for chunk in T.parallel(chunks):
+                    iacc = T.alloc_buffer((planes * tile * lanes,), acc_dtype, scope="local")
+                    facc = T.alloc_buffer((tile * ROWS,), "float32", scope="local")
+                    pacc = T.alloc_buffer((planes * PAIR_TOKENS * _PAIR,), "int32", scope="local")
+                    pfacc = T.alloc_buffer((PAIR_TOKENS * _PAIR,), "float32", scope="local")
+                    for span in range((n + _SPAN - 1) // _SPAN):
+                        t1: T.let = T.min(n, span * _SPAN + _SPAN)
+                        t0: T.let = span * _SPAN + (t1 - span * _SPAN) // PAIR_TOKENS * PAIR_TOKENS
+                        for u in range(chunk * (groups - N // ROWS // 2) // chunks,
+                                       (chunk + 1) * (groups - N // ROWS // 2) // chunks):
+                            if u < N // ROWS // 2:
+                                for tt in range((t1 - span * _SPAN) // PAIR_TOKENS):
+                                    pair_macro(y, xq4, xd, xs, span * _SPAN + tt * PAIR_TOKENS, PAIR_TOKENS, 2 * u,
+                                               blocks, codes, scales, pacc, pfacc, planes)
+                                for h in range(2):
+                                    rest(y, xq4, xd, xs, t0, t1, 2 * u + h, blocks, codes, scales, mins, iacc, facc,
+                                         planes, tile, N)
+                            else:
+                                rest(y, xq4, xd, xs, span * _SPAN, t1, u + N // ROWS // 2, blocks, codes, scales,
+                                     mins, iacc, facc, planes, tile, N)
+            else:
+                groupwise(y, n, xq4, xd, xs, blocks, codes, scales, mins, planes, tile, lanes, acc_dtype, N, groups,
+                          chunks)
+        else:
+            groupwise(y, n, xq4, xd, xs, blocks, codes, scales, mins, planes, tile, lanes, acc_dtype, N, groups,
+                      chunks)
 
     return body
 
@@ -429,7 +444,7 @@ def packed_q8_0_kernel(out_features: int, in_features: int, x_dtype: str = "floa
     ``packed_q4_1_kernel``'s, so a token's row is the same whatever the other tokens."""
     _check("Q8_0", in_features, out_features, x_dtype, y_dtype, xbits)
     N, K, blocks, groups = out_features, in_features, in_features // _QBLOCK, -(-out_features // ROWS)
-    chunks = min(_CHUNKS, groups - N // ROWS // 2)  # the whole row groups in pairs
+    chunks = min(_CHUNKS, groups)
     planes, qmax, tile = (1, _QMAX, _TILE) if xbits == 8 else (2, SPLIT_QMAX, _SPLIT_TILE)
     body = _matmul_body(_tile_q8_vnni, _pair_q8_vnni)
 

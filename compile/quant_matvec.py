@@ -84,7 +84,10 @@ def _codes(raw: Any, high: Any, lut: Any, g: Any, b: Any, v: Any, half: int, pla
     4 and 5), or with ``codebook`` the ``lut`` values the nibbles index (``vpshufb``); with ``pair`` uint8x64, row
     groups ``g`` and ``g + 1`` (``raw`` the two groups' bytes)."""
     width = 64 if pair else 32
-    out = T.bitwise_and(raw, T.broadcast(T.uint8(15), width)) if half == 0 else _high_nibbles(raw, width)
+    if half == 0:
+        out = T.bitwise_and(raw, T.broadcast(T.uint8(15), width))
+    else:  # the 256-bit tiles as before: LLVM's byte shift measured no slower there at one token
+        out = _high_nibbles(raw, width) if pair else T.shift_right(raw, T.broadcast(T.uint8(4), width))
     if planes:  # in 16-bit lanes (x86 has no byte shifts): the mask keeps each byte's own bits
         words = T.reinterpret(f"uint16x{width // 2}", _rows(
             high, g, [b, QBLOCK * (v // 2 if planes == 2 else 0)], "uint8", 32, pair))
@@ -366,7 +369,7 @@ def quant_matmul_kernel(layout: QuantLayout, out_features: int, in_features: int
     # the work in units of two whole row groups (``_pair_tile``, where the kernel has wide tiles), then one each
     pairs = N // ROWS // 2 if wide else 0
     units = groups - pairs
-    chunks = min(_CHUNKS, units)
+    chunks = min(_CHUNKS, groups)  # some idle in the pair tiles where there are fewer than 64 units
     iacc_len = max(planes * tile * 2, planes * wtile * halves if wide else 0) * ROWS
     facc_len = max(tile, wtile if wide else 0) * ROWS
     pacc_len, pfacc_len = (planes * wtile * halves * _PAIR, wtile * _PAIR) if pairs else (_PAIR, _PAIR)
@@ -394,6 +397,30 @@ def quant_matmul_kernel(layout: QuantLayout, out_features: int, in_features: int
             narrow(y, xq4, xd, xs, xc, t1 - 1, 1, g, codes, high, dd, sc, mm, dmin, mq, lut, iacc, facc)
 
     @T.macro
+    def spans(y, n, xq4, xd, xs, xc, chunk, codes, high, dd, sc, mm, dmin, mq, lut, iacc, facc, pacc, pfacc):
+        """Chunk ``chunk``'s units, span by span: the wide tiles first (on a pair of row groups where the kernel
+        has pairs), then tiles of ``tile``, 2 and 1 on each group."""
+        for span in range((n + _SPAN - 1) // _SPAN):
+            t1: T.let = T.min(n, span * _SPAN + _SPAN)
+            t0: T.let = span * _SPAN + (t1 - span * _SPAN) // wtile * wtile
+            for u in range(chunk * units // chunks, (chunk + 1) * units // chunks):
+                if u < pairs:
+                    for tt in range((t1 - span * _SPAN) // wtile):
+                        _pair_tile(y, xq4, xd, xs, xc, span * _SPAN + tt * wtile, wtile, 2 * u, blocks, codes, high,
+                                   dd, sc, mm, dmin, mq, lut, pacc, pfacc, planes, hb, halves, off, superblock,
+                                   sc_type, min_kind, codebook)
+                    for h in range(2):
+                        rest(y, xq4, xd, xs, xc, t0, t1, 2 * u + h, codes, high, dd, sc, mm, dmin, mq, lut, iacc,
+                             facc)
+                else:
+                    if wide:
+                        for tt in range((t1 - span * _SPAN) // wtile):
+                            _wide_tile(y, xq4, xd, xs, xc, span * _SPAN + tt * wtile, wtile, u + pairs, blocks, N,
+                                       codes, high, dd, sc, mm, dmin, mq, lut, iacc, facc, planes, hb, halves, off,
+                                       superblock, sc_type, min_kind, codebook)
+                    rest(y, xq4, xd, xs, xc, t0, t1, u + pairs, codes, high, dd, sc, mm, dmin, mq, lut, iacc, facc)
+
+    @T.macro
     def body(x, y, n, codes, high, dd, sc, mm, dmin, mq, lut):
         xq = T.alloc_buffer((planes, n, K + ROW_PAD), "int8")
         xq4 = T.decl_buffer((planes, n, (K + ROW_PAD) // 4), "int32", data=xq.data)
@@ -408,34 +435,22 @@ def quant_matmul_kernel(layout: QuantLayout, out_features: int, in_features: int
             amax = T.alloc_buffer((16,), "float32", scope="local")
             for t in range(n):
                 quantise(x, xq, xd, xs, xc, t, amax)
-        for chunk in T.parallel(chunks):
-            iacc = T.alloc_buffer((iacc_len,), "int32", scope="local")
-            facc = T.alloc_buffer((facc_len,), "float32", scope="local")
-            # the pair tiles' own (16-lane vectors only: LLVM keeps them in registers)
-            pacc = T.alloc_buffer((pacc_len,), "int32", scope="local")
-            pfacc = T.alloc_buffer((pfacc_len,), "float32", scope="local")
-            for span in range((n + _SPAN - 1) // _SPAN):
-                t1: T.let = T.min(n, span * _SPAN + _SPAN)
-                # the wide tiles first (where the kernel has them: on a pair of row groups where it has pairs),
-                # then tiles of ``tile``, 2 and 1 on each group
-                t0: T.let = span * _SPAN + (t1 - span * _SPAN) // wtile * wtile
-                for u in range(chunk * units // chunks, (chunk + 1) * units // chunks):
-                    if u < pairs:
-                        for tt in range((t1 - span * _SPAN) // wtile):
-                            _pair_tile(y, xq4, xd, xs, xc, span * _SPAN + tt * wtile, wtile, 2 * u, blocks, codes,
-                                       high, dd, sc, mm, dmin, mq, lut, pacc, pfacc, planes, hb, halves, off,
-                                       superblock, sc_type, min_kind, codebook)
-                        for h in range(2):
-                            rest(y, xq4, xd, xs, xc, t0, t1, 2 * u + h, codes, high, dd, sc, mm, dmin, mq, lut, iacc,
-                                 facc)
-                    else:
-                        if wide:
-                            for tt in range((t1 - span * _SPAN) // wtile):
-                                _wide_tile(y, xq4, xd, xs, xc, span * _SPAN + tt * wtile, wtile, u + pairs, blocks,
-                                           N, codes, high, dd, sc, mm, dmin, mq, lut, iacc, facc, planes, hb,
-                                           halves, off, superblock, sc_type, min_kind, codebook)
-                        rest(y, xq4, xd, xs, xc, t0, t1, u + pairs, codes, high, dd, sc, mm, dmin, mq, lut, iacc,
-                             facc)
+        # two parallel loops, so two functions: the few tokens' one keeps its registers (in one function with the
+        # pair tiles, LLVM spilled pointers and constants in its loops: one token 10-20% slower)
+        if n >= wtile:
+            for chunk in T.parallel(chunks):
+                iacc = T.alloc_buffer((iacc_len,), "int32", scope="local")
+                facc = T.alloc_buffer((facc_len,), "float32", scope="local")
+                # the pair tiles' own (16-lane vectors only: LLVM keeps them in registers)
+                pacc = T.alloc_buffer((pacc_len,), "int32", scope="local")
+                pfacc = T.alloc_buffer((pfacc_len,), "float32", scope="local")
+                spans(y, n, xq4, xd, xs, xc, chunk, codes, high, dd, sc, mm, dmin, mq, lut, iacc, facc, pacc, pfacc)
+        else:  # fewer tokens than a wide tile: each chunk's row groups one by one
+            for chunk in T.parallel(chunks):
+                iacc = T.alloc_buffer((iacc_len,), "int32", scope="local")
+                facc = T.alloc_buffer((facc_len,), "float32", scope="local")
+                for g in range(chunk * groups // chunks, (chunk + 1) * groups // chunks):
+                    rest(y, xq4, xd, xs, xc, 0, n, g, codes, high, dd, sc, mm, dmin, mq, lut, iacc, facc)
 
     _codes_, _high, _d, _sc, _m, _dmin, _mq, _lut = _param_shapes(layout, N, K)
 
