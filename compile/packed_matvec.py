@@ -40,7 +40,9 @@ times signed) takes whole bytes; the offset comes off as Q4_1's min does::
                     - 128 * scales[g, b, r] * xs[t, b]
 
 ``packed_q8_0_embed_kernel`` looks rows up in that layout (a tied embedding is the head), giving the GGUF layout's
-values exactly.
+values exactly. Packed Q8_0 calls of ``PAIR_TOKENS`` tokens or more first run pair tiles (``_pair_q8_vnni``): 8
+tokens on two whole row groups at once in 512-bit vectors, each activation broadcast serving 16 rows (the same
+outputs bit for bit; ``quant_matvec``'s pair tiles, docs/model.md).
 """
 
 from __future__ import annotations
