@@ -40,7 +40,9 @@ times signed) takes whole bytes; the offset comes off as Q4_1's min does::
                     - 128 * scales[g, b, r] * xs[t, b]
 
 ``packed_q8_0_embed_kernel`` looks rows up in that layout (a tied embedding is the head), giving the GGUF layout's
-values exactly.
+values exactly. Packed Q8_0 calls of ``PAIR_TOKENS`` tokens or more first run pair tiles (``_pair_q8_vnni``): 8
+tokens on two whole row groups at once in 512-bit vectors, each activation broadcast serving 16 rows (the same
+outputs bit for bit; ``quant_matvec``'s pair tiles, docs/model.md).
 """
 
 from __future__ import annotations
@@ -58,6 +60,8 @@ _QMAX = 127
 _CHUNKS = 64
 _TILE = 4         # tokens sharing each unpacked weight vector (8-bit activations)
 _SPLIT_TILE = 3   # the same with 16-bit activations (two planes: twice the integer accumulators)
+PAIR_TOKENS = 8   # tokens of packed Q8_0's pair tiles (``_pair_q8_vnni``): 16 accumulators with two planes
+_PAIR = 2 * ROWS  # lanes of a pair tile's vectors: two row groups
 #: activation code bits: 8 (GGML's Q8_1, one plane) or 16 (two int8 planes, high and low bytes)
 ACTIVATION_BITS = (8, 16)
 DEFAULT_ACTIVATION_BITS = 16  # 8 puts SmolLM2's logits about 1.5 from the float reference's (docs/model.md)
@@ -68,8 +72,10 @@ _SPAN = 128       # tokens whose activations stay in L2 while a chunk's rows pas
 ROW_PAD = 64
 _MADDUBS = "llvm.x86.avx2.pmadd.ub.sw"
 _DPBUSD = "llvm.x86.avx512.vpdpbusd.256"
-#: LLVM features of the VNNI tile (``vpdpbusd`` on 256-bit vectors: AVX512-VNNI with AVX512-VL)
-VNNI_FEATURES = ("avx512vnni", "avx512vl")
+_DPBUSD_512 = "llvm.x86.avx512.vpdpbusd.512"
+#: LLVM features of the VNNI tiles (``vpdpbusd`` on 256-bit vectors: AVX512-VNNI with AVX512-VL; on 512-bit vectors
+#: of bytes, ``quant_matvec``'s pair tile: AVX512-BW, which every CPU with AVX512-VNNI has)
+VNNI_FEATURES = ("avx512vnni", "avx512vl", "avx512bw")
 _MADDWD = "llvm.x86.avx2.pmadd.wd"
 _SCALE = "float16"
 
@@ -308,10 +314,70 @@ def _tile_q8_vnni(y, xq4, xd, xs, t0, size, g, blocks, out_features, codes, scal
     _store(y, facc, t0, size, g, out_features)
 
 
-def _matmul_body(tile_macro: Any) -> Any:
+@T.macro
+def _pair_q8_vnni(y, xq4, xd, xs, t0, size, g, blocks, codes, scales, pacc, pfacc, planes):
+    """``_tile_q8_vnni`` for ``size`` tokens on the 16 rows of row groups ``g`` and ``g + 1`` (both whole) in
+    512-bit vectors (lanes 0-7 group ``g``, 8-15 group ``g + 1``): one accumulator per plane and token, started by
+    the block's first ``vpdpbusd``, each activation broadcast serving 16 rows. The same exact int32 block sums and,
+    lane by lane, the same float operations as ``_add_block``, so a row's output is bitwise the narrow tile's."""
+    for s in T.unroll(size):
+        pfacc[T.ramp(s * _PAIR, 1, _PAIR)] = T.broadcast(T.float32(0), _PAIR)
+    for b in range(blocks):
+        for v in T.unroll(8):
+            raw: T.let = T.Shuffle([codes.vload([g, b, v * 32], "uint8x32"), codes.vload([g + 1, b, v * 32],
+                                                                                          "uint8x32")], list(range(64)))
+            for p in T.unroll(planes):
+                for s in T.unroll(size):
+                    pacc[T.ramp((p * size + s) * _PAIR, 1, _PAIR)] = _intrin(
+                        _DPBUSD_512, "int32x16", T.if_then_else(v == 0, T.broadcast(T.int32(0), _PAIR), pacc[
+                            T.ramp((p * size + s) * _PAIR, 1, _PAIR)]), raw, T.reinterpret(
+                            "int8x64", T.broadcast(xq4[p, t0 + s, b * 8 + v], _PAIR)))
+        sv: T.let = T.Cast("float32x16", T.Shuffle([scales.vload([g, b, 0], "float16x8"),
+                                                    scales.vload([g + 1, b, 0], "float16x8")], list(range(16))))
+        for s in T.unroll(size):
+            sums: T.let = pacc[T.ramp(s * _PAIR, 1, _PAIR)] if planes == 1 else T.shift_left(
+                pacc[T.ramp(s * _PAIR, 1, _PAIR)], T.broadcast(T.int32(8), _PAIR)) + pacc[
+                T.ramp((size + s) * _PAIR, 1, _PAIR)]
+            pfacc[T.ramp(s * _PAIR, 1, _PAIR)] = (
+                pfacc[T.ramp(s * _PAIR, 1, _PAIR)] + T.Cast("float32x16", sums) * (sv * T.broadcast(
+                    xd[t0 + s, b], _PAIR)) + sv * T.broadcast(T.float32(-Q8_OFFSET), _PAIR) * T.broadcast(
+                    xs[t0 + s, b], _PAIR))
+    for s in T.unroll(size):
+        y[t0 + s, T.ramp(g * ROWS, 1, _PAIR)] = T.Cast(f"{y.dtype}x{_PAIR}", pfacc[T.ramp(s * _PAIR, 1, _PAIR)])
+
+
+def _matmul_body(tile_macro: Any, pair_macro: Any = None) -> Any:
     """The packed kernels' body around ``tile_macro`` (``_tile``, ``_tile_vnni`` or ``_tile_q8_vnni``): each token's
     activations quantised once (tokens in parallel from 16 on), then row groups in parallel chunks, tokens in spans
-    of ``_SPAN`` and tiles of ``tile`` (then 2, then 1), so that a token's operations are the same in any tile."""
+    of ``_SPAN`` and tiles of ``tile`` (then 2, then 1), so that a token's operations are the same in any tile. With
+    ``pair_macro`` (``_pair_q8_vnni``) the whole row groups go in pairs, ``PAIR_TOKENS`` tokens at a time through it
+    first."""
+
+    paired = pair_macro is not None
+
+    @T.macro
+    def rest(y, xq4, xd, xs, t0, t1, g, blocks, codes, scales, mins, iacc, facc, planes, tile, N):
+        """Row group ``g``'s tokens ``t0`` to ``t1``: tiles of ``tile``, 2 and 1."""
+        for tt in range((t1 - t0) // tile):
+            tile_macro(y, xq4, xd, xs, t0 + tt * tile, tile, g, blocks, N, codes, scales, mins, iacc, facc,
+                       planes)
+        if (t1 - t0) % tile >= 2:
+            tile_macro(y, xq4, xd, xs, t1 - (t1 - t0) % tile, 2, g, blocks, N, codes, scales, mins, iacc,
+                       facc, planes)
+        if (t1 - t0) % tile % 2 == 1:
+            tile_macro(y, xq4, xd, xs, t1 - 1, 1, g, blocks, N, codes, scales, mins, iacc, facc, planes)
+
+    @T.macro
+    def groupwise(y, n, xq4, xd, xs, blocks, codes, scales, mins, planes, tile, lanes, acc_dtype, N, groups, chunks):
+        """Every row group's tokens span by span in the narrow tiles."""
+        for chunk in T.parallel(chunks):
+            iacc = T.alloc_buffer((planes * tile * lanes,), acc_dtype, scope="local")
+            facc = T.alloc_buffer((tile * ROWS,), "float32", scope="local")
+            for span in range((n + _SPAN - 1) // _SPAN):
+                t1: T.let = T.min(n, span * _SPAN + _SPAN)
+                for g in range(chunk * groups // chunks, (chunk + 1) * groups // chunks):
+                    rest(y, xq4, xd, xs, span * _SPAN, t1, g, blocks, codes, scales, mins, iacc, facc, planes, tile,
+                         N)
 
     @T.macro
     def body(x, y, n, codes, scales, mins, planes, qmax, tile, lanes, acc_dtype, K, N, blocks, groups, chunks):
@@ -327,20 +393,36 @@ def _matmul_body(tile_macro: Any) -> Any:
             amax = T.alloc_buffer((16,), "float32", scope="local")
             for t in range(n):
                 _quantise(x, xq, xd, xs, t, blocks, amax, qmax)
-        for chunk in T.parallel(chunks):
-            iacc = T.alloc_buffer((planes * tile * lanes,), acc_dtype, scope="local")
-            facc = T.alloc_buffer((tile * ROWS,), "float32", scope="local")
-            for span in range((n + _SPAN - 1) // _SPAN):
-                t1: T.let = T.min(n, span * _SPAN + _SPAN)
-                for g in range(chunk * groups // chunks, (chunk + 1) * groups // chunks):
-                    for tt in range((t1 - span * _SPAN) // tile):
-                        tile_macro(y, xq4, xd, xs, span * _SPAN + tt * tile, tile, g, blocks, N, codes, scales, mins,
-                                   iacc, facc, planes)
-                    if (t1 - span * _SPAN) % tile >= 2:
-                        tile_macro(y, xq4, xd, xs, t1 - (t1 - span * _SPAN) % tile, 2, g, blocks, N, codes, scales,
-                                   mins, iacc, facc, planes)
-                    if (t1 - span * _SPAN) % tile % 2 == 1:
-                        tile_macro(y, xq4, xd, xs, t1 - 1, 1, g, blocks, N, codes, scales, mins, iacc, facc, planes)
+        # with pairs, two parallel loops, so two functions: the few tokens' one keeps its registers (in one function
+        # with the pair tiles, LLVM spilled pointers and constants in the narrow tiles' loops)
+        if paired:
+            if n >= PAIR_TOKENS:
+                for chunk in T.parallel(chunks):
+                    iacc = T.alloc_buffer((planes * tile * lanes,), acc_dtype, scope="local")
+                    facc = T.alloc_buffer((tile * ROWS,), "float32", scope="local")
+                    pacc = T.alloc_buffer((planes * PAIR_TOKENS * _PAIR,), "int32", scope="local")
+                    pfacc = T.alloc_buffer((PAIR_TOKENS * _PAIR,), "float32", scope="local")
+                    for span in range((n + _SPAN - 1) // _SPAN):
+                        t1: T.let = T.min(n, span * _SPAN + _SPAN)
+                        t0: T.let = span * _SPAN + (t1 - span * _SPAN) // PAIR_TOKENS * PAIR_TOKENS
+                        for u in range(chunk * (groups - N // ROWS // 2) // chunks,
+                                       (chunk + 1) * (groups - N // ROWS // 2) // chunks):
+                            if u < N // ROWS // 2:
+                                for tt in range((t1 - span * _SPAN) // PAIR_TOKENS):
+                                    pair_macro(y, xq4, xd, xs, span * _SPAN + tt * PAIR_TOKENS, PAIR_TOKENS, 2 * u,
+                                               blocks, codes, scales, pacc, pfacc, planes)
+                                for h in range(2):
+                                    rest(y, xq4, xd, xs, t0, t1, 2 * u + h, blocks, codes, scales, mins, iacc, facc,
+                                         planes, tile, N)
+                            else:
+                                rest(y, xq4, xd, xs, span * _SPAN, t1, u + N // ROWS // 2, blocks, codes, scales,
+                                     mins, iacc, facc, planes, tile, N)
+            else:
+                groupwise(y, n, xq4, xd, xs, blocks, codes, scales, mins, planes, tile, lanes, acc_dtype, N, groups,
+                          chunks)
+        else:
+            groupwise(y, n, xq4, xd, xs, blocks, codes, scales, mins, planes, tile, lanes, acc_dtype, N, groups,
+                      chunks)
 
     return body
 
@@ -366,7 +448,7 @@ def packed_q8_0_kernel(out_features: int, in_features: int, x_dtype: str = "floa
     N, K, blocks, groups = out_features, in_features, in_features // _QBLOCK, -(-out_features // ROWS)
     chunks = min(_CHUNKS, groups)
     planes, qmax, tile = (1, _QMAX, _TILE) if xbits == 8 else (2, SPLIT_QMAX, _SPLIT_TILE)
-    body = _matmul_body(_tile_q8_vnni)
+    body = _matmul_body(_tile_q8_vnni, _pair_q8_vnni)
 
     @T.prim_func(private=True)
     def packed_q8_0(var_x: T.handle, codes: T.Buffer((groups, blocks, ROWS * _QBLOCK), "uint8"),

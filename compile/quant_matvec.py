@@ -24,6 +24,9 @@ offset comes off the int32 sums (exact), then one FMA per sub-block with ``S x x
 operations are the same, in the same order, whatever its tile (batch invariance). With the VNNI tile, wide tiles of
 8 tokens (Q6_K: 4) come first (``_wide_tile``: one accumulator per plane and token, the codes rebuilt once for 8
 tokens instead of 3, the offset put in the accumulator before the block): the same int32 sums, so the same outputs.
+Where two whole row groups follow each other, the wide tile takes both at once in 512-bit vectors (``_pair_tile``:
+16 rows a vector, so each activation broadcast from memory serves 16 rows instead of 8; row groups then go to the
+parallel chunks in pairs), again with the same int32 sums and the same float operations lane by lane.
 """
 
 from __future__ import annotations
@@ -58,26 +61,55 @@ _CHUNKS = 64
 #: for them all
 WIDE_TILE = 8
 _PSHUFB = "llvm.x86.avx2.pshuf.b"
+_PSHUFB_512 = "llvm.x86.avx512.pshuf.b.512"
+_DPBUSD_512 = "llvm.x86.avx512.vpdpbusd.512"
+_PAIR = 2 * ROWS  # lanes of a pair tile's vectors: two row groups
 _MIN_KINDS = {"none": 0, "block": 1, "super": 2}
 _ARRAYS = ("codes", "high", "d", "sc", "m", "dmin", "mq", "lut")  # every layout's arrays in parameter order
 
 
-def _codes(raw: Any, high: Any, lut: Any, g: Any, b: Any, v: Any, half: int, planes: int, codebook: bool) -> Any:
+def _rows(buf: Any, g: Any, at: list[Any], dtype: str, lanes: int, pair: bool) -> Any:
+    """``buf[g, *at: +lanes]`` as a ``dtype`` vector, or with ``pair`` that of group ``g`` then group ``g + 1``'s
+    (twice the lanes: one 512-bit vector for two row groups)."""
+    one = buf.vload([g, *at], f"{dtype}x{lanes}")
+    if not pair:
+        return one
+    return T.Shuffle([one, buf.vload([g + 1, *at], f"{dtype}x{lanes}")], list(range(2 * lanes)))
+
+
+def _codes(raw: Any, high: Any, lut: Any, g: Any, b: Any, v: Any, half: int, planes: int, codebook: bool,
+           pair: bool = False) -> Any:
     """uint8x32 codes of nibble plane ``p = 2 v + half``: the nibbles plus ``planes`` high bits (``quant_formats``'s
     ``high``: Q5's bit ``p`` of each byte, Q6's bits ``2 k, 2 k + 1`` of vector ``u``, ``p = 4 u + k``, moved to bits
-    4 and 5), or with ``codebook`` the ``lut`` values the nibbles index (``vpshufb``)."""
-    out = T.bitwise_and(raw, T.broadcast(T.uint8(15), 32)) if half == 0 else T.shift_right(
-        raw, T.broadcast(T.uint8(4), 32))
+    4 and 5), or with ``codebook`` the ``lut`` values the nibbles index (``vpshufb``); with ``pair`` uint8x64, row
+    groups ``g`` and ``g + 1`` (``raw`` the two groups' bytes)."""
+    width = 64 if pair else 32
+    if half == 0:
+        out = T.bitwise_and(raw, T.broadcast(T.uint8(15), width))
+    else:  # the 256-bit tiles as before: LLVM's byte shift measured no slower there at one token
+        out = _high_nibbles(raw, width) if pair else T.shift_right(raw, T.broadcast(T.uint8(4), width))
     if planes:  # in 16-bit lanes (x86 has no byte shifts): the mask keeps each byte's own bits
-        words = T.reinterpret("uint16x16", high.vload([g, b, QBLOCK * (v // 2 if planes == 2 else 0)], "uint8x32"))
+        words = T.reinterpret(f"uint16x{width // 2}", _rows(
+            high, g, [b, QBLOCK * (v // 2 if planes == 2 else 0)], "uint8", 32, pair))
         at = 2 * (v % 2 * 2 + half) if planes == 2 else 2 * v + half  # the plane's lowest bit in its byte
-        moved = T.shift_left(T.shift_right(words, T.broadcast(T.Cast("uint16", at), 16)), T.broadcast(T.uint16(4), 16))
-        out = T.bitwise_or(out, T.reinterpret("uint8x32", T.bitwise_and(moved, T.broadcast(
-            T.uint16(0x1010 if planes == 1 else 0x3030), 16))))
+        moved = T.shift_left(T.shift_right(words, T.broadcast(T.Cast("uint16", at), width // 2)),
+                             T.broadcast(T.uint16(4), width // 2))
+        out = T.bitwise_or(out, T.reinterpret(f"uint8x{width}", T.bitwise_and(moved, T.broadcast(
+            T.uint16(0x1010 if planes == 1 else 0x3030), width // 2))))
     if codebook:
         table = T.reinterpret("int8x32", lut.vload([0], "uint8x32"))
-        out = T.reinterpret("uint8x32", _intrin(_PSHUFB, "int8x32", table, T.reinterpret("int8x32", out)))
+        if pair:
+            table = T.Shuffle([table, table], list(range(64)))
+        out = T.reinterpret(f"uint8x{width}", _intrin(_PSHUFB_512 if pair else _PSHUFB, f"int8x{width}", table,
+                                                      T.reinterpret(f"int8x{width}", out)))
     return out
+
+
+def _high_nibbles(raw: Any, width: int = 32) -> Any:
+    """The high nibble of each byte of uint8 vector ``raw``, shifted in 16-bit lanes and masked (x86 has no byte
+    shift: LLVM's byte shift is a ``vgf2p8affineqb``, which issues on the pipes that ``vpdpbusd`` needs)."""
+    return T.bitwise_and(T.reinterpret(f"uint8x{width}", T.shift_right(T.reinterpret(
+        f"uint16x{width // 2}", raw), T.broadcast(T.uint16(4), width // 2))), T.broadcast(T.uint8(15), width))
 
 
 def _nibble(codes: Any, high: int) -> Any:
@@ -87,20 +119,24 @@ def _nibble(codes: Any, high: int) -> Any:
     return T.bitwise_and(codes, T.broadcast(T.uint8(15), 32))
 
 
-def _scale(dd: Any, sc: Any, g: Any, b: Any, h: int, superblock: bool, sc_type: str) -> Any:
-    """float32x8 ``S`` of the 8 rows, block ``b``, sub-block ``h``."""
+def _scale(dd: Any, sc: Any, g: Any, b: Any, h: int, superblock: bool, sc_type: str, pair: bool = False) -> Any:
+    """float32x8 ``S`` of the 8 rows, block ``b``, sub-block ``h`` (``pair``: float32x16, groups ``g`` and
+    ``g + 1``)."""
+    lanes = 2 * ROWS if pair else ROWS
     if not superblock:
-        return T.Cast("float32x8", dd.vload([g, b, 0], "float16x8"))
-    return T.Cast("float32x8", dd.vload([g, b // 8, 0], "float16x8")) * T.Cast(
-        "float32x8", sc.vload([g, b, h * ROWS], f"{sc_type}x8"))
+        return T.Cast(f"float32x{lanes}", _rows(dd, g, [b, 0], "float16", ROWS, pair))
+    return T.Cast(f"float32x{lanes}", _rows(dd, g, [b // 8, 0], "float16", ROWS, pair)) * T.Cast(
+        f"float32x{lanes}", _rows(sc, g, [b, h * ROWS], sc_type, ROWS, pair))
 
 
-def _min(mm: Any, dmin: Any, mq: Any, g: Any, b: Any, kind: int) -> Any:
-    """float32x8 ``M`` of the 8 rows, block ``b`` (``kind`` 1: float16 ``m``; 2: ``-(dmin * mq)``)."""
+def _min(mm: Any, dmin: Any, mq: Any, g: Any, b: Any, kind: int, pair: bool = False) -> Any:
+    """float32x8 ``M`` of the 8 rows, block ``b`` (``kind`` 1: float16 ``m``; 2: ``-(dmin * mq)``; ``pair``:
+    float32x16, groups ``g`` and ``g + 1``)."""
+    lanes = 2 * ROWS if pair else ROWS
     if kind == 1:
-        return T.Cast("float32x8", mm.vload([g, b, 0], "float16x8"))
-    return T.Cast("float32x8", dmin.vload([g, b // 8, 0], "float16x8")) * T.Cast(
-        "float32x8", mq.vload([g, b, 0], "uint8x8")) * T.broadcast(T.float32(-1), ROWS)
+        return T.Cast(f"float32x{lanes}", _rows(mm, g, [b, 0], "float16", ROWS, pair))
+    return T.Cast(f"float32x{lanes}", _rows(dmin, g, [b // 8, 0], "float16", ROWS, pair)) * T.Cast(
+        f"float32x{lanes}", _rows(mq, g, [b, 0], "uint8", ROWS, pair)) * T.broadcast(T.float32(-1), lanes)
 
 
 def _sums(iacc: Any, s: Any, size: int, h: Any, planes: int) -> Any:
@@ -113,24 +149,26 @@ def _sums(iacc: Any, s: Any, size: int, h: Any, planes: int) -> Any:
 
 
 def _block_sum(facc: Any, s: Any, totals: tuple[Any, Any], sv: tuple[Any, Any], xdv: Any, xs: Any, xc: Any,
-               t0: Any, b: Any, off: int, halves: int, min_kind: int, mm: Any, dmin: Any, mq: Any, g: Any) -> Any:
+               t0: Any, b: Any, off: int, halves: int, min_kind: int, mm: Any, dmin: Any, mq: Any, g: Any,
+               pair: bool = False) -> Any:
     """Token ``s``'s accumulator plus block ``b``, from its exact int32 block sums (``totals``: per sub-block with
     two scales a block, else the whole block's and nothing): the offset off the integers, one FMA per sub-block with
     ``S x xd`` (``sv``), one with ``M x xs``. Every tile ends its blocks here, so equal integer sums give a token
-    the same floats in any tile."""
-    acc = facc[T.ramp(s * ROWS, 1, ROWS)]
+    the same floats in any tile (``pair``: 16 lanes, two row groups, the same operations per lane)."""
+    lanes = 2 * ROWS if pair else ROWS
+    acc = facc[T.ramp(s * lanes, 1, lanes)]
+    fl = f"float32x{lanes}"
 
     def less(total: Any, bh: Any) -> Any:  # the offset off the integer sums (already off where ``off`` is 0)
-        return total - T.broadcast(off * xc[t0 + s, bh], ROWS) if off else total
+        return total - T.broadcast(off * xc[t0 + s, bh], lanes) if off else total
 
     if halves == 2:
-        return (acc + T.Cast("float32x8", less(totals[0], b * 2)) * (sv[0] * xdv)
-                + T.Cast("float32x8", less(totals[1], b * 2 + 1)) * (sv[1] * xdv))
+        return (acc + T.Cast(fl, less(totals[0], b * 2)) * (sv[0] * xdv)
+                + T.Cast(fl, less(totals[1], b * 2 + 1)) * (sv[1] * xdv))
     if min_kind == 0:
-        return acc + T.Cast("float32x8", less(totals[0], b)) * (sv[0] * xdv)
-    return (acc + T.Cast("float32x8", totals[0]) * (sv[0] * xdv)
-            + _min(mm, dmin, mq, g, b, min_kind) * T.broadcast(xs[t0 + s, b], ROWS))
-
+        return acc + T.Cast(fl, less(totals[0], b)) * (sv[0] * xdv)
+    return (acc + T.Cast(fl, totals[0]) * (sv[0] * xdv)
+            + _min(mm, dmin, mq, g, b, min_kind, pair) * T.broadcast(xs[t0 + s, b], lanes))
 
 
 @T.macro
@@ -191,16 +229,16 @@ def _offset_sum(xc: Any, t: Any, bh: Any, off: int) -> Any:
     return xc[t, bh] * -off if off else T.int32(0)
 
 
-def _wide_sum(iacc: Any, s: Any, h: int, size: int, planes: int, halves: int) -> Any:
+def _wide_sum(iacc: Any, s: Any, h: int, size: int, planes: int, halves: int, lanes: int = ROWS) -> Any:
     """int32x8 block sums of token ``s`` of a wide tile, sub-block ``h`` (the planes joined; with one scale a block,
-    ``h`` 1 is nothing)."""
+    ``h`` 1 is nothing; ``lanes`` 16: a pair tile's two row groups)."""
     if h >= halves:
         return None
-    at = (s * halves + h) * ROWS
+    at = (s * halves + h) * lanes
     if planes == 1:
-        return iacc[T.ramp(at, 1, ROWS)]
-    return T.shift_left(iacc[T.ramp(at, 1, ROWS)], T.broadcast(T.int32(8), ROWS)) + iacc[
-        T.ramp(at + size * halves * ROWS, 1, ROWS)]
+        return iacc[T.ramp(at, 1, lanes)]
+    return T.shift_left(iacc[T.ramp(at, 1, lanes)], T.broadcast(T.int32(8), lanes)) + iacc[
+        T.ramp(at + size * halves * lanes, 1, lanes)]
 
 
 @T.macro
@@ -237,6 +275,43 @@ def _wide_tile(y, xq4, xd, xs, xc, t0, size, g, blocks, out_features, codes, hig
                 facc, s, (_wide_sum(iacc, s, 0, size, planes, halves), _wide_sum(iacc, s, 1, size, planes, halves)),
                 (sv0, sv1), T.broadcast(xd[t0 + s, b], ROWS), xs, xc, t0, b, 0, halves, min_kind, mm, dmin, mq, g)
     _store(y, facc, t0, size, g, out_features)
+
+
+@T.macro
+def _pair_tile(y, xq4, xd, xs, xc, t0, size, g, blocks, codes, high, dd, sc, mm, dmin, mq, lut, iacc, facc, planes,
+               hb, halves, off, superblock, sc_type, min_kind, codebook):
+    """``_wide_tile`` for the 16 rows of row groups ``g`` and ``g + 1`` (both whole) in 512-bit vectors: lanes 0-7
+    group ``g``'s rows, 8-15 group ``g + 1``'s; each ``vpdpbusd`` takes a token's 4 activation bytes broadcast from
+    memory to 16 rows instead of 8, so a block's loads are about half the 256-bit tile's (on Zen 4 the broadcast
+    loads, two a cycle, were as much a limit as the multiply pipes). The same exact int32 sums and, lane by lane,
+    the same float operations (``_block_sum``), so a row's output is bitwise that of the 8-row tiles."""
+    for s in T.unroll(size):
+        facc[T.ramp(s * _PAIR, 1, _PAIR)] = T.broadcast(T.float32(0), _PAIR)
+    for b in range(blocks):
+        for v in T.unroll(4):
+            raw: T.let = _rows(codes, g, [b, v * 32], "uint8", 32, True)
+            low: T.let = _codes(raw, high, lut, g, b, v, 0, hb, codebook, True)
+            hig: T.let = _codes(raw, high, lut, g, b, v, 1, hb, codebook, True)
+            for p in T.unroll(planes):
+                for s in T.unroll(size):
+                    at: T.let = ((p * size + s) * halves + (v // 2 if halves == 2 else 0)) * _PAIR
+                    iacc[T.ramp(at, 1, _PAIR)] = _intrin(_DPBUSD_512, "int32x16", _intrin(
+                        _DPBUSD_512, "int32x16", T.if_then_else(
+                            v % 2 == 0 if halves == 2 else v == 0, T.broadcast(T.Select(
+                                p == planes - 1, _offset_sum(xc, t0 + s, b * halves + v // 2, off), 0), _PAIR),
+                            iacc[T.ramp(at, 1, _PAIR)]), low, T.reinterpret(
+                            "int8x64", T.broadcast(xq4[p, t0 + s, b * 8 + v * 2], _PAIR))), hig, T.reinterpret(
+                        "int8x64", T.broadcast(xq4[p, t0 + s, b * 8 + v * 2 + 1], _PAIR)))
+        sv0: T.let = _scale(dd, sc, g, b, 0, superblock, sc_type, True)
+        sv1: T.let = _scale(dd, sc, g, b, halves - 1, superblock, sc_type, True)
+        for s in T.unroll(size):
+            facc[T.ramp(s * _PAIR, 1, _PAIR)] = _block_sum(
+                facc, s, (_wide_sum(iacc, s, 0, size, planes, halves, _PAIR),
+                          _wide_sum(iacc, s, 1, size, planes, halves, _PAIR)),
+                (sv0, sv1), T.broadcast(xd[t0 + s, b], _PAIR), xs, xc, t0, b, 0, halves, min_kind, mm, dmin, mq, g,
+                True)
+    for s in T.unroll(size):
+        y[t0 + s, T.ramp(g * ROWS, 1, _PAIR)] = T.Cast(f"{y.dtype}x{_PAIR}", facc[T.ramp(s * _PAIR, 1, _PAIR)])
 
 
 
@@ -286,14 +361,18 @@ def quant_matmul_kernel(layout: QuantLayout, out_features: int, in_features: int
     # past a span where the kernel has none; half as many tokens with two sub-blocks a block (as many accumulators)
     wtile = _wide_span(wide_tokens, layout.halves, vnni)
     N, K, blocks, groups = out_features, in_features, in_features // QBLOCK, -(-out_features // ROWS)
-    chunks = min(_CHUNKS, groups)
     planes, qmax, tile = (1, _QMAX, _TILE) if xbits == 8 else (2, SPLIT_QMAX, _SPLIT_TILE)
     hb, halves, off, superblock = layout.high_planes, layout.halves, layout.offset, layout.superblock
     sc_type, min_kind, codebook = layout.sc_dtype, _MIN_KINDS[layout.min], bool(layout.codebook)
     xc_width = blocks * halves if off else 1
     wide = wtile <= _SPAN
+    # the work in units of two whole row groups (``_pair_tile``, where the kernel has wide tiles), then one each
+    pairs = N // ROWS // 2 if wide else 0
+    units = groups - pairs
+    chunks = min(_CHUNKS, groups)  # some idle in the pair tiles where there are fewer than 64 units
     iacc_len = max(planes * tile * 2, planes * wtile * halves if wide else 0) * ROWS
     facc_len = max(tile, wtile if wide else 0) * ROWS
+    pacc_len, pfacc_len = (planes * wtile * halves * _PAIR, wtile * _PAIR) if pairs else (_PAIR, _PAIR)
 
     @T.macro
     def quantise(x, xq, xd, xs, xc, t, amax):
@@ -305,6 +384,41 @@ def quant_matmul_kernel(layout: QuantLayout, out_features: int, in_features: int
     def narrow(y, xq4, xd, xs, xc, t0, size, g, codes, high, dd, sc, mm, dmin, mq, lut, iacc, facc):
         _tile(y, xq4, xd, xs, xc, t0, size, g, blocks, N, codes, high, dd, sc, mm, dmin, mq, lut, iacc, facc,
               planes, hb, halves, off, superblock, sc_type, min_kind, vnni, codebook)
+
+    @T.macro
+    def rest(y, xq4, xd, xs, xc, t0, t1, g, codes, high, dd, sc, mm, dmin, mq, lut, iacc, facc):
+        """Row group ``g``'s tokens ``t0`` to ``t1`` (those after the wide tiles): tiles of ``tile``, 2 and 1."""
+        for tt in range((t1 - t0) // tile):
+            narrow(y, xq4, xd, xs, xc, t0 + tt * tile, tile, g, codes, high, dd, sc, mm, dmin, mq, lut, iacc, facc)
+        if (t1 - t0) % tile >= 2:
+            narrow(y, xq4, xd, xs, xc, t1 - (t1 - t0) % tile, 2, g, codes, high, dd, sc, mm, dmin, mq, lut, iacc,
+                   facc)
+        if (t1 - t0) % tile % 2 == 1:
+            narrow(y, xq4, xd, xs, xc, t1 - 1, 1, g, codes, high, dd, sc, mm, dmin, mq, lut, iacc, facc)
+
+    @T.macro
+    def spans(y, n, xq4, xd, xs, xc, chunk, codes, high, dd, sc, mm, dmin, mq, lut, iacc, facc, pacc, pfacc):
+        """Chunk ``chunk``'s units, span by span: the wide tiles first (on a pair of row groups where the kernel
+        has pairs), then tiles of ``tile``, 2 and 1 on each group."""
+        for span in range((n + _SPAN - 1) // _SPAN):
+            t1: T.let = T.min(n, span * _SPAN + _SPAN)
+            t0: T.let = span * _SPAN + (t1 - span * _SPAN) // wtile * wtile
+            for u in range(chunk * units // chunks, (chunk + 1) * units // chunks):
+                if u < pairs:
+                    for tt in range((t1 - span * _SPAN) // wtile):
+                        _pair_tile(y, xq4, xd, xs, xc, span * _SPAN + tt * wtile, wtile, 2 * u, blocks, codes, high,
+                                   dd, sc, mm, dmin, mq, lut, pacc, pfacc, planes, hb, halves, off, superblock,
+                                   sc_type, min_kind, codebook)
+                    for h in range(2):
+                        rest(y, xq4, xd, xs, xc, t0, t1, 2 * u + h, codes, high, dd, sc, mm, dmin, mq, lut, iacc,
+                             facc)
+                else:
+                    if wide:
+                        for tt in range((t1 - span * _SPAN) // wtile):
+                            _wide_tile(y, xq4, xd, xs, xc, span * _SPAN + tt * wtile, wtile, u + pairs, blocks, N,
+                                       codes, high, dd, sc, mm, dmin, mq, lut, iacc, facc, planes, hb, halves, off,
+                                       superblock, sc_type, min_kind, codebook)
+                    rest(y, xq4, xd, xs, xc, t0, t1, u + pairs, codes, high, dd, sc, mm, dmin, mq, lut, iacc, facc)
 
     @T.macro
     def body(x, y, n, codes, high, dd, sc, mm, dmin, mq, lut):
@@ -321,27 +435,22 @@ def quant_matmul_kernel(layout: QuantLayout, out_features: int, in_features: int
             amax = T.alloc_buffer((16,), "float32", scope="local")
             for t in range(n):
                 quantise(x, xq, xd, xs, xc, t, amax)
-        for chunk in T.parallel(chunks):
-            iacc = T.alloc_buffer((iacc_len,), "int32", scope="local")
-            facc = T.alloc_buffer((facc_len,), "float32", scope="local")
-            for span in range((n + _SPAN - 1) // _SPAN):
-                t1: T.let = T.min(n, span * _SPAN + _SPAN)
-                # the wide tiles first (where the kernel has them), then tiles of ``tile``, 2 and 1
-                t0: T.let = span * _SPAN + (t1 - span * _SPAN) // wtile * wtile
+        # two parallel loops, so two functions: the few tokens' one keeps its registers (in one function with the
+        # pair tiles, LLVM spilled pointers and constants in its loops: one token 10-20% slower)
+        if n >= wtile:
+            for chunk in T.parallel(chunks):
+                iacc = T.alloc_buffer((iacc_len,), "int32", scope="local")
+                facc = T.alloc_buffer((facc_len,), "float32", scope="local")
+                # the pair tiles' own (16-lane vectors only: LLVM keeps them in registers)
+                pacc = T.alloc_buffer((pacc_len,), "int32", scope="local")
+                pfacc = T.alloc_buffer((pfacc_len,), "float32", scope="local")
+                spans(y, n, xq4, xd, xs, xc, chunk, codes, high, dd, sc, mm, dmin, mq, lut, iacc, facc, pacc, pfacc)
+        else:  # fewer tokens than a wide tile: each chunk's row groups one by one
+            for chunk in T.parallel(chunks):
+                iacc = T.alloc_buffer((iacc_len,), "int32", scope="local")
+                facc = T.alloc_buffer((facc_len,), "float32", scope="local")
                 for g in range(chunk * groups // chunks, (chunk + 1) * groups // chunks):
-                    if wide:
-                        for tt in range((t1 - span * _SPAN) // wtile):
-                            _wide_tile(y, xq4, xd, xs, xc, span * _SPAN + tt * wtile, wtile, g, blocks, N, codes,
-                                       high, dd, sc, mm, dmin, mq, lut, iacc, facc, planes, hb, halves, off,
-                                       superblock, sc_type, min_kind, codebook)
-                    for tt in range((t1 - t0) // tile):
-                        narrow(y, xq4, xd, xs, xc, t0 + tt * tile, tile, g, codes, high, dd, sc, mm, dmin, mq, lut,
-                               iacc, facc)
-                    if (t1 - t0) % tile >= 2:
-                        narrow(y, xq4, xd, xs, xc, t1 - (t1 - t0) % tile, 2, g, codes, high, dd, sc, mm, dmin, mq,
-                               lut, iacc, facc)
-                    if (t1 - t0) % tile % 2 == 1:
-                        narrow(y, xq4, xd, xs, xc, t1 - 1, 1, g, codes, high, dd, sc, mm, dmin, mq, lut, iacc, facc)
+                    rest(y, xq4, xd, xs, xc, 0, n, g, codes, high, dd, sc, mm, dmin, mq, lut, iacc, facc)
 
     _codes_, _high, _d, _sc, _m, _dmin, _mq, _lut = _param_shapes(layout, N, K)
 

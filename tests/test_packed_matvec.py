@@ -226,9 +226,11 @@ def test_packed_q8_0_matches_numpy_on_the_rounded_activations(xbits: int) -> Non
 
 
 @VNNI
-def test_packed_q8_0_rows_do_not_depend_on_the_other_tokens() -> None:
+@pytest.mark.parametrize("n_out", [37, 29])
+def test_packed_q8_0_rows_do_not_depend_on_the_other_tokens(n_out: int) -> None:
+    """37 rows: two pairs of whole row groups (the pair tiles) and 5 rows; 29: one pair, a whole group alone."""
     rng = np.random.default_rng(8)
-    n_out, n_in = 37, 96
+    n_in = 96
     codes, scales, _ = _q8_0(n_out, n_in, rng)
     weights = [tvm.runtime.tensor(a) for a in pack_q8_0(codes, scales).values()]
     run = _build(packed_q8_0_kernel, n_out, n_in)

@@ -162,12 +162,13 @@ def test_vnni_tile_gives_the_avx2_tiles_outputs_bit_for_bit(ggml: str) -> None:
 def test_wide_tile_with_8_bit_codes_and_against_the_kernel_without_it(ggml: str) -> None:
     """The VNNI kernel's wide tiles (8 tokens, Q6_K 4; with 16-bit codes every type's batch invariance above already
     compares them with the narrow tiles bit for bit) with 8-bit codes, and against the kernel without them on the
-    same tokens (of 5 here, Q6_K 2, so that 1-4 tokens run the narrow tiles only and 13 both)."""
+    same tokens (of 5 here, Q6_K 2, so that 1-4 tokens run the narrow tiles only and 13 both). 29 rows: a pair of
+    whole row groups (``_pair_tile``), a third whole group alone (``_wide_tile``) and 5 rows."""
     assert wide_tile(True) and not wide_tile(False)
-    _check_kernel(ggml, 21, True, 8, np.random.default_rng(6))
+    _check_kernel(ggml, 29, True, 8, np.random.default_rng(6))
     tokens = (1, 4, 5, 13, 131)
-    narrow = _check_kernel(ggml, 21, True, 16, np.random.default_rng(7), wide_tokens=0, tokens=tokens)
-    wide = _check_kernel(ggml, 21, True, 16, np.random.default_rng(7), wide_tokens=5, tokens=tokens)
+    narrow = _check_kernel(ggml, 29, True, 16, np.random.default_rng(7), wide_tokens=0, tokens=tokens)
+    wide = _check_kernel(ggml, 29, True, 16, np.random.default_rng(7), wide_tokens=5, tokens=tokens)
     for n in tokens:
         np.testing.assert_array_equal(narrow[n], wide[n], err_msg=f"{ggml}: {n} tokens")
 
