@@ -37,6 +37,9 @@ torch_guard.install()  # TVM imported without torch (seconds saved in each test 
 _threads = cpu_threads.configure()  # TVM's pool one thread per physical core, whatever a test runs first
 if XDIST_WORKER:  # the run's threads shared among its workers: pools of all the cores each would fight over them
     os.environ["TVM_NUM_THREADS"] = str(max(1, _threads // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+    # and so do torch's and numpy's BLAS pools (both read it when first imported, after this): with a pool of every
+    # core in each worker, the transformers integration's tests took 103 s on two processes instead of 16 on one
+    os.environ["OMP_NUM_THREADS"] = os.environ["TVM_NUM_THREADS"]
 os.environ["TMPDIR"] = tempfile.tempdir = os.path.join(RUN_FOLDER, "tmp")
 os.makedirs(tempfile.tempdir, exist_ok=True)
 os.environ["LOGITPROC_CACHE"] = os.environ.get("LOGITPROC_TEST_CACHE") or os.path.join(RUN_FOLDER, "cache")
