@@ -37,6 +37,9 @@ torch_guard.install()  # TVM imported without torch (seconds saved in each test 
 _threads = cpu_threads.configure()  # TVM's pool one thread per physical core, whatever a test runs first
 if XDIST_WORKER:  # the run's threads shared among its workers: pools of all the cores each would fight over them
     os.environ["TVM_NUM_THREADS"] = str(max(1, _threads // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+    # and so do torch's and numpy's BLAS pools (both read it when first imported, after this): with a pool of every
+    # core in each worker, the transformers integration's tests took 103 s on two processes instead of 16 on one
+    os.environ["OMP_NUM_THREADS"] = os.environ["TVM_NUM_THREADS"]
 os.environ["TMPDIR"] = tempfile.tempdir = os.path.join(RUN_FOLDER, "tmp")
 os.makedirs(tempfile.tempdir, exist_ok=True)
 os.environ["LOGITPROC_CACHE"] = os.environ.get("LOGITPROC_TEST_CACHE") or os.path.join(RUN_FOLDER, "cache")
@@ -46,16 +49,19 @@ MATRIX_DEVICES = ("cpu", "vulkan", "cuda")
 _unavailable: dict[str, str] = {}
 #: where the workers of a run on several processes record the devices they could not open (in the run's folder)
 UNAVAILABLE_DEVICES = "unavailable-devices.jsonl"
-#: A session that collects at least this many test modules (the whole suite) compiles its builds in the background
-#: (``prebuild.py``); ``LOGITPROC_TEST_PREBUILD=1`` / ``0`` forces it on / off. On several processes, the first
-#: worker starts it; its process id is in ``PREBUILD_PID`` (in the run's folder) while it runs.
+#: A session that selects tests of at least this many test modules (the whole suite or most of it, with or without
+#: ``-m``/``-k``) compiles in the background the builds its selected tests ask for (``prebuild.py``'s ``BUILDS``, each
+#: with the tests that want it; none at all when none of them is selected); ``LOGITPROC_TEST_PREBUILD=1`` / ``0``
+#: forces it on (for the selected tests' builds) / off. On several processes, the first worker starts it; its process
+#: id is in ``PREBUILD_PID`` (in the run's folder) while it runs.
 PREBUILD_MIN_MODULES = 20
 PREBUILD_PID = "prebuild.pid"
 _prebuild: subprocess.Popen | None = None
 
 
 def pytest_collection_finish(session) -> None:
-    """Start ``prebuild.py`` for a session of the whole suite (its log: ``prebuild.log`` in the run's folder)."""
+    """Start ``prebuild.py`` with the builds the selected tests ask for (its log: ``prebuild.log`` in the run's
+    folder)."""
     global _prebuild
     wanted = os.environ.get("LOGITPROC_TEST_PREBUILD")
     modules = {item.path for item in session.items}
@@ -63,8 +69,13 @@ def pytest_collection_finish(session) -> None:
         return
     if XDIST_WORKER not in (None, "gw0"):
         return
+    from prebuild import wanted_builds
+
+    builds = wanted_builds((item.nodeid, item.fixturenames) for item in session.items)
+    if not builds:
+        return
     log = open(os.path.join(RUN_FOLDER, "prebuild.log"), "w")  # noqa: SIM115 (the child's)
-    _prebuild = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), "prebuild.py")],
+    _prebuild = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), "prebuild.py"), *builds],
                                  stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ),
                                  start_new_session=True)
     log.close()
@@ -133,8 +144,8 @@ SLOW_TESTS: dict[str, str] = {
     "tests/test_device.py::*vulkan]": "[1-2] the same ordering on the CPU",
     "tests/test_kernel_*.py::test_*vulkan*": "[26 to open the device, then 0.1-1 each] the same kernels on the CPU "
         "against the same references (these files)",
-    "tests/test_kernel_log_softmax.py::test_gpu_variant_runs_on_lavapipe": "[33] the same kernel on the CPU (this "
-        "file); the GPU variants' sources in test_library",
+    "tests/test_kernel_*.py::test_*lavapipe*": "[33-43 for the first, which opens the device, then 0.1-1 each] the "
+        "same kernels on the CPU against the same references (these files); the GPU variants' sources in test_library",
     # Ray Serve: a local Ray instance and replica processes per module (15 s to start, 6 s to stop)
     "tests/test_ray_serve.py::*": "[~70] Ray's parts without Ray (test_ray_options, test_ray_metrics, "
         "test_ray_proxy_guard) and the single-process server they must equal (test_server, test_hostile_http)",
@@ -192,6 +203,10 @@ SLOW_TESTS: dict[str, str] = {
     # the same check on a second size or architecture
     "tests/test_library.py::test_cuda_source_has_every_kernel_and_its_ptx_assembles*sm_90*":
         "[4] the same source assembled for sm_80",
+    "tests/test_library.py::test_rocm_code_object_is_an_amdgpu_elf_with_every_kernel*gfx942*":
+        "[0 on a warm cache, 130-160 on a cold one: a build of its own] the same check on gfx90a",
+    "tests/test_library.py::test_rocm_code_object_is_an_amdgpu_elf_with_every_kernel*gfx1100*":
+        "[0 on a warm cache, 130-160 on a cold one] the same check on gfx90a",
     "tests/test_kernel_multinomial.py::test_zero_probability_tokens_are_never_sampled*128001*":
         "[3] the same check on the smaller vocabularies",
     "tests/test_server_tools.py::test_fifty_seeded_samples_at_temperature_one_all_parse_and_validate":
@@ -204,7 +219,10 @@ SLOW_TESTS: dict[str, str] = {
 
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by mark
 def pytest_collection_modifyitems(config, items) -> None:
-    """Mark ``slow`` the tests ``SLOW_TESTS`` names; refuse a pattern that names no test of a file collected."""
+    """Mark ``slow`` the tests ``SLOW_TESTS`` names; refuse a pattern of ``SLOW_TESTS`` or of ``prebuild.BUILDS`` that
+    names no test although every file it could name was collected in full."""
+    from prebuild import BUILDS
+
     matched: set[str] = set()
     for item in items:
         for pattern in SLOW_TESTS:
@@ -214,9 +232,22 @@ def pytest_collection_modifyitems(config, items) -> None:
     # (``-k`` and ``-m`` deselect after this hook; only arguments naming tests in a file collect part of it)
     named = {(config.invocation_params.dir / arg.split("::")[0]).resolve() for arg in config.args if "::" in arg}
     whole = {item.nodeid.split("::")[0] for item in items if item.path.resolve() not in named}
-    stale = [pattern for pattern in SLOW_TESTS if pattern not in matched and pattern.split("::")[0] in whole]
+    test_files = {path.relative_to(config.rootpath).as_posix() for path in config.rootpath.glob("tests/test_*.py")}
+
+    def checkable(pattern: str) -> bool:  # every test file the pattern could name was collected in full
+        files = {path for path in test_files if fnmatch.fnmatchcase(path, pattern.split("::")[0] if "::" in pattern
+                                                                    else "*")}
+        return bool(files) and files <= whole
+
+    stale = [pattern for pattern in SLOW_TESTS if pattern not in matched and checkable(pattern)]
+    stale += [f"{build.name}: {pattern}" for build in BUILDS for pattern in build.tests
+              if checkable(pattern) and not any(fnmatch.fnmatchcase(item.nodeid, pattern) for item in items)]
+    if test_files <= whole:
+        fixtures = {name for item in items for name in item.fixturenames}
+        stale += [f"{build.name}: fixture {name}" for build in BUILDS for name in build.fixtures
+                  if name not in fixtures]
     if stale:
-        raise pytest.UsageError(f"conftest.SLOW_TESTS names no collected test: {stale}")
+        raise pytest.UsageError(f"conftest.SLOW_TESTS or prebuild.BUILDS name no collected test: {stale}")
 
 
 #: ``$LOGITPROC_TEST_RECORD_SKIPS`` names a file to which a run appends the node id of each test it skips (and of each

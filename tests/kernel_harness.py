@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import functools
 import hashlib
 import json
@@ -50,11 +51,12 @@ def cpu_kernel(name: str) -> tvm.runtime.Function:
 
 def built_for_cpu(factory: Callable[..., tvm.tir.PrimFunc], *args: object, **kwargs: object) -> tvm.runtime.Function:
     """``compiled_for_cpu(factory(*args, **kwargs))`` without making the kernel when the cache has it: keyed by the
-    factory's name, its arguments (plain values: their ``repr``), the sources of ``compile/``, ``runtime/`` and
-    ``tir_kernels/`` (where a kernel factory and what it calls live), the CPU target and TVM's version. Making a kernel
-    (TVMScript's parser) takes seconds of its own; a warm cache then costs nothing."""
+    factory's name, its arguments (plain values: their ``repr``), the sources of the factory's module and of every
+    module of the package it imports, directly or not (``package_sources``: a change anywhere else, e.g. in the engine,
+    keeps the cached kernels), the CPU target and TVM's version. Making a kernel (TVMScript's parser) takes seconds of
+    its own; a warm cache then costs nothing."""
     target = resolve_target("cpu").tvm_target()
-    material = json.dumps([tvm.__version__, str(target), _kernel_sources_hash(), factory.__module__,
+    material = json.dumps([tvm.__version__, str(target), _sources_hash(factory.__module__), factory.__module__,
                            factory.__qualname__, repr(args), repr(sorted(kwargs.items()))])
     key = "f" + hashlib.sha256(material.encode()).hexdigest()[:23]
     if key not in _standalone:
@@ -63,13 +65,58 @@ def built_for_cpu(factory: Callable[..., tvm.tir.PrimFunc], *args: object, **kwa
 
 
 @functools.cache
-def _kernel_sources_hash() -> str:
+def _sources_hash(module: str) -> str:
     digest = hashlib.sha256()
-    for folder in ("compile", "runtime", "tir_kernels"):
-        for path in sorted((Path(logitproc.__file__).parent / folder).rglob("*.py")):
-            digest.update(str(path.relative_to(Path(logitproc.__file__).parent)).encode())
-            digest.update(path.read_bytes())
+    for path in package_sources(module):
+        digest.update(path.relative_to(_PACKAGE_ROOT).as_posix().encode())
+        digest.update(path.read_bytes())
     return digest.hexdigest()
+
+
+_PACKAGE_ROOT = Path(logitproc.__file__).parent
+
+
+def package_sources(module: str) -> list[Path]:
+    """The source files of the package module ``module`` (``logitproc.…``) and of every package module it imports,
+    directly or through others, with their packages' ``__init__.py``: whatever code importing and calling ``module``
+    can run. Every import statement of an imported module counts, those inside its functions too; of a package whose
+    submodules only are imported, the statements at its top level (those its import runs)."""
+    found: dict[str, Path] = {}
+    whole: set[str] = set()
+    todo = [(module, True)]
+    while todo:
+        name, all_statements = todo.pop()
+        if name in whole or (name in found and not all_statements):
+            continue
+        path = _module_file(name)
+        if path is None:
+            continue
+        found[name] = path
+        if all_statements:
+            whole.add(name)
+        todo.append((name.rpartition(".")[0], False))
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        tree = ast.parse(path.read_bytes())
+        for node in ast.walk(tree) if all_statements else tree.body:
+            if isinstance(node, ast.Import):
+                todo += [(alias.name, True) for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1]) if node.level else ""
+                base = ".".join(part for part in (base, node.module) if part)
+                for alias in node.names:  # a submodule, or a name the package itself gives
+                    submodule = f"{base}.{alias.name}"
+                    todo += [(submodule, True), (base, False)] if _module_file(submodule) else [(base, True)]
+    return sorted(found.values())
+
+
+def _module_file(name: str) -> Path | None:
+    """The source file of package module ``name`` (``logitproc.…``); None for a name outside the package or none."""
+    if name.split(".")[0] != "logitproc":
+        return None
+    parts = name.split(".")[1:]
+    candidates = [_PACKAGE_ROOT.joinpath(*parts, "__init__.py")]
+    candidates += [_PACKAGE_ROOT.joinpath(*parts[:-1], parts[-1] + ".py")] if parts else []
+    return next((candidate for candidate in candidates if candidate.is_file()), None)
 
 
 def compiled_for_cpu(func: tvm.tir.PrimFunc, target: tvm.target.Target | None = None) -> tvm.runtime.Function:
