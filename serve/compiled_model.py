@@ -198,7 +198,7 @@ class CompiledModel(ModelRunner):
         return _host(logits)
 
     def _prefill(self, seq_ids: list[int], token_ids: list[np.ndarray]) -> np.ndarray:
-        out = np.empty((len(seq_ids), self.vocab_size), np.float32)
+        out: np.ndarray | None = None  # (only when the rows end in different passes)
         done = [0] * len(seq_ids)
         while True:  # passes of at most prefill_chunk_size tokens, each sequence at most once per pass
             budget, rows, batch, pieces = self.prefill_chunk_size, [], [], []
@@ -210,12 +210,14 @@ class CompiledModel(ModelRunner):
                     pieces.append(tokens[done[row]: done[row] + take])
                     budget -= take
             if not rows:
-                return out
+                return out if out is not None else np.empty((len(seq_ids), self.vocab_size), np.float32)
             logits = self._forward(batch, pieces)
             for index, row in enumerate(rows):
                 done[row] += pieces[index].size
             if len(rows) == len(seq_ids) and done == [t.size for t in token_ids]:
                 return logits  # (every row ends in this pass, in order: the forward's own array, no copy)
+            if out is None:
+                out = np.empty((len(seq_ids), self.vocab_size), np.float32)
             for index, row in enumerate(rows):
                 if done[row] == token_ids[row].size:
                     out[row] = logits[index]
