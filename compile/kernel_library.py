@@ -38,6 +38,7 @@ from logitproc.runtime.kernel_library import MANIFEST, MANIFEST_FORMAT, KernelLi
 
 from ..runtime.launch_geometry import FunctionLaunches, describe_functions, lower_split
 from ..runtime.targets import TargetSpec, resolve_target
+from .build_options import pass_context
 from .cache_lock import cache_entry_lock
 from .device_code import capture_rocm_code_objects, compile_cuda, cuda_compiler_available, prepare_rocm_env
 
@@ -48,8 +49,8 @@ __all__ = ["KERNEL_OBJECT", "MANIFEST", "MANIFEST_FORMAT", "KernelLibrary", "bui
 KERNEL_OBJECT = "kernels.o"
 _PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 #: What a kernel build depends on: every kernel source, and the compiler modules that turn them into artifacts.
-_HASHED_SOURCES = ("tir_kernels/*.py", "compile/kernel_library.py", "runtime/targets.py", "compile/device_code.py",
-                   "runtime/launch_geometry.py", "runtime/kernel_abi.py")
+_HASHED_SOURCES = ("tir_kernels/*.py", "compile/kernel_library.py", "compile/build_options.py", "runtime/targets.py",
+                   "compile/device_code.py", "runtime/launch_geometry.py", "runtime/kernel_abi.py")
 
 
 def source_hash() -> str:
@@ -200,11 +201,9 @@ def _build_into(spec: TargetSpec, src_hash: str, out: Path) -> dict[str, Any]:
 
     target = spec.tvm_target()
     module = tvm.IRModule({name: factory(target) for name, factory in KERNEL_FACTORIES.items()})
-    # CSE adds hidden kernel parameters that launchers of raw WGSL/CUDA would have to know about.
-    config = {} if spec.kind == "cpu" else {"tirx.disable_cse_tir": True}
     if spec.kind == "rocm":
         prepare_rocm_env()
-    with tvm.transform.PassContext(opt_level=3, config=config), capture_rocm_code_objects() as code_objects:
+    with pass_context(target), capture_rocm_code_objects() as code_objects:
         executable = tvm.compile(module, target=target)
     (out / "kernels.tir.py").write_text(module.script())
     files = ["kernels.tir.py", *_write_device_artifacts(spec, executable, code_objects, out)]

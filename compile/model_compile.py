@@ -50,6 +50,7 @@ import tvm
 from logitproc.quiet_stderr import filtered_stderr
 
 from ..runtime.targets import TargetSpec, build_features, resolve_target
+from .build_options import pass_context
 from .gguf_model import GGUFModel, load_gguf
 from .gguf_tensors import RawTensors
 from .integer_matvec import has_int8_dot
@@ -266,7 +267,7 @@ def _build_into(source: _Source, model_hash: str, spec: TargetSpec, options: _Op
     mod, param_names = export_llama(llama, target)
     progress(f"exported the Relax module ({time.perf_counter() - step:.1f}s); compiling for {target} ...")
     step = time.perf_counter()
-    with tvm.transform.PassContext(opt_level=3), filtered_stderr():  # TVM's harmless 'Fast mode' warning
+    with pass_context(target), filtered_stderr():  # TVM's harmless 'Fast mode' warning
         executable = tvm.compile(mod, target=target)
     # The logit-processing kernels: the target's kernel library's object code, linked in (compiled once per target).
     executable.export_library(str(out / MODULE_FILE), addons=[str(kernels.artifact(KERNEL_OBJECT))])

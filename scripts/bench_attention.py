@@ -27,11 +27,12 @@ H_Q, H_KV, D, PAGE = 9, 3, 64, 16
 
 
 def compiled(func):
+    from logitproc.compile.build_options import pass_context
     from logitproc.runtime.targets import resolve_target
 
-    with tvm.transform.PassContext(opt_level=3):
-        lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}),
-                          target=resolve_target("cpu").tvm_target())
+    target = resolve_target("cpu").tvm_target()
+    with pass_context(target):
+        lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=target)
     return lib.mod["main"]
 
 

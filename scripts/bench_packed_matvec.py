@@ -32,6 +32,7 @@ import time
 
 import numpy as np
 import tvm
+from logitproc.compile.build_options import pass_context
 from logitproc.compile.linear_kernels import linear_kernel
 from logitproc.compile.packed_matvec import has_vnni, pack_q4_1, pack_q8_0, packed_q4_1_kernel, packed_q8_0_kernel
 from logitproc.compile.quant_formats import LAYOUTS, pack, unpack_gguf
@@ -51,7 +52,7 @@ def vnni_here() -> bool:
 
 def build(func):
     target = resolve_target("cpu").tvm_target()
-    with tvm.transform.PassContext(opt_level=3):
+    with pass_context(target):
         return tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target=target).mod["main"]
 
 

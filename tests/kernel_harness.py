@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import tvm
 from logitproc.compile import build_kernels
+from logitproc.compile.build_options import pass_context
 from logitproc.compile.kernel_library import MANIFEST, build_in_cache, cache_root
 from logitproc.runtime.targets import resolve_target
 from logitproc.tir_kernels import KERNEL_FACTORIES
@@ -52,12 +53,12 @@ def cpu_kernel(name: str) -> tvm.runtime.Function:
 def built_for_cpu(factory: Callable[..., tvm.tir.PrimFunc], *args: object, **kwargs: object) -> tvm.runtime.Function:
     """``compiled_for_cpu(factory(*args, **kwargs))`` without making the kernel when the cache has it: keyed by the
     factory's name, its arguments (plain values: their ``repr``), the sources of the factory's module and of every
-    module of the package it imports, directly or not (``package_sources``: a change anywhere else, e.g. in the engine,
-    keeps the cached kernels), the CPU target and TVM's version. Making a kernel (TVMScript's parser) takes seconds of
-    its own; a warm cache then costs nothing."""
+    module of the package it imports, directly or not (``package_sources``: a change anywhere else, e.g. in the
+    engine, keeps the cached kernels), the build options' sources, the CPU target and TVM's version. Making a kernel
+    (TVMScript's parser) takes seconds of its own; a warm cache then costs nothing."""
     target = resolve_target("cpu").tvm_target()
-    material = json.dumps([tvm.__version__, str(target), _sources_hash(factory.__module__), factory.__module__,
-                           factory.__qualname__, repr(args), repr(sorted(kwargs.items()))])
+    material = json.dumps([tvm.__version__, str(target), _sources_hash(factory.__module__), _options_hash(),
+                           factory.__module__, factory.__qualname__, repr(args), repr(sorted(kwargs.items()))])
     key = "f" + hashlib.sha256(material.encode()).hexdigest()[:23]
     if key not in _standalone:
         _standalone[key] = _build_standalone(key, lambda: factory(*args, **kwargs), target)
@@ -74,6 +75,11 @@ def _sources_hash(module: str) -> str:
 
 
 _PACKAGE_ROOT = Path(logitproc.__file__).parent
+
+
+def _options_hash() -> str:
+    """The sources of the build options (``compile/build_options.py``): a change of the passes rebuilds every kernel."""
+    return _sources_hash(pass_context.__module__)
 
 
 def package_sources(module: str) -> list[Path]:
@@ -120,13 +126,14 @@ def _module_file(name: str) -> Path | None:
 
 
 def compiled_for_cpu(func: tvm.tir.PrimFunc, target: tvm.target.Target | None = None) -> tvm.runtime.Function:
-    """The standalone TIR kernel ``func`` compiled (``opt_level=3``) for ``target`` (this machine's CPU by default), as
-    a callable. Compiled once per kernel into the tests' build cache, keyed by the kernel's whole TVMScript text, the
-    target and TVM's version (what the compiled code depends on), so that a run on a warm cache compiles none of the
-    kernels it has seen and two test processes never compile the same one twice (``build_in_cache``'s lock)."""
+    """The standalone TIR kernel ``func`` compiled (``build_options.pass_context``) for ``target`` (this machine's CPU
+    by default), as a callable. Compiled once per kernel into the tests' build cache, keyed by the kernel's whole
+    TVMScript text, the target, the build options' sources and TVM's version (what the compiled code depends on), so
+    that a run on a warm cache compiles none of the kernels it has seen and two test processes never compile the
+    same one twice (``build_in_cache``'s lock)."""
     target = target or resolve_target("cpu").tvm_target()
     func = func.with_attr("global_symbol", "main")
-    material = json.dumps([tvm.__version__, str(target), func.script()])
+    material = json.dumps([tvm.__version__, str(target), _options_hash(), func.script()])
     key = hashlib.sha256(material.encode()).hexdigest()[:24]
     if key not in _standalone:
         _standalone[key] = _build_standalone(key, lambda: func, target)
@@ -142,7 +149,7 @@ def _build_standalone(key: str, make: Callable[[], tvm.tir.PrimFunc],
 
     def build(out: Path) -> None:
         func = make().with_attr("global_symbol", "main")
-        with tvm.transform.PassContext(opt_level=3):
+        with pass_context(target):
             executable = tvm.compile(tvm.IRModule({"main": func}), target=target)
         executable.export_library(str(out / "kernel.so"))
         (out / MANIFEST).write_text(json.dumps({"tvm_version": tvm.__version__, "target": str(target)}))
