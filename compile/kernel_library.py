@@ -41,6 +41,7 @@ from ..runtime.targets import TargetSpec, resolve_target
 from .build_options import pass_context
 from .cache_lock import cache_entry_lock
 from .device_code import capture_rocm_code_objects, compile_cuda, cuda_compiler_available, prepare_rocm_env
+from .macro_lookup import fast_macro_lookup
 
 __all__ = ["KERNEL_OBJECT", "MANIFEST", "MANIFEST_FORMAT", "KernelLibrary", "build_in_cache", "build_kernels",
            "cache_key", "cache_root", "kernel_entries", "source_hash", "write_manifest"]
@@ -200,7 +201,8 @@ def _build_into(spec: TargetSpec, src_hash: str, out: Path) -> dict[str, Any]:
     from logitproc.tir_kernels import KERNEL_FACTORIES
 
     target = spec.tvm_target()
-    module = tvm.IRModule({name: factory(target) for name, factory in KERNEL_FACTORIES.items()})
+    with fast_macro_lookup():
+        module = tvm.IRModule({name: factory(target) for name, factory in KERNEL_FACTORIES.items()})
     if spec.kind == "rocm":
         prepare_rocm_env()
     with pass_context(target), capture_rocm_code_objects() as code_objects:

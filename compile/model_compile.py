@@ -66,6 +66,7 @@ from .kernel_library import (
     write_manifest,
 )
 from .llama_weights import iter_relax_weights, read_gguf_tensors, save_params
+from .macro_lookup import fast_macro_lookup
 from .packed_matvec import ACTIVATION_BITS, DEFAULT_ACTIVATION_BITS, has_vnni
 from .relax_llama import DEFAULT_KV_DTYPE, KV_DTYPES, LlamaSpec, export_llama
 from .tokenizer_source import ModelTokenizer, from_gguf_file, from_hf_dir, from_model
@@ -264,7 +265,8 @@ def _build_into(source: _Source, model_hash: str, spec: TargetSpec, options: _Op
              f"{kv_dtype} KV cache; context {model.config.context}{_context_note(model.config)}")
 
     step = time.perf_counter()
-    mod, param_names = export_llama(llama, target)
+    with fast_macro_lookup():  # the model's kernels are made as it is exported
+        mod, param_names = export_llama(llama, target)
     progress(f"exported the Relax module ({time.perf_counter() - step:.1f}s); compiling for {target} ...")
     step = time.perf_counter()
     with pass_context(target), filtered_stderr():  # TVM's harmless 'Fast mode' warning

@@ -17,6 +17,7 @@ import tvm
 from logitproc.compile import build_kernels
 from logitproc.compile.build_options import pass_context
 from logitproc.compile.kernel_library import MANIFEST, build_in_cache, cache_root
+from logitproc.compile.macro_lookup import fast_macro_lookup
 from logitproc.runtime.targets import resolve_target
 from logitproc.tir_kernels import KERNEL_FACTORIES
 
@@ -148,7 +149,8 @@ def _build_standalone(key: str, make: Callable[[], tvm.tir.PrimFunc],
     final = cache_root() / STANDALONE_KERNELS / key
 
     def build(out: Path) -> None:
-        func = make().with_attr("global_symbol", "main")
+        with fast_macro_lookup():
+            func = make().with_attr("global_symbol", "main")
         with pass_context(target):
             executable = tvm.compile(tvm.IRModule({"main": func}), target=target)
         executable.export_library(str(out / "kernel.so"))
