@@ -159,6 +159,10 @@ SLOW_TESTS: dict[str, str] = {
     "tests/test_speculative_engine.py::test_smollm2_greedy_answers_are_the_same_with_drafts":
         "[3] greedy equality with drafts on the tiny model (this file)",
     "tests/test_chat_tokens.py::test_forged_turns_stay_text*smollm2*": "[4] the same forgeries on the other templates",
+    "tests/test_chat_tokens.py::test_same_control_tokens_as_transformers_sanitize_control_tokens*smollm2*":
+        "[3-8 to read SmolLM2's GGUF vocabulary] the same comparison on the tiny model's ChatML vocabulary ([tiny])",
+    "tests/test_chat_tokens.py::test_benign_chats_tokenize_exactly_as_the_prompt_text*smollm2*":
+        "[as above] the same chats on the tiny model ([tiny])",
     "tests/test_chat_repl.py::*smollm2*": "[2-4] the REPL and generate on the tiny model",
     "tests/test_model_files.py::test_weights_are_float32_in_the_canonical_layout":
         "[10 to dequantise SmolLM2's weights; the quick tests read the file without them] the families' numpy "
