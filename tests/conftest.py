@@ -346,6 +346,18 @@ def sampler(lib, request):
 
 
 @pytest.fixture(scope="session")
+def deepseek_adapter():
+    """DeepSeek-V3's tokenizer (129,280 tokens, end of sequence 1) as the grammar engines see it, made once per process
+    for the grammar test files (about a second each to read and index its vocabulary; the engines' own tokenizer
+    data is made once per process anyway, ``grammar.get_backend``). Not to be changed by a test."""
+    import material
+    from logitproc.runtime.grammar import TokenizerAdapter
+    from tokenizers import Tokenizer
+
+    return TokenizerAdapter(Tokenizer.from_file(str(material.deepseek_tokenizer_path())), 129280, [1])
+
+
+@pytest.fixture(scope="session")
 def tiny_model_compiled_by_cli() -> subprocess.CompletedProcess:
     """The tiny model compiled once per session by ``logitproc compile --model tiny`` in a subprocess, into the private
     cache where every later subprocess finds it; the finished process (its stderr shows a fresh build's progress,
