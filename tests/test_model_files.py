@@ -25,6 +25,7 @@ from logitproc.compile.model_fetch import (
     fetch_default_model,
     sha256_file,
 )
+from logitproc.compile.tiny_model import make_tiny_model
 from logitproc.serve.chat_template import model_chat_template
 from logitproc.serve.numpy_llama import NumpyLlama
 
@@ -38,6 +39,13 @@ def model_path() -> Path:
 
 @pytest.fixture(scope="module")
 def model(model_path: Path) -> GGUFModel:
+    """The GGUF read without its tensors (its config, vocabulary, template and tensor types; a second)."""
+    return load_gguf(model_path, load_weights=False)
+
+
+@pytest.fixture(scope="module")
+def weighted(model_path: Path) -> GGUFModel:
+    """The GGUF read with its weights dequantised to float32 (about 10 s here: for the ``slow`` tests only)."""
     return load_gguf(model_path)
 
 
@@ -47,8 +55,8 @@ def tokenizer(model: GGUFModel):
 
 
 @pytest.fixture(scope="module")
-def llama(model: GGUFModel) -> NumpyLlama:
-    return NumpyLlama(model)
+def llama(weighted: GGUFModel) -> NumpyLlama:
+    return NumpyLlama(weighted)
 
 
 def _no_pip(dest: Path) -> subprocess.CompletedProcess[str]:
@@ -142,11 +150,15 @@ def test_config_matches_the_model_card(model: GGUFModel) -> None:
     assert type(cfg.rope_theta) is float and type(cfg.rms_eps) is float and type(cfg.n_layers) is int
     assert "<|im_start|>" in cfg.chat_template
     assert model.tensor_types["token_embd.weight"] == "Q8_0" and model.tensor_types["blk.0.attn_q.weight"] == "Q4_1"
-    assert model.weights["token_embd.weight"].shape == (49152, 576)
-    assert model.weights["blk.0.attn_k.weight"].shape == (192, 576)
-    assert model.weights["blk.0.ffn_down.weight"].shape == (576, 1536)
-    assert all(w.dtype == np.float32 and w.flags.c_contiguous for w in model.weights.values())
-    assert len(model.weights) == 272 and "output.weight" not in model.weights
+    assert len(model.tensor_types) == 272 and "output.weight" not in model.tensor_types
+
+
+def test_weights_are_float32_in_the_canonical_layout(weighted: GGUFModel) -> None:
+    assert weighted.weights["token_embd.weight"].shape == (49152, 576)
+    assert weighted.weights["blk.0.attn_k.weight"].shape == (192, 576)
+    assert weighted.weights["blk.0.ffn_down.weight"].shape == (576, 1536)
+    assert all(w.dtype == np.float32 and w.flags.c_contiguous for w in weighted.weights.values())
+    assert len(weighted.weights) == 272 and "output.weight" not in weighted.weights
 
 
 # ---------------------------------------------------------------- tokenizer and chat template
@@ -216,6 +228,8 @@ def test_chat_template_matches_the_gguf_jinja_template(
 
 
 # ---------------------------------------------------------------- numpy reference model
+# (SmolLM2's runs are ``slow``, conftest.SLOW_TESTS: its weights dequantised first; the cache's property on the tiny
+# model is quick)
 
 
 def test_greedy_answer_names_paris(model: GGUFModel, tokenizer, llama: NumpyLlama) -> None:
@@ -226,16 +240,27 @@ def test_greedy_answer_names_paris(model: GGUFModel, tokenizer, llama: NumpyLlam
     assert llama.position == len(prompt_ids) + len(answer_ids) - 1
 
 
-def test_prefill_equals_prefill_plus_decode(model: GGUFModel, tokenizer, llama: NumpyLlama) -> None:
-    ids = tokenizer.encode(model_chat_template(model).render(QUESTION)).ids
+def _prefill_equals_prefill_plus_decode(llama: NumpyLlama, ids: list[int], vocab: int, atol: float) -> None:
+    """The logits after ``ids`` in one prefill, a prefill then a decode step, a prefill then an extension."""
     full = llama.prefill(ids)
-    assert full.shape == (model.config.vocab,) and full.dtype == np.float32
+    assert full.shape == (vocab,) and full.dtype == np.float32
     llama.prefill(ids[:-1])
     stepped = llama.decode(ids[-1])
-    np.testing.assert_allclose(stepped, full, rtol=0, atol=3e-4)  # logits up to ~35; 6.5e-5 measured
+    np.testing.assert_allclose(stepped, full, rtol=0, atol=atol)
     llama.prefill(ids[:10])
     chunked = llama.extend(ids[10:])
-    np.testing.assert_allclose(chunked, full, rtol=0, atol=3e-4)
+    np.testing.assert_allclose(chunked, full, rtol=0, atol=atol)
     assert llama.position == len(ids)
     llama.reset()
     assert llama.position == 0
+
+
+def test_prefill_equals_prefill_plus_decode(model: GGUFModel, tokenizer, llama: NumpyLlama) -> None:
+    ids = tokenizer.encode(model_chat_template(model).render(QUESTION)).ids
+    _prefill_equals_prefill_plus_decode(llama, ids, model.config.vocab, 3e-4)  # logits up to ~35; 6.5e-5 measured
+
+
+def test_prefill_equals_prefill_plus_decode_on_the_tiny_model() -> None:
+    tiny = make_tiny_model()
+    ids = [int(i) for i in np.random.default_rng(0).integers(3, tiny.config.vocab, 40)]
+    _prefill_equals_prefill_plus_decode(NumpyLlama(tiny), ids, tiny.config.vocab, 1e-5)

