@@ -371,6 +371,9 @@ class AnswerParser:
             return True
         if opener.startswith(stripped):
             return False
-        self._add_content(delta, stripped)  # text after the calls (not written under the call grammar)
+        # text after the calls (not written under the call grammar): it and everything after it is content, as the
+        # whole answer parsed at once would give (a later piece's leading whitespace is kept)
+        self._add_content(delta, stripped)
         self._buffer = ""
+        self._phase = _Phase.AFTER_CALLS
         return False

@@ -15,7 +15,7 @@ import jsonschema
 import material
 import openai
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from json_layouts import layout_of
 from logitproc.serve.answer_parser import AnswerParser
@@ -528,6 +528,9 @@ def _split(parser: AnswerParser, text: str, cuts: list[int]) -> tuple[str, str, 
 
 
 @settings(max_examples=300, deadline=None)
+@example(pieces=["<tool_call>"] * 4 + ["[TOOL_CALLS]", "f[ARGS]", "[TOOL_CALLS][", '{"name": "f", "arguments": '],
+         cuts=[89], syntax=CallSyntax.MISTRAL_ARGS, thinking=False, inside=False, mistral=False)  # text after a call,
+# cut before a space: the space was dropped (each later piece's leading whitespace was stripped)
 @given(st.lists(st.sampled_from(PIECES), max_size=40), st.lists(st.integers(0, 400), max_size=12),
        st.sampled_from([*CallSyntax, None]), st.booleans(), st.booleans(), st.booleans())
 def test_any_text_cut_anywhere_splits_as_the_whole_text(pieces, cuts, syntax, thinking, inside, mistral) -> None:
