@@ -4,12 +4,12 @@ token count, activations quantised once per call, integer dot products 8 rows to
 
 The activations are quantised exactly as for packed Q4_1 (``packed_matvec.quantise_activations``: per token and
 block of 32, ``xd``, codes ``xq`` of 16 bits as two int8 planes by default, ``xs = xd * sum(xq)``), plus, for types
-with an offset, the codes' integer sums ``xc[t, b h]`` per scale's sub-block (32 weights; Q6_K 16). Then, with the
-weights ``W = S * (q - off) + M`` (``quant_formats``)::
+with an offset, ``-off`` times the codes' integer sums, ``xc[t, b h]``, per scale's sub-block (32 weights; Q6_K 16).
+Then, with the weights ``W = S * (q - off) + M`` (``quant_formats``)::
 
     for t in range(n):
         for o in range(N):                                   # o = 8 g + r
-            y[t, o] = sum_b sum_h S[o, b, h] * xd[t, b] * (sum_j q[o, 32 b + j] * xq[t, 32 b + j] - off * xc[t, b h])
+            y[t, o] = sum_b sum_h S[o, b, h] * xd[t, b] * (sum_j q[o, 32 b + j] * xq[t, 32 b + j] + xc[t, b h])
                             + M[o, b] * xs[t, b]             # j over sub-block h (h < 2 for Q6_K, else 1)
 
 Per row group, block and nibble-plane vector: the codes are rebuilt from the low nibbles and the high-bit planes
@@ -26,7 +26,8 @@ operations are the same, in the same order, whatever its tile (batch invariance)
 tokens instead of 3, the offset put in the accumulator before the block): the same int32 sums, so the same outputs.
 Where two whole row groups follow each other, the wide tile takes both at once in 512-bit vectors (``_pair_tile``:
 16 rows a vector, so each activation broadcast from memory serves 16 rows instead of 8; row groups then go to the
-parallel chunks in pairs), again with the same int32 sums and the same float operations lane by lane.
+parallel chunks in pairs), again with the same int32 sums and the same float operations lane by lane; Q6_K's pair
+tiles take 8 tokens, a block's two sub-blocks one after the other through the same accumulators (``serial``).
 """
 
 from __future__ import annotations
@@ -160,7 +161,7 @@ def _block_sum(facc: Any, s: Any, totals: tuple[Any, Any], sv: tuple[Any, Any], 
     fl = f"float32x{lanes}"
 
     def less(total: Any, bh: Any) -> Any:  # the offset off the integer sums (already off where ``off`` is 0)
-        return total - T.broadcast(off * xc[t0 + s, bh], lanes) if off else total
+        return total + T.broadcast(xc[t0 + s, bh], lanes) if off else total
 
     if halves == 2:
         return (acc + T.Cast(fl, less(totals[0], b * 2)) * (sv[0] * xdv)
@@ -225,8 +226,8 @@ def _tile(y, xq4, xd, xs, xc, t0, size, g, blocks, out_features, codes, high, dd
 
 
 def _offset_sum(xc: Any, t: Any, bh: Any, off: int) -> Any:
-    """int32 ``-off x`` token ``t``'s code sum over sub-block ``bh`` (0 without an offset)."""
-    return xc[t, bh] * -off if off else T.int32(0)
+    """int32 ``-off x`` token ``t``'s code sum over sub-block ``bh`` (``xc``; 0 without an offset)."""
+    return xc[t, bh] if off else T.int32(0)
 
 
 def _wide_sum(iacc: Any, s: Any, h: int, size: int, planes: int, halves: int, lanes: int = ROWS) -> Any:
@@ -278,42 +279,63 @@ def _wide_tile(y, xq4, xd, xs, xc, t0, size, g, blocks, out_features, codes, hig
 
 
 @T.macro
+def _pair_vector(xq4, xc, t0, size, g, b, v, codes, high, lut, iacc, planes, hb, halves, off, codebook, first, bh):
+    """A pair tile's ``vpdpbusd``s for vector ``v`` of block ``b``: its codes rebuilt once, then per activation
+    plane and token the low and the high nibbles' products into the token's accumulator for the vector's
+    sub-block (``halves`` accumulators a token), which the ``first`` vector of a sub-block starts from the low
+    plane's ``-off x`` code sum of sub-block ``bh`` (0 for the high plane)."""
+    raw: T.let = _rows(codes, g, [b, v * 32], "uint8", 32, True)
+    low: T.let = _codes(raw, high, lut, g, b, v, 0, hb, codebook, True)
+    hig: T.let = _codes(raw, high, lut, g, b, v, 1, hb, codebook, True)
+    for p in T.unroll(planes):
+        for s in T.unroll(size):
+            at: T.let = ((p * size + s) * halves + (v // 2 if halves == 2 else 0)) * _PAIR
+            iacc[T.ramp(at, 1, _PAIR)] = _intrin(_DPBUSD_512, "int32x16", _intrin(
+                _DPBUSD_512, "int32x16", T.if_then_else(
+                    first, T.broadcast(T.Select(p == planes - 1, _offset_sum(xc, t0 + s, bh, off), 0), _PAIR),
+                    iacc[T.ramp(at, 1, _PAIR)]), low, T.reinterpret(
+                    "int8x64", T.broadcast(xq4[p, t0 + s, b * 8 + v * 2], _PAIR))), hig, T.reinterpret(
+                "int8x64", T.broadcast(xq4[p, t0 + s, b * 8 + v * 2 + 1], _PAIR)))
+
+
+@T.macro
 def _pair_tile(y, xq4, xd, xs, xc, t0, size, g, blocks, codes, high, dd, sc, mm, dmin, mq, lut, iacc, facc, planes,
-               hb, halves, off, superblock, sc_type, min_kind, codebook):
+               hb, halves, off, superblock, sc_type, min_kind, codebook, serial):
     """``_wide_tile`` for the 16 rows of row groups ``g`` and ``g + 1`` (both whole) in 512-bit vectors: lanes 0-7
     group ``g``'s rows, 8-15 group ``g + 1``'s; each ``vpdpbusd`` takes a token's 4 activation bytes broadcast from
     memory to 16 rows instead of 8, so a block's loads are about half the 256-bit tile's (on Zen 4 the broadcast
     loads, two a cycle, were as much a limit as the multiply pipes). The same exact int32 sums and, lane by lane,
-    the same float operations (``_block_sum``), so a row's output is bitwise that of the 8-row tiles."""
+    the same float operations (``_block_sum``), so a row's output is bitwise that of the 8-row tiles. ``serial``
+    (two scales a block: Q6_K): the block's sub-blocks one after the other through the same accumulators, each
+    added to the float sums as it ends (the same two additions in the same order as ``_block_sum``'s), so that
+    the tile holds twice the tokens and each vector's codes are rebuilt once for all of them."""
     for s in T.unroll(size):
         facc[T.ramp(s * _PAIR, 1, _PAIR)] = T.broadcast(T.float32(0), _PAIR)
     for b in range(blocks):
-        for v in T.unroll(4):
-            raw: T.let = _rows(codes, g, [b, v * 32], "uint8", 32, True)
-            low: T.let = _codes(raw, high, lut, g, b, v, 0, hb, codebook, True)
-            hig: T.let = _codes(raw, high, lut, g, b, v, 1, hb, codebook, True)
-            for p in T.unroll(planes):
+        if serial:
+            for h in T.unroll(2):
+                for vv in T.unroll(2):
+                    _pair_vector(xq4, xc, t0, size, g, b, 2 * h + vv, codes, high, lut, iacc, planes, hb, 1, off,
+                                 codebook, vv == 0, b * 2 + h)
+                sv: T.let = _scale(dd, sc, g, b, h, superblock, sc_type, True)
                 for s in T.unroll(size):
-                    at: T.let = ((p * size + s) * halves + (v // 2 if halves == 2 else 0)) * _PAIR
-                    iacc[T.ramp(at, 1, _PAIR)] = _intrin(_DPBUSD_512, "int32x16", _intrin(
-                        _DPBUSD_512, "int32x16", T.if_then_else(
-                            v % 2 == 0 if halves == 2 else v == 0, T.broadcast(T.Select(
-                                p == planes - 1, _offset_sum(xc, t0 + s, b * halves + v // 2, off), 0), _PAIR),
-                            iacc[T.ramp(at, 1, _PAIR)]), low, T.reinterpret(
-                            "int8x64", T.broadcast(xq4[p, t0 + s, b * 8 + v * 2], _PAIR))), hig, T.reinterpret(
-                        "int8x64", T.broadcast(xq4[p, t0 + s, b * 8 + v * 2 + 1], _PAIR)))
-        sv0: T.let = _scale(dd, sc, g, b, 0, superblock, sc_type, True)
-        sv1: T.let = _scale(dd, sc, g, b, halves - 1, superblock, sc_type, True)
-        for s in T.unroll(size):
-            facc[T.ramp(s * _PAIR, 1, _PAIR)] = _block_sum(
-                facc, s, (_wide_sum(iacc, s, 0, size, planes, halves, _PAIR),
-                          _wide_sum(iacc, s, 1, size, planes, halves, _PAIR)),
-                (sv0, sv1), T.broadcast(xd[t0 + s, b], _PAIR), xs, xc, t0, b, 0, halves, min_kind, mm, dmin, mq, g,
-                True)
+                    facc[T.ramp(s * _PAIR, 1, _PAIR)] = facc[T.ramp(s * _PAIR, 1, _PAIR)] + T.Cast(
+                        f"float32x{_PAIR}", _wide_sum(iacc, s, 0, size, planes, 1, _PAIR)) * (
+                        sv * T.broadcast(xd[t0 + s, b], _PAIR))
+        else:
+            for v in T.unroll(4):
+                _pair_vector(xq4, xc, t0, size, g, b, v, codes, high, lut, iacc, planes, hb, halves, off, codebook,
+                             v % 2 == 0 if halves == 2 else v == 0, b * halves + v // 2)
+            sv0: T.let = _scale(dd, sc, g, b, 0, superblock, sc_type, True)
+            sv1: T.let = _scale(dd, sc, g, b, halves - 1, superblock, sc_type, True)
+            for s in T.unroll(size):
+                facc[T.ramp(s * _PAIR, 1, _PAIR)] = _block_sum(
+                    facc, s, (_wide_sum(iacc, s, 0, size, planes, halves, _PAIR),
+                              _wide_sum(iacc, s, 1, size, planes, halves, _PAIR)),
+                    (sv0, sv1), T.broadcast(xd[t0 + s, b], _PAIR), xs, xc, t0, b, 0, halves, min_kind, mm, dmin, mq,
+                    g, True)
     for s in T.unroll(size):
         y[t0 + s, T.ramp(g * ROWS, 1, _PAIR)] = T.Cast(f"{y.dtype}x{_PAIR}", facc[T.ramp(s * _PAIR, 1, _PAIR)])
-
-
 
 
 def wide_tile(vnni: bool) -> bool:
@@ -330,8 +352,10 @@ def _wide_span(wide_tokens: int, halves: int, vnni: bool) -> int:
 
 
 @T.macro
-def _code_sums(xq, xc, t, blocks, halves, planes):
-    """``xc[t, b h]``: token ``t``'s integer codes summed per sub-block (32 / ``halves`` codes)."""
+def _code_sums(xq, xc, t, blocks, halves, planes, off):
+    """``xc[t, b h]``: ``-off x`` token ``t``'s integer codes summed per sub-block (32 / ``halves`` codes): what
+    the offset takes off the sub-block's integer sums, ready to be broadcast from memory (no integer work per
+    tile and token)."""
     for bh in range(blocks * halves):
         xc[t, bh] = 0
         for j in range(QBLOCK // halves):
@@ -340,6 +364,7 @@ def _code_sums(xq, xc, t, blocks, halves, planes):
             else:
                 xc[t, bh] = xc[t, bh] + T.Cast("int32", xq[0, t, bh * (QBLOCK // halves) + j]) * 256 + T.Cast(
                     "int32", xq[1, t, bh * (QBLOCK // halves) + j])
+        xc[t, bh] = xc[t, bh] * -off
 
 
 def _validate(layout: QuantLayout, out_features: int, in_features: int, x_dtype: str, y_dtype: str,
@@ -351,11 +376,14 @@ def _validate(layout: QuantLayout, out_features: int, in_features: int, x_dtype:
 @functools.cache
 def quant_matmul_kernel(layout: QuantLayout, out_features: int, in_features: int, x_dtype: str = "float32",
                         y_dtype: str = "float32", xbits: int = DEFAULT_ACTIVATION_BITS,
-                        vnni: bool = False, wide_tokens: int = WIDE_TILE) -> tirx.PrimFunc:
+                        vnni: bool = False, wide_tokens: int = WIDE_TILE,
+                        serial_pairs: bool = True) -> tirx.PrimFunc:
     """``y[t, o] = sum_k x[t, k] * W[o, k]`` (module doc) for ``x[n, K]`` of ``x_dtype`` and ``y[n, N]`` of
     ``y_dtype`` (float32 or float16); parameters ``x``, the packed arrays (``layout.shapes``), ``y``. ``xbits``:
     the activation codes' bits (8 or 16); ``vnni``: the AVX512-VNNI tile (else AVX2; the same outputs);
     ``wide_tokens``: the tokens of a ``_wide_tile`` where the kernel has them (``wide_tile``; 0: none; the same
+    outputs); ``serial_pairs``: with two scales a block (Q6_K), pair tiles of ``wide_tokens`` tokens taking a
+    block's sub-blocks one after the other (``_pair_tile``'s ``serial``) instead of half as many tokens (the same
     outputs)."""
     _validate(layout, out_features, in_features, x_dtype, y_dtype, xbits)
     # past a span where the kernel has none; half as many tokens with two sub-blocks a block (as many accumulators)
@@ -372,13 +400,17 @@ def quant_matmul_kernel(layout: QuantLayout, out_features: int, in_features: int
     chunks = min(_CHUNKS, groups)  # some idle in the pair tiles where there are fewer than 64 units
     iacc_len = max(planes * tile * 2, planes * wtile * halves if wide else 0) * ROWS
     facc_len = max(tile, wtile if wide else 0) * ROWS
-    pacc_len, pfacc_len = (planes * wtile * halves * _PAIR, wtile * _PAIR) if pairs else (_PAIR, _PAIR)
+    # a pair tile's tokens: twice the wide tile's where the sub-blocks go one after the other (then as many
+    # accumulators), then at most one tile of ``wtile`` side by side
+    serial = serial_pairs and halves == 2 and pairs > 0
+    ptile = 2 * wtile if serial else wtile
+    pacc_len, pfacc_len = (planes * wtile * halves * _PAIR, ptile * _PAIR) if pairs else (_PAIR, _PAIR)
 
     @T.macro
     def quantise(x, xq, xd, xs, xc, t, amax):
         _quantise(x, xq, xd, xs, t, blocks, amax, qmax)
         if off != 0:
-            _code_sums(xq, xc, t, blocks, halves, planes)
+            _code_sums(xq, xc, t, blocks, halves, planes, off)
 
     @T.macro
     def narrow(y, xq4, xd, xs, xc, t0, size, g, codes, high, dd, sc, mm, dmin, mq, lut, iacc, facc):
@@ -405,10 +437,15 @@ def quant_matmul_kernel(layout: QuantLayout, out_features: int, in_features: int
             t0: T.let = span * _SPAN + (t1 - span * _SPAN) // wtile * wtile
             for u in range(chunk * units // chunks, (chunk + 1) * units // chunks):
                 if u < pairs:
-                    for tt in range((t1 - span * _SPAN) // wtile):
-                        _pair_tile(y, xq4, xd, xs, xc, span * _SPAN + tt * wtile, wtile, 2 * u, blocks, codes, high,
+                    for tt in range((t1 - span * _SPAN) // ptile):
+                        _pair_tile(y, xq4, xd, xs, xc, span * _SPAN + tt * ptile, ptile, 2 * u, blocks, codes, high,
                                    dd, sc, mm, dmin, mq, lut, pacc, pfacc, planes, hb, halves, off, superblock,
-                                   sc_type, min_kind, codebook)
+                                   sc_type, min_kind, codebook, serial)
+                    if serial:
+                        if (t1 - span * _SPAN) % ptile >= wtile:
+                            _pair_tile(y, xq4, xd, xs, xc, t0 - wtile, wtile, 2 * u, blocks, codes, high, dd, sc, mm,
+                                       dmin, mq, lut, pacc, pfacc, planes, hb, halves, off, superblock, sc_type,
+                                       min_kind, codebook, False)
                     for h in range(2):
                         rest(y, xq4, xd, xs, xc, t0, t1, 2 * u + h, codes, high, dd, sc, mm, dmin, mq, lut, iacc,
                              facc)

@@ -173,6 +173,31 @@ def test_wide_tile_with_8_bit_codes_and_against_the_kernel_without_it(ggml: str)
         np.testing.assert_array_equal(narrow[n], wide[n], err_msg=f"{ggml}: {n} tokens")
 
 
+@needs_avx2
+@pytest.mark.skipif(not has_vnni(FEATURES), reason="no AVX512-VNNI")
+@pytest.mark.parametrize("n_out", [29, 40])
+def test_q6_k_pair_tiles_with_the_sub_blocks_in_turn_give_the_same_outputs(n_out: int) -> None:
+    """Q6_K's pair tiles of 8 tokens taking a block's two sub-blocks one after the other (``serial_pairs``, the
+    default) against pair tiles of 4 taking them side by side: bit for bit, at token counts with a leftover tile
+    of 4 (4, 12, 13), without (8, 9, 131) and below a tile (3). 29 rows: a pair, a group alone and 5 rows; 40: two
+    pairs and a group."""
+    tokens = (3, 4, 8, 9, 12, 13, 131)
+    layout, rng = LAYOUTS["Q6_K"], np.random.default_rng(8)
+    raw = random_blocks("Q6_K", n_out, 512, rng)
+    arrays = [tvm.runtime.tensor(a) for a in pack(layout, unpack_gguf(layout, raw)).values()]
+    x = tvm.runtime.tensor(rng.standard_normal((max(tokens), 512)).astype(np.float32))
+    outs = {}
+    for serial in (True, False):
+        run = _build(quant_matmul_kernel, layout, n_out, 512, vnni=True, serial_pairs=serial)
+        for n in tokens:
+            y = tvm.runtime.tensor(np.full((n, n_out), np.nan, np.float32))
+            run(tvm.runtime.tensor(x.numpy()[:n]), *arrays, y)
+            outs[serial, n] = y.numpy()
+    for n in tokens:
+        np.testing.assert_array_equal(outs[True, n].view(np.uint32), outs[False, n].view(np.uint32), err_msg=f"{n}")
+        np.testing.assert_array_equal(outs[True, n], outs[True, max(tokens)][:n], err_msg=f"{n} tokens")
+
+
 @pytest.mark.parametrize("ggml", list(LAYOUTS))
 def test_lookup_gives_the_dequantised_rows_exactly(ggml: str) -> None:
     rng = np.random.default_rng(5)
