@@ -118,6 +118,10 @@ def pytest_sessionfinish(session, exitstatus) -> None:
 #: in a test file (``@pytest.mark.slow``) count too. A pattern that matches no test of a file collected in full is an
 #: error (a renamed test must not drop out of this table unnoticed).
 SLOW_TESTS: dict[str, str] = {
+    "tests/test_build_options.py::test_kernel_built_with_the_pass_gives_the_same_bits[[]renormalize_probs[]]":
+        "[7: built again with TVM's default passes] the same check on top_n (this file)",
+    "tests/test_build_options.py::test_kernel_built_with_the_pass_gives_the_same_bits[[]softmax_with_temperature[]]":
+        "[4] the same check on top_n (this file)",
     # models compiled for one comparison with transformers or llama.cpp (a build or a 10k-token reference each)
     "tests/test_context_and_windows.py::test_longrope_long_context_compiled_matches_transformers":
         "[42] Phi-3's LongRoPE compiled: test_model_families' phi3 GGUF build (LongRoPE 128 in 512) and the numpy "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 from logitproc.compile.decode_attention import decode_attention_kernel
 from logitproc.compile.macro_lookup import fast_macro_lookup
 from tvm.script import tirx as T
@@ -30,11 +31,18 @@ def small_kernel(scale: float):
 
 
 def test_kernels_are_the_same_script_as_with_tvms_lookup() -> None:
-    slow = [small_kernel(2.0).script(), decode_attention_kernel(3, 9, 64, "q8_0").script()]
+    slow = small_kernel(2.0).script()
     with fast_macro_lookup():
-        fast = [small_kernel(2.0).script(), decode_attention_kernel(3, 9, 64, "q8_0").script()]
+        fast = small_kernel(2.0).script()
     assert fast == slow
-    assert "2.0" in fast[0]
+    assert "2.0" in fast
+
+
+@pytest.mark.slow  # 3 s of TVM's own lookup: the small kernel above keeps the property in the quick set
+def test_an_attention_kernel_is_the_same_script_as_with_tvms_lookup() -> None:
+    slow = decode_attention_kernel(3, 9, 64, "q8_0").script()
+    with fast_macro_lookup():
+        assert decode_attention_kernel(3, 9, 64, "q8_0").script() == slow
 
 
 def test_nested_and_concurrent_entries_make_the_same_kernels() -> None:
