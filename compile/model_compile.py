@@ -318,7 +318,7 @@ def _context_note(config: Any) -> str:
 def _kernel_library(spec: TargetSpec, progress: Progress, *, cache: bool) -> KernelLibrary:
     """The target's kernel library (``build_kernels``: built once per target and kernel sources, then cached)."""
     step = time.perf_counter()
-    progress(f"kernel library for {spec.kind} (built on first use: about a minute) ...")
+    progress(f"kernel library for {spec.kind} (built on first use: 10-30 s) ...")
     library = build_kernels(spec, cache=cache)
     progress(f"kernel library {library.directory} ({time.perf_counter() - step:.1f}s)")
     return library
