@@ -305,6 +305,7 @@ def block_top_macro(threads: int, uniform_loops: bool, cap: int):
         lst_v = T.alloc_buffer((cap,), "float32", scope="shared")
         lst_i = T.alloc_buffer((cap,), "int32", scope="shared")
         mine = T.alloc_buffer((1,), "float32", scope="local")
+        xv = T.alloc_buffer((1,), "float32", scope="local")  # the value read (a register, not a T.let: see _pick_gpu)
         t = T.alloc_buffer((1,), "float32", scope="local")
         cnt = T.alloc_buffer((2,), "int32", scope="local")  # this segment: above t, equal to t
         run = T.alloc_buffer((2,), "int32", scope="local")  # the row before the current value: above t, equal
@@ -333,9 +334,9 @@ def block_top_macro(threads: int, uniform_loops: bool, cap: int):
         cnt[0] = 0
         cnt[1] = 0
         for i in range(size):
-            x: T.let = value(begin + i)
-            cnt[0] = cnt[0] + T.Select(x > t[0], 1, 0)
-            cnt[1] = cnt[1] + T.Select(x == t[0], 1, 0)
+            xv[0] = value(begin + i)
+            cnt[0] = cnt[0] + T.Select(xv[0] > t[0], 1, 0)
+            cnt[1] = cnt[1] + T.Select(xv[0] == t[0], 1, 0)
         g_off[tx] = cnt[0]
         e_off[tx] = cnt[1]
         T.tvm_storage_sync("shared")
@@ -347,14 +348,14 @@ def block_top_macro(threads: int, uniform_loops: bool, cap: int):
         st[1] = e_off[threads - 1]
         st[2] = T.Select(listed and st[0] + T.min(st[1], count) <= cap, 1, 0)
         for i in range(T.Select(st[2] == 1, size, 0)):
-            x: T.let = value(begin + i)
-            if x > t[0]:
-                lst_v[T.max(T.min(run[0] + T.min(run[1], count), cap - 1), 0)] = x
+            xv[0] = value(begin + i)
+            if xv[0] > t[0]:
+                lst_v[T.max(T.min(run[0] + T.min(run[1], count), cap - 1), 0)] = xv[0]
                 lst_i[T.max(T.min(run[0] + T.min(run[1], count), cap - 1), 0)] = begin + i
                 run[0] = run[0] + 1
-            elif x == t[0]:
+            elif xv[0] == t[0]:
                 if run[1] < count:
-                    lst_v[T.max(T.min(run[0] + run[1], cap - 1), 0)] = x
+                    lst_v[T.max(T.min(run[0] + run[1], cap - 1), 0)] = xv[0]
                     lst_i[T.max(T.min(run[0] + run[1], cap - 1), 0)] = begin + i
                 run[1] = run[1] + 1
         T.tvm_storage_sync("shared")

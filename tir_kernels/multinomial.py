@@ -385,9 +385,9 @@ def gpu_segments_macro(threads: int) -> Callable[..., None]:
         seg_last[0] = s_hit[hseg]
         pick[0] = vocab
         for c in range((seg + threads - 1) // threads):
-            x: T.let = T.if_then_else(c * threads + tx < hl, value(hs + T.min(c * threads + tx, T.max(hl - 1, 0))),
-                                      T.float32(0))
-            mine[0] = T.Select(x > T.float32(0), x, T.float32(0))
+            mine[0] = T.if_then_else(c * threads + tx < hl, value(hs + T.min(c * threads + tx, T.max(hl - 1, 0))),
+                                     T.float32(0))
+            mine[0] = T.Select(mine[0] > T.float32(0), mine[0], T.float32(0))
             incl[tx] = mine[0]
             T.tvm_storage_sync("shared")
             inclusive_scan(incl, part, tx)

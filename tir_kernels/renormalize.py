@@ -679,15 +679,15 @@ def gpu_row_threshold(threads: int, uniform_loops: bool, shuffle_reduce: bool, l
             T.tvm_storage_sync("shared")
 
     @T.macro
-    def scan_one(value, i, mid, max_all, l_i, l_f, l_mn, l_mx, u):
-        # branch-free: the loads of a step's GPU_UNROLL values do not wait on each other's comparisons
-        x: T.let = value(i)
-        b: T.let = _bits(x)
-        above: T.let = b >= mid
-        l_i[u] = l_i[u] + T.Select(above, 1, 0)
-        l_f[u] = l_f[u] + T.Select(above, x, T.float32(0))
-        l_mn[u] = T.Select(above, T.min(l_mn[u], b), l_mn[u])
-        l_mx[u] = T.Select(max_all or not above, T.max(l_mx[u], b), l_mx[u])
+    def scan_one(value, i, mid, max_all, l_i, l_f, l_mn, l_mx, xs, u):
+        # branch-free: the loads of a step's GPU_UNROLL values do not wait on each other's comparisons. The value
+        # goes through the local xs[u] (a register), not ``T.let``s: TVM's LLVM code generator (ROCm) simplifies
+        # each bound value again with the earlier ones substituted (docs/kernels.md, Build time).
+        xs[u] = value(i)
+        l_i[u] = l_i[u] + T.Select(_bits(xs[u]) >= mid, 1, 0)
+        l_f[u] = l_f[u] + T.Select(_bits(xs[u]) >= mid, xs[u], T.float32(0))
+        l_mn[u] = T.Select(_bits(xs[u]) >= mid, T.min(l_mn[u], _bits(xs[u])), l_mn[u])
+        l_mx[u] = T.Select(max_all or not _bits(xs[u]) >= mid, T.max(l_mx[u], _bits(xs[u])), l_mx[u])
 
     @T.macro
     def scan(value, vocab, tx, mid, max_all, live, acc_i, acc_f, acc_mn, acc_mx, s_i, s_f, s_mn, s_mx):
@@ -698,6 +698,7 @@ def gpu_row_threshold(threads: int, uniform_loops: bool, shuffle_reduce: bool, l
         l_f = T.alloc_buffer((GPU_UNROLL,), "float32", scope="local")
         l_mn = T.alloc_buffer((GPU_UNROLL,), "int32", scope="local")
         l_mx = T.alloc_buffer((GPU_UNROLL,), "int32", scope="local")
+        xs = T.alloc_buffer((GPU_UNROLL,), "float32", scope="local")
         for u in T.unroll(GPU_UNROLL):
             l_i[u] = 0
             l_f[u] = T.float32(0)
@@ -706,11 +707,11 @@ def gpu_row_threshold(threads: int, uniform_loops: bool, shuffle_reduce: bool, l
         span: T.let = threads * GPU_UNROLL
         for k in range(T.Select(live, vocab // span, 0)):
             for u in T.unroll(GPU_UNROLL):
-                scan_one(value, (k * GPU_UNROLL + u) * threads + tx, mid, max_all, l_i, l_f, l_mn, l_mx, u)
+                scan_one(value, (k * GPU_UNROLL + u) * threads + tx, mid, max_all, l_i, l_f, l_mn, l_mx, xs, u)
         if live:
             for u in T.unroll(GPU_UNROLL):
                 if vocab // span * span + u * threads + tx < vocab:
-                    scan_one(value, vocab // span * span + u * threads + tx, mid, max_all, l_i, l_f, l_mn, l_mx, u)
+                    scan_one(value, vocab // span * span + u * threads + tx, mid, max_all, l_i, l_f, l_mn, l_mx, xs, u)
         acc_i[0] = l_i[0]
         acc_f[0] = l_f[0]
         acc_mn[0] = l_mn[0]
