@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -228,6 +229,9 @@ class VulkanDevice(Device):
             )
         self.adapter = adapters[index]
         self.wgpu_device = wgsl.create_device(self.adapter)
+        #: The kernels of each library this device loaded (its directory: a build's own): loading lowers the whole
+        #: library's TIR to WGSL and makes its pipelines (seconds), and a processor and a sampler load the same one.
+        self._loaded: dict[Path, Any] = {}
 
     @staticmethod
     def discover() -> list[DeviceInfo]:
@@ -267,7 +271,10 @@ class VulkanDevice(Device):
     def load(self, library: KernelLibrary) -> dict[str, KernelFunction]:
         if library.target.kind != "vulkan":
             raise ValueError(f"a {library.target.kind} kernel library cannot run on {self!r}")
-        kernels = self._wgsl.WGSLKernels.from_prim_funcs(self.wgpu_device, library.prim_funcs())
+        kernels = self._loaded.get(library.directory.resolve())
+        if kernels is None:
+            kernels = self._wgsl.WGSLKernels.from_prim_funcs(self.wgpu_device, library.prim_funcs())
+            self._loaded[library.directory.resolve()] = kernels
         return {name: kernels[name] for name in library.kernel_names}
 
     def synchronize(self) -> None:
