@@ -159,15 +159,15 @@ def row_best_cpu(x: tirx.Buffer, r: tirx.PrimExpr, vocab: tirx.PrimExpr, prev_v:
 
 
 @T.macro
-def _pick_gpu(value, i, prev_v, prev_i, lane_v, lane_i, xs, take, u):
-    """Partial u of a GPU selection takes entry i where it is eligible and better (selects, no branch). The value and
-    the decision go through the locals xs[u] and take[u] (registers), not ``T.let``s: TVM's LLVM code generator
-    (ROCm) simplifies each bound value again with the earlier ones substituted (docs/kernels.md, Build time)."""
+def _pick_gpu(value, i, prev_v, prev_i, lane_v, lane_i, xs, u):
+    """Partial u of a GPU selection takes entry i where it is eligible and better (selects, no branch). The value
+    goes through the local xs[u] (a register), not a ``T.let``: TVM's LLVM code generator (ROCm) simplifies each
+    bound value again with the earlier ones substituted (docs/kernels.md, Build time)."""
     xs[u] = value(i)
-    take[u] = T.Select(T.And(_eligible("all" if prev_v is None else "any", xs[u], i, prev_v, prev_i),
-                             better(xs[u], i, lane_v[u], lane_i[u])), 1, 0)
-    lane_v[u] = T.Select(take[u] == 1, xs[u], lane_v[u])
-    lane_i[u] = T.Select(take[u] == 1, i, lane_i[u])
+    take: T.let = T.And(_eligible("all" if prev_v is None else "any", xs[u], i, prev_v, prev_i),
+                        better(xs[u], i, lane_v[u], lane_i[u]))
+    lane_v[u] = T.Select(take, xs[u], lane_v[u])
+    lane_i[u] = T.Select(take, i, lane_i[u])
 
 
 @T.macro
@@ -184,7 +184,6 @@ def row_best_gpu(value: Callable[[tirx.PrimExpr], tirx.PrimExpr], vocab: tirx.Pr
     lane_v = T.alloc_buffer((GPU_UNROLL,), "float32", scope="local")
     lane_i = T.alloc_buffer((GPU_UNROLL,), "int32", scope="local")
     xs = T.alloc_buffer((GPU_UNROLL,), "float32", scope="local")
-    take = T.alloc_buffer((GPU_UNROLL,), "int32", scope="local")
     for u in T.unroll(GPU_UNROLL):
         lane_v[u] = neg_inf()
         lane_i[u] = NO_INDEX
@@ -193,10 +192,10 @@ def row_best_gpu(value: Callable[[tirx.PrimExpr], tirx.PrimExpr], vocab: tirx.Pr
     span = threads * GPU_UNROLL
     for k in range(vocab // span):
         for u in T.unroll(GPU_UNROLL):
-            _pick_gpu(value, (k * GPU_UNROLL + u) * threads + tx, prev_v, prev_i, lane_v, lane_i, xs, take, u)
+            _pick_gpu(value, (k * GPU_UNROLL + u) * threads + tx, prev_v, prev_i, lane_v, lane_i, xs, u)
     for u in T.unroll(GPU_UNROLL):
         if vocab // span * span + u * threads + tx < vocab:
-            _pick_gpu(value, vocab // span * span + u * threads + tx, prev_v, prev_i, lane_v, lane_i, xs, take, u)
+            _pick_gpu(value, vocab // span * span + u * threads + tx, prev_v, prev_i, lane_v, lane_i, xs, u)
     part_v[0] = lane_v[0]
     part_i[0] = lane_i[0]
     for u in T.unroll(1, GPU_UNROLL):

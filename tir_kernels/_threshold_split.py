@@ -102,8 +102,9 @@ def first_pass_chunk(value, vocab, b, tx, live, p1_cnt, p1_sum, p1_max):
         # the value into a register (a local store, not a ``T.let``: see ``_threshold_split``'s docstring)
         xs[u] = T.if_then_else(live and base + u * SPLIT_THREADS + tx < vocab,
                                value(T.min(base + u * SPLIT_THREADS + tx, vocab - 1)), T.float32(0))
-        l_i[0] = l_i[0] + T.Select(_bits(xs[u]) >= 1, 1, 0)
-        l_f[0] = l_f[0] + T.Select(_bits(xs[u]) >= 1, xs[u], T.float32(0))
+        above: T.let = _bits(xs[u]) >= 1
+        l_i[0] = l_i[0] + T.Select(above, 1, 0)
+        l_f[0] = l_f[0] + T.Select(above, xs[u], T.float32(0))
         l_mx[0] = T.max(l_mx[0], _bits(xs[u]))
     block_all(add, T.int32(0), l_i[0], r_i, tx)
     block_all(add, T.float32(0), l_f[0], r_f, tx)
@@ -166,8 +167,9 @@ def bound_pass_chunk(value, vocab, b, tx, row_i, bd_cnt, bd_sum):
         xs[u] = T.if_then_else(live and base + u * SPLIT_THREADS + tx < vocab,
                                value(T.min(base + u * SPLIT_THREADS + tx, vocab - 1)), T.float32(0))
         for j in T.unroll(GPU_PIVOTS):
-            lc[j] = lc[j] + T.Select(_bits(xs[u]) >= pv[j], 1, 0)
-            ls[j] = ls[j] + T.Select(_bits(xs[u]) >= pv[j], xs[u], T.float32(0))
+            above: T.let = _bits(xs[u]) >= pv[j]
+            lc[j] = lc[j] + T.Select(above, 1, 0)
+            ls[j] = ls[j] + T.Select(above, xs[u], T.float32(0))
     # a serial loop: an all-reduce in an unrolled one is copied before it is lowered (one result buffer, several
     # all-reduces); the partials are picked by constant indices, so they stay in registers
     for j in range(GPU_PIVOTS):

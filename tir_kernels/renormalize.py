@@ -681,13 +681,16 @@ def gpu_row_threshold(threads: int, uniform_loops: bool, shuffle_reduce: bool, l
     @T.macro
     def scan_one(value, i, mid, max_all, l_i, l_f, l_mn, l_mx, xs, u):
         # branch-free: the loads of a step's GPU_UNROLL values do not wait on each other's comparisons. The value
-        # goes through the local xs[u] (a register), not ``T.let``s: TVM's LLVM code generator (ROCm) simplifies
-        # each bound value again with the earlier ones substituted (docs/kernels.md, Build time).
+        # goes through the local xs[u] (a register), not a ``T.let``: TVM's LLVM code generator (ROCm) simplifies
+        # each bound value again with the earlier ones substituted (docs/kernels.md, Build time); the lets below
+        # bind short expressions of it.
         xs[u] = value(i)
-        l_i[u] = l_i[u] + T.Select(_bits(xs[u]) >= mid, 1, 0)
-        l_f[u] = l_f[u] + T.Select(_bits(xs[u]) >= mid, xs[u], T.float32(0))
-        l_mn[u] = T.Select(_bits(xs[u]) >= mid, T.min(l_mn[u], _bits(xs[u])), l_mn[u])
-        l_mx[u] = T.Select(max_all or not _bits(xs[u]) >= mid, T.max(l_mx[u], _bits(xs[u])), l_mx[u])
+        b: T.let = _bits(xs[u])
+        above: T.let = b >= mid
+        l_i[u] = l_i[u] + T.Select(above, 1, 0)
+        l_f[u] = l_f[u] + T.Select(above, xs[u], T.float32(0))
+        l_mn[u] = T.Select(above, T.min(l_mn[u], b), l_mn[u])
+        l_mx[u] = T.Select(max_all or not above, T.max(l_mx[u], b), l_mx[u])
 
     @T.macro
     def scan(value, vocab, tx, mid, max_all, live, acc_i, acc_f, acc_mn, acc_mx, s_i, s_f, s_mn, s_mx):
