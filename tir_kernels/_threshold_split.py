@@ -99,7 +99,7 @@ def first_pass_chunk(value, vocab, b, tx, live, p1_cnt, p1_sum, p1_max):
     l_f[0] = T.float32(0)
     l_mx[0] = 0
     for u in T.unroll(GPU_UNROLL):
-        # the value into a register (a local store, not a ``T.let``: see ``_threshold_split``'s docstring)
+        # the value into a register (a local store, not a ``T.let``: docs/kernels.md, Build time)
         xs[u] = T.if_then_else(live and base + u * SPLIT_THREADS + tx < vocab,
                                value(T.min(base + u * SPLIT_THREADS + tx, vocab - 1)), T.float32(0))
         above: T.let = _bits(xs[u]) >= 1
