@@ -164,16 +164,30 @@ def _write_device_artifacts(spec: TargetSpec, executable: Any, code_objects: lis
     return files
 
 
-def _cuda_launches(spec: TargetSpec, prim_funcs: dict[str, tvm.tirx.PrimFunc], cuda_source: str, out: Path
-                   ) -> dict[str, Any]:
-    """For the CUDA driver path (``runtime/cuda_device.py``): how each function launches its kernels, and the PTX
-    they come from, checked to be the very code of ``kernels.cu``. Returns the manifest's extra keys."""
-    from tvm.tirx.build import codegen_build
+def _lowered_cuda_executable(prim_funcs: dict[str, tvm.tirx.PrimFunc], target: tvm.target.Target
+                             ) -> tuple[Any, tvm.IRModule, tvm.IRModule]:
+    """The CUDA library built from one lowering: ``lower_split``'s host and device IR (kept for the launch
+    description) turned into the executable as ``tvm.compile`` does (``tvm.tirx.build``'s last steps: the host's
+    finalisation, then code generation), rather than lowered a second time by ``tvm.compile`` (a third of the CUDA
+    library's build time). Returns (executable, host IR before finalisation, device IR)."""
+    from tvm.runtime import Executable
+    from tvm.tirx.build import tir_to_runtime
 
-    host_mod, device_mod, device_target = lower_split(prim_funcs, spec.tvm_target())
-    source = str(codegen_build(device_mod, device_target).inspect_source(""))
-    if source != cuda_source:
-        raise RuntimeError("the CUDA source of the launch description differs from tvm.compile's kernels.cu")
+    context = pass_context(target)
+    if list(context.disabled_pass) or not context.config.get("tirx.disable_cse_tir"):
+        raise RuntimeError("the CUDA build's pass context differs from lower_split's: lower it with tvm.compile")
+    host_mod, device_mod, device_target = lower_split(prim_funcs, target)
+    with context:
+        _, finalize_host, _ = tvm.tirx.get_default_tir_pipeline(target)
+        runtime_module = tir_to_runtime(finalize_host()(host_mod), {device_target: device_mod}, target.host)
+    return Executable(runtime_module), host_mod, device_mod
+
+
+def _cuda_launches(spec: TargetSpec, prim_funcs: dict[str, tvm.tirx.PrimFunc], host_mod: tvm.IRModule,
+                   device_mod: tvm.IRModule, out: Path) -> dict[str, Any]:
+    """For the CUDA driver path (``runtime/cuda_device.py``): how each function launches its kernels (read from the
+    host and device IR ``kernels.cu`` was generated from), and the PTX they come from. Returns the manifest's extra
+    keys."""
     launches = describe_functions(prim_funcs, host_mod, device_mod)
     extra: dict[str, Any] = {"launches": {name: f.to_json() for name, f in launches.items()}}
     ptx = f"kernels.{spec.arch}.ptx"
@@ -203,17 +217,21 @@ def _build_into(spec: TargetSpec, src_hash: str, out: Path) -> dict[str, Any]:
     target = spec.tvm_target()
     with fast_macro_lookup():
         module = tvm.IRModule({name: factory(target) for name, factory in KERNEL_FACTORIES.items()})
+    prim_funcs = {name: module[name] for name in KERNEL_FACTORIES}
     if spec.kind == "rocm":
         prepare_rocm_env()
-    with pass_context(target), capture_rocm_code_objects() as code_objects:
-        executable = tvm.compile(module, target=target)
+    if spec.kind == "cuda":
+        code_objects: list[bytes] = []
+        executable, host_mod, device_mod = _lowered_cuda_executable(prim_funcs, target)
+    else:
+        with pass_context(target), capture_rocm_code_objects() as code_objects:
+            executable = tvm.compile(module, target=target)
     (out / "kernels.tir.py").write_text(module.script())
     files = ["kernels.tir.py", *_write_device_artifacts(spec, executable, code_objects, out)]
-    kernels = kernel_entries({name: module[name] for name in KERNEL_FACTORIES})
+    kernels = kernel_entries(prim_funcs)
     extra: dict[str, Any] = {}
     if spec.kind == "cuda":
-        prim_funcs = {name: module[name] for name in KERNEL_FACTORIES}
-        extra = _cuda_launches(spec, prim_funcs, (out / "kernels.cu").read_text(), out)
+        extra = _cuda_launches(spec, prim_funcs, host_mod, device_mod, out)
     return write_manifest(out, spec, target, src_hash, kernels, files, **extra)
 
 
