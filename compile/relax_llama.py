@@ -77,6 +77,7 @@ from .packed_matvec import (
 from .quant_formats import BY_FORMAT, LAYOUTS, common_type
 from .quant_matvec import quant_embed_kernel, quant_matmul_kernel
 from .rope import RopeScaling
+from .row_copies import first_columns_kernel, pad_rows_kernel
 
 #: Weight formats stored as the GGUF's quantised blocks.
 QUANTISED = ("q4_1", "q8_0")
@@ -442,14 +443,21 @@ class Attention(nn.Module):
         # The cache's query heads carry each token's stored k and v too (``KVLayout.query_heads``), and it stores
         # ``layout.heads`` rows per token: qkv gets heads of padding up to their count.
         query_heads = layout.query_heads(s.n_heads)
-        padding = nn.op.zeros([x.shape[0], query_heads + 2 * layout.heads - heads, s.head_dim], layout.dtype)
-        qkv = nn.op.concat([qkv, padding], dim=1).reshape(b, t, query_heads + 2 * layout.heads, s.head_dim)
+        padded = query_heads + 2 * layout.heads
+        n = x.shape[0]
+        qkv = nn.op.tensor_ir_op(  # the same values, padded with zeros (row_copies: tokens in parallel)
+            pad_rows_kernel(heads * s.head_dim, padded * s.head_dim, layout.dtype), "pad_heads",
+            args=[qkv.reshape(n, heads * s.head_dim)],
+            out=nn.Tensor.placeholder([n, padded * s.head_dim], layout.dtype)).reshape(b, t, padded, s.head_dim)
         # the scale carries the kernels' window switch and exact mode (``attention_mode.py``)
         sm_scale = attention_mode.encode(s.sm_scale or 1.0 / math.sqrt(s.head_dim), windowed=layer in s.window_layers,
                                          exact=exact)
         out = kv_cache.attention_with_fused_qkv(layer, qkv, query_heads, sm_scale=sm_scale)
-        out = nn.op.split(out.reshape(x.shape[0], query_heads, s.head_dim), [s.n_heads], axis=1)[0]
-        return self.o(out.reshape(x.shape[0], s.n_heads * s.head_dim), mode)
+        out = nn.op.tensor_ir_op(  # the query heads' rows of each token
+            first_columns_kernel(query_heads * s.head_dim, s.n_heads * s.head_dim, layout.dtype), "query_heads",
+            args=[out.reshape(n, query_heads * s.head_dim)],
+            out=nn.Tensor.placeholder([n, s.n_heads * s.head_dim], layout.dtype))
+        return self.o(out, mode)
 
 
 class MLP(nn.Module):
