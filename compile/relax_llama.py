@@ -427,9 +427,10 @@ class Attention(nn.Module):
                                   [s.n_heads, s.n_heads + s.n_kv_heads], axis=1)
             qkv = nn.op.concat([self.q_norm(q), self.k_norm(k), v], dim=1)
             qkv = qkv if layout.dtype == "float32" else qkv.astype(layout.dtype)
-        else:
-            qkv = self.qkv(x, mode, layout.dtype).reshape(x.shape[0], heads, s.head_dim)
+        else:  # [tokens, heads * head_dim]: as the padding kernel takes it (no reshapes there and back)
+            qkv = self.qkv(x, mode, layout.dtype)
         if positions is not None:  # this layer's RoPE (the sliding layers' own frequencies, or the model's)
+            qkv = qkv if qkv.ndim == 3 else qkv.reshape(x.shape[0], heads, s.head_dim)
             local = layer in s.window_layers
             inv_freq = s.local_rope_inv_freq if local else s.inverse_frequencies()
             factor = 1.0 if local else s.rope_attention_factor
@@ -447,7 +448,7 @@ class Attention(nn.Module):
         n = x.shape[0]
         qkv = nn.op.tensor_ir_op(  # the same values, padded with zeros (row_copies: tokens in parallel)
             pad_rows_kernel(heads * s.head_dim, padded * s.head_dim, layout.dtype), "pad_heads",
-            args=[qkv.reshape(n, heads * s.head_dim)],
+            args=[qkv if qkv.ndim == 2 else qkv.reshape(n, heads * s.head_dim)],
             out=nn.Tensor.placeholder([n, padded * s.head_dim], layout.dtype)).reshape(b, t, padded, s.head_dim)
         # the scale carries the kernels' window switch and exact mode (``attention_mode.py``)
         sm_scale = attention_mode.encode(s.sm_scale or 1.0 / math.sqrt(s.head_dim), windowed=layer in s.window_layers,
