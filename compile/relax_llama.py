@@ -65,6 +65,7 @@ from .kv_layout import KV_DTYPES as KV_LAYOUT_DTYPES
 from .kv_layout import KVLayout
 from .linear_kernels import embed_kernel, integer_linear_kernel, linear_kernel, param_shapes, swiglu_kernel
 from .model_family import Activation, NormPlacement
+from .norm_kernels import rms_norm_kernel
 from .packed_matvec import (
     DEFAULT_ACTIVATION_BITS,
     packed_q4_1_kernel,
@@ -76,6 +77,7 @@ from .packed_matvec import (
 from .quant_formats import BY_FORMAT, LAYOUTS, common_type
 from .quant_matvec import quant_embed_kernel, quant_matmul_kernel
 from .rope import RopeScaling
+from .row_copies import first_columns_kernel, pad_rows_kernel
 
 #: Weight formats stored as the GGUF's quantised blocks.
 QUANTISED = ("q4_1", "q8_0")
@@ -371,14 +373,27 @@ class Linear(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """``x / sqrt(mean(x^2) + eps) * weight`` over the last axis, float32."""
+    """``x / sqrt(mean(x^2) + eps) * weight`` over the last axis, float32: of the hidden states ``[tokens,
+    hidden]`` by ``norm_kernels.rms_norm_kernel`` (tokens in parallel, bit for bit what Relax's ``rms_norm``
+    computes), of a 3-D input (QK-norm's heads) by Relax's ``rms_norm``."""
 
     def __init__(self, hidden: int, eps: float) -> None:
+        self.hidden = hidden
         self.weight = nn.Parameter((hidden,), "float32")
         self.eps = eps
 
     def forward(self, x: nn.Tensor) -> nn.Tensor:
-        return nn.op.rms_norm(x, self.weight, axes=[-1], epsilon=self.eps)
+        if x.ndim != 2:
+            return nn.op.rms_norm(x, self.weight, axes=[-1], epsilon=self.eps)
+        return nn.op.tensor_ir_op(rms_norm_kernel(self.hidden, self.eps, False), f"rms_norm_{self.hidden}",
+                                  args=[x, self.weight], out=nn.Tensor.placeholder(x.shape, "float32"))
+
+    def add(self, x: nn.Tensor, r: nn.Tensor) -> tuple[nn.Tensor, nn.Tensor]:
+        """``(x + r, norm(x + r))`` for ``[tokens, hidden]`` inputs, in one pass (``rms_norm_kernel``'s ``add``)."""
+        total, out = nn.op.tensor_ir_op(
+            rms_norm_kernel(self.hidden, self.eps, True), f"add_rms_norm_{self.hidden}", args=[x, r, self.weight],
+            out=[nn.Tensor.placeholder(x.shape, "float32"), nn.Tensor.placeholder(x.shape, "float32")])
+        return total, out
 
 
 class Attention(nn.Module):
@@ -412,9 +427,10 @@ class Attention(nn.Module):
                                   [s.n_heads, s.n_heads + s.n_kv_heads], axis=1)
             qkv = nn.op.concat([self.q_norm(q), self.k_norm(k), v], dim=1)
             qkv = qkv if layout.dtype == "float32" else qkv.astype(layout.dtype)
-        else:
-            qkv = self.qkv(x, mode, layout.dtype).reshape(x.shape[0], heads, s.head_dim)
+        else:  # [tokens, heads * head_dim]: as the padding kernel takes it (no reshapes there and back)
+            qkv = self.qkv(x, mode, layout.dtype)
         if positions is not None:  # this layer's RoPE (the sliding layers' own frequencies, or the model's)
+            qkv = qkv if qkv.ndim == 3 else qkv.reshape(x.shape[0], heads, s.head_dim)
             local = layer in s.window_layers
             inv_freq = s.local_rope_inv_freq if local else s.inverse_frequencies()
             factor = 1.0 if local else s.rope_attention_factor
@@ -428,14 +444,21 @@ class Attention(nn.Module):
         # The cache's query heads carry each token's stored k and v too (``KVLayout.query_heads``), and it stores
         # ``layout.heads`` rows per token: qkv gets heads of padding up to their count.
         query_heads = layout.query_heads(s.n_heads)
-        padding = nn.op.zeros([x.shape[0], query_heads + 2 * layout.heads - heads, s.head_dim], layout.dtype)
-        qkv = nn.op.concat([qkv, padding], dim=1).reshape(b, t, query_heads + 2 * layout.heads, s.head_dim)
+        padded = query_heads + 2 * layout.heads
+        n = x.shape[0]
+        qkv = nn.op.tensor_ir_op(  # the same values, padded with zeros (row_copies: tokens in parallel)
+            pad_rows_kernel(heads * s.head_dim, padded * s.head_dim, layout.dtype), "pad_heads",
+            args=[qkv if qkv.ndim == 2 else qkv.reshape(n, heads * s.head_dim)],
+            out=nn.Tensor.placeholder([n, padded * s.head_dim], layout.dtype)).reshape(b, t, padded, s.head_dim)
         # the scale carries the kernels' window switch and exact mode (``attention_mode.py``)
         sm_scale = attention_mode.encode(s.sm_scale or 1.0 / math.sqrt(s.head_dim), windowed=layer in s.window_layers,
                                          exact=exact)
         out = kv_cache.attention_with_fused_qkv(layer, qkv, query_heads, sm_scale=sm_scale)
-        out = nn.op.split(out.reshape(x.shape[0], query_heads, s.head_dim), [s.n_heads], axis=1)[0]
-        return self.o(out.reshape(x.shape[0], s.n_heads * s.head_dim), mode)
+        out = nn.op.tensor_ir_op(  # the query heads' rows of each token
+            first_columns_kernel(query_heads * s.head_dim, s.n_heads * s.head_dim, layout.dtype), "query_heads",
+            args=[out.reshape(n, query_heads * s.head_dim)],
+            out=nn.Tensor.placeholder([n, s.n_heads * s.head_dim], layout.dtype))
+        return self.o(out, mode)
 
 
 class MLP(nn.Module):
@@ -477,13 +500,17 @@ class Block(nn.Module):
         self.post_attn_norm = RMSNorm(spec.hidden, spec.rms_eps) if spec.sandwich_norms else None
         self.post_ffn_norm = RMSNorm(spec.hidden, spec.rms_eps) if spec.sandwich_norms else None
 
-    def forward(self, x: nn.Tensor, kv_cache: PagedKVCache, b: Any, t: Any, mode: str,
-                positions: nn.Tensor | None = None, exact: bool = False) -> nn.Tensor:
-        """The residual stream ``x[b t, hidden]`` (flat: no reshapes between the kernels) after this layer."""
-        out = self.attn(self.attn_norm(x), kv_cache, self.layer, b, t, mode, positions, exact)
-        x = x + (out if self.post_attn_norm is None else self.post_attn_norm(out))
-        out = self.mlp(self.ffn_norm(x), mode)
-        return x + (out if self.post_ffn_norm is None else self.post_ffn_norm(out))
+    def forward(self, x: nn.Tensor, pending: nn.Tensor | None, kv_cache: PagedKVCache, b: Any, t: Any, mode: str,
+                positions: nn.Tensor | None = None, exact: bool = False) -> tuple[nn.Tensor, nn.Tensor]:
+        """This layer on the residual stream ``x[b t, hidden]`` (flat: no reshapes between the kernels) plus
+        ``pending`` (the previous layer's MLP output, not yet added; None before the first layer): ``(x, out)``,
+        the stream after the attention's add and this layer's MLP output, which the next norm adds (each add is
+        one pass with the norm after it: ``RMSNorm.add``)."""
+        x, h = (x, self.attn_norm(x)) if pending is None else self.attn_norm.add(x, pending)
+        out = self.attn(h, kv_cache, self.layer, b, t, mode, positions, exact)
+        x, h = self.ffn_norm.add(x, out if self.post_attn_norm is None else self.post_attn_norm(out))
+        out = self.mlp(h, mode)
+        return x, (out if self.post_ffn_norm is None else self.post_ffn_norm(out))
 
 
 class LlamaModule(nn.Module):
@@ -504,18 +531,21 @@ class LlamaModule(nn.Module):
         rows = self.embed_tokens.rows(input_ids)
         return rows if self.spec.embed_scale == 1.0 else rows * self.spec.embed_scale
 
-    def _logits(self, hidden: nn.Tensor, mode: str) -> nn.Tensor:
-        hidden = self.norm(hidden)
+    def _logits(self, x: nn.Tensor, pending: nn.Tensor, mode: str) -> nn.Tensor:
+        """The logits of the rows of ``x + pending`` (the residual stream and the last layer's MLP output)."""
+        _, hidden = self.norm.add(x, pending)
         logits = self.lm_head(hidden, mode) if self.lm_head is not None else self.embed_tokens.matmul(hidden, mode)
         cap = self.spec.final_softcap
         return logits if not cap else nn.op.tanh(logits / cap) * cap
 
     def _layers(self, x: nn.Tensor, kv_cache: PagedKVCache, b: Any, t: Any, mode: str,
-                exact: bool = False) -> nn.Tensor:
+                exact: bool = False) -> tuple[nn.Tensor, nn.Tensor]:
+        """``(x, out)``: the residual stream before the last layer's MLP output ``out`` is added (``Block``)."""
         positions = kv_cache.get_query_positions(x.shape[0]) if self.spec.local_rope_inv_freq else None
+        pending = None
         for block in self.layers:
-            x = block(x, kv_cache, b, t, mode, positions, exact)
-        return x
+            x, pending = block(x, pending, kv_cache, b, t, mode, positions, exact)
+        return x, pending
 
     # Batch invariance: prefill runs the layers' matmuls as the GEMM and decode as dot products whatever the token
     # count, so a sequence's logits do not depend on the other sequences of the pass (linear_kernel's modes). The
@@ -524,18 +554,20 @@ class LlamaModule(nn.Module):
     # here they are faster than the GEMM at every token count (no per-call decode of every weight into float), and
     # a prompt's matmuls are then those of decoding it token by token.
     def prefill(self, input_ids: nn.Tensor, logit_positions: nn.Tensor, kv_cache: PagedKVCache) -> nn.Tensor:
-        x = self._layers(self.embed(input_ids), kv_cache, 1, input_ids.shape[0], "prefill")
-        return self._logits(nn.op.take(x, logit_positions, axis=0), "decode")
+        x, out = self._layers(self.embed(input_ids), kv_cache, 1, input_ids.shape[0], "prefill")
+        return self._logits(nn.op.take(x, logit_positions, axis=0), nn.op.take(out, logit_positions, axis=0),
+                            "decode")
 
     def verify(self, input_ids: nn.Tensor, kv_cache: PagedKVCache) -> nn.Tensor:
         """A prefill whose matmuls are decode's dot products and whose attention is decode's algorithm per token
         (the kernels' exact mode), with the logits after every token: each token's logits are bit for bit those a
         decode step gives it (speculative decoding checks drafts with it)."""
-        x = self._layers(self.embed(input_ids), kv_cache, 1, input_ids.shape[0], "decode", exact=True)
-        return self._logits(x, "decode")
+        x, out = self._layers(self.embed(input_ids), kv_cache, 1, input_ids.shape[0], "decode", exact=True)
+        return self._logits(x, out, "decode")
 
     def decode(self, input_ids: nn.Tensor, kv_cache: PagedKVCache) -> nn.Tensor:
-        return self._logits(self._layers(self.embed(input_ids), kv_cache, input_ids.shape[0], 1, "decode"), "decode")
+        x, out = self._layers(self.embed(input_ids), kv_cache, input_ids.shape[0], 1, "decode")
+        return self._logits(x, out, "decode")
 
     def create_paged_kv_cache(
         self,
