@@ -5,6 +5,9 @@ each context length (a prompt of that many tokens) they prefill the prompt and t
 rounds (the order alternating from round to round), and the best round of each figure is kept. The memory floor is
 a copy of the compiled model's weight bytes (two threads, best of several): no decode step, which reads every weight
 once, can take less than a read of them, so ``decode tok/s * memcpy seconds`` is the fraction of that floor reached.
+Each run starts after a pause of ``SETTLE_SECONDS``: llama.cpp's OpenMP workers spin on the cores for a while after
+its run (and TVM's pool after ours), which slowed whichever engine ran next (2026-11-28: logitproc's Q4_0 prefill at
+context 64 1,912-2,038 tok/s right after llama.cpp, 2,460-2,577 right after its own decode).
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from typing import Protocol
 
 import numpy as np
 
+#: the pause before each measured run, so that the other engine's spinning threads have gone to sleep
+SETTLE_SECONDS = 1.0
 
 class Runner(Protocol):
     """One model under test: a single sequence, prefilled and then decoded greedily."""
@@ -183,6 +188,7 @@ def side_by_side(model, gguf: Path, prompt_for: Callable[[int], list[int]], cont
         for ctx in contexts:
             line = [f"round {r + 1} context {ctx}:"]
             for runner in order:
+                time.sleep(SETTLE_SECONDS)
                 prefill, decode = run(runner, prompts[ctx], decode_tokens)
                 best.add(runner.name, ctx, "prefill", prefill)
                 best.add(runner.name, ctx, "decode", decode)
