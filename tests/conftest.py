@@ -238,6 +238,30 @@ SLOW_TESTS: dict[str, str] = {
 }
 
 
+def _leaves_out_slow(config) -> bool:
+    """Whether the run's ``-m`` expression deselects every test marked ``slow``, whatever its other marks."""
+    from _pytest.mark.expression import Expression
+
+    markexpr = config.option.markexpr
+    if not markexpr:
+        return False
+    expression = Expression.compile(markexpr)
+    return not any(expression.evaluate(lambda name, other=other, **_: name == "slow" or other)
+                   for other in (False, True))
+
+
+def pytest_ignore_collect(collection_path, config) -> bool | None:
+    """A run that leaves ``slow`` out does not import the test files whose every test ``SLOW_TESTS`` marks slow
+    (``tests/test_x.py::*``): Ray Serve, langchain and selenium cost seconds to import, for tests ``-m`` deselects."""
+    if collection_path.suffix != ".py" or not _leaves_out_slow(config):
+        return None
+    relative = collection_path.relative_to(config.rootpath).as_posix() if collection_path.is_relative_to(
+        config.rootpath) else None
+    if relative and f"{relative}::*" in SLOW_TESTS:
+        return True
+    return None
+
+
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by mark
 def pytest_collection_modifyitems(config, items) -> None:
     """Mark ``slow`` the tests ``SLOW_TESTS`` names; refuse a pattern of ``SLOW_TESTS`` or of ``prebuild.BUILDS`` that
@@ -263,12 +287,65 @@ def pytest_collection_modifyitems(config, items) -> None:
     stale = [pattern for pattern in SLOW_TESTS if pattern not in matched and checkable(pattern)]
     stale += [f"{build.name}: {pattern}" for build in BUILDS for pattern in build.tests
               if checkable(pattern) and not any(fnmatch.fnmatchcase(item.nodeid, pattern) for item in items)]
+    stale += [f"COLD_SECONDS: {path}" for path in COLD_SECONDS if path not in test_files]
     if test_files <= whole:
         fixtures = {name for item in items for name in item.fixturenames}
         stale += [f"{build.name}: fixture {name}" for build in BUILDS for name in build.fixtures
                   if name not in fixtures]
     if stale:
         raise pytest.UsageError(f"conftest.SLOW_TESTS or prebuild.BUILDS name no collected test: {stale}")
+    if XDIST_WORKER:  # every worker sorts its collection the same way (the controller checks they are equal)
+        _longest_files_first(items)
+
+
+#: The test files that take longest with a cold build cache (their builds, the data they fetch once per machine, their
+#: servers), seconds on this 2-core machine, one process: measured 2026-11-28 (the quick set cold, ``--durations``)
+#: plus the ``slow`` tests' builds as measured earlier (``SLOW_TESTS``, docs/testing.md), so roughly. A run on several
+#: processes hands the files to its workers longest first (``pytest-xdist`` would order them by their number of tests,
+#: which left files like test_quant_models, 11 tests and about 500 s, to start near the end while the other worker
+#: had nothing left to do); within a file the order is kept. A file not named here comes after them.
+COLD_SECONDS: dict[str, int] = {
+    "tests/test_quant_models.py": 500,  # SmolLM2 re-quantised and compiled 3x, the tiny Llama in 6 types
+    "tests/test_library.py": 330,  # ROCm gfx942 and gfx1100 (slow), 130-160 s each, unless prebuild made them
+    "tests/test_model_families.py": 250,  # a build per family from the GGUF, and from the folder (slow)
+    "tests/test_decode_attention.py": 145,  # its standalone kernels
+    "tests/test_chat_templates.py": 145,  # llama.cpp's templates and vocabularies out of its sdist, once per machine
+    "tests/test_fused_sampling.py": 140,  # the lavapipe test (slow)
+    "tests/test_family_quant_files.py": 130,  # a Q4_K_M build per family (slow)
+    "tests/test_context_and_windows.py": 90,
+    "tests/test_ray_serve.py": 90,
+    "tests/test_compiled_model.py": 80,
+    "tests/test_chat_tokens.py": 70,
+    "tests/test_cli.py": 70,
+    "tests/test_ray_hostile_http.py": 70,
+    "tests/test_model_files.py": 55,
+    "tests/test_kv_q8.py": 50,
+    "tests/test_integer_matvec.py": 45,
+    "tests/test_doc_snippets.py": 45,
+    "tests/test_grammar.py": 45,
+    "tests/test_quant_matvec.py": 40,
+    "tests/test_gemma3_multimodal.py": 35,
+    "tests/test_attention_window_softcap.py": 35,
+    "tests/test_tokenizers.py": 35,
+    "tests/test_ray_single_replica.py": 35,
+    "tests/test_load_memory.py": 32,
+    "tests/test_packed_matvec.py": 30,
+}
+
+
+def pytest_configure(config) -> None:
+    """With ``-n``, the files go to the workers in the order the workers collected them (``COLD_SECONDS``)."""
+    if getattr(config.option, "dist", "no") in ("loadfile", "loadscope"):
+        config.option.loadscopereorder = False
+
+
+def _longest_files_first(items: list) -> None:
+    """``items`` reordered file by file: the files of ``COLD_SECONDS`` longest first, then the others by their number
+    of tests, most first (as pytest-xdist orders them); within a file the order is kept."""
+    counts: dict[str, int] = {}
+    for item in items:
+        counts[item.nodeid.split("::")[0]] = counts.get(item.nodeid.split("::")[0], 0) + 1
+    items.sort(key=lambda item: (-COLD_SECONDS.get(path := item.nodeid.split("::")[0], 0), -counts[path]))
 
 
 #: ``$LOGITPROC_TEST_RECORD_SKIPS`` names a file to which a run appends the node id of each test it skips (and of each

@@ -108,8 +108,11 @@ def llama_cpp_models() -> Path:
     out = data_root() / "llama-cpp-models-0.3.36"
     if not (out / "templates").is_dir():
         with tempfile.TemporaryDirectory() as tmp:
-            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "--no-binary", ":all:", "-d", tmp,
-                   LLAMA_CPP_SPEC]
+            # ``--no-binary`` for this package only: with ``:all:`` pip builds the sdist's build requirements from
+            # their sdists too (scikit-build-core, hatchling, setuptools, ... each in its own isolated build), which
+            # took more than 10 minutes on a machine with an empty pip cache (CI's; 2026-11-28)
+            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "--no-binary", "llama-cpp-python",
+                   "-d", tmp, LLAMA_CPP_SPEC]
             subprocess.run(cmd, check=True, capture_output=True, text=True)
             (sdist,) = Path(tmp).iterdir()
             staging = Path(tempfile.mkdtemp(dir=data_root()))

@@ -304,8 +304,12 @@ def test_a_dropped_stream_or_request_frees_its_slot_at_once(server, client, mode
     after = wait_idle(server, timeout=5)
     assert aborted(after) == before + 1
 
-    with pytest.raises(httpx.ReadTimeout):  # a non-streaming request whose client gives up
-        raw(server, "/v1/completions", {"prompt": "x", "max_tokens": 4000, "ignore_eos": True}, timeout=0.5)
+    try:  # a non-streaming request whose client gives up (4,000 tokens take the tiny model about 2.5 s here)
+        answered = raw(server, "/v1/completions", {"prompt": "x", "max_tokens": 4000, "ignore_eos": True},
+                       timeout=0.5)
+    except httpx.ReadTimeout:
+        answered = None
+    assert answered is None, (answered.status_code, answered.text[:300])
     after = wait_idle(server, timeout=5)
     assert aborted(after) == before + 2
 
