@@ -3,7 +3,7 @@ compiled with their blocks kept (no weight through float16): a tiny random Llama
 (K-quants apply to all of them; Q4_K_M mixes Q4_K and Q6_K within a layer's q/k/v and between layers' ffn_down)
 agrees with ``NumpyLlama`` on the same dequantised weights over a prefill and greedy decode steps (the 16-bit
 activation codes: about 5e-4 at logit scale 2) and has llama.cpp's greedy tokens for the same file; the default
-model re-quantised to Q4_K_M, Q8_0 and Q5_K_M answers "What is the capital of France?" as llama.cpp does with the
+model re-quantised to Q4_K_M and Q8_0 answers "What is the capital of France?" as llama.cpp does with the
 same file (Paris but for Q4_K_M), holding no more memory than its file plus 20% plus the KV cache. Files are
 built once into ``$LOGITPROC_TEST_MODEL_CACHE/quantised`` (else a session folder)."""
 
@@ -135,13 +135,16 @@ print(json.dumps({"answer": m.tokenizer.decode(out), "rss": rss(), "formats": m.
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("file_type", ["Q4_K_M", "Q8_0", "Q5_K_M"])
+@pytest.mark.parametrize("file_type", ["Q4_K_M", "Q8_0"])
 def test_default_model_requantised_answers_as_llama_cpp_within_its_file_size(quantised, file_type: str) -> None:
     """The greedy answer to the chat (the model's own template) has llama.cpp's first words for the same file, and
-    names Paris for Q8_0 and Q5_K_M (the Q4_K_M file, quantised from Q4_1 weights through F16, no longer knows:
+    names Paris for Q8_0 (the Q4_K_M file, quantised from Q4_1 weights through F16, no longer knows:
     llama.cpp answers "La femme de France, le Grand Croix, ..." and so do we). Not Q6_K: its first answer token is a
     near-tie ("L" 25.633, "The" 25.551 in the float reference on its weights, which we follow; llama.cpp, rounding
-    activations to 8 bits, has "The" 24.801 against "L" 24.799), so the two runners answer differently there.
+    activations to 8 bits, has "The" 24.801 against "L" 24.799), so the two runners answer differently there. Not
+    Q5_K_M since 2026-11-28 (it answered Paris as llama.cpp; a build of SmolLM2 costs 50-100 s of a cold suite): its
+    kernel is held to numpy and to llama.cpp's tokens by the tiny file above, and to SmolLM2's numbers by
+    ``scripts/quant_accuracy.py`` (docs/model.md).
     The compiled model's process, after opening the model and answering, holds at most the file's size plus
     20% plus the KV cache above what the same process holds with only the runtime loaded (a float32 KV cache of 256
     tokens)."""
