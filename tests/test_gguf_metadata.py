@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 import pytest
-from logitproc.compile.gguf_metadata import parse_metadata, read_metadata
+from logitproc.compile.gguf_metadata import parse_metadata, read_gguf, read_metadata
 from logitproc.compile.gguf_tokenizer import read_gguf_metadata
 from material import llama_cpp_models
 
@@ -40,7 +40,7 @@ def _assert_same(got: dict, want: dict) -> None:
 
 def _every_type_file(path) -> None:
     """A GGUF written by gguf-py with every scalar and array value type, awkward values and an empty array."""
-    from gguf import GGUFWriter
+    from gguf import GGMLQuantizationType, GGUFWriter
 
     writer = GGUFWriter(path, "llama")
     writer.add_uint8("t.u8", 255)
@@ -64,6 +64,10 @@ def _every_type_file(path) -> None:
     writer.add_token_types([1, 3, 6, 2])  # INT32 array
     writer.add_token_scores([-1.5, 0.0, float("inf")])  # FLOAT32 array
     writer.add_tensor("w", np.arange(8, dtype=np.float32))
+    writer.add_tensor("half", np.arange(64, dtype=np.float16).reshape(2, 32))
+    q8 = np.arange(3 * 2 * 34, dtype=np.uint8).reshape(3, 68)  # 3 rows of two Q8_0 blocks (64 values)
+    writer.add_tensor("quan", q8, raw_dtype=GGMLQuantizationType.Q8_0)
+    writer.add_tensor("ids", np.arange(5, dtype=np.int32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -77,6 +81,46 @@ def test_every_value_type_reads_as_gguf_py_reads_it(tmp_path) -> None:
     _assert_same(got, _gguf_py(path))
     assert got["t.f32"] == float(np.float32(0.1)) and got["t.true"] is True
     _assert_same(read_gguf_metadata(path), got)
+
+
+def test_tensors_read_as_gguf_py_reads_them(tmp_path) -> None:
+    """Float, integer and quantised tensors: the same names, types, shapes, offsets and data views as gguf-py's."""
+    from gguf import GGUFReader
+
+    path = tmp_path / "every.gguf"
+    _every_type_file(path)
+    meta, tensors = read_gguf(path)
+    _assert_same(meta, _gguf_py(path))
+    want = GGUFReader(path).tensors
+    assert [t.name for t in tensors] == ["w", "half", "quan", "ids"] == [t.name for t in want]
+    for got, ref in zip(tensors, want, strict=True):
+        assert got.tensor_type == ref.tensor_type and got.shape.tolist() == ref.shape.tolist()
+        assert (got.n_elements, got.n_bytes, got.data_offset) == (ref.n_elements, ref.n_bytes, ref.data_offset)
+        assert got.data.dtype == ref.data.dtype and got.data.shape == ref.data.shape
+        assert np.array_equal(got.data, ref.data) and not got.data.flags.writeable
+    assert tensors[2].data.shape == (3, 68)
+
+
+@pytest.mark.parametrize("damage, says", [
+    (lambda b, at: b[:-16], "runs past the end of the file"),  # into the last tensor, not its padding
+    (lambda b, at: b[:at["quan.type"]] + struct.pack("<I", 99) + b[at["quan.type"] + 4:], "unknown tensor type 99"),
+    (lambda b, at: b[:at["quan.dims"]] + struct.pack("<I", 5) + b[at["quan.dims"] + 4:], "5 dimensions"),
+    (lambda b, at: b[:at["half.name"]] + b"quan" + b[at["half.name"] + 4:], "tensor 'quan' appears twice"),
+])
+def test_damaged_tensor_directories_are_refused(tmp_path, damage, says: str) -> None:
+    path = tmp_path / "every.gguf"
+    _every_type_file(path)
+    data = path.read_bytes()
+    at = {}
+    for name in ("half", "quan"):  # where each tensor's name, dimension count and type are
+        key = _s(name.encode())
+        at[f"{name}.name"] = data.index(key) + 8
+        at[f"{name}.dims"] = data.index(key) + len(key)
+    at["quan.type"] = at["quan.dims"] + 4 + 2 * 8
+    path.write_bytes(damage(data, at))
+    with pytest.raises(ValueError, match="^every.gguf: ") as err:
+        read_gguf(path)
+    assert says in str(err.value) and "byte offset" in str(err.value)
 
 
 def test_empty_arrays_read_as_gguf_py_reads_them(tmp_path) -> None:
