@@ -106,6 +106,7 @@ def test_tensors_read_as_gguf_py_reads_them(tmp_path) -> None:
     (lambda b, at: b[:at["quan.type"]] + struct.pack("<I", 99) + b[at["quan.type"] + 4:], "unknown tensor type 99"),
     (lambda b, at: b[:at["quan.dims"]] + struct.pack("<I", 5) + b[at["quan.dims"] + 4:], "5 dimensions"),
     (lambda b, at: b[:at["half.name"]] + b"quan" + b[at["half.name"] + 4:], "tensor 'quan' appears twice"),
+    (lambda b, at: b[:8] + struct.pack("<Q", 2**63) + b[16:], f"the tensor count {2**63} cannot fit"),
 ])
 def test_damaged_tensor_directories_are_refused(tmp_path, damage, says: str) -> None:
     path = tmp_path / "every.gguf"
