@@ -1,13 +1,13 @@
 """A GGUF of a supported family read into plain Python: config, float32 weights, tokenizer and chat template data.
 
-``load_gguf(path)`` reads the file with PyPI ``gguf`` (``GGUFReader``), turns the metadata into a ``LlamaConfig``
-through the model's family (``gguf_config``; numpy scalars are cast to Python numbers: under NumPy 2 a float32 numpy
-scalar would silently promote float32 activations to float64), and dequantises every tensor to a C-contiguous
-float32 numpy array with ``gguf.quants.dequantize`` (``gguf_tensors``). Weights keep their GGUF names and the
-PyTorch ``[out_features, in_features]`` layout (``token_embd.weight`` is ``[vocab, hidden]``,
-``blk.{i}.attn_q.weight`` is ``[n_heads * head_dim, hidden]``, ...), in the canonical layout of ``model_family``:
-a ``llama`` GGUF's ``attn_q``/``attn_k`` rows, which llama.cpp's converter permuted for adjacent-pair RoPE, are put
-back in Hugging Face's half-rotation order.
+``load_gguf(path)`` reads the file's key/values and tensor directory from a memory map (``gguf_metadata``: plain
+Python numbers, strings and lists, so no numpy scalar can promote float32 activations to float64 under NumPy 2),
+turns the metadata into a ``LlamaConfig`` through the model's family (``gguf_config``), and dequantises every
+tensor to a C-contiguous float32 numpy array with ``gguf.quants.dequantize`` (``gguf_tensors``). Weights keep
+their GGUF names and the PyTorch ``[out_features, in_features]`` layout (``token_embd.weight`` is ``[vocab,
+hidden]``, ``blk.{i}.attn_q.weight`` is ``[n_heads * head_dim, hidden]``, ...), in the canonical layout of
+``model_family``: a ``llama`` GGUF's ``attn_q``/``attn_k`` rows, which llama.cpp's converter permuted for
+adjacent-pair RoPE, are put back in Hugging Face's half-rotation order.
 
 The tokenizer is rebuilt from the token list, types, merges and ``tokenizer.ggml.*`` metadata by
 ``logitproc.compile.gguf_tokenizer.build_tokenizer`` (re-exported here); the chat template
@@ -26,6 +26,7 @@ import numpy as np
 
 from .families import family_for_gguf
 from .gguf_config import config_from_gguf
+from .gguf_metadata import read_gguf
 from .gguf_tensors import gguf_weights, read_rope_tensors
 from .gguf_tokenizer import SUPPORTED as SUPPORTED_TOKENIZER_MODELS
 from .gguf_tokenizer import TokenType, build_tokenizer
@@ -57,39 +58,12 @@ class GGUFModel:
         return [i for i, kind in enumerate(self.token_types) if kind in keep]
 
 
-def _to_python(value: Any) -> Any:
-    """A numpy scalar as the matching Python number (bool, int or float); anything else unchanged."""
-    return value.item() if isinstance(value, np.generic) else value
-
-
-def _field_value(reader_field: Any) -> Any:
-    """A GGUF metadata field as Python values: str, int, float, bool, or a list of them (one array level)."""
-    from gguf import GGUFValueType
-
-    types = reader_field.types
-    parts = reader_field.parts
-
-    def scalar(index: int, kind: GGUFValueType) -> Any:
-        if kind == GGUFValueType.STRING:
-            return bytes(parts[index]).decode("utf-8")
-        return _to_python(parts[index][0])
-
-    if types[0] == GGUFValueType.ARRAY:
-        if len(types) != 2:
-            raise ValueError(f"nested GGUF array field {reader_field.name!r} is not supported")
-        return [scalar(index, types[1]) for index in reader_field.data]
-    return scalar(reader_field.data[0], types[0])
-
-
 def load_gguf(path: str | os.PathLike[str], *, load_weights: bool = True) -> GGUFModel:
     """Read a GGUF of a supported family (``families``): config, tokenizer data and (unless ``load_weights`` is
     False) float32 weights in the canonical layout (``gguf_tensors.gguf_weights``). Raises ValueError naming an
     unsupported architecture, key, tensor or tokenizer."""
-    from gguf import GGUFReader
-
     path = Path(path)
-    reader = GGUFReader(path)
-    meta = {name: _field_value(f) for name, f in reader.fields.items() if not name.startswith("GGUF.")}
+    meta, tensors = read_gguf(path)
     family_for_gguf(str(meta.get("general.architecture")))  # an unknown architecture is refused first
     tokenizer_model = meta.get("tokenizer.ggml.model")
     if tokenizer_model not in SUPPORTED_TOKENIZER_MODELS:  # the rest is checked by gguf_tokenizer, before compiling
@@ -100,15 +74,15 @@ def load_gguf(path: str | os.PathLike[str], *, load_weights: bool = True) -> GGU
     merges: list[str] = meta.pop("tokenizer.ggml.merges", [])  # none in a SentencePiece vocabulary
     token_types: list[int] = meta.pop("tokenizer.ggml.token_type", [1] * len(tokens))
 
-    shapes = {t.name: tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors}
-    config = config_from_gguf(meta, shapes, read_rope_tensors(reader.tensors),
+    shapes = {t.name: tuple(int(n) for n in reversed(t.shape)) for t in tensors}
+    config = config_from_gguf(meta, shapes, read_rope_tensors(tensors),
                               vocab_size=len(tokens), source=path.name)
     if len(tokens) != config.vocab:
         raise ValueError(f"{path.name}: {len(tokens)} tokens but vocab_size {config.vocab}")
 
-    weights = dict(gguf_weights(reader.tensors, config, keep_blocks=False)[0]) if load_weights else {}
-    tensor_types = {t.name: t.tensor_type.name for t in reader.tensors}
-    del reader  # drops the memory map
+    weights = dict(gguf_weights(tensors, config, keep_blocks=False)[0]) if load_weights else {}
+    tensor_types = {t.name: t.tensor_type.name for t in tensors}
+    del tensors  # drops the memory map
     return GGUFModel(
         path=path,
         config=config,

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from .gguf_metadata import read_gguf
 from .gguf_model import GGUFModel
 from .gguf_tensors import LazyWeights, RawTensors, gguf_weights
 from .linear_kernels import QUANTISED
@@ -25,9 +26,7 @@ def read_gguf_tensors(path: str | os.PathLike[str], config: LlamaConfig, *,
                       keep_blocks: bool) -> tuple[LazyWeights, RawTensors]:
     """A GGUF's tensors (``gguf_tensors.gguf_weights``): weights read when looked up (float32), and (with
     ``keep_blocks``) the quantised tensors as raw blocks instead: name -> (type name, uint8 ``[rows, bytes]``)."""
-    from gguf import GGUFReader
-
-    return gguf_weights(GGUFReader(path).tensors, config, keep_blocks=keep_blocks)
+    return gguf_weights(read_gguf(path)[1], config, keep_blocks=keep_blocks)
 
 
 def split_blocks(ggml_type: str, data: np.ndarray) -> dict[str, np.ndarray]:

@@ -221,7 +221,8 @@ SLOW_TESTS: dict[str, str] = {
     "tests/test_library.py::test_cuda_source_has_every_kernel_and_its_ptx_assembles*sm_90*":
         "[4] the same source assembled for sm_80",
     "tests/test_library.py::test_rocm_code_object_is_an_amdgpu_elf_with_every_kernel*gfx942*":
-        "[0 on a warm cache, 16-19 on a cold one since the GPU kernels' lets went to registers (130-160 before): a build of its own] the same check on gfx90a",
+        "[0 on a warm cache, 16-19 on a cold one (130-160 before the GPU kernels' lets went to registers): a build "
+        "of its own] the same check on gfx90a",
     "tests/test_library.py::test_rocm_code_object_is_an_amdgpu_elf_with_every_kernel*gfx1100*":
         "[0 on a warm cache, 16-19 on a cold one] the same check on gfx90a",
     "tests/test_kernel_multinomial.py::test_zero_probability_tokens_are_never_sampled*128001*":
