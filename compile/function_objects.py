@@ -94,10 +94,10 @@ def build_executable(mod: tvm.IRModule, target: tvm.target.Target, store: Path |
     if target.kind.name != "llvm":
         raise ValueError(f"build_executable compiles for the CPU (llvm), not {target.kind.name!r}")
     builder, tir, attrs = lower_to_vm(mod, target)
-    store = store if store is not None else Path(tempfile.mkdtemp(prefix="logitproc-objects-"))
-    libraries = [tvm.runtime.load_static_library(str(function_object(gv.name_hint, func, tir.attrs, target, store)),
-                                                 [gv.name_hint])
-                 for gv, func in sorted(tir.functions.items(), key=lambda item: item[0].name_hint)]
+    with tempfile.TemporaryDirectory(prefix="logitproc-objects-") as scratch:  # a static library keeps its bytes
+        libraries = [tvm.runtime.load_static_library(
+            str(function_object(gv.name_hint, func, tir.attrs, target, Path(scratch) if store is None else store)),
+            [gv.name_hint]) for gv, func in sorted(tir.functions.items(), key=lambda item: item[0].name_hint)]
     if not libraries:
         raise ValueError("the module has no TIR function to compile")
     library = libraries[0]
