@@ -51,6 +51,7 @@ def _assert_same_lowering(mod: tvm.IRModule) -> None:
         assert left_out[name] == kept[name], name
 
 
+@pytest.mark.slow  # about 4 s of CPU: the library lowered twice
 def test_left_out_passes_change_no_kernel_of_the_library() -> None:
     with fast_macro_lookup():
         mod = tvm.IRModule({name: factory(TARGET) for name, factory in KERNEL_FACTORIES.items()})
