@@ -46,11 +46,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import tvm
 from logitproc.quiet_stderr import filtered_stderr
 
 from ..runtime.targets import TargetSpec, build_features, resolve_target
-from .build_options import pass_context
+from .function_objects import build_executable
 from .gguf_model import GGUFModel, load_gguf
 from .gguf_tensors import RawTensors
 from .integer_matvec import has_int8_dot
@@ -78,6 +77,8 @@ MODULE_FILE = "model.so"
 PARAMS_FILE = "params.npz"
 TOKENIZER_FILE = "tokenizer.json"
 KERNELS_TIR_FILE = "kernels.tir.py"
+#: the folder of the build cache that holds the models' TIR functions' object code (``function_objects``)
+OBJECTS_DIR = "objects"
 _COMPILER_DIR = Path(__file__).resolve().parent
 
 
@@ -242,7 +243,8 @@ def eos_token_ids(model: GGUFModel) -> list[int]:
 
 
 def _build_into(source: _Source, model_hash: str, spec: TargetSpec, options: _Options, out: Path,
-                progress: Progress, kernels: KernelLibrary, chat: ModelTokenizer) -> dict[str, Any]:
+                progress: Progress, kernels: KernelLibrary, chat: ModelTokenizer,
+                objects: Path | None) -> dict[str, Any]:
     started = time.perf_counter()
     progress(f"loading {source.name} ({source.kind}) ...")
     weight_dtype, kv_dtype = options.weight_dtype, options.kv_dtype
@@ -269,8 +271,8 @@ def _build_into(source: _Source, model_hash: str, spec: TargetSpec, options: _Op
         mod, param_names = export_llama(llama, target)
     progress(f"exported the Relax module ({time.perf_counter() - step:.1f}s); compiling for {target} ...")
     step = time.perf_counter()
-    with pass_context(target), filtered_stderr():  # TVM's harmless 'Fast mode' warning
-        executable = tvm.compile(mod, target=target)
+    with filtered_stderr():  # TVM's harmless 'Fast mode' warning
+        executable = build_executable(mod, target, objects)  # tvm.compile's, each TIR function's object cached
     # The logit-processing kernels: the target's kernel library's object code, linked in (compiled once per target).
     executable.export_library(str(out / MODULE_FILE), addons=[str(kernels.artifact(KERNEL_OBJECT))])
     shutil.copyfile(kernels.artifact(KERNELS_TIR_FILE), out / KERNELS_TIR_FILE)
@@ -380,7 +382,8 @@ def compile_model(
     if not cache:
         chat = source.tokenizer()  # an unsupported tokenizer or template is refused before anything is compiled
         built = Path(tempfile.mkdtemp(prefix="logitproc-model-"))
-        _build_into(source, model_hash, spec, options, built, say, _kernel_library(spec, say, cache=False), chat)
+        _build_into(source, model_hash, spec, options, built, say, _kernel_library(spec, say, cache=False), chat,
+                    None)
     else:
         built = cache_root() / "models" / f"{_slug(source.name)}-{_cache_key(model_hash, spec, options)}"
         if (built / MANIFEST).is_file():
@@ -389,7 +392,7 @@ def compile_model(
             chat = source.tokenizer()  # an unsupported tokenizer or template is refused before anything is compiled
             kernels = _kernel_library(spec, say, cache=True)
             build_in_cache(built, lambda staging: _build_into(source, model_hash, spec, options, staging, say,
-                                                              kernels, chat))
+                                                              kernels, chat, cache_root() / OBJECTS_DIR))
             say(f"cached at {built}")
     if out is None:
         return built
