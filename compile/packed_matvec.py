@@ -175,16 +175,23 @@ def _high(q: Any) -> Any:
 def _quantise(x, xq, xd, xs, t, blocks, amax, qmax):
     """xq, xd, xs of token ``t`` (module doc; ``qmax`` 127: one plane of int8 codes, ``SPLIT_QMAX``: each code
     ``q = 256 h + l`` as the planes ``h`` (0) and ``l`` (1), ``l`` in [-128, 128)); ``amax``: a local float32
-    scratch of 16 (the maxima, then the codes' sums: ``d`` and ``inv`` may be inlined where they are used)."""
+    scratch of 16 (the maxima, then the codes' sums). In three passes over the blocks, each a stream of independent
+    blocks (in one pass, a block's maximum, two divisions and codes made one dependent chain a block): ``d`` into
+    ``xd``, ``inv`` into ``xs`` (overwritten by the third pass), then the codes; the same operations on the same
+    values, so the same codes and scales."""
     for b in range(blocks):
         for lane in T.vectorized(8):
             amax[lane] = T.max(T.max(T.abs(T.Cast("float32", x[t, b * _QBLOCK + lane])),
                                      T.abs(T.Cast("float32", x[t, b * _QBLOCK + 8 + lane]))),
                                T.max(T.abs(T.Cast("float32", x[t, b * _QBLOCK + 16 + lane])),
                                      T.abs(T.Cast("float32", x[t, b * _QBLOCK + 24 + lane]))))
-        d: T.let = T.max(T.max(T.max(amax[0], amax[1]), T.max(amax[2], amax[3])),
+        xd[t, b] = T.max(T.max(T.max(amax[0], amax[1]), T.max(amax[2], amax[3])),
                          T.max(T.max(amax[4], amax[5]), T.max(amax[6], amax[7]))) / T.float32(qmax)
-        inv: T.let = T.Select(d > T.float32(0), T.float32(1) / T.max(d, T.float32(1e-30)), T.float32(0))
+    for b in range(blocks):
+        xs[t, b] = T.Select(xd[t, b] > T.float32(0), T.float32(1) / T.max(xd[t, b], T.float32(1e-30)), T.float32(0))
+    for b in range(blocks):
+        d: T.let = xd[t, b]
+        inv: T.let = xs[t, b]
         for lane in T.vectorized(8):
             amax[8 + lane] = T.float32(0)
         for j in T.unroll(4):  # no T.let inside: TVM's vectorizer kept one lane of a let-bound vector
@@ -198,7 +205,6 @@ def _quantise(x, xq, xd, xs, t, blocks, amax, qmax):
                     xq[1, t, b * _QBLOCK + j * 8 + lane] = T.Cast("int8", _code(
                         x, t, b * _QBLOCK + j * 8 + lane, inv) - _high(_code(x, t, b * _QBLOCK + j * 8 + lane, inv))
                                                                   * T.float32(256))
-        xd[t, b] = d
         xs[t, b] = d * (((amax[8] + amax[9]) + (amax[10] + amax[11])) + ((amax[12] + amax[13]) + (amax[14] + amax[15])))
 
 
