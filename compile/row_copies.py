@@ -4,7 +4,8 @@ with zeros up to the KV cache's heads, and the first columns of each row of the 
 heads, without the rows that carry the stored keys and values).
 
 Relax's ``concat`` with ``zeros`` and its ``split`` did these as serial scalar loops (three kernels, one of them a
-second output nobody reads); these are one kernel each, copies of the same values (so the same bits), 16 elements
+second output nobody reads); these are one kernel each (one builder, ``_column_copy``), copies of the same values
+(so the same bits), 16 elements
 a vector, tokens in parallel from ``PARALLEL_FROM`` tokens on.
 """
 
@@ -34,33 +35,7 @@ def pad_rows_kernel(width: int, padded: int, dtype: str) -> tirx.PrimFunc:
     _check(width, padded, dtype)
     if padded < width:
         raise ValueError(f"rows of {width} cannot be padded to {padded}")
-
-    @T.macro
-    def row(x, out, t):
-        for c in range(width // _LANES):
-            for lane in T.vectorized(_LANES):
-                out[t, c * _LANES + lane] = x[t, c * _LANES + lane]
-        for k in range(width % _LANES):
-            out[t, width // _LANES * _LANES + k] = x[t, width // _LANES * _LANES + k]
-        for k in range(padded - width):
-            out[t, width + k] = T.Cast(dtype, 0)
-
-    # s_tir: a root block, which Relax's reshape-pattern check asks of one-input kernels
-    @T.prim_func(private=True, s_tir=True)
-    def pad_rows(var_x: T.handle, var_out: T.handle):
-        T.func_attr({"tirx.noalias": True, "op_pattern": 8})  # opaque: not to be fused
-        n = T.int64()
-        x = T.match_buffer(var_x, (n, width), dtype)
-        out = T.match_buffer(var_out, (n, padded), dtype)
-        with T.sblock("root"):
-            if n >= PARALLEL_FROM:
-                for t in T.parallel(n):
-                    row(x, out, t)
-            else:
-                for t in range(n):
-                    row(x, out, t)
-
-    return pad_rows
+    return _column_copy(width, padded, dtype)
 
 
 @functools.cache
@@ -70,21 +45,31 @@ def first_columns_kernel(width: int, kept: int, dtype: str) -> tirx.PrimFunc:
     _check(width, kept, dtype)
     if kept > width:
         raise ValueError(f"{kept} columns cannot be kept of rows of {width}")
+    return _column_copy(width, kept, dtype)
+
+
+def _column_copy(width: int, out_width: int, dtype: str) -> tirx.PrimFunc:
+    """``out[t, :c] = x[t, :c]`` with ``c = min(width, out_width)``, the rest of ``out[t]`` zeros, for ``x[n,
+    width]`` and ``out[n, out_width]``: both kernels above (sizes checked by them)."""
+    copied = min(width, out_width)
 
     @T.macro
     def row(x, out, t):
-        for c in range(kept // _LANES):
+        for c in range(copied // _LANES):
             for lane in T.vectorized(_LANES):
                 out[t, c * _LANES + lane] = x[t, c * _LANES + lane]
-        for k in range(kept % _LANES):
-            out[t, kept // _LANES * _LANES + k] = x[t, kept // _LANES * _LANES + k]
+        for k in range(copied % _LANES):
+            out[t, copied // _LANES * _LANES + k] = x[t, copied // _LANES * _LANES + k]
+        for k in range(out_width - copied):
+            out[t, copied + k] = T.Cast(dtype, 0)
 
+    # s_tir: a root block, which Relax's reshape-pattern check asks of one-input kernels
     @T.prim_func(private=True, s_tir=True)
-    def first_columns(var_x: T.handle, var_out: T.handle):
-        T.func_attr({"tirx.noalias": True, "op_pattern": 8})
+    def column_copy(var_x: T.handle, var_out: T.handle):
+        T.func_attr({"tirx.noalias": True, "op_pattern": 8})  # opaque: not to be fused
         n = T.int64()
         x = T.match_buffer(var_x, (n, width), dtype)
-        out = T.match_buffer(var_out, (n, kept), dtype)
+        out = T.match_buffer(var_out, (n, out_width), dtype)
         with T.sblock("root"):
             if n >= PARALLEL_FROM:
                 for t in T.parallel(n):
@@ -93,4 +78,4 @@ def first_columns_kernel(width: int, kept: int, dtype: str) -> tirx.PrimFunc:
                 for t in range(n):
                     row(x, out, t)
 
-    return first_columns
+    return column_copy
