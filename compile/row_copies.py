@@ -5,8 +5,7 @@ heads, without the rows that carry the stored keys and values).
 
 Relax's ``concat`` with ``zeros`` and its ``split`` did these as serial scalar loops (three kernels, one of them a
 second output nobody reads); these are one kernel each (one builder, ``_column_copy``), copies of the same values
-(so the same bits), 16 elements
-a vector, tokens in parallel from ``PARALLEL_FROM`` tokens on.
+(so the same bits), 16 elements a vector, tokens in parallel from ``PARALLEL_FROM`` tokens on.
 """
 
 from __future__ import annotations
