@@ -3,8 +3,12 @@
 Used by ``bench_model.py --llama-cpp``. Both models get the same prompt tokens and the same number of threads; at
 each context length (a prompt of that many tokens) they prefill the prompt and then decode greedily, in interleaved
 rounds (the order alternating from round to round), and the best round of each figure is kept. The memory floor is
-a copy of the compiled model's weight bytes (two threads, best of several): no decode step, which reads every weight
-once, can take less than a read of them, so ``decode tok/s * memcpy seconds`` is the fraction of that floor reached.
+a read of as many bytes as the compiled model's weights (``read_seconds``: 64-bit words OR-reduced by numpy on the
+run's threads; the fastest read of those tried on the AMD EPYC VM, 2026-11-28: 42 GB/s on two threads, quiet, where a
+TVM loop of 512-bit loads read 34 GB/s), measured before the first round and after every round (the VM's memory rate
+moves with its host's load), best of all: no decode step, which reads every weight once, can take less, so ``decode
+tok/s * read seconds`` is the fraction of that floor reached (at most 1.0). A copy of the bytes (``memcpy_seconds``, a
+read and a write per byte; the floor of docs/benchmarks.md's side-by-side figures before this note) is printed too.
 Each run starts after a pause of ``SETTLE_SECONDS``: llama.cpp's OpenMP workers spin on the cores for a while after
 its run (and TVM's pool after ours), which slowed whichever engine ran next (2026-11-28: logitproc's Q4_0 prefill at
 context 64 1,912-2,038 tok/s right after llama.cpp, 2,460-2,577 right after its own decode).
@@ -128,6 +132,23 @@ def batch_decode(model, prompt: Sequence[int], batch: int, steps: int) -> float:
     return batch * steps / seconds
 
 
+def read_seconds(n_bytes: int, threads: int, repeat: int = 7) -> float:
+    """Best time of a read of ``n_bytes`` (a fresh buffer larger than any cache, OR-reduced as 64-bit words) split
+    over ``threads`` threads: what one decode step, which reads every weight once, cannot beat."""
+    words = np.full(max(n_bytes // 8, threads), 0x5A5A, np.uint64)
+    parts = np.array_split(words, threads)
+    best = float("inf")
+    for _ in range(repeat):
+        workers = [threading.Thread(target=np.bitwise_or.reduce, args=(part,)) for part in parts]
+        t0 = time.perf_counter()
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def memcpy_seconds(n_bytes: int, threads: int, repeat: int = 7) -> float:
     """Best time of a copy of ``n_bytes`` (fresh buffers larger than any cache) split over ``threads`` threads."""
     src = np.ones(n_bytes, np.uint8)
@@ -175,9 +196,10 @@ def side_by_side(model, gguf: Path, prompt_for: Callable[[int], list[int]], cont
     log(f"KV caches: logitproc {getattr(model, 'kv_dtype', 'float32')}, llama.cpp float16 (its default type_k/type_v)")
     with np.load(model.directory / PARAMS_FILE) as stored:
         weight_bytes = sum(stored[name].nbytes for name in stored.files)
-    floor_s = memcpy_seconds(weight_bytes, threads)
-    log(f"weights {weight_bytes / 2**20:.1f} MiB; memcpy of them ({threads} threads): {floor_s * 1e3:.2f} ms "
-        f"-> floor {1 / floor_s:.1f} decode steps/s")
+    copy_s = memcpy_seconds(weight_bytes, threads)
+    floor_s = read_seconds(weight_bytes, threads)
+    log(f"weights {weight_bytes / 2**20:.1f} MiB; a read of them ({threads} threads): {floor_s * 1e3:.2f} ms "
+        f"-> floor {1 / floor_s:.1f} decode steps/s (a copy of them: {copy_s * 1e3:.2f} ms)")
 
     prompts = {ctx: prompt_for(ctx) for ctx in contexts}
     for runner in (ours, llama):  # warm-up: first-call costs, buffers
@@ -198,10 +220,11 @@ def side_by_side(model, gguf: Path, prompt_for: Callable[[int], list[int]], cont
             aggregate = batch_decode(model, prompts[min(contexts)], batch, decode_tokens)
             best.add(ours.name, min(contexts), f"batch{batch}", aggregate)
             log(f"round {r + 1}: logitproc batch {batch} aggregate decode {aggregate:.1f} tok/s")
+        floor_s = min(floor_s, read_seconds(weight_bytes, threads, repeat=3))
 
     log(f"\nbest of {rounds} interleaved rounds, {threads} threads each, {decode_tokens} decode tokens after the "
-        f"prompt, greedy; memory floor = memcpy of the {weight_bytes / 2**20:.1f} MiB of weights in "
-        f"{floor_s * 1e3:.2f} ms")
+        f"prompt, greedy; memory floor = a read of the {weight_bytes / 2**20:.1f} MiB of weights in "
+        f"{floor_s * 1e3:.2f} ms (best of the reads between the rounds)")
     log("\n| context | prefill tok/s llama.cpp | logitproc | ratio | decode tok/s llama.cpp | logitproc | ratio "
         "| decode / floor llama.cpp | logitproc |")
     log("|---|---|---|---|---|---|---|---|---|")

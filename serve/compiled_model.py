@@ -42,6 +42,7 @@ from tokenizers import Tokenizer
 from tvm import relax
 
 from .chat_template import ChatTemplate
+from .host_weights import weight_tensor
 from .runner import ModelRunner
 
 _PAGE_SIZE = 16
@@ -99,7 +100,7 @@ class CompiledModel(ModelRunner):
         self.device = tvm.cpu()
         self._vm = relax.VirtualMachine(self.kernel_library.runtime_module, self.device)
         with np.load(self.directory / PARAMS_FILE) as stored:
-            self._params = [tvm.runtime.tensor(stored[name], self.device) for name in self.manifest["params"]]
+            self._params = [weight_tensor(stored[name]) for name in self.manifest["params"]]
         self._embed, self._prefill_fn, self._decode_fn = self._vm["embed"], self._vm["prefill"], self._vm["decode"]
         self._verify_fn = self._vm["verify"]
         # Pages are per sequence: each may leave its last page partly empty, so the cache gets one page per sequence
