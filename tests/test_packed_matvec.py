@@ -4,7 +4,8 @@ for bit, and read as the module doc describes it), the kernel equals float64 num
 ``quantise_activations`` rounds them (its integer sums are exact, so only float rounding differs: within 1e-6 of the
 output's scale), with 8-bit codes and with 16-bit codes (two int8 planes), in the AVX2 tile and (on CPUs with
 AVX512-VNNI) the VNNI tiles; a token's row is bitwise the same whatever the other tokens (narrow, wide and pair
-tiles); the VNNI kernel gives the AVX2 kernel's outputs bit for bit, with and without its wide tiles; float16 inputs
+tiles); the VNNI kernel gives the AVX2 kernel's outputs bit for bit, with and without its wide tiles, and so does
+the AVX2 kernel built for a CPU without AVX-512 (``mcpu=haswell``); float16 inputs
 and outputs are the float32 sums rounded once; awkward shapes: rows not a multiple of the 8-row group, one and an
 odd number of blocks, 1 to 9 tokens and a span of 128 crossed, all-zero and constant activation blocks, the extreme
 codes 0 and 15. The packed Q8_0 head (VNNI only) equals numpy likewise, its lookup the GGUF layout's bit for
@@ -180,6 +181,27 @@ def test_the_vnni_kernel_gives_the_avx2_kernels_outputs_bit_for_bit(xbits: int) 
                 outs.append(y.numpy().view(np.uint32))
             for out in outs[1:]:
                 np.testing.assert_array_equal(out, outs[0], err_msg=f"{n_out}x{n_in}, {n} tokens, {xbits}-bit")
+
+
+def test_the_avx2_kernel_built_without_avx512_gives_this_cpus_outputs() -> None:
+    """A CPU with AVX2 but no AVX-512 (``mcpu=haswell``: no AVX512-VNNI, so no wide or pair tiles) runs the AVX2
+    tile: built for that target it gives, bit for bit, the kernel built for this CPU (here, where it has AVX512-VNNI,
+    the VNNI tiles), at every tile tail, a wide tile's count and a second span."""
+    haswell = tvm.target.Target({"kind": "llvm", "mcpu": "haswell"})
+    assert not has_vnni(build_features(haswell)) and has_int8_dot(build_features(haswell))
+    rng = np.random.default_rng(6)
+    n_out, n_in = 37, 96
+    weights = _arrays(_weights(n_out, n_in, rng)[0])
+    avx2 = compiled_for_cpu(quant_matmul_kernel(Q4_1, n_out, n_in), haswell)
+    here = _q4_1(n_out, n_in, vnni=has_vnni(build_features(TARGET)))
+    x = rng.standard_normal((140, n_in)).astype(np.float32)
+    for n in (1, 2, 3, 8, 9, 17, 140):
+        outs = []
+        for run in (avx2, here):
+            y = tvm.runtime.tensor(np.full((n, n_out), np.nan, np.float32))
+            run(tvm.runtime.tensor(x[:n]), *weights, y)
+            outs.append(y.numpy().view(np.uint32))
+        np.testing.assert_array_equal(outs[0], outs[1], err_msg=f"{n} tokens")
 
 
 @pytest.mark.parametrize("vnni", TILES)
