@@ -17,9 +17,9 @@ from .gguf_model import GGUFModel
 from .gguf_tensors import LazyWeights, RawTensors, gguf_weights
 from .linear_kernels import QUANTISED
 from .model_config import LlamaConfig
-from .packed_matvec import pack_q4_1, pack_q8_0
-from .quant_formats import BY_FORMAT, pack, unpack_gguf, widen
-from .relax_llama import FORMAT_TYPES, GGUF_FORMATS, SPLIT, LlamaSpec
+from .packed_matvec import pack_q8_0
+from .quant_formats import pack, unpack_gguf, widen
+from .relax_llama import FORMAT_TYPES, GGUF_FORMATS, SPLIT, LlamaSpec, packed_layout
 
 
 def read_gguf_tensors(path: str | os.PathLike[str], config: LlamaConfig, *,
@@ -62,26 +62,27 @@ def iter_relax_weights(model: GGUFModel, spec: LlamaSpec,
     ``LazyWeights`` only the tensors of one parameter are in memory at a time (float32, then the stored type)."""
     w = model.weights
 
-    def blocks(fmt: str, names: list[str]) -> dict[str, np.ndarray]:
+    def blocks(fmt: str, names: list[str], packed: bool) -> dict[str, np.ndarray]:
         """The parts' GGUF blocks in ``fmt``'s type (widened exactly, or requantised: ``relax_llama``'s choice),
-        rows joined, as the kernel's arrays (``quant_formats`` layouts packed; Q8_0 / Q4_1 split)."""
+        rows joined, as the kernel's arrays (``quant_formats`` layouts packed; Q8_0 / unpacked Q4_1 split)."""
         target = FORMAT_TYPES[fmt]
         for name in names:
             if raw is None or name not in raw:
                 raise ValueError(f"{name} is stored as {fmt} but its GGUF blocks are not given")
         assert raw is not None
         data = np.concatenate([widen(*raw[name], target) for name in names])
-        if fmt in BY_FORMAT:
-            return pack(BY_FORMAT[fmt], unpack_gguf(BY_FORMAT[fmt], data))
+        layout = packed_layout(fmt, packed)
+        if layout:
+            return pack(layout, unpack_gguf(layout, data))
         return split_blocks(target, data)
 
     def arrays(kind: str, names: list[str], layer: int | None, fmt: str) -> dict[str, np.ndarray]:
-        if fmt in BY_FORMAT:
-            return blocks(fmt, names)
+        packed = spec.packed(kind, layer, fmt)
+        if packed_layout(fmt, packed):
+            return blocks(fmt, names, packed)
         if fmt in QUANTISED and raw is not None and len({raw[n][0] for n in names if n in raw}) > 1:
-            joined = blocks(fmt, names)  # parts of different types, widened to one
-            return (pack_q4_1(**joined) if fmt == "q4_1" else pack_q8_0(**joined)) if spec.packed(
-                kind, layer, fmt) else joined
+            joined = blocks(fmt, names, packed)  # parts of different types, widened to one (Q8_0)
+            return pack_q8_0(**joined) if packed else joined
         parts: list[dict[str, np.ndarray]] = []
         for name in names:
             if fmt in QUANTISED:
@@ -96,9 +97,7 @@ def iter_relax_weights(model: GGUFModel, spec: LlamaSpec,
                 raise ValueError(f"the model has no weight {name}")
             parts.append(part)
         joined = {k: np.ascontiguousarray(np.concatenate([p[k] for p in parts])) for k in parts[0]}
-        if not spec.packed(kind, layer, fmt):
-            return joined
-        return pack_q4_1(**joined) if fmt == "q4_1" else pack_q8_0(**joined)
+        return pack_q8_0(**joined) if packed else joined
 
     def put(prefix: str, kind: str, names: list[str], layer: int | None = None) -> Iterator[tuple[str, np.ndarray]]:
         fmt = spec.fmt(kind, layer)

@@ -1,48 +1,31 @@
 # fmt: off
-"""Q4_1 matmuls on AVX2 with 8-bit activation blocks and integer dot products over weights repacked 8 rows to a
-vector: the kernel of every Q4_1 matmul (prefill, decode, batched decode, speculative verify) on AVX2 CPUs.
+"""The packed Q8_0 output head (AVX512-VNNI), and what every packed integer-dot matmul shares: activations quantised
+to 8-bit blocks (or 16-bit codes as two int8 planes) once per call, results 8 rows to a vector.
 
-Weights (``pack_q4_1``, once when they are loaded): rows in groups of 8 (the last group padded with zero rows);
-for group ``g`` and block ``b`` of 32 weights, byte ``32 v + 4 r + j`` of ``codes[g, b]`` (``v, j < 4``, ``r < 8``)
-holds weight ``32 b + 8 v + j`` of row ``8 g + r`` in its low nibble and weight ``32 b + 8 v + 4 + j`` in its high
-nibble; ``scales[g, b, r]`` / ``mins[g, b, r]`` are that row's float16 block scale and min (the GGUF's bytes, 20 per
-32 weights, reordered). Activations (``quantise_int8``, GGML's Q8_1): per token ``t`` and block ``b``,
-``xd[t, b] = max_j |x[t, 32 b + j]| / 127``, ``xq[t, 32 b + j] = nearbyint(x[t, 32 b + j] / xd[t, b])`` (int8; 0
-for an all-zero block) and ``xs[t, b] = xd[t, b] * sum_j xq[t, 32 b + j]``. Then::
+Activations (``quantise_activations``; ``quant_matvec``'s kernels, the Q4_1 layer matrices among them, quantise them
+the same way, with ``_quantise``): per token ``t`` and block ``b`` of 32, ``xd[t, b] = max_j |x[t, 32 b + j]| / 127``,
+``xq[t, 32 b + j] = nearbyint(x[t, 32 b + j] / xd[t, b])`` (int8; 0 for an all-zero block; GGML's Q8_1) and
+``xs[t, b] = xd[t, b] * sum_j xq[t, 32 b + j]``; with 16-bit codes (the default, ``SPLIT_QMAX`` for 127) each code
+``q = 256 h + l`` is stored as two int8 planes ``h`` and ``l``.
 
-    for t in range(n):
-        for o in range(N):                       # o = 8 g + r
-            y[t, o] = sum_b scales[g, b, r] * xd[t, b] * sum_j q[o, 32 b + j] * xq[t, 32 b + j]
-                            + mins[g, b, r] * xs[t, b]
-
-Per row group, token and block: each 32-byte vector's low nibbles (4 weights of each of the 8 rows) times the
-token's 4 activation bytes broadcast to the 8 rows (one ``vpmaddubsw``: u8 x s8, adjacent products summed into
-int16), the high nibbles times the next 4; the 8 products added as int16 (at most 8 x 2 x 15 x 127 = 30480), one
-``vpmaddwd`` with ones gives int32 lane ``r`` = row ``r``'s block sum, converted to float and added with one FMA by
-``scale x xd`` and one by ``min x xs`` into lane ``r`` of the token's accumulator: a lane is a row, so there are no
-horizontal sums and ``y[t, 8 g: 8 g + 8]`` is one vector store. Tokens go in tiles of 4 (then 2, then 1), each
-weight vector loaded and unpacked once per tile; a token's operations are the same, in the same order, whatever its
-tile (batch invariance). Row groups go in 64 parallel chunks (both threads on every matmul), tokens in spans of 128
-so that a span's activations stay in L2 while a chunk's rows pass over them. Past one token the cost is a token's own
-instructions (16-bit codes: 16 ``vpmaddubsw``, 16 broadcasts and 14 ``vpaddw`` a block, about 16 cycles on Zen 3),
-not the shared unpacking: tiles of 2, 3 or 4 run at the same speed (docs/benchmarks.md, speculative decoding).
-
-On CPUs with AVX512-VNNI (``has_vnni``; Zen 4, Ice Lake and later), the tiles take ``vpdpbusd`` instead: per
-vector half, plane and token one instruction adds the 4 products of each row into its int32 lane, what
-``vpmaddubsw``, the int16 additions and ``vpmaddwd`` compute (the same exact int32 block sums, so the same outputs
-bit for bit), in about a third fewer instructions a token: 1.4-1.5x the AVX2 tile's rate with 16-bit codes.
-
-Q8_0 (the output head, on AVX512-VNNI only): ``pack_q8_0`` stores 8 rows to a vector as well, byte ``32 v + 4 r + j``
-of ``codes[g, b]`` weight ``32 b + 4 v + j`` of row ``8 g + r`` plus 128, so that ``vpdpbusd`` (unsigned bytes
-times signed) takes whole bytes; the offset comes off as Q4_1's min does::
+Q8_0 (``pack_q8_0``): rows in groups of 8 (the last padded with zero rows), byte ``32 v + 4 r + j`` of
+``codes[g, b]`` weight ``32 b + 4 v + j`` of row ``8 g + r`` plus 128, so that ``vpdpbusd`` (unsigned bytes times
+signed) takes whole bytes; the offset comes off as a min of ``-128 x scale``::
 
     y[t, o] = sum_b scales[g, b, r] * xd[t, b] * sum_j (q[o, 32 b + j] + 128) * xq[t, 32 b + j]
                     - 128 * scales[g, b, r] * xs[t, b]
 
-``packed_q8_0_embed_kernel`` looks rows up in that layout (a tied embedding is the head), giving the GGUF layout's
-values exactly. Packed Q8_0 calls of ``PAIR_TOKENS`` tokens or more first run pair tiles (``_pair_q8_vnni``): 8
-tokens on two whole row groups at once in 512-bit vectors, each activation broadcast serving 16 rows (the same
-outputs bit for bit; ``quant_matvec``'s pair tiles, docs/model.md).
+Per row group, token and block: 8 vectors of 32 bytes (4 weights of each of the 8 rows), each times the token's 4
+activation bytes broadcast to the 8 rows (one ``vpdpbusd`` per plane: int32 lane ``r`` is row ``r``'s sum), the
+exact int32 block sum converted to float and added with one FMA by ``scale x xd`` and one by the min times ``xs``
+into lane ``r`` of the token's accumulator: a lane is a row, so ``y[t, 8 g: 8 g + 8]`` is one vector store. Tokens
+go in tiles of 3 (16-bit codes) or 4, then 2, then 1, each weight vector loaded once per tile; a token's operations
+are the same, in the same order, whatever its tile (batch invariance). Row groups go in 64 parallel chunks, tokens
+in spans of 128 so that a span's activations stay in L2 while a chunk's rows pass over them. Calls of
+``PAIR_TOKENS`` tokens or more first run pair tiles (``_pair_q8_vnni``): 8 tokens on two whole row groups at once in
+512-bit vectors, each activation broadcast serving 16 rows (the same outputs bit for bit; ``quant_matvec``'s pair
+tiles, docs/model.md). ``packed_q8_0_embed_kernel`` looks rows up in that layout (a tied embedding is the head),
+giving the GGUF layout's values exactly.
 """
 
 from __future__ import annotations
@@ -83,30 +66,6 @@ _SCALE = "float16"
 def has_vnni(features: frozenset[str]) -> bool:
     """Whether code built with these LLVM features can run the VNNI tile (``VNNI_FEATURES``)."""
     return all(f in features for f in VNNI_FEATURES)
-
-
-def packed_shapes(out_features: int, in_features: int) -> list[tuple[str, tuple[int, ...], str]]:
-    """(suffix, shape, dtype) of the arrays of a packed Q4_1 ``[out, in]`` weight (module doc)."""
-    groups, blocks = -(-out_features // ROWS), in_features // _QBLOCK
-    return [("codes", (groups, blocks, 4 * _QBLOCK), "uint8"), ("scales", (groups, blocks, ROWS), _SCALE),
-            ("mins", (groups, blocks, ROWS), _SCALE)]
-
-
-def pack_q4_1(codes: np.ndarray, scales: np.ndarray, mins: np.ndarray) -> dict[str, np.ndarray]:
-    """The GGUF's Q4_1 arrays (``codes[N, K/2]`` uint8, ``scales``/``mins[N, K/32]`` float16) in the packed layout."""
-    n_out, half = codes.shape
-    blocks, groups = half // 16, -(-n_out // ROWS)
-    pad = groups * ROWS - n_out
-    q = np.concatenate([codes.reshape(n_out, blocks, 16) & 15, codes.reshape(n_out, blocks, 16) >> 4], axis=2)
-    q = np.pad(q, ((0, pad), (0, 0), (0, 0)))                       # [N', blocks, 32] weights 0..15
-    q = q.reshape(groups, ROWS, blocks, 4, 2, 4).transpose(0, 2, 3, 1, 4, 5)  # [g, b, v, r, half, j]
-    packed = (q[:, :, :, :, 0, :] | (q[:, :, :, :, 1, :] << 4)).astype(np.uint8)  # [g, b, v, r, j]
-
-    def rows(a: np.ndarray) -> np.ndarray:
-        return np.ascontiguousarray(np.pad(a, ((0, pad), (0, 0))).reshape(groups, ROWS, blocks).transpose(0, 2, 1))
-
-    return {"codes": np.ascontiguousarray(packed.reshape(groups, blocks, 4 * _QBLOCK)),
-            "scales": rows(scales.astype(np.float16)), "mins": rows(mins.astype(np.float16))}
 
 
 Q8_OFFSET = 128  # packed Q8_0 weights are stored as w + 128 (unsigned, for vpdpbusd), the offset folded as a min
@@ -154,11 +113,6 @@ def round_activations(x: np.ndarray, xbits: int = 8) -> np.ndarray:
 
 def _intrin(name: str, dtype: str, *args: Any) -> Any:
     return T.call_llvm_pure_intrin(T.llvm_lookup_intrinsic_id(name), *args, dtype=dtype)
-
-
-def _pairs(iacc: Any, at: Any) -> Any:
-    """int32x8 sums of adjacent int16 lanes ``iacc[at: at + 16]`` (``vpmaddwd`` with ones)."""
-    return _intrin(_MADDWD, "int32x8", iacc[T.ramp(at, 1, 16)], T.broadcast(T.int16(1), 16))
 
 
 def _code(x: Any, t: Any, k: Any, inv: Any) -> Any:
@@ -228,78 +182,20 @@ def _store(y, facc, t0, size, g, out_features):
                 y[t0 + s, g * ROWS + r] = T.Cast(y.dtype, facc[s * ROWS + r])
 
 
-@T.macro
-def _tile(y, xq4, xd, xs, t0, size, g, blocks, out_features, codes, scales, mins, iacc, facc, planes):
-    """``y[t0 + s, 8 g: 8 g + 8]`` for the ``size`` tokens of a tile (module doc); ``planes``: 1 or 2 int8 planes
-    of activation codes (the high plane's block sums taken 256 times)."""
-    for s in T.unroll(size):
-        facc[T.ramp(s * ROWS, 1, ROWS)] = T.broadcast(T.float32(0), ROWS)
-    for b in range(blocks):
-        for p in T.unroll(planes):
-            for s in T.unroll(size):
-                iacc[T.ramp((p * size + s) * 16, 1, 16)] = T.broadcast(T.int16(0), 16)
-        for v in T.unroll(4):
-            raw: T.let = codes.vload([g, b, v * 32], "uint8x32")
-            low: T.let = T.bitwise_and(raw, T.broadcast(T.uint8(15), 32))
-            high: T.let = T.shift_right(raw, T.broadcast(T.uint8(4), 32))
-            for p in T.unroll(planes):
-                for s in T.unroll(size):
-                    xlo: T.let = T.reinterpret("int8x32", T.broadcast(xq4[p, t0 + s, b * 8 + v * 2], 8))
-                    xhi: T.let = T.reinterpret("int8x32", T.broadcast(xq4[p, t0 + s, b * 8 + v * 2 + 1], 8))
-                    iacc[T.ramp((p * size + s) * 16, 1, 16)] = iacc[T.ramp((p * size + s) * 16, 1, 16)] + _intrin(
-                        _MADDUBS, "int16x16", low, xlo) + _intrin(_MADDUBS, "int16x16", high, xhi)
-        sv: T.let = T.Cast("float32x8", scales.vload([g, b, 0], "float16x8"))
-        mv: T.let = T.Cast("float32x8", mins.vload([g, b, 0], "float16x8"))
-        for s in T.unroll(size):
-            sums: T.let = _pairs(iacc, s * 16) if planes == 1 else T.shift_left(
-                _pairs(iacc, s * 16), T.broadcast(T.int32(8), ROWS)) + _pairs(iacc, (size + s) * 16)
-            _add_block(facc, s, sums, sv, mv, xd, xs, t0, b)
-    _store(y, facc, t0, size, g, out_features)
-
-
 def _plane_sum(iacc: Any, s: Any, size: int, p: int) -> Any:
-    """int32x8 block sums of token ``s``'s plane ``p`` in ``_tile_vnni``: its low and high nibbles' accumulators."""
+    """int32x8 block sums of token ``s``'s plane ``p`` in ``_tile_q8_vnni``: its even and odd vectors'
+    accumulators."""
     at = (p * size + s) * 2 * ROWS
     return iacc[T.ramp(at, 1, ROWS)] + iacc[T.ramp(at + ROWS, 1, ROWS)]
 
 
 @T.macro
-def _tile_vnni(y, xq4, xd, xs, t0, size, g, blocks, out_features, codes, scales, mins, iacc, facc, planes):
-    """``_tile`` with AVX512-VNNI: one ``vpdpbusd`` per vector half, plane and token adds the 4 products of each row
-    straight into its int32 lane (what ``vpmaddubsw``, the int16 additions and ``vpmaddwd`` with ones compute,
-    exactly: the same int32 block sums, so the same outputs bit for bit). The low and high nibbles accumulate apart
-    (shorter dependency chains); ``iacc``: int32, 8 lanes per (plane, token, half)."""
-    for s in T.unroll(size):
-        facc[T.ramp(s * ROWS, 1, ROWS)] = T.broadcast(T.float32(0), ROWS)
-    for b in range(blocks):
-        for a in T.unroll(planes * size * 2):
-            iacc[T.ramp(a * ROWS, 1, ROWS)] = T.broadcast(T.int32(0), ROWS)
-        for v in T.unroll(4):
-            raw: T.let = codes.vload([g, b, v * 32], "uint8x32")
-            low: T.let = T.bitwise_and(raw, T.broadcast(T.uint8(15), 32))
-            high: T.let = T.shift_right(raw, T.broadcast(T.uint8(4), 32))
-            for p in T.unroll(planes):
-                for s in T.unroll(size):
-                    at: T.let = (p * size + s) * 2 * ROWS
-                    xlo: T.let = T.reinterpret("int8x32", T.broadcast(xq4[p, t0 + s, b * 8 + v * 2], ROWS))
-                    xhi: T.let = T.reinterpret("int8x32", T.broadcast(xq4[p, t0 + s, b * 8 + v * 2 + 1], ROWS))
-                    iacc[T.ramp(at, 1, ROWS)] = _intrin(_DPBUSD, "int32x8", iacc[T.ramp(at, 1, ROWS)], low, xlo)
-                    iacc[T.ramp(at + ROWS, 1, ROWS)] = _intrin(_DPBUSD, "int32x8", iacc[T.ramp(at + ROWS, 1, ROWS)],
-                                                               high, xhi)
-        sv: T.let = T.Cast("float32x8", scales.vload([g, b, 0], "float16x8"))
-        mv: T.let = T.Cast("float32x8", mins.vload([g, b, 0], "float16x8"))
-        for s in T.unroll(size):
-            sums: T.let = _plane_sum(iacc, s, size, 0) if planes == 1 else T.shift_left(
-                _plane_sum(iacc, s, size, 0), T.broadcast(T.int32(8), ROWS)) + _plane_sum(iacc, s, size, 1)
-            _add_block(facc, s, sums, sv, mv, xd, xs, t0, b)
-    _store(y, facc, t0, size, g, out_features)
-
-
-@T.macro
 def _tile_q8_vnni(y, xq4, xd, xs, t0, size, g, blocks, out_features, codes, scales, mins, iacc, facc, planes):
-    """``_tile_vnni`` for packed Q8_0 (``pack_q8_0``): 8 vectors of whole bytes a block, each the next 4 weights of
-    the 8 rows; the weights' offset of 128 comes off as a min of ``-128 x scale`` times the token's ``xs`` (``mins``
-    is not read). The vectors go round two accumulators per plane and token (even and odd ``v``)."""
+    """``y[t0 + s, 8 g: 8 g + 8]`` for the ``size`` tokens of a tile (module doc): 8 vectors of whole bytes a block,
+    each the next 4 weights of the 8 rows, one ``vpdpbusd`` per vector, plane and token; the weights' offset of 128
+    comes off as a min of ``-128 x scale`` times the token's ``xs`` (``mins`` is not read). The vectors go round two
+    accumulators per plane and token (even and odd ``v``: shorter dependency chains); ``iacc``: int32, 8 lanes per
+    (plane, token, accumulator)."""
     for s in T.unroll(size):
         facc[T.ramp(s * ROWS, 1, ROWS)] = T.broadcast(T.float32(0), ROWS)
     for b in range(blocks):
@@ -352,26 +248,23 @@ def _pair_q8_vnni(y, xq4, xd, xs, t0, size, g, blocks, codes, scales, pacc, pfac
         y[t0 + s, T.ramp(g * ROWS, 1, _PAIR)] = T.Cast(f"{y.dtype}x{_PAIR}", pfacc[T.ramp(s * _PAIR, 1, _PAIR)])
 
 
-def _matmul_body(tile_macro: Any, pair_macro: Any = None) -> Any:
-    """The packed kernels' body around ``tile_macro`` (``_tile``, ``_tile_vnni`` or ``_tile_q8_vnni``): each token's
-    activations quantised once (tokens in parallel from 16 on), then row groups in parallel chunks, tokens in spans
-    of ``_SPAN`` and tiles of ``tile`` (then 2, then 1), so that a token's operations are the same in any tile. With
-    ``pair_macro`` (``_pair_q8_vnni``) the whole row groups go in pairs, ``PAIR_TOKENS`` tokens at a time through it
-    first."""
-
-    paired = pair_macro is not None
+def _matmul_body() -> Any:
+    """The packed Q8_0 kernel's body: each token's activations quantised once (tokens in parallel from 16 on), then
+    row groups in parallel chunks, tokens in spans of ``_SPAN`` and tiles of ``tile`` (then 2, then 1) of
+    ``_tile_q8_vnni``, so that a token's operations are the same in any tile; from ``PAIR_TOKENS`` tokens on, the
+    whole row groups go in pairs, ``PAIR_TOKENS`` tokens at a time through ``_pair_q8_vnni`` first."""
 
     @T.macro
     def rest(y, xq4, xd, xs, t0, t1, g, blocks, codes, scales, mins, iacc, facc, planes, tile, N):
         """Row group ``g``'s tokens ``t0`` to ``t1``: tiles of ``tile``, 2 and 1."""
         for tt in range((t1 - t0) // tile):
-            tile_macro(y, xq4, xd, xs, t0 + tt * tile, tile, g, blocks, N, codes, scales, mins, iacc, facc,
-                       planes)
+            _tile_q8_vnni(y, xq4, xd, xs, t0 + tt * tile, tile, g, blocks, N, codes, scales, mins, iacc, facc,
+                          planes)
         if (t1 - t0) % tile >= 2:
-            tile_macro(y, xq4, xd, xs, t1 - (t1 - t0) % tile, 2, g, blocks, N, codes, scales, mins, iacc,
-                       facc, planes)
+            _tile_q8_vnni(y, xq4, xd, xs, t1 - (t1 - t0) % tile, 2, g, blocks, N, codes, scales, mins, iacc,
+                          facc, planes)
         if (t1 - t0) % tile % 2 == 1:
-            tile_macro(y, xq4, xd, xs, t1 - 1, 1, g, blocks, N, codes, scales, mins, iacc, facc, planes)
+            _tile_q8_vnni(y, xq4, xd, xs, t1 - 1, 1, g, blocks, N, codes, scales, mins, iacc, facc, planes)
 
     @T.macro
     def groupwise(y, n, xq4, xd, xs, blocks, codes, scales, mins, planes, tile, lanes, acc_dtype, N, groups, chunks):
@@ -401,31 +294,27 @@ def _matmul_body(tile_macro: Any, pair_macro: Any = None) -> Any:
                 _quantise(x, xq, xd, xs, t, blocks, amax, qmax)
         # with pairs, two parallel loops, so two functions: the few tokens' one keeps its registers (in one function
         # with the pair tiles, LLVM spilled pointers and constants in the narrow tiles' loops)
-        if paired:
-            if n >= PAIR_TOKENS:
-                for chunk in T.parallel(chunks):
-                    iacc = T.alloc_buffer((planes * tile * lanes,), acc_dtype, scope="local")
-                    facc = T.alloc_buffer((tile * ROWS,), "float32", scope="local")
-                    pacc = T.alloc_buffer((planes * PAIR_TOKENS * _PAIR,), "int32", scope="local")
-                    pfacc = T.alloc_buffer((PAIR_TOKENS * _PAIR,), "float32", scope="local")
-                    for span in range((n + _SPAN - 1) // _SPAN):
-                        t1: T.let = T.min(n, span * _SPAN + _SPAN)
-                        t0: T.let = span * _SPAN + (t1 - span * _SPAN) // PAIR_TOKENS * PAIR_TOKENS
-                        for u in range(chunk * (groups - N // ROWS // 2) // chunks,
-                                       (chunk + 1) * (groups - N // ROWS // 2) // chunks):
-                            if u < N // ROWS // 2:
-                                for tt in range((t1 - span * _SPAN) // PAIR_TOKENS):
-                                    pair_macro(y, xq4, xd, xs, span * _SPAN + tt * PAIR_TOKENS, PAIR_TOKENS, 2 * u,
-                                               blocks, codes, scales, pacc, pfacc, planes)
-                                for h in range(2):
-                                    rest(y, xq4, xd, xs, t0, t1, 2 * u + h, blocks, codes, scales, mins, iacc, facc,
-                                         planes, tile, N)
-                            else:
-                                rest(y, xq4, xd, xs, span * _SPAN, t1, u + N // ROWS // 2, blocks, codes, scales,
-                                     mins, iacc, facc, planes, tile, N)
-            else:
-                groupwise(y, n, xq4, xd, xs, blocks, codes, scales, mins, planes, tile, lanes, acc_dtype, N, groups,
-                          chunks)
+        if n >= PAIR_TOKENS:
+            for chunk in T.parallel(chunks):
+                iacc = T.alloc_buffer((planes * tile * lanes,), acc_dtype, scope="local")
+                facc = T.alloc_buffer((tile * ROWS,), "float32", scope="local")
+                pacc = T.alloc_buffer((planes * PAIR_TOKENS * _PAIR,), "int32", scope="local")
+                pfacc = T.alloc_buffer((PAIR_TOKENS * _PAIR,), "float32", scope="local")
+                for span in range((n + _SPAN - 1) // _SPAN):
+                    t1: T.let = T.min(n, span * _SPAN + _SPAN)
+                    t0: T.let = span * _SPAN + (t1 - span * _SPAN) // PAIR_TOKENS * PAIR_TOKENS
+                    for u in range(chunk * (groups - N // ROWS // 2) // chunks,
+                                   (chunk + 1) * (groups - N // ROWS // 2) // chunks):
+                        if u < N // ROWS // 2:
+                            for tt in range((t1 - span * _SPAN) // PAIR_TOKENS):
+                                _pair_q8_vnni(y, xq4, xd, xs, span * _SPAN + tt * PAIR_TOKENS, PAIR_TOKENS, 2 * u,
+                                              blocks, codes, scales, pacc, pfacc, planes)
+                            for h in range(2):
+                                rest(y, xq4, xd, xs, t0, t1, 2 * u + h, blocks, codes, scales, mins, iacc, facc,
+                                     planes, tile, N)
+                        else:
+                            rest(y, xq4, xd, xs, span * _SPAN, t1, u + N // ROWS // 2, blocks, codes, scales,
+                                 mins, iacc, facc, planes, tile, N)
         else:
             groupwise(y, n, xq4, xd, xs, blocks, codes, scales, mins, planes, tile, lanes, acc_dtype, N, groups,
                       chunks)
@@ -447,14 +336,14 @@ def _check(kind: str, in_features: int, out_features: int, x_dtype: str, y_dtype
 def packed_q8_0_kernel(out_features: int, in_features: int, x_dtype: str = "float32", y_dtype: str = "float32",
                        xbits: int = DEFAULT_ACTIVATION_BITS) -> tirx.PrimFunc:
     """``y[t, o] = sum_k x[t, k] * W[o, k]`` for Q8_0 weights packed by ``pack_q8_0`` (parameters ``x``, ``codes``,
-    ``scales``, ``y``), on AVX512-VNNI only (``has_vnni``): the activations quantised as for Q4_1, each block's sum
-    ``scale * xd * (sum_j (w_j + 128) q_j) - 128 * scale * xs``; tokens, tiles, spans and chunks as
-    ``packed_q4_1_kernel``'s, so a token's row is the same whatever the other tokens."""
+    ``scales``, ``y``), on AVX512-VNNI only (``has_vnni``): the activations quantised once per call (module doc),
+    each block's sum ``scale * xd * (sum_j (w_j + 128) q_j) - 128 * scale * xs``; tokens in tiles, spans and
+    chunks, so a token's row is the same whatever the other tokens."""
     _check("Q8_0", in_features, out_features, x_dtype, y_dtype, xbits)
     N, K, blocks, groups = out_features, in_features, in_features // _QBLOCK, -(-out_features // ROWS)
     chunks = min(_CHUNKS, groups)
     planes, qmax, tile = (1, _QMAX, _TILE) if xbits == 8 else (2, SPLIT_QMAX, _SPLIT_TILE)
-    body = _matmul_body(_tile_q8_vnni, _pair_q8_vnni)
+    body = _matmul_body()
 
     @T.prim_func(private=True)
     def packed_q8_0(var_x: T.handle, codes: T.Buffer((groups, blocks, ROWS * _QBLOCK), "uint8"),
@@ -486,30 +375,3 @@ def packed_q8_0_embed_kernel(vocab: int, hidden: int) -> tirx.PrimFunc:
                     "float32", T.Cast("int32", codes[ids[t] // ROWS, h // _QBLOCK, (h % _QBLOCK) // 4 * 32
                                                      + ids[t] % ROWS * 4 + h % 4]) - Q8_OFFSET)
     return embed_packed_q8_0
-
-
-@functools.cache
-def packed_q4_1_kernel(out_features: int, in_features: int, x_dtype: str = "float32",
-                       y_dtype: str = "float32", xbits: int = DEFAULT_ACTIVATION_BITS,
-                       vnni: bool = False) -> tirx.PrimFunc:
-    """``y[t, o] = sum_k x[t, k] * W[o, k]`` (module doc) for ``x[n, K]`` of ``x_dtype`` and ``y[n, N]`` of
-    ``y_dtype`` (float32 or float16); parameters ``x``, ``codes``, ``scales``, ``mins`` (``packed_shapes``), ``y``.
-    ``xbits``: the activation codes' bits (``ACTIVATION_BITS``). ``vnni``: the tiles use AVX512-VNNI's
-    ``vpdpbusd`` (``has_vnni``; the same outputs bit for bit, fewer instructions a token)."""
-    _check("Q4_1", in_features, out_features, x_dtype, y_dtype, xbits)
-    N, K, blocks, groups = out_features, in_features, in_features // _QBLOCK, -(-out_features // ROWS)
-    chunks = min(_CHUNKS, groups)
-    planes, qmax, tile = (1, _QMAX, _TILE) if xbits == 8 else (2, SPLIT_QMAX, _SPLIT_TILE)
-    lanes, acc_dtype = (2 * ROWS, "int32") if vnni else (16, "int16")
-    body = _matmul_body(_tile_vnni if vnni else _tile)
-
-    @T.prim_func(private=True)
-    def packed_q4_1(var_x: T.handle, codes: T.Buffer((groups, blocks, 4 * _QBLOCK), "uint8"),
-                    scales: T.Buffer((groups, blocks, ROWS), _SCALE), mins: T.Buffer((groups, blocks, ROWS), _SCALE),
-                    var_y: T.handle):
-        T.func_attr({"tirx.noalias": True})
-        n = T.int64()
-        x = T.match_buffer(var_x, (n, K), x_dtype)
-        y = T.match_buffer(var_y, (n, N), y_dtype)
-        body(x, y, n, codes, scales, mins, planes, qmax, tile, lanes, acc_dtype, K, N, blocks, groups, chunks)
-    return packed_q4_1

@@ -1,33 +1,38 @@
-"""The GGUF block types that ``quant_matvec`` reads (Q4_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS): blocks
-unpacked into integer codes and scales, repacked 8 rows to a vector, and dequantised (numpy) exactly as gguf-py does.
+"""The GGUF block types that ``quant_matvec`` reads (Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS):
+blocks unpacked into integer codes and scales, repacked 8 rows to a vector, and dequantised (numpy) exactly as gguf-py
+does.
 
 Every one of these types stores weight ``k`` of row ``o`` as ``W[o, k] = S * (q - off) + M`` with an integer code
 ``q`` of ``bits`` bits (IQ4: ``lut[i]``, one of 16 values plus 128, for a 4-bit index ``i``), a fixed offset ``off``
 (Q4_0 8, Q5_0 16, Q6_K 32, IQ4 128, else 0) and, per sub-block of 32 weights
 (Q6_K: of 16), a float32 scale ``S`` and min ``M`` (0 for types without one) that are exact products of the
-stored numbers: ``S = d`` (Q4_0, Q5_0, Q5_1: the block's float16 scale) or ``S = d * sc`` (K-quants: the 256-weight
-super-block's float16 ``d`` times the sub-block's 6-bit (Q6_K: signed 8-bit) scale), ``M = m`` (Q5_1's float16 min)
-or ``M = -(dmin * mq)`` (Q4_K, Q5_K). gguf-py's ``dequantize`` computes the same float32 operations, so
-``dequantize_packed`` equals it bit for bit.
+stored numbers: ``S = d`` (Q4_0, Q4_1, Q5_0, Q5_1: the block's float16 scale) or ``S = d * sc`` (K-quants: the
+256-weight super-block's float16 ``d`` times the sub-block's 6-bit (Q6_K: signed 8-bit) scale), ``M = m`` (Q4_1's and
+Q5_1's float16 min) or ``M = -(dmin * mq)`` (Q4_K, Q5_K). gguf-py's ``dequantize`` computes the same float32
+operations, so ``dequantize_packed`` equals it bit for bit.
 
 The packed layout (``pack``; arrays by suffix, rows in groups of 8, the last group padded with zero rows, ``b`` the
 block of 32 weights):
 
-* ``codes[g, b, 128]`` uint8: the codes' low 4 bits, as ``packed_matvec.pack_q4_1`` lays out Q4_1's: byte
-  ``32 v + 4 r + j`` of the block holds weight ``8 v + j`` of row ``8 g + r`` in its low nibble and ``8 v + 4 + j``
-  in its high nibble (nibble plane ``p = 2 v + half``);
+* ``codes[g, b, 128]`` uint8: the codes' low 4 bits: byte ``32 v + 4 r + j`` of the block holds weight
+  ``8 v + j`` of row ``8 g + r`` in its low nibble and ``8 v + 4 + j`` in its high nibble (nibble plane
+  ``p = 2 v + half``);
 * ``high[g, b, 32 h]`` uint8 (``h = bits - 4`` vectors, Q5: 1, Q6: 2): the codes' 5th (and 6th) bits. Q5: bit ``p``
   of byte ``c`` is bit 4 of the code whose low bits are at position ``c`` of nibble plane ``p``; Q6: bits
   ``2 k, 2 k + 1`` of byte ``32 u + c`` are bits 4 and 5 of that code of plane ``p = 4 u + k`` (so that one
   shift and one mask put a plane's two bits in place: ``quant_matvec._codes``);
-* ``d[g, b, 8]`` float16 (Q4_0, Q5_0, Q5_1) or ``d[g, b // 8, 8]`` (K-quants): the rows' scales;
+* ``d[g, b, 8]`` float16 (Q4_0, Q4_1, Q5_0, Q5_1) or ``d[g, b // 8, 8]`` (K-quants): the rows' scales;
 * ``sc[g, b, 8]`` uint8 (Q4_K, Q5_K), int8 (IQ4_XS: ``ls - 32``) or ``sc[g, b, 16]`` int8 (Q6_K: ``[half, row]``): the
   sub-block scales;
-* ``m[g, b, 8]`` float16 (Q5_1) or ``dmin[g, b // 8, 8]`` float16 and ``mq[g, b, 8]`` uint8 (Q4_K, Q5_K): mins;
+* ``m[g, b, 8]`` float16 (Q4_1, Q5_1) or ``dmin[g, b // 8, 8]`` float16 and ``mq[g, b, 8]`` uint8 (Q4_K, Q5_K): mins;
 * ``lut[32]`` uint8 (IQ4): the 16 values plus 128, twice.
 
-Sizes against the GGUF (bytes per 256 weights): Q4_0 144 (GGUF 144), Q5_0 176 (176), Q5_1 192 (192), Q4_K 148
-(144), Q5_K 180 (176), Q6_K 212 (210), IQ4_NL 144 (144), IQ4_XS 138 (136).
+Sizes against the GGUF (bytes per 256 weights): Q4_0 144 (GGUF 144), Q4_1 160 (160), Q5_0 176 (176), Q5_1 192
+(192), Q4_K 148 (144), Q5_K 180 (176), Q6_K 212 (210), IQ4_NL 144 (144), IQ4_XS 138 (136).
+
+Q4_1 (``Q4_1``, Q5_1 without the high-bit plane) is not among ``LAYOUTS``: those formats are packed on every target
+(they need AVX2), while a Q4_1 matrix is packed only on AVX2 targets (``relax_llama.LlamaSpec.packed``; elsewhere,
+and for a Q4_1 embedding and its tied head, its GGUF blocks go to ``linear_kernels`` as they are).
 """
 
 from __future__ import annotations
@@ -96,6 +101,8 @@ LAYOUTS: dict[str, QuantLayout] = {layout.ggml: layout for layout in (
 )}
 #: the weight formats of these layouts, by name
 BY_FORMAT: dict[str, QuantLayout] = {layout.fmt: layout for layout in LAYOUTS.values()}
+#: Q4_1's layout: packed for ``quant_matvec`` on AVX2 targets only (module doc)
+Q4_1 = QuantLayout("Q4_1", "q4_1", 4, 0, False, 1, "block", 20, 32)
 
 
 def check_shape(layout: QuantLayout, out_features: int, in_features: int) -> None:
@@ -142,10 +149,10 @@ def unpack_gguf(layout: QuantLayout, raw: np.ndarray) -> dict[str, np.ndarray]:
         out["sc"] = ((low | (high << 4)).astype(np.int16) - 32).astype(np.int8).reshape(rows, -1)
         out["codes"] = _nibbles_split(blk[..., 8:].reshape(rows, -1, 8, 16)).reshape(rows, -1)
         return out
-    if layout.ggml in ("Q4_0", "Q5_0", "Q5_1"):
+    if layout.ggml in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
         out["d"] = _halves16(blk, 0)
         at = 2
-        if layout.ggml == "Q5_1":
+        if layout.min == "block":
             out["m"] = _halves16(blk, 2)
             at = 4
         codes = _nibbles_split(blk[..., -16:])

@@ -66,15 +66,8 @@ from .kv_layout import KVLayout
 from .linear_kernels import embed_kernel, integer_linear_kernel, linear_kernel, param_shapes, swiglu_kernel
 from .model_family import Activation, NormPlacement
 from .norm_kernels import rms_norm_kernel
-from .packed_matvec import (
-    DEFAULT_ACTIVATION_BITS,
-    packed_q4_1_kernel,
-    packed_q8_0_embed_kernel,
-    packed_q8_0_kernel,
-    packed_q8_0_shapes,
-    packed_shapes,
-)
-from .quant_formats import BY_FORMAT, LAYOUTS, common_type
+from .packed_matvec import DEFAULT_ACTIVATION_BITS, packed_q8_0_embed_kernel, packed_q8_0_kernel, packed_q8_0_shapes
+from .quant_formats import BY_FORMAT, LAYOUTS, Q4_1, QuantLayout, common_type
 from .quant_matvec import quant_embed_kernel, quant_matmul_kernel
 from .rope import RopeScaling
 from .row_copies import first_columns_kernel, pad_rows_kernel
@@ -133,11 +126,11 @@ class LlamaSpec:
     #: the KV cache's element type (``KV_DTYPES``): q, k, v are rounded to it before RoPE and the attention, whose
     #: output is widened back to float32
     kv_dtype: str = "float32"
-    #: the bits of the packed Q4_1 matmuls' activation codes (``packed_matvec.ACTIVATION_BITS``)
+    #: the bits of the packed matmuls' activation codes (``packed_matvec.ACTIVATION_BITS``)
     activation_bits: int = DEFAULT_ACTIVATION_BITS
-    #: the target has AVX512-VNNI (``packed_matvec.has_vnni``): the packed Q4_1 matmuls' VNNI tile (the same
-    #: outputs, fewer instructions), a packed Q8_0 output head (``packed``) and a q8_0 KV cache's integer scores
-    #: by ``vpdpbusd`` (``decode_attention.RowAttention``, the same outputs)
+    #: the target has AVX512-VNNI (``packed_matvec.has_vnni``): the packed matmuls' VNNI tiles (the same outputs,
+    #: fewer instructions; ``quant_matvec``'s wide and pair tiles), a packed Q8_0 output head (``packed``) and a
+    #: q8_0 KV cache's integer scores by ``vpdpbusd`` (``decode_attention.RowAttention``, the same outputs)
     vnni: bool = False
     #: the MLP's gate activation (``model_family.Activation`` value: ``silu`` or ``gelu_pytorch_tanh``)
     activation: str = "silu"
@@ -162,9 +155,9 @@ class LlamaSpec:
 
     def packed(self, kind: str, layer: int | None = None, fmt: str | None = None) -> bool:
         """Whether weight kind ``kind`` (of ``layer``; stored in ``fmt``, by default its format) is stored
-        repacked: the ``quant_formats`` types always (``quant_matvec``); Q4_1 on an AVX2 target (not the embedding,
-        whose rows the lookup reads, nor a tied output head, which is the embedding); on an AVX512-VNNI target also
-        Q8_0 (``packed_matvec``), except an untied embedding."""
+        repacked: the ``quant_formats`` types always (``quant_matvec``); Q4_1 on an AVX2 target (``quant_formats.Q4_1``,
+        ``quant_matvec`` too; not the embedding, whose rows the lookup reads, nor a tied output head, which is the
+        embedding); on an AVX512-VNNI target also Q8_0 (``packed_matvec``), except an untied embedding."""
         fmt = fmt or self.fmt(kind, layer)
         if fmt in BY_FORMAT:
             return True
@@ -255,9 +248,17 @@ def _stored_format(names: list[str], weight_dtype: str, raw: RawTensors | None) 
     return SPLIT.join(GGUF_FORMATS[raw[n][0]] for n in names)
 
 
+def packed_layout(fmt: str, packed: bool) -> QuantLayout | None:
+    """The ``quant_formats`` layout that a weight of format ``fmt`` (``packed`` or not) is stored in for
+    ``quant_matvec``, or None (GGUF blocks or float for ``linear_kernels``, or packed Q8_0 for ``packed_matvec``)."""
+    if fmt in BY_FORMAT:
+        return BY_FORMAT[fmt]
+    return Q4_1 if packed and fmt == Q4_1.fmt else None
+
+
 class _Weights(nn.Module):
     """The arrays storing one ``[out, in]`` weight matrix in format ``fmt`` (``linear_kernels.param_shapes``), or
-    with ``packed`` Q4_1 repacked for ``packed_matvec`` (``packed_shapes``)."""
+    with ``packed`` repacked (``packed_layout``'s ``quant_formats`` layout, or Q8_0's ``packed_q8_0_shapes``)."""
 
     def __init__(self, out_features: int, in_features: int, fmt: str, int8_dot: bool = False,
                  packed: bool = False, activation_bits: int = DEFAULT_ACTIVATION_BITS, vnni: bool = False) -> None:
@@ -268,9 +269,9 @@ class _Weights(nn.Module):
                              f"model to another type or compile with weight_dtype='float16'")
         self.out_features, self.in_features, self.fmt, self.int8_dot = out_features, in_features, fmt, int8_dot
         self.packed, self.activation_bits, self.vnni = packed, activation_bits, vnni
+        self.layout = packed_layout(fmt, packed)
         self.suffixes = []
-        shapes = (BY_FORMAT[fmt].shapes if fmt in BY_FORMAT else
-                  (packed_shapes if fmt == "q4_1" else packed_q8_0_shapes) if packed
+        shapes = (self.layout.shapes if self.layout else packed_q8_0_shapes if packed
                   else functools.partial(param_shapes, fmt=fmt))
         for suffix, shape, dtype in shapes(out_features, in_features):
             setattr(self, suffix, nn.Parameter(shape, dtype))
@@ -288,8 +289,7 @@ class _Weights(nn.Module):
         flat = x.reshape(-1, self.in_features) if len(lead) != 1 else x
         if self.packed:  # one kernel for every token count (integer dots, 8 rows a vector; Q8_0: the VNNI tile)
             shape, types = (self.out_features, self.in_features), (flat.dtype, out_dtype, self.activation_bits)
-            kernel = (quant_matmul_kernel(BY_FORMAT[self.fmt], *shape, *types, self.vnni) if self.fmt in BY_FORMAT
-                      else packed_q4_1_kernel(*shape, *types, self.vnni) if self.fmt == "q4_1"
+            kernel = (quant_matmul_kernel(self.layout, *shape, *types, self.vnni) if self.layout
                       else packed_q8_0_kernel(*shape, *types))
             vnni = "_vnni" if self.vnni and self.fmt != "q8_0" else ""
             y = nn.op.tensor_ir_op(kernel, f"packed_{self.fmt}_{shape[0]}x{shape[1]}_{'_'.join(map(str, types))}{vnni}",

@@ -1,5 +1,5 @@
-"""What a verify's extra tokens cost in the matmuls: the packed Q4_1 kernels (SmolLM2's layer shapes) and the Q8_0
-output head at 1 to n tokens, with 16-bit and 8-bit activation codes, CPU time of one thread.
+"""What a verify's extra tokens cost in the matmuls: the packed Q4_1 kernels (``quant_matvec``, SmolLM2's layer
+shapes) and the Q8_0 output head at 1 to n tokens, with 16-bit and 8-bit activation codes, CPU time of one thread.
 
     TVM_NUM_THREADS=1 python scripts/bench_packed_matvec.py [--tokens 1,2,3,4,6,64] [--rounds 7] [--verify 6]
     python scripts/bench_packed_matvec.py --forward [--tokens 1,2,3,6] [--rounds 7]
@@ -19,8 +19,8 @@ first. Whether memory and compute overlap shows here: where they do, the streami
 in-cache time and the time the bytes take at one token's rate.
 
 ``--types``: every GGUF type's packed kernel at one shape (``--shape``, default SmolLM2's ffn_down), VNNI tile where
-the CPU has it, one thread, CPU time: milliseconds per token count and GMAC/s at the largest (packed Q4_1 and Q8_0
-beside ``quant_matvec``'s Q4_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K; random blocks), these (``--only``: some) once per
+the CPU has it, one thread, CPU time: milliseconds per token count and GMAC/s at the largest (packed Q8_0 beside
+``quant_matvec``'s Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4; random blocks), these (``--only``: some) once per
 ``--wide-tokens`` size of their wide tile where they have one (``quant_matvec.wide_tile``; 0: without it).
 """
 
@@ -34,8 +34,8 @@ import numpy as np
 import tvm
 from logitproc.compile.build_options import pass_context
 from logitproc.compile.linear_kernels import linear_kernel
-from logitproc.compile.packed_matvec import has_vnni, pack_q4_1, pack_q8_0, packed_q4_1_kernel, packed_q8_0_kernel
-from logitproc.compile.quant_formats import LAYOUTS, pack, unpack_gguf
+from logitproc.compile.packed_matvec import has_vnni, pack_q8_0, packed_q8_0_kernel
+from logitproc.compile.quant_formats import LAYOUTS, Q4_1, pack, unpack_gguf
 from logitproc.compile.quant_matvec import WIDE_TILE, quant_matmul_kernel, wide_tile
 from logitproc.runtime.targets import build_features, resolve_target
 
@@ -60,14 +60,11 @@ def cases(rng: np.random.Generator) -> dict[str, tuple[object, list, int, int]]:
     """name -> (kernel, weight arrays, out, in) for every kernel measured."""
     out = {}
     for kind, (n_out, n_in) in LAYER_SHAPES.items():
-        weights = pack_q4_1(rng.integers(0, 256, (n_out, n_in // 2)).astype(np.uint8),
-                            rng.uniform(0.001, 0.02, (n_out, n_in // 32)).astype(np.float16),
-                            rng.uniform(-0.15, 0, (n_out, n_in // 32)).astype(np.float16))
-        arrays = [tvm.runtime.tensor(a) for a in weights.values()]
+        arrays = q4_1_arrays(n_out, n_in, rng)
         for bits in (16, 8):
             for vnni in (False, True) if vnni_here() else (False,):
                 out[f"{kind} {n_out}x{n_in} q4_1 {bits}-bit{' VNNI' if vnni else ''}"] = (
-                    build(packed_q4_1_kernel(n_out, n_in, xbits=bits, vnni=vnni)), arrays, n_out, n_in)
+                    build(quant_matmul_kernel(Q4_1, n_out, n_in, xbits=bits, vnni=vnni)), arrays, n_out, n_in)
     n_out, n_in = HEAD_SHAPE
     arrays = [tvm.runtime.tensor(rng.integers(-127, 128, (n_out, n_in)).astype(np.int8)),
               tvm.runtime.tensor(rng.uniform(0.001, 0.02, (n_out, n_in // 32)).astype(np.float16))]
@@ -79,17 +76,14 @@ def cases(rng: np.random.Generator) -> dict[str, tuple[object, list, int, int]]:
 def forward(tokens: list[int], rounds: int) -> None:
     """``--forward`` (module doc): a forward's matmuls streaming from memory against the same calls in cache."""
     rng = np.random.default_rng(0)
-    kinds = {kind: build(packed_q4_1_kernel(n_out, n_in, vnni=vnni_here())) for kind, (n_out, n_in) in
+    kinds = {kind: build(quant_matmul_kernel(Q4_1, n_out, n_in, vnni=vnni_here())) for kind, (n_out, n_in) in
              LAYER_SHAPES.items()}
     head = build(linear_kernel(*HEAD_SHAPE, "q8_0", True, mode="decode"))
     layers = []
     for _ in range(LAYERS):
         layer = {}
         for kind, (n_out, n_in) in LAYER_SHAPES.items():
-            weights = pack_q4_1(rng.integers(0, 256, (n_out, n_in // 2)).astype(np.uint8),
-                                rng.uniform(0.001, 0.02, (n_out, n_in // 32)).astype(np.float16),
-                                rng.uniform(-0.15, 0, (n_out, n_in // 32)).astype(np.float16))
-            layer[kind] = [tvm.runtime.tensor(a) for a in weights.values()]
+            layer[kind] = q4_1_arrays(n_out, n_in, rng)
         layers.append(layer)
     n_out, n_in = HEAD_SHAPE
     head_arrays = [tvm.runtime.tensor(rng.integers(-127, 128, (n_out, n_in)).astype(np.int8)),
@@ -128,12 +122,18 @@ def forward(tokens: list[int], rounds: int) -> None:
 
 def _random_blocks(ggml: str, rows: int, in_features: int, rng: np.random.Generator) -> np.ndarray:
     """GGUF blocks of random bytes with small finite float16 scales (every float16 field at its offset)."""
-    layout = LAYOUTS[ggml]
+    layout = {**LAYOUTS, "Q4_1": Q4_1}[ggml]
     raw = rng.integers(0, 256, (rows, in_features // layout.block_weights, layout.block_bytes)).astype(np.uint8)
-    halves = {"Q5_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}.get(ggml, (0,))
+    halves = {"Q4_1": (0, 2), "Q5_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}.get(ggml, (0,))
     for at in halves:
         raw[..., at: at + 2] = rng.uniform(0.001, 0.01, (*raw.shape[:2], 1)).astype(np.float16).view(np.uint8)
     return raw.reshape(rows, -1)
+
+
+def q4_1_arrays(n_out: int, n_in: int, rng: np.random.Generator) -> list:
+    """A random Q4_1 ``[n_out, n_in]`` weight packed for ``quant_matvec`` (device arrays)."""
+    return [tvm.runtime.tensor(a) for a in pack(Q4_1, unpack_gguf(Q4_1, _random_blocks("Q4_1", n_out, n_in, rng)))
+            .values()]
 
 
 def types(shape: tuple[int, int], tokens: list[int], rounds: int, wide: list[int], only: set[str]) -> None:
@@ -144,15 +144,12 @@ def types(shape: tuple[int, int], tokens: list[int], rounds: int, wide: list[int
     n_out, n_in = shape
     vnni = vnni_here()
     sizes = wide if wide_tile(vnni) else [0]  # one row per wide tile's size (0: none)
-    kernels = {"Q4_1": (build(packed_q4_1_kernel(n_out, n_in, vnni=vnni)), [tvm.runtime.tensor(a) for a in pack_q4_1(
-        rng.integers(0, 256, (n_out, n_in // 2)).astype(np.uint8),
-        rng.uniform(0.001, 0.02, (n_out, n_in // 32)).astype(np.float16),
-        rng.uniform(-0.15, 0, (n_out, n_in // 32)).astype(np.float16)).values()])}
+    kernels = {}
     if vnni:
         kernels["Q8_0"] = (build(packed_q8_0_kernel(n_out, n_in)), [tvm.runtime.tensor(a) for a in pack_q8_0(
             rng.integers(-127, 128, (n_out, n_in)).astype(np.int8),
             rng.uniform(0.001, 0.02, (n_out, n_in // 32)).astype(np.float16)).values()])
-    for ggml, layout in LAYOUTS.items():
+    for ggml, layout in {"Q4_1": Q4_1, **LAYOUTS}.items():
         if n_in % layout.block_weights == 0 and (vnni or not layout.codebook) and ggml in only:
             arrays = [tvm.runtime.tensor(a) for a in pack(layout, unpack_gguf(
                 layout, _random_blocks(ggml, n_out, n_in, rng))).values()]
@@ -196,7 +193,8 @@ def main() -> int:
     if args.types:
         n_out, n_in = (int(v) for v in args.shape.split("x"))
         types((n_out, n_in), sorted({int(t) for t in args.tokens.split(",")}), args.rounds,
-              [int(v) for v in args.wide_tokens.split(",")], set(args.only.split(",")) if args.only else set(LAYOUTS))
+              [int(v) for v in args.wide_tokens.split(",")],
+              set(args.only.split(",")) if args.only else {"Q4_1", *LAYOUTS})
         return 0
     if args.forward:
         forward(sorted({int(t) for t in args.tokens.split(",")}), args.rounds)

@@ -1,75 +1,103 @@
-"""The packed Q4_1 kernels (``compile/packed_matvec.py``): the repacked layout holds the GGUF's weights, the kernel
-equals float64 numpy on activations rounded as ``quantise_activations`` rounds them (its integer sums are exact, so only
-float rounding differs: within 1e-6 of the output's scale), with 8-bit codes and with 16-bit codes (two int8
-planes), a token's row is bitwise the same whatever the other
-tokens, float16 inputs and outputs are the float32 sums rounded once; awkward shapes: rows not a multiple of the
-8-row group, one and an odd number of blocks, 1 to 9 tokens and a span of 128 crossed, all-zero and constant
-activation blocks, the extreme codes 0 and 15. On CPUs with AVX512-VNNI, the VNNI tile gives the AVX2 tile's
-outputs bit for bit, and the packed Q8_0 head (VNNI only) equals numpy likewise, its lookup the GGUF layout's
-bit for bit."""
+"""The packed Q4_1 matmuls (``quant_formats.Q4_1`` run by ``compile/quant_matvec.py``) and the packed Q8_0 head
+(``compile/packed_matvec.py``). Q4_1: the repacked layout holds the GGUF's weights (gguf-py's ``dequantize`` bit
+for bit, and read as the module doc describes it), the kernel equals float64 numpy on activations rounded as
+``quantise_activations`` rounds them (its integer sums are exact, so only float rounding differs: within 1e-6 of the
+output's scale), with 8-bit codes and with 16-bit codes (two int8 planes), in the AVX2 tile and (on CPUs with
+AVX512-VNNI) the VNNI tiles; a token's row is bitwise the same whatever the other tokens (narrow, wide and pair
+tiles); the VNNI kernel gives the AVX2 kernel's outputs bit for bit, with and without its wide tiles, and so does
+the AVX2 kernel built for a CPU without AVX-512 (``mcpu=haswell``); float16 inputs
+and outputs are the float32 sums rounded once; awkward shapes: rows not a multiple of the 8-row group, one and an
+odd number of blocks, 1 to 9 tokens and a span of 128 crossed, all-zero and constant activation blocks, the extreme
+codes 0 and 15. The packed Q8_0 head (VNNI only) equals numpy likewise, its lookup the GGUF layout's bit for
+bit."""
 
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 import pytest
 import tvm
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
 from kernel_harness import built_for_cpu, compiled_for_cpu
 from logitproc.compile.integer_matvec import has_int8_dot
 from logitproc.compile.linear_kernels import embed_kernel
 from logitproc.compile.packed_matvec import (
     has_vnni,
-    pack_q4_1,
     pack_q8_0,
-    packed_q4_1_kernel,
     packed_q8_0_embed_kernel,
     packed_q8_0_kernel,
-    packed_shapes,
     quantise_activations,
 )
+from logitproc.compile.quant_formats import Q4_1, dequantize_packed, pack, unpack_gguf, unpack_packed
+from logitproc.compile.quant_matvec import quant_matmul_kernel
 from logitproc.runtime.targets import build_features, resolve_target
 
 TARGET = resolve_target("cpu").tvm_target()
 pytestmark = pytest.mark.skipif(not has_int8_dot(build_features(TARGET)), reason="this CPU has no AVX2")
+VNNI = pytest.mark.skipif(not has_vnni(build_features(TARGET)), reason="this CPU has no AVX512-VNNI")
+#: the Q4_1 kernel's tiles: AVX2 (every CPU with AVX2; what CPUs without AVX512-VNNI run) and VNNI
+TILES = [pytest.param(False, id="avx2"), pytest.param(True, id="vnni", marks=VNNI)]
 
 #: (out, in): a SmolLM2 shape, rows below and not a multiple of the group of 8, 1 and 3 blocks
 SHAPES = [(960, 576), (37, 96), (5, 32), (8, 64)]
-TOKENS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 131)  # tiles of 4, a pair, one; a second span of 128
+TOKENS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 131)  # tiles of 3 or 4, a pair, one; a wide tile (8); a second span of 128
 
 
 def _build(factory, *args, **kwargs):
     return built_for_cpu(factory, *args, **kwargs)
 
 
+def _q4_1(*args, **kwargs):
+    """The Q4_1 kernel (``quant_matmul_kernel(Q4_1, ...)``) compiled for this CPU."""
+    return _build(quant_matmul_kernel, Q4_1, *args, **kwargs)
+
+
 def _weights(n_out: int, n_in: int, rng: np.random.Generator):
-    """GGUF Q4_1 arrays (codes with the extreme nibbles in the first row) and the dense float64 matrix."""
+    """GGUF Q4_1 blocks ``[n_out, n_in / 32 * 20]`` (the extreme nibbles in the first row) and the dense float64
+    matrix they hold."""
     blocks = n_in // 32
-    codes = rng.integers(0, 256, (n_out, n_in // 2)).astype(np.uint8)
-    codes[0, :16] = 0xF0  # weights 0 (low nibbles) and 15 (high nibbles)
+    raw = rng.integers(0, 256, (n_out, blocks, 20)).astype(np.uint8)
+    raw[0, :, 4:] = 0xF0  # weights 0 (low nibbles) and 15 (high nibbles)
     scales = rng.uniform(0.001, 0.02, (n_out, blocks)).astype(np.float16)
     mins = rng.uniform(-0.15, 0.0, (n_out, blocks)).astype(np.float16)
-    q = np.concatenate([codes.reshape(n_out, blocks, 16) & 15, codes.reshape(n_out, blocks, 16) >> 4], axis=2)
+    raw[:, :, 0:2], raw[:, :, 2:4] = scales[..., None].view(np.uint8), mins[..., None].view(np.uint8)
+    q = np.concatenate([raw[:, :, 4:] & 15, raw[:, :, 4:] >> 4], axis=2)
     dense = (q * scales[:, :, None].astype(np.float64) + mins[:, :, None]).reshape(n_out, n_in)
-    return (codes, scales, mins), dense
+    return raw.reshape(n_out, -1), dense
+
+
+def _packed(raw: np.ndarray) -> dict[str, np.ndarray]:
+    return pack(Q4_1, unpack_gguf(Q4_1, raw))
+
+
+def _arrays(raw: np.ndarray) -> list:
+    return [tvm.runtime.tensor(a) for a in _packed(raw).values()]
 
 
 def _unpack(packed: dict[str, np.ndarray], n_out: int, n_in: int) -> np.ndarray:
-    """The dense float64 matrix a packed layout holds, read as the module doc describes it."""
+    """The dense float64 matrix a packed layout holds, read as ``quant_formats``' module doc describes it."""
     codes = packed["codes"].reshape(-1, n_in // 32, 4, 8, 4)  # [g, b, v, r, j]
     q = np.concatenate([codes & 15, codes >> 4], axis=4)  # [g, b, v, r, 8]: weights 8 v + (0..3 low, 4..7 high)
     q = q.transpose(0, 3, 1, 2, 4).reshape(-1, n_in)
     def rows(a):
         return np.repeat(a.transpose(0, 2, 1).reshape(-1, n_in // 32).astype(np.float64), 32, axis=1)
-    return (q * rows(packed["scales"]) + rows(packed["mins"]))[:n_out]
+    return (q * rows(packed["d"]) + rows(packed["m"]))[:n_out]
 
 
 def test_the_packed_layout_holds_the_gguf_weights() -> None:
     rng = np.random.default_rng(0)
     for n_out, n_in in SHAPES:
-        arrays, dense = _weights(n_out, n_in, rng)
-        packed = pack_q4_1(*arrays)
-        assert [(k, a.shape, str(a.dtype)) for k, a in packed.items()] == [
-            (s, shape, dtype) for s, shape, dtype in packed_shapes(n_out, n_in)]
+        raw, dense = _weights(n_out, n_in, rng)
+        parts = unpack_gguf(Q4_1, raw)
+        packed = pack(Q4_1, parts)
+        assert [(k, a.shape, str(a.dtype)) for k, a in packed.items()] == Q4_1.shapes(n_out, n_in)
         np.testing.assert_array_equal(_unpack(packed, n_out, n_in), dense)
+        gguf = np.asarray(dequantize(raw, GGMLQuantizationType.Q4_1), np.float32).reshape(n_out, n_in)
+        np.testing.assert_array_equal(dequantize_packed(Q4_1, packed, n_out).view(np.uint32), gguf.view(np.uint32))
+        for key, array in unpack_packed(Q4_1, packed, n_out).items():
+            np.testing.assert_array_equal(array, parts[key], err_msg=key)
 
 
 def test_quantise_activations_rounds_blocks_to_127_steps() -> None:
@@ -86,13 +114,14 @@ def test_quantise_activations_rounds_blocks_to_127_steps() -> None:
     assert np.abs(q16[0, :32] * d16[0, 0] - x[0, :32]).max() <= d16[0, 0] / 2
 
 
+@pytest.mark.parametrize("vnni", TILES)
 @pytest.mark.parametrize("xbits", [8, 16])
-def test_packed_kernel_matches_numpy_on_the_rounded_activations(xbits: int) -> None:
+def test_q4_1_kernel_matches_numpy_on_the_rounded_activations(xbits: int, vnni: bool) -> None:
     rng = np.random.default_rng(1)
     for n_out, n_in in SHAPES if xbits == 16 else SHAPES[1:3]:  # the default codes also on SmolLM2's shape
-        run = _build(packed_q4_1_kernel, n_out, n_in, xbits=xbits)
-        arrays, dense = _weights(n_out, n_in, rng)
-        weights = [tvm.runtime.tensor(a) for a in pack_q4_1(*arrays).values()]
+        run = _q4_1(n_out, n_in, xbits=xbits, vnni=vnni)
+        raw, dense = _weights(n_out, n_in, rng)
+        weights = _arrays(raw)
         for n in TOKENS:
             x = rng.standard_normal((n, n_in)).astype(np.float32) * rng.uniform(0.1, 10, (n, 1)).astype(np.float32)
             x[0, :32] = 0  # an all-zero block: scale 0, codes 0
@@ -109,7 +138,7 @@ def test_packed_kernel_matches_numpy_on_the_rounded_activations(xbits: int) -> N
 def _assert_rows_independent(run, weights: list, x: np.ndarray, n_out: int) -> None:
     """The first n rows of ``run`` on ``x[:n]`` are bitwise those on all of ``x`` (every tile and span)."""
     rows = {}
-    for n in (1, 2, 3, 4, 5, 7, 9, 17, len(x)):
+    for n in (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 25, len(x)):
         y = tvm.runtime.tensor(np.zeros((n, n_out), np.float32))
         run(tvm.runtime.tensor(x[:n]), *weights, y)
         rows[n] = y.numpy()
@@ -117,46 +146,73 @@ def _assert_rows_independent(run, weights: list, x: np.ndarray, n_out: int) -> N
         np.testing.assert_array_equal(y, rows[len(x)][:n], err_msg=f"{n} tokens")
 
 
+@pytest.mark.parametrize("vnni", TILES)
 @pytest.mark.parametrize("xbits", [8, 16])
-def test_a_tokens_row_does_not_depend_on_the_other_tokens(xbits: int) -> None:
+@pytest.mark.parametrize("n_out", [37, 29])
+def test_a_tokens_q4_1_row_does_not_depend_on_the_other_tokens(n_out: int, xbits: int, vnni: bool) -> None:
+    """37 rows: two pairs of whole row groups (the VNNI kernel's pair tiles) and 5 rows; 29: one pair, a whole group
+    alone (its wide tile) and 5 rows; 140 tokens: a second span of 128."""
     rng = np.random.default_rng(2)
-    n_out, n_in = 37, 96
-    run = _build(packed_q4_1_kernel, n_out, n_in, xbits=xbits)
-    arrays, _ = _weights(n_out, n_in, rng)
-    weights = [tvm.runtime.tensor(a) for a in pack_q4_1(*arrays).values()]
-    _assert_rows_independent(run, weights, rng.standard_normal((140, n_in)).astype(np.float32), n_out)
+    n_in = 96
+    run = _q4_1(n_out, n_in, xbits=xbits, vnni=vnni)
+    _assert_rows_independent(run, _arrays(_weights(n_out, n_in, rng)[0]),
+                             rng.standard_normal((140, n_in)).astype(np.float32), n_out)
 
 
-@pytest.mark.skipif(not has_vnni(build_features(TARGET)), reason="this CPU has no AVX512-VNNI")
+@VNNI
 @pytest.mark.parametrize("xbits", [8, 16])
-def test_the_vnni_tile_gives_the_avx2_tiles_outputs_bit_for_bit(xbits: int) -> None:
+def test_the_vnni_kernel_gives_the_avx2_kernels_outputs_bit_for_bit(xbits: int) -> None:
     """vpdpbusd adds each row's 4 products into its int32 lane: the int32 block sums of vpmaddubsw, the int16
     additions and vpmaddwd, so the same floats after them (every shape, tile tail and span; extreme codes and an
-    all-zero block among the activations)."""
+    all-zero block among the activations), with the wide and pair tiles and without them (``wide_tokens=0``)."""
     rng = np.random.default_rng(5)
     for n_out, n_in in SHAPES:
-        arrays, _ = _weights(n_out, n_in, rng)
-        weights = [tvm.runtime.tensor(a) for a in pack_q4_1(*arrays).values()]
-        avx2, vnni = (_build(packed_q4_1_kernel, n_out, n_in, xbits=xbits, vnni=v) for v in (False, True))
+        weights = _arrays(_weights(n_out, n_in, rng)[0])
+        runs = [_q4_1(n_out, n_in, xbits=xbits, vnni=False),
+                _q4_1(n_out, n_in, xbits=xbits, vnni=True),
+                _q4_1(n_out, n_in, xbits=xbits, vnni=True, wide_tokens=0)]
         for n in TOKENS:
             x = (rng.standard_normal((n, n_in)) * rng.uniform(0.01, 100, (n, 1))).astype(np.float32)
             x[0, :32] = 0.0
             outs = []
-            for run in (avx2, vnni):
+            for run in runs:
                 y = tvm.runtime.tensor(np.zeros((n, n_out), np.float32))
                 run(tvm.runtime.tensor(x), *weights, y)
-                outs.append(y.numpy())
-            np.testing.assert_array_equal(outs[1], outs[0], err_msg=f"{n_out}x{n_in}, {n} tokens, {xbits}-bit")
+                outs.append(y.numpy().view(np.uint32))
+            for out in outs[1:]:
+                np.testing.assert_array_equal(out, outs[0], err_msg=f"{n_out}x{n_in}, {n} tokens, {xbits}-bit")
 
 
-def test_float16_inputs_and_outputs_are_the_float32_sums_rounded_once() -> None:
+def test_the_avx2_kernel_built_without_avx512_gives_this_cpus_outputs() -> None:
+    """A CPU with AVX2 but no AVX-512 (``mcpu=haswell``: no AVX512-VNNI, so no wide or pair tiles) runs the AVX2
+    tile: built for that target it gives, bit for bit, the kernel built for this CPU (here, where it has AVX512-VNNI,
+    the VNNI tiles), at every tile tail, a wide tile's count and a second span."""
+    haswell = tvm.target.Target({"kind": "llvm", "mcpu": "haswell"})
+    assert not has_vnni(build_features(haswell)) and has_int8_dot(build_features(haswell))
+    rng = np.random.default_rng(6)
+    n_out, n_in = 37, 96
+    weights = _arrays(_weights(n_out, n_in, rng)[0])
+    avx2 = compiled_for_cpu(quant_matmul_kernel(Q4_1, n_out, n_in), haswell)
+    here = _q4_1(n_out, n_in, vnni=has_vnni(build_features(TARGET)))
+    x = rng.standard_normal((140, n_in)).astype(np.float32)
+    for n in (1, 2, 3, 8, 9, 17, 140):
+        outs = []
+        for run in (avx2, here):
+            y = tvm.runtime.tensor(np.full((n, n_out), np.nan, np.float32))
+            run(tvm.runtime.tensor(x[:n]), *weights, y)
+            outs.append(y.numpy().view(np.uint32))
+        np.testing.assert_array_equal(outs[0], outs[1], err_msg=f"{n} tokens")
+
+
+@pytest.mark.parametrize("vnni", TILES)
+def test_float16_inputs_and_outputs_are_the_float32_sums_rounded_once(vnni: bool) -> None:
     x_dtype = y_dtype = "float16"
     rng = np.random.default_rng(3)
     n_out, n_in = 37, 96
-    f32, mixed = (_build(packed_q4_1_kernel, n_out, n_in, *types)
+    f32, mixed = (_q4_1(n_out, n_in, *types, vnni=vnni)
                   for types in (("float32", "float32"), (x_dtype, y_dtype)))
-    weights = [tvm.runtime.tensor(a) for a in pack_q4_1(*_weights(n_out, n_in, rng)[0]).values()]
-    for n in (1, 6):
+    weights = _arrays(_weights(n_out, n_in, rng)[0])
+    for n in (1, 6, 9):
         x = rng.standard_normal((n, n_in)).astype(x_dtype)
         want = tvm.runtime.tensor(np.zeros((n, n_out), np.float32))
         f32(tvm.runtime.tensor(x.astype(np.float32)), *weights, want)
@@ -165,9 +221,9 @@ def test_float16_inputs_and_outputs_are_the_float32_sums_rounded_once() -> None:
         np.testing.assert_array_equal(got.numpy(), want.numpy().astype(y_dtype), err_msg=f"{n} tokens")
 
 
-@pytest.mark.parametrize("factory", [packed_q4_1_kernel, packed_q8_0_kernel])
+@pytest.mark.parametrize("factory", [functools.partial(quant_matmul_kernel, Q4_1), packed_q8_0_kernel])
 def test_bad_shapes_and_types_are_refused(factory) -> None:
-    with pytest.raises(ValueError, match="in_features a positive multiple of 32, got 48"):
+    with pytest.raises(ValueError, match="in_features a positive multiple of 32, got (48|\\[8, 48\\])"):
         factory(8, 48)
     with pytest.raises(ValueError, match="y_dtype must be float32 or float16, got 'bfloat16'"):
         factory(8, 64, "float32", "bfloat16")
@@ -191,9 +247,6 @@ def test_the_reference_rounds_the_layer_inputs_as_the_kernels_do() -> None:
         NumpyLlama(tiny, activation_bits=4)
     with pytest.raises(ValueError, match="activation_bits 4 is not supported"):
         compile_model(tiny, activation_bits=4)
-
-
-VNNI = pytest.mark.skipif(not has_vnni(build_features(TARGET)), reason="this CPU has no AVX512-VNNI")
 
 
 def _q8_0(n_out: int, n_in: int, rng: np.random.Generator):
