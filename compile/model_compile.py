@@ -348,10 +348,10 @@ def compile_model(
     llama.cpp's: half the bytes per token of context) or ``q8_0`` (8-bit blocks of 32 values with a float16 scale, as
     llama.cpp's ``-ctk q8_0 -ctv q8_0``: a third of float32's bytes with SmolLM2's heads; head sizes a multiple of
     32); q, k and v are rounded to it (``NumpyLlama(kv_dtype=...)`` rounds the same values). ``activation_bits``:
-    on AVX2 CPUs, the bits of the activation codes of the packed Q4_1 matmuls
-    (``packed_matvec``): 16 (default: logits within about 1e-3 of the float reference) or 8 (GGML's Q8_1, as
-    llama.cpp: about 1.5x faster prefill, logits about 1.5 away on SmolLM2; ``NumpyLlama(int8_activations=True)``
-    rounds the same activations). ``context``: the tokens per sequence served (default: the model's,
+    on AVX2 CPUs, the bits of the activation codes of the integer-dot matmuls of a GGUF's quantised matrices
+    (``quant_matvec``, ``packed_matvec``): 16 (default: logits within about 1e-2 of the float reference) or 8
+    (GGML's Q8_1, as llama.cpp: about 1.5x faster prefill, logits about 1.5 away on SmolLM2;
+    ``NumpyLlama(activation_bits=8)`` rounds the same activations). ``context``: the tokens per sequence served (default: the model's,
     ``LlamaConfig.context``), up to ``max_position_embeddings``; beyond a LongRoPE model's original context the
     long factors apply (``LlamaConfig.with_context``, ``compile/rope.py``); refused before the compile when
     beyond what the model serves. ``cache=False`` builds into a fresh temporary directory.

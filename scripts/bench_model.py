@@ -7,7 +7,7 @@ step that the engine spends in logit processing + sampling.
     python scripts/bench_model.py --profile [--prompt-tokens 128] [--profile-prefill 1024,4096] [--profile-verify 6]
                                   [--profile-batch 8]
     (every mode: [--kv-dtype float16|float32], the compiled model's KV cache; float16 by default, as llama.cpp's;
-    [--activation-bits 16|8], the codes of its packed Q4_1 matmuls on AVX2 CPUs)
+    [--activation-bits 16|8], the activation codes of its integer-dot matmuls on AVX2 CPUs)
 
 1. prefill tokens/s (one prompt of ``--prompt-tokens``) and greedy decode tokens/s (batch 1) of both models, in
    ``--rounds`` interleaved rounds (numpy, compiled, numpy, ...; the machine may be shared, so each round's figures
@@ -123,7 +123,7 @@ def main() -> int:
     parser.add_argument("--kv-dtype", default="float16", choices=("float16", "float32"),
                         help="the compiled model's KV cache (llama.cpp's is float16)")
     parser.add_argument("--activation-bits", type=int, default=16, choices=(16, 8),
-                        help="activation codes of the packed Q4_1 matmuls (8: as llama.cpp's)")
+                        help="activation codes of the integer-dot matmuls (8: as llama.cpp's)")
     parser.add_argument("--profile-prefill", default="", help="with --profile: prompt lengths to profile prefills of")
     parser.add_argument("--profile-verify", default="", help="with --profile: token counts to profile verifies of")
     parser.add_argument("--profile-batch", default="", help="with --profile: batch sizes to profile decode steps of")

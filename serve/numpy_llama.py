@@ -31,7 +31,7 @@ taken from the GGUF metadata are Python numbers, which NumPy 2 does not let prom
 q through q8_0 blocks too, as llama.cpp and the kernels do: ``q8_0_query``),
 as the compiled model's float16 KV cache does; ``"float32"`` (the default, as the compiled model's) keeps everything
 float32. ``activation_bits=8`` (or 16) rounds the input of every layer matmul (q/k/v, o, gate/up, down) to 8-bit
-(16-bit) codes in blocks of 32 as the compiled model's packed Q4_1 kernels do on AVX2 CPUs
+(16-bit) codes in blocks of 32 as the compiled model's integer-dot kernels do on AVX2 CPUs
 (``compile/packed_matvec.py``: ``round_activations``); the output head is not rounded. ``None`` (the default) keeps
 them float32.
 """
@@ -136,7 +136,7 @@ class NumpyLlama:
         self.kv_dtype = kv_dtype
         if activation_bits not in (None, *ACTIVATION_BITS):
             raise ValueError(f"activation_bits {activation_bits!r} is not supported (None, 8 or 16)")
-        #: the layer matmuls' inputs rounded to codes of these bits (``_act``), as the packed Q4_1 kernels round them
+        #: the layer matmuls' inputs rounded to codes of these bits (``_act``), as the integer-dot kernels round them
         self.activation_bits = activation_bits
         if cfg.n_heads % cfg.n_kv_heads:
             raise ValueError(f"{cfg.n_heads} heads are not a multiple of {cfg.n_kv_heads} KV heads")

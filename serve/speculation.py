@@ -61,7 +61,7 @@ _REACH = 8
 #: Observations the prior ``l / (l + 1)`` of ``chance(l)`` is worth.
 _PRIOR_TRIED = 2.0
 #: Before a forward of n tokens was timed: seconds(n) = seconds(1) * (1 + _PRIOR_SLOPE * (n - 1)) (each further
-#: token 0.2-0.3x a decode step here with the packed Q4_1 matmuls; before anything is timed seconds(1) is 1: the
+#: token 0.2-0.3x a decode step here with the integer-dot Q4_1 matmuls; before anything is timed seconds(1) is 1: the
 #: plan's gain does not depend on the unit), so that drafts are checked from the first step and each length is timed.
 _PRIOR_SLOPE = 0.25
 #: Recent forward timings kept, of one token and of more, and the latest of one token that make ``seconds(1)``
