@@ -352,9 +352,9 @@ def compile_model(
     (``quant_matvec``, ``packed_matvec``): 16 (default: logits within about 1e-2 of the float reference) or 8
     (GGML's Q8_1, as llama.cpp: about 1.5x faster prefill, logits about 1.5 away on SmolLM2;
     ``NumpyLlama(activation_bits=8)`` rounds the same activations). ``context``: the tokens per sequence served
-    (default: the model's, ``LlamaConfig.context``), up to ``max_position_embeddings``; beyond a LongRoPE model's original context the
-    long factors apply (``LlamaConfig.with_context``, ``compile/rope.py``); refused before the compile when
-    beyond what the model serves. ``cache=False`` builds into a fresh temporary directory.
+    (default: the model's, ``LlamaConfig.context``), up to ``max_position_embeddings``; beyond a LongRoPE model's
+    original context the long factors apply (``LlamaConfig.with_context``, ``compile/rope.py``); refused before the
+    compile when beyond what the model serves. ``cache=False`` builds into a fresh temporary directory.
     """
     say = progress or _silent
     spec = target if isinstance(target, TargetSpec) else resolve_target(target)
