@@ -28,13 +28,13 @@ Where two whole row groups follow each other, the wide tile takes both at once i
 16 rows a vector, so each activation broadcast from memory serves 16 rows instead of 8; row groups then go to the
 parallel chunks in pairs), again with the same int32 sums and the same float operations lane by lane; Q6_K's pair
 tiles take 8 tokens, a block's two sub-blocks one after the other through the same accumulators (``serial``).
-Where registers are short (Q6_K's serial tiles, and the types with one high-bit plane: Q5_0, Q5_1, Q5_K, whose 8
-rebuilt code vectors a block made LLVM spill), a pair tile keeps one accumulator a token instead of one a plane: the
-high plane's products first, then the sum shifted by 8 bits, the offset added and the low plane's products on top,
-which is the joined sum exactly (``_serial_sub_block``, ``_one_acc_block``); types without high bits keep two (one
-chain a token measured 2-4% slower there). Q6_K has no min, so ``xs`` holds a copy of ``xd`` that its second
-sub-block reads: two loads LLVM cannot merge, so each product ``S x xd`` takes ``xd`` straight from memory instead
-of one broadcast kept (spilled) across the sub-blocks.
+Where registers are short (Q6_K's serial tiles, and Q5_K, whose 8 rebuilt code vectors a block and super-block
+mins made LLVM spill 35 times a block), a pair tile keeps one accumulator a token instead of one a plane: the high
+plane's products first, then the sum shifted by 8 bits, the offset added and the low plane's products on top, which
+is the joined sum exactly (``_serial_sub_block``, ``_one_acc_block``); the other types keep two (one dependent chain
+a token measured 0-6% slower where nothing spilled: Q4_0, Q4_K, Q5_0, Q5_1, IQ4_XS). Q6_K has no min, so ``xs``
+holds a copy of ``xd`` that its second sub-block reads: two loads LLVM cannot merge, so each product ``S x xd``
+takes ``xd`` straight from memory instead of one broadcast kept (spilled) across the sub-blocks.
 """
 
 from __future__ import annotations
@@ -387,7 +387,7 @@ def _pair_tile(y, xq4, xd, xs, xc, t0, size, g, blocks, codes, high, dd, sc, mm,
                     facc[T.ramp(s * _PAIR, 1, _PAIR)] = facc[T.ramp(s * _PAIR, 1, _PAIR)] + T.Cast(
                         f"float32x{_PAIR}", iacc[T.ramp(s * _PAIR, 1, _PAIR)]) * (sv * T.broadcast(
                             T.if_then_else(h == 0, xd[t0 + s, b], xs[t0 + s, b]), _PAIR))
-        elif halves == 1 and planes == 2 and hb == 1:  # (without high bits: two chains a token measured faster)
+        elif planes == 2 and hb == 1 and min_kind == 2:  # Q5_K only (module doc)
             _one_acc_block(xq4, xc, t0, size, g, b, codes, high, lut, iacc, hb, off, codebook)
             sv: T.let = _scale(dd, sc, g, b, 0, superblock, sc_type, True)
             for s in T.unroll(size):
