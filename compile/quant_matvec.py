@@ -28,6 +28,13 @@ Where two whole row groups follow each other, the wide tile takes both at once i
 16 rows a vector, so each activation broadcast from memory serves 16 rows instead of 8; row groups then go to the
 parallel chunks in pairs), again with the same int32 sums and the same float operations lane by lane; Q6_K's pair
 tiles take 8 tokens, a block's two sub-blocks one after the other through the same accumulators (``serial``).
+Where registers are short (Q6_K's serial tiles, and Q5_K, whose 8 rebuilt code vectors a block and super-block
+mins made LLVM spill 35 times a block), a pair tile keeps one accumulator a token instead of one a plane: the high
+plane's products first, then the sum shifted by 8 bits, the offset added and the low plane's products on top, which
+is the joined sum exactly (``_serial_sub_block``, ``_one_acc_block``); the other types keep two (one dependent chain
+a token measured 0-6% slower where nothing spilled: Q4_0, Q4_K, Q5_0, Q5_1, IQ4_XS). Q6_K has no min, so ``xs``
+holds a copy of ``xd`` that its second sub-block reads: two loads LLVM cannot merge, so each product ``S x xd``
+takes ``xd`` straight from memory instead of one broadcast kept (spilled) across the sub-blocks.
 """
 
 from __future__ import annotations
@@ -298,6 +305,66 @@ def _pair_vector(xq4, xc, t0, size, g, b, v, codes, high, lut, iacc, planes, hb,
                 "int8x64", T.broadcast(xq4[p, t0 + s, b * 8 + v * 2 + 1], _PAIR)))
 
 
+def _dot4(acc: Any, xq4: Any, p: int, t: Any, at: Any, *codes: Any) -> Any:
+    """``acc`` plus the ``vpdpbusd`` products of the four code vectors ``codes`` (16 lanes) with token ``t``'s
+    activation plane ``p``, 4 bytes each from ``xq4[p, t, at]`` on."""
+    for i, code in enumerate(codes):
+        acc = _intrin(_DPBUSD_512, "int32x16", acc, code, T.reinterpret("int8x64", T.broadcast(
+            xq4[p, t, at + i], _PAIR)))
+    return acc
+
+
+@T.macro
+def _serial_sub_block(xq4, xc, t0, size, g, b, h, codes, high, lut, iacc, planes, hb, off, codebook):
+    """A serial pair tile's sub-block ``h`` of block ``b`` (vectors ``2 h`` and ``2 h + 1``, their codes rebuilt
+    once) into one accumulator a token: with two planes the high plane's products first, then the sum shifted by 8
+    bits, the offset's ``-off x`` code sum added and the low plane's products on top: the same exact int32 sum as
+    ``_wide_sum``'s joined planes, in half the registers."""
+    raw0: T.let = _rows(codes, g, [b, 2 * h * 32], "uint8", 32, True)
+    low0: T.let = _codes(raw0, high, lut, g, b, 2 * h, 0, hb, codebook, True)
+    hig0: T.let = _codes(raw0, high, lut, g, b, 2 * h, 1, hb, codebook, True)
+    raw1: T.let = _rows(codes, g, [b, (2 * h + 1) * 32], "uint8", 32, True)
+    low1: T.let = _codes(raw1, high, lut, g, b, 2 * h + 1, 0, hb, codebook, True)
+    hig1: T.let = _codes(raw1, high, lut, g, b, 2 * h + 1, 1, hb, codebook, True)
+    if planes == 2:
+        for s in T.unroll(size):
+            iacc[T.ramp(s * _PAIR, 1, _PAIR)] = _dot4(T.broadcast(T.int32(0), _PAIR), xq4, 0, t0 + s, b * 8 + h * 4,
+                                                      low0, hig0, low1, hig1)
+    for s in T.unroll(size):
+        start: T.let = T.broadcast(_offset_sum(xc, t0 + s, b * 2 + h, off), _PAIR)
+        iacc[T.ramp(s * _PAIR, 1, _PAIR)] = _dot4(start + T.shift_left(iacc[T.ramp(s * _PAIR, 1, _PAIR)], T.broadcast(
+            T.int32(8), _PAIR)) if planes == 2 else start, xq4, planes - 1, t0 + s, b * 8 + h * 4, low0, hig0, low1,
+            hig1)
+
+
+@T.macro
+def _one_acc_block(xq4, xc, t0, size, g, b, codes, high, lut, iacc, hb, off, codebook):
+    """``_serial_sub_block`` for a whole block of one scale (16-bit codes): its 4 vectors' codes rebuilt once, the
+    high plane's products of every token first, then each token's sum shifted by 8 bits, its offset added and the
+    low plane's products on top: ``_wide_sum``'s joined int32 sums, in one accumulator a token."""
+    raw0: T.let = _rows(codes, g, [b, 0], "uint8", 32, True)
+    low0: T.let = _codes(raw0, high, lut, g, b, 0, 0, hb, codebook, True)
+    hig0: T.let = _codes(raw0, high, lut, g, b, 0, 1, hb, codebook, True)
+    raw1: T.let = _rows(codes, g, [b, 32], "uint8", 32, True)
+    low1: T.let = _codes(raw1, high, lut, g, b, 1, 0, hb, codebook, True)
+    hig1: T.let = _codes(raw1, high, lut, g, b, 1, 1, hb, codebook, True)
+    raw2: T.let = _rows(codes, g, [b, 64], "uint8", 32, True)
+    low2: T.let = _codes(raw2, high, lut, g, b, 2, 0, hb, codebook, True)
+    hig2: T.let = _codes(raw2, high, lut, g, b, 2, 1, hb, codebook, True)
+    raw3: T.let = _rows(codes, g, [b, 96], "uint8", 32, True)
+    low3: T.let = _codes(raw3, high, lut, g, b, 3, 0, hb, codebook, True)
+    hig3: T.let = _codes(raw3, high, lut, g, b, 3, 1, hb, codebook, True)
+    for s in T.unroll(size):
+        iacc[T.ramp(s * _PAIR, 1, _PAIR)] = _dot4(_dot4(T.broadcast(T.int32(0), _PAIR), xq4, 0, t0 + s, b * 8,
+                                                        low0, hig0, low1, hig1), xq4, 0, t0 + s, b * 8 + 4,
+                                                  low2, hig2, low3, hig3)
+    for s in T.unroll(size):
+        start: T.let = T.broadcast(_offset_sum(xc, t0 + s, b, off), _PAIR) + T.shift_left(
+            iacc[T.ramp(s * _PAIR, 1, _PAIR)], T.broadcast(T.int32(8), _PAIR))
+        iacc[T.ramp(s * _PAIR, 1, _PAIR)] = _dot4(_dot4(start, xq4, 1, t0 + s, b * 8, low0, hig0, low1, hig1), xq4, 1,
+                                                  t0 + s, b * 8 + 4, low2, hig2, low3, hig3)
+
+
 @T.macro
 def _pair_tile(y, xq4, xd, xs, xc, t0, size, g, blocks, codes, high, dd, sc, mm, dmin, mq, lut, iacc, facc, planes,
                hb, halves, off, superblock, sc_type, min_kind, codebook, serial):
@@ -314,14 +381,19 @@ def _pair_tile(y, xq4, xd, xs, xc, t0, size, g, blocks, codes, high, dd, sc, mm,
     for b in range(blocks):
         if serial:
             for h in T.unroll(2):
-                for vv in T.unroll(2):
-                    _pair_vector(xq4, xc, t0, size, g, b, 2 * h + vv, codes, high, lut, iacc, planes, hb, 1, off,
-                                 codebook, vv == 0, b * 2 + h)
+                _serial_sub_block(xq4, xc, t0, size, g, b, h, codes, high, lut, iacc, planes, hb, off, codebook)
                 sv: T.let = _scale(dd, sc, g, b, h, superblock, sc_type, True)
-                for s in T.unroll(size):
+                for s in T.unroll(size):  # xd of the second sub-block from its copy in xs (no min: module doc)
                     facc[T.ramp(s * _PAIR, 1, _PAIR)] = facc[T.ramp(s * _PAIR, 1, _PAIR)] + T.Cast(
-                        f"float32x{_PAIR}", _wide_sum(iacc, s, 0, size, planes, 1, _PAIR)) * (
-                        sv * T.broadcast(xd[t0 + s, b], _PAIR))
+                        f"float32x{_PAIR}", iacc[T.ramp(s * _PAIR, 1, _PAIR)]) * (sv * T.broadcast(
+                            T.if_then_else(h == 0, xd[t0 + s, b], xs[t0 + s, b]), _PAIR))
+        elif planes == 2 and hb == 1 and min_kind == 2:  # Q5_K only (module doc)
+            _one_acc_block(xq4, xc, t0, size, g, b, codes, high, lut, iacc, hb, off, codebook)
+            sv: T.let = _scale(dd, sc, g, b, 0, superblock, sc_type, True)
+            for s in T.unroll(size):
+                facc[T.ramp(s * _PAIR, 1, _PAIR)] = _block_sum(
+                    facc, s, (iacc[T.ramp(s * _PAIR, 1, _PAIR)], None), (sv, sv), T.broadcast(xd[t0 + s, b], _PAIR),
+                    xs, xc, t0, b, 0, halves, min_kind, mm, dmin, mq, g, True)
         else:
             for v in T.unroll(4):
                 _pair_vector(xq4, xc, t0, size, g, b, v, codes, high, lut, iacc, planes, hb, halves, off, codebook,
@@ -409,6 +481,9 @@ def quant_matmul_kernel(layout: QuantLayout, out_features: int, in_features: int
     @T.macro
     def quantise(x, xq, xd, xs, xc, t, amax):
         _quantise(x, xq, xd, xs, t, blocks, amax, qmax)
+        if halves == 2:  # no min (Q6_K): xs a copy of xd for the serial pair tiles (module doc)
+            for b in range(blocks):
+                xs[t, b] = xd[t, b]
         if off != 0:
             _code_sums(xq, xc, t, blocks, halves, planes, off)
 

@@ -4,7 +4,8 @@
 rounded as ``quantise_activations`` rounds them (within 1e-5 of the output's scale) on rows not a multiple of 8, a
 single row, 1 to 9 and 131 tokens, with 16-bit and 8-bit activation codes; a token's row is bitwise the same
 whatever the other tokens; the VNNI tile gives the AVX2 tile's outputs bit for bit, and so does the wide VNNI
-tile; the lookup is the dequantised rows exactly; bad shapes and types are refused. The blocks are random bytes
+tile, and so do the pair tiles that keep one accumulator a token (Q5_K, Q6_K; up to 140 tokens); the lookup
+is the dequantised rows exactly; bad shapes and types are refused. The blocks are random bytes
 (every code, sub-scale and min pattern) with finite float16 scales."""
 
 from __future__ import annotations
@@ -196,6 +197,23 @@ def test_q6_k_pair_tiles_with_the_sub_blocks_in_turn_give_the_same_outputs(n_out
     for n in tokens:
         np.testing.assert_array_equal(outs[True, n].view(np.uint32), outs[False, n].view(np.uint32), err_msg=f"{n}")
         np.testing.assert_array_equal(outs[True, n], outs[True, max(tokens)][:n], err_msg=f"{n} tokens")
+
+
+@needs_avx2
+@pytest.mark.skipif(not has_vnni(FEATURES), reason="no AVX512-VNNI")
+@pytest.mark.parametrize("n_out", [8, 16, 24])
+@pytest.mark.parametrize("ggml", ["Q5_K", "Q6_K"])
+def test_pair_tiles_with_one_accumulator_a_token_give_the_narrow_tiles_outputs(ggml: str, n_out: int) -> None:
+    """The pair tiles that keep one accumulator a token (the high plane's sum shifted onto the low plane's: Q6_K's
+    serial sub-blocks, Q5_K's whole blocks) against the kernel without wide tiles (``wide_tokens`` 0: the
+    narrow tiles only), bit for bit, and against numpy, batch invariant, up to 140 tokens (a second span of 128;
+    leftover tiles of 4, 2 and 1): one row group alone (8 rows: no pair), exactly one pair (16) and a pair and a
+    group (24)."""
+    tokens = (1, 3, 4, 8, 9, 12, 13, 16, 17, 140)
+    narrow = _check_kernel(ggml, n_out, True, 16, np.random.default_rng(9), wide_tokens=0, tokens=tokens)
+    wide = _check_kernel(ggml, n_out, True, 16, np.random.default_rng(9), tokens=tokens)
+    for n in tokens:
+        np.testing.assert_array_equal(narrow[n].view(np.uint32), wide[n].view(np.uint32), err_msg=f"{ggml}: {n}")
 
 
 @pytest.mark.parametrize("ggml", list(LAYOUTS))
