@@ -508,6 +508,8 @@ def quant_matmul_kernel(layout: QuantLayout, out_features: int, in_features: int
     each group (the same outputs); ``prefetch``: the blocks ahead that those pair tiles prefetch (0: none; the same
     outputs)."""
     _validate(layout, out_features, in_features, x_dtype, y_dtype, xbits)
+    if prefetch < 0:
+        raise ValueError(f"prefetch must be 0 or more blocks, got {prefetch}")
     # past a span where the kernel has none; half as many tokens with two sub-blocks a block (as many accumulators)
     wtile = _wide_span(wide_tokens, layout.halves, vnni)
     N, K, blocks, groups = out_features, in_features, in_features // QBLOCK, -(-out_features // ROWS)
