@@ -36,14 +36,19 @@ a token measured 0-6% slower where nothing spilled: Q4_0, Q4_K, Q5_0, Q5_1, IQ4_
 holds a copy of ``xd`` that its second sub-block reads: two loads LLVM cannot merge, so each product ``S x xd``
 takes ``xd`` straight from memory instead of one broadcast kept (spilled) across the sub-blocks.
 
-Calls of 2 to 7 tokens (batched decode steps, short verifies: fewer than a wide tile) run pair tiles of 3 (8-bit
-codes: 4), 2 and 1 tokens on the pairs of whole row groups too (``few_pairs``), the same outputs bit for bit. On the
-Zen 5 VM (2026-11-28, quiet; one thread, CPU time, weights in cache) a call took 25-40% less: Q4_K 2048 x 8192 at 2 / 3
-tokens 0.358 / 0.499 -> 0.226 / 0.299 ms, Q6_K 0.397 / 0.561 -> 0.255 / 0.337, Q4_0 0.346 / 0.490 -> 0.220 / 0.296;
-streaming 760 MB of distinct copies on two threads, 2 / 3 tokens read 23.0 / 17.0 -> 28.1 / 25.2 GB/s (Q4_K), 27.5 /
-21.4 -> 33.5 / 29.6 (Q6_K). One token stays on the narrow tiles: there the pair tiles compute faster (Q4_K 0.245 ->
-0.160 ms in cache) but stream slower, two groups' arrays read side by side (Q4_K 16384 x 2048 45.7 -> 35.9 GB/s), and
-a decode step streams.
+Calls of 1 to 7 tokens (decode steps, short verifies: fewer than a wide tile) run pair tiles of 3 (8-bit codes: 4),
+2 and 1 tokens on the pairs of whole row groups too (``few_pairs``), the same outputs bit for bit, and those tiles
+prefetch each group's arrays ``PAIR_PREFETCH`` (32) blocks ahead (``llvm.prefetch``; codes two lines a block, the
+other arrays once a line; past a group's end into the next pair's, where that group's stream goes on). Without the
+prefetch, two groups read side by side are twice the memory streams, each cut short at every pair (a row group of
+2048 weights is 8 KB of codes), and one token streamed the weights slower than on the narrow tiles, whose single
+stream runs on across the groups. On the Zen 5 VM (2026-11-28 16:54-16:56 UTC, load 2-3, figures of one run,
+variants interleaved) one token, two threads streaming 760 MB of distinct copies (huge pages, as a decode step),
+narrow / pairs without prefetch / pairs: Q4_K 16384 x 2048 28.2 / 29.4 / 47.9 GB/s, Q4_K 2048 x 8192 37.9 / 37.1 /
+59.5, Q6_K 2048 x 8192 42.1 / 43.4 / 64.3, Q6_K 16384 x 2048 61.0 / 39.3 / 69.2, Q4_0 2048 x 8192 35.8 / 35.3 /
+39.9 (2 / 3 tokens: 1.4-2.9x the narrow tiles); one thread, CPU time, weights in cache, the prefetch costs part of
+the pair tiles' gain: Q4_K 2048 x 8192 0.244 / 0.164 / 0.205 ms, Q6_K 0.289 / 0.207 / 0.238, Q4_0 0.222 / 0.151 /
+0.161. A 1B-shaped Q4_K_M's decode step: 18.4-18.8 -> 13.7-14.0 ms (docs/model.md).
 """
 
 from __future__ import annotations
