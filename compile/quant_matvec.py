@@ -49,7 +49,7 @@ narrow / pairs without prefetch / pairs: Q4_K 16384 x 2048 28.2 / 29.4 / 47.9 GB
 39.9 (2 / 3 tokens: 1.4-2.9x the narrow tiles); one thread, CPU time, weights in cache, the prefetch costs part of
 the pair tiles' gain: Q4_K 2048 x 8192 0.244 / 0.164 / 0.205 ms, Q6_K 0.289 / 0.207 / 0.238, Q4_0 0.222 / 0.151 /
 0.161. Later runs did not keep the rows of 2048 weights ahead (Q4_K 16384 x 2048: 38-41 against 41-45 GB/s narrow
-in 2 runs of 3); a 1B-shaped Q4_K_M's decode step (2 threads) was faster in 11 runs of 13, 17.6-20.5 -> 13.1-14.0 ms
+in 2 runs of 3); a 1B-shaped Q4_K_M's decode step (2 threads) was faster in 17 runs of 19, 17.6-20.5 -> 13.1-14.0 ms
 at load 1-1.7 (docs/model.md).
 """
 
