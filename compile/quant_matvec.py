@@ -36,14 +36,21 @@ a token measured 0-6% slower where nothing spilled: Q4_0, Q4_K, Q5_0, Q5_1, IQ4_
 holds a copy of ``xd`` that its second sub-block reads: two loads LLVM cannot merge, so each product ``S x xd``
 takes ``xd`` straight from memory instead of one broadcast kept (spilled) across the sub-blocks.
 
-Calls of 2 to 7 tokens (batched decode steps, short verifies: fewer than a wide tile) run pair tiles of 3 (8-bit
-codes: 4), 2 and 1 tokens on the pairs of whole row groups too (``few_pairs``), the same outputs bit for bit. On the
-Zen 5 VM (2026-11-28, quiet; one thread, CPU time, weights in cache) a call took 25-40% less: Q4_K 2048 x 8192 at 2 / 3
-tokens 0.358 / 0.499 -> 0.226 / 0.299 ms, Q6_K 0.397 / 0.561 -> 0.255 / 0.337, Q4_0 0.346 / 0.490 -> 0.220 / 0.296;
-streaming 760 MB of distinct copies on two threads, 2 / 3 tokens read 23.0 / 17.0 -> 28.1 / 25.2 GB/s (Q4_K), 27.5 /
-21.4 -> 33.5 / 29.6 (Q6_K). One token stays on the narrow tiles: there the pair tiles compute faster (Q4_K 0.245 ->
-0.160 ms in cache) but stream slower, two groups' arrays read side by side (Q4_K 16384 x 2048 45.7 -> 35.9 GB/s), and
-a decode step streams.
+Calls of 1 to 7 tokens (decode steps, short verifies: fewer than a wide tile) run pair tiles of 3 (8-bit codes: 4),
+2 and 1 tokens on the pairs of whole row groups too (``few_pairs``), the same outputs bit for bit, and those tiles
+prefetch each group's arrays ``PAIR_PREFETCH`` (32) blocks ahead (``llvm.prefetch``; codes two lines a block, the
+other arrays once a line; past a group's end into the next pair's, where that group's stream goes on). Without the
+prefetch, two groups read side by side are twice the memory streams, each cut short at every pair (a row group of
+2048 weights is 8 KB of codes), and one token streamed the weights slower than on the narrow tiles, whose single
+stream runs on across the groups. On the Zen 5 VM (2026-11-28 16:54-16:56 UTC, load 2-3, figures of one run,
+variants interleaved) one token, two threads streaming 760 MB of distinct copies (huge pages, as a decode step),
+narrow / pairs without prefetch / pairs: Q4_K 16384 x 2048 28.2 / 29.4 / 47.9 GB/s, Q4_K 2048 x 8192 37.9 / 37.1 /
+59.5, Q6_K 2048 x 8192 42.1 / 43.4 / 64.3, Q6_K 16384 x 2048 61.0 / 39.3 / 69.2, Q4_0 2048 x 8192 35.8 / 35.3 /
+39.9 (2 / 3 tokens: 1.4-2.9x the narrow tiles); one thread, CPU time, weights in cache, the prefetch costs part of
+the pair tiles' gain: Q4_K 2048 x 8192 0.244 / 0.164 / 0.205 ms, Q6_K 0.289 / 0.207 / 0.238, Q4_0 0.222 / 0.151 /
+0.161. Later runs did not keep the rows of 2048 weights ahead (Q4_K 16384 x 2048: 38-41 against 41-45 GB/s narrow
+in 2 runs of 3); a 1B-shaped Q4_K_M's decode step (2 threads) was faster in 17 runs of 19, 17.6-20.5 -> 13.1-14.0 ms
+at load 1-1.7 (docs/model.md).
 """
 
 from __future__ import annotations
@@ -77,6 +84,10 @@ _CHUNKS = 64
 #: tokens of a wide tile (``wide_tile``; half as many with two sub-blocks a block): each vector's codes rebuilt once
 #: for them all
 WIDE_TILE = 8
+#: blocks ahead that the pair tiles of calls under a wide tile (``few_pairs``) prefetch each row group's arrays
+#: (past the end of a group into the next pair's): two groups read side by side are twice the memory streams, each
+#: cut short at every pair, and without it one token streamed the weights slower than the 8-row tiles (module doc)
+PAIR_PREFETCH = 32
 _PSHUFB = "llvm.x86.avx2.pshuf.b"
 _PSHUFB_512 = "llvm.x86.avx512.pshuf.b.512"
 _DPBUSD_512 = "llvm.x86.avx512.vpdpbusd.512"
@@ -92,6 +103,12 @@ def _rows(buf: Any, g: Any, at: list[Any], dtype: str, lanes: int, pair: bool) -
     if not pair:
         return one
     return T.Shuffle([one, buf.vload([g + 1, *at], f"{dtype}x{lanes}")], list(range(2 * lanes)))
+
+
+def _prefetch(buf: Any, g: Any, b: Any, at: int) -> Any:
+    """Ask for the cache line holding ``buf[g, b, at]`` (``llvm.prefetch``: a read, kept in every cache level)."""
+    return T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(buf[g, b, at]), T.int32(0), T.int32(3),
+                              T.int32(1))
 
 
 def _codes(raw: Any, high: Any, lut: Any, g: Any, b: Any, v: Any, half: int, planes: int, codebook: bool,
@@ -376,7 +393,7 @@ def _one_acc_block(xq4, xc, t0, size, g, b, codes, high, lut, iacc, hb, off, cod
 
 @T.macro
 def _pair_tile(y, xq4, xd, xs, xc, t0, size, g, blocks, codes, high, dd, sc, mm, dmin, mq, lut, iacc, facc, planes,
-               hb, halves, off, superblock, sc_type, min_kind, codebook, serial):
+               hb, halves, off, superblock, sc_type, min_kind, codebook, serial, ahead=0):
     """``_wide_tile`` for the 16 rows of row groups ``g`` and ``g + 1`` (both whole) in 512-bit vectors: lanes 0-7
     group ``g``'s rows, 8-15 group ``g + 1``'s; each ``vpdpbusd`` takes a token's 4 activation bytes broadcast from
     memory to 16 rows instead of 8, so a block's loads are about half the 256-bit tile's (on Zen 4 the broadcast
@@ -388,6 +405,33 @@ def _pair_tile(y, xq4, xd, xs, xc, t0, size, g, blocks, codes, high, dd, sc, mm,
     for s in T.unroll(size):
         facc[T.ramp(s * _PAIR, 1, _PAIR)] = T.broadcast(T.float32(0), _PAIR)
     for b in range(blocks):
+        if ahead > 0:  # ``ahead`` blocks on in each group's stream, past its end into the next pair's group
+            for h in T.unroll(2):
+                wrap: T.let = T.Cast("int32", b + ahead >= blocks)
+                pg: T.let = T.min(g + h + 2 * wrap, codes.shape[0] - 1)
+                pb: T.let = T.min(b + ahead - wrap * blocks, blocks - 1)
+                for line in T.unroll(2):
+                    T.evaluate(_prefetch(codes, pg, pb, line * 64))
+                # the small arrays once a cache line: where ``pb`` starts one
+                if hb > 0:
+                    if pb % (2 // hb) == 0:
+                        T.evaluate(_prefetch(high, pg, pb, 0))
+                if superblock:
+                    if pb % (8 // halves) == 0:
+                        T.evaluate(_prefetch(sc, pg, pb, 0))
+                    if pb % 32 == 0:
+                        T.evaluate(_prefetch(dd, pg, pb // 8, 0))
+                else:
+                    if pb % 4 == 0:
+                        T.evaluate(_prefetch(dd, pg, pb, 0))
+                if min_kind == 1:
+                    if pb % 4 == 0:
+                        T.evaluate(_prefetch(mm, pg, pb, 0))
+                if min_kind == 2:
+                    if pb % 8 == 0:
+                        T.evaluate(_prefetch(mq, pg, pb, 0))
+                    if pb % 32 == 0:
+                        T.evaluate(_prefetch(dmin, pg, pb // 8, 0))
         if serial:
             for h in T.unroll(2):
                 _serial_sub_block(xq4, xc, t0, size, g, b, h, codes, high, lut, iacc, planes, hb, off, codebook)
@@ -458,17 +502,21 @@ def _validate(layout: QuantLayout, out_features: int, in_features: int, x_dtype:
 def quant_matmul_kernel(layout: QuantLayout, out_features: int, in_features: int, x_dtype: str = "float32",
                         y_dtype: str = "float32", xbits: int = DEFAULT_ACTIVATION_BITS,
                         vnni: bool = False, wide_tokens: int = WIDE_TILE,
-                        serial_pairs: bool = True, few_pairs: bool = True) -> tirx.PrimFunc:
+                        serial_pairs: bool = True, few_pairs: bool = True,
+                        prefetch: int = PAIR_PREFETCH) -> tirx.PrimFunc:
     """``y[t, o] = sum_k x[t, k] * W[o, k]`` (module doc) for ``x[n, K]`` of ``x_dtype`` and ``y[n, N]`` of
     ``y_dtype`` (float32 or float16); parameters ``x``, the packed arrays (``layout.shapes``), ``y``. ``xbits``:
     the activation codes' bits (8 or 16); ``vnni``: the AVX512-VNNI tile (else AVX2; the same outputs);
     ``wide_tokens``: the tokens of a ``_wide_tile`` where the kernel has them (``wide_tile``; 0: none; the same
     outputs); ``serial_pairs``: with two scales a block (Q6_K), pair tiles of ``wide_tokens`` tokens taking a
     block's sub-blocks one after the other (``_pair_tile``'s ``serial``) instead of half as many tokens (the same
-    outputs); ``few_pairs``: calls of 2 to ``wide_tokens - 1`` tokens run pair tiles of 3 (or 4), 2 and 1 tokens on
+    outputs); ``few_pairs``: calls of 1 to ``wide_tokens - 1`` tokens run pair tiles of 3 (or 4), 2 and 1 tokens on
     the pairs of whole row groups, as wider calls do after their wide tiles run out, instead of the narrow tiles on
-    each group (the same outputs)."""
+    each group (the same outputs); ``prefetch``: the blocks ahead that those pair tiles prefetch (0: none; the same
+    outputs)."""
     _validate(layout, out_features, in_features, x_dtype, y_dtype, xbits)
+    if prefetch < 0:
+        raise ValueError(f"prefetch must be 0 or more blocks, got {prefetch}")
     # past a span where the kernel has none; half as many tokens with two sub-blocks a block (as many accumulators)
     wtile = _wide_span(wide_tokens, layout.halves, vnni)
     N, K, blocks, groups = out_features, in_features, in_features // QBLOCK, -(-out_features // ROWS)
@@ -520,13 +568,13 @@ def quant_matmul_kernel(layout: QuantLayout, out_features: int, in_features: int
         and 1 tokens."""
         for tt in range(n // tile):
             _pair_tile(y, xq4, xd, xs, xc, tt * tile, tile, g, blocks, codes, high, dd, sc, mm, dmin, mq, lut, pacc,
-                       pfacc, planes, hb, halves, off, superblock, sc_type, min_kind, codebook, False)
+                       pfacc, planes, hb, halves, off, superblock, sc_type, min_kind, codebook, False, prefetch)
         if n % tile >= 2:
             _pair_tile(y, xq4, xd, xs, xc, n - n % tile, 2, g, blocks, codes, high, dd, sc, mm, dmin, mq, lut, pacc,
-                       pfacc, planes, hb, halves, off, superblock, sc_type, min_kind, codebook, False)
+                       pfacc, planes, hb, halves, off, superblock, sc_type, min_kind, codebook, False, prefetch)
         if n % tile % 2 == 1:
             _pair_tile(y, xq4, xd, xs, xc, n - 1, 1, g, blocks, codes, high, dd, sc, mm, dmin, mq, lut, pacc,
-                       pfacc, planes, hb, halves, off, superblock, sc_type, min_kind, codebook, False)
+                       pfacc, planes, hb, halves, off, superblock, sc_type, min_kind, codebook, False, prefetch)
 
     @T.macro
     def spans(y, n, xq4, xd, xs, xc, chunk, codes, high, dd, sc, mm, dmin, mq, lut, iacc, facc, pacc, pfacc):
@@ -582,9 +630,8 @@ def quant_matmul_kernel(layout: QuantLayout, out_features: int, in_features: int
                 pacc = T.alloc_buffer((pacc_len,), "int32", scope="local")
                 pfacc = T.alloc_buffer((pfacc_len,), "float32", scope="local")
                 spans(y, n, xq4, xd, xs, xc, chunk, codes, high, dd, sc, mm, dmin, mq, lut, iacc, facc, pacc, pfacc)
-        elif pairs > 0 and few_pairs and n >= 2:
-            # 2 to wtile - 1 tokens: pair tiles of few tokens, then the groups alone (one token stays on the narrow
-            # tiles: streaming two groups' arrays side by side read the weights slower than one group's, module doc)
+        elif pairs > 0 and few_pairs:
+            # 1 to wtile - 1 tokens: pair tiles of few tokens, prefetching (module doc), then the groups alone
             for chunk in T.parallel(chunks):
                 iacc = T.alloc_buffer((iacc_len,), "int32", scope="local")
                 facc = T.alloc_buffer((facc_len,), "float32", scope="local")

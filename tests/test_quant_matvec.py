@@ -220,26 +220,30 @@ def test_pair_tiles_with_one_accumulator_a_token_give_the_narrow_tiles_outputs(g
 @pytest.mark.skipif(not has_vnni(FEATURES), reason="no AVX512-VNNI")
 @pytest.mark.parametrize("ggml", list(LAYOUTS))
 def test_calls_of_a_few_tokens_on_pair_tiles_give_the_narrow_tiles_outputs(ggml: str) -> None:
-    """Calls of 2 to 7 tokens run pair tiles of 3, 2 and 1 tokens on the pairs of whole row groups (``few_pairs``,
-    the default): bit for bit the kernel without them, for every type, 8- and 16-bit codes; 40 rows: two pairs and a
-    group alone."""
+    """Calls of 1 to 7 tokens run pair tiles of 3, 2 and 1 tokens on the pairs of whole row groups (``few_pairs``,
+    the default), prefetching some blocks ahead (``prefetch``: by default more than these rows' blocks, so past a
+    group's end into the next pair's and clamped at the last group; 3; none): bit for bit the kernel without them,
+    for every type, 8- and 16-bit codes; 40 rows: two pairs and a group alone."""
     layout, rng = LAYOUTS[ggml], np.random.default_rng(10)
     in_features = _in_features(ggml)
     arrays = [tvm.runtime.tensor(a) for a in pack(layout, unpack_gguf(
         layout, random_blocks(ggml, 40, in_features, rng))).values()]
     x = rng.standard_normal((7, in_features)).astype(np.float32)
+    kinds = {"pairs": {}, "pairs, prefetch 3": {"prefetch": 3}, "pairs, no prefetch": {"prefetch": 0},
+             "narrow": {"few_pairs": False}}
     for xbits in (16, 8):
         outs = {}
-        for few in (True, False):
-            run = _build(quant_matmul_kernel, layout, 40, in_features, xbits=xbits, vnni=True, few_pairs=few)
+        for kind, options in kinds.items():
+            run = _build(quant_matmul_kernel, layout, 40, in_features, xbits=xbits, vnni=True, **options)
             for n in range(1, 8):
                 y = tvm.runtime.tensor(np.full((n, 40), np.nan, np.float32))
                 run(tvm.runtime.tensor(x[:n]), *arrays, y)
-                outs[few, n] = y.numpy()
+                outs[kind, n] = y.numpy()
         for n in range(1, 8):
-            np.testing.assert_array_equal(outs[True, n].view(np.uint32), outs[False, n].view(np.uint32),
-                                          err_msg=f"{ggml} {xbits}-bit: {n} tokens")
-            np.testing.assert_array_equal(outs[True, n], outs[True, 7][:n], err_msg=f"{ggml}: {n} tokens")
+            for kind in kinds:
+                np.testing.assert_array_equal(outs[kind, n].view(np.uint32), outs["narrow", n].view(np.uint32),
+                                              err_msg=f"{ggml} {xbits}-bit, {kind}: {n} tokens")
+            np.testing.assert_array_equal(outs["pairs", n], outs["pairs", 7][:n], err_msg=f"{ggml}: {n} tokens")
 
 
 @pytest.mark.parametrize("ggml", list(LAYOUTS))
@@ -268,5 +272,7 @@ def test_bad_shapes_and_types_are_refused() -> None:
         quant_matmul_kernel(LAYOUTS["Q6_K"], 8, 256, xbits=4)
     with pytest.raises(ValueError, match="wide_tokens must be 0 to 128, got 129"):
         quant_matmul_kernel(LAYOUTS["Q4_0"], 8, 256, wide_tokens=129)
+    with pytest.raises(ValueError, match="prefetch must be 0 or more blocks, got -1"):
+        quant_matmul_kernel(LAYOUTS["Q4_0"], 8, 256, prefetch=-1)
     with pytest.raises(ValueError, match="whole blocks of 210 bytes"):
         unpack_gguf(LAYOUTS["Q6_K"], np.zeros((2, 200), np.uint8))
