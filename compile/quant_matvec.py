@@ -36,21 +36,27 @@ a token measured 0-6% slower where nothing spilled: Q4_0, Q4_K, Q5_0, Q5_1, IQ4_
 holds a copy of ``xd`` that its second sub-block reads: two loads LLVM cannot merge, so each product ``S x xd``
 takes ``xd`` straight from memory instead of one broadcast kept (spilled) across the sub-blocks.
 
-Calls of 1 to 7 tokens (decode steps, short verifies: fewer than a wide tile) run pair tiles of 3 (8-bit codes: 4),
-2 and 1 tokens on the pairs of whole row groups too (``few_pairs``), the same outputs bit for bit, and those tiles
-prefetch each group's arrays ``PAIR_PREFETCH`` (32) blocks ahead (``llvm.prefetch``; codes two lines a block, the
-other arrays once a line; past a group's end into the next pair's, where that group's stream goes on). Without the
-prefetch, two groups read side by side are twice the memory streams, each cut short at every pair (a row group of
-2048 weights is 8 KB of codes), and one token streamed the weights slower than on the narrow tiles, whose single
-stream runs on across the groups. On the Zen 5 VM (2026-11-28 16:54-16:56 UTC, load 2-3, figures of one run,
+Calls of 2 to 7 tokens (batched decode steps, short verifies: fewer than a wide tile) run pair tiles of 3 (8-bit
+codes: 4), 2 and 1 tokens on the pairs of whole row groups too (``few_pairs``), the same outputs bit for bit, and
+those tiles prefetch each group's arrays ``PAIR_PREFETCH`` (32) blocks ahead (``llvm.prefetch``; codes two lines a
+block, the other arrays once a line; past a group's end into the next pair's, where that group's stream goes on).
+Without the prefetch, two groups read side by side are twice the memory streams, each cut short at every pair (a row
+group of 2048 weights is 8 KB of codes), and one token streamed the weights slower than on the narrow tiles, whose
+single stream runs on across the groups. On the Zen 5 VM (2026-11-28 16:54-16:56 UTC, load 2-3, figures of one run,
 variants interleaved) one token, two threads streaming 760 MB of distinct copies (huge pages, as a decode step),
 narrow / pairs without prefetch / pairs: Q4_K 16384 x 2048 28.2 / 29.4 / 47.9 GB/s, Q4_K 2048 x 8192 37.9 / 37.1 /
-59.5, Q6_K 2048 x 8192 42.1 / 43.4 / 64.3, Q6_K 16384 x 2048 61.0 / 39.3 / 69.2, Q4_0 2048 x 8192 35.8 / 35.3 /
-39.9 (2 / 3 tokens: 1.4-2.9x the narrow tiles); one thread, CPU time, weights in cache, the prefetch costs part of
-the pair tiles' gain: Q4_K 2048 x 8192 0.244 / 0.164 / 0.205 ms, Q6_K 0.289 / 0.207 / 0.238, Q4_0 0.222 / 0.151 /
-0.161. Later runs did not keep the rows of 2048 weights ahead (Q4_K 16384 x 2048: 38-41 against 41-45 GB/s narrow
-in 2 runs of 3); a 1B-shaped Q4_K_M's decode step (2 threads) was faster in 17 runs of 19, 17.6-20.5 -> 13.1-14.0 ms
-at load 1-1.7 (docs/model.md).
+59.5, Q6_K 2048 x 8192 42.1 / 43.4 / 64.3, Q6_K 16384 x 2048 61.0 / 39.3 / 69.2, Q4_0 2048 x 8192 35.8 / 35.3 / 39.9
+(2 / 3 tokens: 1.4-2.9x the narrow tiles); one thread, CPU time, weights in cache, the prefetch costs part of the
+pair tiles' gain: Q4_K 2048 x 8192 0.244 / 0.164 / 0.205 ms, Q6_K 0.289 / 0.207 / 0.238, Q4_0 0.222 / 0.151 / 0.161.
+Later runs did not keep the rows of 2048 weights ahead (Q4_K 16384 x 2048: 38-41 against 41-45 GB/s narrow in 2 runs
+of 3); a 1B-shaped Q4_K_M's decode step (2 threads) was faster in 17 runs of 19, 17.6-20.5 -> 13.1-14.0 ms at load
+1-1.7 (docs/model.md).
+
+One token (a decode step) stays on the narrow tiles: with the prefetching pair tiles the 1B-shaped Q4_K_M's decode
+step was 25% shorter in 17 runs of 19 (16:48-17:05), but 10-11% longer in 3 runs of 3 at 17:20-17:25 (bare reads of
+its 775 MiB 17.4-19.0 ms: 19.45-19.79 against 21.62-21.71 ms, best of 5-7 interleaved rounds), where the side by side
+with llama.cpp read 0.93x against 1.11x with the narrow tiles (docs/benchmarks.md). Until the one-token pair tile
+wins in both of the VM's states, decode keeps the narrow tiles.
 """
 
 from __future__ import annotations
@@ -510,7 +516,7 @@ def quant_matmul_kernel(layout: QuantLayout, out_features: int, in_features: int
     ``wide_tokens``: the tokens of a ``_wide_tile`` where the kernel has them (``wide_tile``; 0: none; the same
     outputs); ``serial_pairs``: with two scales a block (Q6_K), pair tiles of ``wide_tokens`` tokens taking a
     block's sub-blocks one after the other (``_pair_tile``'s ``serial``) instead of half as many tokens (the same
-    outputs); ``few_pairs``: calls of 1 to ``wide_tokens - 1`` tokens run pair tiles of 3 (or 4), 2 and 1 tokens on
+    outputs); ``few_pairs``: calls of 2 to ``wide_tokens - 1`` tokens run pair tiles of 3 (or 4), 2 and 1 tokens on
     the pairs of whole row groups, as wider calls do after their wide tiles run out, instead of the narrow tiles on
     each group (the same outputs); ``prefetch``: the blocks ahead that those pair tiles prefetch (0: none; the same
     outputs)."""
@@ -630,8 +636,9 @@ def quant_matmul_kernel(layout: QuantLayout, out_features: int, in_features: int
                 pacc = T.alloc_buffer((pacc_len,), "int32", scope="local")
                 pfacc = T.alloc_buffer((pfacc_len,), "float32", scope="local")
                 spans(y, n, xq4, xd, xs, xc, chunk, codes, high, dd, sc, mm, dmin, mq, lut, iacc, facc, pacc, pfacc)
-        elif pairs > 0 and few_pairs:
-            # 1 to wtile - 1 tokens: pair tiles of few tokens, prefetching (module doc), then the groups alone
+        elif pairs > 0 and few_pairs and n >= 2:
+            # 2 to wtile - 1 tokens: pair tiles of few tokens, prefetching (module doc), then the groups alone; one
+            # token stays on the narrow tiles (module doc: the prefetching pair tile was slower in the VM's slow mode)
             for chunk in T.parallel(chunks):
                 iacc = T.alloc_buffer((iacc_len,), "int32", scope="local")
                 facc = T.alloc_buffer((facc_len,), "float32", scope="local")
