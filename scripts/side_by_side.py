@@ -16,6 +16,7 @@ context 64 1,912-2,038 tok/s right after llama.cpp, 2,460-2,577 right after its 
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -136,17 +137,8 @@ def read_seconds(n_bytes: int, threads: int, repeat: int = 7) -> float:
     """Best time of a read of ``n_bytes`` (a fresh buffer larger than any cache, OR-reduced as 64-bit words) split
     over ``threads`` threads: what one decode step, which reads every weight once, cannot beat."""
     words = np.full(max(n_bytes // 8, threads), 0x5A5A, np.uint64)
-    parts = np.array_split(words, threads)
-    best = float("inf")
-    for _ in range(repeat):
-        workers = [threading.Thread(target=np.bitwise_or.reduce, args=(part,)) for part in parts]
-        t0 = time.perf_counter()
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join()
-        best = min(best, time.perf_counter() - t0)
-    return best
+    return _best_threaded([functools.partial(np.bitwise_or.reduce, part) for part in np.array_split(words, threads)],
+                          repeat)
 
 
 def memcpy_seconds(n_bytes: int, threads: int, repeat: int = 7) -> float:
@@ -155,12 +147,15 @@ def memcpy_seconds(n_bytes: int, threads: int, repeat: int = 7) -> float:
     dst = np.zeros(n_bytes, np.uint8)
     bounds = np.linspace(0, n_bytes, threads + 1).astype(int)
 
-    def part(i: int) -> None:
-        np.copyto(dst[bounds[i]: bounds[i + 1]], src[bounds[i]: bounds[i + 1]])
+    return _best_threaded([functools.partial(np.copyto, dst[bounds[i]: bounds[i + 1]], src[bounds[i]: bounds[i + 1]])
+                           for i in range(threads)], repeat)
 
+
+def _best_threaded(parts: list[Callable[[], object]], repeat: int) -> float:
+    """Best wall time of ``repeat`` runs of ``parts``, each on a thread of its own, all started together."""
     best = float("inf")
     for _ in range(repeat):
-        workers = [threading.Thread(target=part, args=(i,)) for i in range(threads)]
+        workers = [threading.Thread(target=part) for part in parts]
         t0 = time.perf_counter()
         for w in workers:
             w.start()
