@@ -12,7 +12,11 @@ Q5_1's float16 min) or ``M = -(dmin * mq)`` (Q4_K, Q5_K). gguf-py's ``dequantize
 operations, so ``dequantize_packed`` equals it bit for bit.
 
 The packed layout (``pack``; arrays by suffix, rows in groups of 8, the last group padded with zero rows, ``b`` the
-block of 32 weights):
+block of 32 weights), given here per group ``g`` as ``[g, b, n]``; in memory the groups go in pairs, interleaved
+(``PAIRED``): each array is ``[g // 2, b, 2 n]``, and each run of ``c`` elements that one 8-row vector reads (32
+bytes of ``codes`` and ``high``, the 8 rows' value elsewhere) is followed by the same run of group ``g + 1``. So a
+pair of groups is one stream, and a tile on both groups reads each vector of 16 rows in one load (the last group is
+padded with a zero group where the count is odd):
 
 * ``codes[g, b, 128]`` uint8: the codes' low 4 bits: byte ``32 v + 4 r + j`` of the block holds weight
   ``8 v + j`` of row ``8 g + r`` in its low nibble and ``8 v + 4 + j`` in its high nibble (nibble plane
@@ -44,6 +48,8 @@ import numpy as np
 ROWS = 8
 QBLOCK = 32
 SUPER = 256
+#: row groups stored interleaved (module doc)
+PAIRED = 2
 #: IQ4_NL / IQ4_XS's 16 weight values (GGML's ``kvalues_iq4nl``)
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
@@ -69,8 +75,9 @@ class QuantLayout:
     def high_planes(self) -> int:
         return self.bits - 4
 
-    def shapes(self, out_features: int, in_features: int) -> list[tuple[str, tuple[int, ...], str]]:
-        """(suffix, shape, dtype) of the packed arrays of an ``[out, in]`` weight, in the kernels' parameter order."""
+    def group_shapes(self, out_features: int, in_features: int) -> list[tuple[str, tuple[int, ...], str]]:
+        """(suffix, shape, dtype) of the packed arrays of an ``[out, in]`` weight per row group (``[groups, ...]``,
+        the module doc's indexing), in the kernels' parameter order."""
         check_shape(self, out_features, in_features)
         groups, blocks = -(-out_features // ROWS), in_features // QBLOCK
         supers = blocks // 8 if self.superblock else blocks
@@ -87,6 +94,39 @@ class QuantLayout:
         if self.codebook:
             out.append(("lut", (2 * len(self.codebook),), "uint8"))
         return out
+
+    def shapes(self, out_features: int, in_features: int) -> list[tuple[str, tuple[int, ...], str]]:
+        """(suffix, shape, dtype) of the packed arrays as stored (``[pairs, ..., 2 n]``: module doc), in the
+        kernels' parameter order."""
+        return [(suffix, _paired_shape(shape) if suffix != "lut" else shape, dtype)
+                for suffix, shape, dtype in self.group_shapes(out_features, in_features)]
+
+
+def _paired_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """A per-group array's shape ``[groups, outer, n]`` as stored: ``[ceil(groups / 2), outer, 2 n]``."""
+    return (-(-shape[0] // PAIRED), shape[1], PAIRED * shape[2])
+
+
+def run_length(suffix: str) -> int:
+    """Elements of array ``suffix`` that one 8-row vector reads, the unit of the pairs' interleave (module doc)."""
+    return QBLOCK if suffix in ("codes", "high") else ROWS
+
+
+def interleave(suffix: str, a: np.ndarray) -> np.ndarray:
+    """A per-group array ``[groups, outer, n]`` as stored (module doc): groups in pairs, runs interleaved."""
+    groups, outer, n = a.shape
+    c = run_length(suffix)
+    a = np.pad(a, ((0, -groups % PAIRED), (0, 0), (0, 0)))
+    return np.ascontiguousarray(a.reshape(-1, PAIRED, outer, n // c, c).transpose(0, 2, 3, 1, 4)
+                                .reshape(-1, outer, PAIRED * n))
+
+
+def deinterleave(suffix: str, a: np.ndarray) -> np.ndarray:
+    """``interleave``'s inverse: ``[groups, outer, n]`` (with the odd count's zero group, if any)."""
+    pairs, outer, n2 = a.shape
+    c, n = run_length(suffix), n2 // PAIRED
+    return np.ascontiguousarray(a.reshape(pairs, outer, n // c, PAIRED, c).transpose(0, 3, 1, 2, 4)
+                                .reshape(pairs * PAIRED, outer, n))
 
 
 LAYOUTS: dict[str, QuantLayout] = {layout.ggml: layout for layout in (
@@ -241,6 +281,7 @@ def pack(layout: QuantLayout, parts: dict[str, np.ndarray]) -> dict[str, np.ndar
         out["m"] = _rows(parts["m"], pad)
     elif layout.min == "super":
         out["dmin"], out["mq"] = _rows(parts["dmin"], pad), _rows(parts["mq"], pad)
+    out = {suffix: interleave(suffix, a) for suffix, a in out.items()}
     if layout.codebook:  # the 16 values plus the offset, twice (a table per 128-bit lane of ``vpshufb``)
         out["lut"] = np.tile(np.asarray(layout.codebook, np.int16) + layout.offset, 2).astype(np.uint8)
     return out
@@ -248,6 +289,7 @@ def pack(layout: QuantLayout, parts: dict[str, np.ndarray]) -> dict[str, np.ndar
 
 def unpack_packed(layout: QuantLayout, packed: dict[str, np.ndarray], out_features: int) -> dict[str, np.ndarray]:
     """The inverse of ``pack``: per-row arrays as ``unpack_gguf`` gives them (the padding rows dropped)."""
+    packed = {suffix: deinterleave(suffix, a) if suffix != "lut" else a for suffix, a in packed.items()}
     groups, blocks = packed["codes"].shape[:2]
     raw = packed["codes"].reshape(groups, blocks, 4, ROWS, 4)                       # [g, b, v, r, j]
     q = np.stack([raw & 15, raw >> 4], axis=4)                                       # [g, b, v, r, half, j]

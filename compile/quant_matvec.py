@@ -36,27 +36,24 @@ a token measured 0-6% slower where nothing spilled: Q4_0, Q4_K, Q5_0, Q5_1, IQ4_
 holds a copy of ``xd`` that its second sub-block reads: two loads LLVM cannot merge, so each product ``S x xd``
 takes ``xd`` straight from memory instead of one broadcast kept (spilled) across the sub-blocks.
 
-Calls of 2 to 7 tokens (batched decode steps, short verifies: fewer than a wide tile) run pair tiles of 3 (8-bit
-codes: 4), 2 and 1 tokens on the pairs of whole row groups too (``few_pairs``), the same outputs bit for bit, and
-those tiles prefetch each group's arrays ``PAIR_PREFETCH`` (32) blocks ahead (``llvm.prefetch``; codes two lines a
-block, the other arrays once a line; past a group's end into the next pair's, where that group's stream goes on).
-Without the prefetch, two groups read side by side are twice the memory streams, each cut short at every pair (a row
-group of 2048 weights is 8 KB of codes), and one token streamed the weights slower than on the narrow tiles, whose
-single stream runs on across the groups. On the Zen 5 VM (2026-11-28 16:54-16:56 UTC, load 2-3, figures of one run,
-variants interleaved) one token, two threads streaming 760 MB of distinct copies (huge pages, as a decode step),
-narrow / pairs without prefetch / pairs: Q4_K 16384 x 2048 28.2 / 29.4 / 47.9 GB/s, Q4_K 2048 x 8192 37.9 / 37.1 /
-59.5, Q6_K 2048 x 8192 42.1 / 43.4 / 64.3, Q6_K 16384 x 2048 61.0 / 39.3 / 69.2, Q4_0 2048 x 8192 35.8 / 35.3 / 39.9
-(2 / 3 tokens: 1.4-2.9x the narrow tiles); one thread, CPU time, weights in cache, the prefetch costs part of the
-pair tiles' gain: Q4_K 2048 x 8192 0.244 / 0.164 / 0.205 ms, Q6_K 0.289 / 0.207 / 0.238, Q4_0 0.222 / 0.151 / 0.161.
-Later runs did not keep the rows of 2048 weights ahead (Q4_K 16384 x 2048: 38-41 against 41-45 GB/s narrow in 2 runs
-of 3); a 1B-shaped Q4_K_M's decode step (2 threads) was faster in 17 runs of 19, 17.6-20.5 -> 13.1-14.0 ms at load
-1-1.7 (docs/model.md).
+Calls of 1 to 7 tokens (decode steps, batched or not, short verifies: fewer than a wide tile) run pair tiles of 3
+(8-bit codes: 4), 2 and 1 tokens on the pairs of whole row groups too (``few_pairs``), the same outputs bit for bit,
+and those tiles prefetch the pair's arrays ``PAIR_PREFETCH`` (32) blocks ahead (``llvm.prefetch``: 8 KB of codes;
+past a pair's end into the next pair's). The layout stores a pair's two groups interleaved (``quant_formats``), so a
+pair tile reads one stream, as the narrow tile on one group does, and each of its vectors in one load. Where a kernel
+has no pair tiles (AVX2), one token runs the narrow tile on both groups of a pair block by block (``_tile_both``: the
+same operations per group, so the same outputs), so that it too reads the pair's stream once.
 
-One token (a decode step) stays on the narrow tiles: with the prefetching pair tiles the 1B-shaped Q4_K_M's decode
-step was 25% shorter in 17 runs of 19 (16:48-17:05), but 10-11% longer in 3 runs of 3 at 17:20-17:25 (bare reads of
-its 775 MiB 17.4-19.0 ms: 19.45-19.79 against 21.62-21.71 ms, best of 5-7 interleaved rounds), where the side by side
-with llama.cpp read 0.93x against 1.11x with the narrow tiles (docs/benchmarks.md). Until the one-token pair tile
-wins in both of the VM's states, decode keeps the narrow tiles.
+Measured on the Zen 5 VM (2026-11-28 18:30-18:50 UTC, load about 1, 2 threads, ``scripts/compare_builds.py``, best of
+5 interleaved rounds), a 1B-shaped Q4_K_M's decode step: with the groups apart (before), on the narrow tiles 18.3-20.7
+ms; interleaved, on the prefetching pair tiles 13.5-13.9 ms while the VM's memory was fast and 19.1-19.4 ms while it
+was slow (its bare read of the 775 MiB of weights 15-19 ms: the host's load moves it within minutes), and against
+the old build in the same runs always the faster (20.6 -> 19.1, 18.5 -> 13.5, 18.3 -> 13.6 ms); without the prefetch
+18.9-19.5 ms in the fast state (the prefetch's gain); 16 or 64 blocks ahead instead of 32 no better. The narrow tile
+on the interleaved layout one group at a time took 24.9-25.2 ms (each group's pass reads half of every line); block
+by block on both groups (``_tile_both``) 18.6-21.6, as before. Before the interleave, the prefetching pair tiles (two
+streams a thread) were 25% faster in some windows and 10-11% slower in others, so one token had stayed on the narrow
+tiles.
 """
 
 from __future__ import annotations
@@ -90,9 +87,9 @@ _CHUNKS = 64
 #: tokens of a wide tile (``wide_tile``; half as many with two sub-blocks a block): each vector's codes rebuilt once
 #: for them all
 WIDE_TILE = 8
-#: blocks ahead that the pair tiles of calls under a wide tile (``few_pairs``) prefetch each row group's arrays
-#: (past the end of a group into the next pair's): two groups read side by side are twice the memory streams, each
-#: cut short at every pair, and without it one token streamed the weights slower than the 8-row tiles (module doc)
+#: blocks ahead that the pair tiles of calls under a wide tile (``few_pairs``) prefetch the pair's arrays (past
+#: its end into the next pair's): without it one token streamed the weights no faster than the 8-row tiles (module
+#: doc)
 PAIR_PREFETCH = 32
 _PSHUFB = "llvm.x86.avx2.pshuf.b"
 _PSHUFB_512 = "llvm.x86.avx512.pshuf.b.512"
@@ -103,17 +100,26 @@ _ARRAYS = ("codes", "high", "d", "sc", "m", "dmin", "mq", "lut")  # every layout
 
 
 def _rows(buf: Any, g: Any, at: list[Any], dtype: str, lanes: int, pair: bool) -> Any:
-    """``buf[g, *at: +lanes]`` as a ``dtype`` vector, or with ``pair`` that of group ``g`` then group ``g + 1``'s
-    (twice the lanes: one 512-bit vector for two row groups)."""
-    one = buf.vload([g, *at], f"{dtype}x{lanes}")
-    if not pair:
-        return one
-    return T.Shuffle([one, buf.vload([g + 1, *at], f"{dtype}x{lanes}")], list(range(2 * lanes)))
+    """Group ``g``'s run of ``lanes`` at ``[outer, offset]`` (the module doc's per-group indexing, ``offset`` a
+    multiple of ``lanes``) as a ``dtype`` vector, or with ``pair`` (``g`` even) that of group ``g`` then group
+    ``g + 1``'s, which the interleaved layout stores side by side (``quant_formats.PAIRED``): one load of twice the
+    lanes (a 512-bit vector for two row groups)."""
+    outer, offset = at
+    if pair:
+        return buf.vload([g // 2, outer, offset * 2], f"{dtype}x{2 * lanes}")
+    return buf.vload([g // 2, outer, offset * 2 + g % 2 * lanes], f"{dtype}x{lanes}")
 
 
-def _prefetch(buf: Any, g: Any, b: Any, at: int) -> Any:
-    """Ask for the cache line holding ``buf[g, b, at]`` (``llvm.prefetch``: a read, kept in every cache level)."""
-    return T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(buf[g, b, at]), T.int32(0), T.int32(3),
+def _elem(buf: Any, g: Any, outer: Any, at: Any, run: int = ROWS) -> Any:
+    """Group ``g``'s element ``[outer, at]`` (the module doc's per-group indexing) of an array whose pairs of
+    groups interleave runs of ``run`` elements (``quant_formats.run_length``)."""
+    return buf[g // 2, outer, at // run * 2 * run + g % 2 * run + at % run]
+
+
+def _prefetch(buf: Any, pair: Any, outer: Any, at: int) -> Any:
+    """Ask for the cache line holding ``buf[pair, outer, at]`` (stored indexing: ``quant_formats.PAIRED``;
+    ``llvm.prefetch``: a read, kept in every cache level)."""
+    return T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(buf[pair, outer, at]), T.int32(0), T.int32(3),
                               T.int32(1))
 
 
@@ -212,6 +218,53 @@ def _block_sum(facc: Any, s: Any, totals: tuple[Any, Any], sv: tuple[Any, Any], 
 
 
 @T.macro
+def _tile_block(xq4, xd, xs, xc, t0, size, g, b, codes, high, dd, sc, mm, dmin, mq, lut, iacc, facc, planes, hb,
+                halves, off, superblock, sc_type, min_kind, vnni, codebook):
+    """Block ``b`` of row group ``g`` into the ``size`` tokens' float sums ``facc`` (``_tile``)."""
+    for a in T.unroll(planes * size * 2):
+        iacc[T.ramp(a * ROWS, 1, ROWS)] = T.broadcast(T.int32(0), ROWS)
+    for v in T.unroll(4):
+        raw: T.let = _rows(codes, g, [b, v * 32], "uint8", 32, False)
+        low: T.let = _codes(raw, high, lut, g, b, v, 0, hb, codebook)
+        hig: T.let = _codes(raw, high, lut, g, b, v, 1, hb, codebook)
+        for p in T.unroll(planes):
+            for s in T.unroll(size):
+                xlo: T.let = T.reinterpret("int8x32", T.broadcast(xq4[p, t0 + s, b * 8 + v * 2], ROWS))
+                xhi: T.let = T.reinterpret("int8x32", T.broadcast(xq4[p, t0 + s, b * 8 + v * 2 + 1], ROWS))
+                at: T.let = ((p * size + s) * 2 + (v // 2 if halves == 2 else 0)) * ROWS
+                if vnni:
+                    if halves == 2:
+                        iacc[T.ramp(at, 1, ROWS)] = _intrin(_DPBUSD, "int32x8", _intrin(
+                            _DPBUSD, "int32x8", iacc[T.ramp(at, 1, ROWS)], low, xlo), hig, xhi)
+                    else:
+                        iacc[T.ramp(at, 1, ROWS)] = _intrin(_DPBUSD, "int32x8", iacc[T.ramp(at, 1, ROWS)],
+                                                            low, xlo)
+                        iacc[T.ramp(at + ROWS, 1, ROWS)] = _intrin(_DPBUSD, "int32x8",
+                                                                   iacc[T.ramp(at + ROWS, 1, ROWS)], hig, xhi)
+                elif codebook:  # codes up to 241: as 16 x (code >> 4) + (code & 15), each within int16
+                    a3: T.let = at + v % 2 * ROWS
+                    iacc[T.ramp(a3, 1, ROWS)] = iacc[T.ramp(a3, 1, ROWS)] + T.shift_left(_intrin(
+                        _MADDWD, "int32x8", _intrin(_MADDUBS, "int16x16", _nibble(low, 1), xlo)
+                        + _intrin(_MADDUBS, "int16x16", _nibble(hig, 1), xhi), T.broadcast(T.int16(1), 16)),
+                        T.broadcast(T.int32(4), ROWS)) + _intrin(
+                        _MADDWD, "int32x8", _intrin(_MADDUBS, "int16x16", _nibble(low, 0), xlo)
+                        + _intrin(_MADDUBS, "int16x16", _nibble(hig, 0), xhi), T.broadcast(T.int16(1), 16))
+                else:
+                    a2: T.let = at + (0 if halves == 2 else v % 2 * ROWS)
+                    iacc[T.ramp(a2, 1, ROWS)] = iacc[T.ramp(a2, 1, ROWS)] + _intrin(
+                        _MADDWD, "int32x8", _intrin(_MADDUBS, "int16x16", low, xlo)
+                        + _intrin(_MADDUBS, "int16x16", hig, xhi), T.broadcast(T.int16(1), 16))
+    sv0: T.let = _scale(dd, sc, g, b, 0, superblock, sc_type)
+    sv1: T.let = _scale(dd, sc, g, b, halves - 1, superblock, sc_type)
+    for s in T.unroll(size):
+        xdv: T.let = T.broadcast(xd[t0 + s, b], ROWS)
+        facc[T.ramp(s * ROWS, 1, ROWS)] = _block_sum(
+            facc, s, (_sums(iacc, s, size, 0, planes), _sums(iacc, s, size, 1, planes)) if halves == 2 else (
+                _sums(iacc, s, size, 0, planes) + _sums(iacc, s, size, 1, planes), None), (sv0, sv1), xdv, xs,
+            xc, t0, b, off, halves, min_kind, mm, dmin, mq, g)
+
+
+@T.macro
 def _tile(y, xq4, xd, xs, xc, t0, size, g, blocks, out_features, codes, high, dd, sc, mm, dmin, mq, lut, iacc, facc,
           planes, hb, halves, off, superblock, sc_type, min_kind, vnni, codebook):
     """``y[t0 + s, 8 g: 8 g + 8]`` for the ``size`` tokens of a tile (module doc). ``iacc``: int32, 8 lanes per
@@ -220,48 +273,27 @@ def _tile(y, xq4, xd, xs, xc, t0, size, g, blocks, out_features, codes, high, dd
     for s in T.unroll(size):
         facc[T.ramp(s * ROWS, 1, ROWS)] = T.broadcast(T.float32(0), ROWS)
     for b in range(blocks):
-        for a in T.unroll(planes * size * 2):
-            iacc[T.ramp(a * ROWS, 1, ROWS)] = T.broadcast(T.int32(0), ROWS)
-        for v in T.unroll(4):
-            raw: T.let = codes.vload([g, b, v * 32], "uint8x32")
-            low: T.let = _codes(raw, high, lut, g, b, v, 0, hb, codebook)
-            hig: T.let = _codes(raw, high, lut, g, b, v, 1, hb, codebook)
-            for p in T.unroll(planes):
-                for s in T.unroll(size):
-                    xlo: T.let = T.reinterpret("int8x32", T.broadcast(xq4[p, t0 + s, b * 8 + v * 2], ROWS))
-                    xhi: T.let = T.reinterpret("int8x32", T.broadcast(xq4[p, t0 + s, b * 8 + v * 2 + 1], ROWS))
-                    at: T.let = ((p * size + s) * 2 + (v // 2 if halves == 2 else 0)) * ROWS
-                    if vnni:
-                        if halves == 2:
-                            iacc[T.ramp(at, 1, ROWS)] = _intrin(_DPBUSD, "int32x8", _intrin(
-                                _DPBUSD, "int32x8", iacc[T.ramp(at, 1, ROWS)], low, xlo), hig, xhi)
-                        else:
-                            iacc[T.ramp(at, 1, ROWS)] = _intrin(_DPBUSD, "int32x8", iacc[T.ramp(at, 1, ROWS)],
-                                                                low, xlo)
-                            iacc[T.ramp(at + ROWS, 1, ROWS)] = _intrin(_DPBUSD, "int32x8",
-                                                                       iacc[T.ramp(at + ROWS, 1, ROWS)], hig, xhi)
-                    elif codebook:  # codes up to 241: as 16 x (code >> 4) + (code & 15), each within int16
-                        a3: T.let = at + v % 2 * ROWS
-                        iacc[T.ramp(a3, 1, ROWS)] = iacc[T.ramp(a3, 1, ROWS)] + T.shift_left(_intrin(
-                            _MADDWD, "int32x8", _intrin(_MADDUBS, "int16x16", _nibble(low, 1), xlo)
-                            + _intrin(_MADDUBS, "int16x16", _nibble(hig, 1), xhi), T.broadcast(T.int16(1), 16)),
-                            T.broadcast(T.int32(4), ROWS)) + _intrin(
-                            _MADDWD, "int32x8", _intrin(_MADDUBS, "int16x16", _nibble(low, 0), xlo)
-                            + _intrin(_MADDUBS, "int16x16", _nibble(hig, 0), xhi), T.broadcast(T.int16(1), 16))
-                    else:
-                        a2: T.let = at + (0 if halves == 2 else v % 2 * ROWS)
-                        iacc[T.ramp(a2, 1, ROWS)] = iacc[T.ramp(a2, 1, ROWS)] + _intrin(
-                            _MADDWD, "int32x8", _intrin(_MADDUBS, "int16x16", low, xlo)
-                            + _intrin(_MADDUBS, "int16x16", hig, xhi), T.broadcast(T.int16(1), 16))
-        sv0: T.let = _scale(dd, sc, g, b, 0, superblock, sc_type)
-        sv1: T.let = _scale(dd, sc, g, b, halves - 1, superblock, sc_type)
-        for s in T.unroll(size):
-            xdv: T.let = T.broadcast(xd[t0 + s, b], ROWS)
-            facc[T.ramp(s * ROWS, 1, ROWS)] = _block_sum(
-                facc, s, (_sums(iacc, s, size, 0, planes), _sums(iacc, s, size, 1, planes)) if halves == 2 else (
-                    _sums(iacc, s, size, 0, planes) + _sums(iacc, s, size, 1, planes), None), (sv0, sv1), xdv, xs,
-                xc, t0, b, off, halves, min_kind, mm, dmin, mq, g)
+        _tile_block(xq4, xd, xs, xc, t0, size, g, b, codes, high, dd, sc, mm, dmin, mq, lut, iacc, facc, planes, hb,
+                    halves, off, superblock, sc_type, min_kind, vnni, codebook)
     _store(y, facc, t0, size, g, out_features)
+
+
+@T.macro
+def _tile_both(y, xq4, xd, xs, xc, t0, size, g, blocks, out_features, codes, high, dd, sc, mm, dmin, mq, lut, iacc,
+               facc, iacc2, facc2, planes, hb, halves, off, superblock, sc_type, min_kind, vnni, codebook):
+    """``_tile`` on row groups ``g`` and ``g + 1`` (a pair: one stream in the interleaved layout), block by block
+    (group ``g``'s block, then ``g + 1``'s): each group's operations are ``_tile``'s, in its order, so its outputs
+    are bitwise ``_tile``'s. ``iacc2`` / ``facc2``: group ``g + 1``'s accumulators."""
+    for s in T.unroll(size):
+        facc[T.ramp(s * ROWS, 1, ROWS)] = T.broadcast(T.float32(0), ROWS)
+        facc2[T.ramp(s * ROWS, 1, ROWS)] = T.broadcast(T.float32(0), ROWS)
+    for b in range(blocks):
+        _tile_block(xq4, xd, xs, xc, t0, size, g, b, codes, high, dd, sc, mm, dmin, mq, lut, iacc, facc, planes, hb,
+                    halves, off, superblock, sc_type, min_kind, vnni, codebook)
+        _tile_block(xq4, xd, xs, xc, t0, size, g + 1, b, codes, high, dd, sc, mm, dmin, mq, lut, iacc2, facc2,
+                    planes, hb, halves, off, superblock, sc_type, min_kind, vnni, codebook)
+    _store(y, facc, t0, size, g, out_features)
+    _store(y, facc2, t0, size, g + 1, out_features)
 
 
 def _offset_sum(xc: Any, t: Any, bh: Any, off: int) -> Any:
@@ -298,7 +330,7 @@ def _wide_tile(y, xq4, xd, xs, xc, t0, size, g, blocks, out_features, codes, hig
             iacc[T.ramp(((planes - 1) * size * halves + a) * ROWS, 1, ROWS)] = T.broadcast(
                 _offset_sum(xc, t0 + a // halves, b * halves + a % halves, off), ROWS)
         for v in T.unroll(4):
-            raw: T.let = codes.vload([g, b, v * 32], "uint8x32")
+            raw: T.let = _rows(codes, g, [b, v * 32], "uint8", 32, False)
             low: T.let = _codes(raw, high, lut, g, b, v, 0, hb, codebook)
             hig: T.let = _codes(raw, high, lut, g, b, v, 1, hb, codebook)
             for p in T.unroll(planes):
@@ -411,33 +443,32 @@ def _pair_tile(y, xq4, xd, xs, xc, t0, size, g, blocks, codes, high, dd, sc, mm,
     for s in T.unroll(size):
         facc[T.ramp(s * _PAIR, 1, _PAIR)] = T.broadcast(T.float32(0), _PAIR)
     for b in range(blocks):
-        if ahead > 0:  # ``ahead`` blocks on in each group's stream, past its end into the next pair's group
-            for h in T.unroll(2):
-                wrap: T.let = T.Cast("int32", b + ahead >= blocks)
-                pg: T.let = T.min(g + h + 2 * wrap, codes.shape[0] - 1)
-                pb: T.let = T.min(b + ahead - wrap * blocks, blocks - 1)
-                for line in T.unroll(2):
-                    T.evaluate(_prefetch(codes, pg, pb, line * 64))
-                # the small arrays once a cache line: where ``pb`` starts one
-                if hb > 0:
-                    if pb % (2 // hb) == 0:
-                        T.evaluate(_prefetch(high, pg, pb, 0))
-                if superblock:
-                    if pb % (8 // halves) == 0:
-                        T.evaluate(_prefetch(sc, pg, pb, 0))
-                    if pb % 32 == 0:
-                        T.evaluate(_prefetch(dd, pg, pb // 8, 0))
-                else:
-                    if pb % 4 == 0:
-                        T.evaluate(_prefetch(dd, pg, pb, 0))
-                if min_kind == 1:
-                    if pb % 4 == 0:
-                        T.evaluate(_prefetch(mm, pg, pb, 0))
-                if min_kind == 2:
-                    if pb % 8 == 0:
-                        T.evaluate(_prefetch(mq, pg, pb, 0))
-                    if pb % 32 == 0:
-                        T.evaluate(_prefetch(dmin, pg, pb // 8, 0))
+        if ahead > 0:  # ``ahead`` blocks on in the pair's stream, past its end into the next pair's
+            wrap: T.let = T.Cast("int32", b + ahead >= blocks)
+            pp: T.let = T.min(g // 2 + wrap, codes.shape[0] - 1)
+            pb: T.let = T.min(b + ahead - wrap * blocks, blocks - 1)
+            for line in T.unroll(4):  # a block's codes of two groups: 256 bytes
+                T.evaluate(_prefetch(codes, pp, pb, line * 64))
+            # the small arrays once a cache line (of 64 bytes): where ``pb`` starts one
+            if hb > 0:
+                for line in T.unroll(hb):
+                    T.evaluate(_prefetch(high, pp, pb, line * 64))
+            if superblock:
+                if pb % (4 // halves) == 0:
+                    T.evaluate(_prefetch(sc, pp, pb, 0))
+                if pb % 16 == 0:
+                    T.evaluate(_prefetch(dd, pp, pb // 8, 0))
+            else:
+                if pb % 2 == 0:
+                    T.evaluate(_prefetch(dd, pp, pb, 0))
+            if min_kind == 1:
+                if pb % 2 == 0:
+                    T.evaluate(_prefetch(mm, pp, pb, 0))
+            if min_kind == 2:
+                if pb % 4 == 0:
+                    T.evaluate(_prefetch(mq, pp, pb, 0))
+                if pb % 16 == 0:
+                    T.evaluate(_prefetch(dmin, pp, pb // 8, 0))
         if serial:
             for h in T.unroll(2):
                 _serial_sub_block(xq4, xc, t0, size, g, b, h, codes, high, lut, iacc, planes, hb, off, codebook)
@@ -516,7 +547,7 @@ def quant_matmul_kernel(layout: QuantLayout, out_features: int, in_features: int
     ``wide_tokens``: the tokens of a ``_wide_tile`` where the kernel has them (``wide_tile``; 0: none; the same
     outputs); ``serial_pairs``: with two scales a block (Q6_K), pair tiles of ``wide_tokens`` tokens taking a
     block's sub-blocks one after the other (``_pair_tile``'s ``serial``) instead of half as many tokens (the same
-    outputs); ``few_pairs``: calls of 2 to ``wide_tokens - 1`` tokens run pair tiles of 3 (or 4), 2 and 1 tokens on
+    outputs); ``few_pairs``: calls of 1 to ``wide_tokens - 1`` tokens run pair tiles of 3 (or 4), 2 and 1 tokens on
     the pairs of whole row groups, as wider calls do after their wide tiles run out, instead of the narrow tiles on
     each group (the same outputs); ``prefetch``: the blocks ahead that those pair tiles prefetch (0: none; the same
     outputs)."""
@@ -533,6 +564,7 @@ def quant_matmul_kernel(layout: QuantLayout, out_features: int, in_features: int
     wide = wtile <= _SPAN
     # the work in units of two whole row groups (``_pair_tile``, where the kernel has wide tiles), then one each
     pairs = N // ROWS // 2 if wide else 0
+    both = N // ROWS // 2  # pairs of whole row groups (``_tile_both`` for one token where it has no pair tiles)
     units = groups - pairs
     chunks = min(_CHUNKS, groups)  # some idle in the pair tiles where there are fewer than 64 units
     iacc_len = max(planes * tile * 2, planes * wtile * halves if wide else 0) * ROWS
@@ -636,9 +668,8 @@ def quant_matmul_kernel(layout: QuantLayout, out_features: int, in_features: int
                 pacc = T.alloc_buffer((pacc_len,), "int32", scope="local")
                 pfacc = T.alloc_buffer((pfacc_len,), "float32", scope="local")
                 spans(y, n, xq4, xd, xs, xc, chunk, codes, high, dd, sc, mm, dmin, mq, lut, iacc, facc, pacc, pfacc)
-        elif pairs > 0 and few_pairs and n >= 2:
-            # 2 to wtile - 1 tokens: pair tiles of few tokens, prefetching (module doc), then the groups alone; one
-            # token stays on the narrow tiles (module doc: the prefetching pair tile was slower in the VM's slow mode)
+        elif pairs > 0 and few_pairs:
+            # 1 to wtile - 1 tokens: pair tiles of few tokens, prefetching (module doc), then the groups alone
             for chunk in T.parallel(chunks):
                 iacc = T.alloc_buffer((iacc_len,), "int32", scope="local")
                 facc = T.alloc_buffer((facc_len,), "float32", scope="local")
@@ -649,6 +680,19 @@ def quant_matmul_kernel(layout: QuantLayout, out_features: int, in_features: int
                         pair_rest(y, xq4, xd, xs, xc, n, 2 * u, codes, high, dd, sc, mm, dmin, mq, lut, pacc, pfacc)
                     else:
                         rest(y, xq4, xd, xs, xc, 0, n, u + pairs, codes, high, dd, sc, mm, dmin, mq, lut, iacc, facc)
+        elif n == 1 and both > 0:  # one token on the narrow tiles: a pair of groups at a time (one stream)
+            for chunk in T.parallel(chunks):
+                iacc = T.alloc_buffer((iacc_len,), "int32", scope="local")
+                facc = T.alloc_buffer((facc_len,), "float32", scope="local")
+                iacc2 = T.alloc_buffer((iacc_len,), "int32", scope="local")
+                facc2 = T.alloc_buffer((facc_len,), "float32", scope="local")
+                for u in range(chunk * (groups - both) // chunks, (chunk + 1) * (groups - both) // chunks):
+                    if u < both:
+                        _tile_both(y, xq4, xd, xs, xc, 0, 1, 2 * u, blocks, N, codes, high, dd, sc, mm, dmin, mq, lut,
+                                   iacc, facc, iacc2, facc2, planes, hb, halves, off, superblock, sc_type, min_kind,
+                                   vnni, codebook)
+                    else:
+                        narrow(y, xq4, xd, xs, xc, 0, 1, u + both, codes, high, dd, sc, mm, dmin, mq, lut, iacc, facc)
         else:  # fewer tokens than a wide tile: each chunk's row groups one by one
             for chunk in T.parallel(chunks):
                 iacc = T.alloc_buffer((iacc_len,), "int32", scope="local")
@@ -698,27 +742,29 @@ def quant_embed_kernel(layout: QuantLayout, vocab: int, hidden: int) -> tirx.Pri
     def code(codes: Any, high: Any, lut: Any, g: Any, r: Any, h: Any) -> Any:
         b, j = h // QBLOCK, h % QBLOCK
         v, half, jj = j // 8, j % 8 // 4, j % 4
-        q = T.bitwise_and(T.shift_right(codes[g, b, v * 32 + r * 4 + jj], T.Cast("uint8", half * 4)), T.uint8(15))
+        q = T.bitwise_and(T.shift_right(_elem(codes, g, b, v * 32 + r * 4 + jj, 32), T.Cast("uint8", half * 4)),
+                          T.uint8(15))
         p = 2 * v + half
         if hb == 1:
             q = T.bitwise_or(q, T.shift_left(T.bitwise_and(T.shift_right(
-                high[g, b, r * 4 + jj], T.Cast("uint8", p)), T.uint8(1)), T.uint8(4)))
+                _elem(high, g, b, r * 4 + jj, 32), T.Cast("uint8", p)), T.uint8(1)), T.uint8(4)))
         elif hb == 2:
             q = T.bitwise_or(q, T.shift_left(T.bitwise_and(T.shift_right(
-                high[g, b, QBLOCK * (p // 4) + r * 4 + jj], T.Cast("uint8", 2 * (p % 4))), T.uint8(3)), T.uint8(4)))
+                _elem(high, g, b, QBLOCK * (p // 4) + r * 4 + jj, 32), T.Cast("uint8", 2 * (p % 4))), T.uint8(3)),
+                T.uint8(4)))
         return T.Cast("float32", lut[q] if layout.codebook else q)
 
     def weight(codes: Any, high: Any, dd: Any, sc: Any, mm: Any, dmin: Any, mq: Any, lut: Any, row: Any,
                h: Any) -> Any:
         g, r, b = row // ROWS, row % ROWS, h // QBLOCK
-        s = (T.Cast("float32", dd[g, b // 8, r]) * T.Cast("float32", sc[g, b, (h % QBLOCK) // 16 * ROWS + r]
-                                                          if halves == 2 else sc[g, b, r])
-             if superblock else T.Cast("float32", dd[g, b, r]))
+        s = (T.Cast("float32", _elem(dd, g, b // 8, r)) * T.Cast(
+            "float32", _elem(sc, g, b, (h % QBLOCK) // 16 * ROWS + r) if halves == 2 else _elem(sc, g, b, r))
+             if superblock else T.Cast("float32", _elem(dd, g, b, r)))
         w = s * (code(codes, high, lut, g, r, h) - T.float32(off))
         if min_kind == 1:
-            return w + T.Cast("float32", mm[g, b, r])
+            return w + T.Cast("float32", _elem(mm, g, b, r))
         if min_kind == 2:
-            return w - T.Cast("float32", dmin[g, b // 8, r]) * T.Cast("float32", mq[g, b, r])
+            return w - T.Cast("float32", _elem(dmin, g, b // 8, r)) * T.Cast("float32", _elem(mq, g, b, r))
         return w
 
     @T.prim_func(private=True)

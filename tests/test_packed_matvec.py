@@ -78,11 +78,14 @@ def _arrays(raw: np.ndarray) -> list:
 
 def _unpack(packed: dict[str, np.ndarray], n_out: int, n_in: int) -> np.ndarray:
     """The dense float64 matrix a packed layout holds, read as ``quant_formats``' module doc describes it."""
-    codes = packed["codes"].reshape(-1, n_in // 32, 4, 8, 4)  # [g, b, v, r, j]
+    blocks = n_in // 32
+    # [g // 2, b, v, g % 2, r, j]: the pairs of row groups interleave runs of 32 bytes -> [g, b, v, r, j]
+    codes = packed["codes"].reshape(-1, blocks, 4, 2, 8, 4).transpose(0, 3, 1, 2, 4, 5).reshape(-1, blocks, 4, 8, 4)
     q = np.concatenate([codes & 15, codes >> 4], axis=4)  # [g, b, v, r, 8]: weights 8 v + (0..3 low, 4..7 high)
     q = q.transpose(0, 3, 1, 2, 4).reshape(-1, n_in)
-    def rows(a):
-        return np.repeat(a.transpose(0, 2, 1).reshape(-1, n_in // 32).astype(np.float64), 32, axis=1)
+    def rows(a):  # [g // 2, b, g % 2, r] -> [g * 8 + r, k]
+        a = a.reshape(-1, blocks, 2, 8).transpose(0, 2, 3, 1).reshape(-1, blocks)
+        return np.repeat(a.astype(np.float64), 32, axis=1)
     return (q * rows(packed["d"]) + rows(packed["m"]))[:n_out]
 
 

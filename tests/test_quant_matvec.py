@@ -220,11 +220,11 @@ def test_pair_tiles_with_one_accumulator_a_token_give_the_narrow_tiles_outputs(g
 @pytest.mark.skipif(not has_vnni(FEATURES), reason="no AVX512-VNNI")
 @pytest.mark.parametrize("ggml", list(LAYOUTS))
 def test_calls_of_a_few_tokens_on_pair_tiles_give_the_narrow_tiles_outputs(ggml: str) -> None:
-    """Calls of 2 to 7 tokens run pair tiles of 3, 2 and 1 tokens on the pairs of whole row groups (``few_pairs``,
-    the default; one token the narrow tiles either way), prefetching some blocks ahead (``prefetch``: by default
-    more than these rows' blocks, so past a group's end into the next pair's and clamped at the last group; 3;
-    none): bit for bit the kernel without them, for every type, 8- and 16-bit codes; 40 rows: two pairs and a group
-    alone."""
+    """Calls of 1 to 7 tokens run pair tiles of 3, 2 and 1 tokens on the pairs of whole row groups (``few_pairs``,
+    the default), prefetching some blocks ahead (``prefetch``: by default more than these rows' blocks, so past a
+    pair's end into the next pair's and clamped at the last pair; 3; none): bit for bit the kernel without them
+    (one token there: the narrow tile on both groups of a pair, ``_tile_both``), for every type, 8- and 16-bit
+    codes; 40 rows: two pairs and a group alone."""
     layout, rng = LAYOUTS[ggml], np.random.default_rng(10)
     in_features = _in_features(ggml)
     arrays = [tvm.runtime.tensor(a) for a in pack(layout, unpack_gguf(
