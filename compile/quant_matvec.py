@@ -42,7 +42,11 @@ and those tiles prefetch the pair's arrays ``PAIR_PREFETCH`` (32) blocks ahead (
 past a pair's end into the next pair's). The layout stores a pair's two groups interleaved (``quant_formats``), so a
 pair tile reads one stream, as the narrow tile on one group does, and each of its vectors in one load. Where a kernel
 has no pair tiles (AVX2), one token runs the narrow tile on both groups of a pair block by block (``_tile_both``: the
-same operations per group, so the same outputs), so that it too reads the pair's stream once.
+same operations per group, so the same outputs, the integer accumulators shared), prefetching as the pair tiles do,
+so that it too reads the pair's stream once: on the same VM, AVX2 tiles, one token, two threads streaming 16 copies
+(2026-11-28 18:35-18:37, quiet, 6 runs), Q4_K 16384 x 2048 36.8-41.6 -> 43.5-44.8 GB/s in 5 runs of 6 (31.8 in one),
+Q6_K 2048 x 8192 34.6-38.6 -> 42.9-49.7 GB/s (without the prefetch 34.1-38.1 and 36.2-38.3: the groups apart read
+as fast).
 
 Measured on the Zen 5 VM (2026-11-28 18:30-18:50 UTC, load about 1, 2 threads, ``scripts/compare_builds.py``, best of
 5 interleaved rounds), a 1B-shaped Q4_K_M's decode step: with the groups apart (before), on the narrow tiles 18.3-20.7
@@ -218,6 +222,37 @@ def _block_sum(facc: Any, s: Any, totals: tuple[Any, Any], sv: tuple[Any, Any], 
 
 
 @T.macro
+def _pair_prefetch(g, b, blocks, ahead, codes, high, dd, sc, mm, dmin, mq, hb, halves, superblock, min_kind):
+    """Prefetch the arrays of row groups ``g`` and ``g + 1`` (a pair: one stream) ``ahead`` blocks on from block
+    ``b``, past the pair's end into the next pair's (the module doc's ``PAIR_PREFETCH``)."""
+    wrap: T.let = T.Cast("int32", b + ahead >= blocks)
+    pp: T.let = T.min(g // 2 + wrap, codes.shape[0] - 1)
+    pb: T.let = T.min(b + ahead - wrap * blocks, blocks - 1)
+    for line in T.unroll(4):  # a block's codes of two groups: 256 bytes
+        T.evaluate(_prefetch(codes, pp, pb, line * 64))
+    # the small arrays once a cache line (of 64 bytes): where ``pb`` starts one
+    if hb > 0:
+        for line in T.unroll(hb):
+            T.evaluate(_prefetch(high, pp, pb, line * 64))
+    if superblock:
+        if pb % (4 // halves) == 0:
+            T.evaluate(_prefetch(sc, pp, pb, 0))
+        if pb % 16 == 0:
+            T.evaluate(_prefetch(dd, pp, pb // 8, 0))
+    else:
+        if pb % 2 == 0:
+            T.evaluate(_prefetch(dd, pp, pb, 0))
+    if min_kind == 1:
+        if pb % 2 == 0:
+            T.evaluate(_prefetch(mm, pp, pb, 0))
+    if min_kind == 2:
+        if pb % 4 == 0:
+            T.evaluate(_prefetch(mq, pp, pb, 0))
+        if pb % 16 == 0:
+            T.evaluate(_prefetch(dmin, pp, pb // 8, 0))
+
+
+@T.macro
 def _tile_block(xq4, xd, xs, xc, t0, size, g, b, codes, high, dd, sc, mm, dmin, mq, lut, iacc, facc, planes, hb,
                 halves, off, superblock, sc_type, min_kind, vnni, codebook):
     """Block ``b`` of row group ``g`` into the ``size`` tokens' float sums ``facc`` (``_tile``)."""
@@ -280,17 +315,20 @@ def _tile(y, xq4, xd, xs, xc, t0, size, g, blocks, out_features, codes, high, dd
 
 @T.macro
 def _tile_both(y, xq4, xd, xs, xc, t0, size, g, blocks, out_features, codes, high, dd, sc, mm, dmin, mq, lut, iacc,
-               facc, iacc2, facc2, planes, hb, halves, off, superblock, sc_type, min_kind, vnni, codebook):
+               facc, facc2, planes, hb, halves, off, superblock, sc_type, min_kind, vnni, codebook, ahead=0):
     """``_tile`` on row groups ``g`` and ``g + 1`` (a pair: one stream in the interleaved layout), block by block
     (group ``g``'s block, then ``g + 1``'s): each group's operations are ``_tile``'s, in its order, so its outputs
-    are bitwise ``_tile``'s. ``iacc2`` / ``facc2``: group ``g + 1``'s accumulators."""
+    are bitwise ``_tile``'s. ``facc2``: group ``g + 1``'s float sums; the integer ones (``iacc``, zeroed at each
+    block's start and added to the float sums at its end) are shared, which keeps AVX2's 16 registers enough."""
     for s in T.unroll(size):
         facc[T.ramp(s * ROWS, 1, ROWS)] = T.broadcast(T.float32(0), ROWS)
         facc2[T.ramp(s * ROWS, 1, ROWS)] = T.broadcast(T.float32(0), ROWS)
     for b in range(blocks):
+        if ahead > 0:
+            _pair_prefetch(g, b, blocks, ahead, codes, high, dd, sc, mm, dmin, mq, hb, halves, superblock, min_kind)
         _tile_block(xq4, xd, xs, xc, t0, size, g, b, codes, high, dd, sc, mm, dmin, mq, lut, iacc, facc, planes, hb,
                     halves, off, superblock, sc_type, min_kind, vnni, codebook)
-        _tile_block(xq4, xd, xs, xc, t0, size, g + 1, b, codes, high, dd, sc, mm, dmin, mq, lut, iacc2, facc2,
+        _tile_block(xq4, xd, xs, xc, t0, size, g + 1, b, codes, high, dd, sc, mm, dmin, mq, lut, iacc, facc2,
                     planes, hb, halves, off, superblock, sc_type, min_kind, vnni, codebook)
     _store(y, facc, t0, size, g, out_features)
     _store(y, facc2, t0, size, g + 1, out_features)
@@ -443,32 +481,8 @@ def _pair_tile(y, xq4, xd, xs, xc, t0, size, g, blocks, codes, high, dd, sc, mm,
     for s in T.unroll(size):
         facc[T.ramp(s * _PAIR, 1, _PAIR)] = T.broadcast(T.float32(0), _PAIR)
     for b in range(blocks):
-        if ahead > 0:  # ``ahead`` blocks on in the pair's stream, past its end into the next pair's
-            wrap: T.let = T.Cast("int32", b + ahead >= blocks)
-            pp: T.let = T.min(g // 2 + wrap, codes.shape[0] - 1)
-            pb: T.let = T.min(b + ahead - wrap * blocks, blocks - 1)
-            for line in T.unroll(4):  # a block's codes of two groups: 256 bytes
-                T.evaluate(_prefetch(codes, pp, pb, line * 64))
-            # the small arrays once a cache line (of 64 bytes): where ``pb`` starts one
-            if hb > 0:
-                for line in T.unroll(hb):
-                    T.evaluate(_prefetch(high, pp, pb, line * 64))
-            if superblock:
-                if pb % (4 // halves) == 0:
-                    T.evaluate(_prefetch(sc, pp, pb, 0))
-                if pb % 16 == 0:
-                    T.evaluate(_prefetch(dd, pp, pb // 8, 0))
-            else:
-                if pb % 2 == 0:
-                    T.evaluate(_prefetch(dd, pp, pb, 0))
-            if min_kind == 1:
-                if pb % 2 == 0:
-                    T.evaluate(_prefetch(mm, pp, pb, 0))
-            if min_kind == 2:
-                if pb % 4 == 0:
-                    T.evaluate(_prefetch(mq, pp, pb, 0))
-                if pb % 16 == 0:
-                    T.evaluate(_prefetch(dmin, pp, pb // 8, 0))
+        if ahead > 0:
+            _pair_prefetch(g, b, blocks, ahead, codes, high, dd, sc, mm, dmin, mq, hb, halves, superblock, min_kind)
         if serial:
             for h in T.unroll(2):
                 _serial_sub_block(xq4, xc, t0, size, g, b, h, codes, high, lut, iacc, planes, hb, off, codebook)
@@ -684,13 +698,12 @@ def quant_matmul_kernel(layout: QuantLayout, out_features: int, in_features: int
             for chunk in T.parallel(chunks):
                 iacc = T.alloc_buffer((iacc_len,), "int32", scope="local")
                 facc = T.alloc_buffer((facc_len,), "float32", scope="local")
-                iacc2 = T.alloc_buffer((iacc_len,), "int32", scope="local")
                 facc2 = T.alloc_buffer((facc_len,), "float32", scope="local")
                 for u in range(chunk * (groups - both) // chunks, (chunk + 1) * (groups - both) // chunks):
                     if u < both:
                         _tile_both(y, xq4, xd, xs, xc, 0, 1, 2 * u, blocks, N, codes, high, dd, sc, mm, dmin, mq, lut,
-                                   iacc, facc, iacc2, facc2, planes, hb, halves, off, superblock, sc_type, min_kind,
-                                   vnni, codebook)
+                                   iacc, facc, facc2, planes, hb, halves, off, superblock, sc_type, min_kind,
+                                   vnni, codebook, prefetch)
                     else:
                         narrow(y, xq4, xd, xs, xc, 0, 1, u + both, codes, high, dd, sc, mm, dmin, mq, lut, iacc, facc)
         else:  # fewer tokens than a wide tile: each chunk's row groups one by one
