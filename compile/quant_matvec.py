@@ -45,8 +45,7 @@ has no pair tiles (AVX2), one token runs the narrow tile on both groups of a pai
 same operations per group, so the same outputs, the integer accumulators shared), prefetching as the pair tiles do,
 so that it too reads the pair's stream once: on the same VM, AVX2 tiles, one token, two threads streaming 16 copies
 (2026-11-28 18:35-18:37, quiet, 6 runs), Q4_K 16384 x 2048 36.8-41.6 -> 43.5-44.8 GB/s in 5 runs of 6 (31.8 in one),
-Q6_K 2048 x 8192 34.6-38.6 -> 42.9-49.7 GB/s (without the prefetch 34.1-38.1 and 36.2-38.3: the groups apart read
-as fast).
+Q6_K 2048 x 8192 34.6-38.6 -> 42.9-49.7 GB/s (the same walk without the prefetch: Q4_K 34.1-38.1, Q6_K 36.2-38.3).
 
 Measured on the Zen 5 VM (2026-11-28 18:30-18:50 UTC, load about 1, 2 threads, ``scripts/compare_builds.py``, best of
 5 interleaved rounds), a 1B-shaped Q4_K_M's decode step: with the groups apart (before), on the narrow tiles 18.3-20.7
