@@ -614,18 +614,46 @@ def quant_matmul_kernel(layout: QuantLayout, out_features: int, in_features: int
             narrow(y, xq4, xd, xs, xc, t1 - 1, 1, g, codes, high, dd, sc, mm, dmin, mq, lut, iacc, facc)
 
     @T.macro
-    def pair_rest(y, xq4, xd, xs, xc, n, g, codes, high, dd, sc, mm, dmin, mq, lut, pacc, pfacc):
-        """Row groups ``g`` and ``g + 1``'s ``n`` tokens (fewer than a wide tile) in pair tiles of ``tile``, 2
-        and 1 tokens."""
-        for tt in range(n // tile):
-            _pair_tile(y, xq4, xd, xs, xc, tt * tile, tile, g, blocks, codes, high, dd, sc, mm, dmin, mq, lut, pacc,
-                       pfacc, planes, hb, halves, off, superblock, sc_type, min_kind, codebook, False, prefetch)
-        if n % tile >= 2:
-            _pair_tile(y, xq4, xd, xs, xc, n - n % tile, 2, g, blocks, codes, high, dd, sc, mm, dmin, mq, lut, pacc,
-                       pfacc, planes, hb, halves, off, superblock, sc_type, min_kind, codebook, False, prefetch)
-        if n % tile % 2 == 1:
-            _pair_tile(y, xq4, xd, xs, xc, n - 1, 1, g, blocks, codes, high, dd, sc, mm, dmin, mq, lut, pacc,
-                       pfacc, planes, hb, halves, off, superblock, sc_type, min_kind, codebook, False, prefetch)
+    def pair_tile(y, xq4, xd, xs, xc, t0, size, g, codes, high, dd, sc, mm, dmin, mq, lut, pacc, pfacc):
+        _pair_tile(y, xq4, xd, xs, xc, t0, size, g, blocks, codes, high, dd, sc, mm, dmin, mq, lut, pacc, pfacc,
+                   planes, hb, halves, off, superblock, sc_type, min_kind, codebook, False, prefetch)
+
+    @T.macro
+    def pair_rest(y, xq4, xd, xs, xc, t0, n, g, codes, high, dd, sc, mm, dmin, mq, lut, pacc, pfacc):
+        """Row groups ``g`` and ``g + 1``'s ``n`` tokens from ``t0`` on (fewer than a wide tile): up to 7 in one
+        pair tile of them all (one pass over the pair's weights), more (a kernel with wider wide tiles) in tiles of
+        ``tile``, 2 and 1."""
+        if n == 1:
+            pair_tile(y, xq4, xd, xs, xc, t0, 1, g, codes, high, dd, sc, mm, dmin, mq, lut, pacc, pfacc)
+        if wtile > 2:
+            if n == 2:
+                pair_tile(y, xq4, xd, xs, xc, t0, 2, g, codes, high, dd, sc, mm, dmin, mq, lut, pacc, pfacc)
+        if wtile > 3:
+            if n == 3:
+                pair_tile(y, xq4, xd, xs, xc, t0, 3, g, codes, high, dd, sc, mm, dmin, mq, lut, pacc, pfacc)
+        if wtile > 4:
+            if n == 4:
+                pair_tile(y, xq4, xd, xs, xc, t0, 4, g, codes, high, dd, sc, mm, dmin, mq, lut, pacc, pfacc)
+        if wtile > 5:
+            if n == 5:
+                pair_tile(y, xq4, xd, xs, xc, t0, 5, g, codes, high, dd, sc, mm, dmin, mq, lut, pacc, pfacc)
+        if wtile > 6:
+            if n == 6:
+                pair_tile(y, xq4, xd, xs, xc, t0, 6, g, codes, high, dd, sc, mm, dmin, mq, lut, pacc, pfacc)
+        if wtile > 7:
+            if n == 7:
+                pair_tile(y, xq4, xd, xs, xc, t0, 7, g, codes, high, dd, sc, mm, dmin, mq, lut, pacc, pfacc)
+        if wtile > 8:
+            if n >= 8:
+                for tt in range(n // tile):
+                    pair_tile(y, xq4, xd, xs, xc, t0 + tt * tile, tile, g, codes, high, dd, sc, mm, dmin, mq, lut,
+                              pacc, pfacc)
+                if n % tile >= 2:
+                    pair_tile(y, xq4, xd, xs, xc, t0 + n - n % tile, 2, g, codes, high, dd, sc, mm, dmin, mq, lut,
+                              pacc, pfacc)
+                if n % tile % 2 == 1:
+                    pair_tile(y, xq4, xd, xs, xc, t0 + n - 1, 1, g, codes, high, dd, sc, mm, dmin, mq, lut, pacc,
+                              pfacc)
 
     @T.macro
     def spans(y, n, xq4, xd, xs, xc, chunk, codes, high, dd, sc, mm, dmin, mq, lut, iacc, facc, pacc, pfacc):
@@ -645,9 +673,8 @@ def quant_matmul_kernel(layout: QuantLayout, out_features: int, in_features: int
                             _pair_tile(y, xq4, xd, xs, xc, t0 - wtile, wtile, 2 * u, blocks, codes, high, dd, sc, mm,
                                        dmin, mq, lut, pacc, pfacc, planes, hb, halves, off, superblock, sc_type,
                                        min_kind, codebook, False)
-                    for h in range(2):
-                        rest(y, xq4, xd, xs, xc, t0, t1, 2 * u + h, codes, high, dd, sc, mm, dmin, mq, lut, iacc,
-                             facc)
+                    pair_rest(y, xq4, xd, xs, xc, t0, t1 - t0, 2 * u, codes, high, dd, sc, mm, dmin, mq, lut, pacc,
+                              pfacc)
                 else:
                     if wide:
                         for tt in range((t1 - span * _SPAN) // wtile):
@@ -690,7 +717,8 @@ def quant_matmul_kernel(layout: QuantLayout, out_features: int, in_features: int
                 pfacc = T.alloc_buffer((pfacc_len,), "float32", scope="local")
                 for u in range(chunk * units // chunks, (chunk + 1) * units // chunks):
                     if u < pairs:
-                        pair_rest(y, xq4, xd, xs, xc, n, 2 * u, codes, high, dd, sc, mm, dmin, mq, lut, pacc, pfacc)
+                        pair_rest(y, xq4, xd, xs, xc, 0, n, 2 * u, codes, high, dd, sc, mm, dmin, mq, lut, pacc,
+                                  pfacc)
                     else:
                         rest(y, xq4, xd, xs, xc, 0, n, u + pairs, codes, high, dd, sc, mm, dmin, mq, lut, iacc, facc)
         elif n == 1 and both > 0:  # one token on the narrow tiles: a pair of groups at a time (one stream)
