@@ -49,7 +49,7 @@ PAIR_TOKENS = 8   # tokens of packed Q8_0's pair tiles (``_pair_q8_vnni``): 16 a
 _PAIR = 2 * ROWS  # lanes of a pair tile's vectors: two row groups
 #: blocks ahead that the pair tiles of calls under ``PAIR_TOKENS`` tokens prefetch the pair's arrays (past its end
 #: into the next pair's; module doc)
-PAIR_PREFETCH = 32
+PAIR_PREFETCH = 16
 #: activation code bits: 8 (GGML's Q8_1, one plane) or 16 (two int8 planes, high and low bytes)
 ACTIVATION_BITS = (8, 16)
 DEFAULT_ACTIVATION_BITS = 16  # 8 puts SmolLM2's logits about 1.5 from the float reference's (docs/model.md)
@@ -292,7 +292,7 @@ def _matmul_body() -> Any:
     row groups in parallel chunks, tokens in spans of ``_SPAN`` and tiles of ``tile`` (then 2, then 1) of
     ``_tile_q8_vnni``, so that a token's operations are the same in any tile; from ``PAIR_TOKENS`` tokens on, the
     whole row groups go in pairs, ``PAIR_TOKENS`` tokens at a time through ``_pair_q8_vnni`` first; under
-    ``PAIR_TOKENS`` tokens (``few_pairs``), the pairs in pair tiles of ``tile``, 2 and 1 tokens prefetching ``ahead``
+    ``PAIR_TOKENS`` tokens (``few_pairs``), each pair in one pair tile of all the tokens, prefetching ``ahead``
     blocks, then the groups alone in the narrow tiles."""
 
     @T.macro
@@ -308,15 +308,23 @@ def _matmul_body() -> Any:
             _tile_q8_vnni(y, xq4, xd, xs, t1 - 1, 1, g, blocks, N, codes, scales, mins, iacc, facc, planes)
 
     @T.macro
-    def pair_rest(y, n, xq4, xd, xs, g, blocks, codes, scales, pacc, pfacc, planes, tile, ahead):
-        """Row groups ``g`` and ``g + 1``'s ``n`` tokens (fewer than ``PAIR_TOKENS``): pair tiles of ``tile``, 2 and
-        1, prefetching ``ahead`` blocks."""
-        for tt in range(n // tile):
-            _pair_q8_vnni(y, xq4, xd, xs, tt * tile, tile, g, blocks, codes, scales, pacc, pfacc, planes, ahead)
-        if n % tile >= 2:
-            _pair_q8_vnni(y, xq4, xd, xs, n - n % tile, 2, g, blocks, codes, scales, pacc, pfacc, planes, ahead)
-        if n % tile % 2 == 1:
-            _pair_q8_vnni(y, xq4, xd, xs, n - 1, 1, g, blocks, codes, scales, pacc, pfacc, planes, ahead)
+    def pair_rest(y, n, xq4, xd, xs, g, blocks, codes, scales, pacc, pfacc, planes, ahead):
+        """Row groups ``g`` and ``g + 1``'s ``n`` tokens (1 to ``PAIR_TOKENS - 1``) in one pair tile of ``n``
+        tokens (one pass over the pair's weights), prefetching ``ahead`` blocks."""
+        if n == 1:
+            _pair_q8_vnni(y, xq4, xd, xs, 0, 1, g, blocks, codes, scales, pacc, pfacc, planes, ahead)
+        elif n == 2:
+            _pair_q8_vnni(y, xq4, xd, xs, 0, 2, g, blocks, codes, scales, pacc, pfacc, planes, ahead)
+        elif n == 3:
+            _pair_q8_vnni(y, xq4, xd, xs, 0, 3, g, blocks, codes, scales, pacc, pfacc, planes, ahead)
+        elif n == 4:
+            _pair_q8_vnni(y, xq4, xd, xs, 0, 4, g, blocks, codes, scales, pacc, pfacc, planes, ahead)
+        elif n == 5:
+            _pair_q8_vnni(y, xq4, xd, xs, 0, 5, g, blocks, codes, scales, pacc, pfacc, planes, ahead)
+        elif n == 6:
+            _pair_q8_vnni(y, xq4, xd, xs, 0, 6, g, blocks, codes, scales, pacc, pfacc, planes, ahead)
+        else:
+            _pair_q8_vnni(y, xq4, xd, xs, 0, 7, g, blocks, codes, scales, pacc, pfacc, planes, ahead)
 
     @T.macro
     def groupwise(y, n, xq4, xd, xs, blocks, codes, scales, mins, planes, tile, lanes, acc_dtype, N, groups, chunks):
@@ -372,12 +380,12 @@ def _matmul_body() -> Any:
             for chunk in T.parallel(chunks):
                 iacc = T.alloc_buffer((planes * tile * lanes,), acc_dtype, scope="local")
                 facc = T.alloc_buffer((tile * ROWS,), "float32", scope="local")
-                pacc = T.alloc_buffer((planes * tile * _PAIR,), "int32", scope="local")
-                pfacc = T.alloc_buffer((tile * _PAIR,), "float32", scope="local")
+                pacc = T.alloc_buffer((planes * PAIR_TOKENS * _PAIR,), "int32", scope="local")
+                pfacc = T.alloc_buffer((PAIR_TOKENS * _PAIR,), "float32", scope="local")
                 for u in range(chunk * (groups - N // ROWS // 2) // chunks,
                                (chunk + 1) * (groups - N // ROWS // 2) // chunks):
                     if u < N // ROWS // 2:
-                        pair_rest(y, n, xq4, xd, xs, 2 * u, blocks, codes, scales, pacc, pfacc, planes, tile, ahead)
+                        pair_rest(y, n, xq4, xd, xs, 2 * u, blocks, codes, scales, pacc, pfacc, planes, ahead)
                     else:
                         rest(y, xq4, xd, xs, 0, n, u + N // ROWS // 2, blocks, codes, scales, mins, iacc, facc,
                              planes, tile, N)
@@ -406,9 +414,9 @@ def packed_q8_0_kernel(out_features: int, in_features: int, x_dtype: str = "floa
     ``scales``, ``y``), on AVX512-VNNI only (``has_vnni``): the activations quantised once per call (module doc),
     each block's sum ``scale * xd * (sum_j (w_j + 128) q_j) - 128 * scale * xs``; tokens in tiles, spans and
     chunks, so a token's row is the same whatever the other tokens. ``few_pairs``: calls of 1 to ``PAIR_TOKENS - 1``
-    tokens run pair tiles of 3 (8-bit codes: 4), 2 and 1 tokens on the pairs of whole row groups instead of the
-    narrow tiles on each group (the same outputs); ``prefetch``: the blocks ahead that those pair tiles prefetch (0:
-    none; the same outputs)."""
+    tokens run one pair tile of all their tokens on each pair of whole row groups instead of the narrow tiles on
+    each group (the same outputs); ``prefetch``: the blocks ahead that those pair tiles prefetch (0: none; the same
+    outputs)."""
     _check("Q8_0", in_features, out_features, x_dtype, y_dtype, xbits)
     if prefetch < 0:
         raise ValueError(f"prefetch must be 0 or more blocks, got {prefetch}")

@@ -334,11 +334,11 @@ def test_the_packed_q8_0_lookup_gives_the_gguf_layouts_rows() -> None:
 @pytest.mark.parametrize("xbits", [8, 16])
 @pytest.mark.parametrize("n_out", [40, 29])
 def test_calls_of_a_few_packed_q8_0_tokens_on_pair_tiles_give_the_narrow_tiles_outputs(n_out: int, xbits: int) -> None:
-    """Calls of 1 to 7 tokens run pair tiles of 3 (8-bit codes: 4), 2 and 1 tokens on the pairs of whole row groups
-    (``few_pairs``, the default), prefetching some blocks ahead (``prefetch``: by default more than these rows'
-    blocks, so past a pair's end into the next pair's and clamped at the last pair; 1; none): bit for bit the
-    kernel without them (the narrow tiles on each group), 8- and 16-bit codes; 40 rows: two pairs and a group
-    alone; 29: one pair, a whole group alone and part of one."""
+    """Calls of 1 to 7 tokens run one pair tile of all their tokens on each pair of whole row groups (``few_pairs``,
+    the default), prefetching some blocks ahead (``prefetch``: by default more than these rows' blocks, so past a
+    pair's end into the next pair's and clamped at the last pair; 1; none): bit for bit the kernel without them (the
+    narrow tiles on each group), 8- and 16-bit codes; 40 rows: two pairs and a group alone; 29: one pair, a whole
+    group alone and part of one."""
     rng = np.random.default_rng(10)
     n_in = 96
     codes, scales, _ = _q8_0(n_out, n_in, rng)
