@@ -63,8 +63,8 @@ _TILE = 4         # tokens sharing each unpacked weight vector (8-bit activation
 _SPLIT_TILE = 3   # the same with 16-bit activations (two planes: twice the integer accumulators)
 PAIR_TOKENS = 8   # tokens of packed Q8_0's pair tiles (``_pair_q8_vnni``): 16 accumulators with two planes
 _PAIR = 2 * ROWS  # lanes of a pair tile's vectors: two row groups
-#: blocks ahead that the pair tiles of calls under ``PAIR_TOKENS`` tokens prefetch the pair's arrays (past its end
-#: into the next pair's; module doc)
+#: blocks ahead that a pair tile's first pass over a pair prefetches the pair's arrays (past its end into the next
+#: pair's; module doc): 8 KB of codes
 PAIR_PREFETCH = 16
 #: activation code bits: 8 (GGML's Q8_1, one plane) or 16 (two int8 planes, high and low bytes)
 ACTIVATION_BITS = (8, 16)
@@ -307,9 +307,10 @@ def _matmul_body() -> Any:
     """The packed Q8_0 kernel's body: each token's activations quantised once (tokens in parallel from 16 on), then
     row groups in parallel chunks, tokens in spans of ``_SPAN`` and tiles of ``tile`` (then 2, then 1) of
     ``_tile_q8_vnni``, so that a token's operations are the same in any tile; from ``PAIR_TOKENS`` tokens on, the
-    whole row groups go in pairs, ``PAIR_TOKENS`` tokens at a time through ``_pair_q8_vnni`` first; under
-    ``PAIR_TOKENS`` tokens (``few_pairs``), each pair in one pair tile of all the tokens, prefetching ``ahead``
-    blocks, then the groups alone in the narrow tiles."""
+    whole row groups go in pairs, ``PAIR_TOKENS`` tokens at a time through ``_pair_q8_vnni`` (the first tile
+    prefetching ``ahead`` blocks), then the span's last 1-7 tokens in one pair tile; under ``PAIR_TOKENS`` tokens
+    (``few_pairs``), each pair in one pair tile of all the tokens, prefetching; then the groups alone in the narrow
+    tiles."""
 
     @T.macro
     def rest(y, xq4, xd, xs, t0, t1, g, blocks, codes, scales, mins, iacc, facc, planes, tile, N):
@@ -383,11 +384,15 @@ def _matmul_body() -> Any:
                     for u in range(chunk * (groups - N // ROWS // 2) // chunks,
                                    (chunk + 1) * (groups - N // ROWS // 2) // chunks):
                         if u < N // ROWS // 2:
-                            for tt in range((t1 - span * _SPAN) // PAIR_TOKENS):
+                            # the first pass over the pair streams it (prefetching), the others find it in L2
+                            if t1 - span * _SPAN >= PAIR_TOKENS:
+                                _pair_q8_vnni(y, xq4, xd, xs, span * _SPAN, PAIR_TOKENS, 2 * u, blocks, codes, scales,
+                                              pacc, pfacc, planes, ahead)
+                            for tt in range(1, (t1 - span * _SPAN) // PAIR_TOKENS):
                                 _pair_q8_vnni(y, xq4, xd, xs, span * _SPAN + tt * PAIR_TOKENS, PAIR_TOKENS, 2 * u,
                                               blocks, codes, scales, pacc, pfacc, planes, 0)
                             pair_rest(y, t0, t1 - t0, xq4, xd, xs, 2 * u, blocks, codes, scales, pacc, pfacc,
-                                      planes, 0)
+                                      planes, ahead)
                         else:
                             rest(y, xq4, xd, xs, span * _SPAN, t1, u + N // ROWS // 2, blocks, codes, scales,
                                  mins, iacc, facc, planes, tile, N)
@@ -430,8 +435,8 @@ def packed_q8_0_kernel(out_features: int, in_features: int, x_dtype: str = "floa
     each block's sum ``scale * xd * (sum_j (w_j + 128) q_j) - 128 * scale * xs``; tokens in tiles, spans and
     chunks, so a token's row is the same whatever the other tokens. ``few_pairs``: calls of 1 to ``PAIR_TOKENS - 1``
     tokens run one pair tile of all their tokens on each pair of whole row groups instead of the narrow tiles on
-    each group (the same outputs); ``prefetch``: the blocks ahead that those pair tiles prefetch (0: none; the same
-    outputs)."""
+    each group (the same outputs); ``prefetch``: the blocks ahead that the pair tiles prefetch in their first pass
+    over a pair (0: none; the same outputs)."""
     _check("Q8_0", in_features, out_features, x_dtype, y_dtype, xbits)
     if prefetch < 0:
         raise ValueError(f"prefetch must be 0 or more blocks, got {prefetch}")
