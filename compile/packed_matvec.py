@@ -26,22 +26,29 @@ exact int32 block sum converted to float and added with one FMA by ``scale x xd`
 into lane ``r`` of the token's accumulator: a lane is a row, so ``y[t, 8 g: 8 g + 8]`` is one vector store. Tokens
 go in tiles of 3 (16-bit codes) or 4, then 2, then 1, each weight vector loaded once per tile; a token's operations
 are the same, in the same order, whatever its tile (batch invariance). Row groups go in 64 parallel chunks, tokens
-in spans of 128 so that a span's activations stay in L2 while a chunk's rows pass over them. Calls of
-``PAIR_TOKENS`` tokens or more first run pair tiles (``_pair_q8_vnni``): 8 tokens on two whole row groups at once in
-512-bit vectors, each activation broadcast serving 16 rows (the same outputs bit for bit; ``quant_matvec``'s pair
-tiles, docs/model.md). Calls of 1 to 7 tokens (decode steps, batched or not, short verifies) run one pair tile of
-all their tokens on each pair of whole groups (``few_pairs``: one pass over the pair's weights; the same outputs),
-prefetching the pair's arrays ``PAIR_PREFETCH`` (16) blocks ahead (``llvm.prefetch``: 8 KB of codes, past a pair's
-end into the next pair's), then the narrow tiles on a group alone. ``packed_q8_0_embed_kernel`` looks rows up in
-that layout (a tied embedding is the head), giving the GGUF layout's values exactly.
+in spans of 128 so that a span's activations stay in L2 while a chunk's rows pass over them. Two whole row groups
+(a pair) go through pair tiles (``_pair_q8_vnni``): their 16 rows in 512-bit vectors, each activation broadcast
+serving 16 rows (the same outputs bit for bit; ``quant_matvec``'s pair tiles, docs/model.md): a span's tokens 8 at
+a time, then its last 1-7 tokens in one pair tile of them all; a call of 1 to 7 tokens (decode steps, batched or
+not, short verifies: ``few_pairs``) in one pair tile of all its tokens, so one pass over the pair's weights. The
+first pass over a pair prefetches the pair's arrays ``PAIR_PREFETCH`` (16) blocks ahead (``llvm.prefetch``: 8 KB of
+codes, past a pair's end into the next pair's). A group alone (an odd count, the last rows) runs the narrow tiles.
+``packed_q8_0_embed_kernel`` looks rows up in that layout (a tied embedding is the head), giving the GGUF layout's
+values exactly.
 
-Measured on the Zen 5 VM (2026-11-28 18:10-18:25 UTC), one thread, CPU time, streaming 300 MB of copies of a matrix,
-ms a call; the groups apart on the narrow tiles (before) / interleaved, pair tiles of 3, 2, 1 tokens / one pair tile
-of all the tokens (load 3.5-4.9 from another session's compiles): 2048 x 8192 at 1 token 0.678 / 0.539 / 0.525, 4
-tokens 1.929 / 0.691 / 0.602, 7 tokens 2.440 / 0.983 / 0.712; 16384 x 2048 at 1 token 1.048 / 1.017 / 1.000, 7
-tokens 4.887 / 1.856 / 1.364. Prefetch distances (2048 x 8192, 1 / 3 tokens): 8 blocks 0.539 / 0.605, 12 0.508 /
-0.538, 16 0.514 / 0.530, 24 0.536 / 0.551, 32 0.549 / 0.564, none 0.549 / 0.863 ms. In cache (2048 x 2048, one
-thread) one token took 0.062 ms before and 0.051 after (0.048 without the prefetch). DECODE_FIGURES
+Measured on the Zen 5 VM (2026-11-28 18:12-18:30 UTC), one thread, CPU time, ms a call (load 3-5 from another
+session's compiles; docs/model.md has more). Streaming 300 MB of copies, the groups apart on the narrow tiles
+(before) / interleaved, pair tiles of 3, 2, 1 tokens / one pair tile of all the tokens: 2048 x 8192 at 1 token
+0.678 / 0.539 / 0.525, 4 tokens 1.929 / 0.691 / 0.602, 7 tokens 2.440 / 0.983 / 0.712; 16384 x 2048 at 1 token
+1.048 / 1.017 / 1.000, 7 tokens 4.887 / 1.856 / 1.364. Prefetch distances in one run (2048 x 8192, 1 / 3 tokens): 8
+blocks 0.539 / 0.605, 12 0.508 / 0.538, 16 0.514 / 0.530, 24 0.536 / 0.551; in another 16 0.522 / 0.543, 32 0.549
+/ 0.564, none 0.549 / 0.863. A matrix in L3 (one copy, called again and again), before / interleaved without the
+wide tiles' prefetch / with it: 2048 x 8192 at 8 tokens 1.319 / 1.869 / 0.776, 79 tokens 8.261 / 7.913 / 6.746, 256
+tokens 23.32 / 23.21 / 21.98; 16384 x 2048 at 8 tokens 3.870 / 3.906 / 1.462, 256 tokens 46.41 / 44.93 / 42.04: on
+one stream without it the 8-token tile waited on memory, longer than on the old layout's two streams a pair. A
+1B-shaped Q8_0 model (2 threads, wall time, ``scripts/compare_builds.py``, 2 runs, load 1.9-2.0, 18:31-18:33):
+decode step 23.17 / 22.87 -> 21.24 / 21.04 ms, 4 sequences 70.8 / 70.5 -> 24.1 / 23.8 ms, 8 sequences 71.4 / 69.7
+-> 32.6 / 32.6 ms, a 79-token prefill 255.9 / 254.0 -> 211.8 / 208.9 ms; its logits equal the old build's.
 """
 
 from __future__ import annotations
