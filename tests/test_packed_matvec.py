@@ -8,8 +8,9 @@ tiles); the VNNI kernel gives the AVX2 kernel's outputs bit for bit, with and wi
 the AVX2 kernel built for a CPU without AVX-512 (``mcpu=haswell``); float16 inputs
 and outputs are the float32 sums rounded once; awkward shapes: rows not a multiple of the 8-row group, one and an
 odd number of blocks, 1 to 9 tokens and a span of 128 crossed, all-zero and constant activation blocks, the extreme
-codes 0 and 15. The packed Q8_0 head (VNNI only) equals numpy likewise, its lookup the GGUF layout's bit for
-bit."""
+codes 0 and 15. The packed Q8_0 layout holds the GGUF's weights (read as ``pack_q8_0`` describes it: pairs of row
+groups interleaved); its kernel (VNNI only) equals numpy likewise, its pair tiles give the narrow tiles' outputs bit
+for bit at 1-17 tokens with and without the prefetch, and its lookup the GGUF layout's bit for bit."""
 
 from __future__ import annotations
 
