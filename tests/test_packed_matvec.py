@@ -8,8 +8,9 @@ tiles); the VNNI kernel gives the AVX2 kernel's outputs bit for bit, with and wi
 the AVX2 kernel built for a CPU without AVX-512 (``mcpu=haswell``); float16 inputs
 and outputs are the float32 sums rounded once; awkward shapes: rows not a multiple of the 8-row group, one and an
 odd number of blocks, 1 to 9 tokens and a span of 128 crossed, all-zero and constant activation blocks, the extreme
-codes 0 and 15. The packed Q8_0 head (VNNI only) equals numpy likewise, its lookup the GGUF layout's bit for
-bit."""
+codes 0 and 15. The packed Q8_0 layout holds the GGUF's weights (read as ``pack_q8_0`` describes it: pairs of row
+groups interleaved); its kernel (VNNI only) equals numpy likewise, its pair tiles give the narrow tiles' outputs bit
+for bit at 1-17 tokens with and without the prefetch, and its lookup the GGUF layout's bit for bit."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from logitproc.compile.packed_matvec import (
     pack_q8_0,
     packed_q8_0_embed_kernel,
     packed_q8_0_kernel,
+    packed_q8_0_shapes,
     quantise_activations,
 )
 from logitproc.compile.quant_formats import Q4_1, dequantize_packed, pack, unpack_gguf, unpack_packed
@@ -261,6 +263,27 @@ def _q8_0(n_out: int, n_in: int, rng: np.random.Generator):
     return codes, scales, codes * np.repeat(scales.astype(np.float64), 32, axis=1)
 
 
+def _unpack_q8_0(packed: dict[str, np.ndarray], n_out: int, n_in: int) -> np.ndarray:
+    """The dense float64 matrix a packed Q8_0 layout holds, read as ``pack_q8_0``'s doc describes it."""
+    blocks = n_in // 32
+    # [g // 2, b, v, g % 2, r, j]: the pairs of row groups interleave runs of 32 bytes -> [g, r, b, v, j]
+    codes = packed["codes"].reshape(-1, blocks, 8, 2, 8, 4).transpose(0, 3, 4, 1, 2, 5).reshape(-1, n_in)
+    scales = packed["scales"].reshape(-1, blocks, 2, 8).transpose(0, 2, 3, 1).reshape(-1, blocks)
+    w = (codes.astype(np.float64) - 128) * np.repeat(scales.astype(np.float64), 32, axis=1)
+    assert not w[n_out:].any()  # the padding rows: zero weights
+    return w[:n_out]
+
+
+def test_the_packed_q8_0_layout_holds_the_gguf_weights() -> None:
+    """Rows in pairs of 8-row groups, interleaved (one group, part of one, a pair and a half, two pairs)."""
+    rng = np.random.default_rng(11)
+    for n_out, n_in in [(8, 64), (5, 32), (37, 96), (32, 32)]:
+        codes, scales, dense = _q8_0(n_out, n_in, rng)
+        packed = pack_q8_0(codes, scales)
+        assert [(k, a.shape, str(a.dtype)) for k, a in packed.items()] == packed_q8_0_shapes(n_out, n_in)
+        np.testing.assert_array_equal(_unpack_q8_0(packed, n_out, n_in), dense)
+
+
 @VNNI
 @pytest.mark.parametrize("xbits", [8, 16])
 def test_packed_q8_0_matches_numpy_on_the_rounded_activations(xbits: int) -> None:
@@ -307,3 +330,34 @@ def test_the_packed_q8_0_lookup_gives_the_gguf_layouts_rows() -> None:
             outs.append(out.numpy())
         np.testing.assert_array_equal(outs[0], outs[1])
 
+
+@VNNI
+@pytest.mark.parametrize("xbits", [8, 16])
+@pytest.mark.parametrize("n_out", [40, 29])
+def test_calls_of_a_few_packed_q8_0_tokens_on_pair_tiles_give_the_narrow_tiles_outputs(n_out: int, xbits: int) -> None:
+    """Calls of 1 to 7 tokens run one pair tile of all their tokens on each pair of whole row groups (``few_pairs``,
+    the default), prefetching some blocks ahead (``prefetch``: by default more than these rows' blocks, so past a
+    pair's end into the next pair's and clamped at the last pair; 1; none): bit for bit the kernel without them (the
+    narrow tiles on each group), 8- and 16-bit codes; 40 rows: two pairs and a group alone; 29: one pair, a whole
+    group alone and part of one. 8 to 17 tokens (tiles of 8, the rest in one pair tile, the first pass over a pair
+    prefetching): the same outputs at every distance, and a token's row the same at every token count."""
+    rng = np.random.default_rng(10)
+    n_in = 96
+    codes, scales, _ = _q8_0(n_out, n_in, rng)
+    weights = [tvm.runtime.tensor(a) for a in pack_q8_0(codes, scales).values()]
+    x = (rng.standard_normal((17, n_in)) * rng.uniform(0.01, 100, (17, 1))).astype(np.float32)
+    x[0, :32] = 0.0
+    kinds = {"pairs": {}, "pairs, prefetch 1": {"prefetch": 1}, "pairs, no prefetch": {"prefetch": 0},
+             "narrow": {"few_pairs": False}}
+    outs = {}
+    for kind, options in kinds.items():
+        run = _build(packed_q8_0_kernel, n_out, n_in, xbits=xbits, **options)
+        for n in range(1, 18):
+            y = tvm.runtime.tensor(np.full((n, n_out), np.nan, np.float32))
+            run(tvm.runtime.tensor(x[:n]), *weights, y)
+            outs[kind, n] = y.numpy()
+    for n in range(1, 18):
+        for kind in kinds:
+            np.testing.assert_array_equal(outs[kind, n].view(np.uint32), outs["narrow", n].view(np.uint32),
+                                          err_msg=f"{xbits}-bit, {kind}: {n} tokens")
+        np.testing.assert_array_equal(outs["pairs", n], outs["pairs", 17][:n], err_msg=f"{n} tokens")
