@@ -36,16 +36,17 @@ a token measured 0-6% slower where nothing spilled: Q4_0, Q4_K, Q5_0, Q5_1, IQ4_
 holds a copy of ``xd`` that its second sub-block reads: two loads LLVM cannot merge, so each product ``S x xd``
 takes ``xd`` straight from memory instead of one broadcast kept (spilled) across the sub-blocks.
 
-Calls of 1 to 7 tokens (decode steps, batched or not, short verifies: fewer than a wide tile) run pair tiles of 3
-(8-bit codes: 4), 2 and 1 tokens on the pairs of whole row groups too (``few_pairs``), the same outputs bit for bit,
-and those tiles prefetch the pair's arrays ``PAIR_PREFETCH`` (32) blocks ahead (``llvm.prefetch``: 8 KB of codes;
-past a pair's end into the next pair's). The layout stores a pair's two groups interleaved (``quant_formats``), so a
-pair tile reads one stream, as the narrow tile on one group does, and each of its vectors in one load. Where a kernel
-has no pair tiles (AVX2), one token runs the narrow tile on both groups of a pair block by block (``_tile_both``: the
-same operations per group, so the same outputs, the integer accumulators shared), prefetching as the pair tiles do,
-so that it too reads the pair's stream once: on the same VM, AVX2 tiles, one token, two threads streaming 16 copies
-(2026-11-28 18:35-18:37, quiet, 6 runs), Q4_K 16384 x 2048 36.8-41.6 -> 43.5-44.8 GB/s in 5 runs of 6 (31.8 in one),
-Q6_K 2048 x 8192 34.6-38.6 -> 42.9-49.7 GB/s (the same walk without the prefetch: Q4_K 34.1-38.1, Q6_K 36.2-38.3).
+Calls of 1 to 7 tokens (decode steps, batched or not, short verifies: fewer than a wide tile) run one pair tile of
+all their tokens on the pairs of whole row groups too (``few_pairs``; one pass over a pair's weights, as a wide
+call's last 1-7 tokens of a span do), the same outputs bit for bit, and those tiles prefetch the pair's arrays
+``PAIR_PREFETCH`` (32) blocks ahead (``llvm.prefetch``: 8 KB of codes; past a pair's end into the next pair's). The
+layout stores a pair's two groups interleaved (``quant_formats``), so a pair tile reads one stream, as the narrow
+tile on one group does, and each of its vectors in one load. Where a kernel has no pair tiles (AVX2), one token runs
+the narrow tile on both groups of a pair block by block (``_tile_both``: the same operations per group, so the same
+outputs, the integer accumulators shared), prefetching as the pair tiles do, so that it too reads the pair's stream
+once: on the same VM, AVX2 tiles, one token, two threads streaming 16 copies (2026-11-28 18:35-18:37, quiet, 6
+runs), Q4_K 16384 x 2048 36.8-41.6 -> 43.5-44.8 GB/s in 5 runs of 6 (31.8 in one), Q6_K 2048 x 8192 34.6-38.6 ->
+42.9-49.7 GB/s (the same walk without the prefetch: Q4_K 34.1-38.1, Q6_K 36.2-38.3).
 
 Measured on the Zen 5 VM (2026-11-28 18:30-18:50 UTC, load about 1, 2 threads, ``scripts/compare_builds.py``, best of
 5 interleaved rounds), a 1B-shaped Q4_K_M's decode step: with the groups apart (before), on the narrow tiles 18.3-20.7

@@ -307,30 +307,30 @@ def pytest_collection_modifyitems(config, items) -> None:
 #: had nothing left to do); within a file the order is kept. A file not named here comes after them.
 COLD_SECONDS: dict[str, int] = {
     "tests/test_quant_models.py": 420,  # SmolLM2 re-quantised and compiled 2x, the tiny Llama in 6 types
-    "tests/test_library.py": 60,  # ROCm gfx942 and gfx1100 (slow), 16-19 s each cold, unless prebuild made them
     "tests/test_model_families.py": 250,  # a build per family from the GGUF, and from the folder (slow)
+    "tests/test_quant_matvec.py": 180,
     "tests/test_decode_attention.py": 145,  # its standalone kernels
     "tests/test_chat_templates.py": 145,  # llama.cpp's templates and vocabularies out of its sdist, once per machine
-    "tests/test_fused_sampling.py": 40,  # the lavapipe test (slow): 34 s cold since the library loads once per device
     "tests/test_family_quant_files.py": 130,  # a Q4_K_M build per family (slow)
     "tests/test_context_and_windows.py": 90,
     "tests/test_ray_serve.py": 90,
     "tests/test_compiled_model.py": 80,
+    "tests/test_packed_matvec.py": 80,
     "tests/test_chat_tokens.py": 70,
     "tests/test_cli.py": 70,
     "tests/test_ray_hostile_http.py": 70,
+    "tests/test_library.py": 60,  # ROCm gfx942 and gfx1100 (slow), 16-19 s each cold, unless prebuild made them
     "tests/test_model_files.py": 55,
     "tests/test_kv_q8.py": 50,
     "tests/test_integer_matvec.py": 45,
     "tests/test_doc_snippets.py": 45,
     "tests/test_grammar.py": 45,
-    "tests/test_quant_matvec.py": 40,
+    "tests/test_fused_sampling.py": 40,  # the lavapipe test (slow): 34 s cold since the library loads once per device
     "tests/test_gemma3_multimodal.py": 35,
     "tests/test_attention_window_softcap.py": 35,
     "tests/test_tokenizers.py": 35,
     "tests/test_ray_single_replica.py": 35,
     "tests/test_load_memory.py": 32,
-    "tests/test_packed_matvec.py": 30,
 }
 
 
