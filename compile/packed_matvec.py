@@ -282,9 +282,9 @@ def _pair_q8_vnni(y, xq4, xd, xs, t0, size, g, blocks, codes, scales, pacc, pfac
         pfacc[T.ramp(s * _PAIR, 1, _PAIR)] = T.broadcast(T.float32(0), _PAIR)
     for b in range(blocks):
         if ahead > 0:
-            wrap: T.let = T.Cast("int32", b + ahead >= blocks)
-            pp: T.let = T.min(g // 2 + wrap, codes.shape[0] - 1)
-            pb: T.let = T.min(b + ahead - wrap * blocks, blocks - 1)
+            fetch_at: T.let = g // 2 * blocks + b + ahead  # the block ``ahead`` on along the pairs' stream
+            pp: T.let = T.min(fetch_at // blocks, codes.shape[0] - 1)
+            pb: T.let = fetch_at % blocks
             for line in T.unroll(PAIRED * ROWS * _QBLOCK // 64):  # a block's codes of two groups: 512 bytes
                 T.evaluate(_prefetch(codes, pp, pb, line * 64))
             if pb % 2 == 0:  # the scales (32 bytes a block) once a cache line

@@ -225,9 +225,9 @@ def _block_sum(facc: Any, s: Any, totals: tuple[Any, Any], sv: tuple[Any, Any], 
 def _pair_prefetch(g, b, blocks, ahead, codes, high, dd, sc, mm, dmin, mq, hb, halves, superblock, min_kind):
     """Prefetch the arrays of row groups ``g`` and ``g + 1`` (a pair: one stream) ``ahead`` blocks on from block
     ``b``, past the pair's end into the next pair's (the module doc's ``PAIR_PREFETCH``)."""
-    wrap: T.let = T.Cast("int32", b + ahead >= blocks)
-    pp: T.let = T.min(g // 2 + wrap, codes.shape[0] - 1)
-    pb: T.let = T.min(b + ahead - wrap * blocks, blocks - 1)
+    fetch_at: T.let = g // 2 * blocks + b + ahead  # the block ``ahead`` on along the pairs' stream
+    pp: T.let = T.min(fetch_at // blocks, codes.shape[0] - 1)
+    pb: T.let = fetch_at % blocks
     for line in T.unroll(4):  # a block's codes of two groups: 256 bytes
         T.evaluate(_prefetch(codes, pp, pb, line * 64))
     # the small arrays once a cache line (of 64 bytes): where ``pb`` starts one
