@@ -41,7 +41,9 @@ all their tokens on the pairs of whole row groups too (``few_pairs``; one pass o
 call's last 1-7 tokens of a span do), the same outputs bit for bit, and those tiles prefetch the pair's arrays
 ``PAIR_PREFETCH`` (32) blocks ahead (``llvm.prefetch``: 8 KB of codes; past a pair's end into the next pair's). The
 layout stores a pair's two groups interleaved (``quant_formats``), so a pair tile reads one stream, as the narrow
-tile on one group does, and each of its vectors in one load. Where a kernel has no pair tiles (AVX2), one token runs
+tile on one group does, and each of its vectors in one load; a wide call's first tile of a span on a pair
+prefetches too (it reads the pair from memory; the later ones find it in cache, where prefetching cost 9% at 512
+tokens). Where a kernel has no pair tiles (AVX2), one token runs
 the narrow tile on both groups of a pair block by block (``_tile_both``: the same operations per group, so the same
 outputs, the integer accumulators shared), prefetching as the pair tiles do, so that it too reads the pair's stream
 once: on the same VM, AVX2 tiles, one token, two threads streaming 16 copies (2026-11-28 18:35-18:37, quiet, 6
@@ -665,7 +667,13 @@ def quant_matmul_kernel(layout: QuantLayout, out_features: int, in_features: int
             t0: T.let = span * _SPAN + (t1 - span * _SPAN) // wtile * wtile
             for u in range(chunk * units // chunks, (chunk + 1) * units // chunks):
                 if u < pairs:
-                    for tt in range((t1 - span * _SPAN) // ptile):
+                    # the first tile of a span reads the pair from memory: it prefetches (the others find it in
+                    # cache, where the prefetches cost time: module doc)
+                    if t1 - span * _SPAN >= ptile:
+                        _pair_tile(y, xq4, xd, xs, xc, span * _SPAN, ptile, 2 * u, blocks, codes, high, dd, sc, mm,
+                                   dmin, mq, lut, pacc, pfacc, planes, hb, halves, off, superblock, sc_type, min_kind,
+                                   codebook, serial, prefetch)
+                    for tt in range(1, (t1 - span * _SPAN) // ptile):
                         _pair_tile(y, xq4, xd, xs, xc, span * _SPAN + tt * ptile, ptile, 2 * u, blocks, codes, high,
                                    dd, sc, mm, dmin, mq, lut, pacc, pfacc, planes, hb, halves, off, superblock,
                                    sc_type, min_kind, codebook, serial)
