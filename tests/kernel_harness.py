@@ -186,3 +186,15 @@ def vulkan_kernels_or_skip() -> dict[str, Any]:
     if opened is None:
         pytest.skip(f"no vulkan device: {reason}")
     return opened[1]
+
+
+def assert_tiles_agree(outs: dict[tuple[str, int], np.ndarray], kinds: list[str], counts: range, label: str) -> None:
+    """``outs[kind, n]`` (a kernel variant's output for its first ``n`` tokens) bit for bit the ``"narrow"``
+    variant's for every kind and count, and the ``"pairs"`` variant's rows for ``n`` tokens those of its widest call
+    (batch invariance)."""
+    widest = max(counts)
+    for n in counts:
+        for kind in kinds:
+            np.testing.assert_array_equal(outs[kind, n].view(np.uint32), outs["narrow", n].view(np.uint32),
+                                          err_msg=f"{label}, {kind}: {n} tokens")
+        np.testing.assert_array_equal(outs["pairs", n], outs["pairs", widest][:n], err_msg=f"{label}: {n} tokens")

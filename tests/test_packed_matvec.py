@@ -21,7 +21,7 @@ import pytest
 import tvm
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
-from kernel_harness import built_for_cpu, compiled_for_cpu
+from kernel_harness import assert_tiles_agree, built_for_cpu, compiled_for_cpu
 from logitproc.compile.integer_matvec import has_int8_dot
 from logitproc.compile.linear_kernels import embed_kernel
 from logitproc.compile.packed_matvec import (
@@ -356,8 +356,4 @@ def test_calls_of_a_few_packed_q8_0_tokens_on_pair_tiles_give_the_narrow_tiles_o
             y = tvm.runtime.tensor(np.full((n, n_out), np.nan, np.float32))
             run(tvm.runtime.tensor(x[:n]), *weights, y)
             outs[kind, n] = y.numpy()
-    for n in range(1, 18):
-        for kind in kinds:
-            np.testing.assert_array_equal(outs[kind, n].view(np.uint32), outs["narrow", n].view(np.uint32),
-                                          err_msg=f"{xbits}-bit, {kind}: {n} tokens")
-        np.testing.assert_array_equal(outs["pairs", n], outs["pairs", 17][:n], err_msg=f"{n} tokens")
+    assert_tiles_agree(outs, list(kinds), range(1, 18), f"{xbits}-bit")

@@ -15,7 +15,7 @@ import pytest
 import tvm
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
-from kernel_harness import built_for_cpu
+from kernel_harness import assert_tiles_agree, built_for_cpu
 from logitproc.compile.integer_matvec import has_int8_dot
 from logitproc.compile.packed_matvec import has_vnni, round_activations
 from logitproc.compile.quant_formats import (
@@ -240,11 +240,7 @@ def test_calls_of_a_few_tokens_on_pair_tiles_give_the_narrow_tiles_outputs(ggml:
                 y = tvm.runtime.tensor(np.full((n, 40), np.nan, np.float32))
                 run(tvm.runtime.tensor(x[:n]), *arrays, y)
                 outs[kind, n] = y.numpy()
-        for n in range(1, 8):
-            for kind in kinds:
-                np.testing.assert_array_equal(outs[kind, n].view(np.uint32), outs["narrow", n].view(np.uint32),
-                                              err_msg=f"{ggml} {xbits}-bit, {kind}: {n} tokens")
-            np.testing.assert_array_equal(outs["pairs", n], outs["pairs", 7][:n], err_msg=f"{ggml}: {n} tokens")
+        assert_tiles_agree(outs, list(kinds), range(1, 8), f"{ggml} {xbits}-bit")
 
 
 @pytest.mark.parametrize("ggml", list(LAYOUTS))
