@@ -148,15 +148,16 @@ def _intrin(name: str, dtype: str, *args: Any) -> Any:
 
 
 def _run(buf: Any, g: Any, b: Any, at: int, lanes: int, dtype: str, pair: bool = False) -> Any:
-    """Row group ``g``'s run of ``lanes`` elements at ``[b, at]`` (``pack_q8_0``'s per-group indexing, ``at`` a
-    multiple of ``lanes``) as a ``dtype`` vector, or with ``pair`` (``g`` even) group ``g``'s then group ``g + 1``'s,
-    which the interleaved layout stores side by side: one load of twice the lanes (a 512-bit vector of codes)."""
+    """Row group ``g``'s run of ``lanes`` elements at ``[b, at]`` (per-group indexing, ``at`` a multiple of
+    ``lanes``; ``pack_q8_0``'s and ``quant_formats``' layouts) as a ``dtype`` vector, or with ``pair`` (``g`` even)
+    group ``g``'s then group ``g + 1``'s, which the interleaved layout stores side by side: one load of twice the
+    lanes (a 512-bit vector)."""
     if pair:
         return buf.vload([g // 2, b, at * 2], f"{dtype}x{2 * lanes}")
     return buf.vload([g // 2, b, at * 2 + g % 2 * lanes], f"{dtype}x{lanes}")
 
 
-def _elem(buf: Any, g: Any, b: Any, at: Any, run: int) -> Any:
+def _elem(buf: Any, g: Any, b: Any, at: Any, run: int = ROWS) -> Any:
     """Row group ``g``'s element ``[b, at]`` (per-group indexing) of an array whose pairs of groups interleave runs
     of ``run`` elements (``pack_q8_0``)."""
     return buf[g // 2, b, at // run * 2 * run + g % 2 * run + at % run]

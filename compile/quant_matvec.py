@@ -83,8 +83,11 @@ from .packed_matvec import (
     ROWS,
     SPLIT_QMAX,
     _check,
+    _elem,
     _intrin,
+    _prefetch,
     _quantise,
+    _run,
     _store,
 )
 from .quant_formats import QBLOCK, QuantLayout
@@ -105,30 +108,6 @@ _MIN_KINDS = {"none": 0, "block": 1, "super": 2}
 _ARRAYS = ("codes", "high", "d", "sc", "m", "dmin", "mq", "lut")  # every layout's arrays in parameter order
 
 
-def _rows(buf: Any, g: Any, at: list[Any], dtype: str, lanes: int, pair: bool) -> Any:
-    """Group ``g``'s run of ``lanes`` at ``[outer, offset]`` (the module doc's per-group indexing, ``offset`` a
-    multiple of ``lanes``) as a ``dtype`` vector, or with ``pair`` (``g`` even) that of group ``g`` then group
-    ``g + 1``'s, which the interleaved layout stores side by side (``quant_formats.PAIRED``): one load of twice the
-    lanes (a 512-bit vector for two row groups)."""
-    outer, offset = at
-    if pair:
-        return buf.vload([g // 2, outer, offset * 2], f"{dtype}x{2 * lanes}")
-    return buf.vload([g // 2, outer, offset * 2 + g % 2 * lanes], f"{dtype}x{lanes}")
-
-
-def _elem(buf: Any, g: Any, outer: Any, at: Any, run: int = ROWS) -> Any:
-    """Group ``g``'s element ``[outer, at]`` (the module doc's per-group indexing) of an array whose pairs of
-    groups interleave runs of ``run`` elements (``quant_formats.run_length``)."""
-    return buf[g // 2, outer, at // run * 2 * run + g % 2 * run + at % run]
-
-
-def _prefetch(buf: Any, pair: Any, outer: Any, at: int) -> Any:
-    """Ask for the cache line holding ``buf[pair, outer, at]`` (stored indexing: ``quant_formats.PAIRED``;
-    ``llvm.prefetch``: a read, kept in every cache level)."""
-    return T.call_llvm_intrin("void", "llvm.prefetch.p0", T.address_of(buf[pair, outer, at]), T.int32(0), T.int32(3),
-                              T.int32(1))
-
-
 def _codes(raw: Any, high: Any, lut: Any, g: Any, b: Any, v: Any, half: int, planes: int, codebook: bool,
            pair: bool = False) -> Any:
     """uint8x32 codes of nibble plane ``p = 2 v + half``: the nibbles plus ``planes`` high bits (``quant_formats``'s
@@ -141,8 +120,8 @@ def _codes(raw: Any, high: Any, lut: Any, g: Any, b: Any, v: Any, half: int, pla
     else:  # the 256-bit tiles as before: LLVM's byte shift measured no slower there at one token
         out = _high_nibbles(raw, width) if pair else T.shift_right(raw, T.broadcast(T.uint8(4), width))
     if planes:  # in 16-bit lanes (x86 has no byte shifts): the mask keeps each byte's own bits
-        words = T.reinterpret(f"uint16x{width // 2}", _rows(
-            high, g, [b, QBLOCK * (v // 2 if planes == 2 else 0)], "uint8", 32, pair))
+        words = T.reinterpret(f"uint16x{width // 2}", _run(high, g, b, QBLOCK * (v // 2 if planes == 2 else 0), 32,
+                                                           "uint8", pair))
         at = 2 * (v % 2 * 2 + half) if planes == 2 else 2 * v + half  # the plane's lowest bit in its byte
         moved = T.shift_left(T.shift_right(words, T.broadcast(T.Cast("uint16", at), width // 2)),
                              T.broadcast(T.uint16(4), width // 2))
@@ -176,9 +155,9 @@ def _scale(dd: Any, sc: Any, g: Any, b: Any, h: int, superblock: bool, sc_type: 
     ``g + 1``)."""
     lanes = 2 * ROWS if pair else ROWS
     if not superblock:
-        return T.Cast(f"float32x{lanes}", _rows(dd, g, [b, 0], "float16", ROWS, pair))
-    return T.Cast(f"float32x{lanes}", _rows(dd, g, [b // 8, 0], "float16", ROWS, pair)) * T.Cast(
-        f"float32x{lanes}", _rows(sc, g, [b, h * ROWS], sc_type, ROWS, pair))
+        return T.Cast(f"float32x{lanes}", _run(dd, g, b, 0, ROWS, "float16", pair))
+    return T.Cast(f"float32x{lanes}", _run(dd, g, b // 8, 0, ROWS, "float16", pair)) * T.Cast(
+        f"float32x{lanes}", _run(sc, g, b, h * ROWS, ROWS, sc_type, pair))
 
 
 def _min(mm: Any, dmin: Any, mq: Any, g: Any, b: Any, kind: int, pair: bool = False) -> Any:
@@ -186,9 +165,9 @@ def _min(mm: Any, dmin: Any, mq: Any, g: Any, b: Any, kind: int, pair: bool = Fa
     float32x16, groups ``g`` and ``g + 1``)."""
     lanes = 2 * ROWS if pair else ROWS
     if kind == 1:
-        return T.Cast(f"float32x{lanes}", _rows(mm, g, [b, 0], "float16", ROWS, pair))
-    return T.Cast(f"float32x{lanes}", _rows(dmin, g, [b // 8, 0], "float16", ROWS, pair)) * T.Cast(
-        f"float32x{lanes}", _rows(mq, g, [b, 0], "uint8", ROWS, pair)) * T.broadcast(T.float32(-1), lanes)
+        return T.Cast(f"float32x{lanes}", _run(mm, g, b, 0, ROWS, "float16", pair))
+    return T.Cast(f"float32x{lanes}", _run(dmin, g, b // 8, 0, ROWS, "float16", pair)) * T.Cast(
+        f"float32x{lanes}", _run(mq, g, b, 0, ROWS, "uint8", pair)) * T.broadcast(T.float32(-1), lanes)
 
 
 def _sums(iacc: Any, s: Any, size: int, h: Any, planes: int) -> Any:
@@ -261,7 +240,7 @@ def _tile_block(xq4, xd, xs, xc, t0, size, g, b, codes, high, dd, sc, mm, dmin, 
     for a in T.unroll(planes * size * 2):
         iacc[T.ramp(a * ROWS, 1, ROWS)] = T.broadcast(T.int32(0), ROWS)
     for v in T.unroll(4):
-        raw: T.let = _rows(codes, g, [b, v * 32], "uint8", 32, False)
+        raw: T.let = _run(codes, g, b, v * 32, 32, "uint8", False)
         low: T.let = _codes(raw, high, lut, g, b, v, 0, hb, codebook)
         hig: T.let = _codes(raw, high, lut, g, b, v, 1, hb, codebook)
         for p in T.unroll(planes):
@@ -370,7 +349,7 @@ def _wide_tile(y, xq4, xd, xs, xc, t0, size, g, blocks, out_features, codes, hig
             iacc[T.ramp(((planes - 1) * size * halves + a) * ROWS, 1, ROWS)] = T.broadcast(
                 _offset_sum(xc, t0 + a // halves, b * halves + a % halves, off), ROWS)
         for v in T.unroll(4):
-            raw: T.let = _rows(codes, g, [b, v * 32], "uint8", 32, False)
+            raw: T.let = _run(codes, g, b, v * 32, 32, "uint8", False)
             low: T.let = _codes(raw, high, lut, g, b, v, 0, hb, codebook)
             hig: T.let = _codes(raw, high, lut, g, b, v, 1, hb, codebook)
             for p in T.unroll(planes):
@@ -395,7 +374,7 @@ def _pair_vector(xq4, xc, t0, size, g, b, v, codes, high, lut, iacc, planes, hb,
     plane and token the low and the high nibbles' products into the token's accumulator for the vector's
     sub-block (``halves`` accumulators a token), which the ``first`` vector of a sub-block starts from the low
     plane's ``-off x`` code sum of sub-block ``bh`` (0 for the high plane)."""
-    raw: T.let = _rows(codes, g, [b, v * 32], "uint8", 32, True)
+    raw: T.let = _run(codes, g, b, v * 32, 32, "uint8", True)
     low: T.let = _codes(raw, high, lut, g, b, v, 0, hb, codebook, True)
     hig: T.let = _codes(raw, high, lut, g, b, v, 1, hb, codebook, True)
     for p in T.unroll(planes):
@@ -424,10 +403,10 @@ def _serial_sub_block(xq4, xc, t0, size, g, b, h, codes, high, lut, iacc, planes
     once) into one accumulator a token: with two planes the high plane's products first, then the sum shifted by 8
     bits, the offset's ``-off x`` code sum added and the low plane's products on top: the same exact int32 sum as
     ``_wide_sum``'s joined planes, in half the registers."""
-    raw0: T.let = _rows(codes, g, [b, 2 * h * 32], "uint8", 32, True)
+    raw0: T.let = _run(codes, g, b, 2 * h * 32, 32, "uint8", True)
     low0: T.let = _codes(raw0, high, lut, g, b, 2 * h, 0, hb, codebook, True)
     hig0: T.let = _codes(raw0, high, lut, g, b, 2 * h, 1, hb, codebook, True)
-    raw1: T.let = _rows(codes, g, [b, (2 * h + 1) * 32], "uint8", 32, True)
+    raw1: T.let = _run(codes, g, b, (2 * h + 1) * 32, 32, "uint8", True)
     low1: T.let = _codes(raw1, high, lut, g, b, 2 * h + 1, 0, hb, codebook, True)
     hig1: T.let = _codes(raw1, high, lut, g, b, 2 * h + 1, 1, hb, codebook, True)
     if planes == 2:
@@ -446,16 +425,16 @@ def _one_acc_block(xq4, xc, t0, size, g, b, codes, high, lut, iacc, hb, off, cod
     """``_serial_sub_block`` for a whole block of one scale (16-bit codes): its 4 vectors' codes rebuilt once, the
     high plane's products of every token first, then each token's sum shifted by 8 bits, its offset added and the
     low plane's products on top: ``_wide_sum``'s joined int32 sums, in one accumulator a token."""
-    raw0: T.let = _rows(codes, g, [b, 0], "uint8", 32, True)
+    raw0: T.let = _run(codes, g, b, 0, 32, "uint8", True)
     low0: T.let = _codes(raw0, high, lut, g, b, 0, 0, hb, codebook, True)
     hig0: T.let = _codes(raw0, high, lut, g, b, 0, 1, hb, codebook, True)
-    raw1: T.let = _rows(codes, g, [b, 32], "uint8", 32, True)
+    raw1: T.let = _run(codes, g, b, 32, 32, "uint8", True)
     low1: T.let = _codes(raw1, high, lut, g, b, 1, 0, hb, codebook, True)
     hig1: T.let = _codes(raw1, high, lut, g, b, 1, 1, hb, codebook, True)
-    raw2: T.let = _rows(codes, g, [b, 64], "uint8", 32, True)
+    raw2: T.let = _run(codes, g, b, 64, 32, "uint8", True)
     low2: T.let = _codes(raw2, high, lut, g, b, 2, 0, hb, codebook, True)
     hig2: T.let = _codes(raw2, high, lut, g, b, 2, 1, hb, codebook, True)
-    raw3: T.let = _rows(codes, g, [b, 96], "uint8", 32, True)
+    raw3: T.let = _run(codes, g, b, 96, 32, "uint8", True)
     low3: T.let = _codes(raw3, high, lut, g, b, 3, 0, hb, codebook, True)
     hig3: T.let = _codes(raw3, high, lut, g, b, 3, 1, hb, codebook, True)
     for s in T.unroll(size):
